@@ -1,0 +1,3 @@
+from vllm_actors.cli import main
+
+raise SystemExit(main())

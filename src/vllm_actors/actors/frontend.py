@@ -1,0 +1,279 @@
+"""The frontend's state machine: prompts in, text out.
+
+It validates and tokenises requests (raising ``ValueError`` before anything is queued), fans a
+request with ``n > 1`` out into n engine requests, detokenises the scheduler's token updates
+incrementally, applies stop strings (ending the request at the scheduler with an abort of reason
+"stop") and assembles vLLM-shaped ``RequestOutput`` objects for the client. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_actors.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
+from vllm_actors.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_actors.detokenizer import IncrementalDetokenizer
+    from vllm_actors.tokenizer import Tokenizer
+
+SCHEDULER = "scheduler"
+CLIENT = "client"
+
+PromptInput = str | Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Child:
+    engine_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(child.finish_reason is not None for child in self.children)
+
+
+class Frontend:
+    name = "frontend"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._requests: dict[str, _Request] = {}
+        self._child_owner: dict[str, tuple[_Request, _Child]] = {}
+
+    # ------------------------------------------------------------------ requests in
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        raise ValueError(
+            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+        """Tokenise and validate; raises ValueError naming the field. Queues nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self._validate(prompt_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(self.max_model_len - len(prompt_ids), 1))
+        return PreparedRequest(request_id, text, prompt_ids, params)
+
+    def submit(self, prepared: PreparedRequest, arrival_time: float = 0.0) -> list[tuple[str, Message]]:
+        params = prepared.params
+        if prepared.request_id in self._requests:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        request = _Request(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, children=[])
+        messages: list[tuple[str, Message]] = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + index)
+            engine_id = request.request_id if params.n == 1 else f"{request.request_id}#{index}"
+            child = _Child(engine_id, index, child_params, self._detokenizer(request.prompt_token_ids, child_params))
+            if params.logprobs is not None:
+                child.logprobs, child.cumulative_logprob = [], 0.0
+            request.children.append(child)
+            self._child_owner[engine_id] = (request, child)
+            add = AddRequest(
+                request_id=engine_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival_time,
+            )
+            messages.append((SCHEDULER, add))
+        self._requests[request.request_id] = request
+        return messages
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float = 0.0
+    ) -> list[tuple[str, Message]]:
+        return self.submit(self.prepare(request_id, prompt, params), arrival_time)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: the prompt is empty")
+        bad = [i for i in prompt_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens is longer than max_model_len ({self.max_model_len})"
+            )
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        from vllm_actors.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+
+    def abort(self, request_id: str) -> list[tuple[str, Message]]:
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        ids = [child.engine_id for child in request.children if child.finish_reason is None]
+        for child in request.children:
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        self._forget(request)
+        return [(SCHEDULER, AbortRequests(request_ids=ids, reason="abort"))] if ids else []
+
+    # ------------------------------------------------------------------ updates in
+    def handle(self, message: Message) -> list[tuple[str, Any]]:
+        if not isinstance(message, RequestUpdates):
+            raise TypeError(f"the frontend does not take {type(message).__name__}")
+        out: list[tuple[str, Any]] = []
+        touched: dict[str, _Request] = {}
+        for update in message.updates:
+            owner = self._child_owner.get(update.request_id)
+            if owner is None:
+                continue  # finished or aborted here already
+            request, child = owner
+            touched[request.request_id] = request
+            if update.error is not None:
+                request.error = update.error
+                child.finish_reason = "error"
+                continue
+            if update.prompt_logprobs is not None and child.index == 0:
+                self._add_prompt_logprobs(request, update.prompt_logprobs_start, update.prompt_logprobs)
+            if update.new_token_ids:
+                child.token_ids.extend(update.new_token_ids)
+                if update.logprobs is not None and child.logprobs is not None:
+                    for entry in update.logprobs:
+                        child.logprobs.append(self._position_logprobs(entry))
+                        child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry.logprobs[0]
+                if child.detokenizer is not None:
+                    step = child.detokenizer.add_tokens(update.new_token_ids)
+                    child.text += step.text
+                    if step.stopped and update.finish_reason is None:
+                        child.finish_reason, child.stop_reason = "stop", step.stop_reason
+                        out.append((SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop")))
+                        continue
+            if update.finish_reason is not None:
+                if child.detokenizer is not None:
+                    child.text += child.detokenizer.finish()
+                child.finish_reason, child.stop_reason = update.finish_reason, update.stop_reason
+        for request in touched.values():
+            out.append((CLIENT, self._output(request)))
+            if request.finished:
+                self._forget(request)
+        return out
+
+    def _forget(self, request: _Request) -> None:
+        self._requests.pop(request.request_id, None)
+        for child in request.children:
+            self._child_owner.pop(child.engine_id, None)
+
+    def _add_prompt_logprobs(self, request: _Request, start: int, entries: list[Logprobs]) -> None:
+        # entries[i] belongs to prompt position start + i; after a preemption during prefill the
+        # same positions may come again, so they are placed by position, not appended.
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        for offset, entry in enumerate(entries):
+            position = start + offset
+            if 0 < position < len(request.prompt_logprobs):
+                request.prompt_logprobs[position] = self._position_logprobs(entry)
+
+    def _position_logprobs(self, entry: Logprobs) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True):
+            if token_id in result:
+                continue
+            decoded = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+            result[token_id] = Logprob(logprob=logprob if math.isfinite(logprob) else -math.inf, rank=rank,
+                                       decoded_token=decoded)
+        return result
+
+    def _output(self, request: _Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=[
+                CompletionOutput(
+                    index=child.index,
+                    text=child.text,
+                    token_ids=list(child.token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+                for child in request.children
+            ],
+            finished=request.finished,
+            error=request.error,
+        )
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)

@@ -1,0 +1,311 @@
+"""The scheduler: waiting and running queues, token budget, chunked prefill, preemption, stops.
+
+A pure state machine. ``handle`` takes a message (a new request, an abort, a worker's step result)
+and returns the messages to send: at most one ``StepPlan`` per step to the KV-cache manager and one
+``RequestUpdates`` per step to the frontend. One step is in flight at a time.
+
+Policy (FCFS, like vLLM V1): running requests first, in arrival order, each taking what it still
+needs (one token when decoding, the rest of the prompt - or a chunk of it - when prefilling); then
+waiting requests while the token budget, ``max_num_seqs`` and free KV blocks allow. When a running
+request needs a block and none is free, the most recently arrived running request is preempted
+(its blocks freed; it is recomputed from its prompt and outputs when it comes back).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_actors.config import SchedulerConfig
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    Message,
+    NewRequest,
+    RequestUpdate,
+    RequestUpdates,
+    StepPlan,
+    StepResult,
+)
+from vllm_actors.protocol.sampling import SamplingParams
+
+KV_CACHE_MANAGER = "kv_cache_manager"
+FRONTEND = "frontend"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_blocks: int = 0
+    status: Status = Status.WAITING
+    in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # prefill work split over several steps
+
+
+class Scheduler:
+    name = "scheduler"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[ScheduledRequest] = deque()
+        self.running: list[ScheduledRequest] = []
+        self.requests: dict[str, ScheduledRequest] = {}
+        self.num_free_blocks = config.num_blocks
+        self._departed: list[str] = []  # left the worker since the last plan
+        self._step_in_flight: StepPlan | None = None
+        self._next_step_id = 0
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, message: Message) -> list[tuple[str, Message]]:
+        out: list[tuple[str, Message]] = []
+        if isinstance(message, AddRequest):
+            out.extend(self._add(message))
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self._finish(request_id)
+        elif isinstance(message, StepResult):
+            out.extend(self._on_step_result(message))
+        else:
+            raise TypeError(f"the scheduler does not take {type(message).__name__}")
+        plan = self._maybe_schedule()
+        if plan is not None:
+            out.append((KV_CACHE_MANAGER, plan))
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._departed or self._step_in_flight)
+
+    # ------------------------------------------------------------------ requests
+    def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
+        error = self._admission_error(message)
+        if error is not None:
+            update = RequestUpdate(request_id=message.request_id, finish_reason="error", error=error)
+            return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
+        request = ScheduledRequest(
+            request_id=message.request_id,
+            prompt_token_ids=list(message.prompt_token_ids),
+            params=message.params,
+            eos_token_ids=list(message.eos_token_ids),
+            arrival_time=message.arrival_time,
+        )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return []
+
+    def _admission_error(self, message: AddRequest) -> str | None:
+        if message.request_id in self.requests:
+            return f"request id {message.request_id!r} is already in use"
+        num_prompt = len(message.prompt_token_ids)
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt > self.config.max_model_len:
+            return (
+                f"the prompt has {num_prompt} tokens, more than max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        return None
+
+    def _finish(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        elif request.status is Status.RUNNING:
+            self.running.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+
+    def _release(self, request: ScheduledRequest) -> None:
+        self.num_free_blocks += request.num_blocks
+        request.num_blocks = 0
+        if request.in_worker:
+            self._departed.append(request.request_id)
+            request.in_worker = False
+
+    # ------------------------------------------------------------------ results
+    def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
+        if self._step_in_flight is None or result.step_id != self._step_in_flight.step_id:
+            raise ValueError(f"unexpected step result {result.step_id}")
+        self._step_in_flight = None
+        updates: list[RequestUpdate] = []
+        prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
+        for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.output_token_ids.append(token_id)
+            finish_reason, stop_reason = self._check_stop(request, token_id)
+            chunk = prompt_logprobs.pop(request_id, None)
+            update = RequestUpdate(
+                request_id=request_id,
+                new_token_ids=[token_id],
+                logprobs=[result.logprobs[index]] if result.logprobs and result.logprobs[index] else None,
+                prompt_logprobs=chunk.entries if chunk else None,
+                prompt_logprobs_start=chunk.start if chunk else 0,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                num_prompt_tokens=len(request.prompt_token_ids),
+            )
+            updates.append(update)
+            if finish_reason is not None:
+                self._finish(request_id)
+        for request_id, chunk in prompt_logprobs.items():  # prompt chunks that sampled nothing yet
+            if request_id in self.requests:
+                updates.append(
+                    RequestUpdate(
+                        request_id=request_id,
+                        prompt_logprobs=chunk.entries,
+                        prompt_logprobs_start=chunk.start,
+                    )
+                )
+        if not updates:
+            return []
+        return [(FRONTEND, RequestUpdates(step_id=result.step_id, updates=updates))]
+
+    def _check_stop(self, request: ScheduledRequest, token_id: int) -> tuple[str | None, int | None]:
+        params = request.params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return "length", None
+        if request.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None
+
+    # ------------------------------------------------------------------ scheduling
+    def _maybe_schedule(self) -> StepPlan | None:
+        if self._step_in_flight is not None:
+            return None
+        if not (self.waiting or self.running or self._departed):
+            return None
+        plan = self._schedule()
+        self._step_in_flight = plan
+        return plan
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.config.block_size)
+
+    def _schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[ScheduledRequest, int]] = []
+        new_requests: list[NewRequest] = []
+        preempted_now = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # waits for the token its last step sampled (not with one step in flight)
+                index += 1
+                continue
+            needed = self._blocks_for(request.num_computed_tokens + num_new) - request.num_blocks
+            while needed > self.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            self._take_blocks(request, needed)
+            scheduled.append((request, num_new))
+            budget -= num_new
+            index += 1
+
+        while self.waiting and budget > 0 and not preempted_now:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            needed = self._blocks_for(request.num_computed_tokens + num_new) - request.num_blocks
+            if needed > self.num_free_blocks:
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            self._take_blocks(request, needed)
+            new_requests.append(self._new_request(request))
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        for request, num_new in scheduled:
+            if request.num_computed_tokens + num_new < request.num_tokens:
+                self.stats.num_prefill_chunks += 1
+            request.num_computed_tokens += num_new
+
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            new_requests=new_requests,
+            finished_ids=self._departed,
+            req_ids=[request.request_id for request, _ in scheduled],
+            num_tokens=[num_new for _, num_new in scheduled],
+            num_blocks=[request.num_blocks for request, _ in scheduled],
+        )
+        self._departed = []
+        self._next_step_id += 1
+        self.stats.num_steps += 1
+        return plan
+
+    def _take_blocks(self, request: ScheduledRequest, count: int) -> None:
+        if count > 0:
+            self.num_free_blocks -= count
+            request.num_blocks += count
+
+    def _new_request(self, request: ScheduledRequest) -> NewRequest:
+        request.in_worker = True
+        return NewRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=len(request.output_token_ids),
+            params=request.params,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _preempt(self, request: ScheduledRequest) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,156 @@
+"""The worker: keeps each running request's tokens and block table, runs the step, samples.
+
+Pure state machine around a model runner: ``handle(StepPlan)`` returns one ``StepResult`` for the
+scheduler. Because the worker appends every token it samples to the request's own token list, a
+decode step needs nothing from the plan but the request id - the next step's input is already here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from vllm_actors.model_runner import BatchInput
+from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
+from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.sampler import Sampler, SamplingRow, top_logprobs
+
+SCHEDULER = "scheduler"
+
+
+class Runner(Protocol):
+    def execute(self, batch: BatchInput) -> torch.Tensor: ...
+
+
+@dataclass
+class WorkerRequest:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    params: SamplingParams
+    eos_token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # Not after a preemption: the prompt's logprobs were delivered on the first pass.
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def min_tokens_stop_ids(self) -> list[int]:
+        if self.params.min_tokens == 0:
+            return []
+        eos = [] if self.params.ignore_eos else self.eos_token_ids
+        return [*eos, *self.params.stop_token_ids]
+
+
+@dataclass
+class _PromptSpan:
+    request: WorkerRequest
+    first_row: int  # first row of this span in the logits
+    first_target: int  # prompt position whose logprob the first row gives
+    count: int
+
+
+class Worker:
+    name = "worker"
+
+    def __init__(self, runner: Runner, sampler: Sampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def handle(self, message: Message) -> list[tuple[str, Message]]:
+        if not isinstance(message, StepPlan):
+            raise TypeError(f"the worker does not take {type(message).__name__}")
+        return [(SCHEDULER, self.execute(message))]
+
+    def _admit(self, new: NewRequest) -> None:
+        self.requests[new.request_id] = WorkerRequest(
+            request_id=new.request_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_output_tokens=new.num_output_tokens,
+            params=new.params,
+            eos_token_ids=list(new.eos_token_ids),
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._admit(new)
+
+        batch = BatchInput([], [], [], [], [], [])
+        samplers: list[WorkerRequest] = []
+        sample_rows: list[int] = []  # rows of the logits that are sampled
+        spans: list[_PromptSpan] = []
+        for request_id, num_new, new_blocks in zip(
+            plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True
+        ):
+            request = self.requests[request_id]
+            request.block_table.extend(new_blocks)
+            start = request.num_computed_tokens
+            end = start + num_new
+            if end > len(request.token_ids):
+                raise ValueError(f"{request_id}: asked to compute {end} tokens, {len(request.token_ids)} known")
+            flat_start = len(batch.token_ids)
+            batch.token_ids.extend(request.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.query_lens.append(num_new)
+            batch.seq_lens.append(end)
+            batch.block_tables.append(request.block_table)
+            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
+                last = min(end, request.num_prompt_tokens - 1)
+                spans.append(_PromptSpan(request, len(batch.logits_indices), start + 1, last - start))
+                batch.logits_indices.extend(range(flat_start, flat_start + last - start))
+            request.num_computed_tokens = end
+            if end == len(request.token_ids):
+                samplers.append(request)
+                sample_rows.append(len(batch.logits_indices))
+                batch.logits_indices.append(flat_start + num_new - 1)
+
+        if not batch.token_ids:
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+        logits = self.runner.execute(batch)
+
+        prompt_logprobs = [self._prompt_logprobs(span, logits) for span in spans]
+        rows = [
+            SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids)
+            for request in samplers
+        ]
+        sampled = self.sampler(logits[sample_rows], rows) if samplers else None
+        token_ids = sampled.token_ids if sampled else []
+        for request, token_id in zip(samplers, token_ids, strict=True):
+            request.token_ids.append(token_id)
+            request.num_output_tokens += 1
+        logprobs: list[Logprobs | None] = []
+        if sampled and any(entry is not None for entry in sampled.logprobs):
+            logprobs = sampled.logprobs
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=[request.request_id for request in samplers],
+            token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_batched_tokens=len(batch.token_ids),
+            execute_seconds=time.perf_counter() - started,
+        )
+
+    @staticmethod
+    def _prompt_logprobs(span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobs:
+        request = span.request
+        rows = logits[span.first_row : span.first_row + span.count]
+        targets = torch.tensor(
+            request.token_ids[span.first_target : span.first_target + span.count],
+            dtype=torch.long,
+            device=rows.device,
+        )
+        entries = top_logprobs(torch.log_softmax(rows.float(), dim=-1), targets, request.params.prompt_logprobs or 0)
+        return PromptLogprobs(request_id=request.request_id, start=span.first_target, entries=entries)

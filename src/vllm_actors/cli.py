@@ -1,0 +1,130 @@
+"""Command line: ``vllm-actors generate``, ``vllm-actors chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_actors.protocol.sampling import SamplingParams
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags in vLLM's spelling."""
+    parser.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--device", default="auto")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = (
+        "tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
+        "seed", "enforce_eager", "tensor_parallel_size", "device",
+    )
+    return {name: getattr(args, name) for name in names}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--stop", action="append", default=[])
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=list(args.stop),
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from vllm_actors.llm import LLM
+
+    params = sampling_params(args)
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        if args.raw:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        else:
+            conversations = [[{"role": "user", "content": prompt}] for prompt in args.prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        sys.stdout.write(f"Prompt: {prompt!r}\n{completion.text}\n[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]\n\n")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from vllm_actors.llm import LLM
+
+    params = sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        sys.stdout.write("Chat with the model; an empty line or Ctrl-D ends.\n")
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+            history.append({"role": "assistant", "content": reply})
+            sys.stdout.write(reply + "\n")
+            sys.stdout.flush()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-actors", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for one or more prompts")
+    generate.add_argument("prompts", nargs="+")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_arguments(generate)
+    add_sampling_arguments(generate, max_tokens=128)
+    generate.set_defaults(func=_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat through the model's chat template")
+    chat.add_argument("--system", default=None)
+    add_engine_arguments(chat)
+    add_sampling_arguments(chat, max_tokens=256)
+    chat.set_defaults(func=_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from vllm_actors.log_setup import configure_logging
+
+    configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2

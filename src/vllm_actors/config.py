@@ -1,0 +1,109 @@
+"""Engine configuration with vLLM's argument names. No torch here: every actor imports it."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import msgspec
+
+# On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
+# default 4). Ours defaults to 1 GiB, overridable through VLLM_ACTORS_CPU_KVCACHE_SPACE or the
+# cpu_kv_cache_gib argument.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str  # a Hugging Face directory or a .gguf file
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to a Hugging Face directory or a .gguf file")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported yet: vllm_actors runs one worker per replica "
+                "until tensor parallelism lands"
+            )
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    def resolved_cpu_kv_cache_bytes(self) -> int:
+        gib = self.cpu_kv_cache_gib
+        if gib is None:
+            gib = float(os.environ.get("VLLM_ACTORS_CPU_KVCACHE_SPACE", DEFAULT_CPU_KV_CACHE_GIB))
+        return int(gib * (1 << 30))
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """What the scheduler needs, once the model and the KV pool are known."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    block_size: int
+    num_blocks: int
+
+
+def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_blocks: int) -> SchedulerConfig:
+    """Fill in the defaults that depend on the model and on the KV pool the worker made."""
+    max_model_len = config.max_model_len or model_max_len
+    if max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's maximum context length {model_max_len}"
+        )
+    if config.max_num_batched_tokens is not None:
+        budget = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        budget = 8192  # vLLM's default for offline use
+    else:
+        budget = max(max_model_len, 8192)
+    if not config.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}) "
+            "while chunked prefill is disabled: long prompts could never be scheduled"
+        )
+    blocks_per_seq = math.ceil(max_model_len / config.block_size)
+    if num_blocks < 1:
+        raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); give it more memory")
+    if num_blocks < blocks_per_seq:
+        # Still usable, but a single request can never reach max_model_len: cap it.
+        max_model_len = num_blocks * config.block_size
+    return SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+    )

@@ -1,0 +1,140 @@
+"""The engine in one process: the four actors wired through the in-memory transport.
+
+The same state machines run as separate processes over ZMQ; here a round-robin loop delivers
+their messages. Used by tests and as the offline engine's in-process mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from vllm_actors.actors.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.kv_cache_manager import KVCacheManager
+from vllm_actors.actors.scheduler import Scheduler
+from vllm_actors.actors.worker import Worker
+from vllm_actors.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.model_config import ModelConfig
+from vllm_actors.outputs import RequestOutput
+from vllm_actors.protocol.messages import StepResult
+from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.transport import InMemoryNetwork, deliver_one
+
+if TYPE_CHECKING:
+    from vllm_actors.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class InProcessEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        serialize: bool = False,
+        runner: Any = None,
+        tokenizer: Tokenizer | None | str = "load",
+    ) -> None:
+        """``runner`` and ``tokenizer`` may be injected (tests); by default the model runner
+        loads ``config.model`` and the tokenizer comes from the same path."""
+        from vllm_actors.sampler import Sampler  # torch lives behind these imports
+
+        self.config = config
+        if runner is None:
+            from vllm_actors.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.model_config: ModelConfig = runner.model_config
+        if tokenizer == "load":
+            from vllm_actors.tokenizer import load_tokenizer
+
+            tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer: Tokenizer | None = tokenizer  # type: ignore[assignment]
+        self.scheduler_config: SchedulerConfig = resolve_scheduler_config(
+            config, self.model_config.max_position_embeddings, runner.num_blocks
+        )
+        self.frontend = Frontend(
+            self.tokenizer,
+            self.model_config.eos_token_ids,
+            self.scheduler_config.max_model_len,
+            self.model_config.vocab_size,
+        )
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
+        self.worker = Worker(runner, Sampler(runner.device, config.seed))
+        self._network = InMemoryNetwork(serialize=serialize)
+        self._actors = [
+            (self._network.endpoint(actor.name), actor)
+            for actor in (self.frontend, self.scheduler, self.kv_cache_manager, self.worker)
+        ]
+        self._client = self._network.endpoint(CLIENT)
+        self._frontend_endpoint = self._actors[0][0]
+        self.step_hooks: list[Callable[[InProcessEngine], None]] = []
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+        return self.frontend.prepare(request_id, prompt, params)
+
+    def submit(self, prepared: PreparedRequest) -> None:
+        for destination, message in self.frontend.submit(prepared, arrival_time=time.monotonic()):
+            self._frontend_endpoint.send(destination, message)
+
+    def abort(self, request_id: str) -> None:
+        for destination, message in self.frontend.abort(request_id):
+            self._frontend_endpoint.send(destination, message)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.frontend.num_unfinished > 0
+
+    # ------------------------------------------------------------------ running
+    def step(self) -> list[RequestOutput]:
+        """Deliver messages until one worker step has completed (or nothing is left to do);
+        return the client outputs that came out of it."""
+        outputs: list[RequestOutput] = []
+        while True:
+            progressed = False
+            stepped = False
+            for endpoint, actor in self._actors:
+                message = endpoint.recv()
+                if message is None:
+                    continue
+                progressed = True
+                for destination, outgoing in actor.handle(message):
+                    endpoint.send(destination, outgoing)
+                    if isinstance(outgoing, StepResult):
+                        stepped = True
+            outputs.extend(self._drain_client())
+            if stepped:
+                for hook in self.step_hooks:
+                    hook(self)
+            if stepped or not progressed:
+                return outputs
+
+    def run_until_idle(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while any(deliver_one(endpoint, actor) for endpoint, actor in self._actors):
+            outputs.extend(self._drain_client())
+        return outputs + self._drain_client()
+
+    def _drain_client(self) -> list[RequestOutput]:
+        outputs = []
+        while (output := self._client.recv()) is not None:
+            outputs.append(output)
+        return outputs
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """No block held for a request the scheduler no longer runs (beyond the ones it will free
+        in its next plan); the pool's counts add up; scheduler and KV manager agree on the free count."""
+        live = {request.request_id for request in self.scheduler.running}
+        pending = set(self.scheduler._departed)
+        self.kv_cache_manager.check_invariants(live | pending)
+        if not pending and self.scheduler._step_in_flight is None:
+            if self.kv_cache_manager.num_free_blocks != self.scheduler.num_free_blocks:
+                raise AssertionError(
+                    f"KV manager has {self.kv_cache_manager.num_free_blocks} free blocks, "
+                    f"the scheduler counts {self.scheduler.num_free_blocks}"
+                )

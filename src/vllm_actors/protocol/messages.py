@@ -1,0 +1,114 @@
+"""Messages between the actors: the wire contract (imports nothing of the project but sampling).
+
+The flow of one engine step (one message per hop):
+
+    frontend --AddRequest/AbortRequests--> scheduler
+    scheduler --StepPlan--> KV-cache manager        (plan without block ids: counts only)
+    KV-cache manager --StepPlan--> worker(s)        (same plan, new block ids filled in)
+    worker --StepResult--> scheduler                (sampled token ids, logprobs)
+    scheduler --RequestUpdates--> frontend          (new tokens, finish reasons)
+
+The plan carries deltas only: requests entering the worker, requests leaving it, and the blocks
+appended to each scheduled request's table. The worker keeps every running request's tokens,
+block table and last sampled token, so a decode step needs nothing but the request id.
+
+Every message is a tagged msgspec Struct; ``Message`` is their union, decoded strictly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_actors.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one position: index 0 is the chosen (or actual) token, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank of each token in the distribution
+
+
+class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
+    request_ids: list[str]
+    # "abort" (client asked), "stop" (the detokenizer met a stop string), "disconnect", ...
+    reason: str = "abort"
+
+
+class NewRequest(msgspec.Struct, kw_only=True):
+    """A request entering the worker, fresh or resumed after a preemption (recompute)."""
+
+    request_id: str
+    token_ids: list[int]  # every known token: the prompt, plus the outputs when resuming
+    num_prompt_tokens: int
+    num_output_tokens: int  # outputs produced before a preemption (for min_tokens and seeds)
+    params: SamplingParams
+    eos_token_ids: list[int]
+
+
+class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
+    step_id: int
+    new_requests: list[NewRequest] = []
+    # Requests that left the batch since the last plan (finished, aborted or preempted):
+    # the KV-cache manager frees their blocks, the worker drops their state.
+    finished_ids: list[str] = []
+    req_ids: list[str] = []  # scheduled this step, in batch order
+    num_tokens: list[int] = []  # tokens computed this step, per scheduled request
+    num_blocks: list[int] = []  # KV blocks each scheduled request holds after this step
+    # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
+    new_block_ids: list[list[int]] = []
+
+
+class PromptLogprobs(msgspec.Struct, kw_only=True):
+    request_id: str
+    start: int  # prompt position of the first entry (position 0 never has one)
+    entries: list[Logprobs]
+
+
+class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
+    step_id: int
+    req_ids: list[str]  # requests that sampled a token this step
+    token_ids: list[int]
+    logprobs: list[Logprobs | None] = []  # aligned with req_ids when any request asked for them
+    prompt_logprobs: list[PromptLogprobs] = []
+    num_batched_tokens: int = 0
+    execute_seconds: float = 0.0
+
+
+class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
+    prompt_logprobs_start: int = 0  # prompt position of prompt_logprobs[0]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop token id (or string) that ended the request
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+class RequestUpdates(msgspec.Struct, tag="request_updates", kw_only=True):
+    step_id: int
+    updates: list[RequestUpdate]
+
+
+Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates
+
+ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
+    AddRequest,
+    AbortRequests,
+    StepPlan,
+    StepResult,
+    RequestUpdates,
+)

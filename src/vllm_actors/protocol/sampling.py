@@ -1,0 +1,100 @@
+"""Sampling parameters: part of the wire contract (imports nothing of the project).
+
+Names and defaults follow vLLM's ``SamplingParams`` so code written for vLLM works unchanged.
+Every invalid value raises a ``ValueError`` naming the field, at construction time, before any
+request is queued.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+# Temperatures below this are treated as greedy, like vLLM does, to avoid dividing by ~0.
+_GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # vLLM accepts a single string
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0.0")
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
+                f"max_tokens={self.max_tokens}"
+            )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0, maximum=MAX_LOGPROBS)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+
+
+def _check_number(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")

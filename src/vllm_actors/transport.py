@@ -1,0 +1,80 @@
+"""Transport between actors. Each actor owns an ``Endpoint``: ``send(destination, message)`` and
+``recv()``. The in-memory network here drives the actors inside one process (tests, the offline
+engine); the ZMQ transport offers the same two calls across processes.
+
+An actor is anything with a ``name`` and ``handle(message) -> [(destination, message), ...]``:
+a pure state machine. ``deliver_one`` is the whole actor loop: receive, handle, send.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from vllm_actors.protocol.codec import MessageCodec
+
+
+class Actor(Protocol):
+    name: str
+
+    def handle(self, message: Any) -> list[tuple[str, Any]]: ...
+
+
+class Endpoint(Protocol):
+    name: str
+
+    def send(self, destination: str, message: Any) -> None: ...
+
+    def recv(self) -> Any | None: ...
+
+
+class InMemoryNetwork:
+    """Queues between named endpoints in one process. With ``serialize=True`` every wire message
+    makes a msgpack round trip, as it would between processes (client-bound outputs excepted)."""
+
+    def __init__(self, serialize: bool = False) -> None:
+        self._inboxes: dict[str, deque[Any]] = {}
+        self._codec = MessageCodec() if serialize else None
+
+    def endpoint(self, name: str) -> InMemoryEndpoint:
+        if name in self._inboxes:
+            raise ValueError(f"endpoint {name!r} exists already")
+        self._inboxes[name] = deque()
+        return InMemoryEndpoint(name, self)
+
+    def _post(self, destination: str, message: Any) -> None:
+        inbox = self._inboxes.get(destination)
+        if inbox is None:
+            raise KeyError(f"no endpoint named {destination!r}")
+        if self._codec is not None and destination != "client":
+            message = self._codec.decode(self._codec.encode(message))
+        inbox.append(message)
+
+    def _take(self, name: str) -> Any | None:
+        inbox = self._inboxes[name]
+        return inbox.popleft() if inbox else None
+
+    def pending(self) -> int:
+        return sum(len(inbox) for inbox in self._inboxes.values())
+
+
+class InMemoryEndpoint:
+    def __init__(self, name: str, network: InMemoryNetwork) -> None:
+        self.name = name
+        self._network = network
+
+    def send(self, destination: str, message: Any) -> None:
+        self._network._post(destination, message)
+
+    def recv(self) -> Any | None:
+        return self._network._take(self.name)
+
+
+def deliver_one(endpoint: Endpoint, actor: Actor) -> bool:
+    """Receive one message for ``actor``, handle it, send what it returns. False when idle."""
+    message = endpoint.recv()
+    if message is None:
+        return False
+    for destination, outgoing in actor.handle(message):
+        endpoint.send(destination, outgoing)
+    return True

@@ -1,0 +1,68 @@
+"""A deterministic stand-in for the model runner, for scheduling tests without a model.
+
+It keeps a "KV cache" of token ids: each new token is written to the slot its block table gives,
+and the next token is a hash of the whole context read back through the block table. So any
+scheduling or block-table mistake (a wrong slot, a block shared by two requests, a chunk computed
+twice or skipped) changes the generated tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from vllm_actors.model_runner import BatchInput
+
+
+@dataclass
+class FakeRunner:
+    num_blocks: int
+    block_size: int
+    vocab_size: int = 97
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=lambda: [0])
+    device: torch.device = torch.device("cpu")
+    batches: list[BatchInput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.slots = [-1] * (self.num_blocks * self.block_size)
+        self.model_config = SimpleNamespace(
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def next_token(self, context: list[int]) -> int:
+        return zlib.crc32(bytes(str(context), "ascii")) % self.vocab_size
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        self.batches.append(batch)
+        owner: list[tuple[int, int]] = []  # flat index -> (sequence, position)
+        flat = 0
+        for sequence, query_len in enumerate(batch.query_lens):
+            table = batch.block_tables[sequence]
+            for offset in range(query_len):
+                position = batch.positions[flat]
+                self.slots[self._slot(table, position)] = batch.token_ids[flat]
+                owner.append((sequence, position))
+                flat += 1
+        logits = torch.zeros((len(batch.logits_indices), self.vocab_size))
+        for row, index in enumerate(batch.logits_indices):
+            sequence, position = owner[index]
+            table = batch.block_tables[sequence]
+            context = [self.slots[self._slot(table, p)] for p in range(position + 1)]
+            logits[row, self.next_token(context)] = 10.0
+        return logits
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """What greedy decoding of ``prompt`` alone must produce."""
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            tokens.append(self.next_token(tokens))
+        return tokens[len(prompt):]
