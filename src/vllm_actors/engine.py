@@ -7,6 +7,7 @@ their messages. Used by tests and as the offline engine's in-process mode.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ log = structlog.get_logger(__name__)
 
 
 class InProcessEngine:
+    # Every live engine, so that tests can check the KV invariants of all of them after each test.
+    live: weakref.WeakSet[InProcessEngine] = weakref.WeakSet()
+
     def __init__(
         self,
         config: EngineConfig,
@@ -72,6 +76,7 @@ class InProcessEngine:
         self._client = self._network.endpoint(CLIENT)
         self._frontend_endpoint = self._actors[0][0]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
+        InProcessEngine.live.add(self)
 
     # ------------------------------------------------------------------ requests
     def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
@@ -126,6 +131,17 @@ class InProcessEngine:
         return outputs
 
     # ------------------------------------------------------------------ checks
+    def check_idle_invariants(self) -> None:
+        """Once nothing is unfinished: every block is free and no table is left."""
+        self.run_until_idle()
+        self.check_invariants()
+        manager = self.kv_cache_manager
+        if manager.block_tables or manager.num_free_blocks != manager.pool.num_blocks:
+            raise AssertionError(
+                f"idle engine holds blocks: tables of {sorted(manager.block_tables)}, "
+                f"{manager.num_free_blocks}/{manager.pool.num_blocks} free"
+            )
+
     def check_invariants(self) -> None:
         """No block held for a request the scheduler no longer runs (beyond the ones it will free
         in its next plan); the pool's counts add up; scheduler and KV manager agree on the free count."""

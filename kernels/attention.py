@@ -1,0 +1,154 @@
+"""Paged attention interface and its torch reference implementation.
+
+Layout: per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`.
+A batch step carries the new tokens of B sequences flattened to T tokens (no padding). Each
+sequence's new queries are the last `query_len` positions of its `seq_len` context and attend
+causally to its whole context, read through its block table. Kernels know nothing of actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32: cumulative query lengths (tokens this step per sequence)
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]  # host copies, used by the torch reference
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for a batch whose sequence i adds query_lens[i] tokens, reaching seq_lens[i] in all.
+
+    block_tables[i] lists the cache blocks of sequence i in order (at least ceil(seq_lens[i] / block_size)).
+    """
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    slots: list[int] = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        if not 0 <= q_len <= s_len:
+            raise ValueError(f"query_len {q_len} must be within [0, seq_len {s_len}]")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {s_len} tokens")
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len))
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), max_blocks),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v at meta.slot_mapping, then return attention output [T, num_heads, head_dim]."""
+        ...
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v ([T, num_kv_heads, head_dim]) into the paged caches at the flat slots of slot_mapping."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Contiguous [seq_len, num_kv_heads, head_dim] context of one sequence read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+class TorchPagedAttention:
+    """Reference backend: a Python loop over sequences with an explicit causal-with-offset mask."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_heads = q.shape[1]
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len == 0:
+                continue
+            qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+            ki = gather_kv(k_cache, meta.block_tables[i], seq_len).to(q.dtype)
+            vi = gather_kv(v_cache, meta.block_tables[i], seq_len).to(q.dtype)
+            ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
+            vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
+            # query j sits at absolute position seq_len - q_len + j and sees keys 0..that position
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos  # [q_len, seq_len], True = attend
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            out[start : start + q_len] = oi.transpose(0, 1)
+            start += q_len
+        return out
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Attention backend for device; the torch reference everywhere until Triton kernels land."""
+    return TorchPagedAttention()

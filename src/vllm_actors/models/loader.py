@@ -1,0 +1,49 @@
+"""Build a CausalLM from a Hugging Face directory or a GGUF file."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from vllm_actors.kernels.attention import get_attention_backend
+from vllm_actors.model_config import ModelConfig
+from vllm_actors.models.llama import CausalLM
+
+log = structlog.get_logger(__name__)
+
+
+def load_state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors of the checkpoint described by config (float32 for GGUF)."""
+    if config.source == "gguf":
+        from vllm_actors.models.gguf_loader import load_gguf_state_dict
+
+        return load_gguf_state_dict(config.path, config)
+    from vllm_actors.models.hf_loader import load_hf_state_dict
+
+    return load_hf_state_dict(config.path)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, ModelConfig]:
+    """Load weights at path into a CausalLM of the given dtype on device, in eval mode."""
+    start = time.perf_counter()
+    device = torch.device(device)
+    config = ModelConfig.from_path(path)
+    with torch.device("meta"):
+        model = CausalLM(config, attn_backend=get_attention_backend(device))
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(load_state_dict(config))
+    model.eval()
+    log.info(
+        "model_loaded",
+        path=path,
+        architecture=config.architecture,
+        source=config.source,
+        dtype=str(dtype),
+        device=str(device),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+    return model, config

@@ -1,0 +1,47 @@
+"""Shared pytest fixtures: tiny HF checkpoints built on the spot and the embedded default GGUF model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Qwen3 checkpoint: tied embeddings, a single safetensors file."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie_word_embeddings=True, num_shards=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Llama checkpoint: untied lm_head, several safetensors shards plus the index json."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=False, num_shards=3)
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF; skips the test when it is not installed."""
+    from vllm_actors.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(autouse=True)
+def _kv_invariants_after_each_test():
+    """After every test: each live in-process engine with nothing unfinished has handed every KV
+    block back (free + in use = total, no block held for a finished request)."""
+    yield
+    from vllm_actors.engine import InProcessEngine
+
+    for engine in list(InProcessEngine.live):
+        if not engine.has_unfinished:
+            engine.check_idle_invariants()

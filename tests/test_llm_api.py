@@ -1,0 +1,120 @@
+"""The offline API: vLLM's names, seeded sampling, n > 1, stop strings, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_actors import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3: Path):
+    with LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=128, seed=0) as engine:
+        yield engine
+
+
+def test_seeded_sampling_ignores_the_batch_around_it(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("the quick brown fox", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = ["a b c", "the quick brown fox", "numbers 1 2 3 4 5 6 7 8 9", "hello"]
+    together = llm.generate(crowd, [other, seeded, other, other], use_tqdm=False)[1].outputs[0].token_ids
+    later = llm.generate(["zzz", "the quick brown fox"], [other, seeded], use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == together == later
+
+
+def test_n_gives_distinct_samples(llm: LLM) -> None:
+    output = llm.generate("once upon a time", SamplingParams(n=4, temperature=1.0, max_tokens=16, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 4
+    seeded = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
+    first = llm.generate("once upon a time", seeded, use_tqdm=False)[0]
+    again = llm.generate("once upon a time", seeded, use_tqdm=False)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_outputs_keep_prompt_order_and_fields(llm: LLM) -> None:
+    prompts = ["one", "two two", {"prompt_token_ids": [5, 6, 7]}]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["one", "two two", None]
+    assert outputs[2].prompt_token_ids == [5, 6, 7]
+    tokenizer = llm.get_tokenizer()
+    for output in outputs:
+        completion = output.outputs[0]
+        assert output.finished and completion.finish_reason == "length" and len(completion.token_ids) == 5
+        assert completion.text == tokenizer.decode(completion.token_ids)
+
+
+def test_stop_strings_are_cut_from_the_output(llm: LLM) -> None:
+    free = llm.generate("the", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick a better stop string from {text!r}"
+    cut = llm.generate("the", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate("the", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "field"),
+    [
+        ("hi", {"temperature": -1.0}, "temperature"),
+        ({"prompt_token_ids": []}, {}, "prompt"),
+        ({"prompt_token_ids": [10**9]}, {}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * 5000}, {}, "max_model_len"),
+        (12345, {}, "prompt"),
+        ({"text": "no key"}, {}, "prompt"),
+    ],
+)
+def test_bad_input_raises_and_the_engine_keeps_serving(llm: LLM, prompts, params, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["fine prompt", prompts], SamplingParams(**params) if params else None, use_tqdm=False)
+    assert not llm.engine.has_unfinished  # the good prompt of that call was not queued either
+    output = llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def test_engine_arguments_use_vllms_names(tiny_qwen3: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(str(tiny_qwen3), max_num_seq=4)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(tiny_qwen3), dtype="int3")
+
+
+def test_skip_tokenizer_init_takes_token_ids(tiny_qwen3: Path) -> None:
+    with LLM(str(tiny_qwen3), skip_tokenizer_init=True, num_gpu_blocks_override=64) as llm:
+        output = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)[0]
+        assert len(output.outputs[0].token_ids) == 4 and output.outputs[0].text == ""
+        with pytest.raises(ValueError, match="tokenizer"):
+            llm.generate("text", use_tqdm=False)
+
+
+def test_cli_generate_and_chat(tiny_qwen3: Path) -> None:
+    base = [sys.executable, "-m", "vllm_actors"]
+    generated = subprocess.run(
+        [*base, "generate", "--model", str(tiny_qwen3), "--max-tokens", "5", "hello there"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert generated.returncode == 0, generated.stderr
+    assert "hello there" in generated.stdout and "5 tokens" in generated.stdout
+    chat = subprocess.run(
+        [*base, "chat", "--model", str(tiny_qwen3), "--max-tokens", "4"],
+        input="hi\nand again\n\n", capture_output=True, text=True, timeout=300,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("> ") == 3
+    bad = subprocess.run([*base, "generate", "--model", str(tiny_qwen3), "--temperature", "-2", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "temperature" in bad.stderr
