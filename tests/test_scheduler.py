@@ -143,9 +143,9 @@ def test_plans_carry_deltas_only() -> None:
     plans: list[StepPlan] = []
     original = engine.kv_cache_manager.assign_blocks
 
-    def spy(plan: StepPlan) -> StepPlan:
+    def spy(plan: StepPlan, events: list | None = None) -> StepPlan:
         plans.append(plan)
-        return original(plan)
+        return original(plan, events)
 
     engine.kv_cache_manager.assign_blocks = spy  # type: ignore[method-assign]
     run(engine, [[5, 6, 7, 8, 9]], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])

@@ -72,10 +72,13 @@ class IncrementalDetokenizer:
         self._window: list[int] = context
         self._read = len(context)  # window[:read] decodes to self._context_text, already accounted for
         self._context_text = context_text
-        self._window_taken = 0  # chars of the window's text beyond the context already in self._text
+        self._window_taken = 0  # chars of the window's text beyond the context already decoded
 
-        self._text = ""  # decoded output text, cut at a matched stop string
-        self._released = 0  # self._text[:released] has been returned as deltas
+        # Decoded text is either released (returned as deltas) or pending: held back because it
+        # could begin a stop string, or decoded in the current add_tokens call. A stop string
+        # therefore always starts inside the pending text, which stays short.
+        self._released: list[str] = []
+        self._pending = ""
         self._stopped = False
         self._stop_reason: str | None = None
         self._finished = False
@@ -83,7 +86,7 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ public
     @property
     def output_text(self) -> str:
-        return self._text[: self._released]
+        return "".join(self._released)
 
     @property
     def stopped(self) -> bool:
@@ -100,9 +103,9 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             used += 1
             self.token_ids.append(token_id)
-            start = len(self._text)
-            self._text += self._step(token_id)
-            if len(self.token_ids) >= self._min_tokens and len(self._text) > start and self._check_stop(start):
+            start = len(self._pending)
+            self._pending += self._step(token_id)
+            if len(self.token_ids) >= self._min_tokens and len(self._pending) > start and self._check_stop(start):
                 break
         return DetokenizerUpdate(self._release(), self._stopped, self._stop_reason, used)
 
@@ -112,10 +115,8 @@ class IncrementalDetokenizer:
             return ""
         self._finished = True
         window_text = self._decode(self._window)
-        self._text += window_text[len(self._context_text) + self._window_taken :]
-        delta = self._text[self._released :]
-        self._released = len(self._text)
-        return delta
+        self._pending += window_text[len(self._context_text) + self._window_taken :]
+        return self._release(flush=True)
 
     # ------------------------------------------------------------------ internals
     def _decode(self, ids: Sequence[int]) -> str:
@@ -140,39 +141,36 @@ class IncrementalDetokenizer:
         return new
 
     def _check_stop(self, start: int) -> bool:
-        """Look for stop strings in text from ``start`` on (with overlap); cut the text at the
-        earliest match."""
+        """Look for stop strings in the pending text from ``start`` on (with len(stop)-1
+        characters of overlap); keep the pending text up to the earliest match."""
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = self._text.find(stop, max(0, start - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
+            index = self._pending.find(stop, max(0, start - len(stop) + 1))
+            if index != -1 and (best is None or index > best[0]):
                 best = (index, stop)
         if best is None:
             return False
         index, stop = best
-        cut = index + len(stop) if self._include_stop else index
-        self._text = self._text[: max(cut, self._released)]
+        self._pending = self._pending[: index + len(stop) if self._include_stop else index]
         self._stopped, self._stop_reason = True, stop
         log.debug("stop_string_matched", stop=stop, num_tokens=len(self.token_ids))
         return True
 
-    def _release(self) -> str:
-        """Return the text that can no longer be the start of a stop string."""
-        end = len(self._text)
-        if not self._stopped and self._stops:
-            end -= self._held_suffix_length()
-        if end <= self._released:
-            return ""
-        delta = self._text[self._released : end]
-        self._released = end
+    def _release(self, flush: bool = False) -> str:
+        """Release the pending text that can no longer be the start of a stop string."""
+        pending = self._pending
+        hold = 0 if flush or self._stopped or not self._stops else self._held_suffix_length(pending)
+        delta, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        if delta:
+            self._released.append(delta)
         return delta
 
-    def _held_suffix_length(self) -> int:
-        """Length of the longest proper prefix of a stop string that the text ends with. Only the
-        unreleased tail can qualify: released text was checked when it was released."""
-        text = self._text
-        for length in range(min(self._max_hold, len(text) - self._released), 0, -1):
-            tail = text[len(text) - length :]
+    def _held_suffix_length(self, pending: str) -> int:
+        """Length of the longest tail of ``pending`` that is a proper prefix of a stop string.
+        Released text need not be considered: no suffix starting there was a stop prefix when it
+        was released, and a longer text cannot make one."""
+        for length in range(min(self._max_hold, len(pending)), 0, -1):
+            tail = pending[len(pending) - length :]
             if any(stop.startswith(tail) for stop in self._stops):
                 return length
         return 0

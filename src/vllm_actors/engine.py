@@ -22,7 +22,8 @@ from vllm_actors.model_config import ModelConfig
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.protocol.messages import StepResult
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.transport import InMemoryNetwork, deliver_one
+from vllm_actors.protocol.events import EventBatch
+from vllm_actors.transport import EventStamper, InMemoryNetwork, split_events
 
 if TYPE_CHECKING:
     from vllm_actors.tokenizer import Tokenizer
@@ -70,12 +71,14 @@ class InProcessEngine:
         self.worker = Worker(runner, Sampler(runner.device, config.seed))
         self._network = InMemoryNetwork(serialize=serialize)
         self._actors = [
-            (self._network.endpoint(actor.name), actor)
+            (self._network.endpoint(actor.name), actor, EventStamper(actor.name))
             for actor in (self.frontend, self.scheduler, self.kv_cache_manager, self.worker)
         ]
         self._client = self._network.endpoint(CLIENT)
-        self._frontend_endpoint = self._actors[0][0]
+        self._frontend_endpoint, _, self._frontend_stamper = self._actors[0]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
+        # Subscribers of the in-process event bus (the metrics store, tests).
+        self.event_listeners: list[Callable[[EventBatch], None]] = []
         InProcessEngine.live.add(self)
 
     # ------------------------------------------------------------------ requests
@@ -83,12 +86,21 @@ class InProcessEngine:
         return self.frontend.prepare(request_id, prompt, params)
 
     def submit(self, prepared: PreparedRequest) -> None:
-        for destination, message in self.frontend.submit(prepared, arrival_time=time.monotonic()):
-            self._frontend_endpoint.send(destination, message)
+        self._send_from_frontend(self.frontend.submit(prepared, arrival_time=time.monotonic()))
 
     def abort(self, request_id: str) -> None:
-        for destination, message in self.frontend.abort(request_id):
+        self._send_from_frontend(self.frontend.abort(request_id))
+
+    def _send_from_frontend(self, outputs: list[tuple[str, Any]]) -> None:
+        messages, events = split_events(outputs)
+        for destination, message in messages:
             self._frontend_endpoint.send(destination, message)
+        if events:
+            self._publish(self._frontend_stamper.stamp(events))
+
+    def _publish(self, batch: EventBatch) -> None:
+        for listener in self.event_listeners:
+            listener(batch)
 
     @property
     def has_unfinished(self) -> bool:
@@ -102,15 +114,18 @@ class InProcessEngine:
         while True:
             progressed = False
             stepped = False
-            for endpoint, actor in self._actors:
+            for endpoint, actor, stamper in self._actors:
                 message = endpoint.recv()
                 if message is None:
                     continue
                 progressed = True
-                for destination, outgoing in actor.handle(message):
+                messages, events = split_events(actor.handle(message))
+                for destination, outgoing in messages:
                     endpoint.send(destination, outgoing)
                     if isinstance(outgoing, StepResult):
                         stepped = True
+                if events:
+                    self._publish(stamper.stamp(events))
             outputs.extend(self._drain_client())
             if stepped:
                 for hook in self.step_hooks:
@@ -120,8 +135,8 @@ class InProcessEngine:
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        while any(deliver_one(endpoint, actor) for endpoint, actor in self._actors):
-            outputs.extend(self._drain_client())
+        while self._network.pending():
+            outputs.extend(self.step())
         return outputs + self._drain_client()
 
     def _drain_client(self) -> list[RequestOutput]:

@@ -8,10 +8,15 @@ a pure state machine. ``deliver_one`` is the whole actor loop: receive, handle, 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.events import EventBatch
+
+BUS = "bus"
 
 
 class Actor(Protocol):
@@ -70,11 +75,46 @@ class InMemoryEndpoint:
         return self._network._take(self.name)
 
 
-def deliver_one(endpoint: Endpoint, actor: Actor) -> bool:
-    """Receive one message for ``actor``, handle it, send what it returns. False when idle."""
+class EventStamper:
+    """Turns the events of one handling into one ``EventBatch``: actor id, clocks, sequence."""
+
+    def __init__(
+        self,
+        actor: str,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.actor = actor
+        self.next_seq = 0
+        self._monotonic = monotonic
+        self._wall = wall
+
+    def stamp(self, events: list[Any]) -> EventBatch:
+        batch = EventBatch(
+            actor=self.actor, first_seq=self.next_seq, mono=self._monotonic(), wall=self._wall(), events=events
+        )
+        self.next_seq += len(events)
+        return batch
+
+
+def split_events(outputs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[Any]]:
+    """Separate an actor's outputs into messages to send and events for the bus."""
+    messages = [(destination, message) for destination, message in outputs if destination != BUS]
+    events = [message for destination, message in outputs if destination == BUS]
+    return messages, events
+
+
+def deliver_one(
+    endpoint: Endpoint, actor: Actor, stamper: EventStamper, publish: Callable[[EventBatch], None]
+) -> bool:
+    """Receive one message for ``actor``, handle it, send what it returns and publish its events
+    as one batch. False when idle."""
     message = endpoint.recv()
     if message is None:
         return False
-    for destination, outgoing in actor.handle(message):
+    messages, events = split_events(actor.handle(message))
+    for destination, outgoing in messages:
         endpoint.send(destination, outgoing)
+    if events:
+        publish(stamper.stamp(events))
     return True

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_actors.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 SCHEDULER = "scheduler"
 CLIENT = "client"
+BUS = "bus"
 
 PromptInput = str | Mapping[str, Any]
 
@@ -138,6 +140,10 @@ class Frontend:
                 arrival_time=arrival_time,
             )
             messages.append((SCHEDULER, add))
+            messages.append(
+                (BUS, Arrived(request_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids),
+                              max_tokens=child_params.max_tokens or 0))
+            )
         self._requests[request.request_id] = request
         return messages
 
@@ -216,6 +222,11 @@ class Frontend:
                     if step.stopped and update.finish_reason is None:
                         child.finish_reason, child.stop_reason = "stop", step.stop_reason
                         out.append((SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop")))
+                        out.append(
+                            (BUS, Finished(request_id=child.engine_id, reason="stop",
+                                           num_prompt_tokens=len(request.prompt_token_ids),
+                                           num_output_tokens=len(child.token_ids), stop_reason=step.stop_reason))
+                        )
                         continue
             if update.finish_reason is not None:
                 if child.detokenizer is not None:

@@ -12,9 +12,13 @@ from collections import deque
 
 import msgspec
 
+from typing import Any
+
+from vllm_actors.protocol.events import Allocated, Freed
 from vllm_actors.protocol.messages import Message, StepPlan
 
 WORKER = "worker"
+BUS = "bus"
 
 
 class BlockPoolExhausted(RuntimeError):
@@ -66,20 +70,38 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
 
-    def handle(self, message: Message) -> list[tuple[str, Message]]:
+    def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the KV-cache manager does not take {type(message).__name__}")
-        return [(WORKER, self.assign_blocks(message))]
+        events: list[Any] = []
+        plan = self.assign_blocks(message, events)
+        return [(WORKER, plan), *((BUS, event) for event in events)]
 
-    def assign_blocks(self, plan: StepPlan) -> StepPlan:
+    def assign_blocks(self, plan: StepPlan, events: list[Any] | None = None) -> StepPlan:
+        """Free the blocks of departed requests, then give each scheduled request the blocks it
+        needs. Checks the whole plan before changing anything, so a bad plan changes nothing."""
+        if len(plan.req_ids) != len(plan.num_blocks):
+            raise ValueError("req_ids and num_blocks differ in length")
+        freed = sum(len(self.block_tables.get(request_id, ())) for request_id in plan.finished_ids)
+        needed = sum(
+            max(wanted - len(self.block_tables.get(request_id, ())), 0)
+            for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True)
+        )
+        if needed > self.pool.num_free + freed:
+            raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
         for request_id in plan.finished_ids:
-            self.pool.release(self.block_tables.pop(request_id, []))
+            table = self.block_tables.pop(request_id, [])
+            self.pool.release(table)
+            if table and events is not None:
+                events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
         new_block_ids: list[list[int]] = []
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             table = self.block_tables.setdefault(request_id, [])
             added = self.pool.allocate(wanted - len(table)) if wanted > len(table) else []
             table.extend(added)
             new_block_ids.append(added)
+            if added and events is not None:
+                events.append(Allocated(request_id=request_id, block_ids=added, num_free_blocks=self.pool.num_free))
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
 
     @property

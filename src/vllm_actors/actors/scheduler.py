@@ -17,8 +17,20 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_actors.config import SchedulerConfig
+from vllm_actors.protocol.events import (
+    Aborted,
+    Finished,
+    FirstToken,
+    Preempted,
+    PrefillChunk,
+    Queued,
+    Resumed,
+    Scheduled,
+    Tokens,
+)
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -33,6 +45,7 @@ from vllm_actors.protocol.sampling import SamplingParams
 
 KV_CACHE_MANAGER = "kv_cache_manager"
 FRONTEND = "frontend"
+BUS = "bus"
 
 
 class Status(enum.Enum):
@@ -81,17 +94,28 @@ class Scheduler:
         self.requests: dict[str, ScheduledRequest] = {}
         self.num_free_blocks = config.num_blocks
         self._departed: list[str] = []  # left the worker since the last plan
+        self._events: list[Any] = []  # events of the message being handled
         self._step_in_flight: StepPlan | None = None
         self._next_step_id = 0
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ messages
-    def handle(self, message: Message) -> list[tuple[str, Message]]:
-        out: list[tuple[str, Message]] = []
+    def handle(self, message: Message) -> list[tuple[str, Any]]:
+        """Returns the messages to send, then this handling's events (destination ``BUS``)."""
+        out: list[tuple[str, Any]] = []
+        self._events = []
         if isinstance(message, AddRequest):
             out.extend(self._add(message))
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
+                request = self.requests.get(request_id)
+                if request is None:
+                    continue
+                if message.reason != "stop":  # a stop string: the frontend published FINISHED
+                    self._events.append(
+                        Aborted(request_id=request_id, reason=message.reason,
+                                num_output_tokens=len(request.output_token_ids))
+                    )
                 self._finish(request_id)
         elif isinstance(message, StepResult):
             out.extend(self._on_step_result(message))
@@ -100,6 +124,7 @@ class Scheduler:
         plan = self._maybe_schedule()
         if plan is not None:
             out.append((KV_CACHE_MANAGER, plan))
+        out.extend((BUS, event) for event in self._events)
         return out
 
     @property
@@ -110,6 +135,7 @@ class Scheduler:
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
         error = self._admission_error(message)
         if error is not None:
+            self._events.append(Aborted(request_id=message.request_id, reason="error"))
             update = RequestUpdate(request_id=message.request_id, finish_reason="error", error=error)
             return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
         request = ScheduledRequest(
@@ -121,6 +147,7 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting)))
         return []
 
     def _admission_error(self, message: AddRequest) -> str | None:
@@ -160,12 +187,20 @@ class Scheduler:
             raise ValueError(f"unexpected step result {result.step_id}")
         self._step_in_flight = None
         updates: list[RequestUpdate] = []
+        tokens_ids: list[str] = []
+        tokens_counts: list[int] = []
+        first_tokens: list[FirstToken] = []
+        finished: list[Finished] = []
         prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
         for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
                 continue
             request.output_token_ids.append(token_id)
+            tokens_ids.append(request_id)
+            tokens_counts.append(len(request.output_token_ids))
+            if len(request.output_token_ids) == 1:
+                first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
             finish_reason, stop_reason = self._check_stop(request, token_id)
             chunk = prompt_logprobs.pop(request_id, None)
             update = RequestUpdate(
@@ -180,7 +215,22 @@ class Scheduler:
             )
             updates.append(update)
             if finish_reason is not None:
+                finished.append(
+                    Finished(
+                        request_id=request_id,
+                        reason=finish_reason,
+                        num_prompt_tokens=len(request.prompt_token_ids),
+                        num_output_tokens=len(request.output_token_ids),
+                        stop_reason=stop_reason,
+                    )
+                )
                 self._finish(request_id)
+        # Lifecycle order within a step: FIRST_TOKEN, then the step's TOKENS, then FINISHED.
+        self._events.extend(first_tokens)
+        if tokens_ids:
+            self._events.append(Tokens(step_id=result.step_id, request_ids=tokens_ids,
+                                       num_output_tokens=tokens_counts))
+        self._events.extend(finished)
         for request_id, chunk in prompt_logprobs.items():  # prompt chunks that sampled nothing yet
             if request_id in self.requests:
                 updates.append(
@@ -262,14 +312,27 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+            admitted = Resumed if request.num_preemptions else Scheduled
+            self._events.append(admitted(request_id=request.request_id, step_id=self._next_step_id))
             self._take_blocks(request, needed)
             new_requests.append(self._new_request(request))
             scheduled.append((request, num_new))
             budget -= num_new
 
         for request, num_new in scheduled:
-            if request.num_computed_tokens + num_new < request.num_tokens:
+            start = request.num_computed_tokens
+            if start + num_new < request.num_tokens:
                 self.stats.num_prefill_chunks += 1
+            if request.num_tokens - start > 1 or not request.output_token_ids:  # prefill, not decode
+                self._events.append(
+                    PrefillChunk(
+                        request_id=request.request_id,
+                        step_id=self._next_step_id,
+                        start=start,
+                        num_tokens=num_new,
+                        last=start + num_new == request.num_tokens,
+                    )
+                )
             request.num_computed_tokens += num_new
 
         plan = StepPlan(
@@ -302,6 +365,13 @@ class Scheduler:
         )
 
     def _preempt(self, request: ScheduledRequest) -> None:
+        self._events.append(
+            Preempted(
+                request_id=request.request_id,
+                step_id=self._next_step_id,
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0

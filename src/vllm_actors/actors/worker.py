@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from vllm_actors.model_runner import BatchInput
+from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.sampler import Sampler, SamplingRow, top_logprobs
 
 SCHEDULER = "scheduler"
+BUS = "bus"
 
 
 class Runner(Protocol):
@@ -65,10 +67,47 @@ class Worker:
         self.sampler = sampler
         self.requests: dict[str, WorkerRequest] = {}
 
-    def handle(self, message: Message) -> list[tuple[str, Message]]:
+    def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the worker does not take {type(message).__name__}")
-        return [(SCHEDULER, self.execute(message))]
+        self.validate(message)
+        num_prefill = sum(1 for new in message.new_requests if new.request_id in message.req_ids)
+        started = StepStarted(
+            step_id=message.step_id,
+            num_seqs=len(message.req_ids),
+            num_tokens=sum(message.num_tokens),
+            num_prefill_seqs=num_prefill,
+        )
+        result = self.execute(message)
+        finished = StepFinished(
+            step_id=message.step_id,
+            num_seqs=len(message.req_ids),
+            num_tokens=result.num_batched_tokens,
+            num_sampled=len(result.req_ids),
+            execute_ms=result.execute_seconds * 1e3,
+        )
+        return [(SCHEDULER, result), (BUS, started), (BUS, finished)]
+
+    def validate(self, plan: StepPlan) -> None:
+        """Reject a plan that names unknown requests or asks for tokens that do not exist,
+        before any state changes."""
+        if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
+            raise ValueError("req_ids, num_tokens and new_block_ids differ in length")
+        computed = {
+            request_id: (request.num_computed_tokens, len(request.token_ids))
+            for request_id, request in self.requests.items()
+            if request_id not in plan.finished_ids
+        }
+        computed.update({new.request_id: (0, len(new.token_ids)) for new in plan.new_requests})
+        num_blocks = getattr(self.runner, "num_blocks", None)
+        for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
+            if request_id not in computed:
+                raise ValueError(f"plan schedules unknown request {request_id!r}")
+            done, known = computed[request_id]
+            if not 1 <= num_new <= known - done:
+                raise ValueError(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
+            if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
+                raise ValueError(f"plan gives {request_id!r} a block outside the pool")
 
     def _admit(self, new: NewRequest) -> None:
         self.requests[new.request_id] = WorkerRequest(

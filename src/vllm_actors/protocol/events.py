@@ -1,0 +1,170 @@
+"""Events: every state transition of every actor, published on the bus.
+
+State machines return events as plain Structs (no clock, no sequence number). The actor's shell
+collects the events of one handling - one engine step - into a single ``EventBatch``, stamps it
+with the actor id, monotonic and wall-clock time, and the per-actor sequence number of its first
+event (event i of the batch has ``first_seq + i``), and publishes it with the actor id as topic.
+A subscriber that sees ``first_seq`` jump past the previous batch's end has missed events: a gap.
+
+Monotonic clocks are per host; ``mono`` orders one actor's events, ``wall`` compares actors.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+EVENTS_VERSION = 1
+
+
+# --------------------------------------------------------------------------- request lifecycle
+class Arrived(msgspec.Struct, tag="ARRIVED", kw_only=True):
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+class Queued(msgspec.Struct, tag="QUEUED", kw_only=True):
+    request_id: str
+    num_waiting: int
+
+
+class Scheduled(msgspec.Struct, tag="SCHEDULED", kw_only=True):
+    """First admission of a request into the running batch."""
+
+    request_id: str
+    step_id: int
+
+
+class PrefillChunk(msgspec.Struct, tag="PREFILL_CHUNK", kw_only=True):
+    request_id: str
+    step_id: int
+    start: int  # first token position computed
+    num_tokens: int
+    last: bool  # the chunk that completes the prefill
+
+
+class FirstToken(msgspec.Struct, tag="FIRST_TOKEN", kw_only=True):
+    request_id: str
+    step_id: int
+
+
+class Tokens(msgspec.Struct, tag="TOKENS", kw_only=True):
+    """All tokens of one step, for every request that got one (batched: one event per step)."""
+
+    step_id: int
+    request_ids: list[str]
+    num_output_tokens: list[int]  # each request's output length after this step
+
+
+class Preempted(msgspec.Struct, tag="PREEMPTED", kw_only=True):
+    request_id: str
+    step_id: int
+    num_computed_tokens: int  # work thrown away (recomputed on resumption)
+
+
+class Resumed(msgspec.Struct, tag="RESUMED", kw_only=True):
+    request_id: str
+    step_id: int
+
+
+class Finished(msgspec.Struct, tag="FINISHED", kw_only=True):
+    request_id: str
+    reason: str  # "stop" or "length"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: int | str | None = None
+
+
+class Aborted(msgspec.Struct, tag="ABORTED", kw_only=True):
+    request_id: str
+    reason: str  # "abort", "disconnect", "error", "shutdown", ...
+    num_output_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- KV cache
+class Allocated(msgspec.Struct, tag="ALLOCATED", kw_only=True):
+    request_id: str
+    block_ids: list[int]
+    num_free_blocks: int
+
+
+class Freed(msgspec.Struct, tag="FREED", kw_only=True):
+    request_id: str
+    num_blocks: int
+    num_free_blocks: int
+
+
+# --------------------------------------------------------------------------- worker
+class StepStarted(msgspec.Struct, tag="STEP_STARTED", kw_only=True):
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_prefill_seqs: int
+
+
+class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    execute_ms: float  # forward pass and sampling, as timed by the worker
+
+
+# --------------------------------------------------------------------------- actor lifecycle
+class ActorStarting(msgspec.Struct, tag="STARTING", kw_only=True):
+    pid: int
+    role: str
+
+
+class ActorReady(msgspec.Struct, tag="READY", kw_only=True):
+    pid: int
+    role: str
+
+
+class ActorDraining(msgspec.Struct, tag="DRAINING", kw_only=True):
+    reason: str
+
+
+class ActorStopped(msgspec.Struct, tag="STOPPED", kw_only=True):
+    reason: str
+
+
+class ActorCrashed(msgspec.Struct, tag="CRASHED", kw_only=True):
+    error: str
+
+
+class Heartbeat(msgspec.Struct, tag="HEARTBEAT", kw_only=True):
+    pid: int
+
+
+Event = (
+    Arrived | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
+    | Finished | Aborted | Allocated | Freed | StepStarted | StepFinished
+    | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat
+)
+
+ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
+    Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
+    Aborted, Allocated, Freed, StepStarted, StepFinished, ActorStarting, ActorReady, ActorDraining,
+    ActorStopped, ActorCrashed, Heartbeat,
+)
+
+REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",
+                  "PREEMPTED", "RESUMED", "FINISHED", "ABORTED")
+
+
+def event_type(event: Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+class EventBatch(msgspec.Struct, tag="event_batch", kw_only=True):
+    actor: str  # actor id, e.g. "scheduler" or "worker-0"; also the bus topic
+    first_seq: int  # per-actor sequence number of events[0]; events[i] has first_seq + i
+    mono: float  # time.monotonic() of the publishing host when the batch was stamped
+    wall: float  # time.time()
+    events: list[Event]
+
+
+def stamped(batch: EventBatch) -> list[tuple[int, Event]]:
+    """(sequence number, event) pairs of a batch."""
+    return [(batch.first_seq + index, event) for index, event in enumerate(batch.events)]
