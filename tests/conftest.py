@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Every KV-cache manager checks its pool's accounting after every step, in process and in groups.
+os.environ.setdefault("VLLM_ACTORS_CHECK_INVARIANTS", "1")
 
 from tiny_models import build_checkpoint  # noqa: E402
 

@@ -64,19 +64,18 @@ def test_greedy_matches_transformers_under_preemption_and_chunking(checkpoint: s
         max_num_batched_tokens=64,  # forces chunked prefill
         seed=0,
     )
-    engine = llm.engine
-    engine.step_hooks.append(lambda e: e.check_invariants())
-    vocab = engine.model_config.vocab_size
+    vocab = llm.vocab_size
     prompts = random_prompts(vocab, seed={"tiny_qwen3": 11, "tiny_llama": 12}[checkpoint])
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1),
         use_tqdm=False,
     )
-    assert engine.scheduler.stats.num_preemptions > 0, "the KV pool was meant to force preemption"
-    assert engine.scheduler.stats.num_prefill_chunks > 0, "the token budget was meant to force chunking"
-    assert not engine.kv_cache_manager.block_tables
-    assert engine.kv_cache_manager.num_free_blocks == 40
+    metrics = llm.get_metrics()
+    assert metrics.preemptions > 0, "the KV pool was meant to force preemption"
+    assert metrics.prefill_chunks > len(prompts), "the token budget was meant to force chunking"
+    assert metrics.kv_blocks_in_use == 0 and metrics.kv_blocks_total == 40
+    assert metrics.requests_finished == len(prompts) and metrics.running == 0 and metrics.waiting == 0
 
     reference = reference_generate(path, prompts)
     for index, (output, (tokens, logits)) in enumerate(zip(outputs, reference, strict=True)):
@@ -93,7 +92,7 @@ def test_prompt_logprobs_match_transformers(tiny_qwen3: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     with LLM(str(tiny_qwen3), dtype="float32", max_num_batched_tokens=16) as llm:
-        prompt = random_prompts(llm.engine.model_config.vocab_size, seed=5)[9]  # 64 tokens, 4 chunks
+        prompt = random_prompts(llm.vocab_size, seed=5)[9]  # 64 tokens, 4 chunks
         output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2),
                               use_tqdm=False)[0]
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32)

@@ -26,8 +26,10 @@ def llm(default_gguf_path: str):
 
 
 def test_default_model_is_the_embedded_gguf(llm: LLM, default_gguf_path: str) -> None:
+    from vllm_actors.model_config import ModelConfig
+
     assert llm.config.model == default_gguf_path
-    config = llm.engine.model_config
+    config = ModelConfig.from_path(llm.config.model)
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
 
 

@@ -97,7 +97,9 @@ def test_stop_string_across_token_boundaries(tok: Tokenizer) -> None:
     ids = tok.encode(text)
     assert len(tok.encode("STOP_HERE")) > 2
     for include in (False, True):
-        detok = IncrementalDetokenizer(tok, tok.encode("prompt"), stop=["STOP_HERE"], include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(
+            tok, tok.encode("prompt"), stop=["STOP_HERE"], include_stop_str_in_output=include
+        )
         expected = "The quick brown fox says " + ("STOP_HERE" if include else "")
         streamed = ""
         used = 0

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tiny_models import PagedRunner
+from tiny_models import PagedRunner, build_gguf
 
 from vllm_actors.model_config import ModelConfig, read_gguf_header
+from vllm_actors.models.hf_loader import load_hf_state_dict
 from vllm_actors.models.gguf_loader import hf_tensor_name, load_gguf_state_dict, unpermute_qk
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.loader import load_model
@@ -137,3 +140,27 @@ def test_greedy_answer(default_gguf_path: str, hf_gguf_model: Any, our_model: Ca
     vocab = read_gguf_header(default_gguf_path).metadata["tokenizer.ggml.tokens"]
     text = "".join(vocab[t] for t in generated).replace("\u0120", " ")
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("hf_fixture", ["tiny_llama", "tiny_qwen3"])
+def test_tiny_gguf_round_trip(hf_fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A tiny HF checkpoint written as GGUF (llama.cpp layout) loads back to the same weights and logits."""
+    hf_dir = Path(request.getfixturevalue(hf_fixture))
+    gguf_path = build_gguf(hf_dir, tmp_path / "tiny.gguf")
+    hf_cfg, gguf_cfg = ModelConfig.from_path(str(hf_dir)), ModelConfig.from_path(str(gguf_path))
+    # GGUF stores floats as float32: 1e-6 comes back as 9.99999997e-07
+    assert gguf_cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
+    same = {"source": "gguf", "path": str(gguf_path), "bos_token_id": None, "rms_norm_eps": gguf_cfg.rms_norm_eps}
+    assert dataclasses.replace(hf_cfg, **same) == gguf_cfg
+
+    hf_state = load_hf_state_dict(hf_dir)
+    gguf_state = load_gguf_state_dict(gguf_path)
+    assert set(gguf_state) == set(hf_state)
+    for name, tensor in hf_state.items():
+        assert torch.equal(gguf_state[name], tensor), name
+
+    ours_hf, _ = load_model(str(hf_dir), torch.float32, torch.device("cpu"))
+    ours_gguf, _ = load_model(str(gguf_path), torch.float32, torch.device("cpu"))
+    prompt = list(range(3, 40))
+    expected = PagedRunner(ours_hf).step({0: prompt})[0]
+    torch.testing.assert_close(PagedRunner(ours_gguf).step({0: prompt})[0], expected, atol=1e-5, rtol=0)

@@ -78,7 +78,7 @@ def test_stop_strings_are_cut_from_the_output(llm: LLM) -> None:
 def test_bad_input_raises_and_the_engine_keeps_serving(llm: LLM, prompts, params, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         llm.generate(["fine prompt", prompts], SamplingParams(**params) if params else None, use_tqdm=False)
-    assert not llm.engine.has_unfinished  # the good prompt of that call was not queued either
+    assert not llm.has_unfinished_requests()  # the good prompt of that call was not queued either
     output = llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == 3
 

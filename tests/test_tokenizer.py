@@ -40,8 +40,11 @@ TOOL {{ tool | tojson }}
     {% endif %}
     {% if message['role'] == 'system' and not loop.first %}{% continue %}{% endif %}
 <|im_start|>{{ message['role'] }}
-{{ message['content'] | trim }}{% if message['role'] == 'assistant' %}{% generation %}{{ eos_token }}{% endgeneration %}{% endif %}<|im_end|>
+{{ message['content'] | trim }}
+{%- if message['role'] == 'assistant' %}{% generation %}{{ eos_token }}{% endgeneration %}{% endif %}<|im_end|>
 {% endfor %}
+{% if documents is not none %}DOCS {{ documents | length }}
+{% endif %}
 {% if add_generation_prompt %}
 <|im_start|>assistant
 {% if enable_thinking is defined and not enable_thinking %}<think></think>
@@ -90,7 +93,10 @@ def _train_backend() -> BackendTokenizer:
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(CORPUS, trainer=trainer)
     return backend
@@ -99,7 +105,7 @@ def _train_backend() -> BackendTokenizer:
 def _write_dir(path: Path, config: dict[str, Any], *, jinja: str | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     _train_backend().save(str(path / "tokenizer.json"))
-    base = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048, "clean_up_tokenization_spaces": False}
+    base = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048}
     (path / "tokenizer_config.json").write_text(json.dumps({**base, **config}), encoding="utf-8")
     if jinja is not None:
         (path / "chat_template.jinja").write_text(jinja, encoding="utf-8")
@@ -122,7 +128,10 @@ def bos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "bos_token": {"__type": "AddedToken", "content": "<|im_start|>", "special": True, "normalized": False},
             "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
             "add_bos_token": True,
-            "chat_template": [{"name": "default", "template": FANCY}, {"name": "tool_use", "template": "TOOLS{{ tools|length }}"}],
+            "chat_template": [
+                {"name": "default", "template": FANCY},
+                {"name": "tool_use", "template": "TOOLS{{ tools|length }}"},
+            ],
         },
     )
 
@@ -171,7 +180,7 @@ def test_bos_and_template_list_match_transformers(bos_dir: Path, transformers: A
     assert ours.chat_template == FANCY
     for messages in CONVERSATIONS:
         for gen in (True, False):
-            for extra in ({}, {"enable_thinking": False}, {"tools": TOOLS}):
+            for extra in ({}, {"enable_thinking": False}, {"tools": TOOLS}, {"documents": [{"text": "d"}]}):
                 expected = hf.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=gen, chat_template=FANCY, **extra
                 )
@@ -212,10 +221,22 @@ def test_raise_exception_in_template(bos_dir: Path, transformers: Any) -> None:
 
 
 def test_separate_jinja_file_wins(tmp_path: Path) -> None:
-    path = _write_dir(tmp_path / "jinja", {"eos_token": "<|im_end|>", "chat_template": "from config"}, jinja="from file {{ eos_token }}")
+    config = {"eos_token": "<|im_end|>", "chat_template": "from config"}
+    path = _write_dir(tmp_path / "jinja", config, jinja="from file {{ eos_token }}")
     tok = load_tokenizer(str(path))
     assert tok.apply_chat_template([]) == "from file <|im_end|>"
     assert load_tokenizer(str(path / "tokenizer.json")).chat_template == "from file {{ eos_token }}"
+
+
+def test_special_tokens_map(tmp_path: Path, transformers: Any) -> None:
+    path = _write_dir(tmp_path / "map", {"chat_template": CHATML})
+    special_map = {"eos_token": {"content": "<|im_end|>", "special": True}, "bos_token": "<|im_start|>"}
+    (path / "special_tokens_map.json").write_text(json.dumps(special_map), encoding="utf-8")
+    ours, hf = _pair(path, transformers)
+    assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+    assert ours.add_bos_token is False
+    for text in TEXTS:
+        assert ours.encode(text) == hf.encode(text)
 
 
 def test_missing_chat_template(tmp_path: Path, transformers: Any) -> None:
@@ -245,7 +266,7 @@ def test_template_errors_and_sandbox() -> None:
 def test_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
         load_tokenizer(str(tmp_path))
     other = tmp_path / "x.txt"
     other.write_text("hi")

@@ -252,3 +252,88 @@ class PagedRunner:
             out[seq_id] = logits[offset : offset + n]
             offset += n
         return out
+
+
+def llama_cpp_permute_qk(weight: Any, num_heads: int) -> Any:
+    """The row order llama.cpp's converter stores llama q/k projections in (per head: 0, D/2, 1, D/2+1, ...)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+_GGUF_BLOCK_TENSORS: dict[str, str] = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def build_gguf(hf_dir: Path, out_path: Path) -> Path:
+    """Convert a tiny HF checkpoint of build_checkpoint to an all-F32 GGUF file the way llama.cpp lays it out."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    state: dict[str, np.ndarray] = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    eos_id = vocab[EOS_TOKEN]
+
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(eos_id)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, array in sorted(state.items()):
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_BLOCK_TENSORS[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                array = llama_cpp_permute_qk(array, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                array = llama_cpp_permute_qk(array, kv_heads)
+        w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

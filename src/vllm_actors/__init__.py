@@ -1,9 +1,17 @@
 """vllm_actors: an LLM inference and serving engine built as an event-driven actor system."""
 
+import structlog as _structlog
+
+from vllm_actors.log_setup import configure_logging as _configure_logging
 from vllm_actors.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_actors.protocol.sampling import SamplingParams
 
 __version__ = "0.1.0"
+
+# structlog's unconfigured default prints to stdout; unless the host application configured it,
+# log key=value lines to stderr at VLLM_ACTORS_LOG_LEVEL (default WARNING).
+if not _structlog.is_configured():
+    _configure_logging()
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 

@@ -57,7 +57,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; rendering
     only needs its body."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  (jinja2 declares it as an instance attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)
@@ -85,9 +85,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: {exc} (line {exc.lineno})") from exc
 
 
-def select_chat_template(
-    templates: Mapping[str, str], override: str | None = None, *, has_tools: bool = False
-) -> str:
+def select_chat_template(templates: Mapping[str, str], override: str | None = None, *, has_tools: bool = False) -> str:
     """Pick the template text: ``override`` is a template name or the template itself; otherwise
     "tool_use" when tools are given and the model has one, else "default"."""
     if override is not None:
@@ -116,10 +114,10 @@ def render_chat_template(
     **extra: Any,
 ) -> str:
     """Render ``template`` for ``messages``. ``special_tokens`` maps variable names such as
-    "bos_token" to their strings; ``extra`` variables (tools, documents...) are passed through,
-    None values left out so templates can test ``is defined``."""
+    "bos_token" to their strings (unset ones left undefined); ``extra`` variables (tools,
+    documents, enable_thinking...) are passed as given, None included."""
     context: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-    context.update({k: v for k, v in extra.items() if v is not None})
+    context.update(extra)
     context["messages"] = [dict(m) for m in messages]
     context["add_generation_prompt"] = add_generation_prompt
     compiled = compile_chat_template(template)

@@ -146,7 +146,7 @@ class IncrementalDetokenizer:
         best: tuple[int, str] | None = None
         for stop in self._stops:
             index = self._pending.find(stop, max(0, start - len(stop) + 1))
-            if index != -1 and (best is None or index > best[0]):
+            if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:
             return False

@@ -6,6 +6,7 @@ their messages. Used by tests and as the offline engine's in-process mode.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from vllm_actors.outputs import RequestOutput
 from vllm_actors.protocol.messages import StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
 from vllm_actors.transport import EventStamper, InMemoryNetwork, split_events
 
 if TYPE_CHECKING:
@@ -77,9 +79,14 @@ class InProcessEngine:
         self._client = self._network.endpoint(CLIENT)
         self._frontend_endpoint, _, self._frontend_stamper = self._actors[0]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
-        # Subscribers of the in-process event bus (the metrics store, tests).
-        self.event_listeners: list[Callable[[EventBatch], None]] = []
+        # Subscribers of the in-process event bus: the metrics store, tests.
+        from vllm_actors.actors.metrics_store import MetricsStore
+
+        self.metrics_store = MetricsStore()
+        self.event_listeners: list[Callable[[EventBatch], None]] = [self.metrics_store.record]
         InProcessEngine.live.add(self)
+        if os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0"):
+            self.step_hooks.append(InProcessEngine.check_invariants)
 
     # ------------------------------------------------------------------ requests
     def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
@@ -93,10 +100,10 @@ class InProcessEngine:
 
     def _send_from_frontend(self, outputs: list[tuple[str, Any]]) -> None:
         messages, events = split_events(outputs)
+        if events:  # first: ARRIVED happens before the scheduler hears of the request
+            self._publish(self._frontend_stamper.stamp(events))
         for destination, message in messages:
             self._frontend_endpoint.send(destination, message)
-        if events:
-            self._publish(self._frontend_stamper.stamp(events))
 
     def _publish(self, batch: EventBatch) -> None:
         for listener in self.event_listeners:
@@ -132,6 +139,16 @@ class InProcessEngine:
                     hook(self)
             if stepped or not progressed:
                 return outputs
+
+    def poll(self, timeout_ms: int = 0) -> list[RequestOutput]:
+        """The client interface: one step's outputs (nothing to wait for in process)."""
+        outputs = self.step()
+        if not self.has_unfinished:
+            outputs.extend(self.run_until_idle())  # let the scheduler hand the last blocks back
+        return outputs
+
+    def query_metrics(self, query: MetricsQuery) -> MetricsReply:
+        return self.metrics_store.query(query)
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -170,7 +170,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "<me
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     raw_types = metadata.get("tokenizer.ggml.token_type")
-    types = [int(t) for t in raw_types] if raw_types is not None else [GGUFTokenType.NORMAL] * len(tokens)
+    types: list[int] = [int(t) for t in raw_types] if raw_types is not None else [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
 
@@ -191,7 +191,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "<me
     backend.pre_tokenizer = byte_level_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    _register_added_tokens(backend, tokens, types, named={bos, eos, unk, pad} - {None})
+    _register_added_tokens(backend, tokens, types, named={i for i in (bos, eos, unk, pad) if i is not None})
 
     return GGUFTokenizer(
         backend=backend,

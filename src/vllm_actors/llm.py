@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,7 +11,10 @@ from tqdm import tqdm
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.outputs import RequestOutput
+from vllm_actors.protocol.metrics import SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
+
+EXECUTORS = ("group", "inprocess")
 
 _ENGINE_ARGS = set(EngineConfig.__struct_fields__) - {"model"}
 
@@ -36,21 +40,71 @@ class LLM:
     tensor_parallel_size, ...).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        from vllm_actors.engine import InProcessEngine
-
+    def __init__(self, model: str | None = None, *, executor: str = "group", **engine_args: Any) -> None:
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         self.config = make_engine_config(model, engine_args)
-        self._engine: InProcessEngine | None = InProcessEngine(self.config)
+        self.executor = executor
+        self._group = None
         self._ids = itertools.count()
+        if executor == "inprocess":
+            from vllm_actors.engine import InProcessEngine
+
+            self._engine: Any = InProcessEngine(self.config)
+            self._tokenizer = self._engine.tokenizer
+            return
+        from vllm_actors.client import EngineClient
+        from vllm_actors.supervisor import ProcessGroup
+
+        check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
+        self._group = ProcessGroup(self.config, check_invariants=check).start()
+        try:
+            self._tokenizer = None
+            if self._group.info.tokenizer is not None:
+                from vllm_actors.tokenizer import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self._group.info.tokenizer)
+            self._engine = EngineClient(self._group.info, self._tokenizer)
+        except BaseException:
+            self._group.shutdown()
+            raise
 
     @property
-    def engine(self):  # noqa: ANN201 - the engine type stays out of the public import path
+    def engine(self):  # noqa: ANN201 - the in-process engine or the client of the process group
         if self._engine is None:
             raise RuntimeError("this LLM has been shut down")
         return self._engine
 
+    @property
+    def group(self):  # noqa: ANN201 - the ProcessGroup, or None in process
+        return self._group
+
     def get_tokenizer(self):  # noqa: ANN201
-        return self.engine.tokenizer
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.frontend.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.frontend.max_model_len
+
+    def get_metrics(self) -> SummaryReply:
+        """Counters, gauges and latency percentiles from the metrics store."""
+        reply = self.engine.query_metrics(SummaryQuery())
+        if not isinstance(reply, SummaryReply):
+            raise RuntimeError(f"the metrics store answered {reply!r}")
+        return reply
+
+    def get_timeline(self, request_id: str) -> TimelineReply:
+        reply = self.engine.query_metrics(TimelineQuery(request_id=request_id))
+        if not isinstance(reply, TimelineReply):
+            raise RuntimeError(f"the metrics store answered {reply!r}")
+        return reply
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -88,7 +142,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self._tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
@@ -117,7 +171,7 @@ class LLM:
             while len(finished) < len(wanted):
                 if not engine.has_unfinished:
                     raise RuntimeError("the engine went idle with requests unfinished")
-                for output in engine.step():
+                for output in engine.poll(100):
                     if output.finished and output.request_id in wanted:
                         if output.error is not None:
                             raise ValueError(f"request {output.request_id} failed: {output.error}")
@@ -126,16 +180,18 @@ class LLM:
         except BaseException:
             for request_id in wanted - set(finished):
                 engine.abort(request_id)
-            engine.run_until_idle()
             raise
         finally:
             progress.close()
-        engine.run_until_idle()  # lets the scheduler hand the last finished blocks back
         return [finished[request_id] for request_id in request_ids]
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
-        self._engine = None
+        engine, self._engine = self._engine, None
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
+        if self._group is not None:
+            self._group.shutdown()
 
     def __enter__(self) -> LLM:
         return self

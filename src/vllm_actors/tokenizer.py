@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import structlog
 from tokenizers import AddedToken, processors
@@ -50,9 +50,10 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._apply_bos_eos_flags(add_bos_token, add_eos_token)
         named_ids = {self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id}
-        self.all_special_ids: set[int] = {
-            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
-        } | {i for i in named_ids if i is not None}
+        # Every added token flagged special (what decode(skip_special_tokens=True) drops) plus
+        # the named ones.
+        self.all_special_ids: set[int] = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.all_special_ids.update(i for i in named_ids if i is not None)
 
     def _apply_bos_eos_flags(self, add_bos: bool, add_eos: bool) -> None:
         """Make encode(add_special_tokens=True) add BOS / EOS when the flags ask for them and the
@@ -185,7 +186,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+    @overload
+    def convert_ids_to_tokens(self, ids: int) -> str | None: ...
+
+    @overload
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]: ...
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str | None] | None:
         """Vocabulary spelling of ids (byte-level tokens look like "Ġhello"); None for unknown ids."""
         if isinstance(ids, int):
             return self.backend.id_to_token(ids)

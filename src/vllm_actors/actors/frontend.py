@@ -211,23 +211,30 @@ class Frontend:
             if update.prompt_logprobs is not None and child.index == 0:
                 self._add_prompt_logprobs(request, update.prompt_logprobs_start, update.prompt_logprobs)
             if update.new_token_ids:
-                child.token_ids.extend(update.new_token_ids)
+                new_ids = list(update.new_token_ids)
+                stopped = None
+                if child.detokenizer is not None:
+                    step = child.detokenizer.add_tokens(new_ids)
+                    child.text += step.text
+                    if step.stopped:
+                        stopped = step
+                        new_ids = new_ids[: step.num_tokens]  # nothing after the stop string
+                child.token_ids.extend(new_ids)
                 if update.logprobs is not None and child.logprobs is not None:
-                    for entry in update.logprobs:
+                    for entry in update.logprobs[: len(new_ids)]:
                         child.logprobs.append(self._position_logprobs(entry))
                         child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry.logprobs[0]
-                if child.detokenizer is not None:
-                    step = child.detokenizer.add_tokens(update.new_token_ids)
-                    child.text += step.text
-                    if step.stopped and update.finish_reason is None:
-                        child.finish_reason, child.stop_reason = "stop", step.stop_reason
-                        out.append((SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop")))
-                        out.append(
-                            (BUS, Finished(request_id=child.engine_id, reason="stop",
-                                           num_prompt_tokens=len(request.prompt_token_ids),
-                                           num_output_tokens=len(child.token_ids), stop_reason=step.stop_reason))
-                        )
-                        continue
+                if stopped is not None:
+                    child.finish_reason, child.stop_reason = "stop", stopped.stop_reason
+                    if update.finish_reason is not None:
+                        continue  # the scheduler ended it on this very token and said so on the bus
+                    out.append((SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop")))
+                    out.append(
+                        (BUS, Finished(request_id=child.engine_id, reason="stop",
+                                       num_prompt_tokens=len(request.prompt_token_ids),
+                                       num_output_tokens=len(child.token_ids), stop_reason=stopped.stop_reason))
+                    )
+                    continue
             if update.finish_reason is not None:
                 if child.detokenizer is not None:
                     child.text += child.detokenizer.finish()

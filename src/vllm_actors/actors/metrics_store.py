@@ -1,0 +1,866 @@
+"""The metrics store: a pure state machine fed every ``EventBatch`` of the bus, answering queries.
+
+``record`` takes each batch as it comes off the bus; ``query`` answers a ``MetricsQuery`` (the
+only I/O is ``DumpQuery``, which writes a file). No sockets, no clock: the ZMQ shell around it
+subscribes to the bus and serves the queries.
+
+What it keeps, all bounded:
+
+* the event log: the last ``max_events`` events, as (actor, seq, mono, wall, event);
+* per actor: the sequence check (gaps, stale batches, restarts; see ``SequenceTracker``) and the
+  last lifecycle state;
+* per request: its timeline (its request events, TOKENS narrowed to it, and its ALLOCATED / FREED)
+  and the stamps its latencies need; open requests until they end, then the last
+  ``max_finished_requests`` ended ones;
+* running aggregates: counters, gauges (running, waiting, KV blocks in use) and bounded sample
+  windows for the latency percentiles - a summary costs a few small numpy percentiles.
+
+Clocks: ``mono`` orders one actor's events, ``wall`` compares actors. A duration between two
+stamps of the same actor uses ``mono``; across actors (ARRIVED comes from the frontend, FIRST_TOKEN
+from the scheduler) it uses ``wall``. Negative durations (clock skew) are clamped to zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import msgspec
+import numpy as np
+import structlog
+
+from vllm_actors.protocol.events import (
+    ActorCrashed,
+    ActorDraining,
+    ActorReady,
+    ActorStarting,
+    ActorStopped,
+    Aborted,
+    Allocated,
+    Arrived,
+    Event,
+    EventBatch,
+    Finished,
+    FirstToken,
+    Freed,
+    Heartbeat,
+    Preempted,
+    PrefillChunk,
+    Queued,
+    Resumed,
+    Scheduled,
+    StepFinished,
+    StepStarted,
+    Tokens,
+    event_type,
+)
+from vllm_actors.protocol.metrics import (
+    ActorSeen,
+    DumpQuery,
+    DumpReply,
+    ErrorReply,
+    EventsQuery,
+    EventsReply,
+    MetricsCodec,
+    MetricsQuery,
+    MetricsReply,
+    Percentiles,
+    SeenQuery,
+    SeenReply,
+    SummaryQuery,
+    SummaryReply,
+    TimelineEntry,
+    TimelineQuery,
+    TimelineReply,
+    event_json_line,
+)
+
+log = structlog.get_logger(__name__)
+
+CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
+MAX_EVENTS_PER_QUERY = 10_000
+# Over-long timelines drop their high-volume entries first; the rest get this much more room.
+_BULK_TYPES = (Tokens, Allocated, PrefillChunk)
+_TIMELINE_RESERVE = 256
+
+
+def parent_request_id(request_id: str) -> str:
+    """"r#3" -> "r"; an id without the separator is its own parent."""
+    return request_id.rsplit(CHILD_SEPARATOR, 1)[0] if CHILD_SEPARATOR in request_id else request_id
+
+
+# --------------------------------------------------------------------------- sequence numbers
+class SeqVerdict(enum.Enum):
+    FIRST = "first"  # first batch seen of the actor: sets the baseline
+    IN_ORDER = "in_order"
+    GAP = "gap"  # first_seq jumped past the expected one: events were lost
+    STALE = "stale"  # first_seq went backwards: a duplicate or a late batch (its old events skipped)
+    RESTART = "restart"  # the actor's sequence started over: a new baseline
+
+
+@dataclass(frozen=True, slots=True)
+class SeqCheck:
+    verdict: SeqVerdict
+    missed: int = 0  # events lost just before this batch (GAP)
+    skip: int = 0  # leading events of this batch already seen (STALE)
+
+
+class SequenceTracker:
+    """Per actor, the next expected sequence number.
+
+    The first batch of an actor sets its baseline (a subscriber may join mid-stream). A batch
+    starting past the expected number is a gap. A batch starting before it is either a new
+    incarnation of the actor - ``first_seq == 0`` opening with STARTING, or a batch stamped later
+    (``mono`` greater: one incarnation stamps seq and mono together, so a lower seq with a later
+    mono means the numbering started over) - or else stale: its already-seen events are skipped.
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._mono: dict[str, float] = {}
+
+    def expected(self, actor: str) -> int | None:
+        return self._next.get(actor)
+
+    def check(self, batch: EventBatch) -> SeqCheck:
+        """Classify the batch and advance the actor's expected number."""
+        actor, first, count = batch.actor, batch.first_seq, len(batch.events)
+        expected = self._next.get(actor)
+        if expected is None:
+            result = SeqCheck(SeqVerdict.FIRST)
+        elif first == expected:
+            result = SeqCheck(SeqVerdict.IN_ORDER)
+        elif first > expected:
+            result = SeqCheck(SeqVerdict.GAP, missed=first - expected)
+        elif self._is_restart(batch, self._mono[actor]):
+            result = SeqCheck(SeqVerdict.RESTART)
+        else:
+            self._next[actor] = max(expected, first + count)
+            self._mono[actor] = max(self._mono[actor], batch.mono)
+            return SeqCheck(SeqVerdict.STALE, skip=min(count, expected - first))
+        self._next[actor] = first + count
+        self._mono[actor] = batch.mono
+        return result
+
+    @staticmethod
+    def _is_restart(batch: EventBatch, last_mono: float) -> bool:
+        opens_with_starting = bool(batch.events) and isinstance(batch.events[0], ActorStarting)
+        return (batch.first_seq == 0 and opens_with_starting) or batch.mono > last_mono
+
+    def forget(self, actor: str) -> None:
+        self._next.pop(actor, None)
+        self._mono.pop(actor, None)
+
+
+# --------------------------------------------------------------------------- samples
+class Samples:
+    """Count, mean and max of every value; percentiles over the last ``window`` values (linear
+    interpolation, as ``numpy.percentile``'s default), cached until the next value."""
+
+    __slots__ = ("_window", "_cached", "count", "total", "max")
+
+    def __init__(self, window: int) -> None:
+        self._window: deque[float] = deque(maxlen=window)
+        self._cached: Percentiles | None = Percentiles()
+        self.count = 0
+        self.total = 0.0
+        self.max = 0.0
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self._window.append(value)
+        self.total += value
+        self.max = value if self.count == 0 else max(self.max, value)
+        self.count += 1
+        self._cached = None
+
+    def extend(self, values: Iterable[float]) -> None:
+        for value in values:
+            self.add(value)
+
+    def percentiles(self) -> Percentiles:
+        if self._cached is None:
+            ordered = np.sort(np.fromiter(self._window, dtype=np.float64, count=len(self._window)))
+            self._cached = Percentiles(
+                count=self.count, mean=self.total / self.count, p50=_quantile(ordered, 0.50),
+                p90=_quantile(ordered, 0.90), p99=_quantile(ordered, 0.99), max=self.max,
+            )
+        return self._cached
+
+
+def _quantile(ordered: np.ndarray, q: float) -> float:
+    """The q-quantile of sorted values, interpolating linearly between the two nearest ranks."""
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = position - low
+    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+
+
+# --------------------------------------------------------------------------- per request
+Stamp = tuple[str, float, float]  # (actor, mono, wall) of the batch an event came in
+# (global index, actor, seq, mono, wall, event, position in a TOKENS event or -1)
+_Entry = tuple[int, str, int, float, float, Event, int]
+
+
+def elapsed(start: Stamp, end: Stamp) -> float:
+    """Seconds from start to end: mono within one actor, wall across actors; never negative."""
+    seconds = end[1] - start[1] if start[0] == end[0] else end[2] - start[2]
+    return max(seconds, 0.0)
+
+
+class RequestState(str, enum.Enum):
+    NEW = "new"  # seen only through events that do not tell its state (joined late)
+    ARRIVED = "arrived"
+    WAITING = "waiting"
+    RUNNING = "running"
+    LOST = "lost"  # was live when the actor that scheduled it restarted
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ENDED = (RequestState.FINISHED, RequestState.ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    entries: list[_Entry] = field(default_factory=list)
+    dropped: int = 0
+    state: RequestState = RequestState.NEW
+    owner: str | None = None  # the actor that last set WAITING / RUNNING
+    arrived: Stamp | None = None
+    queued: Stamp | None = None
+    scheduled: Stamp | None = None
+    first_token: Stamp | None = None
+    last_token: Stamp | None = None
+    num_output_tokens: int | None = None  # None: unknown (the store joined after its start)
+    prompt_counted: bool = False
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in _ENDED
+
+    @property
+    def saw_start(self) -> bool:
+        return self.arrived is not None or self.queued is not None
+
+
+@dataclass(slots=True)
+class _KvPool:
+    """Blocks one KV-cache actor handed out, per request, from its ALLOCATED / FREED events."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    in_use: int = 0
+    free: int | None = None  # num_free_blocks of its latest event
+
+
+class _Counters(msgspec.Struct, kw_only=True):
+    requests_arrived: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    finished_by_reason: dict[str, int] = {}
+    aborted_by_reason: dict[str, int] = {}
+    requests_lost: int = 0
+    requests_evicted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    prefill_chunks: int = 0
+    steps: int = 0
+    step_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- the store
+class MetricsStore:
+    """Records every event batch of the bus; answers ``MetricsQuery``s with ``MetricsReply``s."""
+
+    def __init__(
+        self,
+        max_events: int = 100_000,
+        max_finished_requests: int = 10_000,
+        *,
+        max_open_requests: int = 50_000,
+        max_timeline_events: int = 2_048,
+        sample_window: int = 10_000,
+    ) -> None:
+        for name, value in (("max_events", max_events), ("max_finished_requests", max_finished_requests),
+                            ("max_open_requests", max_open_requests),
+                            ("max_timeline_events", max_timeline_events), ("sample_window", sample_window)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.max_events = max_events
+        self.max_finished_requests = max_finished_requests
+        self.max_open_requests = max_open_requests
+        self.max_timeline_events = max_timeline_events
+
+        self._history: deque[tuple[str, int, float, float, Event]] = deque(maxlen=max_events)
+        self._num_events = 0  # events applied so far: the global index of the next one
+        self._num_batches = 0
+        self._first_wall: float | None = None
+        self._last_wall: float | None = None
+
+        self._sequences = SequenceTracker()
+        self._actors: dict[str, ActorSeen] = {}
+
+        self._open: dict[str, _Request] = {}  # insertion order: oldest first
+        self._ended: dict[str, _Request] = {}  # insertion order: oldest first
+        self._children: dict[str, set[str]] = {}  # parent id -> child ids with a record
+        self._running: set[str] = set()
+        self._waiting: set[str] = set()
+        self._kv: dict[str, _KvPool] = {}
+
+        self._counters = _Counters()
+        self._ttft = Samples(sample_window)
+        self._itl = Samples(sample_window)
+        self._e2e = Samples(sample_window)
+        self._queue = Samples(sample_window)
+        self._step_ms = Samples(sample_window)
+        self._itl_cap = sample_window
+
+        self._codec = MetricsCodec()
+        self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
+            Arrived: self._on_arrived,
+            Queued: self._on_queued,
+            Scheduled: self._on_admitted,
+            Resumed: self._on_admitted,
+            PrefillChunk: self._on_prefill_chunk,
+            FirstToken: self._on_first_token,
+            Tokens: self._on_tokens,
+            Preempted: self._on_preempted,
+            Finished: self._on_finished,
+            Aborted: self._on_aborted,
+            Allocated: self._on_allocated,
+            Freed: self._on_freed,
+            StepStarted: self._ignore,
+            StepFinished: self._on_step_finished,
+            ActorStarting: self._on_lifecycle,
+            ActorReady: self._on_lifecycle,
+            ActorDraining: self._on_lifecycle,
+            ActorStopped: self._on_lifecycle,
+            ActorCrashed: self._on_lifecycle,
+            Heartbeat: self._on_heartbeat,
+        }
+
+    # ------------------------------------------------------------------ recording
+    def record(self, batch: EventBatch) -> None:
+        """Apply one batch from the bus (in the order the bus delivered it)."""
+        actor = batch.actor
+        seen = self._actors.get(actor)
+        if seen is None:
+            seen = self._actors[actor] = ActorSeen(first_wall=batch.wall)
+        seen.num_batches += 1
+        seen.last_wall = batch.wall
+        self._num_batches += 1
+        if self._first_wall is None:
+            self._first_wall = batch.wall
+        self._last_wall = batch.wall if self._last_wall is None else max(self._last_wall, batch.wall)
+
+        check = self._sequences.check(batch)
+        skip = check.skip
+        if check.verdict is SeqVerdict.GAP:
+            seen.gaps += 1
+            seen.missed += check.missed
+            log.warning("event gap", actor=actor, missed=check.missed, first_seq=batch.first_seq)
+        elif check.verdict is SeqVerdict.STALE:
+            seen.stale_batches += 1
+            seen.stale_events += skip
+            log.info("stale event batch", actor=actor, first_seq=batch.first_seq, skipped=skip)
+        elif check.verdict is SeqVerdict.RESTART:
+            seen.restarts += 1
+            log.warning("actor restarted", actor=actor, first_seq=batch.first_seq)
+            self._on_restart(actor)
+
+        events = batch.events
+        if skip >= len(events):
+            return
+        mono, wall = batch.mono, batch.wall
+        for position in range(skip, len(events)):
+            event = events[position]
+            seq = batch.first_seq + position
+            self._history.append((actor, seq, mono, wall, event))
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(actor, seq, mono, wall, event)
+            self._num_events += 1
+        seen.num_events += len(events) - skip
+        seen.last_seq = batch.first_seq + len(events) - 1
+
+    def _on_restart(self, actor: str) -> None:
+        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
+        lost = [record for record in self._open.values()
+                if record.owner == actor and record.state in (RequestState.WAITING, RequestState.RUNNING)]
+        for record in lost:
+            self._set_state(record, RequestState.LOST, actor)
+        self._counters.requests_lost += len(lost)
+        self._kv.pop(actor, None)
+
+    # ------------------------------------------------------------------ request records
+    def _find(self, request_id: str) -> _Request | None:
+        record = self._open.get(request_id)
+        return record if record is not None else self._ended.get(request_id)
+
+    def _request(self, request_id: str) -> _Request:
+        record = self._find(request_id)
+        if record is None:
+            record = self._open[request_id] = _Request(request_id)
+            if CHILD_SEPARATOR in request_id:
+                self._children.setdefault(parent_request_id(request_id), set()).add(request_id)
+            if len(self._open) > self.max_open_requests:
+                self._evict_open()
+        return record
+
+    def _evict_open(self) -> None:
+        oldest = next(iter(self._open.values()))
+        del self._open[oldest.request_id]
+        self._running.discard(oldest.request_id)
+        self._waiting.discard(oldest.request_id)
+        self._forget_child(oldest.request_id)
+        self._counters.requests_evicted += 1
+        log.info("open request dropped", request_id=oldest.request_id, state=oldest.state.value)
+
+    def _forget_child(self, request_id: str) -> None:
+        if CHILD_SEPARATOR not in request_id:
+            return
+        parent = parent_request_id(request_id)
+        children = self._children.get(parent)
+        if children is not None:
+            children.discard(request_id)
+            if not children:
+                del self._children[parent]
+
+    def _add_entry(self, record: _Request, actor: str, seq: int, mono: float, wall: float, event: Event,
+                   position: int = -1) -> None:
+        size = len(record.entries)
+        if size >= self.max_timeline_events and (
+            isinstance(event, _BULK_TYPES) or size >= self.max_timeline_events + _TIMELINE_RESERVE
+        ):
+            record.dropped += 1
+            return
+        record.entries.append((self._num_events, actor, seq, mono, wall, event, position))
+
+    def _set_state(self, record: _Request, state: RequestState, actor: str) -> None:
+        request_id = record.request_id
+        if record.state is RequestState.RUNNING:
+            self._running.discard(request_id)
+        elif record.state is RequestState.WAITING:
+            self._waiting.discard(request_id)
+        record.state = state
+        record.owner = actor
+        if state is RequestState.RUNNING:
+            self._running.add(request_id)
+        elif state is RequestState.WAITING:
+            self._waiting.add(request_id)
+
+    def _mark_running(self, record: _Request, actor: str) -> None:
+        """Work on a request (a prefill chunk, a token) shows it running, whatever was missed."""
+        if record.state is not RequestState.RUNNING and not record.ended:
+            self._set_state(record, RequestState.RUNNING, actor)
+
+    def _end(self, record: _Request, state: RequestState, actor: str) -> None:
+        self._set_state(record, state, actor)
+        if self._open.pop(record.request_id, None) is None:
+            return
+        self._ended[record.request_id] = record
+        while len(self._ended) > self.max_finished_requests:
+            oldest = next(iter(self._ended.values()))
+            del self._ended[oldest.request_id]
+            self._forget_child(oldest.request_id)
+
+    # ------------------------------------------------------------------ request events
+    def _on_arrived(self, actor: str, seq: int, mono: float, wall: float, event: Arrived) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if record.arrived is None:
+            record.arrived = (actor, mono, wall)
+            self._counters.requests_arrived += 1
+            if not record.prompt_counted:
+                record.prompt_counted = True
+                self._counters.prompt_tokens += max(event.num_prompt_tokens, 0)
+        if record.state is RequestState.NEW:
+            record.state = RequestState.ARRIVED
+
+    def _on_queued(self, actor: str, seq: int, mono: float, wall: float, event: Queued) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if record.queued is None:
+            record.queued = (actor, mono, wall)
+            if record.num_output_tokens is None:
+                record.num_output_tokens = 0
+        if not record.ended:
+            self._set_state(record, RequestState.WAITING, actor)
+
+    def _on_admitted(self, actor: str, seq: int, mono: float, wall: float, event: Scheduled | Resumed) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if isinstance(event, Scheduled) and record.scheduled is None:
+            record.scheduled = (actor, mono, wall)
+        if not record.ended:
+            self._set_state(record, RequestState.RUNNING, actor)
+
+    def _on_preempted(self, actor: str, seq: int, mono: float, wall: float, event: Preempted) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        self._counters.preemptions += 1
+        self._counters.recomputed_tokens += max(event.num_computed_tokens, 0)
+        if not record.ended:
+            self._set_state(record, RequestState.WAITING, actor)
+
+    def _on_prefill_chunk(self, actor: str, seq: int, mono: float, wall: float, event: PrefillChunk) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        self._counters.prefill_chunks += 1
+        self._counters.prefill_tokens += max(event.num_tokens, 0)
+        self._mark_running(record, actor)
+
+    def _on_first_token(self, actor: str, seq: int, mono: float, wall: float, event: FirstToken) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if record.first_token is None:
+            record.first_token = (actor, mono, wall)
+        self._mark_running(record, actor)
+
+    def _on_tokens(self, actor: str, seq: int, mono: float, wall: float, event: Tokens) -> None:
+        stamp = (actor, mono, wall)
+        counts = event.num_output_tokens
+        for position, request_id in enumerate(event.request_ids):
+            record = self._request(request_id)
+            self._add_entry(record, actor, seq, mono, wall, event, position)
+            count = counts[position] if position < len(counts) else None
+            self._counters.generation_tokens += self._new_tokens(record, count)
+            if record.ended:
+                continue  # e.g. the frontend finished it on a stop string while this step ran
+            if record.first_token is None and count == 1:
+                record.first_token = stamp
+            if record.last_token is not None and len(record.itl) < self._itl_cap:
+                record.itl.append(elapsed(record.last_token, stamp))
+            record.last_token = stamp
+            self._mark_running(record, actor)
+
+    @staticmethod
+    def _new_tokens(record: _Request, count: int | None) -> int:
+        """Tokens a TOKENS entry adds: the growth of the request's output length."""
+        if count is None:
+            return 1
+        previous = record.num_output_tokens
+        if previous is None:  # joined late: the earlier outputs were never reported here
+            record.num_output_tokens = count
+            return 1
+        if count <= previous:
+            return 0
+        record.num_output_tokens = count
+        return count - previous
+
+    def _on_finished(self, actor: str, seq: int, mono: float, wall: float, event: Finished) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if record.ended:
+            return
+        counters = self._counters
+        counters.requests_finished += 1
+        counters.finished_by_reason[event.reason] = counters.finished_by_reason.get(event.reason, 0) + 1
+        if not record.prompt_counted:
+            record.prompt_counted = True
+            counters.prompt_tokens += max(event.num_prompt_tokens, 0)
+        self._record_latencies(record, (actor, mono, wall))
+        self._end(record, RequestState.FINISHED, actor)
+
+    def _record_latencies(self, record: _Request, finished: Stamp) -> None:
+        start = record.arrived or record.queued
+        if start is not None:
+            self._e2e.add(elapsed(start, finished))
+            if record.first_token is not None:
+                self._ttft.add(elapsed(start, record.first_token))
+        if record.queued is not None and record.scheduled is not None:
+            self._queue.add(elapsed(record.queued, record.scheduled))
+        self._itl.extend(record.itl)
+        record.itl = []
+
+    def _on_aborted(self, actor: str, seq: int, mono: float, wall: float, event: Aborted) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        if record.ended:
+            return
+        counters = self._counters
+        counters.requests_aborted += 1
+        counters.aborted_by_reason[event.reason] = counters.aborted_by_reason.get(event.reason, 0) + 1
+        record.itl = []
+        self._end(record, RequestState.ABORTED, actor)
+
+    # ------------------------------------------------------------------ KV cache
+    def _on_allocated(self, actor: str, seq: int, mono: float, wall: float, event: Allocated) -> None:
+        record = self._request(event.request_id)
+        self._add_entry(record, actor, seq, mono, wall, event)
+        pool = self._kv.setdefault(actor, _KvPool())
+        count = len(event.block_ids)
+        pool.blocks[event.request_id] = pool.blocks.get(event.request_id, 0) + count
+        pool.in_use += count
+        pool.free = max(event.num_free_blocks, 0)
+
+    def _on_freed(self, actor: str, seq: int, mono: float, wall: float, event: Freed) -> None:
+        record = self._find(event.request_id)  # a FREED never opens a record: nothing to follow
+        if record is not None:
+            self._add_entry(record, actor, seq, mono, wall, event)
+        pool = self._kv.setdefault(actor, _KvPool())
+        held = pool.blocks.get(event.request_id, 0)
+        count = min(max(event.num_blocks, 0), held)  # never below what we saw allocated
+        if count >= held:
+            pool.blocks.pop(event.request_id, None)
+        else:
+            pool.blocks[event.request_id] = held - count
+        pool.in_use -= count
+        pool.free = max(event.num_free_blocks, 0)
+
+    # ------------------------------------------------------------------ worker and lifecycle
+    def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
+        self._counters.steps += 1
+        self._counters.step_tokens += max(event.num_tokens, 0)
+        self._step_ms.add(event.execute_ms)
+
+    def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
+        pass
+
+    def _on_lifecycle(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
+        seen = self._actors[actor]
+        seen.state = event_type(event)
+        if isinstance(event, (ActorStarting, ActorReady)):
+            seen.pid, seen.role = event.pid, event.role
+        elif isinstance(event, ActorCrashed):
+            seen.crashes += 1
+            seen.error = event.error
+
+    def _on_heartbeat(self, actor: str, seq: int, mono: float, wall: float, event: Heartbeat) -> None:
+        seen = self._actors[actor]
+        seen.last_heartbeat_wall = wall
+        seen.pid = event.pid
+
+    # ------------------------------------------------------------------ queries
+    def query(self, query: MetricsQuery) -> MetricsReply:
+        """Answer one query; never raises: a query it cannot answer gets an ``ErrorReply``."""
+        try:
+            if isinstance(query, SummaryQuery):
+                return self.summary()
+            if isinstance(query, TimelineQuery):
+                return self._timeline(query)
+            if isinstance(query, SeenQuery):
+                return self._seen(query)
+            if isinstance(query, EventsQuery):
+                return self._events(query)
+            if isinstance(query, DumpQuery):
+                return self._dump(query)
+            return ErrorReply(message=f"unknown query: {type(query).__name__}")
+        except Exception as exc:  # a query must always get a reply
+            log.exception("query failed", query=type(query).__name__)
+            return ErrorReply(message=f"query failed: {type(exc).__name__}: {exc}")
+
+    def handle(self, data: bytes | memoryview) -> bytes:
+        """A query frame in, the reply frame out (msgpack): what the ZMQ shell serves."""
+        try:
+            query = self._codec.decode_query(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._codec.encode(ErrorReply(message=f"malformed query: {exc}"))
+        return self._codec.encode(self.query(query))
+
+    def summary(self) -> SummaryReply:
+        counters = self._counters
+        in_use = sum(pool.in_use for pool in self._kv.values())
+        total = sum(pool.in_use + pool.free for pool in self._kv.values() if pool.free is not None)
+        total = max(total, in_use)
+        return SummaryReply(
+            num_batches=self._num_batches,
+            num_events=self._num_events,
+            num_retained=len(self._history),
+            first_wall=self._first_wall,
+            last_wall=self._last_wall,
+            requests_arrived=counters.requests_arrived,
+            requests_finished=counters.requests_finished,
+            requests_aborted=counters.requests_aborted,
+            finished_by_reason=dict(counters.finished_by_reason),
+            aborted_by_reason=dict(counters.aborted_by_reason),
+            requests_lost=counters.requests_lost,
+            requests_evicted=counters.requests_evicted,
+            running=len(self._running),
+            waiting=len(self._waiting),
+            open_requests=len(self._open),
+            prompt_tokens=counters.prompt_tokens,
+            generation_tokens=counters.generation_tokens,
+            prefill_tokens=counters.prefill_tokens,
+            recomputed_tokens=counters.recomputed_tokens,
+            preemptions=counters.preemptions,
+            prefill_chunks=counters.prefill_chunks,
+            steps=counters.steps,
+            step_tokens=counters.step_tokens,
+            kv_blocks_in_use=in_use,
+            kv_blocks_total=total,
+            kv_usage=in_use / total if total else 0.0,
+            ttft=self._ttft.percentiles(),
+            itl=self._itl.percentiles(),
+            e2e=self._e2e.percentiles(),
+            queue=self._queue.percentiles(),
+            step_ms=self._step_ms.percentiles(),
+            actors=self._actors_copy(),
+        )
+
+    def _actors_copy(self) -> dict[str, ActorSeen]:
+        return {actor: msgspec.structs.replace(seen) for actor, seen in sorted(self._actors.items())}
+
+    def _seen(self, query: SeenQuery) -> MetricsReply:
+        if query.actor is None:
+            return SeenReply(actors=self._actors_copy())
+        if not isinstance(query.actor, str):
+            return ErrorReply(message="SeenQuery.actor must be a string or None")
+        seen = self._actors.get(query.actor)
+        return SeenReply(actors={} if seen is None else {query.actor: msgspec.structs.replace(seen)})
+
+    def _timeline(self, query: TimelineQuery) -> MetricsReply:
+        request_id = query.request_id
+        if not isinstance(request_id, str) or not request_id:
+            return ErrorReply(message="TimelineQuery.request_id must be a non-empty string")
+        records = []
+        own = self._find(request_id)
+        if own is not None:
+            records.append(own)
+        if query.include_children:
+            for child in sorted(self._children.get(request_id, ()), key=_child_order):
+                record = self._find(child)
+                if record is not None:
+                    records.append(record)
+        if not records:
+            return TimelineReply(request_id=request_id, found=False)
+        entries = sorted((entry for record in records for entry in record.entries), key=lambda entry: entry[0])
+        per_actor: dict[str, list[_Entry]] = {}
+        for entry in entries:  # one actor's entries in the order applied: its sequence order
+            per_actor.setdefault(entry[1], []).append(entry)
+        merged = heapq.merge(*per_actor.values(), key=lambda entry: entry[4])  # across actors: by wall
+        return TimelineReply(
+            request_id=request_id,
+            found=True,
+            events=[_timeline_entry(entry) for entry in merged],
+            dropped=sum(record.dropped for record in records),
+            state=own.state.value if own is not None else None,
+        )
+
+    def _events(self, query: EventsQuery) -> MetricsReply:
+        since, limit = query.since_index, query.limit
+        if not isinstance(since, int) or not isinstance(limit, int) or isinstance(limit, bool):
+            return ErrorReply(message="EventsQuery.since_index and limit must be integers")
+        if limit < 1:
+            return ErrorReply(message=f"EventsQuery.limit must be at least 1, got {limit}")
+        limit = min(limit, MAX_EVENTS_PER_QUERY)
+        end = self._num_events
+        oldest = end - len(self._history)
+        start = max(end + since, 0) if since < 0 else min(since, end)
+        missed = max(oldest - start, 0)
+        start = max(start, oldest)
+        rows = islice(self._history, start - oldest, start - oldest + limit)
+        events = [TimelineEntry(actor=a, seq=s, mono=m, wall=w, type=event_type(e), event=e) for a, s, m, w, e in rows]
+        return EventsReply(first_index=start, next_index=start + len(events), missed=missed, events=events)
+
+    def _dump(self, query: DumpQuery) -> MetricsReply:
+        path = query.path
+        if not isinstance(path, str) or not path:
+            return ErrorReply(message="DumpQuery.path must be a non-empty string")
+        path = os.path.abspath(path)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(temporary, "w", encoding="utf-8") as handle:
+                for actor, seq, mono, wall, event in self._history:
+                    handle.write(event_json_line(actor, seq, mono, wall, event))
+                    handle.write("\n")
+            os.replace(temporary, path)
+        except OSError as exc:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            return ErrorReply(message=f"cannot write {path}: {exc}")
+        log.info("event log dumped", path=path, num_events=len(self._history))
+        return DumpReply(path=path, num_events=len(self._history))
+
+    # ------------------------------------------------------------------ introspection (tests, shells)
+    @property
+    def num_events(self) -> int:
+        return self._num_events
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        record = self._find(request_id)
+        return None if record is None else record.state
+
+
+def _child_order(request_id: str) -> tuple[int, str]:
+    suffix = request_id.rsplit(CHILD_SEPARATOR, 1)[1]
+    return (int(suffix), "") if suffix.isdigit() else (1 << 62, suffix)
+
+
+def _timeline_entry(entry: _Entry) -> TimelineEntry:
+    _, actor, seq, mono, wall, event, position = entry
+    if position >= 0 and isinstance(event, Tokens):  # narrowed to the one request
+        counts = event.num_output_tokens
+        event = Tokens(step_id=event.step_id, request_ids=[event.request_ids[position]],
+                       num_output_tokens=[counts[position]] if position < len(counts) else [])
+    return TimelineEntry(actor=actor, seq=seq, mono=mono, wall=wall, type=event_type(event), event=event)
+
+
+# --------------------------------------------------------------------------- text
+def _format_percentiles(name: str, values: Percentiles, scale: float, unit: str) -> str:
+    if values.count == 0:
+        return f"  {name:<10} {0:>8}        -"
+    cells = " ".join(f"{value * scale:>9.2f}" for value in (values.mean, values.p50, values.p90, values.p99, values.max))
+    return f"  {name:<10} {values.count:>8} {cells} {unit}"
+
+
+def _format_reasons(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items())) or "-"
+
+
+def summary_text(reply: SummaryReply) -> str:
+    """The human-readable summary ``vllm-actors stats`` prints (multi-line, no trailing newline)."""
+    gaps = sum(seen.gaps for seen in reply.actors.values())
+    missed = sum(seen.missed for seen in reply.actors.values())
+    lines = [
+        f"events     {reply.num_events} in {reply.num_batches} batches ({reply.num_retained} retained), "
+        f"{gaps} gaps ({missed} events missed)",
+        f"requests   arrived {reply.requests_arrived}, running {reply.running}, waiting {reply.waiting}, "
+        f"open {reply.open_requests}",
+        f"           finished {reply.requests_finished} ({_format_reasons(reply.finished_by_reason)}), "
+        f"aborted {reply.requests_aborted} ({_format_reasons(reply.aborted_by_reason)})"
+        + (f", lost {reply.requests_lost}" if reply.requests_lost else "")
+        + (f", dropped {reply.requests_evicted}" if reply.requests_evicted else ""),
+        f"tokens     prompt {reply.prompt_tokens}, generated {reply.generation_tokens}, "
+        f"prefill computed {reply.prefill_tokens}, recomputed {reply.recomputed_tokens}",
+        f"steps      {reply.steps} ({reply.step_tokens} tokens), prefill chunks {reply.prefill_chunks}, "
+        f"preemptions {reply.preemptions}",
+        f"kv cache   {reply.kv_blocks_in_use}/{reply.kv_blocks_total} blocks in use ({reply.kv_usage:.1%})",
+        f"latency    {'count':>8} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}",
+        _format_percentiles("ttft", reply.ttft, 1e3, "ms"),
+        _format_percentiles("itl", reply.itl, 1e3, "ms"),
+        _format_percentiles("e2e", reply.e2e, 1.0, "s"),
+        _format_percentiles("queue", reply.queue, 1e3, "ms"),
+        _format_percentiles("step", reply.step_ms, 1.0, "ms"),
+        "actors",
+    ]
+    if not reply.actors:
+        lines.append("  (none seen)")
+    width = max((len(actor) for actor in reply.actors), default=0)
+    for actor, seen in reply.actors.items():
+        line = (f"  {actor:<{width}}  {seen.state or '?':<8} seq {seen.last_seq}, {seen.num_events} events, "
+                f"{seen.gaps} gaps ({seen.missed} missed)")
+        if seen.stale_batches:
+            line += f", {seen.stale_batches} stale batches"
+        if seen.restarts:
+            line += f", {seen.restarts} restarts"
+        if seen.crashes:
+            line += f", {seen.crashes} crashes, last: {seen.error}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""Metrics store wire contract: queries, replies, and the JSON-lines form of one recorded event.
+
+A client (``vllm-actors stats``, ``timeline``, ``dump``...) sends one ``MetricsQuery`` and gets one
+``MetricsReply``; both are tagged msgspec Structs, msgpack on the wire (``MetricsCodec``), decoded
+strictly. A store that cannot answer - a malformed query, a dump it cannot write - replies
+``ErrorReply``; it never drops a query without a reply.
+
+The JSON-lines form (``event_json_line``) is shared by the store's dump and by ``tap --json``:
+one flat object per event, ``{"actor", "seq", "mono", "wall", "type", ...the event's fields}``;
+``parse_event_json_line`` reads it back into the same event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from vllm_actors.protocol.events import Event
+
+METRICS_PROTOCOL_VERSION = 1
+
+# Keys the JSON-lines form puts before the event's own fields (no event has a field of that name).
+RECORD_KEYS = ("actor", "seq", "mono", "wall")
+
+
+# --------------------------------------------------------------------------- queries
+class TimelineQuery(msgspec.Struct, tag="timeline_query", kw_only=True):
+    """Every retained event of one request; with ``include_children`` a parent id also gathers
+    the events of its n>1 children ``"<id>#<index>"``."""
+
+    request_id: str
+    include_children: bool = True
+
+
+class SummaryQuery(msgspec.Struct, tag="summary_query", kw_only=True):
+    pass
+
+
+class SeenQuery(msgspec.Struct, tag="seen_query", kw_only=True):
+    """What the store has seen of one actor (or of every actor when ``actor`` is None)."""
+
+    actor: str | None = None
+
+
+class DumpQuery(msgspec.Struct, tag="dump_query", kw_only=True):
+    """Write the whole retained event log to ``path`` (on the store's host) as JSON lines."""
+
+    path: str
+
+
+class EventsQuery(msgspec.Struct, tag="events_query", kw_only=True):
+    """Retained events from global index ``since_index`` on (a negative index counts from the
+    end: -100 is the last 100 events), at most ``limit`` of them. For polling: pass back
+    ``EventsReply.next_index``."""
+
+    since_index: int = 0
+    limit: int = 1000
+
+
+MetricsQuery = TimelineQuery | SummaryQuery | SeenQuery | DumpQuery | EventsQuery
+
+ALL_QUERIES: tuple[type[msgspec.Struct], ...] = (TimelineQuery, SummaryQuery, SeenQuery, DumpQuery, EventsQuery)
+
+
+# --------------------------------------------------------------------------- reply parts
+class TimelineEntry(msgspec.Struct, kw_only=True):
+    """One event as recorded: who published it, its sequence number and the batch's clocks.
+    In a timeline, a TOKENS event is narrowed to the one request (``request_ids == [id]``)."""
+
+    actor: str
+    seq: int
+    mono: float
+    wall: float
+    type: str
+    event: Event
+
+
+class Percentiles(msgspec.Struct, kw_only=True, frozen=True):
+    """``count``, ``mean`` and ``max`` cover every sample ever recorded; the percentiles cover
+    the most recent samples (a bounded window). All zero while ``count`` is 0."""
+
+    count: int = 0
+    mean: float = 0.0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+
+
+class ActorSeen(msgspec.Struct, kw_only=True):
+    """The store's view of one actor's event stream and lifecycle."""
+
+    last_seq: int = -1  # sequence number of the last event applied (-1: none yet)
+    num_events: int = 0  # events applied
+    num_batches: int = 0
+    gaps: int = 0  # times the sequence jumped forward
+    missed: int = 0  # events lost in those jumps
+    stale_batches: int = 0  # batches that went backwards (duplicates, late arrivals)
+    stale_events: int = 0  # events of those batches that were skipped
+    restarts: int = 0  # times the sequence restarted (a new incarnation of the actor)
+    first_wall: float = 0.0
+    last_wall: float = 0.0  # wall clock of the last batch: a liveness hint
+    state: str | None = None  # last lifecycle event: STARTING, READY, DRAINING, STOPPED, CRASHED
+    role: str | None = None
+    pid: int | None = None
+    crashes: int = 0
+    error: str | None = None  # message of the last crash
+    last_heartbeat_wall: float | None = None
+
+
+# --------------------------------------------------------------------------- replies
+class TimelineReply(msgspec.Struct, tag="timeline_reply", kw_only=True):
+    request_id: str
+    found: bool
+    events: list[TimelineEntry] = []
+    dropped: int = 0  # TOKENS entries left out of over-long timelines
+    state: str | None = None  # "arrived", "waiting", "running", "finished", "aborted", "lost"
+
+
+class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
+    # the event log
+    num_batches: int = 0
+    num_events: int = 0  # events applied (stale duplicates not counted)
+    num_retained: int = 0  # events still in the bounded history
+    first_wall: float | None = None
+    last_wall: float | None = None
+    # requests
+    requests_arrived: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    finished_by_reason: dict[str, int] = {}
+    aborted_by_reason: dict[str, int] = {}
+    requests_lost: int = 0  # live when their scheduler restarted
+    requests_evicted: int = 0  # open timelines dropped to stay within bounds (end never seen)
+    running: int = 0
+    waiting: int = 0
+    open_requests: int = 0  # requests not yet ended (timelines kept open)
+    # tokens and steps
+    prompt_tokens: int = 0  # prompts of arrived requests (of finished ones when ARRIVED was missed)
+    generation_tokens: int = 0  # tokens reported by TOKENS events
+    prefill_tokens: int = 0  # prompt tokens computed (PREFILL_CHUNK), recomputation included
+    recomputed_tokens: int = 0  # computed tokens thrown away by preemptions
+    preemptions: int = 0
+    prefill_chunks: int = 0
+    steps: int = 0  # STEP_FINISHED events
+    step_tokens: int = 0  # tokens computed by those steps
+    # KV cache (summed over the actors that publish ALLOCATED / FREED)
+    kv_blocks_in_use: int = 0
+    kv_blocks_total: int = 0
+    kv_usage: float = 0.0
+    # latencies, seconds; step execution time, milliseconds
+    ttft: Percentiles = Percentiles()
+    itl: Percentiles = Percentiles()
+    e2e: Percentiles = Percentiles()
+    queue: Percentiles = Percentiles()
+    step_ms: Percentiles = Percentiles()
+    actors: dict[str, ActorSeen] = {}
+
+
+class SeenReply(msgspec.Struct, tag="seen_reply", kw_only=True):
+    actors: dict[str, ActorSeen]
+
+
+class DumpReply(msgspec.Struct, tag="dump_reply", kw_only=True):
+    path: str
+    num_events: int
+
+
+class EventsReply(msgspec.Struct, tag="events_reply", kw_only=True):
+    first_index: int  # global index of events[0]
+    next_index: int  # pass as since_index to get what follows
+    missed: int  # events asked for that the bounded history no longer holds
+    events: list[TimelineEntry]
+
+
+class ErrorReply(msgspec.Struct, tag="error_reply", kw_only=True):
+    message: str
+
+
+MetricsReply = TimelineReply | SummaryReply | SeenReply | DumpReply | EventsReply | ErrorReply
+
+ALL_REPLIES: tuple[type[msgspec.Struct], ...] = (
+    TimelineReply, SummaryReply, SeenReply, DumpReply, EventsReply, ErrorReply,
+)
+
+
+class MetricsCodec:
+    """msgpack encoding of queries and replies; strict decoding (raises ``msgspec.DecodeError``
+    or ``msgspec.ValidationError``)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._query_decoder = msgspec.msgpack.Decoder(MetricsQuery)
+        self._reply_decoder = msgspec.msgpack.Decoder(MetricsReply)
+
+    def encode(self, message: MetricsQuery | MetricsReply) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_query(self, data: bytes | memoryview) -> MetricsQuery:
+        return self._query_decoder.decode(data)
+
+    def decode_reply(self, data: bytes | memoryview) -> MetricsReply:
+        return self._reply_decoder.decode(data)
+
+
+# --------------------------------------------------------------------------- JSON lines
+_json_encoder = msgspec.json.Encoder()
+
+
+def event_record(actor: str, seq: int, mono: float, wall: float, event: Event) -> dict[str, Any]:
+    """The flat dict of one recorded event: actor, seq, mono, wall, type, then the event's fields."""
+    record: dict[str, Any] = {"actor": actor, "seq": seq, "mono": mono, "wall": wall}
+    record.update(msgspec.to_builtins(event))  # the tag comes first, as "type"
+    return record
+
+
+def event_json_line(actor: str, seq: int, mono: float, wall: float, event: Event) -> str:
+    """One JSON object (no trailing newline)."""
+    return _json_encoder.encode(event_record(actor, seq, mono, wall, event)).decode()
+
+
+def parse_event_json_line(line: str | bytes) -> tuple[str, int, float, float, Event]:
+    """Inverse of ``event_json_line``: (actor, seq, mono, wall, event); raises
+    ``msgspec.DecodeError`` / ``msgspec.ValidationError`` / ``KeyError`` on a malformed line."""
+    record = msgspec.json.decode(line)
+    if not isinstance(record, dict):
+        raise msgspec.ValidationError("an event line must be a JSON object")
+    actor = msgspec.convert(record.pop("actor"), str)
+    seq = msgspec.convert(record.pop("seq"), int)
+    mono = msgspec.convert(record.pop("mono"), float)
+    wall = msgspec.convert(record.pop("wall"), float)
+    event: Event = msgspec.convert(record, Event)  # type: ignore[arg-type]
+    return actor, seq, mono, wall, event

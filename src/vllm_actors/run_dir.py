@@ -1,0 +1,108 @@
+"""The run directory of a process group: private (mode 0700), short (IPC socket paths are limited
+to about 100 bytes), and holding ``group.json`` - the addresses a tap or a client needs to attach.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+GROUP_FILE = "group.json"
+
+
+class GroupAddresses(msgspec.Struct, kw_only=True):
+    bus_in: str  # XSUB side of the event bus: actors PUBlish here
+    bus_out: str  # XPUB side: the metrics store and taps SUBscribe here
+    metrics: str  # the metrics store's query socket (ROUTER)
+    scheduler: str  # ROUTER: clients submit and abort here
+    kv_cache_manager: str
+    workers: list[str]
+
+
+class GroupInfo(msgspec.Struct, kw_only=True):
+    pid: int  # the supervisor's
+    run_dir: str
+    model: str
+    addresses: GroupAddresses
+    worker: dict[str, object] = {}  # what the worker reported: KV pool, model facts
+    max_model_len: int = 0
+    tokenizer: str | None = None  # where clients load the tokenizer from (None: skip_tokenizer_init)
+
+
+def runs_root() -> Path:
+    """``$VLLM_ACTORS_RUN_ROOT`` or ``/tmp/vllm-actors-<uid>``, created private."""
+    root = Path(os.environ.get("VLLM_ACTORS_RUN_ROOT") or f"{tempfile.gettempdir()}/vllm-actors-{os.getuid()}")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if root.stat().st_uid != os.getuid():
+        raise PermissionError(f"{root} belongs to another user")
+    os.chmod(root, 0o700)
+    return root
+
+
+def make_run_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="g", dir=runs_root()))
+    os.chmod(path, 0o700)
+    return path
+
+
+def _free_tcp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None) -> GroupAddresses:
+    """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given."""
+    names = ["bus_in", "bus_out", "metrics", "scheduler", "kv_cache_manager"] + [
+        f"worker-{rank}" for rank in range(num_workers)
+    ]
+    if tcp_host is None:
+        endpoints = {name: f"ipc://{run_dir}/{name}" for name in names}
+    else:
+        endpoints = {name: f"tcp://{tcp_host}:{_free_tcp_port(tcp_host)}" for name in names}
+    return GroupAddresses(
+        bus_in=endpoints["bus_in"],
+        bus_out=endpoints["bus_out"],
+        metrics=endpoints["metrics"],
+        scheduler=endpoints["scheduler"],
+        kv_cache_manager=endpoints["kv_cache_manager"],
+        workers=[endpoints[f"worker-{rank}"] for rank in range(num_workers)],
+    )
+
+
+def write_group_info(info: GroupInfo) -> None:
+    path = Path(info.run_dir) / GROUP_FILE
+    temporary = path.with_suffix(".tmp")
+    temporary.write_bytes(msgspec.json.encode(info))
+    temporary.replace(path)
+
+
+def read_group_info(run_dir: str | Path) -> GroupInfo:
+    return msgspec.json.decode(Path(run_dir, GROUP_FILE).read_bytes(), type=GroupInfo)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_running_group() -> GroupInfo:
+    """The most recently started group whose supervisor is alive."""
+    candidates = sorted(runs_root().glob(f"*/{GROUP_FILE}"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in candidates:
+        try:
+            info = read_group_info(path.parent)
+        except (OSError, msgspec.DecodeError):
+            continue
+        if _alive(info.pid):
+            return info
+    raise FileNotFoundError(f"no running vllm-actors group under {runs_root()}; pass --run-dir or --address")

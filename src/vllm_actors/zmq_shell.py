@@ -1,0 +1,226 @@
+"""The thin ZMQ shell that runs one actor's state machine in its own process.
+
+Sockets: a ROUTER bound at the actor's address receives commands ([sender identity, payload]);
+one DEALER per peer (identity = this actor's id) sends to the peers' ROUTERs; a PUB connected to
+the bus publishes one ``EventBatch`` per handled message. Frames are decoded strictly: a frame
+that does not decode, a message type this actor does not take, or one from a sender that may not
+send it, is logged and dropped; a message the state machine rejects (ValueError and kin) likewise.
+The actor never dies of a peer's or client's mistake.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
+from vllm_actors.transport import Actor, EventStamper, split_events
+
+log = structlog.get_logger(__name__)
+
+EVENT_HWM = 100_000  # event batches queued per subscriber before the bus drops (a visible gap)
+COMMAND_HWM = 100_000
+FRONTEND = "frontend"
+
+# Which senders may send which message type to an actor; None means any sender (clients).
+AcceptRules = Mapping[type, frozenset[bytes] | None]
+
+
+class EventPublisher:
+    """PUB socket to the bus; stamps and sends one batch per call. Topic = actor id."""
+
+    def __init__(self, context: zmq.Context, bus_in: str, actor_id: str) -> None:
+        self.socket = context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.SNDHWM, EVENT_HWM)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(bus_in)
+        self.stamper = EventStamper(actor_id)
+        self._topic = actor_id.encode()
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def publish(self, events: list[Any]) -> EventBatch | None:
+        if not events:
+            return None
+        batch = self.stamper.stamp(events)
+        self.socket.send_multipart([self._topic, self._encoder.encode(batch)])
+        return batch
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ClientReplies:
+    """The scheduler's memory of which client submitted which request, so that each client gets
+    the updates of its own requests only."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, bytes] = {}
+
+    def observe(self, sender: bytes, message: Any) -> None:
+        if isinstance(message, AddRequest):
+            self._owner[message.request_id] = sender
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self._owner.pop(request_id, None)
+
+    def split(self, updates: RequestUpdates) -> dict[bytes, RequestUpdates]:
+        grouped: dict[bytes, list[Any]] = defaultdict(list)
+        for update in updates.updates:
+            owner = self._owner.get(update.request_id)
+            if owner is None:
+                continue
+            grouped[owner].append(update)
+            if update.finish_reason is not None:
+                del self._owner[update.request_id]
+        return {owner: RequestUpdates(step_id=updates.step_id, updates=batch) for owner, batch in grouped.items()}
+
+
+class ActorShell:
+    def __init__(
+        self,
+        context: zmq.Context,
+        actor: Actor,
+        actor_id: str,
+        inbox: str,
+        bus_in: str,
+        peers: Mapping[str, list[str]],
+        accepts: AcceptRules,
+    ) -> None:
+        self.actor = actor
+        self.actor_id = actor_id
+        self.codec = MessageCodec()
+        self.accepts = accepts
+        self.num_dropped = 0
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.RCVHWM, COMMAND_HWM)
+        self.router.setsockopt(zmq.SNDHWM, COMMAND_HWM)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(inbox)
+        self.peers: dict[str, list[zmq.Socket]] = {}
+        for name, addresses in peers.items():
+            sockets = []
+            for address in addresses:
+                dealer = context.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
+                dealer.setsockopt(zmq.SNDHWM, COMMAND_HWM)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(address)
+                sockets.append(dealer)
+            self.peers[name] = sockets
+        self.publisher = EventPublisher(context, bus_in, actor_id)
+        self.replies = ClientReplies()
+        self.after_handle: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event, idle: Callable[[], None] | None = None) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not stop.is_set():
+            if not poller.poll(100):
+                if idle is not None:
+                    idle()
+                continue
+            # Drain what is queued before polling again.
+            while not stop.is_set():
+                try:
+                    frames = self.router.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.receive(frames)
+
+    def receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._drop("wrong frame count", sender=frames[0] if frames else b"", frames=len(frames))
+            return
+        sender, payload = frames
+        try:
+            message = self.codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            self._drop("undecodable frame", sender=sender, size=len(payload), error=str(error))
+            return
+        kind = type(message)
+        if kind not in self.accepts:
+            self._drop("message type not taken here", sender=sender, type=kind.__name__)
+            return
+        allowed = self.accepts[kind]
+        if allowed is not None and sender not in allowed:
+            self._drop("sender may not send this", sender=sender, type=kind.__name__)
+            return
+        try:
+            outputs = self.actor.handle(message)
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            self._drop("message rejected by the state machine", sender=sender, type=kind.__name__, error=str(error))
+            return
+        self.replies.observe(sender, message)
+        self.dispatch(outputs)
+        if self.after_handle is not None:
+            self.after_handle()
+
+    def dispatch(self, outputs: list[tuple[str, Any]]) -> None:
+        messages, events = split_events(outputs)
+        for destination, message in messages:
+            if destination == FRONTEND and isinstance(message, RequestUpdates):
+                for owner, updates in self.replies.split(message).items():
+                    self.router.send_multipart([owner, self.codec.encode(updates)])
+                continue
+            sockets = self.peers.get(destination)
+            if not sockets:
+                log.error("no route", actor=self.actor_id, destination=destination)
+                continue
+            payload = self.codec.encode(message)
+            for socket in sockets:  # several workers of one replica all get the plan
+                socket.send(payload, copy=False)
+        self.publisher.publish(events)
+
+    def _drop(self, why: str, sender: bytes, **fields: object) -> None:
+        self.num_dropped += 1
+        log.warning("frame dropped", actor=self.actor_id, why=why, sender=sender[:64], **fields)
+
+    def close(self) -> None:
+        for sockets in self.peers.values():
+            for socket in sockets:
+                socket.close()
+        self.router.close()
+        self.publisher.close()
+
+
+def wait_until_seen(
+    publisher: EventPublisher,
+    context: zmq.Context,
+    metrics_address: str,
+    actor_id: str,
+    timeout: float,
+    make_event: Callable[[], Any],
+) -> None:
+    """Publish until the metrics store reports having seen this actor (PUB/SUB drops what is sent
+    before the subscription reaches the publisher: the slow-joiner problem)."""
+    from vllm_actors.protocol.metrics import MetricsCodec, SeenQuery
+
+    codec = MetricsCodec()
+
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(metrics_address)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            publisher.publish([make_event()])
+            dealer.send(codec.encode(SeenQuery(actor=actor_id)))
+            if dealer.poll(200):
+                reply = codec.decode_reply(dealer.recv())
+                seen = getattr(reply, "actors", {}).get(actor_id)
+                if seen is not None and seen.num_events > 0:
+                    return
+            time.sleep(0.02)
+        raise TimeoutError(f"the metrics store did not see {actor_id}'s events within {timeout:.0f} s")
+    finally:
+        dealer.close()

@@ -1,0 +1,244 @@
+"""The actor system for real: a supervised process group over ZMQ, the bus, the metrics store."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from lifecycle import check_against_outputs, check_sequences, check_story, request_stories
+from vllm_actors import LLM, SamplingParams
+from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.events import EventBatch, event_type
+from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
+from vllm_actors.protocol.metrics import SeenQuery
+from vllm_actors.supervisor import ActorStartError, ProcessGroup
+from vllm_actors.config import EngineConfig
+
+ENGINE_ACTORS = ("worker-0", "kv_cache_manager", "scheduler")
+
+
+class BusRecorder:
+    """A subscriber on the bus, in a thread: records every batch (optionally by topic prefix)."""
+
+    def __init__(self, address: str, topic: bytes = b"") -> None:
+        self.batches: list[EventBatch] = []
+        self._stop = threading.Event()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._decoder = msgspec.msgpack.Decoder(EventBatch)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(50):
+                frames = self._socket.recv_multipart()
+                self.batches.append(self._decoder.decode(frames[-1]))
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.batches):
+            assert time.monotonic() < deadline, "timed out waiting for events"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3: Path):
+    with LLM(str(tiny_qwen3), dtype="float32", num_gpu_blocks_override=20, max_num_batched_tokens=48) as engine:
+        yield engine
+
+
+def _prompts(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1, 300) for _ in range(rng.randint(4, 90))]} for _ in range(count)]
+
+
+def settled(recorder: BusRecorder, outputs) -> None:
+    """Wait until the terminal events of all outputs' requests are on the recorder."""
+    wanted = {o.request_id if len(o.outputs) == 1 else f"{o.request_id}#{c.index}" for o in outputs for c in o.outputs}
+
+    def done(batches: list[EventBatch]) -> bool:
+        ended = {e.request_id for b in batches for e in b.events if event_type(e) in ("FINISHED", "ABORTED")}
+        return wanted <= ended
+
+    recorder.wait_for(done)
+
+
+def test_every_request_story_reaches_the_bus_and_the_store(llm: LLM) -> None:
+    recorder = BusRecorder(llm.group.addresses.bus_out)
+    time.sleep(0.3)  # let the subscription reach the bus before the run starts
+    try:
+        outputs = llm.generate(_prompts(10, seed=1), [
+            SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(10)
+        ], use_tqdm=False)
+        settled(recorder, outputs)
+        counts = check_sequences(recorder.batches)
+        assert set(ENGINE_ACTORS) <= set(counts)
+        stories = request_stories(recorder.batches)
+        check_against_outputs(stories, outputs)
+        kinds = {event_type(e) for b in recorder.batches for e in b.events}
+        assert {"PREEMPTED", "RESUMED", "ALLOCATED", "FREED", "STEP_STARTED", "STEP_FINISHED"} <= kinds
+    finally:
+        recorder.close()
+    # The metrics store has the same stories, no gaps from any actor, and the client's view.
+    metrics = llm.get_metrics()
+    for actor in ENGINE_ACTORS:
+        seen = metrics.actors[actor]
+        assert seen.gaps == 0 and seen.missed == 0 and seen.state == "READY", (actor, seen)
+    for output in outputs:
+        timeline = llm.get_timeline(output.request_id)
+        kinds = [entry.type for entry in timeline.events]
+        assert timeline.found and kinds[0] == "ARRIVED" and kinds[-1] in ("FINISHED", "FREED"), kinds
+        finished = next(e.event for e in timeline.events if e.type == "FINISHED")
+        assert finished.num_output_tokens == len(output.outputs[0].token_ids)
+    assert metrics.kv_blocks_in_use == 0
+
+
+def test_a_tap_joining_mid_run_sees_the_rest_without_gaps(llm: LLM) -> None:
+    everything = BusRecorder(llm.group.addresses.bus_out)
+    time.sleep(0.3)
+    late: list[BusRecorder] = []
+
+    def join_later() -> None:
+        everything.wait_for(lambda batches: sum(len(b.events) for b in batches) > 40)
+        late.append(BusRecorder(llm.group.addresses.bus_out))
+        late.append(BusRecorder(llm.group.addresses.bus_out, topic=b"worker"))
+
+    joiner = threading.Thread(target=join_later)
+    joiner.start()
+    try:
+        outputs = llm.generate(_prompts(12, seed=2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)
+        joiner.join()
+        settled(everything, outputs)
+        all_tap, worker_tap = late
+        settled(all_tap, outputs)
+        time.sleep(0.3)
+        assert all_tap.batches and worker_tap.batches
+        check_sequences(all_tap.batches)  # no gap from the first batch each actor showed it
+        check_sequences(worker_tap.batches)
+        assert {b.actor for b in worker_tap.batches} == {"worker-0"}
+        # For every actor, the late tap saw exactly the tail of what the early one saw.
+        for actor in {b.actor for b in all_tap.batches}:
+            seen_late = [b.first_seq for b in all_tap.batches if b.actor == actor]
+            seen_early = [b.first_seq for b in everything.batches if b.actor == actor and b.first_seq >= seen_late[0]]
+            assert seen_late == seen_early, actor
+    finally:
+        for recorder in [everything, *late]:
+            recorder.close()
+
+
+MALFORMED = [
+    [b"\x00\xffnot msgpack at all"],
+    [MessageCodec().encode(StepPlan(step_id=1, req_ids=["x"], num_tokens=[1], num_blocks=[1]))[:-4]],
+    [msgspec.msgpack.encode({"type": "step_plan", "step_id": "one"})],
+    [msgspec.msgpack.encode({"type": "add_request", "request_id": 5})],
+    [b"two", b"extra frames"],
+    [MessageCodec().encode(StepResult(step_id=999, req_ids=["ghost"], token_ids=[1]))],  # from a stranger
+    [MessageCodec().encode(StepPlan(step_id=7, req_ids=["ghost"], num_tokens=[3], num_blocks=[2]))],
+    [MessageCodec().encode(AddRequest(request_id="evil", prompt_token_ids=[], params=SamplingParams(),
+                                      eos_token_ids=[]))],  # empty prompt: rejected with an error update
+]
+
+
+def test_malformed_frames_are_dropped_and_every_actor_keeps_serving(llm: LLM) -> None:
+    addresses = llm.group.addresses
+    context = zmq.Context.instance()
+    rng = random.Random(3)
+    for address in (addresses.scheduler, addresses.kv_cache_manager, *addresses.workers, addresses.metrics):
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        for frames in MALFORMED + [[bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))] for _ in range(20)]:
+            dealer.send_multipart(frames)
+        dealer.close()
+    # Bad events on the bus too.
+    publisher = context.socket(zmq.PUB)
+    publisher.connect(addresses.bus_in)
+    time.sleep(0.2)
+    publisher.send_multipart([b"scheduler", b"\x93garbage"])
+    publisher.close(linger=500)
+    time.sleep(0.5)
+    assert all(llm.group.alive().values()), llm.group.alive()
+    output = llm.generate("still serving", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 5
+    assert all(llm.group.alive().values())
+    assert llm.engine.query_metrics(SeenQuery(actor="scheduler")).actors["scheduler"].state == "READY"
+
+
+def test_start_failure_names_the_actor_and_leaves_nothing(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path / "no-such-model"))
+    group = ProcessGroup(config, start_timeout=120)
+    run_dir = group.run_dir
+    with pytest.raises(ActorStartError, match="worker-0") as error:
+        group.start()
+    assert "no-such-model" in str(error.value)
+    assert not run_dir.exists()
+    assert not any(group.alive().values())
+
+
+SUPERVISOR_SCRIPT = """
+import json, os, sys, time
+from vllm_actors.config import EngineConfig
+from vllm_actors.supervisor import ProcessGroup
+group = ProcessGroup(EngineConfig(model=sys.argv[1], num_gpu_blocks_override=16)).start()
+print(json.dumps({"pids": list(group.pids().values()), "run_dir": str(group.run_dir)}), flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)  # no shutdown(): the finalizer must stop the group at interpreter exit
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie (exited, not reaped because its parent is gone and init reaps later) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_no_actor_survives_its_supervisor(how: str, tiny_qwen3: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, str(tiny_qwen3), how],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(parent.stdout.readline())
+        pids = started["pids"]
+        assert len(pids) == 5
+        if how == "sigkill":
+            parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, [pid for pid in pids if not _gone(pid)]
+            time.sleep(0.1)
+        if how == "exit":
+            assert not Path(started["run_dir"]).exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
