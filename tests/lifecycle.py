@@ -86,3 +86,16 @@ def check_against_outputs(stories: dict[str, list[tuple[str, object]]], outputs:
                 assert last.num_output_tokens == len(completion.token_ids), (engine_id, last)
             else:
                 assert completion.finish_reason == "abort", (engine_id, completion.finish_reason)
+
+
+def settled_metrics(llm, predicate, timeout: float = 10.0):  # noqa: ANN001, ANN201
+    """The metrics store hears each actor on its own pipe, a few milliseconds after the client
+    hears the scheduler: wait until ``predicate(summary)`` holds, return the summary."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = llm.get_metrics()
+        if predicate(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)

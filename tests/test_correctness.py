@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lifecycle import settled_metrics
 from vllm_actors import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -71,7 +72,7 @@ def test_greedy_matches_transformers_under_preemption_and_chunking(checkpoint: s
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1),
         use_tqdm=False,
     )
-    metrics = llm.get_metrics()
+    metrics = settled_metrics(llm, lambda m: m.kv_blocks_in_use == 0 and m.requests_finished == len(prompts))
     assert metrics.preemptions > 0, "the KV pool was meant to force preemption"
     assert metrics.prefill_chunks > len(prompts), "the token budget was meant to force chunking"
     assert metrics.kv_blocks_in_use == 0 and metrics.kv_blocks_total == 40

@@ -147,7 +147,8 @@ def run_scenario(store: MetricsStore) -> Bus:
     for request_id, prompt in (("r1", 40), ("r2", 8), ("p#0", 6), ("p#1", 6), ("r3", 5), ("r4", 9999)):
         bus.publish(FRONTEND, Arrived(request_id=request_id, num_prompt_tokens=prompt, max_tokens=3))
     bus.tick()
-    bus.publish(SCHEDULER, *(Queued(request_id=rid, num_waiting=i + 1) for i, rid in enumerate(("r1", "r2", "p#0", "p#1", "r3"))),
+    queued = ("r1", "r2", "p#0", "p#1", "r3")
+    bus.publish(SCHEDULER, *(Queued(request_id=rid, num_waiting=i + 1) for i, rid in enumerate(queued)),
                 Aborted(request_id="r4", reason="error"))
     # step 0: r1 first chunk (32 of 40), r2 whole prompt
     bus.tick()
@@ -250,8 +251,10 @@ def test_scenario_gauges_mid_stream() -> None:
     reply = summary(store)
     assert (reply.running, reply.waiting, reply.kv_blocks_in_use, reply.kv_blocks_total) == (1, 1, 3, 8)
     assert reply.kv_usage == pytest.approx(3 / 8)
-    bus.publish(SCHEDULER, Scheduled(request_id="b", step_id=1), Preempted(request_id="a", step_id=1, num_computed_tokens=4))
-    bus.publish(KV, Freed(request_id="a", num_blocks=3, num_free_blocks=8), Allocated(request_id="b", block_ids=[7], num_free_blocks=7))
+    bus.publish(SCHEDULER, Scheduled(request_id="b", step_id=1),
+                Preempted(request_id="a", step_id=1, num_computed_tokens=4))
+    bus.publish(KV, Freed(request_id="a", num_blocks=3, num_free_blocks=8),
+                Allocated(request_id="b", block_ids=[7], num_free_blocks=7))
     reply = summary(store)
     assert (reply.running, reply.waiting, reply.kv_blocks_in_use) == (1, 1, 1)
     bus.publish(SCHEDULER, Aborted(request_id="a", reason="disconnect"))
@@ -303,8 +306,10 @@ def test_scenario_timelines_complete_and_ordered() -> None:
     # the parent id gathers its children's events; a child id alone gives only its own
     parent = timeline(store, "p")
     assert parent.found and parent.state is None
-    assert {entry.event.request_ids[0] if isinstance(entry.event, Tokens) else entry.event.request_id  # type: ignore[union-attr]
-            for entry in parent.events} == {"p#0", "p#1"}
+    owners = {entry.event.request_ids[0] if isinstance(entry.event, Tokens)
+              else entry.event.request_id  # type: ignore[union-attr]
+              for entry in parent.events}
+    assert owners == {"p#0", "p#1"}
     assert len(parent.events) == len(timeline(store, "p#0").events) + len(timeline(store, "p#1").events)
     assert not timeline(store, "p", include_children=False).found
     assert not timeline(store, "nope").found
@@ -391,8 +396,8 @@ def test_late_joined_store_uses_queued_as_start() -> None:
     bus = Bus(store)
     bus.publish(SCHEDULER, Queued(request_id="x", num_waiting=1), at=1.0)
     bus.publish(SCHEDULER, Scheduled(request_id="x", step_id=0), at=1.5)
-    bus.publish(SCHEDULER, FirstToken(request_id="x", step_id=0), Tokens(step_id=0, request_ids=["x"], num_output_tokens=[1]),
-                at=2.0)
+    bus.publish(SCHEDULER, FirstToken(request_id="x", step_id=0),
+                Tokens(step_id=0, request_ids=["x"], num_output_tokens=[1]), at=2.0)
     bus.publish(SCHEDULER, Finished(request_id="x", reason="stop", num_prompt_tokens=7, num_output_tokens=1), at=2.0)
     # a request already running when the store joined: no start, no latencies, but counted
     bus.publish(SCHEDULER, Tokens(step_id=5, request_ids=["y"], num_output_tokens=[40]), at=3.0)
@@ -527,7 +532,7 @@ def test_finished_timelines_are_bounded() -> None:
     assert (reply.open_requests, reply.waiting, reply.requests_evicted) == (4, 4, 2)
 
 
-def test_long_timelines_drop_tokens_first() -> None:
+def test_long_timelines_are_capped_but_keep_their_lifecycle() -> None:
     store = MetricsStore(max_timeline_events=8)
     bus = Bus(store)
     bus.publish(SCHEDULER, Queued(request_id="a", num_waiting=1), Scheduled(request_id="a", step_id=0))
@@ -535,7 +540,9 @@ def test_long_timelines_drop_tokens_first() -> None:
         bus.publish(SCHEDULER, Tokens(step_id=step, request_ids=["a"], num_output_tokens=[step + 1]))
     bus.publish(SCHEDULER, Finished(request_id="a", reason="length", num_prompt_tokens=1, num_output_tokens=20))
     reply = timeline(store, "a")
-    assert len(reply.events) == 9 and reply.dropped == 14
+    assert len(reply.events) == 2 + 8 + 1 and reply.dropped == 12  # at most 8 TOKENS entries
+    kept = [entry.event.num_output_tokens for entry in reply.events[2:10]]  # type: ignore[union-attr]
+    assert kept == [[n] for n in range(1, 9)]
     assert reply.events[-1].type == "FINISHED"
     assert summary(store).generation_tokens == 20
 
@@ -625,7 +632,8 @@ def lifecycles(draw: st.DrawFn, request_id: str) -> list[tuple[str, Event]]:
         if not admitted:
             admission = Resumed if step else Scheduled
             out.append((SCHEDULER, admission(request_id=request_id, step_id=step)))
-            out.append((SCHEDULER, PrefillChunk(request_id=request_id, step_id=step, start=0, num_tokens=prompt, last=True)))
+            out.append((SCHEDULER, PrefillChunk(request_id=request_id, step_id=step, start=0, num_tokens=prompt,
+                                                last=True)))
             out.append((KV, Allocated(request_id=request_id, block_ids=[0, 1], num_free_blocks=10)))
             blocks, admitted = 2, True
         step += 1
@@ -646,7 +654,8 @@ def lifecycles(draw: st.DrawFn, request_id: str) -> list[tuple[str, Event]]:
         out.append((FRONTEND, Finished(request_id=request_id, reason="stop", num_prompt_tokens=prompt,
                                        num_output_tokens=generated)))
         if admitted:  # the step already running still reports a token
-            out.append((SCHEDULER, Tokens(step_id=step + 1, request_ids=[request_id], num_output_tokens=[generated + 1])))
+            out.append((SCHEDULER, Tokens(step_id=step + 1, request_ids=[request_id],
+                                          num_output_tokens=[generated + 1])))
     else:
         out.append((SCHEDULER, Aborted(request_id=request_id, reason="disconnect", num_output_tokens=generated)))
     if blocks:
@@ -717,7 +726,8 @@ def test_lost_batches_never_break_the_store(
         bus.publish(actor, *events, deliver=not (index < len(lost) and lost[index]))
         assert_gauges_sane(summary(store))
     missed = sum(seen.missed for seen in summary(store).actors.values())
-    delivered = sum(len(batch.events) for index, batch in enumerate(bus.batches) if not (index < len(lost) and lost[index]))
+    delivered = sum(len(batch.events) for index, batch in enumerate(bus.batches)
+                    if not (index < len(lost) and lost[index]))
     assert summary(store).num_events == delivered
     assert missed <= sum(len(batch.events) for batch in bus.batches) - delivered
 
@@ -729,9 +739,11 @@ any_event = st.one_of(
     st.builds(Queued, request_id=request_ids, num_waiting=counts),
     st.builds(Scheduled, request_id=request_ids, step_id=counts),
     st.builds(Resumed, request_id=request_ids, step_id=counts),
-    st.builds(PrefillChunk, request_id=request_ids, step_id=counts, start=counts, num_tokens=counts, last=st.booleans()),
+    st.builds(PrefillChunk, request_id=request_ids, step_id=counts, start=counts, num_tokens=counts,
+              last=st.booleans()),
     st.builds(FirstToken, request_id=request_ids, step_id=counts),
-    st.builds(Tokens, step_id=counts, request_ids=st.lists(request_ids, max_size=4), num_output_tokens=st.lists(counts, max_size=4)),
+    st.builds(Tokens, step_id=counts, request_ids=st.lists(request_ids, max_size=4),
+              num_output_tokens=st.lists(counts, max_size=4)),
     st.builds(Preempted, request_id=request_ids, step_id=counts, num_computed_tokens=counts),
     st.builds(Finished, request_id=request_ids, reason=st.sampled_from(["stop", "length"]), num_prompt_tokens=counts,
               num_output_tokens=counts),

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from lifecycle import check_against_outputs, check_sequences, check_story, request_stories
+from lifecycle import check_against_outputs, check_sequences, check_story, request_stories, settled_metrics
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch, event_type
@@ -242,3 +242,49 @@ def test_no_actor_survives_its_supervisor(how: str, tiny_qwen3: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def _start_tap(run_dir: str, *filters: str) -> subprocess.Popen[str]:
+    tap = subprocess.Popen(
+        [sys.executable, "-m", "vllm_actors", "tap", "--run-dir", run_dir, "--json", "--duration", "60", *filters],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert "tap attached" in tap.stderr.readline()
+    return tap
+
+
+def test_taps_and_stats_from_the_command_line(llm: LLM, tmp_path: Path) -> None:
+    run_dir = str(llm.group.run_dir)
+    finished_tap = _start_tap(run_dir, "--type", "FINISHED")
+    worker_tap = _start_tap(run_dir, "--actor", "worker-0")
+    time.sleep(0.5)  # the subscriptions travel to the bus
+    try:
+        outputs = llm.generate(_prompts(6, seed=4), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)
+        settled_metrics(llm, lambda m: m.kv_blocks_in_use == 0)
+        time.sleep(0.5)
+    finally:
+        for tap in (finished_tap, worker_tap):
+            tap.send_signal(signal.SIGINT)
+    finished_lines = [json.loads(line) for line in finished_tap.communicate(timeout=30)[0].splitlines()]
+    worker_lines = [json.loads(line) for line in worker_tap.communicate(timeout=30)[0].splitlines()]
+    assert {line["type"] for line in finished_lines} == {"FINISHED"}
+    assert {line["request_id"] for line in finished_lines} >= {o.request_id for o in outputs}
+    assert {line["actor"] for line in worker_lines} == {"worker-0"}
+    assert {line["type"] for line in worker_lines} == {"STEP_STARTED", "STEP_FINISHED"}
+    seqs = [line["seq"] for line in worker_lines]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap, no gap line
+
+    base = [sys.executable, "-m", "vllm_actors", "stats", "--run-dir", run_dir]
+    summary = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert "finished" in summary.stdout.lower()
+    as_json = json.loads(subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert as_json["requests_finished"] >= len(outputs) and as_json["kv_blocks_in_use"] == 0
+    timeline = json.loads(subprocess.run([*base, "--timeline", outputs[0].request_id], capture_output=True,
+                                         text=True, timeout=60).stdout)
+    assert timeline["found"] and timeline["events"][0]["type"] == "ARRIVED"
+    dump = tmp_path / "events.jsonl"
+    assert subprocess.run([*base, "--dump", str(dump)], capture_output=True, timeout=60).returncode == 0
+    records = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert {"ARRIVED", "QUEUED", "TOKENS", "FINISHED", "STEP_FINISHED"} <= {r["type"] for r in records}

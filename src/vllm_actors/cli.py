@@ -1,4 +1,4 @@
-"""Command line: ``vllm-actors generate``, ``vllm-actors chat``."""
+"""Command line: ``vllm-actors generate | chat | tap | stats``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,46 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tap(args: argparse.Namespace) -> int:
+    from vllm_actors.tap import locate_group, run_tap
+    from vllm_actors.tap_format import TapFilter
+
+    address = args.address or locate_group(args.run_dir).addresses.bus_out
+    tap_filter = TapFilter(
+        types=set(args.type) if args.type else None,
+        actors=set(args.actor) if args.actor else None,
+        request_ids=set(args.request) if args.request else None,
+    )
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
+    run_tap(address, tap_filter, sys.stdout, as_json=args.json, color=color, max_events=args.count,
+            duration=args.duration)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from vllm_actors.actors.metrics_store import summary_text
+    from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
+    from vllm_actors.tap import locate_group, query_metrics, stats_query
+
+    address = args.address or locate_group(args.run_dir).addresses.metrics
+    reply = query_metrics(address, stats_query(args.timeline, args.dump))
+    if isinstance(reply, ErrorReply):
+        sys.stderr.write(f"error: {reply.message}\n")
+        return 2
+    if isinstance(reply, SummaryReply) and not args.json:
+        sys.stdout.write(summary_text(reply) + "\n")
+    else:
+        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+    return 0
+
+
+def _add_group_location(parser: argparse.ArgumentParser, address_help: str) -> None:
+    parser.add_argument("--run-dir", default=None, help="the group's run directory (default: the newest running group)")
+    parser.add_argument("--address", default=None, help=address_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-actors", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(chat)
     add_sampling_arguments(chat, max_tokens=256)
     chat.set_defaults(func=_chat)
+
+    tap = commands.add_parser("tap", help="print the live event stream of a running group")
+    _add_group_location(tap, "the bus's subscriber endpoint, e.g. ipc:///tmp/.../bus_out or tcp://host:port")
+    tap.add_argument("--json", action="store_true", help="one JSON object per line")
+    tap.add_argument("--type", action="append", help="event type or group (REQUEST, KV, WORKER, ACTOR); repeatable")
+    tap.add_argument("--actor", action="append", help="actor id or pattern (worker-*); repeatable")
+    tap.add_argument("--request", action="append", help="request id; repeatable")
+    tap.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    tap.add_argument("--count", type=int, default=None, help="exit after this many lines")
+    tap.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
+    tap.set_defaults(func=_tap)
+
+    stats = commands.add_parser("stats", help="summary of a running group's metrics store")
+    _add_group_location(stats, "the metrics store's endpoint")
+    stats.add_argument("--json", action="store_true")
+    stats.add_argument("--timeline", metavar="REQUEST_ID", default=None, help="one request's events")
+    stats.add_argument("--dump", metavar="PATH", default=None, help="write the retained event log as JSON lines")
+    stats.set_defaults(func=_stats)
     return parser
 
 
@@ -125,6 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as error:
+    except (ValueError, FileNotFoundError, TimeoutError) as error:
         sys.stderr.write(f"error: {error}\n")
         return 2

@@ -13,7 +13,7 @@ What it keeps, all bounded:
   and the stamps its latencies need; open requests until they end, then the last
   ``max_finished_requests`` ended ones;
 * running aggregates: counters, gauges (running, waiting, KV blocks in use) and bounded sample
-  windows for the latency percentiles - a summary costs a few small numpy percentiles.
+  windows for the latency percentiles, sorted again only when they changed since the last summary.
 
 Clocks: ``mono`` orders one actor's events, ``wall`` compares actors. A duration between two
 stamps of the same actor uses ``mono``; across actors (ARRIVED comes from the frontend, FIRST_TOKEN
@@ -26,14 +26,14 @@ import enum
 import heapq
 import math
 import os
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 import msgspec
-import numpy as np
 import structlog
 
 from vllm_actors.protocol.events import (
@@ -87,7 +87,7 @@ log = structlog.get_logger(__name__)
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
 MAX_EVENTS_PER_QUERY = 10_000
 # Over-long timelines drop their high-volume entries first; the rest get this much more room.
-_BULK_TYPES = (Tokens, Allocated, PrefillChunk)
+_BULK_TYPES = (Allocated, PrefillChunk)
 _TIMELINE_RESERVE = 256
 
 
@@ -183,12 +183,18 @@ class Samples:
         self._cached = None
 
     def extend(self, values: Iterable[float]) -> None:
-        for value in values:
-            self.add(value)
+        finite = [value for value in values if math.isfinite(value)]
+        if not finite:
+            return
+        self._window.extend(finite)
+        self.total += sum(finite)
+        self.max = max(finite) if self.count == 0 else max(self.max, max(finite))
+        self.count += len(finite)
+        self._cached = None
 
     def percentiles(self) -> Percentiles:
         if self._cached is None:
-            ordered = np.sort(np.fromiter(self._window, dtype=np.float64, count=len(self._window)))
+            ordered = sorted(self._window)
             self._cached = Percentiles(
                 count=self.count, mean=self.total / self.count, p50=_quantile(ordered, 0.50),
                 p90=_quantile(ordered, 0.90), p99=_quantile(ordered, 0.99), max=self.max,
@@ -196,19 +202,54 @@ class Samples:
         return self._cached
 
 
-def _quantile(ordered: np.ndarray, q: float) -> float:
+def _quantile(ordered: list[float], q: float) -> float:
     """The q-quantile of sorted values, interpolating linearly between the two nearest ranks."""
     position = (len(ordered) - 1) * q
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     fraction = position - low
-    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
 
 
 # --------------------------------------------------------------------------- per request
 Stamp = tuple[str, float, float]  # (actor, mono, wall) of the batch an event came in
-# (global index, actor, seq, mono, wall, event, position in a TOKENS event or -1)
-_Entry = tuple[int, str, int, float, float, Event, int]
+# (global index of the event, actor, seq, mono, wall, event)
+_Entry = tuple[int, str, int, float, float, Event]
+
+
+class _TokenLog:
+    """A request's TOKENS entries, compact: a long generation makes thousands of them, and
+    keeping the shared TOKENS events themselves would keep every request's ids alive."""
+
+    __slots__ = ("index", "actor", "seq", "mono", "wall", "step", "count")
+
+    def __init__(self) -> None:
+        self.index = array("q")
+        self.actor: list[str] = []
+        self.seq = array("q")
+        self.mono = array("d")
+        self.wall = array("d")
+        self.step = array("q")
+        self.count = array("q")  # the request's output length after the step (-1: not given)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def append(self, index: int, actor: str, seq: int, mono: float, wall: float, step: int, count: int) -> None:
+        self.index.append(index)
+        self.actor.append(actor)
+        self.seq.append(seq)
+        self.mono.append(mono)
+        self.wall.append(wall)
+        self.step.append(step)
+        self.count.append(count)
+
+    def entries(self, request_id: str) -> Iterator[_Entry]:
+        for row in range(len(self.index)):
+            count = self.count[row]
+            event = Tokens(step_id=self.step[row], request_ids=[request_id],
+                           num_output_tokens=[count] if count >= 0 else [])
+            yield self.index[row], self.actor[row], self.seq[row], self.mono[row], self.wall[row], event
 
 
 def elapsed(start: Stamp, end: Stamp) -> float:
@@ -233,7 +274,8 @@ _ENDED = (RequestState.FINISHED, RequestState.ABORTED)
 @dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)  # every event but TOKENS
+    tokens: _TokenLog = field(default_factory=_TokenLog)
     dropped: int = 0
     state: RequestState = RequestState.NEW
     owner: str | None = None  # the actor that last set WAITING / RUNNING
@@ -440,15 +482,14 @@ class MetricsStore:
             if not children:
                 del self._children[parent]
 
-    def _add_entry(self, record: _Request, actor: str, seq: int, mono: float, wall: float, event: Event,
-                   position: int = -1) -> None:
+    def _add_entry(self, record: _Request, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
         size = len(record.entries)
         if size >= self.max_timeline_events and (
             isinstance(event, _BULK_TYPES) or size >= self.max_timeline_events + _TIMELINE_RESERVE
         ):
             record.dropped += 1
             return
-        record.entries.append((self._num_events, actor, seq, mono, wall, event, position))
+        record.entries.append((self._num_events, actor, seq, mono, wall, event))
 
     def _set_state(self, record: _Request, state: RequestState, actor: str) -> None:
         request_id = record.request_id
@@ -532,21 +573,33 @@ class MetricsStore:
         self._mark_running(record, actor)
 
     def _on_tokens(self, actor: str, seq: int, mono: float, wall: float, event: Tokens) -> None:
+        # The hot path (one entry per running request per step): kept flat on purpose.
         stamp = (actor, mono, wall)
         counts = event.num_output_tokens
+        num_counts = len(counts)
+        step, index, cap = event.step_id, self._num_events, self.max_timeline_events
+        open_records, running = self._open, RequestState.RUNNING
+        generated = 0
         for position, request_id in enumerate(event.request_ids):
-            record = self._request(request_id)
-            self._add_entry(record, actor, seq, mono, wall, event, position)
-            count = counts[position] if position < len(counts) else None
-            self._counters.generation_tokens += self._new_tokens(record, count)
-            if record.ended:
+            record = open_records.get(request_id) or self._request(request_id)
+            count = counts[position] if position < num_counts else None
+            if len(record.tokens) < cap:
+                record.tokens.append(index, actor, seq, mono, wall, step, -1 if count is None or count < 0 else count)
+            else:
+                record.dropped += 1
+            generated += self._new_tokens(record, count)
+            if record.state in _ENDED:
                 continue  # e.g. the frontend finished it on a stop string while this step ran
             if record.first_token is None and count == 1:
                 record.first_token = stamp
-            if record.last_token is not None and len(record.itl) < self._itl_cap:
-                record.itl.append(elapsed(record.last_token, stamp))
+            last = record.last_token
+            if last is not None and len(record.itl) < self._itl_cap:
+                seconds = mono - last[1] if last[0] == actor else wall - last[2]
+                record.itl.append(seconds if seconds > 0.0 else 0.0)
             record.last_token = stamp
-            self._mark_running(record, actor)
+            if record.state is not running:
+                self._set_state(record, running, actor)
+        self._counters.generation_tokens += generated
 
     @staticmethod
     def _new_tokens(record: _Request, count: int | None) -> int:
@@ -727,7 +780,7 @@ class MetricsStore:
         request_id = query.request_id
         if not isinstance(request_id, str) or not request_id:
             return ErrorReply(message="TimelineQuery.request_id must be a non-empty string")
-        records = []
+        records: list[_Request] = []
         own = self._find(request_id)
         if own is not None:
             records.append(own)
@@ -738,7 +791,10 @@ class MetricsStore:
                     records.append(record)
         if not records:
             return TimelineReply(request_id=request_id, found=False)
-        entries = sorted((entry for record in records for entry in record.entries), key=lambda entry: entry[0])
+        entries = sorted(
+            (entry for record in records for entry in chain(record.entries, record.tokens.entries(record.request_id))),
+            key=lambda entry: entry[0],
+        )
         per_actor: dict[str, list[_Entry]] = {}
         for entry in entries:  # one actor's entries in the order applied: its sequence order
             per_actor.setdefault(entry[1], []).append(entry)
@@ -746,7 +802,8 @@ class MetricsStore:
         return TimelineReply(
             request_id=request_id,
             found=True,
-            events=[_timeline_entry(entry) for entry in merged],
+            events=[TimelineEntry(actor=actor, seq=seq, mono=mono, wall=wall, type=event_type(event), event=event)
+                    for _, actor, seq, mono, wall, event in merged],
             dropped=sum(record.dropped for record in records),
             state=own.state.value if own is not None else None,
         )
@@ -803,20 +860,12 @@ def _child_order(request_id: str) -> tuple[int, str]:
     return (int(suffix), "") if suffix.isdigit() else (1 << 62, suffix)
 
 
-def _timeline_entry(entry: _Entry) -> TimelineEntry:
-    _, actor, seq, mono, wall, event, position = entry
-    if position >= 0 and isinstance(event, Tokens):  # narrowed to the one request
-        counts = event.num_output_tokens
-        event = Tokens(step_id=event.step_id, request_ids=[event.request_ids[position]],
-                       num_output_tokens=[counts[position]] if position < len(counts) else [])
-    return TimelineEntry(actor=actor, seq=seq, mono=mono, wall=wall, type=event_type(event), event=event)
-
-
 # --------------------------------------------------------------------------- text
 def _format_percentiles(name: str, values: Percentiles, scale: float, unit: str) -> str:
     if values.count == 0:
         return f"  {name:<10} {0:>8}        -"
-    cells = " ".join(f"{value * scale:>9.2f}" for value in (values.mean, values.p50, values.p90, values.p99, values.max))
+    shown = (values.mean, values.p50, values.p90, values.p99, values.max)
+    cells = " ".join(f"{value * scale:>9.2f}" for value in shown)
     return f"  {name:<10} {values.count:>8} {cells} {unit}"
 
 

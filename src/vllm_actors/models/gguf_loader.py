@@ -91,7 +91,9 @@ def load_gguf_state_dict(
         if info.name == "rope_freqs.weight":
             raise ValueError(f"{path}: rope frequency factors (llama3 rope in GGUF) are not supported")
         name = hf_tensor_name(info.name)
-        tensor = torch.from_numpy(np.array(read_gguf_tensor(path, info)))
+        array = read_gguf_tensor(path, info)
+        # F32 tensors come back as read-only views of the memory map: copy those
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         module = name.rsplit(".", 1)[0]
         if config.architecture == "llama" and module.endswith("self_attn.q_proj"):
             tensor = unpermute_qk(tensor, config.num_attention_heads)

@@ -114,7 +114,7 @@ class TimelineReply(msgspec.Struct, tag="timeline_reply", kw_only=True):
     request_id: str
     found: bool
     events: list[TimelineEntry] = []
-    dropped: int = 0  # TOKENS entries left out of over-long timelines
+    dropped: int = 0  # entries left out of an over-long timeline (TOKENS, ALLOCATED, PREFILL_CHUNK first)
     state: str | None = None  # "arrived", "waiting", "running", "finished", "aborted", "lost"
 
 

@@ -1,0 +1,338 @@
+"""Prefix caching: a tree over FULL KV blocks of token ids, so requests sharing a prompt prefix
+reuse the KV blocks already computed (SGLang's radix tree idea, at block granularity).
+
+Shape. Each node is one full block (``block_size`` token ids), keyed by its token tuple under its
+parent: a trie of blocks. Runs of blocks are deliberately not compressed into one node: reference
+counts, LRU stamps, eviction and the BLOCK_CACHED / BLOCK_EVICTED events are all per block, so one
+node per block keeps every operation a plain walk with no node splitting. Matching costs one dict
+lookup per block. Each node carries a stable block hash, ``block_hash(parent_hash, token_ids)``
+(blake2b-64, see there), the root's being 0, so a router outside the engine can mirror the tree
+from the events alone. Keys are the token tuples themselves, so a hash collision can never make
+two different prefixes share a block here.
+
+Block states, as the KV-cache manager sees them (every block is in exactly one):
+
+- free: on the pool's free list;
+- private: allocated from the pool to one request and not cached (the partial last block, or a
+  block whose content another request had already cached, see ``insert``);
+- cached and referenced (``ref_count > 0``): owned by this cache, in use by ``ref_count`` live
+  requests (shared when > 1);
+- cached and unreferenced (``ref_count == 0``): owned by this cache, its KV still valid, evictable.
+
+So free + private + cached == total, and ``num_evictable`` counts the last state. Ownership moves
+from the pool to the cache at ``insert`` and back at ``evict``: the manager can keep a cached
+block "allocated" in its ``BlockPool`` on the cache's behalf and ``pool.release`` it on eviction.
+
+Reference counts follow one rule: a request holds exactly the cached blocks at the front of its
+block table. ``acquire`` and ``release`` therefore take a path from the root (the list ``match``
+returned, or ``table[:num_cached]``), and every referenced block's ancestors are referenced at
+least as much, so every unreferenced block can actually be evicted (leaves first).
+
+How the manager uses it, for a request with prompt ``P`` and block table ``table``:
+
+1. Admission: ``hit = cache.match(P, max_blocks=(len(P) - 1) // block_size)`` (the cap leaves
+   at least one prompt token to compute, for the logits), then at once
+   ``cache.acquire([b.block_id for b in hit])``, before any eviction in the same step, or the hit
+   could be evicted. The table starts with those ids and the request computes from token
+   ``len(hit) * block_size``; keep ``num_cached = len(hit)``. Capacity for the other blocks is
+   ``pool.num_free + cache.num_evictable`` (read after the acquire); if admission fails after all,
+   ``cache.release`` the hit.
+2. As the request's KV is written (each step, for the tokens computed so far, never tokens only
+   scheduled): ``new = cache.insert(tokens[:num_computed], table)``; ``num_cached += len(new)``;
+   emit BLOCK_CACHED for each. Inserted blocks start held by the inserting request (ref 1).
+   ``insert`` is idempotent, so calling it with the whole computed prefix every step is fine.
+3. Finish, abort or preemption: ``cache.release(table[:num_cached])`` and
+   ``pool.release(table[num_cached:])``.
+4. Running short of free blocks: ``evicted = cache.evict(n)``, hand those ids back to the pool
+   and emit BLOCK_EVICTED for each, before preempting anyone.
+
+A shared block is never written again: a request only writes from its first uncomputed token,
+which lies past its matched (full) blocks.
+
+LRU uses a logical clock, no wall clock: every call that takes a path (``match``, ``acquire``,
+``insert``, ``release``) advances it and stamps that path. Since one call stamps one root path,
+two cached leaves never share a stamp, so the eviction order is fully determined.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+ROOT_HASH = 0
+
+
+def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """The block's hash: blake2b with an 8-byte digest over the parent's hash (8 bytes,
+    little-endian, unsigned) followed by each token id (4 bytes, little-endian, unsigned), the
+    digest read as a little-endian unsigned int. The root's hash is ``ROOT_HASH`` (0)."""
+    try:
+        data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
+    except struct.error as error:
+        raise ValueError(f"cannot hash block {list(token_ids)[:8]} under {parent_hash}: {error}") from error
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """A cached block as reported to the caller (and in BLOCK_CACHED / BLOCK_EVICTED events)."""
+
+    block_id: int
+    block_hash: int
+    parent_hash: int
+
+
+class _Node:
+    __slots__ = ("key", "block_id", "block_hash", "parent", "children", "ref_count", "last_used", "serial", "alive")
+
+    def __init__(self, key: tuple[int, ...], block_id: int, parent: _Node | None, serial: int) -> None:
+        self.key = key
+        self.block_id = block_id
+        self.block_hash = ROOT_HASH if parent is None else block_hash(parent.block_hash, key)
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.ref_count = 0
+        self.last_used = 0
+        self.serial = serial  # creation order: breaks heap ties without comparing nodes
+        self.alive = True
+
+    @property
+    def evictable_leaf(self) -> bool:
+        return self.alive and self.ref_count == 0 and not self.children
+
+    def to_cached(self) -> CachedBlock:
+        assert self.parent is not None, "the root is not a block"
+        return CachedBlock(block_id=self.block_id, block_hash=self.block_hash, parent_hash=self.parent.block_hash)
+
+
+class PrefixCache:
+    """A tree of cached full blocks with reference counts and LRU eviction. Pure: no I/O, no clock."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._root = _Node(key=(), block_id=-1, parent=None, serial=0)
+        self._nodes: dict[int, _Node] = {}  # block id -> node, every cached block
+        self._num_evictable = 0  # cached blocks with ref_count 0
+        self._clock = 0
+        self._serial = 0
+        # Candidates for eviction: (last_used, serial, node), pushed whenever a node becomes an
+        # evictable leaf or is restamped as one. Stale entries are skipped when popped.
+        self._heap: list[tuple[int, int, _Node]] = []
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no live request holds; ``evict`` can free all of them."""
+        return self._num_evictable
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._nodes
+
+    def ref_count(self, block_id: int) -> int:
+        """Live requests holding this cached block; KeyError if it is not cached."""
+        return self._nodes[block_id].ref_count
+
+    def cached_block_ids(self) -> set[int]:
+        return set(self._nodes)
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[CachedBlock]:
+        """The longest cached prefix of ``token_ids`` made of full blocks, at most ``max_blocks``
+        blocks (below 0 counts as 0). Stamps the matched path; takes no reference."""
+        limit = len(token_ids) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max(max_blocks, 0))
+        path: list[_Node] = []
+        node = self._root
+        for key in self._keys(token_ids, limit):
+            child = node.children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        self._stamp(path)
+        return [n.to_cached() for n in path]
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """A request starts using these cached blocks, a path from the root (what ``match``
+        returned): each gains one reference."""
+        path = self._path(blocks)
+        for node in path:
+            if node.ref_count == 0:
+                self._num_evictable -= 1
+            node.ref_count += 1
+        self._stamp(path)
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A request stops using these cached blocks, a path from the root (the cached front of
+        its block table): each loses one reference, and unreferenced ones become evictable."""
+        path = self._path(blocks)
+        for node in path:
+            if node.ref_count == 0:
+                raise ValueError(f"block {node.block_id} released while not referenced")
+        for node in path:
+            node.ref_count -= 1
+            if node.ref_count == 0:
+                self._num_evictable += 1
+        self._stamp(path)
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[CachedBlock]:
+        """Cache a request's full blocks: ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]``
+        (extra block ids, such as a partial last block, are ignored). Returns the blocks newly
+        cached, in order; they now belong to the cache and start with one reference, held by
+        the inserting request, which releases them with ``release``.
+
+        Blocks already cached under the same id are passed over (the request must hold them,
+        from ``acquire`` or an earlier ``insert``). If a block's content is already cached under
+        another id (two requests computed the same prefix concurrently), the cached one is kept
+        and insertion stops there: the caller's block and everything after it stay private, and
+        the caller frees them to the pool when the request ends. Newly cached blocks therefore
+        always extend the cached front of the request's table."""
+        num_full = len(token_ids) // self.block_size
+        if len(block_ids) < num_full:
+            raise ValueError(f"{num_full} full blocks of tokens but only {len(block_ids)} block ids")
+        keys = list(self._keys(token_ids, num_full))
+        path: list[_Node] = []
+        node = self._root
+        for index, key in enumerate(keys):
+            child = node.children.get(key)
+            if child is None:
+                break
+            if child.block_id != block_ids[index]:
+                log.debug("prefix_cache.duplicate_block", kept=child.block_id, duplicate=block_ids[index], index=index)
+                self._stamp(path)
+                return []
+            if child.ref_count == 0:
+                raise ValueError(f"block {child.block_id} is cached but not held: acquire matched blocks first")
+            path.append(child)
+            node = child
+        start = len(path)
+        new_ids = list(block_ids[start:num_full])
+        taken = [block_id for block_id in new_ids if block_id in self._nodes]
+        if taken or len(set(new_ids)) != len(new_ids):
+            raise ValueError(f"block ids already cached elsewhere or repeated: {taken or new_ids}")
+        new_nodes: list[_Node] = []
+        for key, block_id in zip(keys[start:], new_ids, strict=True):
+            self._serial += 1
+            child = _Node(key=key, block_id=block_id, parent=node, serial=self._serial)
+            child.ref_count = 1
+            node.children[key] = child
+            self._nodes[block_id] = child
+            new_nodes.append(child)
+            node = child
+        self._stamp(path + new_nodes)
+        return [n.to_cached() for n in new_nodes]
+
+    def evict(self, num_blocks: int) -> list[CachedBlock]:
+        """Uncache up to ``num_blocks`` unreferenced blocks, least recently used leaf first (a
+        block goes only once no descendant is cached). Returns them in eviction order; their ids
+        go back to the caller's free pool."""
+        evicted: list[CachedBlock] = []
+        while len(evicted) < num_blocks and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not node.evictable_leaf or node.last_used != stamp:
+                continue  # stale: restamped, referenced, grown a child or already gone
+            parent = node.parent
+            assert parent is not None
+            evicted.append(node.to_cached())
+            del parent.children[node.key]
+            del self._nodes[node.block_id]
+            node.alive = False
+            self._num_evictable -= 1
+            self._offer(parent)
+        if evicted:
+            log.debug("prefix_cache.evicted", count=len(evicted), num_cached=len(self._nodes))
+        return evicted
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the tree, the hashes, the reference counts, the block-id
+        index and the evictable count are consistent."""
+        seen: set[int] = set()
+        evictable = 0
+        for node in self._walk_all():
+            parent = node.parent
+            if parent is None or parent.children.get(node.key) is not node:
+                raise AssertionError(f"block {node.block_id} is not its parent's child under its key")
+            if len(node.key) != self.block_size:
+                raise AssertionError(f"block {node.block_id} holds {len(node.key)} tokens, not {self.block_size}")
+            if node.block_hash != block_hash(parent.block_hash, node.key):
+                raise AssertionError(f"block {node.block_id} has a wrong hash")
+            if not node.alive or self._nodes.get(node.block_id) is not node or node.block_id in seen:
+                raise AssertionError(f"block {node.block_id} is missing from or repeated in the index")
+            seen.add(node.block_id)
+            if node.ref_count < 0:
+                raise AssertionError(f"block {node.block_id} has ref count {node.ref_count}")
+            held_below = sum(child.ref_count for child in node.children.values())
+            if node.ref_count < held_below:
+                raise AssertionError(f"block {node.block_id} has ref {node.ref_count} < its children's {held_below}")
+            if not 0 < node.last_used <= self._clock:
+                raise AssertionError(f"block {node.block_id} has stamp {node.last_used} outside (0, {self._clock}]")
+            evictable += node.ref_count == 0
+        if len(seen) != len(self._nodes):
+            raise AssertionError(f"{len(self._nodes)} blocks indexed but {len(seen)} in the tree")
+        if evictable != self._num_evictable:
+            raise AssertionError(f"evictable count {self._num_evictable} but {evictable} unreferenced blocks")
+        queued = {id(node) for stamp, _, node in self._heap if node.evictable_leaf and node.last_used == stamp}
+        for node in self._nodes.values():
+            if node.evictable_leaf and id(node) not in queued:
+                raise AssertionError(f"evictable leaf {node.block_id} is not queued for eviction")
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[tuple[int, ...]]:
+        size = self.block_size
+        for index in range(num_blocks):
+            yield tuple(token_ids[index * size:(index + 1) * size])
+
+    def _path(self, blocks: Sequence[int]) -> list[_Node]:
+        """The nodes of ``blocks``, checked to be cached and to form a path from the root."""
+        path: list[_Node] = []
+        parent = self._root
+        for block_id in blocks:
+            node = self._nodes.get(block_id)
+            if node is None:
+                raise ValueError(f"block {block_id} is not cached")
+            if node.parent is not parent:
+                raise ValueError(f"blocks {list(blocks)[:8]} do not form a path from the root")
+            path.append(node)
+            parent = node
+        return path
+
+    def _stamp(self, path: list[_Node]) -> None:
+        """Mark a root path as used now. Only its last node can be a leaf, so only it is offered."""
+        if not path:
+            return
+        self._clock += 1
+        for node in path:
+            node.last_used = self._clock
+        self._offer(path[-1])
+
+    def _offer(self, node: _Node) -> None:
+        if node is self._root or not node.evictable_leaf:
+            return
+        heapq.heappush(self._heap, (node.last_used, node.serial, node))
+        if len(self._heap) > 2 * len(self._nodes) + 64:
+            self._heap = [(n.last_used, n.serial, n) for n in self._nodes.values() if n.evictable_leaf]
+            heapq.heapify(self._heap)
+
+    def _walk_all(self) -> Iterator[_Node]:
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,114 @@
+"""Event taps and stats: attach to a running group from outside and watch or query it.
+
+A tap is one more SUB socket on the bus's XPUB side. It never sends anything into the group, and
+the bus drops (rather than waits) for a subscriber that falls behind, so attaching, detaching or a
+slow terminal never disturbs serving; what a tap misses shows as a gap line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import msgspec
+import structlog
+import zmq
+
+from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.metrics import DumpQuery, MetricsCodec, MetricsQuery, MetricsReply, SummaryQuery, TimelineQuery
+from vllm_actors.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.tap_format import GapTracker, TapFilter, render_batch
+from vllm_actors.zmq_shell import EVENT_HWM
+
+log = structlog.get_logger(__name__)
+
+
+def locate_group(run_dir: str | None) -> GroupInfo:
+    return read_group_info(run_dir) if run_dir else find_running_group()
+
+
+def bus_topics(tap_filter: TapFilter) -> list[bytes]:
+    """Topic prefixes to subscribe to: the bus filters by actor id when the names are exact."""
+    actors = tap_filter.actors
+    if not actors or any(set(name) & set("*?[") for name in actors):
+        return [b""]
+    return sorted(name.encode() for name in actors)
+
+
+def run_tap(
+    address: str,
+    tap_filter: TapFilter,
+    out: TextIO,
+    *,
+    as_json: bool = False,
+    color: bool = False,
+    max_events: int | None = None,
+    duration: float | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Print the live stream until interrupted (or ``max_events`` lines / ``duration`` seconds)."""
+    context = zmq.Context()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.RCVHWM, EVENT_HWM)
+    socket.setsockopt(zmq.LINGER, 0)
+    for topic in bus_topics(tap_filter):
+        socket.setsockopt(zmq.SUBSCRIBE, topic)
+    socket.connect(address)
+    sys.stderr.write(f"# tap attached to {address}\n")
+    sys.stderr.flush()
+    decoder = msgspec.msgpack.Decoder(EventBatch)
+    gaps = GapTracker()
+    printed = 0
+    deadline = None if duration is None else time.monotonic() + duration
+    try:
+        while not stop():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if not socket.poll(100):
+                continue
+            frames = socket.recv_multipart()
+            try:
+                batch = decoder.decode(frames[-1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                log.warning("frame dropped", actor="tap", why="undecodable event batch", error=str(error))
+                continue
+            for line in render_batch(batch, tap_filter, gaps, color, as_json):
+                out.write(line + "\n")
+                printed += 1
+                if max_events is not None and printed >= max_events:
+                    out.flush()
+                    return printed
+            out.flush()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        socket.close()
+        context.term()
+    return printed
+
+
+def query_metrics(address: str, query: MetricsQuery, timeout_ms: int = 5000) -> MetricsReply:
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    codec = MetricsCodec()
+    try:
+        socket.send(codec.encode(query))
+        if not socket.poll(timeout_ms):
+            raise TimeoutError(f"no answer from the metrics store at {address}")
+        return codec.decode_reply(socket.recv())
+    finally:
+        socket.close()
+        context.term()
+
+
+def stats_query(timeline: str | None, dump: str | None) -> MetricsQuery:
+    if timeline is not None:
+        return TimelineQuery(request_id=timeline)
+    if dump is not None:
+        return DumpQuery(path=dump)
+    return SummaryQuery()
+
