@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import msgspec
@@ -23,10 +24,10 @@ from vllm_actors.actors.metrics_store import (
     summary_text,
 )
 from vllm_actors.protocol.events import (
+    Aborted,
     ActorCrashed,
     ActorReady,
     ActorStarting,
-    Aborted,
     Allocated,
     Arrived,
     Event,
@@ -120,7 +121,8 @@ class KvModel:
     """The KV-cache manager's bookkeeping, enough to publish consistent ALLOCATED / FREED."""
 
     def __init__(self, bus: Bus) -> None:
-        self.bus, self.free, self.next_block, self.tables = bus, TOTAL_BLOCKS, 0, {}
+        self.bus, self.free, self.next_block = bus, TOTAL_BLOCKS, 0
+        self.tables: dict[str, int] = {}
 
     def allocate(self, request_id: str, count: int) -> None:
         ids = list(range(self.next_block, self.next_block + count))
@@ -346,7 +348,7 @@ def simulate_latencies(store: MetricsStore, num_requests: int, seed: int) -> dic
             timed.append((t, order, actor, event))
             order += 1
         truth["ttft"].append(first - arrive)
-        truth["itl"] += [b - a for a, b in zip(token_times, token_times[1:])]
+        truth["itl"] += [later - earlier for earlier, later in pairwise(token_times)]
         truth["e2e"].append(finish - arrive)
         truth["queue"].append(scheduled - queued)
     bus = Bus(store)
@@ -622,11 +624,11 @@ def lifecycles(draw: st.DrawFn, request_id: str) -> list[tuple[str, Event]]:
     prompt = draw(st.integers(1, 40))
     out: list[tuple[str, Event]] = [(FRONTEND, Arrived(request_id=request_id, num_prompt_tokens=prompt, max_tokens=8))]
     if draw(st.booleans()) and draw(st.booleans()):
-        return out + [(SCHEDULER, Aborted(request_id=request_id, reason="error"))]
+        return [*out, (SCHEDULER, Aborted(request_id=request_id, reason="error"))]
     out.append((SCHEDULER, Queued(request_id=request_id, num_waiting=1)))
     if draw(st.integers(0, 5)) == 0:
-        return out + [(FRONTEND, Aborted(request_id=request_id, reason="abort")),
-                      (SCHEDULER, Aborted(request_id=request_id, reason="abort"))]
+        return [*out, (FRONTEND, Aborted(request_id=request_id, reason="abort")),
+                (SCHEDULER, Aborted(request_id=request_id, reason="abort"))]
     step, generated, blocks, admitted = 0, 0, 0, False
     for action in draw(st.lists(st.sampled_from(["token", "token", "preempt"]), min_size=1, max_size=8)):
         if not admitted:

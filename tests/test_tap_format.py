@@ -10,10 +10,10 @@ import pytest
 
 from vllm_actors.protocol.events import (
     ALL_EVENTS,
+    Aborted,
     ActorCrashed,
     ActorReady,
     ActorStarting,
-    Aborted,
     Allocated,
     Arrived,
     Event,
@@ -138,12 +138,12 @@ def test_render_batch_json_lines_parse_back() -> None:
     lines = render_batch(batch("s", 3, *SAMPLES), None, gaps, color=True, as_json=True)
     assert json.loads(lines[0]) == {"actor": "s", "type": "GAP", "missed": 2}
     assert len(lines) == 1 + len(SAMPLES)
-    for index, (line, event) in enumerate(zip(lines[1:], SAMPLES)):
+    for index, (line, event) in enumerate(zip(lines[1:], SAMPLES, strict=True)):
         assert "\x1b" not in line  # JSON never carries colour
         record = json.loads(line)
         assert list(record)[:5] == ["actor", "seq", "mono", "wall", "type"]
         assert (record["seq"], record["type"]) == (3 + index, event_type(event))
-        actor, seq, mono, wall, parsed = parse_event_json_line(line)
+        actor, seq, _, wall, parsed = parse_event_json_line(line)
         assert (actor, seq, wall, parsed) == ("s", 3 + index, WALL, event)
 
 

@@ -149,10 +149,10 @@ def _short_string(text: str) -> str:
 
 def _format_scalar(value: Any) -> str:
     if isinstance(value, str):
-        value = _short_string(value)
-        if not value or any(char.isspace() or char in "\"'=" for char in value):
-            return msgspec.json.encode(value).decode()
-        return value
+        text = _short_string(value)
+        if not text or any(char.isspace() or char in "\"'=" for char in text):
+            return msgspec.json.encode(text).decode()
+        return text
     if isinstance(value, float):
         return f"{value:.3f}"
     if value is None:
@@ -173,7 +173,9 @@ def _format_value(value: Any) -> str:
 def event_fields(event: Event) -> str:
     """``key=value`` pairs of an event, compact: lists cut after a few items, TOKENS paired up."""
     if isinstance(event, Tokens):
-        pairs = [f"{request_id}:{count}" for request_id, count in zip(event.request_ids, event.num_output_tokens)]
+        counts = event.num_output_tokens
+        pairs = [f"{request_id}:{counts[index] if index < len(counts) else '?'}"
+                 for index, request_id in enumerate(event.request_ids)]
         more = len(pairs) - MAX_LIST_ITEMS
         shown = " ".join(_format_scalar(pair) for pair in pairs[:MAX_LIST_ITEMS])
         return f"step_id={event.step_id} n={len(event.request_ids)} out=[{shown}{f' …+{more}' if more > 0 else ''}]"

@@ -3,7 +3,8 @@
 engine); the ZMQ transport offers the same two calls across processes.
 
 An actor is anything with a ``name`` and ``handle(message) -> [(destination, message), ...]``:
-a pure state machine. ``deliver_one`` is the whole actor loop: receive, handle, send.
+a pure state machine. Its loop is: receive, handle, send the messages, publish the events (those
+addressed to ``BUS``) as one stamped batch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Endpoint(Protocol):
 
     def send(self, destination: str, message: Any) -> None: ...
 
-    def recv(self) -> Any | None: ...
+    def recv(self, timeout_ms: int = 0) -> Any | None: ...
 
 
 class InMemoryNetwork:
@@ -71,7 +72,8 @@ class InMemoryEndpoint:
     def send(self, destination: str, message: Any) -> None:
         self._network._post(destination, message)
 
-    def recv(self) -> Any | None:
+    def recv(self, timeout_ms: int = 0) -> Any | None:
+        """The next message, or None (in one process nothing can arrive while we wait)."""
         return self._network._take(self.name)
 
 
@@ -102,19 +104,3 @@ def split_events(outputs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]],
     messages = [(destination, message) for destination, message in outputs if destination != BUS]
     events = [message for destination, message in outputs if destination == BUS]
     return messages, events
-
-
-def deliver_one(
-    endpoint: Endpoint, actor: Actor, stamper: EventStamper, publish: Callable[[EventBatch], None]
-) -> bool:
-    """Receive one message for ``actor``, handle it, send what it returns and publish its events
-    as one batch. False when idle."""
-    message = endpoint.recv()
-    if message is None:
-        return False
-    messages, events = split_events(actor.handle(message))
-    for destination, outgoing in messages:
-        endpoint.send(destination, outgoing)
-    if events:
-        publish(stamper.stamp(events))
-    return True

@@ -84,7 +84,79 @@ class ClientReplies:
         return {owner: RequestUpdates(step_id=updates.step_id, updates=batch) for owner, batch in grouped.items()}
 
 
+class ZmqEndpoint:
+    """An actor's command sockets, with the in-memory endpoint's interface: a ROUTER bound at
+    ``inbox`` receives; ``send(peer_name, message)`` goes out through a DEALER to every address of
+    that peer (several workers all get the plan); ``send(client_identity_bytes, message)`` replies
+    through the ROUTER. ``recv`` returns the next well-formed message and sets ``last_sender``;
+    malformed frames are logged, counted and dropped."""
+
+    def __init__(self, context: zmq.Context, name: str, inbox: str, peers: Mapping[str, list[str]]) -> None:
+        self.name = name
+        self.codec = MessageCodec()
+        self.num_dropped = 0
+        self.last_sender = b""
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.RCVHWM, COMMAND_HWM)
+        self.router.setsockopt(zmq.SNDHWM, COMMAND_HWM)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(inbox)
+        self.peers: dict[str, list[zmq.Socket]] = {}
+        for peer, addresses in peers.items():
+            self.peers[peer] = [self._dealer(context, address) for address in addresses]
+
+    def _dealer(self, context: zmq.Context, address: str) -> zmq.Socket:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.name.encode())
+        dealer.setsockopt(zmq.SNDHWM, COMMAND_HWM)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        return dealer
+
+    def send(self, destination: str | bytes, message: Any) -> None:
+        payload = self.codec.encode(message)
+        if isinstance(destination, bytes):
+            self.router.send_multipart([destination, payload])
+            return
+        sockets = self.peers.get(destination)
+        if not sockets:
+            raise KeyError(f"no endpoint named {destination!r}")
+        for socket in sockets:
+            socket.send(payload, copy=False)
+
+    def recv(self, timeout_ms: int = 0) -> Any | None:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            remaining = max(int((deadline - time.monotonic()) * 1000), 0)
+            if not self.router.poll(remaining):
+                return None
+            frames = self.router.recv_multipart()
+            if len(frames) != 2:
+                self.drop("wrong frame count", sender=frames[0] if frames else b"", frames=len(frames))
+                continue
+            sender, payload = frames
+            try:
+                message = self.codec.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                self.drop("undecodable frame", sender=sender, size=len(payload), error=str(error))
+                continue
+            self.last_sender = sender
+            return message
+
+    def drop(self, why: str, sender: bytes, **fields: object) -> None:
+        self.num_dropped += 1
+        log.warning("frame dropped", actor=self.name, why=why, sender=sender[:64], **fields)
+
+    def close(self) -> None:
+        for sockets in self.peers.values():
+            for socket in sockets:
+                socket.close()
+        self.router.close()
+
+
 class ActorShell:
+    """Receive, check who may send what, handle, send, publish: the whole actor loop."""
+
     def __init__(
         self,
         context: zmq.Context,
@@ -97,99 +169,53 @@ class ActorShell:
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
-        self.codec = MessageCodec()
         self.accepts = accepts
-        self.num_dropped = 0
-        self.router = context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.RCVHWM, COMMAND_HWM)
-        self.router.setsockopt(zmq.SNDHWM, COMMAND_HWM)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(inbox)
-        self.peers: dict[str, list[zmq.Socket]] = {}
-        for name, addresses in peers.items():
-            sockets = []
-            for address in addresses:
-                dealer = context.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.IDENTITY, actor_id.encode())
-                dealer.setsockopt(zmq.SNDHWM, COMMAND_HWM)
-                dealer.setsockopt(zmq.LINGER, 0)
-                dealer.connect(address)
-                sockets.append(dealer)
-            self.peers[name] = sockets
+        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers)
         self.publisher = EventPublisher(context, bus_in, actor_id)
         self.replies = ClientReplies()
-        self.after_handle: Callable[[], None] | None = None
 
-    # ------------------------------------------------------------------ loop
-    def run(self, stop: threading.Event, idle: Callable[[], None] | None = None) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+    @property
+    def num_dropped(self) -> int:
+        return self.endpoint.num_dropped
+
+    def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            if not poller.poll(100):
-                if idle is not None:
-                    idle()
-                continue
-            # Drain what is queued before polling again.
-            while not stop.is_set():
-                try:
-                    frames = self.router.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.receive(frames)
+            message = self.endpoint.recv(timeout_ms=100)
+            if message is not None:
+                self.receive(self.endpoint.last_sender, message)
 
-    def receive(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self._drop("wrong frame count", sender=frames[0] if frames else b"", frames=len(frames))
-            return
-        sender, payload = frames
-        try:
-            message = self.codec.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            self._drop("undecodable frame", sender=sender, size=len(payload), error=str(error))
-            return
+    def receive(self, sender: bytes, message: Any) -> None:
         kind = type(message)
         if kind not in self.accepts:
-            self._drop("message type not taken here", sender=sender, type=kind.__name__)
+            self.endpoint.drop("message type not taken here", sender=sender, type=kind.__name__)
             return
         allowed = self.accepts[kind]
         if allowed is not None and sender not in allowed:
-            self._drop("sender may not send this", sender=sender, type=kind.__name__)
+            self.endpoint.drop("sender may not send this", sender=sender, type=kind.__name__)
             return
         try:
             outputs = self.actor.handle(message)
         except (ValueError, TypeError, KeyError, IndexError) as error:
-            self._drop("message rejected by the state machine", sender=sender, type=kind.__name__, error=str(error))
+            self.endpoint.drop("rejected by the state machine", sender=sender, type=kind.__name__, error=str(error))
             return
         self.replies.observe(sender, message)
         self.dispatch(outputs)
-        if self.after_handle is not None:
-            self.after_handle()
 
     def dispatch(self, outputs: list[tuple[str, Any]]) -> None:
         messages, events = split_events(outputs)
         for destination, message in messages:
             if destination == FRONTEND and isinstance(message, RequestUpdates):
                 for owner, updates in self.replies.split(message).items():
-                    self.router.send_multipart([owner, self.codec.encode(updates)])
+                    self.endpoint.send(owner, updates)
                 continue
-            sockets = self.peers.get(destination)
-            if not sockets:
+            try:
+                self.endpoint.send(destination, message)
+            except KeyError:
                 log.error("no route", actor=self.actor_id, destination=destination)
-                continue
-            payload = self.codec.encode(message)
-            for socket in sockets:  # several workers of one replica all get the plan
-                socket.send(payload, copy=False)
         self.publisher.publish(events)
 
-    def _drop(self, why: str, sender: bytes, **fields: object) -> None:
-        self.num_dropped += 1
-        log.warning("frame dropped", actor=self.actor_id, why=why, sender=sender[:64], **fields)
-
     def close(self) -> None:
-        for sockets in self.peers.values():
-            for socket in sockets:
-                socket.close()
-        self.router.close()
+        self.endpoint.close()
         self.publisher.close()
 
 

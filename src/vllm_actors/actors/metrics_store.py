@@ -22,6 +22,7 @@ from the scheduler) it uses ``wall``. Negative durations (clock skew) are clampe
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 import math
@@ -37,12 +38,12 @@ import msgspec
 import structlog
 
 from vllm_actors.protocol.events import (
+    Aborted,
     ActorCrashed,
     ActorDraining,
     ActorReady,
     ActorStarting,
     ActorStopped,
-    Aborted,
     Allocated,
     Arrived,
     Event,
@@ -164,7 +165,7 @@ class Samples:
     """Count, mean and max of every value; percentiles over the last ``window`` values (linear
     interpolation, as ``numpy.percentile``'s default), cached until the next value."""
 
-    __slots__ = ("_window", "_cached", "count", "total", "max")
+    __slots__ = ("_cached", "_window", "count", "max", "total")
 
     def __init__(self, window: int) -> None:
         self._window: deque[float] = deque(maxlen=window)
@@ -221,7 +222,7 @@ class _TokenLog:
     """A request's TOKENS entries, compact: a long generation makes thousands of them, and
     keeping the shared TOKENS events themselves would keep every request's ids alive."""
 
-    __slots__ = ("index", "actor", "seq", "mono", "wall", "step", "count")
+    __slots__ = ("actor", "count", "index", "mono", "seq", "step", "wall")
 
     def __init__(self) -> None:
         self.index = array("q")
@@ -837,10 +838,8 @@ class MetricsStore:
                     handle.write("\n")
             os.replace(temporary, path)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            except OSError:
-                pass
             return ErrorReply(message=f"cannot write {path}: {exc}")
         log.info("event log dumped", path=path, num_events=len(self._history))
         return DumpReply(path=path, num_events=len(self._history))

@@ -191,8 +191,8 @@ class MetricsCodec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._query_decoder = msgspec.msgpack.Decoder(MetricsQuery)
-        self._reply_decoder = msgspec.msgpack.Decoder(MetricsReply)
+        self._query_decoder: msgspec.msgpack.Decoder[MetricsQuery] = msgspec.msgpack.Decoder(MetricsQuery)
+        self._reply_decoder: msgspec.msgpack.Decoder[MetricsReply] = msgspec.msgpack.Decoder(MetricsReply)
 
     def encode(self, message: MetricsQuery | MetricsReply) -> bytes:
         return self._encoder.encode(message)
@@ -230,5 +230,5 @@ def parse_event_json_line(line: str | bytes) -> tuple[str, int, float, float, Ev
     seq = msgspec.convert(record.pop("seq"), int)
     mono = msgspec.convert(record.pop("mono"), float)
     wall = msgspec.convert(record.pop("wall"), float)
-    event: Event = msgspec.convert(record, Event)  # type: ignore[arg-type]
+    event: Event = msgspec.convert(record, Event)
     return actor, seq, mono, wall, event
