@@ -165,6 +165,7 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
+        self._stamp(path)
         return [n.to_cached() for n in path]
 
     def acquire(self, blocks: Sequence[int]) -> None:
@@ -214,8 +215,7 @@ class PrefixCache:
                 break
             if child.block_id != block_ids[index]:
                 log.debug("prefix_cache.duplicate_block", kept=child.block_id, duplicate=block_ids[index], index=index)
-                self._stamp(path)
-                return []
+                continue
             if child.ref_count == 0:
                 raise ValueError(f"block {child.block_id} is cached but not held: acquire matched blocks first")
             path.append(child)
