@@ -8,11 +8,15 @@ causally to its whole context, read through its block table. Kernels know nothin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
 import torch
 import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -150,5 +154,19 @@ class TorchPagedAttention:
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Attention backend for device; the torch reference everywhere until Triton kernels land."""
-    return TorchPagedAttention()
+    """Attention backend for device: the Triton kernels on CUDA when triton imports, else the torch
+    reference. The environment variable VLLM_ACTORS_ATTENTION=torch|triton overrides the choice
+    (triton on a CPU device needs TRITON_INTERPRET=1, set before triton is first imported)."""
+    choice = os.environ.get("VLLM_ACTORS_ATTENTION", "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"VLLM_ACTORS_ATTENTION must be 'torch' or 'triton', got {choice!r}")
+    if choice == "torch" or (choice == "" and torch.device(device).type != "cuda"):
+        return TorchPagedAttention()
+    try:
+        from vllm_actors.kernels.triton_attention import TritonPagedAttention
+    except ImportError as exc:
+        if choice == "triton":
+            raise
+        log.warning("triton_unavailable_using_torch_attention", error=str(exc))
+        return TorchPagedAttention()
+    return TritonPagedAttention()

@@ -41,7 +41,9 @@ def request_stories(batches: Iterable[EventBatch]) -> dict[str, list[tuple[str, 
 
 def check_story(request_id: str, story: list[tuple[str, object]]) -> None:
     """The scheduler's grammar: QUEUED SCHEDULED (PREFILL_CHUNK+ [PREEMPTED RESUMED ...])
-    FIRST_TOKEN TOKENS+ ... ending in exactly one FINISHED or ABORTED; ARRIVED before the end."""
+    FIRST_TOKEN TOKENS+ ... ending in exactly one FINISHED or ABORTED; ARRIVED before the end.
+    With two steps in flight, FIRST_TOKEN / TOKENS may follow PREEMPTED (sampled by the step in
+    flight when it was preempted)."""
     kinds = [kind for kind, _ in story if kind not in ("ALLOCATED", "FREED")]
     assert kinds.count("ARRIVED") == 1, (request_id, kinds)
     terminals = [kind for kind in kinds if kind in TERMINAL]
@@ -58,11 +60,14 @@ def check_story(request_id: str, story: list[tuple[str, object]]) -> None:
         elif kind == "PREFILL_CHUNK":
             assert state == "prefill", (request_id, kinds)
         elif kind == "FIRST_TOKEN":
-            assert state == "prefill", (request_id, kinds)
-            state = "decode"
+            assert state in ("prefill", "preempted"), (request_id, kinds)
+            if state != "preempted":
+                state = "decode"
         elif kind == "TOKENS":
-            assert state in ("decode", "prefill"), (request_id, kinds)  # prefill: after a resume
-            state = "decode"
+            # prefill: after a resume; preempted: the token of a step that was in flight then.
+            assert state in ("decode", "prefill", "preempted"), (request_id, kinds)
+            if state != "preempted":
+                state = "decode"
         elif kind == "PREEMPTED":
             assert state in ("prefill", "decode"), (request_id, kinds)
             state = "preempted"

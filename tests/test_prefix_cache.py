@@ -375,6 +375,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.model = Model()
         self.free = list(range(NUM_BLOCKS))
         self.requests: list[Request] = []
+        self.seen: list[list[int]] = []  # every request's tokens, live or finished: cached content
 
     # helpers
 
@@ -398,6 +399,8 @@ class PoolMachine(RuleBasedStateMachine):
         hit = self.cache.match(tokens, max_blocks=limit)
         expected = self.model.match(tokens, limit)
         assert hit == [self.model.cached_block(p) for p in expected]
+        if any(self.cache.ref_count(b.block_id) == 0 for b in hit):
+            event("admission hit evictable blocks")
         self.cache.acquire(ids(hit))
         self.model.add_refs(expected, +1)
         event(f"admission hit {min(len(hit), 2)}+ blocks")
@@ -408,6 +411,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("admission refused")
             return
         self.requests.append(Request(tokens, ids(hit) + blocks, len(hit), len(hit) * MODEL_BS))
+        self.seen.append(tokens)  # the same list: it grows as the request decodes
 
     # rules
 
@@ -415,11 +419,16 @@ class PoolMachine(RuleBasedStateMachine):
     def start(self, tokens: list[int]) -> None:
         self.admit(tokens)
 
-    @precondition(lambda self: self.requests)
-    @rule(index=st.integers(0, 99), keep=st.integers(0, 9), extra=st.lists(st.integers(0, 2), max_size=4))
+    def related(self, index: int, keep: int, extra: list[int]) -> list[int]:
+        """A prefix of an earlier request's tokens (maybe all of them), then ``extra``."""
+        return self.seen[index % len(self.seen)][:keep] + extra
+
+    @precondition(lambda self: self.seen)
+    @rule(index=st.integers(0, 99), keep=st.integers(0, 8), extra=st.lists(st.integers(0, 2), max_size=3))
     def start_related(self, index: int, keep: int, extra: list[int]) -> None:
-        """A prompt sharing (or repeating) a live request's prefix: provokes hits and duplicates."""
-        tokens = self.requests[index % len(self.requests)].tokens[:keep] + extra
+        """A prompt sharing (or repeating) an earlier prompt's prefix: provokes hits, on held and
+        on evictable blocks, and duplicates."""
+        tokens = self.related(index, keep, extra)
         if tokens:
             self.admit(tokens)
 
@@ -456,8 +465,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.model.add_refs(self.path_of(request), -1)
         self.free.extend(request.table[request.num_cached:])
 
-    @rule(tokens=tokens_st)
-    def peek(self, tokens: list[int]) -> None:
+    @precondition(lambda self: self.seen)
+    @rule(index=st.integers(0, 99), keep=st.integers(1, 10))
+    def peek(self, index: int, keep: int) -> None:
+        """A match taking no reference (say, a request that then waits): it still counts as a use."""
+        tokens = self.related(index, keep, [])
         hit = self.cache.match(tokens)
         assert hit == [self.model.cached_block(p) for p in self.model.match(tokens, len(tokens))]
 
@@ -499,7 +511,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(
     max_examples=200,
-    stateful_step_count=40,
+    stateful_step_count=60,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

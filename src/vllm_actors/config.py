@@ -31,6 +31,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
+    load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random, real shapes)
+    async_scheduling: bool = True  # plan step N+1 while step N runs
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -54,6 +56,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "tensor_parallel_size > 1 is not supported yet: vllm_actors runs one worker per replica "
                 "until tensor parallelism lands"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
@@ -73,6 +77,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_chunked_prefill: bool
     block_size: int
     num_blocks: int
+    max_steps_in_flight: int = 2  # 2: plan step N+1 while step N runs (async scheduling)
 
 
 def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_blocks: int) -> SchedulerConfig:
@@ -106,4 +111,5 @@ def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_block
         enable_chunked_prefill=config.enable_chunked_prefill,
         block_size=config.block_size,
         num_blocks=num_blocks,
+        max_steps_in_flight=2 if config.async_scheduling else 1,
     )

@@ -180,7 +180,7 @@ class InProcessEngine:
         live = {request.request_id for request in self.scheduler.running}
         pending = set(self.scheduler._departed)
         self.kv_cache_manager.check_invariants(live | pending)
-        if not pending and self.scheduler._step_in_flight is None:
+        if not pending and not self.scheduler._in_flight:
             if self.kv_cache_manager.num_free_blocks != self.scheduler.num_free_blocks:
                 raise AssertionError(
                     f"KV manager has {self.kv_cache_manager.num_free_blocks} free blocks, "

@@ -65,7 +65,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         torch.manual_seed(config.seed)
-        self.model, _ = load_model(config.model, self.dtype, self.device)
+        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed)
         self.block_size = config.block_size
         self.num_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

@@ -165,7 +165,6 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        self._stamp(path)
         return [n.to_cached() for n in path]
 
     def acquire(self, blocks: Sequence[int]) -> None:
@@ -215,7 +214,8 @@ class PrefixCache:
                 break
             if child.block_id != block_ids[index]:
                 log.debug("prefix_cache.duplicate_block", kept=child.block_id, duplicate=block_ids[index], index=index)
-                continue
+                self._stamp(path)
+                return []
             if child.ref_count == 0:
                 raise ValueError(f"block {child.block_id} is cached but not held: acquire matched blocks first")
             path.append(child)

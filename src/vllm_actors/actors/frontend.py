@@ -181,7 +181,9 @@ class Frontend:
             min_tokens=params.min_tokens,
         )
 
-    def abort(self, request_id: str) -> list[tuple[str, Message]]:
+    def abort(self, request_id: str, reason: str = "abort") -> list[tuple[str, Message]]:
+        """End a request here and at the scheduler, which publishes ABORTED(reason) ("abort",
+        "disconnect", "shutdown", ...)."""
         request = self._requests.get(request_id)
         if request is None:
             return []
@@ -190,7 +192,7 @@ class Frontend:
             if child.finish_reason is None:
                 child.finish_reason = "abort"
         self._forget(request)
-        return [(SCHEDULER, AbortRequests(request_ids=ids, reason="abort"))] if ids else []
+        return [(SCHEDULER, AbortRequests(request_ids=ids, reason=reason))] if ids else []
 
     # ------------------------------------------------------------------ updates in
     def handle(self, message: Message) -> list[tuple[str, Any]]:

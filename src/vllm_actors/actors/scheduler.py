@@ -67,6 +67,7 @@ class ScheduledRequest:
     status: Status = Status.WAITING
     in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
     num_preemptions: int = 0
+    num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +76,11 @@ class ScheduledRequest:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the worker will hold once the steps in flight are done: what can be computed."""
+        return self.num_tokens + self.num_pending
 
 
 @dataclass
@@ -95,7 +101,8 @@ class Scheduler:
         self.num_free_blocks = config.num_blocks
         self._departed: list[str] = []  # left the worker since the last plan
         self._events: list[Any] = []  # events of the message being handled
-        self._step_in_flight: StepPlan | None = None
+        # Plans sent whose results are not back yet (oldest first), with the ids each one samples.
+        self._in_flight: deque[tuple[StepPlan, list[str]]] = deque()
         self._next_step_id = 0
         self.stats = SchedulerStats()
 
@@ -129,7 +136,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._departed or self._step_in_flight)
+        return bool(self.waiting or self.running or self._departed or self._in_flight)
 
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
@@ -183,9 +190,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
-        if self._step_in_flight is None or result.step_id != self._step_in_flight.step_id:
+        if not self._in_flight or result.step_id != self._in_flight[0][0].step_id:
             raise ValueError(f"unexpected step result {result.step_id}")
-        self._step_in_flight = None
+        _, sampling_ids = self._in_flight.popleft()
+        for request_id in sampling_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_pending -= 1
         updates: list[RequestUpdate] = []
         tokens_ids: list[str] = []
         tokens_counts: list[int] = []
@@ -194,7 +205,7 @@ class Scheduler:
         prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
         for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
             request = self.requests.get(request_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # finished or aborted while the step ran: the token is dropped
                 continue
             request.output_token_ids.append(token_id)
             tokens_ids.append(request_id)
@@ -260,18 +271,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def _maybe_schedule(self) -> StepPlan | None:
-        if self._step_in_flight is not None:
+        if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
         if not (self.waiting or self.running or self._departed):
             return None
-        plan = self._schedule()
-        self._step_in_flight = plan
+        plan, sampling_ids = self._schedule()
+        if not plan.req_ids and not plan.finished_ids:
+            return None  # everything waits for tokens in flight
+        self._in_flight.append((plan, sampling_ids))
+        self._next_step_id += 1
+        self.stats.num_steps += 1
         return plan
+
+    def _wants_more(self, request: ScheduledRequest) -> bool:
+        """False once the tokens in flight already take it to max_tokens or max_model_len."""
+        target = len(request.output_token_ids) + request.num_pending
+        max_tokens = request.params.max_tokens
+        if request.num_pending and max_tokens is not None and target >= max_tokens:
+            return False
+        return not (request.num_pending and request.num_tokens_with_pending >= self.config.max_model_len)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.config.block_size)
 
-    def _schedule(self) -> StepPlan:
+    def _schedule(self) -> tuple[StepPlan, list[str]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[ScheduledRequest, int]] = []
         new_requests: list[NewRequest] = []
@@ -280,8 +303,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # waits for the token its last step sampled (not with one step in flight)
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            if num_new <= 0 or not self._wants_more(request):
                 index += 1
                 continue
             needed = self._blocks_for(request.num_computed_tokens + num_new) - request.num_blocks
@@ -302,6 +325,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted while a step was in flight: resume once its token is here
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
@@ -319,18 +344,23 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+        sampling_ids: list[str] = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
-            if start + num_new < request.num_tokens:
+            target = request.num_tokens_with_pending
+            if start + num_new < target:
                 self.stats.num_prefill_chunks += 1
-            if request.num_tokens - start > 1 or not request.output_token_ids:  # prefill, not decode
+            else:
+                sampling_ids.append(request.request_id)
+                request.num_pending += 1
+            if target - start > 1 or not request.output_token_ids:  # prefill, not decode
                 self._events.append(
                     PrefillChunk(
                         request_id=request.request_id,
                         step_id=self._next_step_id,
                         start=start,
                         num_tokens=num_new,
-                        last=start + num_new == request.num_tokens,
+                        last=start + num_new == target,
                     )
                 )
             request.num_computed_tokens += num_new
@@ -344,9 +374,7 @@ class Scheduler:
             num_blocks=[request.num_blocks for request, _ in scheduled],
         )
         self._departed = []
-        self._next_step_id += 1
-        self.stats.num_steps += 1
-        return plan
+        return plan, sampling_ids
 
     def _take_blocks(self, request: ScheduledRequest, count: int) -> None:
         if count > 0:

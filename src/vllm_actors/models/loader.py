@@ -25,8 +25,28 @@ def load_state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:
     return load_hf_state_dict(config.path)
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, ModelConfig]:
-    """Load weights at path into a CausalLM of the given dtype on device, in eval mode."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights in the real shapes (vLLM's load_format="dummy"): normal(0, 0.02) matrices
+    and embeddings, norms at 1. For benchmarks on machines without the checkpoint."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> tuple[CausalLM, ModelConfig]:
+    """Load weights at path into a CausalLM of the given dtype on device, in eval mode.
+    ``load_format="dummy"`` reads only the configuration and draws random weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     start = time.perf_counter()
     device = torch.device(device)
     config = ModelConfig.from_path(path)
@@ -35,7 +55,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Cau
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(load_state_dict(config))
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(load_state_dict(config))
     model.eval()
     log.info(
         "model_loaded",
