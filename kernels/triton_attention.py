@@ -483,7 +483,7 @@ def _decode_reduce_kernel(
     part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
     dims = tl.arange(0, HEAD_DIM)
     part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
-    global_max = tl.max(part_max, 0)
+    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
     weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)

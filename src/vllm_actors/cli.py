@@ -1,4 +1,4 @@
-"""Command line: ``vllm-actors generate | chat | tap | stats``."""
+"""Command line: ``vllm-actors generate | chat | serve | tap | stats``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vllm_actors.server.serve import run_serve
+
+    return run_serve(args, engine_kwargs(args))
+
+
 def _tap(args: argparse.Namespace) -> int:
     from vllm_actors.tap import locate_group, run_tap
     from vllm_actors.tap_format import TapFilter
@@ -155,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(chat)
     add_sampling_arguments(chat, max_tokens=256)
     chat.set_defaults(func=_chat)
+
+    from vllm_actors.server.args import add_server_arguments
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, health, metrics)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    add_engine_arguments(serve)
+    add_server_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     tap = commands.add_parser("tap", help="print the live event stream of a running group")
     _add_group_location(tap, "the bus's subscriber endpoint, e.g. ipc:///tmp/.../bus_out or tcp://host:port")

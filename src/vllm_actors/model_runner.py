@@ -2,16 +2,24 @@
 
 The worker hands it flattened batches (token ids, positions, block tables); it builds the
 attention metadata, runs the model and returns the logits of the positions that were asked for.
+
+On a GPU: the step's integer inputs go through pinned host buffers in one non-blocking copy each;
+decode steps (one new token per sequence) replay a CUDA graph captured for the next batch-size
+bucket, padded rows writing nowhere (slot -1); the KV pool takes what ``gpu_memory_utilization``
+leaves after the weights and the peak activations of a profiling pass of the largest step.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
-from vllm_actors.config import EngineConfig
+from vllm_actors.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.model_config import ModelConfig
 from vllm_actors.models.loader import load_model
@@ -25,6 +33,8 @@ _DTYPES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# Decode batch sizes with a captured graph (vLLM's choice): 1, 2, 4, then every 8.
+GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,8 +64,20 @@ class BatchInput:
     positions: list[int]
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context length per sequence after this step
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]  # per sequence (the worker's own lists; test runners read these)
     logits_indices: list[int]  # flat positions whose logits are returned
+    block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampled: the shape CUDA graphs are captured for."""
+        return len(self.token_ids) == len(self.query_lens) == len(self.logits_indices)
+
+
+class _DecodeGraph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits
 
 
 class ModelRunner:
@@ -67,8 +89,17 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed)
         self.block_size = config.block_size
-        self.num_blocks = self._choose_num_blocks()
+        limits = resolve_scheduler_config(config, self.model_config.max_position_embeddings, num_blocks=1 << 30)
+        self.max_num_tokens = limits.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.num_blocks = self._choose_num_blocks(limits.max_model_len)
+        self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self._staging = self._make_staging()
+        self._graphs: dict[int, _DecodeGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
         log.info(
             "model_runner_ready",
             model=config.model,
@@ -76,20 +107,24 @@ class ModelRunner:
             dtype=str(self.dtype),
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            cuda_graphs=sorted(self._graphs),
         )
 
+    # ------------------------------------------------------------------ memory
     @property
     def bytes_per_block(self) -> int:
         mc = self.model_config
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
 
-    def _choose_num_blocks(self) -> int:
+    def _choose_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
+            activations = self._profile_peak_activation_bytes(max_model_len)
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1.0 - self.config.gpu_memory_utilization) * total
+            reserve = 512 << 20  # CUDA graphs' pool, sampler buffers, allocator slack
+            budget = free - (1.0 - self.config.gpu_memory_utilization) * total - activations - reserve
         else:
             budget = self.config.resolved_cpu_kv_cache_bytes()
         num_blocks = int(budget // self.bytes_per_block)
@@ -99,6 +134,41 @@ class ModelRunner:
                 f"one block takes {self.bytes_per_block / 2**20:.2f} MiB)"
             )
         return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_activation_bytes(self, max_model_len: int) -> int:
+        """Run the largest prefill step once (into a scratch cache) and measure its peak."""
+        tokens = self.max_num_tokens
+        lengths = []
+        while sum(lengths) < tokens:
+            lengths.append(min(max_model_len, tokens - sum(lengths)))
+        scratch_blocks = sum(math.ceil(n / self.block_size) for n in lengths)
+        scratch = self._allocate_kv_cache(scratch_blocks)
+        tables, next_block = [], 0
+        for n in lengths:
+            count = math.ceil(n / self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        batch = BatchInput(
+            token_ids=[0] * tokens,
+            positions=[p for n in lengths for p in range(n)],
+            query_lens=lengths,
+            seq_lens=lengths,
+            block_tables=tables,
+            logits_indices=list(np.cumsum(lengths) - 1),
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        saved, self.kv_caches = getattr(self, "kv_caches", None), scratch
+        self._staging = self._make_staging()
+        self._run_eager(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = saved
+        del scratch
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
@@ -111,42 +181,174 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
 
+    def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
+        """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables
+        ``width`` blocks wide."""
+        pin = self.device.type == "cuda"
+        seqs = max(self.max_num_seqs, max(GRAPH_BATCH_SIZES))
+
+        def buffer(size: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, pin_memory=pin)
+
+        width = max(width, getattr(self, "max_blocks_per_seq", 1))
+        return {
+            "input_ids": buffer(self.max_num_tokens + seqs, torch.long),
+            "positions": buffer(self.max_num_tokens + seqs, torch.long),
+            "slot_mapping": buffer(self.max_num_tokens + seqs, torch.long),
+            "query_start_loc": buffer(seqs + 1, torch.int32),
+            "seq_lens": buffer(seqs, torch.int32),
+            "logits_indices": buffer(self.max_num_tokens + seqs, torch.long),
+            "block_tables": buffer((seqs, width), torch.int32),
+        }
+
+    # ------------------------------------------------------------------ inputs
+    def _host_inputs(self, batch: BatchInput, rows: int, width: int) -> dict[str, torch.Tensor]:
+        """Fill the staging buffers; return host views of ``rows`` sequences (padded rows:
+        sequence length 1, slot -1) and block tables ``width`` blocks wide."""
+        num_tokens = len(batch.token_ids)
+        num_seqs = len(batch.query_lens)
+        staging = self._staging
+        if staging["block_tables"].shape[1] < width or staging["input_ids"].shape[0] < num_tokens + rows:
+            self._staging = staging = self._make_staging(width)
+        if batch.block_table_array is not None:
+            tables = batch.block_table_array
+        else:
+            tables = np.zeros((num_seqs, max(len(t) for t in batch.block_tables) or 1), dtype=np.int32)
+            for row, table in enumerate(batch.block_tables):
+                tables[row, : len(table)] = table
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        sequence_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        blocks = tables[sequence_of_token, positions // self.block_size].astype(np.int64)
+        pad_tokens = rows - num_seqs if batch.is_decode else 0
+
+        ids = staging["input_ids"].numpy()
+        ids[:num_tokens] = batch.token_ids
+        ids[num_tokens : num_tokens + pad_tokens] = 0
+        pos = staging["positions"].numpy()
+        pos[:num_tokens] = positions
+        pos[num_tokens : num_tokens + pad_tokens] = 0
+        slots = staging["slot_mapping"].numpy()
+        slots[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        slots[num_tokens : num_tokens + pad_tokens] = -1
+        start = staging["query_start_loc"].numpy()
+        start[0] = 0
+        start[1 : num_seqs + 1] = np.cumsum(query_lens)
+        start[num_seqs + 1 : rows + 1] = start[num_seqs] + np.arange(1, rows - num_seqs + 1)
+        lens = staging["seq_lens"].numpy()
+        lens[:num_seqs] = batch.seq_lens
+        lens[num_seqs:rows] = 1
+        table_view = staging["block_tables"].numpy()
+        used = min(tables.shape[1], width)
+        table_view[:num_seqs, :used] = tables[:, :used]
+        table_view[:num_seqs, used:width] = 0
+        table_view[num_seqs:rows, :width] = 0
+        index = staging["logits_indices"].numpy()
+        index[: len(batch.logits_indices)] = batch.logits_indices
+        total = num_tokens + pad_tokens
+        return {
+            "input_ids": staging["input_ids"][:total],
+            "positions": staging["positions"][:total],
+            "slot_mapping": staging["slot_mapping"][:total],
+            "query_start_loc": staging["query_start_loc"][: rows + 1],
+            "seq_lens": staging["seq_lens"][:rows],
+            "block_tables": staging["block_tables"][:rows, :width],
+            "logits_indices": staging["logits_indices"][: len(batch.logits_indices)],
+        }
+
+    # ------------------------------------------------------------------ running
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run one forward pass; return float32 logits of ``batch.logits_indices`` rows."""
+        if batch.is_decode and self._graphs:
+            bucket = next((size for size in sorted(self._graphs) if size >= len(batch.query_lens)), None)
+            if bucket is not None:
+                return self._run_graph(batch, bucket)
+        return self._run_eager(batch)
+
+    def _run_eager(self, batch: BatchInput) -> torch.Tensor:
         device = self.device
-        positions = torch.tensor(batch.positions, dtype=torch.long)
-        block_tables = self._pad_block_tables(batch.block_tables)
-        slot_mapping = self._slot_mapping(batch, block_tables, positions)
-        query_start = torch.zeros(len(batch.query_lens) + 1, dtype=torch.int32)
-        query_start[1:] = torch.tensor(batch.query_lens, dtype=torch.int32).cumsum(0)
+        num_seqs = len(batch.query_lens)
+        width = max(math.ceil(max(batch.seq_lens) / self.block_size), 1)
+        host = self._host_inputs(batch, num_seqs, width)
+        on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in host.items()}
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            query_start_loc=query_start.to(device, non_blocking=True),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_tables=block_tables.to(device, non_blocking=True),
+            slot_mapping=on_device["slot_mapping"],
+            query_start_loc=on_device["query_start_loc"],
+            seq_lens=on_device["seq_lens"],
+            block_tables=on_device["block_tables"],
             max_query_len=max(batch.query_lens),
             max_seq_len=max(batch.seq_lens),
             query_lens_cpu=list(batch.query_lens),
             seq_lens_cpu=list(batch.seq_lens),
         )
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.long).to(device, non_blocking=True)
-        hidden = self.model(input_ids, positions.to(device, non_blocking=True), meta, self.kv_caches)
-        index = torch.tensor(batch.logits_indices, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden.index_select(0, index)).float()
+        hidden = self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"])).float()
 
-    @staticmethod
-    def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-        width = max((len(table) for table in tables), default=0) or 1
-        padded = torch.zeros((len(tables), width), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            if table:
-                padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        return padded
+    def _graph_inputs(self, size: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self._static["input_ids"][:size],
+            "positions": self._static["positions"][:size],
+            "slot_mapping": self._static["slot_mapping"][:size],
+            "query_start_loc": self._static["query_start_loc"][: size + 1],
+            "seq_lens": self._static["seq_lens"][:size],
+            "block_tables": self._static["block_tables"][:size],
+        }
 
-    def _slot_mapping(self, batch: BatchInput, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        sequence_of_token = torch.repeat_interleave(
-            torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens)
+    def _graph_meta(self, inputs: dict[str, torch.Tensor], size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"],
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # an upper bound: the graph serves every length
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
         )
-        blocks = block_tables[sequence_of_token, positions // self.block_size].long()
-        return blocks * self.block_size + positions % self.block_size
+
+    def _capture_decode_graphs(self) -> None:
+        started = time.perf_counter()
+        largest = min(max(GRAPH_BATCH_SIZES), self.max_num_seqs)
+        sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
+        if largest not in sizes:
+            sizes.append(largest)
+        device = self.device
+        width = self.max_blocks_per_seq
+        self._static = {
+            "input_ids": torch.zeros(largest, dtype=torch.long, device=device),
+            "positions": torch.zeros(largest, dtype=torch.long, device=device),
+            "slot_mapping": torch.full((largest,), -1, dtype=torch.long, device=device),
+            "query_start_loc": torch.arange(largest + 1, dtype=torch.int32, device=device),
+            "seq_lens": torch.ones(largest, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros((largest, width), dtype=torch.int32, device=device),
+        }
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        with torch.inference_mode():
+            for size in sorted(sizes, reverse=True):  # largest first: the pool grows once
+                inputs = self._graph_inputs(size)
+                meta = self._graph_meta(inputs, size)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph
+                        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
+                        self.model.compute_logits(hidden)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
+                    logits = self.model.compute_logits(hidden)
+                self._graphs[size] = _DecodeGraph(graph, logits)
+        torch.cuda.synchronize(device)
+        log.info("cuda_graphs_captured", sizes=len(sizes), seconds=round(time.perf_counter() - started, 2))
+
+    def _run_graph(self, batch: BatchInput, bucket: int) -> torch.Tensor:
+        num_seqs = len(batch.query_lens)
+        host = self._host_inputs(batch, bucket, self.max_blocks_per_seq)
+        static = self._graph_inputs(bucket)
+        for name in static:
+            static[name].copy_(host[name], non_blocking=True)
+        graph = self._graphs[bucket]
+        graph.graph.replay()
+        return graph.logits[:num_seqs].float()

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_actors.block_tables import BlockTableArray
 from vllm_actors.model_runner import BatchInput
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
@@ -37,6 +38,7 @@ class WorkerRequest:
     eos_token_ids: list[int]
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    row: int = -1  # its row in the worker's BlockTableArray
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -66,6 +68,8 @@ class Worker:
         self.runner = runner
         self.sampler = sampler
         self.requests: dict[str, WorkerRequest] = {}
+        width = getattr(runner, "max_blocks_per_seq", None)
+        self.tables = BlockTableArray(width) if width else None
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
@@ -108,8 +112,20 @@ class Worker:
                 raise ValueError(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
             if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
                 raise ValueError(f"plan gives {request_id!r} a block outside the pool")
+            fresh = request_id in plan.finished_ids or request_id not in self.requests or any(
+                new.request_id == request_id for new in plan.new_requests
+            )
+            held = 0 if fresh else len(self.requests[request_id].block_table)
+            if self.tables is not None and held + len(blocks) > self.tables.width:
+                raise ValueError(f"plan gives {request_id!r} more blocks than a sequence may hold")
+
+    def _drop(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and self.tables is not None:
+            self.tables.remove(request.row)
 
     def _admit(self, new: NewRequest) -> None:
+        self._drop(new.request_id)
         self.requests[new.request_id] = WorkerRequest(
             request_id=new.request_id,
             token_ids=list(new.token_ids),
@@ -117,12 +133,13 @@ class Worker:
             num_output_tokens=new.num_output_tokens,
             params=new.params,
             eos_token_ids=list(new.eos_token_ids),
+            row=self.tables.add() if self.tables is not None else -1,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         for new in plan.new_requests:
             self._admit(new)
 
@@ -135,6 +152,8 @@ class Worker:
         ):
             request = self.requests[request_id]
             request.block_table.extend(new_blocks)
+            if self.tables is not None:
+                self.tables.append(request.row, new_blocks)
             start = request.num_computed_tokens
             end = start + num_new
             if end > len(request.token_ids):
@@ -157,6 +176,10 @@ class Worker:
 
         if not batch.token_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+        if self.tables is not None:
+            batch.block_table_array = self.tables.gather(
+                [self.requests[request_id].row for request_id in plan.req_ids]
+            )
         logits = self.runner.execute(batch)
 
         prompt_logprobs = [self._prompt_logprobs(span, logits) for span in spans]

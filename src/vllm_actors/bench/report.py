@@ -1,0 +1,269 @@
+"""The throughput benchmark's results: their types, the printed table, ``results.json`` and
+``throughput.png`` (matplotlib, imported lazily: without it the PNG is skipped with a warning)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from vllm_actors.bench.floor import Floor, GpuCeilings
+from vllm_actors.bench.peer_transformers import PeerResult
+
+log = structlog.get_logger(__name__)
+
+
+# --------------------------------------------------------------------------- result types
+@dataclass(frozen=True)
+class LatencyStats:
+    """Seconds, over the samples of one run."""
+
+    count: int = 0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    mean: float = 0.0
+    max: float = 0.0
+
+    @classmethod
+    def of(cls, samples: list[float]) -> LatencyStats:
+        if not samples:
+            return cls()
+        ordered = sorted(samples)
+        return cls(count=len(ordered), p50=percentile(ordered, 0.50), p90=percentile(ordered, 0.90),
+                   p99=percentile(ordered, 0.99), mean=sum(ordered) / len(ordered), max=ordered[-1])
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, interpolating linearly between the nearest ranks."""
+    if not ordered:
+        return 0.0
+    position = (len(ordered) - 1) * q
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class OursResult:
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # produced (counted from the outputs)
+    expected_output_tokens: int  # the workload's max_tokens summed
+    seconds: float  # wall time of llm.generate
+    enforce_eager: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass(frozen=True)
+class IdleShare:
+    """GPU idle time between consecutive decode-only steps, from the worker's STEP_FINISHED events:
+    Σ max(0, Δmono − execute of the later step) / Σ Δmono."""
+
+    share: float
+    idle_s: float
+    interval_s: float
+    pairs: int  # consecutive decode-only step pairs counted
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """From the metrics store, over the timed run."""
+
+    idle: IdleShare | None
+    ttft: LatencyStats  # ARRIVED -> FIRST_TOKEN of the run's requests
+    itl: LatencyStats  # between consecutive TOKENS of each request
+    decode_step_ms: LatencyStats  # execute_ms of the decode-only steps (milliseconds, not seconds)
+    num_steps: int
+    num_decode_steps: int
+    events_in_log: int
+    log_complete: bool  # False when the bounded event log had already dropped events of the run
+    store_summary: dict[str, Any] = field(default_factory=dict)  # llm.get_metrics(): whole process group
+
+
+@dataclass(frozen=True)
+class Batch1Result:
+    """One request decoding alone: ms per output token = (e2e − ttft) / (n − 1)."""
+
+    enforce_eager: bool
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    e2e_s: float
+    ms_per_token: float
+    client_seconds: float  # wall time of llm.generate around it
+
+
+@dataclass
+class BenchReport:
+    config: dict[str, Any]
+    ours: OursResult | None = None
+    metrics: EngineMetrics | None = None
+    ceilings: GpuCeilings | None = None
+    floor: Floor | None = None
+    peer: PeerResult | None = None
+    batch1: dict[str, Batch1Result] = field(default_factory=dict)  # "graphs_on" / "graphs_off"
+    errors: dict[str, str] = field(default_factory=dict)  # part -> what went wrong
+    total_seconds: float = 0.0
+    steps: list[dict[str, float]] = field(default_factory=list)  # for the plot; not in the JSON
+
+    @property
+    def fraction_of_floor(self) -> float | None:
+        if self.ours is None or self.floor is None or self.floor.tokens_per_s <= 0:
+            return None
+        return self.ours.tokens_per_s / self.floor.tokens_per_s
+
+    @property
+    def peer_ratio(self) -> float | None:
+        if self.ours is None or self.peer is None or self.peer.tokens_per_s <= 0:
+            return None
+        return self.ours.tokens_per_s / self.peer.tokens_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "ours": None if self.ours is None else self.ours.to_dict(),
+            "floor": None if self.floor is None else self.floor.to_dict(),
+            "fraction_of_floor": self.fraction_of_floor,
+            "ceilings": None if self.ceilings is None else self.ceilings.to_dict(),
+            "peer": None if self.peer is None else self.peer.to_dict(),
+            "peer_ratio": self.peer_ratio,
+            "metrics": None if self.metrics is None else asdict(self.metrics),
+            "batch1": {name: asdict(result) for name, result in self.batch1.items()},
+            "errors": dict(self.errors),
+            "total_seconds": self.total_seconds,
+        }
+
+
+# --------------------------------------------------------------------------- outputs
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def table_rows(report: BenchReport) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    config = report.config
+    rows.append(("model", str(config.get("model_description", config.get("model", "")))))
+    ours = report.ours
+    if ours is not None:
+        rows.append(("workload", f"{ours.num_requests} requests, {ours.prompt_tokens:,} prompt / "
+                                 f"{ours.output_tokens:,} output tokens"))
+        rows.append(("ours: output tok/s", f"{ours.tokens_per_s:,.0f}"))
+        rows.append(("ours: wall time of generate", f"{ours.seconds:,.2f} s"))
+    if report.floor is not None:
+        floor = report.floor
+        rows.append(("floor: output tok/s", f"{floor.tokens_per_s:,.0f} ({floor.seconds:.2f} s: prefill "
+                                            f"{floor.prefill_seconds:.2f} s + {floor.decode_steps} decode steps "
+                                            f"{floor.decode_seconds:.2f} s)"))
+        if report.fraction_of_floor is not None:
+            rows.append(("ours / floor", f"{report.fraction_of_floor:.1%}"))
+        rows.append(("floor at", f"{floor.bandwidth / 1e12:.2f} TB/s, {floor.matmul_rate / 1e12:.0f} TFLOP/s"))
+    if report.ceilings is not None:
+        ceilings = report.ceilings
+        rows.append(("measured copy bandwidth", f"{ceilings.bandwidth / 1e12:.2f} TB/s (read+write, "
+                                                f"{ceilings.copy_bytes / (1 << 30):.0f} GiB copy)"))
+        rows.append(("measured bf16 matmul", f"{ceilings.matmul_rate / 1e12:.0f} TFLOP/s "
+                                             f"({ceilings.matmul_size}³)"))
+        rows.append(("GPU", ceilings.device))
+    if report.peer is not None:
+        peer = report.peer
+        rows.append((f"peer: transformers {peer.version}", f"{peer.tokens_per_s:,.0f} tok/s ({peer.num_requests} "
+                                                          f"requests, {peer.output_tokens:,} tokens, "
+                                                          f"{peer.seconds:.1f} s, {peer.attn_implementation})"))
+        if report.peer_ratio is not None:
+            rows.append(("ours / peer (tok/s)", f"{report.peer_ratio:.2f}x"))
+    metrics = report.metrics
+    if metrics is not None:
+        if metrics.idle is not None:
+            rows.append(("GPU idle between decode steps", f"{metrics.idle.share:.1%} ({metrics.idle.idle_s:.2f} s "
+                                                          f"of {metrics.idle.interval_s:.2f} s, "
+                                                          f"{metrics.idle.pairs} step pairs)"))
+        rows.append(("decode step execute p50 / p99", f"{metrics.decode_step_ms.p50:.2f} / "
+                                                      f"{metrics.decode_step_ms.p99:.2f} ms "
+                                                      f"({metrics.num_decode_steps} of {metrics.num_steps} steps)"))
+        rows.append(("TTFT p50 / p99", f"{_ms(metrics.ttft.p50)} / {_ms(metrics.ttft.p99)}"))
+        rows.append(("ITL p50 / p99", f"{_ms(metrics.itl.p50)} / {_ms(metrics.itl.p99)}"))
+        if not metrics.log_complete:
+            rows.append(("warning", "the event log had dropped events of the run: metrics are partial"))
+    for key, label in (("graphs_on", "CUDA graphs on"), ("graphs_off", "CUDA graphs off (eager)")):
+        result = report.batch1.get(key)
+        if result is not None:
+            rows.append((f"batch-1 decode, {label}", f"{result.ms_per_token:.2f} ms/token ({result.output_tokens} "
+                                                     f"tokens after a {result.prompt_tokens}-token prompt, "
+                                                     f"TTFT {_ms(result.ttft_s)})"))
+    for part, error in report.errors.items():
+        rows.append((f"error: {part}", error))
+    rows.append(("total benchmark wall time", f"{report.total_seconds:,.1f} s"))
+    return rows
+
+
+def format_table(report: BenchReport) -> str:
+    rows = table_rows(report)
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'metric'.ljust(width)} | value", f"{'-' * width}-+-{'-' * 40}"]
+    lines.extend(f"{name.ljust(width)} | {value}" for name, value in rows)
+    return "\n".join(lines)
+
+
+def write_json(report: BenchReport, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(report.to_dict(), indent=2, sort_keys=False) + "\n")
+    temporary.replace(path)
+
+
+def write_png(report: BenchReport, path: Path) -> bool:
+    """Left: output tok/s of ours, the floor and the peer. Right: step time and batch size over the
+    timed run. Returns False (with a warning) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: skipping the plot", path=str(path))
+        return False
+    bars: list[tuple[str, float]] = []
+    if report.ours is not None:
+        bars.append(("vllm_actors", report.ours.tokens_per_s))
+    if report.floor is not None:
+        bars.append(("floor", report.floor.tokens_per_s))
+    if report.peer is not None:
+        bars.append((f"transformers\n({report.peer.num_requests} req)", report.peer.tokens_per_s))
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 2]})
+    if bars:
+        names, values = zip(*bars, strict=True)
+        drawn = left.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(bars)])
+        left.bar_label(drawn, labels=[f"{value:,.0f}" for value in values])
+    left.set_ylabel("output tokens / s")
+    left.set_title("throughput")
+
+    steps = report.steps
+    if steps:
+        times = [step["t"] for step in steps]
+        right.plot(times, [step["execute_ms"] for step in steps], lw=0.8, label="execute ms", color="tab:blue")
+        right.plot(times, [step["interval_ms"] for step in steps], lw=0.8, label="interval ms (finish to finish)",
+                   color="tab:red", alpha=0.6)
+        right.set_xlabel("seconds since the run started")
+        right.set_ylabel("step time (ms)")
+        right.legend(loc="upper left")
+        batch_axis = right.twinx()
+        batch_axis.plot(times, [step["num_seqs"] for step in steps], lw=1.0, color="tab:green", label="batch size")
+        batch_axis.set_ylabel("sequences in the step", color="tab:green")
+    right.set_title("steps over the run (from the event log)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

@@ -1,0 +1,99 @@
+"""``build_app(client)``: the OpenAI-compatible ASGI application (FastAPI) over an AsyncEngineClient.
+
+The app holds no lifespan of its own (a mounted sub-application's lifespan never runs): the
+client's background tasks start with its first request, and whoever created the client shuts it
+down. Mount it under another application as is::
+
+    host.mount("/llm", build_app(client))       # then POST /llm/v1/chat/completions
+"""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from vllm_actors import __version__
+from vllm_actors.async_client import AsyncEngineClient
+from vllm_actors.server.chat import create_chat_completion
+from vllm_actors.server.completions import create_completion
+from vllm_actors.server.errors import error_body, install_error_handlers
+from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
+from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
+from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, ServerState
+
+log = structlog.get_logger(__name__)
+
+def build_app(
+    client: AsyncEngineClient,
+    *,
+    served_model_names: list[str] | None = None,
+    max_num_seqs: int | None = None,
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+) -> FastAPI:
+    """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
+    beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
+    (``max_waiting_requests=None``: no bound)."""
+    names = list(served_model_names or [client.model])
+    metrics = ServerMetrics(names[0])
+    client.add_stats_listener(metrics)
+    state = ServerState(
+        client=client,
+        served_model_names=names,
+        max_num_seqs=max_num_seqs or client.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_waiting_requests=max_waiting_requests,
+        metrics=metrics,
+    )
+    app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(request, state)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        cards = [ModelCard(id=name, created=now(), root=client.model, max_model_len=client.max_model_len)
+                 for name in names]
+        return Response(encode(ModelList(data=cards)), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return _unhealthy({"server": "shutting down"})
+        problems = await client.check_health()
+        if problems:
+            log.warning("unhealthy", problems=problems)
+            return _unhealthy(problems)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            summary = await client.get_metrics()
+        except (TimeoutError, RuntimeError) as error:
+            log.warning("metrics store unavailable for /metrics", error=str(error))
+            summary = None
+        return Response(metrics.render(summary), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(encode({"version": __version__}), media_type="application/json")
+
+    return app
+
+
+def _unhealthy(problems: dict[str, str]) -> Response:
+    message = "; ".join(f"{actor}: {problem}" for actor, problem in problems.items())
+    body = error_body(f"unhealthy: {message}", 503)
+    body["unhealthy"] = problems
+    return Response(encode(body), status_code=503, media_type="application/json")
+
+
+def server_state(app: FastAPI) -> ServerState:
+    return app.state.server  # type: ignore[no-any-return]

@@ -1,0 +1,217 @@
+"""``POST /v1/completions``: OpenAI's legacy completions, streaming or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vllm_actors.actors.frontend import PreparedRequest, PromptInput
+from vllm_actors.async_client import RequestStream
+from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.server.errors import OpenAIError, bad_request
+from vllm_actors.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptShapeError,
+    Usage,
+    encode,
+    normalize_prompts,
+    now,
+)
+from vllm_actors.server.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    EventStreamResponse,
+    ServerState,
+    abort_all,
+    completion_logprobs,
+    decode_body,
+    final_output,
+    guarded_events,
+    merge_streams,
+    request_id,
+    sampling_params,
+    sse,
+    unless_disconnected,
+)
+
+
+@dataclass
+class _Job:
+    response_id: str
+    created: int
+    model: str
+    body: CompletionRequest
+    prepared: list[PreparedRequest]
+    prompt_texts: list[str]  # for echo
+
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    body = await decode_body(request, CompletionRequest)
+    model = state.check_model(body.model)
+    if body.suffix:
+        raise bad_request("suffix: not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of: only best_of == n is supported, got best_of={body.best_of}, n={body.n}", "best_of")
+    try:
+        prompts = normalize_prompts(body.prompt)
+    except PromptShapeError as error:
+        raise bad_request(str(error), "prompt") from None
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
+    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    engine_id, response_id = request_id("cmpl", request)
+    prepared = []
+    for index, prompt in enumerate(prompts):
+        prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        prepared.append(state.prepare(f"{engine_id}-{index}", prompt_input, params))
+    job = _Job(response_id, now(), model, body, prepared, [_prompt_text(state, p) for p in prepared])
+    streams = state.submit(prepared)
+    if body.stream:
+        return EventStreamResponse(guarded_events(_stream(job, streams), streams))
+    try:
+        outputs = await unless_disconnected(request, streams, lambda: _collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        abort_all(streams, "abort")
+    return Response(encode(_response(job, outputs)), media_type="application/json")
+
+
+def _prompt_text(state: ServerState, prepared: PreparedRequest) -> str:
+    if prepared.prompt is not None:
+        return prepared.prompt
+    tokenizer = state.client.tokenizer
+    return tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False) if tokenizer else ""
+
+
+async def _collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    outputs = [await final_output(stream) for stream in streams]
+    for output in outputs:
+        if output.error is not None:
+            raise OpenAIError(output.error, 400)
+    return outputs
+
+
+def _choice_index(job: _Job, prompt_index: int, completion: CompletionOutput) -> int:
+    return prompt_index * job.body.n + completion.index
+
+
+def _echo_logprobs(job: _Job, output: RequestOutput) -> tuple[CompletionLogprobs, int]:
+    prompt_positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    return completion_logprobs(output.prompt_token_ids, prompt_positions, 0)
+
+
+def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
+    choices = []
+    num_prompt = num_generated = 0
+    for prompt_index, output in enumerate(outputs):
+        num_prompt += len(output.prompt_token_ids)
+        for completion in output.outputs:
+            num_generated += len(completion.token_ids)
+            text = completion.text
+            logprobs = None
+            if job.body.logprobs is not None:
+                offset = 0
+                logprobs = CompletionLogprobs()
+                if job.body.echo:
+                    logprobs, offset = _echo_logprobs(job, output)
+                generated, _ = completion_logprobs(completion.token_ids, completion.logprobs or [], offset)
+                _extend(logprobs, generated)
+            if job.body.echo:
+                text = job.prompt_texts[prompt_index] + text
+            choices.append(CompletionChoice(
+                index=_choice_index(job, prompt_index, completion), text=text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            ))
+    choices.sort(key=lambda choice: choice.index)
+    return CompletionResponse(
+        id=job.response_id, created=job.created, model=job.model, choices=choices,
+        usage=Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated),
+    )
+
+
+def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    into.text_offset.extend(more.text_offset)
+    into.token_logprobs.extend(more.token_logprobs)
+    into.tokens.extend(more.tokens)
+    into.top_logprobs.extend(more.top_logprobs)
+
+
+@dataclass
+class _Cursor:
+    """How much of one choice has been streamed."""
+
+    text: int = 0
+    tokens: int = 0
+    offset: int = 0  # text offset for logprobs
+    started: bool = False
+    done: bool = False
+
+
+async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+    body = job.body
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    cursors: dict[int, _Cursor] = {}
+    prompt_tokens = [len(p.prompt_token_ids) for p in job.prepared]
+    generated: dict[int, int] = {}
+
+    def chunk(choice: CompletionChoice) -> bytes:
+        usage = None
+        if continuous:
+            completion_tokens = sum(generated.values())
+            total_prompt = sum(prompt_tokens)
+            usage = Usage(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                          total_tokens=total_prompt + completion_tokens)
+        message = CompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[choice])
+        if include_usage:
+            message.usage = usage
+        return sse(message)
+
+    async for prompt_index, output in merge_streams(streams):
+        if output.error is not None:
+            raise OpenAIError(output.error, 400)
+        for completion in output.outputs:
+            index = _choice_index(job, prompt_index, completion)
+            cursor = cursors.setdefault(index, _Cursor())
+            if cursor.done:
+                continue
+            generated[index] = len(completion.token_ids)
+            delta = completion.text[cursor.text:]
+            logprobs = None
+            if not cursor.started:
+                cursor.started = True
+                if body.echo:
+                    delta = job.prompt_texts[prompt_index] + delta
+                    if body.logprobs is not None:
+                        logprobs, cursor.offset = _echo_logprobs(job, output)
+            new_ids = completion.token_ids[cursor.tokens:]
+            if body.logprobs is not None and completion.logprobs is not None:
+                more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:], cursor.offset)
+                if logprobs is None:
+                    logprobs = more
+                else:
+                    _extend(logprobs, more)
+            cursor.text = len(completion.text)
+            cursor.tokens = len(completion.token_ids)
+            finished = completion.finish_reason is not None
+            if not delta and not finished and not (new_ids and body.logprobs is not None):
+                continue  # nothing to show yet (text held back: a partial character or stop string)
+            cursor.done = finished
+            yield chunk(CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+    if include_usage:
+        total_prompt = sum(prompt_tokens)
+        completion_tokens = sum(generated.values())
+        yield sse(CompletionChunk(
+            id=job.response_id, created=job.created, model=job.model, choices=[],
+            usage=Usage(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                        total_tokens=total_prompt + completion_tokens),
+        ))
+    yield SSE_DONE

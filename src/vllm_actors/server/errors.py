@@ -1,0 +1,115 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+The ``type`` strings and the numeric ``code`` follow vLLM's OpenAI server (``BadRequestError``,
+``NotFoundError``, ...), which is what clients of vLLM already parse.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from http import HTTPStatus
+
+import msgspec
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = structlog.get_logger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "PayloadTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error the server answers in OpenAI's shape."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, object]:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, object]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(error: OpenAIError) -> Response:
+    return Response(msgspec.json.encode(error.body()), status_code=error.status, headers=error.headers,
+                    media_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, param=param if param is not None else param_of(message))
+
+
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\b")
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message starts with ("temperature must be >= 0" -> temperature)."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None
+
+
+def from_decode_error(error: msgspec.DecodeError) -> OpenAIError:
+    """A msgspec error -> 400 naming the field: "Expected `float`, got `str` - at `$.temperature`"."""
+    text = str(error)
+    if isinstance(error, msgspec.ValidationError):
+        match = re.search(r"at `\$\.?([^`]*)`", text)
+        param = match.group(1) if match else None
+        if param:
+            field = re.sub(r"\[\d+\]", "", param)
+            return OpenAIError(f"{param}: {text.split(' - at ')[0]}", 400, param=field.split(".")[0])
+        return OpenAIError(f"invalid request body: {text}", 400)
+    return OpenAIError(f"the request body is not valid JSON: {text}", 400)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        return error_response(OpenAIError(str(error.detail), error.status_code, headers=error.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        return error_response(OpenAIError(f"{'.'.join(location)}: {first.get('msg', 'invalid')}", 400,
+                                          param=location[0] if location else None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        log.exception("request failed", path=request.url.path)
+        return error_response(OpenAIError(f"internal server error: {type(error).__name__}", 500))

@@ -1,0 +1,111 @@
+"""``vllm-actors serve``: the OpenAI-compatible server's process.
+
+This process is the supervisor: it starts the process group (bus, metrics store, worker,
+KV-cache manager, scheduler), and once every actor is READY it serves HTTP with uvicorn on the
+same event loop as its AsyncEngineClient (tokenising and detokenising happen here, so text never
+crosses a socket). On SIGTERM or SIGINT it stops taking requests (the listening socket closes,
+idle connections close, anything that still arrives gets 503 and /health turns 503), lets
+running requests finish for up to ``--shutdown-timeout`` seconds, aborts what is left (reason
+"shutdown"), then stops every actor. A second SIGINT forces the exit at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from types import FrameType
+from typing import Any
+
+import structlog
+import uvicorn
+
+from vllm_actors.async_client import AsyncEngineClient, _load_tokenizer
+from vllm_actors.server.app import build_app, server_state
+from vllm_actors.server.serving import ServerState
+
+log = structlog.get_logger(__name__)
+
+
+class _Stop:
+    """Signals before uvicorn takes them over (and after it gives them back)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.raise_on_signal = True
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        if self.raise_on_signal:
+            raise SystemExit(128 + signum)
+
+
+def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from vllm_actors.llm import make_engine_config
+    from vllm_actors.supervisor import ProcessGroup
+
+    model = args.model_tag or args.model
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models named: {args.model_tag!r} and --model {args.model!r}")
+    config = make_engine_config(model, engine_args)
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
+    group = ProcessGroup(config, check_invariants=check)
+    try:
+        group.start()  # a signal now raises SystemExit: start() stops what it started
+        stop.raise_on_signal = False  # from here on a signal means: drain, then stop
+        asyncio.run(_serve(group, args, stop))
+    finally:
+        group.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("server stopped")
+    return 0
+
+
+async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> None:
+    tokenizer = await asyncio.to_thread(_load_tokenizer, group.info)
+    client = AsyncEngineClient(group.info, tokenizer, group=group, load_tokenizer=False)
+    try:
+        await client.connect()
+        app = build_app(
+            client,
+            served_model_names=args.served_model_name,
+            max_num_seqs=group.config.max_num_seqs,
+            max_waiting_requests=args.max_waiting_requests if args.max_waiting_requests >= 0 else None,
+        )
+        state = server_state(app)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            lifespan="off",
+        )
+        server = _DrainingServer(config, state)
+        if stop.requested:
+            return
+        log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir)
+        await server.serve()
+        if state.client.num_unfinished:
+            log.warning("aborting requests still running after the grace period", count=state.client.num_unfinished)
+    finally:
+        await client.shutdown(reason="shutdown")
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, marking the app as draining the moment a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.state.draining:
+            log.info("draining", signal=signal.Signals(sig).name)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
