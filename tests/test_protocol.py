@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from vllm_actors.protocol.codec import MessageCodec, json_schema_text
+from vllm_actors.protocol.codec import MessageCodec, json_schema_texts
 from vllm_actors.protocol.messages import AddRequest, Logprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "vllm_actors"
 
 
-def test_exported_schema_matches_the_code() -> None:
-    exported = (ROOT / "protocols" / "messages.schema.json").read_text()
-    assert json.loads(exported) == json.loads(json_schema_text()), (
-        "protocols/messages.schema.json is stale: run `python -m vllm_actors.protocol`"
-    )
+def test_exported_schemas_match_the_code() -> None:
+    for name, text in json_schema_texts().items():
+        exported = (ROOT / "protocols" / name).read_text()
+        assert json.loads(exported) == json.loads(text), (
+            f"protocols/{name} is stale: run `python -m vllm_actors.protocol`"
+        )
 
 
 def test_round_trip_and_strict_decoding() -> None:

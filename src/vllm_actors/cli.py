@@ -140,6 +140,12 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from vllm_actors.bench.throughput import main as throughput_main
+
+    return throughput_main(args.rest)
+
+
 def _add_group_location(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--run-dir", default=None, help="the group's run directory (default: the newest running group)")
     parser.add_argument("--address", default=None, help=address_help)
@@ -188,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeline", metavar="REQUEST_ID", default=None, help="one request's events")
     stats.add_argument("--dump", metavar="PATH", default=None, help="write the retained event log as JSON lines")
     stats.set_defaults(func=_stats)
+
+    bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")
+    bench.add_argument("which", choices=["throughput"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -83,7 +83,7 @@ class EngineMetrics:
     idle: IdleShare | None
     ttft: LatencyStats  # ARRIVED -> FIRST_TOKEN of the run's requests
     itl: LatencyStats  # between consecutive TOKENS of each request
-    decode_step_ms: LatencyStats  # execute_ms of the decode-only steps (milliseconds, not seconds)
+    decode_step_ms: LatencyStats  # execute_ms of the decode-only steps: in milliseconds, not seconds
     num_steps: int
     num_decode_steps: int
     events_in_log: int
@@ -115,7 +115,7 @@ class BenchReport:
     batch1: dict[str, Batch1Result] = field(default_factory=dict)  # "graphs_on" / "graphs_off"
     errors: dict[str, str] = field(default_factory=dict)  # part -> what went wrong
     total_seconds: float = 0.0
-    steps: list[dict[str, float]] = field(default_factory=list)  # for the plot; not in the JSON
+    steps: list[dict[str, float]] = field(default_factory=list)  # per worker step of the timed run
 
     @property
     def fraction_of_floor(self) -> float | None:
@@ -142,6 +142,7 @@ class BenchReport:
             "batch1": {name: asdict(result) for name, result in self.batch1.items()},
             "errors": dict(self.errors),
             "total_seconds": self.total_seconds,
+            "steps": self.steps,
         }
 
 

@@ -25,17 +25,28 @@ class MessageCodec:
         return self._decoder.decode(data)
 
 
-def json_schema() -> dict[str, Any]:
-    """The JSON Schema of every message, as exported to ``protocols/messages.schema.json``."""
-    schemas, components = msgspec.json.schema_components(ALL_MESSAGES, ref_template="#/$defs/{name}")
+def _schema(title: str, types: tuple[type, ...]) -> dict[str, Any]:
+    schemas, components = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "vllm_actors messages",
+        "title": title,
         "protocol_version": PROTOCOL_VERSION,
         "oneOf": schemas,
         "$defs": components,
     }
 
 
-def json_schema_text() -> str:
-    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """Every wire schema, by the file name it is exported to under ``protocols/``."""
+    from vllm_actors.protocol.events import EventBatch
+    from vllm_actors.protocol.metrics import ALL_QUERIES, ALL_REPLIES
+
+    return {
+        "messages.schema.json": _schema("vllm_actors messages", ALL_MESSAGES),
+        "events.schema.json": _schema("vllm_actors event batches", (EventBatch,)),
+        "metrics.schema.json": _schema("vllm_actors metrics queries and replies", ALL_QUERIES + ALL_REPLIES),
+    }
+
+
+def json_schema_texts() -> dict[str, str]:
+    return {name: json.dumps(schema, indent=2, sort_keys=True) + "\n" for name, schema in json_schemas().items()}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU session on the device machine: install, then the stages asked for (default: all).
+#   stages: tests (GPU-marked tests: kernels at full size, the engine vs transformers),
+#           kernels (Triton vs torch microbenchmark), throughput (the nano-vllm workload; extra
+#           arguments after `--` go to benchmarks/throughput.py)
+# Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
+# Results land in $OUT (the device tool's output folder) or results/gpu.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . \
+  || { echo "install failed"; exit 1; }
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
+stages=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels throughput)
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$out/gpu.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$out/gpu.txt"
+status=0
+for stage in "${stages[@]}"; do
+  echo "=== $stage"
+  case "$stage" in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
+    throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+done
+exit $status
