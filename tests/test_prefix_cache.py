@@ -4,12 +4,13 @@ walk of a whole KV pool checked against a simple reference model after every ste
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -246,7 +247,7 @@ def test_lru_eviction_takes_leaves_first_least_recently_used_first() -> None:
     cache.check_invariants()
 
 
-def test_matching_a_prefix_of_a_node_protects_the_prefix_not_the_rest() -> None:
+def test_matching_part_of_a_path_protects_that_part_only() -> None:
     cache = cache_with((toks("aaaa", "bbbb", "cccc"), [0, 1, 2]), (toks("xxxx"), [9]))
     cache.match(toks("aaaa", "bbbb"))  # the leaf 2 keeps its old stamp
     assert ids(cache.evict(2)) == [2, 9]  # 2 is older than 9; 1 is now a leaf but newer than 9
@@ -363,6 +364,12 @@ class Model:
         return out
 
 
+def note(text: str) -> None:
+    """Count an interesting case for ``--hypothesis-show-statistics`` (outside hypothesis: nothing)."""
+    if currently_in_test_context():
+        event(text)
+
+
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=9)
 
 
@@ -387,7 +394,7 @@ class PoolMachine(RuleBasedStateMachine):
             evicted = self.cache.evict(count - len(self.free))
             assert evicted == self.model.evict(count - len(self.free))
             self.free.extend(ids(evicted))
-            event("evicted to allocate")
+            note("evicted to allocate")
         taken, self.free = self.free[:count], self.free[count:]
         return taken
 
@@ -400,15 +407,15 @@ class PoolMachine(RuleBasedStateMachine):
         expected = self.model.match(tokens, limit)
         assert hit == [self.model.cached_block(p) for p in expected]
         if any(self.cache.ref_count(b.block_id) == 0 for b in hit):
-            event("admission hit evictable blocks")
+            note("admission hit evictable blocks")
         self.cache.acquire(ids(hit))
         self.model.add_refs(expected, +1)
-        event(f"admission hit {min(len(hit), 2)}+ blocks")
+        note(f"admission hit {min(len(hit), 2)}+ blocks")
         blocks = self.take(-(-len(tokens) // MODEL_BS) - len(hit))
         if blocks is None:  # no room after all: give the hit back
             self.cache.release(ids(hit))
             self.model.add_refs(expected, -1)
-            event("admission refused")
+            note("admission refused")
             return
         self.requests.append(Request(tokens, ids(hit) + blocks, len(hit), len(hit) * MODEL_BS))
         self.seen.append(tokens)  # the same list: it grows as the request decodes
@@ -443,7 +450,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert new == [self.model.cached_block(p) for p in expected]
         request.num_cached += len(new)
         if request.num_cached < request.computed // MODEL_BS:
-            event("full blocks left private by a duplicate")
+            note("full blocks left private by a duplicate")
 
     @precondition(lambda self: self.requests)
     @rule(index=st.integers(0, 99), generated=st.lists(st.integers(0, 2), min_size=1, max_size=3))
@@ -478,7 +485,7 @@ class PoolMachine(RuleBasedStateMachine):
         evicted = self.cache.evict(count)
         assert evicted == self.model.evict(count)
         self.free.extend(ids(evicted))
-        event(f"evict rule freed {min(len(evicted), 2)}+")
+        note(f"evict rule freed {min(len(evicted), 2)}+")
 
     # checks
 
@@ -517,3 +524,28 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPrefixCacheAgainstModel = PoolMachine.TestCase
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_random_walks_against_the_model(seed: int) -> None:
+    """Many more steps than the hypothesis runs (deep trees, heap compaction), seeded: a failure
+    names its seed and step at once; the hypothesis test above is the one that shrinks."""
+    rng = random.Random(seed)
+
+    def some_tokens(low: int, high: int) -> list[int]:
+        return [rng.randint(0, 2) for _ in range(rng.randint(low, high))]
+
+    machine = PoolMachine()
+    steps = [
+        lambda: machine.start(some_tokens(1, 9)),
+        lambda: machine.seen and machine.start_related(rng.randrange(99), rng.randint(0, 8), some_tokens(0, 3)),
+        lambda: machine.requests and machine.compute(rng.randrange(99), rng.randint(1, 6)),
+        lambda: machine.requests and machine.decode(rng.randrange(99), some_tokens(1, 3)),
+        lambda: machine.requests and machine.finish(rng.randrange(99)),
+        lambda: machine.seen and machine.peek(rng.randrange(99), rng.randint(1, 10)),
+        lambda: machine.evict(rng.choice([0, 0, 1, 3])),
+    ]
+    for _ in range(3000):
+        rng.choice(steps)()
+        machine.consistent()
+    machine.teardown()

@@ -165,6 +165,7 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
+        self._stamp(path)
         return [n.to_cached() for n in path]
 
     def acquire(self, blocks: Sequence[int]) -> None:
