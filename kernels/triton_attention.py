@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -53,6 +54,7 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 _MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 128
 
 
 @triton.jit
@@ -298,15 +300,35 @@ def _varlen_kernel(
     )
 
 
-def _varlen_config(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_Q, BLOCK_N, num_warps, num_stages) for the varlen kernel."""
-    big_m = 128 if head_dim <= 128 else 64
-    block_m = min(big_m, max(_MIN_DOT_ROWS, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
-    block_m = max(block_m, group_pad)
-    block_q = max(1, block_m // group_pad)
-    block_n = 64 if head_dim <= 128 else 32
-    num_warps = 8 if block_m >= 128 else 4
-    return block_q, block_n, num_warps, 2 if head_dim > 128 else 3
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of an attention kernel. block_m: rows of a varlen program (query
+    positions x padded group heads; ignored by decode); block_n: keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def varlen_config(max_query_len: int, group_pad: int, head_dim: int) -> TileConfig:
+    """Default varlen tiles: 64 rows (fewer when every query run is short), 64 keys a step.
+
+    Tuned on an H100 at Qwen3-0.6B's shape (bf16, 16/8 heads, head_dim 128): for 8 x 1024-token
+    prefills 64 x 64 tiles with 4 warps and 2 stages ran 15% faster than 128-row tiles with 8 warps,
+    and a chunked-prefill step with 63 decodes mixed in ran 30% faster.
+    """
+    block_m = min(64, max(_MIN_DOT_ROWS, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
+    return TileConfig(
+        block_m=max(block_m, group_pad),
+        block_n=64 if head_dim <= 128 else 32,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    return TileConfig(block_m=_MIN_DOT_ROWS, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
 
 
 def paged_attention_varlen(
@@ -319,12 +341,13 @@ def paged_attention_varlen(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context (already in the cache).
 
     q, out: [T, num_heads, head_dim]; query_start_loc [B+1] int32; seq_lens [B] int32;
     block_tables [B, max_blocks] int32; max_query_len: a host upper bound of the query lengths
-    (only picks tile sizes).
+    (only picks tile sizes, unless config gives them).
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_cache_pair(k_cache, v_cache)
@@ -338,7 +361,10 @@ def paged_attention_varlen(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q, block_n, num_warps, num_stages = _varlen_config(max_query_len, group_pad, head_dim)
+    cfg = config or varlen_config(max_query_len, group_pad, head_dim)
+    if cfg.block_m % group_pad or cfg.block_m < _MIN_DOT_ROWS:
+        raise ValueError(f"block_m {cfg.block_m} must be >= {_MIN_DOT_ROWS} and a multiple of {group_pad}")
+    block_q = cfg.block_m // group_pad
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _varlen_kernel[grid](
         q,
@@ -361,14 +387,14 @@ def paged_attention_varlen(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
-        BLOCK_M=block_q * group_pad,
-        BLOCK_N=block_n,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -499,12 +525,13 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about two waves on the
-    GPU, but no split shorter than 256 keys; a power of two (bounds the compiled variants)."""
+    GPU, but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a power of two (bounds
+    the reduce kernel's compiled variants)."""
     programs = max(1, num_seqs * num_kv_heads)
     wanted = math.ceil(2 * _sm_count(device) / programs)
-    useful = math.ceil(max(1, max_seq_len) / 256)
+    useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return triton.next_power_of_2(splits)
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_attention_decode(
@@ -518,6 +545,7 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
@@ -539,7 +567,7 @@ def paged_attention_decode(
     rows = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
     if num_splits is None:
         num_splits = choose_decode_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
-    block_n = 64 if head_dim <= 128 else 32
+    cfg = config or decode_config(head_dim)
     split = num_splits > 1
     if split:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -571,14 +599,14 @@ def paged_attention_decode(
         block_tables.stride(0),
         GROUP=group,
         ROWS=rows,
-        BLOCK_N=block_n,
+        BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
-        num_warps=4,
-        num_stages=3,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -615,6 +643,7 @@ class TritonPagedAttention:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
         self.decode_splits = decode_splits
+        log.debug("triton_attention_backend", decode_splits=decode_splits, interpret=INTERPRET)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ it only changes how Triton runs kernels, and nothing else in the suite runs Trit
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from vllm_actors.kernels import triton_attention as ta  # noqa: E402
+from vllm_actors.kernels import triton_fused as tf  # noqa: E402
 from vllm_actors.kernels.attention import (  # noqa: E402
     AttentionMetadata,
     TorchPagedAttention,
@@ -29,6 +31,8 @@ from vllm_actors.kernels.attention import (  # noqa: E402
 )
 
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and not ta.INTERPRET:  # imported elsewhere before TRITON_INTERPRET was set
+    ta, tf = importlib.reload(ta), importlib.reload(tf)
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -292,8 +296,9 @@ def test_decode_skips_sequences_without_a_query(num_splits: int) -> None:
 def test_choose_decode_splits() -> None:
     cuda_like = torch.device("cpu")  # 4 "SMs" on CPU
     assert ta.choose_decode_splits(1, 1, 100, cuda_like) == 1  # too short to split
-    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 8
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 8  # 2 waves of 4 "SMs"
     assert ta.choose_decode_splits(64, 8, 4096, cuda_like) == 1  # enough programs already
+    assert ta.choose_decode_splits(1, 1, 300, cuda_like) == 2  # >= 128 keys per split
     for num_seqs in (1, 3, 17):
         for max_len in (1, 255, 257, 10_000, 1_000_000):
             splits = ta.choose_decode_splits(num_seqs, 2, max_len, cuda_like)
@@ -445,3 +450,73 @@ def test_gpu_decode_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close(static_out.clone(), case, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused elementwise kernels against the model's torch code
+# ----------------------------------------------------------------------------------------------
+
+
+def _close_to_torch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within a few rounding steps of the dtype: the kernels round where torch rounds, but Triton's
+    interpreter truncates float32 -> bfloat16 where torch rounds to nearest."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    got, want = got.double().cpu(), want.double().cpu()
+    step = {torch.float32: 2e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]
+    bound = step * want.abs() + step
+    assert ((got - want).abs() <= bound).all(), f"max abs diff {(got - want).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64), (1, 576)])
+def test_fused_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from vllm_actors.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    norm = RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    norm = norm.to(DEVICE, dtype)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
+    residual = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    with torch.no_grad():
+        _close_to_torch(tf.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+        out, summed = tf.rms_norm(x, norm.weight, norm.eps, residual=residual)
+        _close_to_torch(summed, x + residual, dtype)
+        _close_to_torch(out, norm(x + residual), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_and_mul(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate = (2 * torch.randn(7, 1500, generator=gen)).to(dtype).to(DEVICE)
+    up = torch.randn(7, 1500, generator=gen).to(dtype).to(DEVICE)
+    want = torch.nn.functional.silu(gate) * up
+    _close_to_torch(tf.silu_and_mul(gate, up), want, dtype)
+    _close_to_torch(tf.silu_and_mul(torch.cat((gate, up), dim=-1)), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 32), ((9, 3), 64)])
+def test_fused_rotary(dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
+    from vllm_actors.models.llama import apply_rotary
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens = 6
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.tensor([0, 1, 2, 17, 300, 4095])
+    q = torch.randn(tokens, heads[0], head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, heads[1], head_dim, generator=gen).to(dtype)
+    angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    # torch rounds x*cos and x*sin separately: allow one more step than the other kernels
+    got_q, got_k = tf.apply_rotary(q.to(DEVICE), k.to(DEVICE), positions.to(DEVICE), inv_freq.to(DEVICE))
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        diff = (got.double().cpu() - want.double()).abs()
+        step = 2e-5 if dtype == torch.float32 else 2**-6
+        assert (diff <= step * (want.double().abs() + 1)).all(), f"max diff {diff.max().item():.3g}"
+    q_dev, k_dev = q.to(DEVICE), k.to(DEVICE)
+    tf.apply_rotary(q_dev, k_dev, positions.to(DEVICE), inv_freq.to(DEVICE), inplace=True)
+    assert torch.equal(q_dev, got_q) and torch.equal(k_dev, got_k)

@@ -230,7 +230,7 @@ class AsyncEngineClient:
         group = ProcessGroup(config, check_invariants=check_invariants, start_timeout=start_timeout)
         try:
             await asyncio.to_thread(group.start)
-            tokenizer = await asyncio.to_thread(_load_tokenizer, group.info)
+            tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
             client = cls(group.info, tokenizer, group=group, load_tokenizer=False)
             await client.connect()
         except BaseException:
@@ -248,7 +248,7 @@ class AsyncEngineClient:
             info = find_running_group()
         else:
             info = read_group_info(Path(target))
-        tokenizer = await asyncio.to_thread(_load_tokenizer, info)
+        tokenizer = await asyncio.to_thread(load_group_tokenizer, info)
         client = cls(info, tokenizer, load_tokenizer=False)
         try:
             await client.connect()
@@ -575,7 +575,8 @@ class AsyncEngineClient:
         await self.shutdown()
 
 
-def _load_tokenizer(info: GroupInfo) -> Tokenizer | None:
+def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:
+    """The tokenizer a group names in its GroupInfo (None when it skips tokenizer init)."""
     if info.tokenizer is None:
         return None
     from vllm_actors.tokenizer import load_tokenizer

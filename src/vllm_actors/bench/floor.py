@@ -109,7 +109,7 @@ class GpuCeilings:
     matmul_rate: float  # FLOPs per second, bf16 matmul
     device: str = ""
     copy_bytes: int = 0  # size of the copied buffer
-    matmul_size: int = 0  # n of the n×n×n matmuls
+    matmul_size: int = 0  # n of the n x n x n matmuls
     bandwidth_samples: tuple[float, ...] = ()
     matmul_samples: tuple[float, ...] = ()
 

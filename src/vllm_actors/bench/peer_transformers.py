@@ -15,12 +15,10 @@ groups of equal length through ``generate_batch``.
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -50,19 +48,26 @@ class PeerResult:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
 
 
-def _accepted(function: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments ``function`` takes (all of them if it takes ``**kwargs``)."""
+def _keywords_only_taken(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, called with only the keyword arguments it takes (its signature read once; a
+    dropped argument is logged once)."""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
-        return dict(kwargs)
+        return function
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(kwargs)
-    dropped = sorted(set(kwargs) - set(parameters))
-    if dropped:
-        log.warning("transformers: arguments not taken by this version", function=function.__qualname__,
-                    dropped=dropped)
-    return {key: value for key, value in kwargs.items() if key in parameters}
+        return function
+    warned: set[str] = set()
+
+    def call(**kwargs: Any) -> Any:
+        dropped = set(kwargs) - set(parameters) - warned
+        if dropped:
+            warned.update(dropped)
+            log.warning("transformers: arguments not taken by this version",
+                        function=getattr(function, "__qualname__", repr(function)), dropped=sorted(dropped))
+        return function(**{key: value for key, value in kwargs.items() if key in parameters})
+
+    return call
 
 
 def pick_attention(requested: str | None = None) -> str | None:
@@ -93,6 +98,7 @@ def _load_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    model: Any
     extra: dict[str, Any] = {}
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation
@@ -122,14 +128,17 @@ def _generation_config(max_new_tokens: int, temperature: float) -> Any:
     )
 
 
-def _cb_objects(seed: int, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> dict[str, Any]:
-    """``continuous_batching_config`` and ``workload_hints`` where this version has them."""
+def _cb_objects(
+    seed: int, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``continuous_batching_config`` (its defaults, the seed, ``overrides``) and ``workload_hints``
+    where this version has them."""
     objects: dict[str, Any] = {}
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        fields = inspect.signature(ContinuousBatchingConfig).parameters
-        objects["continuous_batching_config"] = ContinuousBatchingConfig(**({"seed": seed} if "seed" in fields else {}))
+        objects["continuous_batching_config"] = _keywords_only_taken(ContinuousBatchingConfig)(
+            **{"seed": seed, **overrides})
     except ImportError:
         pass
     try:
@@ -166,25 +175,24 @@ def _wait(manager: Any, request_ids: set[str], timeout_s: float) -> dict[str, An
 
 def _run_add_request(
     model: Any, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], temperature: float, seed: int,
-    warmup_requests: int, timeout_s: float,
+    warmup_requests: int, timeout_s: float, capture: bool, cb_overrides: Mapping[str, Any],
 ) -> tuple[float, list[Any]]:
     generation_config = _generation_config(max(max_tokens), temperature)
-    context = model.continuous_batching_context_manager
-    kwargs = _accepted(context, {"generation_config": generation_config, "block": True, "timeout": 30,
-                                 "warmup": True, **_cb_objects(seed, prompts, max_tokens)})
-    with context(**kwargs) as manager:
-        add = manager.add_request
+    context = _keywords_only_taken(model.continuous_batching_context_manager)
+    with context(generation_config=generation_config, block=True, timeout=30, warmup=capture,
+                 **_cb_objects(seed, prompts, max_tokens, cb_overrides)) as manager:
+        add = _keywords_only_taken(manager.add_request)
         if warmup_requests > 0:
-            ids = {f"warmup-{i}" for i in range(warmup_requests)}
-            for index, request_id in enumerate(sorted(ids)):
-                add(**_accepted(add, {"input_ids": list(prompts[index % len(prompts)][:64]),
-                                      "request_id": request_id, "max_new_tokens": 8, "eos_token_id": NO_EOS}))
-            _wait(manager, ids, timeout_s)
+            warmup_ids = [f"warmup-{i}" for i in range(warmup_requests)]
+            for index, request_id in enumerate(warmup_ids):
+                add(input_ids=list(prompts[index % len(prompts)][:64]), request_id=request_id, max_new_tokens=8,
+                    eos_token_id=NO_EOS)
+            _wait(manager, set(warmup_ids), timeout_s)
         ids = [f"peer-{i}" for i in range(len(prompts))]
+        inputs = [list(prompt) for prompt in prompts]
         start = time.perf_counter()
-        for request_id, prompt, limit in zip(ids, prompts, max_tokens, strict=True):
-            add(**_accepted(add, {"input_ids": list(prompt), "request_id": request_id,
-                                  "max_new_tokens": limit, "eos_token_id": NO_EOS}))
+        for request_id, prompt, limit in zip(ids, inputs, max_tokens, strict=True):
+            add(input_ids=prompt, request_id=request_id, max_new_tokens=limit, eos_token_id=NO_EOS)
         results = _wait(manager, set(ids), timeout_s)
         seconds = time.perf_counter() - start
     return seconds, [results[request_id] for request_id in ids]
@@ -227,24 +235,28 @@ def run_transformers_peer(
     warmup_requests: int = 4,
     timeout_s: float = 1800.0,
     device: str = "cuda",
+    capture: bool = True,
+    cb_overrides: Mapping[str, Any] | None = None,
 ) -> PeerResult:
     """Generate the requests with transformers' continuous batching on CUDA; time and count them.
-    (``device="cpu"`` exists for tests of the API calls, not for measurements.)"""
+    ``capture``: let the manager pre-capture its CUDA graphs before the warm-up requests;
+    ``cb_overrides``: fields of transformers' ``ContinuousBatchingConfig`` (default: its own
+    choices, sized from the GPU's free memory). ``device="cpu"``, ``capture=False`` and small
+    ``cb_overrides`` exist for tests of the API calls, not for measurements."""
     import torch
     import transformers
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("the transformers peer needs a CUDA device")
     attention = pick_attention(attn_implementation)
-    config = json.loads((Path(model_path) / "config.json").read_text())
     log.info("transformers peer", version=transformers.__version__, attn_implementation=attention,
-             model_type=config.get("model_type"), requests=len(prompts))
+             model=model_path, random_weights=random_weights, requests=len(prompts))
     model = _load_model(model_path, random_weights, attention, seed, device)
     try:
         if _per_request_max_new_tokens() and hasattr(model, "continuous_batching_context_manager"):
             api = "add_request"
             seconds, outputs = _run_add_request(model, prompts, max_tokens, temperature, seed, warmup_requests,
-                                                timeout_s)
+                                                timeout_s, capture, cb_overrides or {})
         else:
             api = "generate_batch (grouped by max_new_tokens)"
             seconds, outputs = _run_grouped(model, prompts, max_tokens, temperature)

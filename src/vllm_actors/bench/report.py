@@ -68,7 +68,7 @@ class OursResult:
 @dataclass(frozen=True)
 class IdleShare:
     """GPU idle time between consecutive decode-only steps, from the worker's STEP_FINISHED events:
-    Σ max(0, Δmono − execute of the later step) / Σ Δmono."""
+    Σ max(0, Δmono - execute of the later step) / Σ Δmono."""
 
     share: float
     idle_s: float
@@ -93,7 +93,7 @@ class EngineMetrics:
 
 @dataclass(frozen=True)
 class Batch1Result:
-    """One request decoding alone: ms per output token = (e2e − ttft) / (n − 1)."""
+    """One request decoding alone: ms per output token = (e2e - ttft) / (n - 1)."""
 
     enforce_eager: bool
     prompt_tokens: int
@@ -258,10 +258,12 @@ def write_png(report: BenchReport, path: Path) -> bool:
                    color="tab:red", alpha=0.6)
         right.set_xlabel("seconds since the run started")
         right.set_ylabel("step time (ms)")
+        right.set_ylim(bottom=0)
         right.legend(loc="upper left")
         batch_axis = right.twinx()
         batch_axis.plot(times, [step["num_seqs"] for step in steps], lw=1.0, color="tab:green", label="batch size")
         batch_axis.set_ylabel("sequences in the step", color="tab:green")
+        batch_axis.set_ylim(bottom=0)
     right.set_title("steps over the run (from the event log)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

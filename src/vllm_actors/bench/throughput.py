@@ -245,7 +245,7 @@ def _consecutive(steps: Sequence[dict[str, Any]]) -> Iterable[tuple[dict[str, An
 
 def decode_idle_share(steps: Sequence[dict[str, Any]]) -> IdleShare | None:
     """GPU idle share between consecutive decode-only steps: Σ max(0, Δmono of their STEP_FINISHED
-    − execute_ms of the later step) / Σ Δmono. ``steps`` as ``worker_steps`` returns them."""
+    - execute_ms of the later step) / Σ Δmono. ``steps`` as ``worker_steps`` returns them."""
     idle = interval = 0.0
     pairs = 0
     for previous, current in _consecutive(steps):
@@ -523,7 +523,7 @@ def run_peer(args: argparse.Namespace, model_path: str, workload: Workload, rand
     )
 
 
-def _config_record(args: argparse.Namespace, model_path: str, load_format: str, workload: Workload) -> dict[str, Any]:
+def _config_record(args: argparse.Namespace, load_format: str, workload: Workload) -> dict[str, Any]:
     record: dict[str, Any] = dict(vars(args))
     record["load_format"] = load_format
     record["model_description"] = (
@@ -560,7 +560,49 @@ def _part(report: BenchReport, name: str, out_json: Path) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- main
+def _run_ours(
+    args: argparse.Namespace, model_path: str, load_format: str, shape: ModelShape, workload: Workload,
+    report: BenchReport, scratch_dir: Path, out_json: Path,
+) -> bool:
+    """Part 1: the timed run, its metrics and batch-1 on the same engine. False if the run failed."""
+    try:
+        with _make_llm(args, model_path, load_format, args.enforce_eager) as llm:
+            session = EngineSession(llm)
+            steps, start_wall = measure_ours(args, session, workload, report, scratch_dir)
+            report.steps = step_series(steps, start_wall)
+            write_json(report, out_json)
+            if not args.no_batch1:
+                key = _batch1_key(args.enforce_eager)
+                with _part(report, f"batch1_{key}", out_json):
+                    report.batch1[key] = session.batch1(args, args.enforce_eager, shape.vocab_size)
+    except Exception as exc:
+        log.exception("the timed run failed")
+        report.errors["ours"] = f"{type(exc).__name__}: {exc}"
+        write_json(report, out_json)
+        return False
+    finally:
+        events = scratch_dir / "events.jsonl"
+        if args.keep_events and events.is_file():
+            with events.open("rb") as source, gzip.open(Path(args.out) / "events.jsonl.gz", "wb") as target:
+                shutil.copyfileobj(source, target)
+    return True
+
+
+def _run_other_batch1(
+    args: argparse.Namespace, model_path: str, load_format: str, shape: ModelShape, workload: Workload,
+    report: BenchReport, out_json: Path,
+) -> None:
+    """Part 2: batch-1 on a second engine with CUDA graphs the other way (the first is shut down)."""
+    other = not args.enforce_eager
+    key = _batch1_key(other)
+    with _part(report, f"batch1_{key}", out_json), _make_llm(args, model_path, load_format, other) as llm:
+        session = EngineSession(llm)
+        session.warm_up(workload, max(1, args.warmup_requests))
+        report.batch1[key] = session.batch1(args, other, shape.vocab_size)
+
+
 def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
+    """Every part in order; returns the report and the exit status (1 if our timed run failed)."""
     started = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -580,51 +622,22 @@ def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
             log.warning("the model's vocabulary is smaller than the workload's token ids: folding them",
                         vocab_size=shape.vocab_size)
             workload = workload.fit_vocab(shape.vocab_size)
-        report = BenchReport(config=_config_record(args, model_path, load_format, workload))
-        status = 0
+        report = BenchReport(config=_config_record(args, load_format, workload))
 
-        # 1. ours: the timed run, its metrics, batch-1 on the same engine
-        try:
-            with _make_llm(args, model_path, load_format, args.enforce_eager) as llm:
-                session = EngineSession(llm)
-                steps, start_wall = measure_ours(args, session, workload, report, scratch_dir)
-                report.steps = step_series(steps, start_wall)
-                write_json(report, out_json)
-                if not args.no_batch1:
-                    with _part(report, "batch1_" + _batch1_key(args.enforce_eager), out_json):
-                        report.batch1[_batch1_key(args.enforce_eager)] = session.batch1(
-                            args, args.enforce_eager, shape.vocab_size)
-        except Exception as exc:
-            log.exception("the timed run failed")
-            report.errors["ours"] = f"{type(exc).__name__}: {exc}"
-            status = 1
-        if args.keep_events and (scratch_dir / "events.jsonl").is_file():
-            with (scratch_dir / "events.jsonl").open("rb") as source, gzip.open(out_dir / "events.jsonl.gz", "wb") as target:
-                shutil.copyfileobj(source, target)
-
-        # 2. batch-1 with CUDA graphs the other way, on a second engine (the first one is shut down)
-        if status == 0 and not args.no_batch1 and not args.batch1_same_engine_only:
-            other = not args.enforce_eager
-            with _part(report, "batch1_" + _batch1_key(other), out_json), \
-                    _make_llm(args, model_path, load_format, other) as llm:
-                session = EngineSession(llm)
-                session.warm_up(workload, max(1, args.warmup_requests))
-                report.batch1[_batch1_key(other)] = session.batch1(args, other, shape.vocab_size)
-
-        # 3. the GPU's ceilings and the floor; 4. the peer
+        ok = _run_ours(args, model_path, load_format, shape, workload, report, scratch_dir, out_json)
+        if ok and not args.no_batch1 and not args.batch1_same_engine_only:
+            _run_other_batch1(args, model_path, load_format, shape, workload, report, out_json)
         with _part(report, "floor", out_json):
             report.ceilings, report.floor = compute_floor(args, shape, workload)
-        if args.peer == "transformers" and status == 0:
+        if ok and args.peer == "transformers":
             with _part(report, "peer", out_json):
                 report.peer = run_peer(args, model_path, workload, random_weights=load_format == "dummy")
 
-    # 5. the report
     report.total_seconds = time.perf_counter() - started
-    write_json(report, out_json)
     with _part(report, "plot", out_json):
         if write_png(report, out_dir / "throughput.png"):
             log.info("plot written", path=str(out_dir / "throughput.png"))
-    return report, status
+    return report, 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

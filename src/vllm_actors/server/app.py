@@ -20,7 +20,8 @@ from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
-from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING_REQUESTS, ServerState
+from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
+from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerState
 
 log = structlog.get_logger(__name__)
 

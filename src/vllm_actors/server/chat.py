@@ -83,7 +83,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     body = await decode_body(request, ChatCompletionRequest)
     model = state.check_model(body.model)
     messages = conversation(body.messages)
-    if body.tools and body.tool_choice not in (None, "none"):
+    if body.tools and body.tool_choice != "none":  # OpenAI: "auto" when tools are given
         raise bad_request("tools: tool calling is not supported by this server", "tools")
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(f"response_format: type {body.response_format.type!r} is not supported (text only)",
@@ -106,7 +106,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     except (ChatTemplateError, TypeError) as error:
         raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    engine_id, response_id = request_id("chatcmpl", request)
+    engine_id = response_id = request_id("chatcmpl", request)
     prepared = state.prepare(engine_id, {"prompt": text, "prompt_token_ids": prompt_ids}, params,
                              prompt_param="messages")
     job = _Job(response_id, now(), model, body, prepared)

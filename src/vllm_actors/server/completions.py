@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -50,6 +50,7 @@ class _Job:
     body: CompletionRequest
     prepared: list[PreparedRequest]
     prompt_texts: list[str]  # for echo
+    decode: Callable[[int], str]  # one token's text
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -65,12 +66,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise bad_request(str(error), "prompt") from None
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-    engine_id, response_id = request_id("cmpl", request)
+    engine_id = response_id = request_id("cmpl", request)
     prepared = []
     for index, prompt in enumerate(prompts):
         prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         prepared.append(state.prepare(f"{engine_id}-{index}", prompt_input, params))
-    job = _Job(response_id, now(), model, body, prepared, [_prompt_text(state, p) for p in prepared])
+    job = _Job(response_id, now(), model, body, prepared, [_prompt_text(state, p) for p in prepared],
+               _token_decoder(state))
     streams = state.submit(prepared)
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams), streams))
@@ -90,6 +92,13 @@ def _prompt_text(state: ServerState, prepared: PreparedRequest) -> str:
     return tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False) if tokenizer else ""
 
 
+def _token_decoder(state: ServerState) -> Callable[[int], str]:
+    tokenizer = state.client.tokenizer
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 async def _collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
     outputs = [await final_output(stream) for stream in streams]
     for output in outputs:
@@ -104,7 +113,7 @@ def _choice_index(job: _Job, prompt_index: int, completion: CompletionOutput) ->
 
 def _echo_logprobs(job: _Job, output: RequestOutput) -> tuple[CompletionLogprobs, int]:
     prompt_positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    return completion_logprobs(output.prompt_token_ids, prompt_positions, 0)
+    return completion_logprobs(output.prompt_token_ids, prompt_positions, 0, job.decode)
 
 
 def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
@@ -121,7 +130,7 @@ def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
                 logprobs = CompletionLogprobs()
                 if job.body.echo:
                     logprobs, offset = _echo_logprobs(job, output)
-                generated, _ = completion_logprobs(completion.token_ids, completion.logprobs or [], offset)
+                generated, _ = completion_logprobs(completion.token_ids, completion.logprobs or [], offset, job.decode)
                 _extend(logprobs, generated)
             if job.body.echo:
                 text = job.prompt_texts[prompt_index] + text
@@ -193,7 +202,8 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
                         logprobs, cursor.offset = _echo_logprobs(job, output)
             new_ids = completion.token_ids[cursor.tokens:]
             if body.logprobs is not None and completion.logprobs is not None:
-                more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:], cursor.offset)
+                more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:], cursor.offset,
+                                                            job.decode)
                 if logprobs is None:
                     logprobs = more
                 else:

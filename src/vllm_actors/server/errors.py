@@ -83,14 +83,16 @@ def param_of(message: str) -> str | None:
 def from_decode_error(error: msgspec.DecodeError) -> OpenAIError:
     """A msgspec error -> 400 naming the field: "Expected `float`, got `str` - at `$.temperature`"."""
     text = str(error)
-    if isinstance(error, msgspec.ValidationError):
-        match = re.search(r"at `\$\.?([^`]*)`", text)
-        param = match.group(1) if match else None
-        if param:
-            field = re.sub(r"\[\d+\]", "", param)
-            return OpenAIError(f"{param}: {text.split(' - at ')[0]}", 400, param=field.split(".")[0])
-        return OpenAIError(f"invalid request body: {text}", 400)
-    return OpenAIError(f"the request body is not valid JSON: {text}", 400)
+    if not isinstance(error, msgspec.ValidationError):
+        return OpenAIError(f"the request body is not valid JSON: {text}", 400)
+    message, _, where = text.partition(" - at ")
+    path = where.strip("`").removeprefix("$").lstrip(".")
+    missing = re.search(r"missing required field `([^`]+)`", message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    if not path:
+        return OpenAIError(f"invalid request body: {message}", 400)
+    return OpenAIError(f"{path}: {message}", 400, param=re.split(r"[.\[]", path)[0])
 
 
 def install_error_handlers(app: FastAPI) -> None:

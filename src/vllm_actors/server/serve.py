@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 import uvicorn
 
-from vllm_actors.async_client import AsyncEngineClient, _load_tokenizer
+from vllm_actors.async_client import AsyncEngineClient, load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.serving import ServerState
 
@@ -66,7 +66,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
 
 async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> None:
-    tokenizer = await asyncio.to_thread(_load_tokenizer, group.info)
+    tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
     client = AsyncEngineClient(group.info, tokenizer, group=group, load_tokenizer=False)
     try:
         await client.connect()

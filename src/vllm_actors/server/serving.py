@@ -20,7 +20,6 @@ from vllm_actors.actors.frontend import PreparedRequest, PromptInput
 from vllm_actors.async_client import AsyncEngineClient, RequestStream
 from vllm_actors.outputs import PositionLogprobs, RequestOutput
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.errors import OpenAIError, bad_request, error_body, from_decode_error
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
@@ -104,11 +103,12 @@ class ServerState:
         return [self.client.submit(p) for p in prepared]
 
 
-def request_id(prefix: str, request: Request) -> tuple[str, str]:
-    """(engine id, response id): the engine id is always fresh; the response id honours X-Request-Id."""
-    engine_id = f"{prefix}-{secrets.token_hex(16)}"
+def request_id(prefix: str, request: Request) -> str:
+    """``<prefix>-<X-Request-Id>`` when the client sends that header (it must then be unique among
+    its requests in flight, as in vLLM), else ``<prefix>-<random>``. The response's ``id`` and the
+    engine's request id (events, timelines) are the same."""
     header = request.headers.get("x-request-id")
-    return engine_id, (f"{prefix}-{header}" if header else engine_id)
+    return f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
 
 
 async def decode_body(request: Request, kind: type[S]) -> S:
@@ -177,13 +177,14 @@ def completion_logprobs(
     token_ids: Sequence[int],
     positions: Sequence[PositionLogprobs | None],
     text_offset: int,
+    decode: Callable[[int], str],
 ) -> tuple[CompletionLogprobs, int]:
     """OpenAI's legacy logprobs for ``token_ids`` (a position without logprobs - the first prompt
     token - gets None). Returns them and the text offset after the last token."""
     result = CompletionLogprobs()
     for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id) if position else None
-        text = _token_text(chosen, token_id) if chosen is not None else ""
+        text = _token_text(chosen, token_id) if chosen is not None else decode(token_id)
         result.text_offset.append(text_offset)
         result.tokens.append(text)
         if chosen is None or position is None:
