@@ -352,7 +352,7 @@ def paged_attention_varlen(
     num_tokens, num_heads, head_dim = q.shape
     _check_cache_pair(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_shapes(q, k_cache)
+    _check_shapes(q, k_cache, out)
     q = _last_dim_contiguous(q)
     if out is None:
         out = torch.empty_like(q)
@@ -556,7 +556,7 @@ def paged_attention_decode(
     num_tokens, num_heads, head_dim = q.shape
     _check_cache_pair(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_shapes(q, k_cache)
+    _check_shapes(q, k_cache, out)
     q = _last_dim_contiguous(q)
     if out is None:
         out = torch.empty_like(q)
@@ -697,9 +697,13 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] with unit last stride")
 
 
-def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None = None) -> None:
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} with a unit last stride, got {tuple(out.shape)}")
     if head_dim != k_cache.shape[3]:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_heads % num_kv_heads:

@@ -54,9 +54,8 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 1) / num_cols + eps)
     normed = (xf * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + rows[:, None] * stride_o + cols[None, :], (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    out = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
 def rms_norm(

@@ -107,7 +107,7 @@ def test_weights_equal_transformers(default_gguf_path: str, hf_gguf_model: Any, 
     for name in names:
         assert ours[name].shape == theirs[name].shape, name
         assert torch.equal(ours[name], theirs[name].float()), name
-    params = dict(our_model.named_parameters())
+    params = our_model.hf_named_weights()
     for name in names:
         assert torch.equal(params[name], ours[name]), name
     assert our_model.lm_head.weight is our_model.model.embed_tokens.weight

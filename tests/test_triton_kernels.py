@@ -233,6 +233,11 @@ def test_varlen_mixed_prefill_decode(
     assert_close(run_varlen(case), case, dtype)
 
 
+def test_varlen_head_dim_128() -> None:
+    case = make_case([(20, 13), (0, 1)], 16, 2, 1, 128, torch.bfloat16, seed=12)
+    assert_close(run_varlen(case), case, torch.bfloat16)
+
+
 def test_varlen_strided_query() -> None:
     """q as a view into a fused qkv projection (row stride wider than heads x head_dim)."""
     case = make_case([(3, 20), (0, 9)], 16, 4, 2, 32, torch.float32, seed=11)
@@ -262,6 +267,7 @@ def test_decode_lengths_and_splits(num_splits: int | None) -> None:
         (torch.bfloat16, (4, 4), 32, 32, 4),
         (torch.float16, (4, 2), 64, 16, 1),
         (torch.bfloat16, (9, 3), 64, 16, 2),
+        (torch.bfloat16, (4, 2), 128, 16, 2),  # Qwen3's head_dim
     ],
 )
 def test_decode_dtypes_and_groups(
@@ -345,6 +351,10 @@ def test_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="multiple"):
         ta.paged_attention_varlen(
             case.q[:, :3], case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables, 3, 1.0
+        )
+    with pytest.raises(ValueError, match="cache"):
+        ta.paged_attention_varlen(
+            case.q.half(), case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables, 3, 1.0
         )
     odd = torch.zeros(4, 16, 2, 24, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from vllm_actors.model_config import ModelConfig
 
@@ -53,10 +53,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) in one fused pass."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -67,9 +66,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, config.kv_size, bias=bias)
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # q, k and v projections in one GEMM; loaded from the checkpoint's q_proj/k_proj/v_proj
+        self.qkv_proj = nn.Linear(hidden, config.q_size + 2 * config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, hidden, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -87,12 +86,14 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        q_weight = self.q_norm.weight if self.q_norm is not None else None
+        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)  # in place on the GPU
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -101,12 +102,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        # gate and up projections in one GEMM; loaded from the checkpoint's gate_proj/up_proj
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -125,9 +126,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous layer's output and the residual stream before it; returns this
+        layer's MLP output and the residual stream before that (adds fused into the norms)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -171,36 +177,64 @@ class CausalLM(nn.Module):
             self.attn_backend = get_attention_backend(input_ids.device)
         inv_freq = self._rope_inv_freq(positions.device)
         angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2], float32
-        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
         x = self.model.embed_tokens(input_ids)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache, self.attn_backend)
-        return self.model.norm(x)
+            x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
+    # Checkpoint names that fill a slice of one merged parameter: (merged, part, index of the part).
+    _MERGED = (
+        ("self_attn.qkv_proj", "self_attn.q_proj", 0),
+        ("self_attn.qkv_proj", "self_attn.k_proj", 1),
+        ("self_attn.qkv_proj", "self_attn.v_proj", 2),
+        ("mlp.gate_up_proj", "mlp.gate_proj", 0),
+        ("mlp.gate_up_proj", "mlp.up_proj", 1),
+    )
+
+    def _merged_slice(self, merged: str, index: int) -> slice:
+        c = self.config
+        if merged.endswith("qkv_proj"):
+            bounds = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
+        else:
+            bounds = [0, c.intermediate_size, 2 * c.intermediate_size]
+        return slice(bounds[index], bounds[index + 1])
+
+    def hf_named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under the checkpoint's (Hugging Face) names: views into merged parameters."""
+        named: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            parts = [(merged, part, index) for merged, part, index in self._MERGED if f".{merged}." in name]
+            for merged, part, index in parts:
+                named[name.replace(merged, part)] = param[self._merged_slice(merged, index)]
+            if not parts:
+                named[name] = param
+        return named
+
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict in place; missing or unexpected names raise."""
-        params = dict(self.named_parameters())  # tied weights appear once, as model.embed_tokens.weight
-        expected = set(params)
+        """Copy a Hugging Face-named state dict in place (q/k/v and gate/up into their merged
+        parameters); missing or unexpected names raise."""
+        targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
         given = dict(state_dict)
         if self.config.tie_word_embeddings:
             lm = given.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" not in given and lm is not None:
                 given["model.embed_tokens.weight"] = lm
-        missing = sorted(expected - set(given))
-        unexpected = sorted(set(given) - expected)
+        missing = sorted(set(targets) - set(given))
+        unexpected = sorted(set(given) - set(targets))
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
         with torch.no_grad():
             for name, tensor in given.items():
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                param.copy_(tensor)
+                target = targets[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                target.copy_(tensor)
 
 
 def allocate_kv_caches(

@@ -1,0 +1,72 @@
+"""The fused decoder-layer kernels against their torch references (Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; only affects triton
+
+import pytest
+import torch
+
+from vllm_actors.kernels import fused_ops
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="needs triton")
+
+
+@pytest.fixture(autouse=True)
+def _triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ACTORS_FUSED_OPS", "triton")  # the Triton kernels, also on CPU tensors
+    assert fused_ops.use_triton(torch.empty(1, device=DEVICE))  # never a torch-vs-torch comparison
+
+
+# Triton's interpreter cannot read bfloat16 on the CPU: half precision there, bfloat16 on a GPU.
+HALF = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+DTYPES = [torch.float32, HALF]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((5, 96), generator=generator).to(dtype).to(DEVICE)
+    residual = torch.randn((5, 96), generator=generator).to(dtype).to(DEVICE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(dtype).to(DEVICE)
+    want_out, want_residual = fused_ops.rms_norm_torch(x, weight, 1e-6, residual)
+    got_out, got_residual = fused_ops.rms_norm(x, weight, 1e-6, residual)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(got_out, want_out) < tolerance
+    assert torch.equal(got_residual, want_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype, with_norm: bool) -> None:
+    generator = torch.Generator().manual_seed(1)
+    tokens, q_heads, kv_heads, dim = 4, 4, 2, 32
+    qkv = torch.randn((tokens, (q_heads + 2 * kv_heads) * dim), generator=generator).to(dtype).to(DEVICE)
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = torch.rand((tokens, dim // 2), generator=generator).to(DEVICE) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    weights = [(1 + 0.1 * torch.randn(dim, generator=generator)).to(dtype).to(DEVICE) for _ in range(2)]
+    q_weight, k_weight = weights if with_norm else (None, None)
+    want_q, want_k = fused_ops.qk_norm_rope_torch(q.clone(), k.clone(), cos, sin, q_weight, k_weight, 1e-6)
+    v_before = qkv[:, (q_heads + kv_heads) * dim :].clone()
+    got_q, got_k = fused_ops.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, 1e-6)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(got_q, want_q) < tolerance and _rel(got_k, want_k) < tolerance
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    gate_up = torch.randn((3, 2 * 1500), generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    want = fused_ops.silu_and_mul_torch(gate_up)
+    got = fused_ops.silu_and_mul(gate_up)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
