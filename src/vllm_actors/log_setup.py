@@ -9,6 +9,11 @@ import sys
 import structlog
 
 
+def _stderr_logger(*args: object) -> structlog.PrintLogger:
+    """A logger on whatever sys.stderr is now (test runners and embedding hosts replace it)."""
+    return structlog.PrintLogger(file=sys.stderr)
+
+
 def configure_logging(level: str | None = None) -> None:
     name = (level or os.environ.get("VLLM_ACTORS_LOG_LEVEL", "WARNING")).upper()
     structlog.configure(
@@ -19,6 +24,6 @@ def configure_logging(level: str | None = None) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, name, logging.WARNING)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
