@@ -171,7 +171,10 @@ class LLM:
             while len(finished) < len(wanted):
                 if not engine.has_unfinished:
                     raise RuntimeError("the engine went idle with requests unfinished")
-                for output in engine.poll(100):
+                outputs = engine.poll(100)
+                if not outputs and self._group is not None:
+                    self._group.raise_if_dead()
+                for output in outputs:
                     if output.finished and output.request_id in wanted:
                         if output.error is not None:
                             raise ValueError(f"request {output.request_id} failed: {output.error}")

@@ -44,6 +44,10 @@ class ActorStartError(RuntimeError):
     """An actor did not come up: names the actor and why, with the end of its log."""
 
 
+class ActorDiedError(RuntimeError):
+    """An actor of a running group exited: names the actor, with the end of its log."""
+
+
 @dataclass
 class Child:
     actor_id: str
@@ -187,6 +191,14 @@ class ProcessGroup:
     # ------------------------------------------------------------------ state
     def alive(self) -> dict[str, bool]:
         return {child.actor_id: child.process.poll() is None for child in self.children}
+
+    def raise_if_dead(self) -> None:
+        """Raise ActorDiedError, with the end of its log, when an actor of the group has exited."""
+        for child in self.children:
+            if child.process.poll() is not None:
+                raise ActorDiedError(
+                    f"actor {child.actor_id} exited with code {child.process.returncode}\n{child.log_tail()}"
+                )
 
     def pids(self) -> dict[str, int]:
         return {child.actor_id: child.process.pid for child in self.children}

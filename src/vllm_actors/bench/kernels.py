@@ -318,15 +318,24 @@ class FusedRow:
 
 
 def bench_fused(args: argparse.Namespace, device: torch.device) -> list[FusedRow]:
-    """The fused elementwise kernels against the model's torch code at Qwen3-0.6B's sizes
-    (hidden 1024, MLP 3072), both timed per call from CUDA graphs."""
+    """The fused elementwise kernels against unfused torch code at Qwen3-0.6B's sizes (hidden 1024,
+    MLP 3072), both timed per call from CUDA graphs."""
     from vllm_actors.kernels import triton_fused as tf
-    from vllm_actors.models.llama import RMSNorm, apply_rotary
 
     dtype = DTYPES[args.dtype]
     hidden, inter = args.hidden_size, args.intermediate_size
     rows: list[FusedRow] = []
-    norm = RMSNorm(hidden, 1e-6).to(device, dtype)
+    weight, eps = torch.randn(hidden, device=device, dtype=dtype), 1e-6
+
+    def norm(x: torch.Tensor) -> torch.Tensor:  # the unfused torch RMSNorm
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, args.head_dim, 2, device=device).float() / args.head_dim))
     for tokens in args.fused_tokens:
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -346,7 +355,7 @@ def bench_fused(args: argparse.Namespace, device: torch.device) -> list[FusedRow
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-            ("add+rms_norm", lambda: tf.rms_norm(x, norm.weight, norm.eps, residual=r), lambda: norm(x + r)),
+            ("add+rms_norm", lambda: tf.rms_norm(x, weight, eps, residual=r), lambda: norm(x + r)),
             ("silu_and_mul", lambda: tf.silu_and_mul(gate, up), lambda: F.silu(gate) * up),
             ("rotary_qk", lambda: tf.apply_rotary(q, k, positions, inv_freq), torch_rotary),
         ]
