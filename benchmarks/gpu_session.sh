@@ -9,10 +9,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . \
+# A fresh target each call: pip keeps a stale copy when installing into an existing --target.
+site=$(mktemp -d /tmp/site-XXXXXX)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+  && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$site" . \
   || { echo "install failed"; exit 1; }
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
+export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
 stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -23,9 +25,9 @@ status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage"
   case "$stage" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/test_triton_kernels.py tests/test_fused_ops.py tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log" | tail -40 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
-    profile) python3 benchmarks/profile_step.py --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
+    profile) timeout 240 python3 benchmarks/profile_step.py --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
