@@ -12,7 +12,7 @@ import torch
 from vllm_actors.kernels import fused_ops
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="needs triton")]
+pytestmark = pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="needs triton")
 
 
 @pytest.fixture(autouse=True)
