@@ -21,7 +21,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from vllm_actors.kernels import triton_attention as ta  # noqa: E402
-from vllm_actors.kernels import triton_fused as tf  # noqa: E402
 from vllm_actors.kernels.attention import (  # noqa: E402
     AttentionMetadata,
     TorchPagedAttention,
@@ -460,78 +459,3 @@ def test_gpu_decode_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close(static_out.clone(), case, dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Fused elementwise kernels against torch code with the model's rounding
-# ----------------------------------------------------------------------------------------------
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
-
-
-def _close_to_torch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """Within a few rounding steps of the dtype: the kernels round where torch rounds, but Triton's
-    interpreter truncates float32 -> bfloat16 where torch rounds to nearest."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    got, want = got.double().cpu(), want.double().cpu()
-    step = {torch.float32: 2e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]
-    bound = step * want.abs() + step
-    assert ((got - want).abs() <= bound).all(), f"max abs diff {(got - want).abs().max().item():.3g}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64), (1, 576)])
-def test_fused_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
-    weight = torch.randn(shape[-1], generator=gen).to(dtype).to(DEVICE)
-    x = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
-    residual = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    eps = 1e-6
-    _close_to_torch(tf.rms_norm(x, weight, eps), torch_rms_norm(x, weight, eps), dtype)
-    out, summed = tf.rms_norm(x, weight, eps, residual=residual)
-    _close_to_torch(summed, x + residual, dtype)
-    _close_to_torch(out, torch_rms_norm(x + residual, weight, eps), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_silu_and_mul(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(2)
-    gate = (2 * torch.randn(7, 1500, generator=gen)).to(dtype).to(DEVICE)
-    up = torch.randn(7, 1500, generator=gen).to(dtype).to(DEVICE)
-    want = torch.nn.functional.silu(gate) * up
-    _close_to_torch(tf.silu_and_mul(gate, up), want, dtype)
-    _close_to_torch(tf.silu_and_mul(torch.cat((gate, up), dim=-1)), want, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [((4, 2), 32), ((9, 3), 64)])
-def test_fused_rotary(dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
-    gen = torch.Generator().manual_seed(head_dim)
-    tokens = 6
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    positions = torch.tensor([0, 1, 2, 17, 300, 4095])
-    q = torch.randn(tokens, heads[0], head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, heads[1], head_dim, generator=gen).to(dtype)
-    angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    want_q, want_k = torch_rotary(q, cos, sin), torch_rotary(k, cos, sin)
-    # torch rounds x*cos and x*sin separately: allow one more step than the other kernels
-    got_q, got_k = tf.apply_rotary(q.to(DEVICE), k.to(DEVICE), positions.to(DEVICE), inv_freq.to(DEVICE))
-    for got, want in ((got_q, want_q), (got_k, want_k)):
-        diff = (got.double().cpu() - want.double()).abs()
-        step = 2e-5 if dtype == torch.float32 else 2**-6
-        assert (diff <= step * (want.double().abs() + 1)).all(), f"max diff {diff.max().item():.3g}"
-    q_dev, k_dev = q.to(DEVICE), k.to(DEVICE)
-    tf.apply_rotary(q_dev, k_dev, positions.to(DEVICE), inv_freq.to(DEVICE), inplace=True)
-    assert torch.equal(q_dev, got_q) and torch.equal(k_dev, got_k)

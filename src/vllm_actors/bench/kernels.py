@@ -320,7 +320,7 @@ class FusedRow:
 def bench_fused(args: argparse.Namespace, device: torch.device) -> list[FusedRow]:
     """The fused elementwise kernels against unfused torch code at Qwen3-0.6B's sizes (hidden 1024,
     MLP 3072), both timed per call from CUDA graphs."""
-    from vllm_actors.kernels import triton_fused as tf
+    from vllm_actors.kernels import fused_ops
 
     dtype = DTYPES[args.dtype]
     hidden, inter = args.hidden_size, args.intermediate_size
@@ -354,10 +354,13 @@ def bench_fused(args: argparse.Namespace, device: torch.device) -> list[FusedRow
         def torch_rotary() -> tuple[torch.Tensor, torch.Tensor]:
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+        half_cos, half_sin = cos[:, : args.head_dim // 2].float(), sin[:, : args.head_dim // 2].float()
+        gate_up = torch.cat((gate, up), dim=-1)
         cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-            ("add+rms_norm", lambda: tf.rms_norm(x, weight, eps, residual=r), lambda: norm(x + r)),
-            ("silu_and_mul", lambda: tf.silu_and_mul(gate, up), lambda: F.silu(gate) * up),
-            ("rotary_qk", lambda: tf.apply_rotary(q, k, positions, inv_freq), torch_rotary),
+            ("add+rms_norm", lambda: fused_ops.rms_norm(x, weight, eps, r), lambda: norm(x + r)),
+            ("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), lambda: F.silu(gate) * up),
+            ("rotary_qk", lambda: fused_ops.qk_norm_rope(q.clone(), k.clone(), half_cos, half_sin, None, None, eps),
+             torch_rotary),
         ]
         with torch.no_grad():
             for op, fused, eager in cases:
