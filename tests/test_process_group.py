@@ -299,3 +299,22 @@ def test_a_dead_worker_fails_generate_instead_of_hanging(tiny_qwen3: Path) -> No
         worker.process.wait()
         with pytest.raises(ActorDiedError, match="worker-0"):
             doomed.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_a_group_on_tcp_endpoints(tiny_qwen3: Path) -> None:
+    from vllm_actors.client import EngineClient
+
+    config = EngineConfig(model=str(tiny_qwen3), num_gpu_blocks_override=32)
+    with ProcessGroup(config, tcp_host="127.0.0.1") as group:
+        assert group.addresses.scheduler.startswith("tcp://127.0.0.1:")
+        client = EngineClient(group.info)
+        try:
+            client.submit(client.prepare("tcp-1", {"prompt_token_ids": [5, 6, 7]},
+                                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+            finished = []
+            deadline = time.monotonic() + 60
+            while not finished and time.monotonic() < deadline:
+                finished = [o for o in client.poll(100) if o.finished]
+            assert finished and len(finished[0].outputs[0].token_ids) == 4
+        finally:
+            client.close()
