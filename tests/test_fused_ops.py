@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # the interpreter only where no GPU runs the real kernels
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; only affects triton
-
-import pytest
-
-from vllm_actors.kernels import fused_ops
+from vllm_actors.kernels import fused_ops  # conftest.py sets TRITON_INTERPRET=1 without CUDA
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="needs triton")

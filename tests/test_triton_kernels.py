@@ -31,7 +31,7 @@ from vllm_actors.kernels.attention import (  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA and not ta.INTERPRET:  # imported elsewhere before TRITON_INTERPRET was set
-    ta, tf = importlib.reload(ta), importlib.reload(tf)
+    ta = importlib.reload(ta)
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
