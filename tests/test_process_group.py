@@ -96,7 +96,9 @@ def test_every_request_story_reaches_the_bus_and_the_store(llm: LLM) -> None:
         stories = request_stories(recorder.batches)
         check_against_outputs(stories, outputs)
         kinds = {event_type(e) for b in recorder.batches for e in b.events}
-        assert {"PREEMPTED", "RESUMED", "ALLOCATED", "FREED", "STEP_STARTED", "STEP_FINISHED"} <= kinds
+        # Preemption usually happens with this pool, but across processes it depends on how the
+        # arrivals interleave with steps; test_events.py forces it deterministically in process.
+        assert {"ALLOCATED", "FREED", "STEP_STARTED", "STEP_FINISHED", "FIRST_TOKEN", "TOKENS"} <= kinds
     finally:
         recorder.close()
     # The metrics store has the same stories, no gaps from any actor, and the client's view.

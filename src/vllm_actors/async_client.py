@@ -32,7 +32,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from vllm_actors.actors.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.frontend import CLIENT, PreparedRequest, PromptInput
+from vllm_actors.client import frontend_for_group
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch, Heartbeat, Queued, Scheduled
@@ -183,13 +184,7 @@ class AsyncEngineClient:
 
             tokenizer = load(info.tokenizer)
         self.tokenizer = tokenizer
-        facts = info.worker
-        self.frontend = Frontend(
-            tokenizer,
-            list(facts.get("eos_token_ids", [])),  # type: ignore[arg-type]
-            info.max_model_len,
-            int(facts.get("vocab_size", 0)),  # type: ignore[arg-type]
-        )
+        self.frontend = frontend_for_group(info, tokenizer)
         self.identity = f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.actor_id = self.identity.replace("client", "frontend", 1)
         self._context = zmq.asyncio.Context()

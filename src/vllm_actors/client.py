@@ -39,16 +39,22 @@ def _close_sockets(sockets: list[zmq.Socket], context: zmq.Context) -> None:
     context.term()
 
 
+def frontend_for_group(info: GroupInfo, tokenizer: Any) -> Frontend:
+    """The frontend state machine for a running group: model facts come from what its worker
+    reported at start-up."""
+    facts = info.worker
+    return Frontend(
+        tokenizer,
+        list(facts.get("eos_token_ids", [])),  # type: ignore[arg-type]
+        info.max_model_len,
+        int(facts.get("vocab_size", 0)),  # type: ignore[arg-type]
+    )
+
+
 class EngineClient:
     def __init__(self, info: GroupInfo, tokenizer: Any = None) -> None:
         self.info = info
-        facts = info.worker
-        self.frontend = Frontend(
-            tokenizer,
-            list(facts.get("eos_token_ids", [])),  # type: ignore[arg-type]
-            info.max_model_len,
-            int(facts.get("vocab_size", 0)),  # type: ignore[arg-type]
-        )
+        self.frontend = frontend_for_group(info, tokenizer)
         self.identity = f"client-{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
         self._context = zmq.Context()
         self._dealer = self._context.socket(zmq.DEALER)
