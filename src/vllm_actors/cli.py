@@ -124,7 +124,7 @@ def _tap(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import msgspec
 
-    from vllm_actors.actors.metrics_store import summary_text
+    from vllm_actors.metrics_text import summary_text
     from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
     from vllm_actors.tap import locate_group, query_metrics, stats_query
 

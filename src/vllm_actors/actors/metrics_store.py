@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from vllm_actors.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
@@ -95,69 +96,6 @@ _TIMELINE_RESERVE = 256
 def parent_request_id(request_id: str) -> str:
     """"r#3" -> "r"; an id without the separator is its own parent."""
     return request_id.rsplit(CHILD_SEPARATOR, 1)[0] if CHILD_SEPARATOR in request_id else request_id
-
-
-# --------------------------------------------------------------------------- sequence numbers
-class SeqVerdict(enum.Enum):
-    FIRST = "first"  # first batch seen of the actor: sets the baseline
-    IN_ORDER = "in_order"
-    GAP = "gap"  # first_seq jumped past the expected one: events were lost
-    STALE = "stale"  # first_seq went backwards: a duplicate or a late batch (its old events skipped)
-    RESTART = "restart"  # the actor's sequence started over: a new baseline
-
-
-@dataclass(frozen=True, slots=True)
-class SeqCheck:
-    verdict: SeqVerdict
-    missed: int = 0  # events lost just before this batch (GAP)
-    skip: int = 0  # leading events of this batch already seen (STALE)
-
-
-class SequenceTracker:
-    """Per actor, the next expected sequence number.
-
-    The first batch of an actor sets its baseline (a subscriber may join mid-stream). A batch
-    starting past the expected number is a gap. A batch starting before it is either a new
-    incarnation of the actor - ``first_seq == 0`` opening with STARTING, or a batch stamped later
-    (``mono`` greater: one incarnation stamps seq and mono together, so a lower seq with a later
-    mono means the numbering started over) - or else stale: its already-seen events are skipped.
-    """
-
-    def __init__(self) -> None:
-        self._next: dict[str, int] = {}
-        self._mono: dict[str, float] = {}
-
-    def expected(self, actor: str) -> int | None:
-        return self._next.get(actor)
-
-    def check(self, batch: EventBatch) -> SeqCheck:
-        """Classify the batch and advance the actor's expected number."""
-        actor, first, count = batch.actor, batch.first_seq, len(batch.events)
-        expected = self._next.get(actor)
-        if expected is None:
-            result = SeqCheck(SeqVerdict.FIRST)
-        elif first == expected:
-            result = SeqCheck(SeqVerdict.IN_ORDER)
-        elif first > expected:
-            result = SeqCheck(SeqVerdict.GAP, missed=first - expected)
-        elif self._is_restart(batch, self._mono[actor]):
-            result = SeqCheck(SeqVerdict.RESTART)
-        else:
-            self._next[actor] = max(expected, first + count)
-            self._mono[actor] = max(self._mono[actor], batch.mono)
-            return SeqCheck(SeqVerdict.STALE, skip=min(count, expected - first))
-        self._next[actor] = first + count
-        self._mono[actor] = batch.mono
-        return result
-
-    @staticmethod
-    def _is_restart(batch: EventBatch, last_mono: float) -> bool:
-        opens_with_starting = bool(batch.events) and isinstance(batch.events[0], ActorStarting)
-        return (batch.first_seq == 0 and opens_with_starting) or batch.mono > last_mono
-
-    def forget(self, actor: str) -> None:
-        self._next.pop(actor, None)
-        self._mono.pop(actor, None)
 
 
 # --------------------------------------------------------------------------- samples
@@ -857,58 +795,3 @@ class MetricsStore:
 def _child_order(request_id: str) -> tuple[int, str]:
     suffix = request_id.rsplit(CHILD_SEPARATOR, 1)[1]
     return (int(suffix), "") if suffix.isdigit() else (1 << 62, suffix)
-
-
-# --------------------------------------------------------------------------- text
-def _format_percentiles(name: str, values: Percentiles, scale: float, unit: str) -> str:
-    if values.count == 0:
-        return f"  {name:<10} {0:>8}        -"
-    shown = (values.mean, values.p50, values.p90, values.p99, values.max)
-    cells = " ".join(f"{value * scale:>9.2f}" for value in shown)
-    return f"  {name:<10} {values.count:>8} {cells} {unit}"
-
-
-def _format_reasons(reasons: dict[str, int]) -> str:
-    return ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items())) or "-"
-
-
-def summary_text(reply: SummaryReply) -> str:
-    """The human-readable summary ``vllm-actors stats`` prints (multi-line, no trailing newline)."""
-    gaps = sum(seen.gaps for seen in reply.actors.values())
-    missed = sum(seen.missed for seen in reply.actors.values())
-    lines = [
-        f"events     {reply.num_events} in {reply.num_batches} batches ({reply.num_retained} retained), "
-        f"{gaps} gaps ({missed} events missed)",
-        f"requests   arrived {reply.requests_arrived}, running {reply.running}, waiting {reply.waiting}, "
-        f"open {reply.open_requests}",
-        f"           finished {reply.requests_finished} ({_format_reasons(reply.finished_by_reason)}), "
-        f"aborted {reply.requests_aborted} ({_format_reasons(reply.aborted_by_reason)})"
-        + (f", lost {reply.requests_lost}" if reply.requests_lost else "")
-        + (f", dropped {reply.requests_evicted}" if reply.requests_evicted else ""),
-        f"tokens     prompt {reply.prompt_tokens}, generated {reply.generation_tokens}, "
-        f"prefill computed {reply.prefill_tokens}, recomputed {reply.recomputed_tokens}",
-        f"steps      {reply.steps} ({reply.step_tokens} tokens), prefill chunks {reply.prefill_chunks}, "
-        f"preemptions {reply.preemptions}",
-        f"kv cache   {reply.kv_blocks_in_use}/{reply.kv_blocks_total} blocks in use ({reply.kv_usage:.1%})",
-        f"latency    {'count':>8} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}",
-        _format_percentiles("ttft", reply.ttft, 1e3, "ms"),
-        _format_percentiles("itl", reply.itl, 1e3, "ms"),
-        _format_percentiles("e2e", reply.e2e, 1.0, "s"),
-        _format_percentiles("queue", reply.queue, 1e3, "ms"),
-        _format_percentiles("step", reply.step_ms, 1.0, "ms"),
-        "actors",
-    ]
-    if not reply.actors:
-        lines.append("  (none seen)")
-    width = max((len(actor) for actor in reply.actors), default=0)
-    for actor, seen in reply.actors.items():
-        line = (f"  {actor:<{width}}  {seen.state or '?':<8} seq {seen.last_seq}, {seen.num_events} events, "
-                f"{seen.gaps} gaps ({seen.missed} missed)")
-        if seen.stale_batches:
-            line += f", {seen.stale_batches} stale batches"
-        if seen.restarts:
-            line += f", {seen.restarts} restarts"
-        if seen.crashes:
-            line += f", {seen.crashes} crashes, last: {seen.error}"
-        lines.append(line)
-    return "\n".join(lines)
