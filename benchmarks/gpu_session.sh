@@ -30,7 +30,7 @@ for stage in "${stages[@]}"; do
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
-    profile) timeout 240 python3 benchmarks/profile_step.py --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
+    profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -85,10 +85,13 @@ class Sampler:
         chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         greedy = [index for index, row in enumerate(rows) if row.params.greedy]
         random = [index for index, row in enumerate(rows) if not row.params.greedy]
-        if greedy:
+        if not random:  # all greedy: no copies of the logits
+            chosen = logits.argmax(dim=-1)
+        elif not greedy:  # all sampled
+            chosen = self._sample(logits, rows)
+        else:
             index = torch.tensor(greedy, device=logits.device)
             chosen[index] = logits[index].argmax(dim=-1)
-        if random:
             index = torch.tensor(random, device=logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
 
@@ -121,8 +124,12 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([row.params.temperature for row in rows], device=device)
-        logits = logits / temperature.unsqueeze(1)
+        temperatures = {row.params.temperature for row in rows}
+        if len(temperatures) == 1:  # one value for the batch (the common case): no tensor to build
+            logits = logits / temperatures.pop()
+        else:
+            temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+            logits = logits / temperature.unsqueeze(1)
 
         top_k = [row.params.top_k for row in rows]
         if any(k > 0 for k in top_k):
@@ -151,7 +158,9 @@ class Sampler:
 
         noise = torch.empty_like(probs)
         unseeded = [index for index, row in enumerate(rows) if row.params.seed is None]
-        if unseeded:
+        if len(unseeded) == len(rows):  # one draw for the whole batch
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
             noise[unseeded] = torch.empty(
                 (len(unseeded), probs.shape[1]), device=device
             ).exponential_(generator=self.generator)
@@ -159,4 +168,4 @@ class Sampler:
             if row.params.seed is not None:
                 generator = seeded_generator(row.params.seed, row.num_output_tokens, device)
                 noise[index].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1)
