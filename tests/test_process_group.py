@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from server_helpers import gone
 from lifecycle import check_against_outputs, check_sequences, check_story, request_stories, settled_metrics
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.protocol.codec import MessageCodec
@@ -211,18 +212,6 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie (exited, not reaped because its parent is gone and init reaps later) counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
-
-
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 def test_no_actor_survives_its_supervisor(how: str, tiny_qwen3: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, str(tiny_qwen3), how],
@@ -235,8 +224,8 @@ def test_no_actor_survives_its_supervisor(how: str, tiny_qwen3: Path) -> None:
             parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=60)
         deadline = time.monotonic() + 15
-        while not all(_gone(pid) for pid in pids):
-            assert time.monotonic() < deadline, [pid for pid in pids if not _gone(pid)]
+        while not all(gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, [pid for pid in pids if not gone(pid)]
             time.sleep(0.1)
         if how == "exit":
             assert not Path(started["run_dir"]).exists()

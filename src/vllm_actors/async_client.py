@@ -32,7 +32,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from vllm_actors.actors.frontend import CLIENT, PreparedRequest, PromptInput
+from vllm_actors.actors.frontend import PreparedRequest, PromptInput
 from vllm_actors.client import frontend_for_group
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.codec import MessageCodec
@@ -51,7 +51,7 @@ from vllm_actors.protocol.metrics import (
 )
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.run_dir import GroupInfo, find_running_group, read_group_info
-from vllm_actors.transport import split_events
+from vllm_actors.transport import route_frontend_outputs
 from vllm_actors.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -355,16 +355,11 @@ class AsyncEngineClient:
             stream._aborted()
 
     def _send(self, outputs: list[tuple[str, Any]]) -> list[Any]:
-        messages, events = split_events(outputs)
-        self._publisher.publish(events)  # first: ARRIVED happens before the scheduler hears of it
-        client_outputs = []
-        for destination, message in messages:
-            if destination == CLIENT:
-                client_outputs.append(message)
-            else:
-                sent = self._dealer.send(self._codec.encode(message))
-                if not sent.done():  # queued behind the high-water mark: sent in order later
-                    sent.add_done_callback(_log_send_failure)
+        client_outputs, onward = route_frontend_outputs(outputs, self._publisher.publish)
+        for _, message in onward:  # everything onward goes to the scheduler
+            sent = self._dealer.send(self._codec.encode(message))
+            if not sent.done():  # queued behind the high-water mark: sent in order later
+                sent.add_done_callback(_log_send_failure)
         return client_outputs
 
     def _check_alive(self) -> None:

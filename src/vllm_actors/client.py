@@ -18,14 +18,14 @@ import msgspec
 import structlog
 import zmq
 
-from vllm_actors.actors.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.frontend import Frontend, PreparedRequest, PromptInput
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import RequestUpdates
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.run_dir import GroupInfo
-from vllm_actors.transport import split_events
+from vllm_actors.transport import route_frontend_outputs
 from vllm_actors.zmq_shell import EventPublisher
 
 log = structlog.get_logger(__name__)
@@ -86,14 +86,9 @@ class EngineClient:
         return self.frontend.num_unfinished > 0
 
     def _send(self, outputs: list[tuple[str, Any]]) -> list[Any]:
-        messages, events = split_events(outputs)
-        self._publisher.publish(events)  # first: ARRIVED happens before the scheduler hears of it
-        client_outputs = []
-        for destination, message in messages:
-            if destination == CLIENT:
-                client_outputs.append(message)
-            else:
-                self._dealer.send(self._codec.encode(message))
+        client_outputs, onward = route_frontend_outputs(outputs, self._publisher.publish)
+        for _, message in onward:  # everything onward goes to the scheduler
+            self._dealer.send(self._codec.encode(message))
         return client_outputs
 
     def poll(self, timeout_ms: int = 100) -> list[RequestOutput]:

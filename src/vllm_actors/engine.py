@@ -25,7 +25,7 @@ from vllm_actors.protocol.messages import StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
-from vllm_actors.transport import EventStamper, InMemoryNetwork, split_events
+from vllm_actors.transport import EventStamper, InMemoryNetwork, route_frontend_outputs, split_events
 
 if TYPE_CHECKING:
     from vllm_actors.tokenizer import Tokenizer
@@ -99,10 +99,8 @@ class InProcessEngine:
         self._send_from_frontend(self.frontend.abort(request_id))
 
     def _send_from_frontend(self, outputs: list[tuple[str, Any]]) -> None:
-        messages, events = split_events(outputs)
-        if events:  # first: ARRIVED happens before the scheduler hears of the request
-            self._publish(self._frontend_stamper.stamp(events))
-        for destination, message in messages:
+        _, onward = route_frontend_outputs(outputs, lambda events: self._publish(self._frontend_stamper.stamp(events)))
+        for destination, message in onward:
             self._frontend_endpoint.send(destination, message)
 
     def _publish(self, batch: EventBatch) -> None:

@@ -18,6 +18,7 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch
 
 BUS = "bus"
+CLIENT = "client"  # outputs for the process that holds the frontend (never on the wire)
 
 
 class Actor(Protocol):
@@ -52,7 +53,7 @@ class InMemoryNetwork:
         inbox = self._inboxes.get(destination)
         if inbox is None:
             raise KeyError(f"no endpoint named {destination!r}")
-        if self._codec is not None and destination != "client":
+        if self._codec is not None and destination != CLIENT:
             message = self._codec.decode(self._codec.encode(message))
         inbox.append(message)
 
@@ -104,3 +105,16 @@ def split_events(outputs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]],
     messages = [(destination, message) for destination, message in outputs if destination != BUS]
     events = [message for destination, message in outputs if destination == BUS]
     return messages, events
+
+
+def route_frontend_outputs(
+    outputs: list[tuple[str, Any]], publish_events: Callable[[list[Any]], object]
+) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """Publish the frontend's events first (ARRIVED happens before the scheduler hears of the
+    request); return (outputs for the client, messages to send on)."""
+    messages, events = split_events(outputs)
+    if events:
+        publish_events(events)
+    client = [message for destination, message in messages if destination == CLIENT]
+    onward = [(destination, message) for destination, message in messages if destination != CLIENT]
+    return client, onward

@@ -17,13 +17,13 @@ from vllm_actors.outputs import CompletionOutput, Logprob, PositionLogprobs, Req
 from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.transport import CLIENT
 
 if TYPE_CHECKING:
     from vllm_actors.detokenizer import IncrementalDetokenizer
     from vllm_actors.tokenizer import Tokenizer
 
 SCHEDULER = "scheduler"
-CLIENT = "client"
 BUS = "bus"
 
 PromptInput = str | Mapping[str, Any]
