@@ -26,13 +26,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not reuse the KV blocks of prompt prefixes already computed")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
+                        help="waiting-queue order: arrival (fcfs) or longest cached prefix first (lpm)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
-        "seed", "enforce_eager", "tensor_parallel_size", "device",
+        "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
+        "scheduling_policy",
     )
     return {name: getattr(args, name) for name in names}
 
@@ -141,6 +146,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "prefix":
+        from vllm_actors.bench.prefix import main as prefix_main
+
+        return prefix_main(args.rest)
     from vllm_actors.bench.throughput import main as throughput_main
 
     return throughput_main(args.rest)
@@ -196,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
 
     bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("which", choices=["throughput"])
+    bench.add_argument("which", choices=["throughput", "prefix"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
     return parser

@@ -12,6 +12,7 @@ import msgspec
 # cpu_kv_cache_gib argument.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -33,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
     load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random, real shapes)
     async_scheduling: bool = True  # plan step N+1 while step N runs
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
+    # The waiting queue's order: "fcfs" (arrival) or "lpm" (longest cached prefix first, SGLang's
+    # name; falls back to arrival order when more than LPM_MAX_WAITING requests wait).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -56,6 +61,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "tensor_parallel_size > 1 is not supported yet: vllm_actors runs one worker per replica "
                 "until tensor parallelism lands"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
@@ -78,6 +85,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int
     num_blocks: int
     max_steps_in_flight: int = 2  # 2: plan step N+1 while step N runs (async scheduling)
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
 
 
 def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_blocks: int) -> SchedulerConfig:
@@ -112,4 +121,6 @@ def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_block
         block_size=config.block_size,
         num_blocks=num_blocks,
         max_steps_in_flight=2 if config.async_scheduling else 1,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
     )

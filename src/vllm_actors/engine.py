@@ -162,25 +162,32 @@ class InProcessEngine:
 
     # ------------------------------------------------------------------ checks
     def check_idle_invariants(self) -> None:
-        """Once nothing is unfinished: every block is free and no table is left."""
+        """Once nothing is unfinished: no table is left and every block is free or idle in the
+        prefix cache."""
         self.run_until_idle()
         self.check_invariants()
         manager = self.kv_cache_manager
-        if manager.block_tables or manager.num_free_blocks != manager.pool.num_blocks:
+        idle = manager.num_idle_cached_blocks
+        if manager.block_tables or manager.num_free_blocks + idle != manager.pool.num_blocks:
             raise AssertionError(
                 f"idle engine holds blocks: tables of {sorted(manager.block_tables)}, "
-                f"{manager.num_free_blocks}/{manager.pool.num_blocks} free"
+                f"{manager.num_free_blocks} free + {idle} idle cached of {manager.pool.num_blocks}"
             )
 
     def check_invariants(self) -> None:
-        """No block held for a request the scheduler no longer runs (beyond the ones it will free
-        in its next plan); the pool's counts add up; scheduler and KV manager agree on the free count."""
+        """The scheduler's ledger and the KV manager each add up (free + cached + private ==
+        total, references match holders, no block held for a request the scheduler no longer
+        runs beyond the ones it frees in its next plan), and the two agree on every count."""
         live = {request.request_id for request in self.scheduler.running}
         pending = set(self.scheduler._departed)
-        self.kv_cache_manager.check_invariants(live | pending)
-        if not pending and not self.scheduler._in_flight:
-            if self.kv_cache_manager.num_free_blocks != self.scheduler.num_free_blocks:
+        manager = self.kv_cache_manager
+        ledger = self.scheduler.ledger
+        manager.check_invariants(live | pending)
+        ledger.check_invariants(live)
+        if not pending:  # every plan is delivered in process: the KV manager has applied them all
+            ours = (ledger.num_free, ledger.num_cached, ledger.cache.num_evictable if ledger.cache else 0)
+            theirs = (manager.num_free_blocks, len(manager.cached), manager.num_idle_cached_blocks)
+            if ours != theirs:
                 raise AssertionError(
-                    f"KV manager has {self.kv_cache_manager.num_free_blocks} free blocks, "
-                    f"the scheduler counts {self.scheduler.num_free_blocks}"
+                    f"free, cached, idle blocks: the scheduler counts {ours}, the KV manager {theirs}"
                 )

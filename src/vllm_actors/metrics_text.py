@@ -34,7 +34,10 @@ def summary_text(reply: SummaryReply) -> str:
         f"prefill computed {reply.prefill_tokens}, recomputed {reply.recomputed_tokens}",
         f"steps      {reply.steps} ({reply.step_tokens} tokens), prefill chunks {reply.prefill_chunks}, "
         f"preemptions {reply.preemptions}",
-        f"kv cache   {reply.kv_blocks_in_use}/{reply.kv_blocks_total} blocks in use ({reply.kv_usage:.1%})",
+        f"kv cache   {reply.kv_blocks_in_use}/{reply.kv_blocks_total} blocks in use ({reply.kv_usage:.1%}), "
+        f"{reply.kv_blocks_cached} cached, {reply.kv_blocks_evicted} evicted",
+        f"prefix     {reply.prefix_cache_hits}/{reply.prefix_cache_queries} tokens hit "
+        f"({reply.prefix_cache_hits / reply.prefix_cache_queries if reply.prefix_cache_queries else 0.0:.1%})",
         f"latency    {'count':>8} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}",
         _format_percentiles("ttft", reply.ttft, 1e3, "ms"),
         _format_percentiles("itl", reply.itl, 1e3, "ms"),

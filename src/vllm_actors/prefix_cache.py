@@ -154,19 +154,13 @@ class PrefixCache:
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[CachedBlock]:
         """The longest cached prefix of ``token_ids`` made of full blocks, at most ``max_blocks``
         blocks (below 0 counts as 0). Stamps the matched path; takes no reference."""
-        limit = len(token_ids) // self.block_size
-        if max_blocks is not None:
-            limit = min(limit, max(max_blocks, 0))
-        path: list[_Node] = []
-        node = self._root
-        for key in self._keys(token_ids, limit):
-            child = node.children.get(key)
-            if child is None:
-                break
-            path.append(child)
-            node = child
+        path = self._match_path(token_ids, max_blocks)
         self._stamp(path)
         return [n.to_cached() for n in path]
+
+    def match_length(self, token_ids: Sequence[int], max_blocks: int | None = None) -> int:
+        """How many blocks ``match`` would return, without stamping anything (for ordering)."""
+        return len(self._match_path(token_ids, max_blocks))
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """A request starts using these cached blocks, a path from the root (what ``match``
@@ -222,20 +216,34 @@ class PrefixCache:
             path.append(child)
             node = child
         start = len(path)
-        new_ids = list(block_ids[start:num_full])
-        taken = [block_id for block_id in new_ids if block_id in self._nodes]
-        if taken or len(set(new_ids)) != len(new_ids):
-            raise ValueError(f"block ids already cached elsewhere or repeated: {taken or new_ids}")
-        new_nodes: list[_Node] = []
-        for key, block_id in zip(keys[start:], new_ids, strict=True):
-            self._serial += 1
-            child = _Node(key=key, block_id=block_id, parent=node, serial=self._serial)
-            child.ref_count = 1
-            node.children[key] = child
-            self._nodes[block_id] = child
-            new_nodes.append(child)
-            node = child
+        new_nodes = self._add_chain(node, keys[start:], block_ids[start:num_full])
         self._stamp(path + new_nodes)
+        return [n.to_cached() for n in new_nodes]
+
+    def extend(self, parent_block: int | None, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[CachedBlock]:
+        """``insert`` for a request whose cached front ends at ``parent_block`` (None: the root):
+        caches the full blocks of ``token_ids`` (the tokens right after that front) as
+        ``block_ids``, walking only the new part, so a request can cache its blocks as they fill
+        at a cost independent of its length. The parent must be held by the caller. Stops, like
+        ``insert``, at a block whose content is already cached under another id. Returns the
+        blocks newly cached, in order (each held once, by the caller)."""
+        if parent_block is None:
+            parent = self._root
+        else:
+            parent = self._nodes.get(parent_block)
+            if parent is None:
+                raise ValueError(f"block {parent_block} is not cached")
+            if parent.ref_count == 0:
+                raise ValueError(f"block {parent_block} is cached but not held")
+        num_full = len(token_ids) // self.block_size
+        if len(block_ids) < num_full:
+            raise ValueError(f"{num_full} full blocks of tokens but only {len(block_ids)} block ids")
+        keys = list(self._keys(token_ids, num_full))
+        if keys and keys[0] in parent.children:
+            log.debug("prefix_cache.duplicate_block", kept=parent.children[keys[0]].block_id, duplicate=block_ids[0])
+            return []
+        new_nodes = self._add_chain(parent, keys, block_ids[:num_full])
+        self._stamp(self._path_to(parent) + new_nodes)
         return [n.to_cached() for n in new_nodes]
 
     def evict(self, num_blocks: int) -> list[CachedBlock]:
@@ -293,6 +301,46 @@ class PrefixCache:
                 raise AssertionError(f"evictable leaf {node.block_id} is not queued for eviction")
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _match_path(self, token_ids: Sequence[int], max_blocks: int | None) -> list[_Node]:
+        limit = len(token_ids) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max(max_blocks, 0))
+        path: list[_Node] = []
+        node = self._root
+        for key in self._keys(token_ids, limit):
+            child = node.children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
+
+    def _add_chain(self, parent: _Node, keys: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> list[_Node]:
+        """New nodes for ``keys`` under ``parent``, one per id, each held once by the caller."""
+        new_ids = list(block_ids)
+        taken = [block_id for block_id in new_ids if block_id in self._nodes]
+        if taken or len(set(new_ids)) != len(new_ids):
+            raise ValueError(f"block ids already cached elsewhere or repeated: {taken or new_ids}")
+        new_nodes: list[_Node] = []
+        node = parent
+        for key, block_id in zip(keys, new_ids, strict=True):
+            self._serial += 1
+            child = _Node(key=key, block_id=block_id, parent=node, serial=self._serial)
+            child.ref_count = 1
+            node.children[key] = child
+            self._nodes[block_id] = child
+            new_nodes.append(child)
+            node = child
+        return new_nodes
+
+    def _path_to(self, node: _Node) -> list[_Node]:
+        path: list[_Node] = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
 
     def _keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[tuple[int, ...]]:
         size = self.block_size

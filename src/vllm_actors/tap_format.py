@@ -31,7 +31,7 @@ from vllm_actors.protocol.metrics import event_json_line
 # Event groups a filter may name instead of single types.
 EVENT_GROUPS: dict[str, frozenset[str]] = {
     "REQUEST": frozenset(REQUEST_EVENTS),
-    "KV": frozenset({"ALLOCATED", "FREED"}),
+    "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "KV_POOL"}),
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT"}),
 }

@@ -1,21 +1,30 @@
-"""The KV-cache manager: owns the block pool and every request's block table.
+"""The KV-cache manager: owns the block pool, every request's block table and the prefix cache's
+blocks (block hash -> block id).
 
 It sits in the step pipeline between the scheduler and the workers. The scheduler decides how many
-blocks each request holds (it keeps the same count, so it can plan preemption without a round
-trip); this actor decides which blocks, frees those of departed requests and forwards the plan with
-the appended block ids to the workers. Pure state machine: no sockets, no clock.
+blocks each request holds and, with prefix caching, which token blocks are hit, cached and evicted
+(``block_ledger`` says why the decisions live there); this actor decides which blocks: it frees
+those of departed requests, evicts, puts cache hits at the front of new tables, appends fresh
+blocks, records blocks as cached, checks every instruction against its own state, publishes the
+block events, and forwards the plan with the appended block ids to the workers.
+
+A block's reference count is the number of tables holding it, plus one while it is cached: a
+cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
+blocks (never shared) return to the free list when a request departs.
+Pure state machine: no sockets, no clock.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-from typing import Any
-
-from vllm_actors.protocol.events import Allocated, Freed
-from vllm_actors.protocol.messages import Message, StepPlan
+from vllm_actors.prefix_cache import ROOT_HASH, block_hash
+from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
+from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 
 WORKER = "worker"
 BUS = "bus"
@@ -26,7 +35,7 @@ class BlockPoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    """Fixed pool of KV blocks with reference counts (prefix caching will share blocks)."""
+    """Fixed pool of KV blocks with reference counts (cached blocks are shared)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -47,6 +56,13 @@ class BlockPool:
             self._ref_counts[block] = 1
         return blocks
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for blocks already in use."""
+        for block in blocks:
+            if self._ref_counts[block] <= 0:
+                raise RuntimeError(f"block {block} shared while free")
+            self._ref_counts[block] += 1
+
     def release(self, blocks: list[int]) -> None:
         for block in blocks:
             if self._ref_counts[block] <= 0:
@@ -62,6 +78,12 @@ class BlockPool:
         return list(self._free)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    block_id: int
+    parent_hash: int
+
+
 class KVCacheManager:
     name = "kv_cache_manager"
 
@@ -69,6 +91,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.num_cached_front: dict[str, int] = {}  # leading blocks of each table that are cached
+        self.cached: dict[int, CacheEntry] = {}  # block hash -> its block
+        self.hash_of: dict[int, int] = {}  # block id -> block hash, for cached blocks
+        self._last_pool: KvPool | None = None
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
@@ -77,49 +103,228 @@ class KVCacheManager:
         plan = self.assign_blocks(message, events)
         return [(WORKER, plan), *((BUS, event) for event in events)]
 
+    # ------------------------------------------------------------------ the plan
     def assign_blocks(self, plan: StepPlan, events: list[Any] | None = None) -> StepPlan:
-        """Free the blocks of departed requests, then give each scheduled request the blocks it
-        needs. Checks the whole plan before changing anything, so a bad plan changes nothing."""
-        if len(plan.req_ids) != len(plan.num_blocks):
-            raise ValueError("req_ids and num_blocks differ in length")
-        freed = sum(len(self.block_tables.get(request_id, ())) for request_id in plan.finished_ids)
-        needed = sum(
-            max(wanted - len(self.block_tables.get(request_id, ())), 0)
-            for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True)
-        )
-        if needed > self.pool.num_free + freed:
-            raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
+        """Carry out a plan's block work (see ``StepPlan`` for the order) and return it with the
+        new block ids filled in. Checks the whole plan first, so a bad plan changes nothing."""
+        events = [] if events is None else events
+        new_requests = self._check(plan)
         for request_id in plan.finished_ids:
-            table = self.block_tables.pop(request_id, [])
-            self.pool.release(table)
-            if table and events is not None:
-                events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
+            self._depart(request_id, events)
+        self._evict(plan.evicted_hashes, events)
         new_block_ids: list[list[int]] = []
-        for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
+        for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
+            new = new_requests.get(request_id)
+            hit = self._take_hit(new, events) if new is not None else None
             table = self.block_tables.setdefault(request_id, [])
             added = self.pool.allocate(wanted - len(table)) if wanted > len(table) else []
             table.extend(added)
-            new_block_ids.append(added)
-            if added and events is not None:
+            new_block_ids.append(hit + added if hit else added)
+            if added:
                 events.append(Allocated(request_id=request_id, block_ids=added, num_free_blocks=self.pool.num_free))
+            if plan.cached_hashes and plan.cached_hashes[index]:
+                self._cache(request_id, plan.cached_hashes[index], events)
+        self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
 
+    def _check(self, plan: StepPlan) -> dict[str, NewRequest]:
+        """Reject a plan this state cannot carry out, before anything changes."""
+        if len(plan.req_ids) != len(plan.num_blocks):
+            raise ValueError("req_ids and num_blocks differ in length")
+        if plan.cached_hashes and len(plan.cached_hashes) != len(plan.req_ids):
+            raise ValueError("cached_hashes and req_ids differ in length")
+        if len(set(plan.req_ids)) != len(plan.req_ids):
+            raise ValueError("a request is scheduled twice")
+        new_requests = {new.request_id: new for new in plan.new_requests}
+        if not set(new_requests) <= set(plan.req_ids):
+            raise ValueError("a new request is not scheduled")
+        departing = set(plan.finished_ids)
+        evicted = set(plan.evicted_hashes)
+        if len(evicted) != len(plan.evicted_hashes):
+            raise ValueError("a block is evicted twice")
+        for block_hash_ in plan.evicted_hashes:
+            entry = self.cached.get(block_hash_)
+            if entry is None:
+                raise ValueError(f"plan evicts block hash {block_hash_}, which is not cached")
+            holders = self.pool.ref_count(entry.block_id) - 1
+            released = sum(
+                self.block_tables[request_id].count(entry.block_id)
+                for request_id in departing
+                if request_id in self.block_tables
+            )
+            if holders - released > 0:
+                raise ValueError(f"plan evicts block {entry.block_id} while a request holds it")
+        freed = len(plan.evicted_hashes) + sum(
+            len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
+            for request_id in departing
+        )
+        def is_cached(block_hash_: int) -> bool:
+            return (block_hash_ in self.cached and block_hash_ not in evicted) or block_hash_ in cached_now
+
+        cached_now: set[int] = set()  # cached by requests earlier in this plan
+        needed = 0
+        for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
+            new = new_requests.get(request_id)
+            if new is not None:
+                if request_id in self.block_tables and request_id not in departing:
+                    raise ValueError(f"new request {request_id!r} already has a block table")
+                if new.num_cached_tokens % self.block_size or not 0 <= new.num_cached_tokens < len(new.token_ids):
+                    raise ValueError(f"new request {request_id!r} has a bad num_cached_tokens")
+                held = new.num_cached_tokens // self.block_size
+                front = held
+                if not all(is_cached(h) for h in self._hashes(new.token_ids, held)):
+                    raise ValueError(f"plan gives {request_id!r} a cache hit on a block that is not cached")
+            else:
+                if request_id not in self.block_tables or request_id in departing:
+                    raise ValueError(f"plan schedules {request_id!r}, which holds no blocks here")
+                held = len(self.block_tables[request_id])
+                front = self.num_cached_front.get(request_id, 0)
+            hashes = plan.cached_hashes[index] if plan.cached_hashes else []
+            if front + len(hashes) > max(wanted, held):
+                raise ValueError(f"plan caches more blocks of {request_id!r} than it holds")
+            if any(is_cached(h) for h in hashes) or len(set(hashes)) != len(hashes):
+                raise ValueError(f"plan caches a block of {request_id!r} that is already cached")
+            cached_now.update(hashes)
+            needed += max(wanted - held, 0)
+        if needed > self.pool.num_free + freed:
+            raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
+        return new_requests
+
+    # ------------------------------------------------------------------ steps of a plan
+    def _depart(self, request_id: str, events: list[Any]) -> None:
+        table = self.block_tables.pop(request_id, [])
+        self.num_cached_front.pop(request_id, None)
+        self.pool.release(table)  # private blocks go free, cached ones lose a holder
+        if table:
+            events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
+
+    def _evict(self, hashes: list[int], events: list[Any]) -> None:
+        if not hashes:
+            return
+        block_ids: list[int] = []
+        parents: list[int] = []
+        for block_hash_ in hashes:
+            entry = self.cached.pop(block_hash_)
+            del self.hash_of[entry.block_id]
+            self.pool.release([entry.block_id])
+            block_ids.append(entry.block_id)
+            parents.append(entry.parent_hash)
+        events.append(BlockEvicted(block_ids=block_ids, block_hashes=list(hashes), parent_hashes=parents))
+
+    def _take_hit(self, new: NewRequest, events: list[Any]) -> list[int]:
+        """A new request's cached blocks, now at the front of its table."""
+        num_blocks = new.num_cached_tokens // self.block_size
+        if num_blocks == 0:
+            self.block_tables[new.request_id] = []
+            self.num_cached_front[new.request_id] = 0
+            return []
+        hashes = self._hashes(new.token_ids, num_blocks)
+        blocks = [self.cached[block_hash_].block_id for block_hash_ in hashes]
+        self.pool.share(blocks)
+        self.block_tables[new.request_id] = list(blocks)
+        self.num_cached_front[new.request_id] = num_blocks
+        events.append(
+            PrefixHit(
+                request_id=new.request_id,
+                num_cached_tokens=new.num_cached_tokens,
+                block_ids=blocks,
+                block_hashes=hashes,
+            )
+        )
+        return blocks
+
+    def _cache(self, request_id: str, hashes: list[int], events: list[Any]) -> None:
+        """The table's blocks right after the cached front are cached under these hashes."""
+        table = self.block_tables[request_id]
+        front = self.num_cached_front.get(request_id, 0)
+        if front + len(hashes) > len(table):
+            raise ValueError(f"{request_id!r} caches {front + len(hashes)} blocks but holds {len(table)}")
+        parent = self.hash_of[table[front - 1]] if front else ROOT_HASH
+        first_parent = parent
+        blocks = table[front : front + len(hashes)]
+        for block, block_hash_ in zip(blocks, hashes, strict=True):
+            if block_hash_ in self.cached:
+                raise ValueError(f"block hash {block_hash_} is cached twice")
+            self.cached[block_hash_] = CacheEntry(block_id=block, parent_hash=parent)
+            self.hash_of[block] = block_hash_
+            parent = block_hash_
+        self.pool.share(blocks)  # the cache's own reference
+        self.num_cached_front[request_id] = front + len(hashes)
+        events.append(
+            BlockCached(request_id=request_id, parent_hash=first_parent, block_ids=blocks, block_hashes=list(hashes))
+        )
+
+    def _report_pool(self, events: list[Any]) -> None:
+        idle = sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
+        pool = KvPool(
+            num_blocks=self.pool.num_blocks,
+            num_free=self.pool.num_free,
+            num_cached=len(self.cached),
+            num_cached_idle=idle,
+            num_in_use=self.pool.num_blocks - self.pool.num_free - idle,
+        )
+        if pool != self._last_pool:
+            events.append(pool)
+            self._last_pool = pool
+
+    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The chain of block hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        hashes: list[int] = []
+        parent = ROOT_HASH
+        size = self.block_size
+        for index in range(num_blocks):
+            parent = block_hash(parent, token_ids[index * size : (index + 1) * size])
+            hashes.append(parent)
+        return hashes
+
+    # ------------------------------------------------------------------ checks
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def num_idle_cached_blocks(self) -> int:
+        return sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
+
     def check_invariants(self, live_request_ids: set[str] | None = None) -> None:
-        """free + in use == total; no block both free and referenced; no table of a dead request."""
-        in_use = {block for table in self.block_tables.values() for block in table}
+        """free + cached + private == total; a block's count is its holders plus one if cached;
+        no block both free and referenced; each table is cached blocks (a chain from the root)
+        then private ones; no table of a dead request."""
         free = self.pool.free_blocks()
         if len(free) != len(set(free)):
             raise AssertionError("a block is on the free list twice")
-        if in_use & set(free):
-            raise AssertionError(f"blocks both free and referenced: {sorted(in_use & set(free))[:8]}")
-        if len(in_use) + len(free) != self.pool.num_blocks:
+        holders = [0] * self.pool.num_blocks
+        for table in self.block_tables.values():
+            for block in table:
+                holders[block] += 1
+        for block in range(self.pool.num_blocks):
+            expected = holders[block] + (block in self.hash_of)
+            if self.pool.ref_count(block) != expected:
+                raise AssertionError(f"block {block} has count {self.pool.ref_count(block)}, expected {expected}")
+        referenced = {block for block in range(self.pool.num_blocks) if self.pool.ref_count(block) > 0}
+        if referenced & set(free):
+            raise AssertionError(f"blocks both free and referenced: {sorted(referenced & set(free))[:8]}")
+        private = referenced - set(self.hash_of)
+        if len(free) + len(self.cached) + len(private) != self.pool.num_blocks:
             raise AssertionError(
-                f"free ({len(free)}) + in use ({len(in_use)}) != total ({self.pool.num_blocks})"
+                f"free ({len(free)}) + cached ({len(self.cached)}) + private ({len(private)}) "
+                f"!= total ({self.pool.num_blocks})"
             )
+        if any(self.cached[block_hash_].block_id != block for block, block_hash_ in self.hash_of.items()):
+            raise AssertionError("the hash index and the block index disagree")
+        for request_id, table in self.block_tables.items():
+            front = self.num_cached_front.get(request_id, 0)
+            parent = ROOT_HASH
+            for position, block in enumerate(table):
+                cached = block in self.hash_of
+                if cached != (position < front):
+                    raise AssertionError(f"{request_id!r}: block {position} of {len(table)} breaks the cached front {front}")
+                if cached:
+                    if self.cached[self.hash_of[block]].parent_hash != parent:
+                        raise AssertionError(f"{request_id!r}: cached block {position} is not under its predecessor")
+                    parent = self.hash_of[block]
+                elif holders[block] != 1:
+                    raise AssertionError(f"private block {block} is shared")
         if live_request_ids is not None:
             stale = set(self.block_tables) - live_request_ids
             if stale:

@@ -47,14 +47,18 @@ from vllm_actors.protocol.events import (
     ActorStopped,
     Allocated,
     Arrived,
+    BlockCached,
+    BlockEvicted,
     Event,
     EventBatch,
     Finished,
     FirstToken,
     Freed,
     Heartbeat,
+    KvPool,
     Preempted,
     PrefillChunk,
+    PrefixHit,
     Queued,
     Resumed,
     Scheduled,
@@ -89,7 +93,7 @@ log = structlog.get_logger(__name__)
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
 MAX_EVENTS_PER_QUERY = 10_000
 # Over-long timelines drop their high-volume entries first; the rest get this much more room.
-_BULK_TYPES = (Allocated, PrefillChunk)
+_BULK_TYPES = (Allocated, PrefillChunk, BlockCached)
 _TIMELINE_RESERVE = 256
 
 
@@ -238,11 +242,13 @@ class _Request:
 
 @dataclass(slots=True)
 class _KvPool:
-    """Blocks one KV-cache actor handed out, per request, from its ALLOCATED / FREED events."""
+    """One KV-cache actor's pool: its latest KV_POOL state, and the blocks it handed out per
+    request from its ALLOCATED / FREED events (the fallback when no state was seen)."""
 
     blocks: dict[str, int] = field(default_factory=dict)
     in_use: int = 0
     free: int | None = None  # num_free_blocks of its latest event
+    state: KvPool | None = None
 
 
 class _Counters(msgspec.Struct, kw_only=True):
@@ -261,6 +267,9 @@ class _Counters(msgspec.Struct, kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0
     step_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_evicted: int = 0
 
 
 # --------------------------------------------------------------------------- the store
@@ -324,6 +333,10 @@ class MetricsStore:
             Aborted: self._on_aborted,
             Allocated: self._on_allocated,
             Freed: self._on_freed,
+            PrefixHit: self._on_prefix_hit,
+            BlockCached: self._on_block_cached,
+            BlockEvicted: self._on_block_evicted,
+            KvPool: self._on_kv_pool,
             StepStarted: self._ignore,
             StepFinished: self._on_step_finished,
             ActorStarting: self._on_lifecycle,
@@ -486,6 +499,8 @@ class MetricsStore:
         self._add_entry(record, actor, seq, mono, wall, event)
         if isinstance(event, Scheduled) and record.scheduled is None:
             record.scheduled = (actor, mono, wall)
+        self._counters.prefix_cache_queries += max(event.num_query_tokens, 0)
+        self._counters.prefix_cache_hits += max(event.num_cached_tokens, 0)
         if not record.ended:
             self._set_state(record, RequestState.RUNNING, actor)
 
@@ -614,6 +629,22 @@ class MetricsStore:
         pool.in_use -= count
         pool.free = max(event.num_free_blocks, 0)
 
+    def _on_prefix_hit(self, actor: str, seq: int, mono: float, wall: float, event: PrefixHit) -> None:
+        record = self._find(event.request_id)
+        if record is not None:
+            self._add_entry(record, actor, seq, mono, wall, event)
+
+    def _on_block_cached(self, actor: str, seq: int, mono: float, wall: float, event: BlockCached) -> None:
+        record = self._find(event.request_id)
+        if record is not None:
+            self._add_entry(record, actor, seq, mono, wall, event)
+
+    def _on_block_evicted(self, actor: str, seq: int, mono: float, wall: float, event: BlockEvicted) -> None:
+        self._counters.kv_blocks_evicted += len(event.block_ids)
+
+    def _on_kv_pool(self, actor: str, seq: int, mono: float, wall: float, event: KvPool) -> None:
+        self._kv.setdefault(actor, _KvPool()).state = event
+
     # ------------------------------------------------------------------ worker and lifecycle
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
         self._counters.steps += 1
@@ -666,9 +697,15 @@ class MetricsStore:
 
     def summary(self) -> SummaryReply:
         counters = self._counters
-        in_use = sum(pool.in_use for pool in self._kv.values())
-        total = sum(pool.in_use + pool.free for pool in self._kv.values() if pool.free is not None)
-        total = max(total, in_use)
+        in_use = total = cached = 0
+        for pool in self._kv.values():
+            if pool.state is not None:
+                in_use += pool.state.num_in_use
+                total += pool.state.num_blocks
+                cached += pool.state.num_cached
+            else:
+                in_use += pool.in_use
+                total += max(pool.in_use + (pool.free or 0), pool.in_use)
         return SummaryReply(
             num_batches=self._num_batches,
             num_events=self._num_events,
@@ -696,6 +733,10 @@ class MetricsStore:
             kv_blocks_in_use=in_use,
             kv_blocks_total=total,
             kv_usage=in_use / total if total else 0.0,
+            kv_blocks_cached=cached,
+            kv_blocks_evicted=counters.kv_blocks_evicted,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
             ttft=self._ttft.percentiles(),
             itl=self._itl.percentiles(),
             e2e=self._e2e.percentiles(),

@@ -7,8 +7,13 @@ and returns the messages to send: at most one ``StepPlan`` per step to the KV-ca
 Policy (FCFS, like vLLM V1): running requests first, in arrival order, each taking what it still
 needs (one token when decoding, the rest of the prompt - or a chunk of it - when prefilling); then
 waiting requests while the token budget, ``max_num_seqs`` and free KV blocks allow. When a running
-request needs a block and none is free, the most recently arrived running request is preempted
-(its blocks freed; it is recomputed from its prompt and outputs when it comes back).
+request needs a block and none is available, the most recently arrived running request is
+preempted (its blocks freed; it is recomputed from its prompt and outputs when it comes back).
+
+Prefix caching (``block_ledger``): on admission a request takes the longest run of cached full
+blocks matching its tokens and computes only the rest; its blocks are cached as they fill (at
+planning time, so a request admitted later in the same pass already hits them); idle cached blocks
+count as available and are evicted, least recently used first, before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_actors.actors.block_ledger import BlockLedger
 from vllm_actors.config import SchedulerConfig
 from vllm_actors.protocol.events import (
     Aborted,
@@ -63,7 +69,6 @@ class ScheduledRequest:
     arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_blocks: int = 0
     status: Status = Status.WAITING
     in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
     num_preemptions: int = 0
@@ -76,6 +81,15 @@ class ScheduledRequest:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids ``start:end`` (prompt then outputs) without joining the two lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def num_tokens_with_pending(self) -> int:
@@ -98,7 +112,7 @@ class Scheduler:
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
-        self.num_free_blocks = config.num_blocks
+        self.ledger = BlockLedger(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._departed: list[str] = []  # left the worker since the last plan
         self._events: list[Any] = []  # events of the message being handled
         # Plans sent whose results are not back yet (oldest first), with the ids each one samples.
@@ -182,8 +196,7 @@ class Scheduler:
         request.status = Status.FINISHED
 
     def _release(self, request: ScheduledRequest) -> None:
-        self.num_free_blocks += request.num_blocks
-        request.num_blocks = 0
+        self.ledger.release(request.request_id)
         if request.in_worker:
             self._departed.append(request.request_id)
             request.in_worker = False
@@ -294,10 +307,49 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.config.block_size)
 
+    def _blocks_needed(self, request: ScheduledRequest, num_new: int) -> int:
+        held = self.ledger.num_blocks(request.request_id)
+        return self._blocks_for(request.num_computed_tokens + num_new) - held
+
+    # Longest-prefix-first ordering looks every waiting request up each pass: past this many
+    # waiting requests it costs more than it saves, and arrival order is kept (as SGLang does).
+    LPM_MAX_WAITING = 128
+
+    def _order_waiting(self) -> None:
+        if self.config.scheduling_policy != "lpm" or not 1 < len(self.waiting) <= self.LPM_MAX_WAITING:
+            return
+        hits = {
+            request.request_id: self.ledger.cached_prefix_blocks(request.all_token_ids)
+            for request in self.waiting
+            if self._looks_up(request)
+        }
+        # Stable: equal hits keep arrival order; a request still waiting for a token in flight
+        # goes last (it cannot be admitted yet and must not block the others).
+        self.waiting = deque(
+            sorted(self.waiting, key=lambda r: (r.num_pending > 0, -hits.get(r.request_id, 0)))
+        )
+
+    def _looks_up(self, request: ScheduledRequest) -> bool:
+        """Whether admission looks the request up in the prefix cache: not when it wants prompt
+        logprobs, which need every prompt position computed."""
+        return self.ledger.cache is not None and request.params.prompt_logprobs is None
+
+    def _admit(self, request: ScheduledRequest) -> tuple[int, int]:
+        """Take the request's cache hit (it then computes from there): (tokens looked up,
+        tokens hit)."""
+        if not self._looks_up(request):
+            self.ledger.admit(request.request_id, None)
+            return 0, 0
+        tokens = request.all_token_ids
+        hit = self.ledger.admit(request.request_id, tokens) * self.config.block_size
+        request.num_computed_tokens = hit
+        return len(tokens), hit
+
     def _schedule(self) -> tuple[StepPlan, list[str]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[ScheduledRequest, int]] = []
         new_requests: list[NewRequest] = []
+        cached: dict[str, list[int]] = {}  # hashes of the blocks each scheduled request caches
         preempted_now = False
 
         index = 0
@@ -307,8 +359,8 @@ class Scheduler:
             if num_new <= 0 or not self._wants_more(request):
                 index += 1
                 continue
-            needed = self._blocks_for(request.num_computed_tokens + num_new) - request.num_blocks
-            while needed > self.num_free_blocks:
+            needed = self._blocks_needed(request, num_new)
+            while needed > self.ledger.num_available:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted_now = True
@@ -317,29 +369,42 @@ class Scheduler:
             if request.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
             self._take_blocks(request, needed)
+            cached[request.request_id] = self._cache_blocks(request, num_new)
             scheduled.append((request, num_new))
             budget -= num_new
             index += 1
 
+        if not preempted_now:
+            self._order_waiting()
         while self.waiting and budget > 0 and not preempted_now:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
+            num_query, num_hit = self._admit(request)
             remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                break
             num_new = min(remaining, budget)
-            needed = self._blocks_for(request.num_computed_tokens + num_new) - request.num_blocks
-            if needed > self.num_free_blocks:
+            needed = self._blocks_needed(request, num_new)
+            if (remaining > budget and not self.config.enable_chunked_prefill) or needed > self.ledger.num_available:
+                self.ledger.release(request.request_id)  # not now: give the hit back
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
             admitted = Resumed if request.num_preemptions else Scheduled
-            self._events.append(admitted(request_id=request.request_id, step_id=self._next_step_id))
+            self._events.append(
+                admitted(
+                    request_id=request.request_id,
+                    step_id=self._next_step_id,
+                    num_query_tokens=num_query,
+                    num_cached_tokens=num_hit,
+                )
+            )
             self._take_blocks(request, needed)
+            # Cached now, so that a request admitted later in this pass already hits them.
+            cached[request.request_id] = self._cache_blocks(request, num_new)
             new_requests.append(self._new_request(request))
             scheduled.append((request, num_new))
             budget -= num_new
@@ -371,15 +436,24 @@ class Scheduler:
             finished_ids=self._departed,
             req_ids=[request.request_id for request, _ in scheduled],
             num_tokens=[num_new for _, num_new in scheduled],
-            num_blocks=[request.num_blocks for request, _ in scheduled],
+            num_blocks=[self.ledger.num_blocks(request.request_id) for request, _ in scheduled],
+            evicted_hashes=self.ledger.take_evicted(),
+            cached_hashes=[cached[request.request_id] for request, _ in scheduled] if self.ledger.cache else [],
         )
         self._departed = []
         return plan, sampling_ids
 
+    def _cache_blocks(self, request: ScheduledRequest, num_new: int) -> list[int]:
+        """Cache the request's full blocks whose KV this step (or an earlier one) writes and whose
+        tokens are known (a decode step's input may still be in flight: cached in a later pass).
+        Returns their hashes, for the KV-cache manager."""
+        if self.ledger.cache is None:
+            return []
+        computed = min(request.num_computed_tokens + num_new, request.num_tokens)
+        return self.ledger.cache_blocks(request.request_id, computed // self.config.block_size, request.token_slice)
+
     def _take_blocks(self, request: ScheduledRequest, count: int) -> None:
-        if count > 0:
-            self.num_free_blocks -= count
-            request.num_blocks += count
+        self.ledger.allocate(request.request_id, count)
 
     def _new_request(self, request: ScheduledRequest) -> NewRequest:
         request.in_worker = True
@@ -390,6 +464,7 @@ class Scheduler:
             num_output_tokens=len(request.output_token_ids),
             params=request.params,
             eos_token_ids=request.eos_token_ids,
+            num_cached_tokens=request.num_computed_tokens,
         )
 
     def _preempt(self, request: ScheduledRequest) -> None:

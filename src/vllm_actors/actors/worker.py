@@ -102,7 +102,7 @@ class Worker:
             for request_id, request in self.requests.items()
             if request_id not in plan.finished_ids
         }
-        computed.update({new.request_id: (0, len(new.token_ids)) for new in plan.new_requests})
+        computed.update({new.request_id: (new.num_cached_tokens, len(new.token_ids)) for new in plan.new_requests})
         num_blocks = getattr(self.runner, "num_blocks", None)
         for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
             if request_id not in computed:
@@ -133,6 +133,7 @@ class Worker:
             num_output_tokens=new.num_output_tokens,
             params=new.params,
             eos_token_ids=list(new.eos_token_ids),
+            num_computed_tokens=new.num_cached_tokens,  # a prefix-cache hit: its KV is in the table
             row=self.tables.add() if self.tables is not None else -1,
         )
 

@@ -33,6 +33,10 @@ class Scheduled(msgspec.Struct, tag="SCHEDULED", kw_only=True):
 
     request_id: str
     step_id: int
+    # Prefix cache lookup at admission: tokens looked up (0: no lookup, caching off or prompt
+    # logprobs asked) and tokens found cached, which the request does not compute.
+    num_query_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class PrefillChunk(msgspec.Struct, tag="PREFILL_CHUNK", kw_only=True):
@@ -65,6 +69,8 @@ class Preempted(msgspec.Struct, tag="PREEMPTED", kw_only=True):
 class Resumed(msgspec.Struct, tag="RESUMED", kw_only=True):
     request_id: str
     step_id: int
+    num_query_tokens: int = 0  # as in SCHEDULED: a resumed request looks its tokens up again
+    num_cached_tokens: int = 0
 
 
 class Finished(msgspec.Struct, tag="FINISHED", kw_only=True):
@@ -92,6 +98,44 @@ class Freed(msgspec.Struct, tag="FREED", kw_only=True):
     request_id: str
     num_blocks: int
     num_free_blocks: int
+
+
+class PrefixHit(msgspec.Struct, tag="PREFIX_HIT", kw_only=True):
+    """A request entered with cached blocks at the front of its table (shared, not recomputed)."""
+
+    request_id: str
+    num_cached_tokens: int
+    block_ids: list[int]
+    block_hashes: list[int]  # a chain from the root: block i's parent is block i - 1
+
+
+class BlockCached(msgspec.Struct, tag="BLOCK_CACHED", kw_only=True):
+    """Full blocks of a request entered the prefix cache: a chain hanging under parent_hash
+    (0: the root). Hashes are ``prefix_cache.block_hash(parent hash, token ids)``."""
+
+    request_id: str
+    parent_hash: int
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+class BlockEvicted(msgspec.Struct, tag="BLOCK_EVICTED", kw_only=True):
+    """Unreferenced cached blocks left the cache (least recently used first) to free room."""
+
+    block_ids: list[int]
+    block_hashes: list[int]
+    parent_hashes: list[int]
+
+
+class KvPool(msgspec.Struct, tag="KV_POOL", kw_only=True):
+    """The pool's counts after a step's changes: free + cached + private == total, where cached
+    blocks are either in use (held by a request) or idle (evictable)."""
+
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_cached_idle: int
+    num_in_use: int  # blocks held by at least one request (private or cached)
 
 
 # --------------------------------------------------------------------------- worker
@@ -139,14 +183,15 @@ class Heartbeat(msgspec.Struct, tag="HEARTBEAT", kw_only=True):
 
 Event = (
     Arrived | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
-    | Finished | Aborted | Allocated | Freed | StepStarted | StepFinished
+    | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | KvPool
+    | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
-    Aborted, Allocated, Freed, StepStarted, StepFinished, ActorStarting, ActorReady, ActorDraining,
-    ActorStopped, ActorCrashed, Heartbeat,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
+    ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat,
 )
 
 REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",

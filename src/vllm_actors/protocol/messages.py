@@ -55,6 +55,9 @@ class NewRequest(msgspec.Struct, kw_only=True):
     num_output_tokens: int  # outputs produced before a preemption (for min_tokens and seeds)
     params: SamplingParams
     eos_token_ids: list[int]
+    # Leading tokens whose KV is already in cached blocks (a prefix-cache hit, whole blocks): the
+    # KV-cache manager puts those blocks first in the request's table and the worker starts there.
+    num_cached_tokens: int = 0
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
@@ -66,6 +69,13 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     req_ids: list[str] = []  # scheduled this step, in batch order
     num_tokens: list[int] = []  # tokens computed this step, per scheduled request
     num_blocks: list[int] = []  # KV blocks each scheduled request holds after this step
+    # Prefix caching, decided by the scheduler (which knows the tokens), carried out by the
+    # KV-cache manager (which knows the block ids), in this order: after freeing the departed
+    # requests' blocks, uncache these blocks (by block hash); then, per scheduled request in
+    # order, take its cache hit (a new request), append its blocks, and cache the blocks listed
+    # for it: the hashes of the table's blocks right after its cached front, in order.
+    evicted_hashes: list[int] = []
+    cached_hashes: list[list[int]] = []  # aligned with req_ids; empty when caching is off
     # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
     new_block_ids: list[list[int]] = []
 

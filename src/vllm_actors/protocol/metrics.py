@@ -145,10 +145,18 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0  # STEP_FINISHED events
     step_tokens: int = 0  # tokens computed by those steps
-    # KV cache (summed over the actors that publish ALLOCATED / FREED)
+    # KV cache, summed over the KV-cache actors (from their KV_POOL events; ALLOCATED / FREED
+    # when a pool state was never seen). In use: held by a request; idle cached blocks count as
+    # free, as in vLLM's kv_cache_usage_perc.
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     kv_usage: float = 0.0
+    kv_blocks_cached: int = 0  # in the prefix cache, in use or idle
+    kv_blocks_evicted: int = 0  # cached blocks evicted so far
+    # Prefix cache, in tokens (vLLM's vllm:prefix_cache_queries / _hits): tokens looked up at
+    # admission, and tokens found cached and not computed.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # latencies, seconds; step execution time, milliseconds
     ttft: Percentiles = Percentiles()
     itl: Percentiles = Percentiles()

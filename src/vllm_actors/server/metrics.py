@@ -60,6 +60,10 @@ class _SummaryCollector(Collector):
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", summary.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", summary.generation_tokens)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", summary.preemptions)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.", summary.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.", summary.prefix_cache_hits)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=["model_name", "finished_reason"])
         reasons = dict.fromkeys(("stop", "length", "abort"), 0)
