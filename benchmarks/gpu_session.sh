@@ -2,8 +2,12 @@
 # One GPU session on the device machine: install, then the stages asked for (default: all).
 #   stages: tests (GPU-marked tests: kernels at full size, the engine vs transformers),
 #           kernels (Triton vs torch microbenchmark), throughput (the nano-vllm workload; extra
-#           arguments after `--` go to benchmarks/throughput.py)
+#           arguments after `--` go to benchmarks/throughput.py), prefix (prefix caching on vs off
+#           on a shared 2,000-token system prompt and on multi-turn chat, benchmarks/prefix.py;
+#           results in $out/prefix; not in the default list, and extra arguments after `--` go to
+#           it too, so name it alone when passing them)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
+#        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
 # Results land in $OUT (the device tool's output folder) or results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +36,7 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
+    prefix) python3 benchmarks/prefix.py --out "$out/prefix" "$@" 2>&1 | tee "$out/prefix.log" | tail -40 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1

@@ -107,3 +107,47 @@ def test_prompt_logprobs_match_transformers(tiny_qwen3: Path) -> None:
         assert abs(entry[actual].logprob - float(expected[position - 1, actual])) < 1e-4
         top = expected[position - 1].topk(2).indices.tolist()
         assert set(top) <= set(entry)
+
+
+def shared_prefix_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    """16 prompts over 3 shared system prompts (40, 70 and 100 tokens) with 1-30 own tokens."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab_size) for _ in range(length)] for length in (40, 70, 100)]
+    return [systems[i % 3] + [rng.randrange(vocab_size) for _ in range(rng.randint(1, 30))] for i in range(16)]
+
+
+def test_greedy_with_prefix_caching_matches_transformers_and_caching_off(tiny_qwen3: Path) -> None:
+    """Two rounds through the process group - shared system prompts, then each conversation's
+    next turn (prompt + reply + new tokens) - in a pool that forces eviction and preemption: the
+    same tokens as transformers and as caching off."""
+    outputs: dict[bool, list[list[int]]] = {}
+    rng = random.Random(21)
+    first_round: list[list[int]] = []
+    second_round: list[list[int]] = []
+    for caching in (True, False):
+        with LLM(str(tiny_qwen3), dtype="float32", block_size=16, num_gpu_blocks_override=40,
+                 max_num_batched_tokens=128, enable_prefix_caching=caching, seed=0) as llm:
+            if not first_round:
+                first_round = shared_prefix_prompts(llm.vocab_size, seed=13)
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+            replies = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in first_round], params, use_tqdm=False)]
+            if not second_round:
+                second_round = [p + r + [rng.randrange(llm.vocab_size) for _ in range(rng.randint(5, 20))]
+                                for p, r in zip(first_round, replies, strict=True)]
+            replies += [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in second_round], params, use_tqdm=False)]
+            total = 2 * len(first_round)
+            metrics = settled_metrics(llm, lambda m: m.kv_blocks_in_use == 0 and m.requests_finished == total)
+            if caching:
+                assert metrics.prefix_cache_hits > 0 and metrics.prefix_cache_queries > metrics.prefix_cache_hits
+                assert metrics.kv_blocks_evicted > 0, "the pool was meant to force eviction"
+                assert metrics.preemptions > 0, "the pool was meant to force preemption"
+            else:
+                assert metrics.prefix_cache_queries == 0 and metrics.kv_blocks_cached == 0
+            outputs[caching] = replies
+    prompts = first_round + second_round
+    reference = reference_generate(tiny_qwen3, prompts)
+    for index, (ours, (tokens, logits)) in enumerate(zip(outputs[True], reference, strict=True)):
+        assert ours == tokens, f"prompt {index}: " + describe_mismatch(0, ours, tokens, logits).split(": ", 1)[-1]
+    assert outputs[True] == outputs[False]

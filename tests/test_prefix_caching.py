@@ -18,6 +18,7 @@ from test_scheduler import make_engine
 from vllm_actors.actors.scheduler import Scheduler
 from vllm_actors.config import SchedulerConfig
 from vllm_actors.engine import InProcessEngine
+from vllm_actors.prefix_cache import block_hash
 from vllm_actors.protocol.events import BlockCached, BlockEvicted, EventBatch, KvPool, PrefixHit, Preempted, Scheduled
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
@@ -62,6 +63,23 @@ def drain(engine: InProcessEngine) -> dict[str, list[int]]:
     return finished
 
 
+def mirror_from_events(events: list[Any]) -> dict[int, int]:
+    """What a router outside the engine knows of the cache from the bus: block hash -> parent."""
+    mirror: dict[int, int] = {}
+    for event in events:
+        if isinstance(event, BlockCached):
+            parent = event.parent_hash
+            assert parent == 0 or parent in mirror, "a block cached under an unknown parent"
+            for block_hash_ in event.block_hashes:
+                mirror[block_hash_] = parent
+                parent = block_hash_
+        elif isinstance(event, BlockEvicted):
+            for block_hash_, parent in zip(event.block_hashes, event.parent_hashes, strict=True):
+                assert mirror.pop(block_hash_) == parent
+                assert block_hash_ not in mirror.values(), "a block evicted before its children"
+    return mirror
+
+
 def shared_prefix_prompts(count: int, prefix_len: int, seed: int, tail: tuple[int, int] = (1, 20)) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(1, 97) for _ in range(prefix_len)]
@@ -86,6 +104,10 @@ def test_requests_share_the_prefix_the_first_one_computes() -> None:
     assert sum(n for plan in plans for n in plan.num_tokens) < sum(len(p) for p in prompts) - 5 * 40 + 6 * 5
     prefix_hits = [event for event in events if isinstance(event, PrefixHit)]
     assert len(prefix_hits) == 5 and all(len(event.block_hashes) == 10 for event in prefix_hits)
+    chain = [0]  # anyone can compute the hashes from the tokens: blake2b over (parent, block)
+    for start in range(0, 40, 4):
+        chain.append(block_hash(chain[-1], prompts[1][start:start + 4]))
+    assert prefix_hits[0].block_hashes == chain[1:]
     cached = [event for event in events if isinstance(event, BlockCached) and event.request_id == "0"]
     assert cached[0].parent_hash == 0 and cached[0].block_hashes[:10] == prefix_hits[0].block_hashes
     summary = engine.metrics_store.summary()
@@ -215,6 +237,9 @@ def test_greedy_outputs_are_identical_with_caching_on_and_off_under_eviction_and
         for index, prompt in enumerate(prompts):
             assert results[caching][str(index)] == runner.reference(prompt, max_tokens[index]), (caching, index)
         if caching:
+            assert mirror_from_events(events) == {
+                block_hash_: entry.parent_hash for block_hash_, entry in engine.kv_cache_manager.cached.items()
+            }
             assert any(isinstance(event, PrefixHit) for event in events)
             assert any(isinstance(event, BlockEvicted) for event in events)
             assert engine.scheduler.stats.num_preemptions > 0

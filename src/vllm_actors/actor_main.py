@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -221,7 +222,7 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
 
         manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
         if spec.check_invariants:
-            manager = _CheckedKVCacheManager(manager)
+            manager = _Checked(manager, manager.check_invariants)
         return manager, {"worker": list(addresses.workers)}, {StepPlan: frozenset({b"scheduler"})}, {}
     if spec.role == "scheduler":
         from vllm_actors.actors.scheduler import Scheduler
@@ -230,20 +231,28 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
             raise ValueError("the scheduler needs its SchedulerConfig")
         # Clients may submit and abort; only rank 0 of the workers returns sampled tokens.
         accepts = {AddRequest: None, AbortRequests: None, StepResult: frozenset({b"worker-0"})}
-        return Scheduler(spec.scheduler), {"kv_cache_manager": [addresses.kv_cache_manager]}, accepts, {}
+        scheduler = Scheduler(spec.scheduler)
+        peers = {"kv_cache_manager": [addresses.kv_cache_manager]}
+        if spec.check_invariants:
+            def check() -> None:
+                scheduler.ledger.check_invariants({request.request_id for request in scheduler.running})
+
+            return _Checked(scheduler, check), peers, accepts, {}
+        return scheduler, peers, accepts, {}
     raise ValueError(f"unknown role {spec.role!r}")
 
 
-class _CheckedKVCacheManager:
-    """Checks the pool's accounting after every plan (tests turn this on)."""
+class _Checked:
+    """Runs an actor's invariant check after every message it handles (tests turn this on)."""
 
-    def __init__(self, manager: Any) -> None:
-        self.manager = manager
-        self.name = manager.name
+    def __init__(self, actor: Any, check: Callable[[], None]) -> None:
+        self.actor = actor
+        self.check = check
+        self.name = actor.name
 
     def handle(self, message: Any) -> list[tuple[str, Any]]:
-        outputs = self.manager.handle(message)
-        self.manager.check_invariants()
+        outputs = self.actor.handle(message)
+        self.check()
         return outputs
 
 

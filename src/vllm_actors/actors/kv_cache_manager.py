@@ -94,6 +94,7 @@ class KVCacheManager:
         self.num_cached_front: dict[str, int] = {}  # leading blocks of each table that are cached
         self.cached: dict[int, CacheEntry] = {}  # block hash -> its block
         self.hash_of: dict[int, int] = {}  # block id -> block hash, for cached blocks
+        self.num_idle_cached_blocks = 0  # cached blocks no table holds (count 1)
         self._last_pool: KvPool | None = None
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
@@ -108,14 +109,14 @@ class KVCacheManager:
         """Carry out a plan's block work (see ``StepPlan`` for the order) and return it with the
         new block ids filled in. Checks the whole plan first, so a bad plan changes nothing."""
         events = [] if events is None else events
-        new_requests = self._check(plan)
+        new_requests, hit_hashes = self._check(plan)
         for request_id in plan.finished_ids:
             self._depart(request_id, events)
         self._evict(plan.evicted_hashes, events)
         new_block_ids: list[list[int]] = []
         for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
             new = new_requests.get(request_id)
-            hit = self._take_hit(new, events) if new is not None else None
+            hit = self._take_hit(new, hit_hashes[request_id], events) if new is not None else None
             table = self.block_tables.setdefault(request_id, [])
             added = self.pool.allocate(wanted - len(table)) if wanted > len(table) else []
             table.extend(added)
@@ -127,8 +128,9 @@ class KVCacheManager:
         self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
 
-    def _check(self, plan: StepPlan) -> dict[str, NewRequest]:
-        """Reject a plan this state cannot carry out, before anything changes."""
+    def _check(self, plan: StepPlan) -> tuple[dict[str, NewRequest], dict[str, list[int]]]:
+        """Reject a plan this state cannot carry out, before anything changes. Returns the new
+        requests by id and the hash chains of their cache hits."""
         if len(plan.req_ids) != len(plan.num_blocks):
             raise ValueError("req_ids and num_blocks differ in length")
         if plan.cached_hashes and len(plan.cached_hashes) != len(plan.req_ids):
@@ -162,6 +164,7 @@ class KVCacheManager:
             return (block_hash_ in self.cached and block_hash_ not in evicted) or block_hash_ in cached_now
 
         cached_now: set[int] = set()  # cached by requests earlier in this plan
+        hit_hashes: dict[str, list[int]] = {}
         needed = 0
         for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
             new = new_requests.get(request_id)
@@ -172,7 +175,8 @@ class KVCacheManager:
                     raise ValueError(f"new request {request_id!r} has a bad num_cached_tokens")
                 held = new.num_cached_tokens // self.block_size
                 front = held
-                if not all(is_cached(h) for h in self._hashes(new.token_ids, held)):
+                hit_hashes[request_id] = self._hashes(new.token_ids, held)
+                if not all(is_cached(h) for h in hit_hashes[request_id]):
                     raise ValueError(f"plan gives {request_id!r} a cache hit on a block that is not cached")
             else:
                 if request_id not in self.block_tables or request_id in departing:
@@ -188,13 +192,14 @@ class KVCacheManager:
             needed += max(wanted - held, 0)
         if needed > self.pool.num_free + freed:
             raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
-        return new_requests
+        return new_requests, hit_hashes
 
     # ------------------------------------------------------------------ steps of a plan
     def _depart(self, request_id: str, events: list[Any]) -> None:
         table = self.block_tables.pop(request_id, [])
-        self.num_cached_front.pop(request_id, None)
+        front = self.num_cached_front.pop(request_id, 0)
         self.pool.release(table)  # private blocks go free, cached ones lose a holder
+        self.num_idle_cached_blocks += sum(1 for block in table[:front] if self.pool.ref_count(block) == 1)
         if table:
             events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
 
@@ -207,30 +212,27 @@ class KVCacheManager:
             entry = self.cached.pop(block_hash_)
             del self.hash_of[entry.block_id]
             self.pool.release([entry.block_id])
+            self.num_idle_cached_blocks -= 1
             block_ids.append(entry.block_id)
             parents.append(entry.parent_hash)
         events.append(BlockEvicted(block_ids=block_ids, block_hashes=list(hashes), parent_hashes=parents))
 
-    def _take_hit(self, new: NewRequest, events: list[Any]) -> list[int]:
-        """A new request's cached blocks, now at the front of its table."""
-        num_blocks = new.num_cached_tokens // self.block_size
-        if num_blocks == 0:
-            self.block_tables[new.request_id] = []
-            self.num_cached_front[new.request_id] = 0
-            return []
-        hashes = self._hashes(new.token_ids, num_blocks)
+    def _take_hit(self, new: NewRequest, hashes: list[int], events: list[Any]) -> list[int]:
+        """A new request's cached blocks (``hashes``, checked), now at the front of its table."""
         blocks = [self.cached[block_hash_].block_id for block_hash_ in hashes]
+        self.num_idle_cached_blocks -= sum(1 for block in blocks if self.pool.ref_count(block) == 1)
         self.pool.share(blocks)
         self.block_tables[new.request_id] = list(blocks)
-        self.num_cached_front[new.request_id] = num_blocks
-        events.append(
-            PrefixHit(
-                request_id=new.request_id,
-                num_cached_tokens=new.num_cached_tokens,
-                block_ids=blocks,
-                block_hashes=hashes,
+        self.num_cached_front[new.request_id] = len(blocks)
+        if blocks:
+            events.append(
+                PrefixHit(
+                    request_id=new.request_id,
+                    num_cached_tokens=new.num_cached_tokens,
+                    block_ids=blocks,
+                    block_hashes=hashes,
+                )
             )
-        )
         return blocks
 
     def _cache(self, request_id: str, hashes: list[int], events: list[Any]) -> None:
@@ -255,7 +257,7 @@ class KVCacheManager:
         )
 
     def _report_pool(self, events: list[Any]) -> None:
-        idle = sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
+        idle = self.num_idle_cached_blocks
         pool = KvPool(
             num_blocks=self.pool.num_blocks,
             num_free=self.pool.num_free,
@@ -282,10 +284,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    @property
-    def num_idle_cached_blocks(self) -> int:
-        return sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
-
     def check_invariants(self, live_request_ids: set[str] | None = None) -> None:
         """free + cached + private == total; a block's count is its holders plus one if cached;
         no block both free and referenced; each table is cached blocks (a chain from the root)
@@ -310,6 +308,9 @@ class KVCacheManager:
                 f"free ({len(free)}) + cached ({len(self.cached)}) + private ({len(private)}) "
                 f"!= total ({self.pool.num_blocks})"
             )
+        idle = sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
+        if idle != self.num_idle_cached_blocks:
+            raise AssertionError(f"{idle} idle cached blocks, counted {self.num_idle_cached_blocks}")
         if any(self.cached[block_hash_].block_id != block for block, block_hash_ in self.hash_of.items()):
             raise AssertionError("the hash index and the block index disagree")
         for request_id, table in self.block_tables.items():

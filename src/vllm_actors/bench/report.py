@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -216,16 +216,23 @@ def format_table(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def write_json(report: BenchReport, path: Path) -> None:
+class JsonReport(Protocol):
+    """Any report that can be written as JSON (this module's ``BenchReport``, the prefix benchmark's)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def write_json(report: JsonReport, path: Path) -> None:
+    """``report.to_dict()`` as indented JSON, written to a temporary file then moved into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_text(json.dumps(report.to_dict(), indent=2, sort_keys=False) + "\n")
     temporary.replace(path)
 
 
-def write_png(report: BenchReport, path: Path) -> bool:
-    """Left: output tok/s of ours, the floor and the peer. Right: step time and batch size over the
-    timed run. Returns False (with a warning) when matplotlib is missing."""
+def load_pyplot(path: Path) -> Any | None:
+    """matplotlib's pyplot on the Agg backend, or None (with a warning naming the plot ``path``
+    that will be skipped) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -233,6 +240,15 @@ def write_png(report: BenchReport, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib is not installed: skipping the plot", path=str(path))
+        return None
+    return plt
+
+
+def write_png(report: BenchReport, path: Path) -> bool:
+    """Left: output tok/s of ours, the floor and the peer. Right: step time and batch size over the
+    timed run. Returns False (with a warning) when matplotlib is missing."""
+    plt = load_pyplot(path)
+    if plt is None:
         return False
     bars: list[tuple[str, float]] = []
     if report.ours is not None:
