@@ -63,7 +63,7 @@ def test_parse_workloads() -> None:
 
 # --------------------------------------------------------------------------- the report
 def _summary(queries: int | None, hits: int | None, finished: int = 0) -> SimpleNamespace:
-    reply = SimpleNamespace(requests_finished=finished, requests_aborted=0, prefill_tokens=100, preemptions=0)
+    reply = SimpleNamespace(requests_finished=finished, requests_aborted=0, prefill_tokens=100, preemptions=0, steps=7)
     if queries is not None:
         reply.prefix_cache_queries, reply.prefix_cache_hits = queries, hits
     return reply

@@ -65,6 +65,7 @@ TOKEN_ID_LIMIT = 10_000  # ids are drawn from [0, min(this, vocab size)): ordina
 DEFAULT_WARMUP_REQUESTS = 2
 WARMUP_MAX_TOKENS = 16
 WARMUP_EXTENSION = 32  # tokens each warm-up prompt adds to the previous one
+WARMUP_BURST = 20  # concurrent warm-up requests after the sequential ones
 
 
 def _rng(seed: int, stream: str) -> random.Random:
@@ -277,6 +278,7 @@ class StoreCounters:
     prefix_cache_hits: int | None
     prefill_tokens: int  # prompt tokens computed, recomputation included
     preemptions: int
+    steps: int = 0  # engine steps (STEP_FINISHED events)
 
     @classmethod
     def of(cls, reply: Any) -> StoreCounters:
@@ -286,7 +288,7 @@ class StoreCounters:
             ended=reply.requests_finished + reply.requests_aborted,
             prefix_cache_queries=None if queries is None else int(queries),
             prefix_cache_hits=None if hits is None else int(hits),
-            prefill_tokens=reply.prefill_tokens, preemptions=reply.preemptions,
+            prefill_tokens=reply.prefill_tokens, preemptions=reply.preemptions, steps=reply.steps,
         )
 
     def since(self, before: StoreCounters) -> StoreCounters:
@@ -301,6 +303,7 @@ class StoreCounters:
             prefix_cache_hits=delta(self.prefix_cache_hits, before.prefix_cache_hits),
             prefill_tokens=self.prefill_tokens - before.prefill_tokens,
             preemptions=self.preemptions - before.preemptions,
+            steps=self.steps - before.steps,
         )
 
 
@@ -334,8 +337,14 @@ async def warm_up(client: AsyncEngineClient, prompt_tokens: int, count: int, voc
     for index in range(count):
         await timed_request(client, f"warmup-{index}", prompt, WARMUP_MAX_TOKENS)
         prompt = prompt + random_tokens(rng, WARMUP_EXTENSION, vocab_size)
-    log.info("warm-up done", requests=count, seconds=round(time.perf_counter() - started, 2))
-    return count
+    # Then a burst of concurrent requests over one prefix with tails of several lengths, so that
+    # batched prefill (with and without cached context) and mixed steps have run before timing.
+    burst = [prompt[: max(1, len(prompt) // 2)] + random_tokens(rng, 1 + 7 * index, vocab_size)
+             for index in range(WARMUP_BURST)]
+    await gather_all(timed_request(client, f"warmup-burst-{index}", tokens, WARMUP_MAX_TOKENS)
+                     for index, tokens in enumerate(burst))
+    log.info("warm-up done", requests=count + WARMUP_BURST, seconds=round(time.perf_counter() - started, 2))
+    return count + WARMUP_BURST
 
 
 @dataclass(frozen=True)
@@ -355,6 +364,7 @@ class RunResult:
     prefix_cache_hits: int | None  # of which found
     prefill_tokens_computed: int  # prompt tokens the engine computed during the run (metrics store)
     preemptions: int
+    steps: int = 0  # engine steps during the run
     ttft_samples: tuple[float, ...] = ()  # sorted, seconds: for the CDF
 
     @classmethod
@@ -368,7 +378,8 @@ class RunResult:
             output_tokens=sum(timing.output_tokens for timing in timings), seconds=seconds,
             ttft=LatencyStats.of(ttfts), e2e=LatencyStats.of([timing.e2e_s for timing in timings]),
             prefix_cache_queries=store.prefix_cache_queries, prefix_cache_hits=store.prefix_cache_hits,
-            prefill_tokens_computed=store.prefill_tokens, preemptions=store.preemptions, ttft_samples=tuple(ttfts),
+            prefill_tokens_computed=store.prefill_tokens, preemptions=store.preemptions, steps=store.steps,
+            ttft_samples=tuple(ttfts),
         )
 
     @property
@@ -503,8 +514,8 @@ def format_columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), "-+-".join("-" * width for width in widths), *(line(row) for row in rows)])
 
 
-RUN_HEADER = ("workload", "caching", "done", "prompt tok", "output tok", "wall", "output tok/s", "total tok/s",
-              "TTFT mean", "TTFT p50", "TTFT p99", "hit rate")
+RUN_HEADER = ("workload", "caching", "done", "prompt tok", "computed", "output tok", "wall", "steps", "ms/step",
+              "output tok/s", "total tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "hit rate")
 RATIO_HEADER = ("workload", "TTFT p50 off/on", "TTFT p99 off/on", "TTFT mean off/on", "output tok/s on/off",
                 "total tok/s on/off")
 
@@ -512,7 +523,9 @@ RATIO_HEADER = ("workload", "TTFT p50 off/on", "TTFT p99 off/on", "TTFT mean off
 def run_row(result: RunResult) -> list[str]:
     hit_rate = "n/a" if result.hit_rate is None else f"{result.hit_rate:.1%}"
     return [result.workload, caching_key(result.prefix_caching), f"{result.completed}/{result.num_requests}",
-            f"{result.prompt_tokens:,}", f"{result.output_tokens:,}", f"{result.seconds:,.2f} s",
+            f"{result.prompt_tokens:,}", f"{result.prefill_tokens_computed:,}", f"{result.output_tokens:,}",
+            f"{result.seconds:,.2f} s", f"{result.steps:,}",
+            f"{result.seconds / result.steps * 1e3:.1f}" if result.steps else "n/a",
             f"{result.output_tokens_per_s:,.0f}", f"{result.total_tokens_per_s:,.0f}", _ms(result.ttft.mean),
             _ms(result.ttft.p50), _ms(result.ttft.p99), hit_rate]
 
