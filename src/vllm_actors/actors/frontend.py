@@ -9,6 +9,8 @@ incrementally, applies stop strings (ending the request at the scheduler with an
 from __future__ import annotations
 
 import math
+
+import msgspec
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,12 +93,7 @@ class Frontend:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids)
+                return prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return self.tokenize_prompt(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
@@ -155,10 +152,12 @@ class Frontend:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt: the prompt is empty")
-        bad = [i for i in prompt_ids if not 0 <= i < self.vocab_size]
-        if bad:
+        # min/max run in C: a 2,000-token prompt is checked in microseconds, not a Python loop
+        low, high = min(prompt_ids), max(prompt_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
             raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(
@@ -297,3 +296,13 @@ class Frontend:
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
+
+
+def _token_id_list(ids: object) -> list[int]:
+    """A copy of ``ids`` as a list of ints (not bools), checked in C by msgspec."""
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    try:
+        return msgspec.convert(ids if isinstance(ids, list) else list(ids), list[int], strict=True)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"prompt_token_ids must be a list of integers ({error})") from None
