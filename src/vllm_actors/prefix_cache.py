@@ -127,6 +127,7 @@ class PrefixCache:
         # Candidates for eviction: (last_used, serial, node), pushed whenever a node becomes an
         # evictable leaf or is restamped as one. Stale entries are skipped when popped.
         self._heap: list[tuple[int, int, _Node]] = []
+        self._last_match: tuple[list[int], list[_Node]] = ([], [])  # see _match_path
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -165,12 +166,18 @@ class PrefixCache:
     def acquire(self, blocks: Sequence[int]) -> None:
         """A request starts using these cached blocks, a path from the root (what ``match``
         returned): each gains one reference."""
-        path = self._path(blocks)
-        for node in path:
-            if node.ref_count == 0:
-                self._num_evictable -= 1
-            node.ref_count += 1
-        self._stamp(path)
+        self._hold(self._path(blocks))
+
+    def take(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
+        """``match`` then ``acquire`` in one walk: the ids of the longest cached prefix of
+        ``token_ids`` (at most ``max_blocks`` blocks), each now holding one more reference."""
+        path = self._match_path(token_ids, max_blocks)
+        self._hold(path)
+        return [node.block_id for node in path]
+
+    def block_hash_of(self, block_id: int) -> int:
+        """The hash of a cached block; KeyError if it is not cached."""
+        return self._nodes[block_id].block_hash
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request stops using these cached blocks, a path from the root (the cached front of
@@ -303,17 +310,27 @@ class PrefixCache:
     # -- internals -------------------------------------------------------------------------------
 
     def _match_path(self, token_ids: Sequence[int], max_blocks: int | None) -> list[_Node]:
-        limit = len(token_ids) // self.block_size
+        size = self.block_size
+        limit = len(token_ids) // size
         if max_blocks is not None:
             limit = min(limit, max(max_blocks, 0))
         path: list[_Node] = []
         node = self._root
-        for key in self._keys(token_ids, limit):
+        # Requests sharing a prompt prefix come in runs: when this one starts with the tokens of
+        # the previous match, reuse that path (one list comparison in C instead of a tuple and
+        # a lookup per block). An alive node's ancestors are alive: eviction takes leaves only.
+        previous_tokens, previous_path = self._last_match
+        reuse = min(len(previous_path), limit)
+        if reuse and previous_path[reuse - 1].alive and list(token_ids[: reuse * size]) == previous_tokens[: reuse * size]:
+            path = previous_path[:reuse]
+            node = path[-1]
+        for key in self._keys(token_ids[len(path) * size :], limit - len(path)):
             child = node.children.get(key)
             if child is None:
                 break
             path.append(child)
             node = child
+        self._last_match = (list(token_ids[: len(path) * size]), path)
         return path
 
     def _add_chain(self, parent: _Node, keys: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> list[_Node]:
@@ -341,6 +358,13 @@ class PrefixCache:
             node = node.parent
         path.reverse()
         return path
+
+    def _hold(self, path: list[_Node]) -> None:
+        for node in path:
+            if node.ref_count == 0:
+                self._num_evictable -= 1
+            node.ref_count += 1
+        self._stamp(path)
 
     def _keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[tuple[int, ...]]:
         size = self.block_size

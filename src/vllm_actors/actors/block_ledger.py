@@ -75,21 +75,20 @@ class BlockLedger:
         return self.cache.match_length(token_ids, self._max_hit(len(token_ids)))
 
     # ------------------------------------------------------------------ changes
-    def admit(self, request_id: str, token_ids: Sequence[int] | None) -> int:
+    def admit(self, request_id: str, token_ids: Sequence[int] | None) -> tuple[int, int]:
         """A request starts holding blocks. With ``token_ids`` (None: no lookup), it takes the
-        longest cached prefix of them, leaving at least one token to compute; returns the number
-        of blocks hit, now at the front of its table."""
+        longest cached prefix of them, leaving at least one token to compute. Returns the number
+        of blocks hit, now at the front of its table, and the hash of the last (0: none)."""
         if request_id in self._holdings:
             raise LedgerError(f"request {request_id!r} already holds blocks")
         holding = Holding()
         self._holdings[request_id] = holding
         if self.cache is None or token_ids is None:
-            return 0
-        hit = self.cache.match(token_ids, self._max_hit(len(token_ids)))
-        holding.cached = [block.block_id for block in hit]
-        self.cache.acquire(holding.cached)
+            return 0, 0
+        holding.cached = self.cache.take(token_ids, self._max_hit(len(token_ids)))
         holding.num_blocks = len(holding.cached)
-        return len(hit)
+        last = self.cache.block_hash_of(holding.cached[-1]) if holding.cached else 0
+        return len(holding.cached), last
 
     def allocate(self, request_id: str, count: int) -> None:
         """Append ``count`` private blocks to a request, evicting idle cached blocks (least

@@ -17,12 +17,13 @@ Pure state machine: no sockets, no clock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from vllm_actors.prefix_cache import ROOT_HASH, block_hash
+from vllm_actors.prefix_cache import ROOT_HASH
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
 from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 
@@ -95,6 +96,9 @@ class KVCacheManager:
         self.cached: dict[int, CacheEntry] = {}  # block hash -> its block
         self.hash_of: dict[int, int] = {}  # block id -> block hash, for cached blocks
         self.num_idle_cached_blocks = 0  # cached blocks no table holds (count 1)
+        # Hit chains already walked, by their last hash: requests sharing a prompt prefix hit the
+        # same chain, walked once. A chain stays valid until a block is evicted (then all go).
+        self._chains: dict[int, list[int]] = {}
         self._last_pool: KvPool | None = None
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
@@ -160,11 +164,15 @@ class KVCacheManager:
             len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
             for request_id in departing
         )
-        def is_cached(block_hash_: int) -> bool:
-            return (block_hash_ in self.cached and block_hash_ not in evicted) or block_hash_ in cached_now
+        def parent_of(block_hash_: int) -> int | None:
+            """The block's parent hash if it is cached at this point of the plan, else None."""
+            if block_hash_ in cached_now:
+                return cached_now[block_hash_]
+            entry = self.cached.get(block_hash_)
+            return None if entry is None or block_hash_ in evicted else entry.parent_hash
 
-        cached_now: set[int] = set()  # cached by requests earlier in this plan
-        hit_hashes: dict[str, list[int]] = {}
+        cached_now: dict[int, int] = {}  # cached by requests earlier in this plan: hash -> parent
+        hit_hashes: dict[str, list[int]] = {}  # shared lists: read only
         needed = 0
         for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
             new = new_requests.get(request_id)
@@ -175,20 +183,31 @@ class KVCacheManager:
                     raise ValueError(f"new request {request_id!r} has a bad num_cached_tokens")
                 held = new.num_cached_tokens // self.block_size
                 front = held
-                hit_hashes[request_id] = self._hashes(new.token_ids, held)
-                if not all(is_cached(h) for h in hit_hashes[request_id]):
-                    raise ValueError(f"plan gives {request_id!r} a cache hit on a block that is not cached")
+                if plan.evicted_hashes:
+                    self._chains.clear()
+                chain = self._chains.get(new.cached_block_hash)
+                if chain is None or len(chain) != held:
+                    chain = self._chain(new.cached_block_hash, held, parent_of)
+                    if chain is not None and held:
+                        self._chains[new.cached_block_hash] = chain
+                if chain is None:
+                    raise ValueError(f"plan gives {request_id!r} a cache hit on blocks that are not cached")
+                hit_hashes[request_id] = chain
+                parent = chain[-1] if chain else ROOT_HASH
             else:
                 if request_id not in self.block_tables or request_id in departing:
                     raise ValueError(f"plan schedules {request_id!r}, which holds no blocks here")
                 held = len(self.block_tables[request_id])
                 front = self.num_cached_front.get(request_id, 0)
+                parent = self.hash_of[self.block_tables[request_id][front - 1]] if front else ROOT_HASH
             hashes = plan.cached_hashes[index] if plan.cached_hashes else []
             if front + len(hashes) > max(wanted, held):
                 raise ValueError(f"plan caches more blocks of {request_id!r} than it holds")
-            if any(is_cached(h) for h in hashes) or len(set(hashes)) != len(hashes):
+            if any(parent_of(h) is not None for h in hashes) or len(set(hashes)) != len(hashes):
                 raise ValueError(f"plan caches a block of {request_id!r} that is already cached")
-            cached_now.update(hashes)
+            for block_hash_ in hashes:
+                cached_now[block_hash_] = parent
+                parent = block_hash_
             needed += max(wanted - held, 0)
         if needed > self.pool.num_free + freed:
             raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
@@ -219,7 +238,8 @@ class KVCacheManager:
 
     def _take_hit(self, new: NewRequest, hashes: list[int], events: list[Any]) -> list[int]:
         """A new request's cached blocks (``hashes``, checked), now at the front of its table."""
-        blocks = [self.cached[block_hash_].block_id for block_hash_ in hashes]
+        cached = self.cached
+        blocks = [cached[block_hash_].block_id for block_hash_ in hashes]
         self.num_idle_cached_blocks -= sum(1 for block in blocks if self.pool.ref_count(block) == 1)
         self.pool.share(blocks)
         self.block_tables[new.request_id] = list(blocks)
@@ -269,15 +289,24 @@ class KVCacheManager:
             events.append(pool)
             self._last_pool = pool
 
-    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        """The chain of block hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
-        hashes: list[int] = []
-        parent = ROOT_HASH
-        size = self.block_size
-        for index in range(num_blocks):
-            parent = block_hash(parent, token_ids[index * size : (index + 1) * size])
-            hashes.append(parent)
-        return hashes
+    @staticmethod
+    def _chain(last: int, length: int, parent_of: Callable[[int], int | None]) -> list[int] | None:
+        """The hashes from the root down to ``last``, if that is a chain of ``length`` cached
+        blocks; None otherwise."""
+        if length == 0:
+            return [] if last == ROOT_HASH else None
+        chain = [last]
+        while len(chain) <= length:
+            parent = parent_of(chain[-1])
+            if parent is None:
+                return None
+            if parent == ROOT_HASH:
+                break
+            chain.append(parent)
+        if len(chain) != length:
+            return None
+        chain.reverse()
+        return chain
 
     # ------------------------------------------------------------------ checks
     @property

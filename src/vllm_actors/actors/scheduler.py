@@ -334,16 +334,16 @@ class Scheduler:
         logprobs, which need every prompt position computed."""
         return self.ledger.cache is not None and request.params.prompt_logprobs is None
 
-    def _admit(self, request: ScheduledRequest) -> tuple[int, int]:
+    def _admit(self, request: ScheduledRequest) -> tuple[int, int, int]:
         """Take the request's cache hit (it then computes from there): (tokens looked up,
-        tokens hit)."""
+        tokens hit, hash of the hit's last block)."""
         if not self._looks_up(request):
             self.ledger.admit(request.request_id, None)
-            return 0, 0
+            return 0, 0, 0
         tokens = request.all_token_ids
-        hit = self.ledger.admit(request.request_id, tokens) * self.config.block_size
-        request.num_computed_tokens = hit
-        return len(tokens), hit
+        num_blocks, last_hash = self.ledger.admit(request.request_id, tokens)
+        request.num_computed_tokens = num_blocks * self.config.block_size
+        return len(tokens), request.num_computed_tokens, last_hash
 
     def _schedule(self) -> tuple[StepPlan, list[str]]:
         budget = self.config.max_num_batched_tokens
@@ -382,7 +382,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
-            num_query, num_hit = self._admit(request)
+            num_query, num_hit, hit_hash = self._admit(request)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget)
             needed = self._blocks_needed(request, num_new)
@@ -405,7 +405,7 @@ class Scheduler:
             self._take_blocks(request, needed)
             # Cached now, so that a request admitted later in this pass already hits them.
             cached[request.request_id] = self._cache_blocks(request, num_new)
-            new_requests.append(self._new_request(request))
+            new_requests.append(self._new_request(request, num_hit, hit_hash))
             scheduled.append((request, num_new))
             budget -= num_new
 
@@ -455,7 +455,7 @@ class Scheduler:
     def _take_blocks(self, request: ScheduledRequest, count: int) -> None:
         self.ledger.allocate(request.request_id, count)
 
-    def _new_request(self, request: ScheduledRequest) -> NewRequest:
+    def _new_request(self, request: ScheduledRequest, num_hit: int, hit_hash: int) -> NewRequest:
         request.in_worker = True
         return NewRequest(
             request_id=request.request_id,
@@ -464,7 +464,8 @@ class Scheduler:
             num_output_tokens=len(request.output_token_ids),
             params=request.params,
             eos_token_ids=request.eos_token_ids,
-            num_cached_tokens=request.num_computed_tokens,
+            num_cached_tokens=num_hit,
+            cached_block_hash=hit_hash,
         )
 
     def _preempt(self, request: ScheduledRequest) -> None:

@@ -58,6 +58,7 @@ class NewRequest(msgspec.Struct, kw_only=True):
     # Leading tokens whose KV is already in cached blocks (a prefix-cache hit, whole blocks): the
     # KV-cache manager puts those blocks first in the request's table and the worker starts there.
     num_cached_tokens: int = 0
+    cached_block_hash: int = 0  # the hash of the hit's last block: the KV manager walks back from it
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
