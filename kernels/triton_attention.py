@@ -210,7 +210,7 @@ def _attend_tile(
 
 # Integer arguments that change with the batch (sequence count, block-table width, splits) are
 # not specialised: Triton would otherwise compile a new variant, mid-serving, the first time such
-# a value is 1 or a multiple of 16 - a stall of about a second, measured on the H100.
+# a value is 1 or a multiple of 16 (the likely cause of a 1.26 s stall in a benchmark on the H100).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _varlen_kernel(
     q_ptr,

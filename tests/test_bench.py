@@ -243,3 +243,16 @@ def test_transformers_peer_api_on_cpu(tiny_qwen3_config_dir: Path) -> None:
     assert result.failed_requests == 0
     assert result.output_tokens == result.expected_output_tokens == 12
     assert result.api == "add_request" and result.tokens_per_s > 0
+
+
+def test_control_plane_replay_reports_admissions_with_hits() -> None:
+    from vllm_actors.bench.control_plane import replay
+
+    costs = {caching: replay(num_requests=12, system_tokens=64, steps=6, prefix_caching=caching)
+             for caching in (True, False)}
+    for steps in costs.values():
+        assert len(steps) == 6 and sum(step.num_new for step in steps) == 12
+        assert all(step.scheduler_ms >= 0 and step.kv_manager_ms >= 0 for step in steps)
+    # With caching the 11 later requests skip the 64 shared tokens (4 blocks of 16).
+    computed = {caching: sum(step.num_tokens for step in steps) for caching, steps in costs.items()}
+    assert computed[False] - computed[True] == 11 * 64

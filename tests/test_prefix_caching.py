@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fake_runner import FakeRunner
-from test_scheduler import make_engine
+from test_scheduler import make_engine, record_plans
 from vllm_actors.actors.scheduler import Scheduler
 from vllm_actors.config import SchedulerConfig
 from vllm_actors.engine import InProcessEngine
@@ -34,18 +34,6 @@ def record_events(engine: InProcessEngine) -> list[Any]:
 
     engine.event_listeners.append(listen)
     return events
-
-
-def record_plans(engine: InProcessEngine) -> list[StepPlan]:
-    plans: list[StepPlan] = []
-    original = engine.kv_cache_manager.assign_blocks
-
-    def spy(plan: StepPlan, events: list | None = None) -> StepPlan:
-        plans.append(plan)
-        return original(plan, events)
-
-    engine.kv_cache_manager.assign_blocks = spy  # type: ignore[method-assign]
-    return plans
 
 
 def submit(engine: InProcessEngine, request_id: str, prompt: list[int], max_tokens: int, **params: Any) -> None:

@@ -137,8 +137,8 @@ def test_abort_releases_blocks_and_other_requests_go_on() -> None:
     assert finished["2"].outputs[0].token_ids == runner.reference(prompts[2], 20)
 
 
-def test_plans_carry_deltas_only() -> None:
-    engine, _ = make_engine(num_blocks=200, serialize=False)
+def record_plans(engine: InProcessEngine) -> list[StepPlan]:
+    """Every plan the KV-cache manager is given from now on, as the scheduler sent it."""
     plans: list[StepPlan] = []
     original = engine.kv_cache_manager.assign_blocks
 
@@ -147,6 +147,12 @@ def test_plans_carry_deltas_only() -> None:
         return original(plan, events)
 
     engine.kv_cache_manager.assign_blocks = spy  # type: ignore[method-assign]
+    return plans
+
+
+def test_plans_carry_deltas_only() -> None:
+    engine, _ = make_engine(num_blocks=200, serialize=False)
+    plans = record_plans(engine)
     run(engine, [[5, 6, 7, 8, 9]], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
     assert len(plans[0].new_requests) == 1
     decode_plans = [plan for plan in plans[1:] if plan.req_ids]

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import structlog
 
 from vllm_actors.bench.report import LatencyStats, load_pyplot, write_json
-from vllm_actors.bench.throughput import write_model_dir
+from vllm_actors.bench.throughput import add_model_arguments, write_model_dir
 
 if TYPE_CHECKING:
     from vllm_actors.async_client import AsyncEngineClient
@@ -617,12 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-actors bench prefix",
         description="Prefix caching on vs off: a shared system prompt and multi-turn chat.",
     )
-    model = parser.add_argument_group("model and engine")
-    model.add_argument("--model", default=None,
-                       help="a checkpoint (HF directory or .gguf); default: Qwen3-0.6B's shape, random weights")
-    model.add_argument("--load-format", choices=("auto", "dummy"), default=None,
-                       help="default: dummy without --model, auto with it")
-    model.add_argument("--dtype", default="bfloat16")
+    model = add_model_arguments(parser)
     model.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     model.add_argument("--max-model-len", type=int, default=4096, help="capped at the model's own maximum")
     model.add_argument("--max-num-seqs", type=int, default=256)

@@ -8,7 +8,10 @@ the runner's host input preparation, the forward pass (CUDA-graph replay or eage
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -61,6 +64,13 @@ def profile(batch_size: int, enforce_eager: bool, model_dir: str, steps: int) ->
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(5):
             engine.step()
+    python = cProfile.Profile()  # the host side: where Python time goes (kernel launches included)
+    python.enable()
+    for _ in range(5):
+        engine.step()
+    python.disable()
+    python_table = io.StringIO()
+    pstats.Stats(python, stream=python_table).sort_stats("tottime").print_stats(25)
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
     cuda_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
     for request_id in list(engine.frontend._requests):
@@ -73,6 +83,7 @@ def profile(batch_size: int, enforce_eager: bool, model_dir: str, steps: int) ->
         "phases_ms_median": {name: sorted(values)[len(values) // 2] for name, values in times.items() if values},
         "cpu_table": table,
         "cuda_table": cuda_table,
+        "python_table": python_table.getvalue(),
     }
 
 
@@ -81,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="only without CUDA graphs (two engines in one process do not fit in memory)")
     parser.add_argument("--out", default="results/profile.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -90,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG))
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            for eager in ([False, True] if args.eager else [False]):
+            modes = [True] if args.eager_only else [False, True] if args.eager else [False]
+            for eager in modes:
                 result = profile(batch_size, eager, folder, args.steps)
                 results.append(result)
                 sys.stdout.write(f"\n=== batch {batch_size} eager={eager}: {result['wall_ms_per_step']:.2f} ms/step\n")

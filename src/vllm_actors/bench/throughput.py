@@ -155,17 +155,24 @@ def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
 
 
 # --------------------------------------------------------------------------- arguments
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vllm-actors bench throughput",
-        description="Offline throughput on nano-vllm's workload, against the GPU's floor and transformers.",
-    )
+def add_model_arguments(parser: argparse.ArgumentParser) -> Any:
+    """The benchmarks' "model and engine" group with its first options (--model, --load-format,
+    --dtype); returns the group for the benchmark's own."""
     model = parser.add_argument_group("model and engine")
     model.add_argument("--model", default=None,
                        help="a checkpoint (HF directory or .gguf); default: Qwen3-0.6B's shape, random weights")
     model.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                        help="default: dummy without --model, auto with it")
     model.add_argument("--dtype", default="bfloat16")
+    return model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-actors bench throughput",
+        description="Offline throughput on nano-vllm's workload, against the GPU's floor and transformers.",
+    )
+    model = add_model_arguments(parser)
     model.add_argument("--max-model-len", type=int, default=4096)
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the timed run")
