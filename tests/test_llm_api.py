@@ -118,3 +118,16 @@ def test_cli_generate_and_chat(tiny_qwen3: Path) -> None:
     bad = subprocess.run([*base, "generate", "--model", str(tiny_qwen3), "--temperature", "-2", "x"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "temperature" in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_prefix_caching_and_policy_flags_reach_the_engine(command: str) -> None:
+    from vllm_actors.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    base = [command, "hello"] if command == "generate" else [command, "some/model"]
+    assert engine_kwargs(parser.parse_args(base))["enable_prefix_caching"] is True
+    kwargs = engine_kwargs(parser.parse_args([*base, "--no-enable-prefix-caching", "--scheduling-policy", "lpm"]))
+    assert (kwargs["enable_prefix_caching"], kwargs["scheduling_policy"]) == (False, "lpm")
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--scheduling-policy", "random"])

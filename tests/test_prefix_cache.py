@@ -383,6 +383,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.free = list(range(NUM_BLOCKS))
         self.requests: list[Request] = []
         self.seen: list[list[int]] = []  # every request's tokens, live or finished: cached content
+        self.calls = 0  # alternates the two ways of calling: match + acquire or take, insert or extend
 
     # helpers
 
@@ -403,12 +404,18 @@ class PoolMachine(RuleBasedStateMachine):
 
     def admit(self, tokens: list[int]) -> None:
         limit = (len(tokens) - 1) // MODEL_BS
-        hit = self.cache.match(tokens, max_blocks=limit)
         expected = self.model.match(tokens, limit)
-        assert hit == [self.model.cached_block(p) for p in expected]
-        if any(self.cache.ref_count(b.block_id) == 0 for b in hit):
-            note("admission hit evictable blocks")
-        self.cache.acquire(ids(hit))
+        self.calls += 1
+        if self.calls % 2:
+            hit = self.cache.match(tokens, max_blocks=limit)
+            assert hit == [self.model.cached_block(p) for p in expected]
+            if any(self.cache.ref_count(b.block_id) == 0 for b in hit):
+                note("admission hit evictable blocks")
+            self.cache.acquire(ids(hit))
+        else:
+            hit = [self.model.cached_block(p) for p in expected]
+            assert self.cache.take(tokens, max_blocks=limit) == ids(hit)
+            note("admission by take")
         self.model.add_refs(expected, +1)
         note(f"admission hit {min(len(hit), 2)}+ blocks")
         blocks = self.take(-(-len(tokens) // MODEL_BS) - len(hit))
@@ -445,7 +452,13 @@ class PoolMachine(RuleBasedStateMachine):
         """A step writes some more KV; the request's full blocks are offered to the cache."""
         request = self.requests[index % len(self.requests)]
         request.computed = min(len(request.tokens), request.computed + amount)
-        new = self.cache.insert(request.tokens[: request.computed], request.table)
+        self.calls += 1
+        if self.calls % 2:
+            new = self.cache.insert(request.tokens[: request.computed], request.table)
+        else:  # the incremental form, from the request's cached front
+            front = request.num_cached
+            parent = request.table[front - 1] if front else None
+            new = self.cache.extend(parent, request.tokens[front * MODEL_BS : request.computed], request.table[front:])
         expected = self.model.insert(request.tokens[: request.computed], request.table)
         assert new == [self.model.cached_block(p) for p in expected]
         request.num_cached += len(new)
