@@ -10,16 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_actors.bench.prefix import (
+from vllm_actors.bench.prefix_workloads import (
     SUFFIX_LEN_RANGE,
     USER_LEN_RANGE,
-    PrefixReport,
     RequestTiming,
+    make_chat_workload,
+    make_shared_workload,
+)
+from vllm_actors.bench.prefix import (
+    PrefixReport,
     RunResult,
     StoreCounters,
     format_report,
-    make_chat_workload,
-    make_shared_workload,
     parse_workloads,
 )
 

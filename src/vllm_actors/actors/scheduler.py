@@ -368,8 +368,7 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            self._take_blocks(request, needed)
-            cached[request.request_id] = self._cache_blocks(request, num_new)
+            cached[request.request_id] = self._allocate(request, num_new, needed)
             scheduled.append((request, num_new))
             budget -= num_new
             index += 1
@@ -402,9 +401,8 @@ class Scheduler:
                     num_cached_tokens=num_hit,
                 )
             )
-            self._take_blocks(request, needed)
             # Cached now, so that a request admitted later in this pass already hits them.
-            cached[request.request_id] = self._cache_blocks(request, num_new)
+            cached[request.request_id] = self._allocate(request, num_new, needed)
             new_requests.append(self._new_request(request, num_hit, hit_hash))
             scheduled.append((request, num_new))
             budget -= num_new
@@ -443,17 +441,16 @@ class Scheduler:
         self._departed = []
         return plan, sampling_ids
 
-    def _cache_blocks(self, request: ScheduledRequest, num_new: int) -> list[int]:
-        """Cache the request's full blocks whose KV this step (or an earlier one) writes and whose
-        tokens are known (a decode step's input may still be in flight: cached in a later pass).
-        Returns their hashes, for the KV-cache manager."""
+    def _allocate(self, request: ScheduledRequest, num_new: int, needed: int) -> list[int]:
+        """Give the request ``needed`` more blocks for ``num_new`` tokens this step, then cache
+        its full blocks whose KV this step (or an earlier one) writes and whose tokens are known
+        (a decode step's input may still be in flight: cached in a later pass). Returns the
+        hashes of the blocks newly cached, for the KV-cache manager."""
+        self.ledger.allocate(request.request_id, needed)
         if self.ledger.cache is None:
             return []
         computed = min(request.num_computed_tokens + num_new, request.num_tokens)
         return self.ledger.cache_blocks(request.request_id, computed // self.config.block_size, request.token_slice)
-
-    def _take_blocks(self, request: ScheduledRequest, count: int) -> None:
-        self.ledger.allocate(request.request_id, count)
 
     def _new_request(self, request: ScheduledRequest, num_hit: int, hit_hash: int) -> NewRequest:
         request.in_worker = True
