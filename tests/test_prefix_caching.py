@@ -275,3 +275,38 @@ def test_kv_pool_events_count_idle_cached_blocks_as_not_in_use() -> None:
     assert last.num_free + last.num_cached == last.num_blocks
     summary = engine.metrics_store.summary()
     assert (summary.kv_blocks_in_use, summary.kv_blocks_total, summary.kv_blocks_cached) == (0, 50, 7)
+
+
+def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None:
+    """Regression: the KV manager's memo of hit chains must not outlive an eviction made by a
+    plan without new requests (the hit would pass the check, then fail half-applied)."""
+    from vllm_actors.actors.kv_cache_manager import KVCacheManager
+    from vllm_actors.prefix_cache import block_hash
+    from vllm_actors.protocol.messages import NewRequest
+
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(1, 10))  # two full blocks and one token
+    first = block_hash(0, tokens[:4])
+    second = block_hash(first, tokens[4:8])
+    params = SamplingParams(max_tokens=1)
+
+    def new(request_id: str, cached: int, last: int) -> NewRequest:
+        return NewRequest(request_id=request_id, token_ids=tokens, num_prompt_tokens=9, num_output_tokens=0,
+                          params=params, eos_token_ids=[0], num_cached_tokens=cached, cached_block_hash=last)
+
+    plans = [
+        StepPlan(step_id=0, new_requests=[new("a", 0, 0)], req_ids=["a"], num_tokens=[9], num_blocks=[3],
+                 cached_hashes=[[first, second]]),
+        StepPlan(step_id=1, new_requests=[new("b", 8, second)], finished_ids=["a"], req_ids=["b"],
+                 num_tokens=[1], num_blocks=[3], cached_hashes=[[]]),
+        StepPlan(step_id=2, finished_ids=["b"], evicted_hashes=[second, first]),
+    ]
+    for plan in plans:
+        manager.assign_blocks(plan)
+        manager.check_invariants()
+    stale = StepPlan(step_id=3, new_requests=[new("c", 8, second)], req_ids=["c"], num_tokens=[1],
+                     num_blocks=[3], cached_hashes=[[]])
+    with pytest.raises(ValueError, match="not cached"):
+        manager.assign_blocks(stale)
+    manager.check_invariants()
+    assert not manager.block_tables and manager.num_free_blocks == 8
