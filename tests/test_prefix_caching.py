@@ -282,7 +282,7 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
     plan without new requests (the hit would pass the check, then fail half-applied)."""
     from vllm_actors.actors.kv_cache_manager import KVCacheManager
     from vllm_actors.prefix_cache import block_hash
-    from vllm_actors.protocol.messages import NewRequest
+    from vllm_actors.protocol.messages import NewRequest, pack_token_ids
 
     manager = KVCacheManager(num_blocks=8, block_size=4)
     tokens = list(range(1, 10))  # two full blocks and one token
@@ -291,7 +291,7 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
     params = SamplingParams(max_tokens=1)
 
     def new(request_id: str, cached: int, last: int) -> NewRequest:
-        return NewRequest(request_id=request_id, token_ids=tokens, num_prompt_tokens=9, num_output_tokens=0,
+        return NewRequest(request_id=request_id, token_ids=pack_token_ids(tokens), num_prompt_tokens=9, num_output_tokens=0,
                           params=params, eos_token_ids=[0], num_cached_tokens=cached, cached_block_hash=last)
 
     plans = [

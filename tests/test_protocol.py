@@ -69,3 +69,14 @@ def test_bookkeeping_actors_import_no_torch_and_no_zmq() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_token_ids_pack_as_little_endian_int32_and_round_trip() -> None:
+    from vllm_actors.protocol.messages import pack_token_ids, unpack_token_ids
+
+    ids = [0, 1, 151_935, 2**31 - 1]
+    packed = pack_token_ids(ids)
+    assert packed == b"".join(i.to_bytes(4, "little") for i in ids)
+    assert unpack_token_ids(packed) == ids
+    with pytest.raises(ValueError, match="4 bytes"):
+        unpack_token_ids(packed[:-1])

@@ -181,7 +181,7 @@ class KVCacheManager:
             if new is not None:
                 if request_id in self.block_tables and request_id not in departing:
                     raise ValueError(f"new request {request_id!r} already has a block table")
-                if new.num_cached_tokens % self.block_size or not 0 <= new.num_cached_tokens < len(new.token_ids):
+                if new.num_cached_tokens % self.block_size or not 0 <= new.num_cached_tokens < new.num_tokens:
                     raise ValueError(f"new request {request_id!r} has a bad num_cached_tokens")
                 held = new.num_cached_tokens // self.block_size
                 front = held

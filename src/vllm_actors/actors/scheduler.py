@@ -46,10 +46,12 @@ from vllm_actors.protocol.messages import (
     RequestUpdates,
     StepPlan,
     StepResult,
+    pack_token_ids,
 )
 from vllm_actors.protocol.sampling import SamplingParams
 
 KV_CACHE_MANAGER = "kv_cache_manager"
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32 (the frontend checks the vocabulary)
 FRONTEND = "frontend"
 BUS = "bus"
 
@@ -73,6 +75,7 @@ class ScheduledRequest:
     in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
     num_preemptions: int = 0
     num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
+    packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +168,7 @@ class Scheduler:
             params=message.params,
             eos_token_ids=list(message.eos_token_ids),
             arrival_time=message.arrival_time,
+            packed_prompt=pack_token_ids(message.prompt_token_ids),
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -182,6 +186,8 @@ class Scheduler:
                 f"the prompt has {num_prompt} tokens, more than max_model_len "
                 f"({self.config.max_model_len})"
             )
+        if min(message.prompt_token_ids) < 0 or max(message.prompt_token_ids) > MAX_TOKEN_ID:
+            return f"prompt token ids must lie in [0, {MAX_TOKEN_ID}]"
         return None
 
     def _finish(self, request_id: str) -> None:
@@ -456,7 +462,7 @@ class Scheduler:
         request.in_worker = True
         return NewRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids,
+            token_ids=request.packed_prompt + pack_token_ids(request.output_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=len(request.output_token_ids),
             params=request.params,

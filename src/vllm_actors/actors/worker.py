@@ -102,7 +102,10 @@ class Worker:
             for request_id, request in self.requests.items()
             if request_id not in plan.finished_ids
         }
-        computed.update({new.request_id: (new.num_cached_tokens, len(new.token_ids)) for new in plan.new_requests})
+        for new in plan.new_requests:
+            if len(new.token_ids) % 4:
+                raise ValueError(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
+        computed.update({new.request_id: (new.num_cached_tokens, new.num_tokens) for new in plan.new_requests})
         num_blocks = getattr(self.runner, "num_blocks", None)
         for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
             if request_id not in computed:
@@ -128,7 +131,7 @@ class Worker:
         self._drop(new.request_id)
         self.requests[new.request_id] = WorkerRequest(
             request_id=new.request_id,
-            token_ids=list(new.token_ids),
+            token_ids=new.token_list(),
             num_prompt_tokens=new.num_prompt_tokens,
             num_output_tokens=new.num_output_tokens,
             params=new.params,

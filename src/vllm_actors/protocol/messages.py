@@ -17,6 +17,10 @@ Every message is a tagged msgspec Struct; ``Message`` is their union, decoded st
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
+
 import msgspec
 
 from vllm_actors.protocol.sampling import SamplingParams
@@ -46,11 +50,32 @@ class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
     reason: str = "abort"
 
 
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the wire carries them in bulk: little-endian int32, packed (a copy in C, where
+    a msgpack list costs a Python int per token to encode and to decode)."""
+    packed = array("i", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError(f"packed token ids take 4 bytes each, got {len(data)} bytes")
+    unpacked = array("i")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
 class NewRequest(msgspec.Struct, kw_only=True):
     """A request entering the worker, fresh or resumed after a preemption (recompute)."""
 
     request_id: str
-    token_ids: list[int]  # every known token: the prompt, plus the outputs when resuming
+    # Every known token (the prompt, plus the outputs when resuming), packed: ``pack_token_ids``.
+    # Plans admitting many long prompts would otherwise spend most of their hop in msgpack.
+    token_ids: bytes
     num_prompt_tokens: int
     num_output_tokens: int  # outputs produced before a preemption (for min_tokens and seeds)
     params: SamplingParams
@@ -59,6 +84,13 @@ class NewRequest(msgspec.Struct, kw_only=True):
     # KV-cache manager puts those blocks first in the request's table and the worker starts there.
     num_cached_tokens: int = 0
     cached_block_hash: int = 0  # the hash of the hit's last block: the KV manager walks back from it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // 4
+
+    def token_list(self) -> list[int]:
+        return unpack_token_ids(self.token_ids)
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
