@@ -447,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
                           help="chat: conversations active at a time")
     workload.add_argument("--turns", type=int, default=DEFAULT_TURNS, help="chat: turns per conversation")
+    workload.add_argument("--off-first", action="store_true",
+                          help="run caching off before caching on (to see whether the order matters)")
     workload.add_argument("--warmup-requests", type=int, default=DEFAULT_WARMUP_REQUESTS,
                           help="unrelated requests before each timed run, each extending the previous "
                                "prompt (from 2 on, the path reusing cached blocks is warm too)")
@@ -511,11 +513,12 @@ def _config_record(args: argparse.Namespace, load_format: str, max_model_len: in
 # --------------------------------------------------------------------------- main
 async def run_all(args: argparse.Namespace, options: EngineOptions, workloads: Sequence[Workload],
                   report: PrefixReport, out_json: Path) -> bool:
-    """Every workload with caching on, then off; a failed run is recorded and the others go on.
-    False when any run failed."""
+    """Every workload with caching on and off (``--off-first``: off, then on); a failed run is
+    recorded and the others go on. False when any run failed."""
     ok = True
+    order = (False, True) if args.off_first else (True, False)
     for workload in workloads:
-        for prefix_caching in (True, False):
+        for prefix_caching in order:
             try:
                 report.add(await measure_run(options, workload, prefix_caching, args.warmup_requests, args.seed))
             except Exception as exc:
