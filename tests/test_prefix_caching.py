@@ -121,8 +121,8 @@ def test_a_request_admitted_later_in_the_same_pass_hits_blocks_planned_before_it
     plan = next(m for _, m in out if isinstance(m, StepPlan))
     hits = {new.request_id: new.num_cached_tokens for new in plan.new_requests}
     assert hits == {"b": 0, "c": 24}
-    b, c = plan.req_ids.index("b"), plan.req_ids.index("c")
-    assert len(plan.cached_hashes[b]) == 6 and plan.cached_hashes[c] == []  # c's 6 full blocks are b's
+    c = plan.req_ids.index("c")
+    assert len(plan.cached_hashes["b"]) == 6 and "c" not in plan.cached_hashes  # c's 6 full blocks are b's
     assert plan.num_tokens[c] == 2
 
 
@@ -296,16 +296,16 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
 
     plans = [
         StepPlan(step_id=0, new_requests=[new("a", 0, 0)], req_ids=["a"], num_tokens=[9], num_blocks=[3],
-                 cached_hashes=[[first, second]]),
+                 cached_hashes={"a": [first, second]}),
         StepPlan(step_id=1, new_requests=[new("b", 8, second)], finished_ids=["a"], req_ids=["b"],
-                 num_tokens=[1], num_blocks=[3], cached_hashes=[[]]),
+                 num_tokens=[1], num_blocks=[3]),
         StepPlan(step_id=2, finished_ids=["b"], evicted_hashes=[second, first]),
     ]
     for plan in plans:
         manager.assign_blocks(plan)
         manager.check_invariants()
     stale = StepPlan(step_id=3, new_requests=[new("c", 8, second)], req_ids=["c"], num_tokens=[1],
-                     num_blocks=[3], cached_hashes=[[]])
+                     num_blocks=[3])
     with pytest.raises(ValueError, match="not cached"):
         manager.assign_blocks(stale)
     manager.check_invariants()

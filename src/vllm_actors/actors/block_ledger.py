@@ -18,6 +18,7 @@ Pure bookkeeping: no I/O, no clock, no torch.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +68,14 @@ class BlockLedger:
     def num_cached_blocks(self, request_id: str) -> int:
         holding = self._holdings.get(request_id)
         return len(holding.cached) if holding else 0
+
+    def next_cache_check(self, request_id: str) -> int:
+        """Computed tokens from which ``cache_blocks`` could cache another block of the request
+        (one more full block than its cached front); never again once it stopped."""
+        holding = self._holdings[request_id]
+        if self.cache is None or holding.stopped:
+            return sys.maxsize
+        return (len(holding.cached) + 1) * self.block_size
 
     def cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
         """Blocks a lookup of ``token_ids`` would hit now, without touching the LRU order."""

@@ -127,8 +127,9 @@ class KVCacheManager:
             new_block_ids.append(hit + added if hit else added)
             if added:
                 events.append(Allocated(request_id=request_id, block_ids=added, num_free_blocks=self.pool.num_free))
-            if plan.cached_hashes and plan.cached_hashes[index]:
-                self._cache(request_id, plan.cached_hashes[index], events)
+            hashes = plan.cached_hashes.get(request_id)
+            if hashes:
+                self._cache(request_id, hashes, events)
         self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
 
@@ -137,8 +138,8 @@ class KVCacheManager:
         requests by id and the hash chains of their cache hits."""
         if len(plan.req_ids) != len(plan.num_blocks):
             raise ValueError("req_ids and num_blocks differ in length")
-        if plan.cached_hashes and len(plan.cached_hashes) != len(plan.req_ids):
-            raise ValueError("cached_hashes and req_ids differ in length")
+        if not set(plan.cached_hashes) <= set(plan.req_ids):
+            raise ValueError("cached_hashes names a request that is not scheduled")
         if len(set(plan.req_ids)) != len(plan.req_ids):
             raise ValueError("a request is scheduled twice")
         new_requests = {new.request_id: new for new in plan.new_requests}
@@ -200,7 +201,7 @@ class KVCacheManager:
                 held = len(self.block_tables[request_id])
                 front = self.num_cached_front.get(request_id, 0)
                 parent = self.hash_of[self.block_tables[request_id][front - 1]] if front else ROOT_HASH
-            hashes = plan.cached_hashes[index] if plan.cached_hashes else []
+            hashes = plan.cached_hashes.get(request_id, [])
             if front + len(hashes) > max(wanted, held):
                 raise ValueError(f"plan caches more blocks of {request_id!r} than it holds")
             if any(parent_of(h) is not None for h in hashes) or len(set(hashes)) != len(hashes):

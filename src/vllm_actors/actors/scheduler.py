@@ -76,6 +76,9 @@ class ScheduledRequest:
     num_preemptions: int = 0
     num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
     packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
+    # Computed tokens at which its next full block could be cached: below it, a step asks the
+    # ledger nothing (most decode steps complete no block).
+    cache_check_at: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -345,17 +348,19 @@ class Scheduler:
         tokens hit, hash of the hit's last block)."""
         if not self._looks_up(request):
             self.ledger.admit(request.request_id, None)
+            request.cache_check_at = self.ledger.next_cache_check(request.request_id)
             return 0, 0, 0
         tokens = request.all_token_ids
         num_blocks, last_hash = self.ledger.admit(request.request_id, tokens)
         request.num_computed_tokens = num_blocks * self.config.block_size
+        request.cache_check_at = self.ledger.next_cache_check(request.request_id)
         return len(tokens), request.num_computed_tokens, last_hash
 
     def _schedule(self) -> tuple[StepPlan, list[str]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[ScheduledRequest, int]] = []
         new_requests: list[NewRequest] = []
-        cached: dict[str, list[int]] = {}  # hashes of the blocks each scheduled request caches
+        cached: dict[str, list[int]] = {}  # hashes of the blocks scheduled requests cache this step
         preempted_now = False
 
         index = 0
@@ -374,7 +379,7 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            cached[request.request_id] = self._allocate(request, num_new, needed)
+            self._allocate(request, num_new, needed, cached)
             scheduled.append((request, num_new))
             budget -= num_new
             index += 1
@@ -408,7 +413,7 @@ class Scheduler:
                 )
             )
             # Cached now, so that a request admitted later in this pass already hits them.
-            cached[request.request_id] = self._allocate(request, num_new, needed)
+            self._allocate(request, num_new, needed, cached)
             new_requests.append(self._new_request(request, num_hit, hit_hash))
             scheduled.append((request, num_new))
             budget -= num_new
@@ -442,21 +447,24 @@ class Scheduler:
             num_tokens=[num_new for _, num_new in scheduled],
             num_blocks=[self.ledger.num_blocks(request.request_id) for request, _ in scheduled],
             evicted_hashes=self.ledger.take_evicted(),
-            cached_hashes=[cached[request.request_id] for request, _ in scheduled] if self.ledger.cache else [],
+            cached_hashes=cached,
         )
         self._departed = []
         return plan, sampling_ids
 
-    def _allocate(self, request: ScheduledRequest, num_new: int, needed: int) -> list[int]:
+    def _allocate(self, request: ScheduledRequest, num_new: int, needed: int, cached: dict[str, list[int]]) -> None:
         """Give the request ``needed`` more blocks for ``num_new`` tokens this step, then cache
         its full blocks whose KV this step (or an earlier one) writes and whose tokens are known
-        (a decode step's input may still be in flight: cached in a later pass). Returns the
-        hashes of the blocks newly cached, for the KV-cache manager."""
+        (a decode step's input may still be in flight: cached in a later pass); their hashes go
+        into ``cached`` for the KV-cache manager."""
         self.ledger.allocate(request.request_id, needed)
-        if self.ledger.cache is None:
-            return []
         computed = min(request.num_computed_tokens + num_new, request.num_tokens)
-        return self.ledger.cache_blocks(request.request_id, computed // self.config.block_size, request.token_slice)
+        if self.ledger.cache is None or computed < request.cache_check_at:
+            return
+        hashes = self.ledger.cache_blocks(request.request_id, computed // self.config.block_size, request.token_slice)
+        request.cache_check_at = self.ledger.next_cache_check(request.request_id)
+        if hashes:
+            cached[request.request_id] = hashes
 
     def _new_request(self, request: ScheduledRequest, num_hit: int, hit_hash: int) -> NewRequest:
         request.in_worker = True

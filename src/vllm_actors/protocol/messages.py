@@ -108,7 +108,7 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # order, take its cache hit (a new request), append its blocks, and cache the blocks listed
     # for it: the hashes of the table's blocks right after its cached front, in order.
     evicted_hashes: list[int] = []
-    cached_hashes: list[list[int]] = []  # aligned with req_ids; empty when caching is off
+    cached_hashes: dict[str, list[int]] = {}  # request id -> hashes; only requests caching blocks
     # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
     new_block_ids: list[list[int]] = []
 
