@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", type=int, default=4096)
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the timed run")
+    model.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="turn prefix caching off (the workload's random prompts share nothing)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload and engine seed")
 
@@ -324,6 +326,8 @@ def _make_llm(args: argparse.Namespace, model_path: str, load_format: str, enfor
         "enforce_eager": enforce_eager, "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
     }
+    if not args.enable_prefix_caching:
+        engine_args["enable_prefix_caching"] = False
     if load_format != "auto":
         engine_args["load_format"] = load_format  # only passed when needed: older engines lack the argument
     log.info("starting the engine", model=model_path, enforce_eager=enforce_eager, load_format=load_format)
