@@ -38,9 +38,11 @@ def _timed(store: dict[str, list[float]], name: str, function):  # noqa: ANN001,
     return wrapper
 
 
-def profile(batch_size: int, enforce_eager: bool, model_dir: str, steps: int) -> dict[str, object]:
+def profile(batch_size: int, enforce_eager: bool, model_dir: str, steps: int,
+            prefix_caching: bool = True) -> dict[str, object]:
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                          max_model_len=4096, enforce_eager=enforce_eager, gpu_memory_utilization=0.6)
+                          max_model_len=4096, enforce_eager=enforce_eager, gpu_memory_utilization=0.6,
+                          enable_prefix_caching=prefix_caching)
     engine = InProcessEngine(config, tokenizer=None)
     runner = engine.worker.runner
     times: dict[str, list[float]] = defaultdict(list)
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
     parser.add_argument("--eager-only", action="store_true",
                         help="only without CUDA graphs (two engines in one process do not fit in memory)")
+    parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     parser.add_argument("--out", default="results/profile.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             modes = [True] if args.eager_only else [False, True] if args.eager else [False]
             for eager in modes:
-                result = profile(batch_size, eager, folder, args.steps)
+                result = profile(batch_size, eager, folder, args.steps, args.prefix_caching)
                 results.append(result)
                 sys.stdout.write(f"\n=== batch {batch_size} eager={eager}: {result['wall_ms_per_step']:.2f} ms/step\n")
                 for name, value in result["phases_ms_median"].items():
