@@ -333,8 +333,8 @@ class MetricsStore:
             Aborted: self._on_aborted,
             Allocated: self._on_allocated,
             Freed: self._on_freed,
-            PrefixHit: self._on_prefix_hit,
-            BlockCached: self._on_block_cached,
+            PrefixHit: self._on_request_block_event,
+            BlockCached: self._on_request_block_event,
             BlockEvicted: self._on_block_evicted,
             KvPool: self._on_kv_pool,
             StepStarted: self._ignore,
@@ -629,12 +629,9 @@ class MetricsStore:
         pool.in_use -= count
         pool.free = max(event.num_free_blocks, 0)
 
-    def _on_prefix_hit(self, actor: str, seq: int, mono: float, wall: float, event: PrefixHit) -> None:
-        record = self._find(event.request_id)
-        if record is not None:
-            self._add_entry(record, actor, seq, mono, wall, event)
-
-    def _on_block_cached(self, actor: str, seq: int, mono: float, wall: float, event: BlockCached) -> None:
+    def _on_request_block_event(self, actor: str, seq: int, mono: float, wall: float,
+                                event: PrefixHit | BlockCached) -> None:
+        """A cache event of one request goes on its timeline (it never opens a record)."""
         record = self._find(event.request_id)
         if record is not None:
             self._add_entry(record, actor, seq, mono, wall, event)
