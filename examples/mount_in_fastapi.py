@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from vllm_actors import SamplingParams
-from vllm_actors.async_client import AsyncEngineClient
+from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server import build_app
 
 

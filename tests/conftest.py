@@ -50,7 +50,7 @@ def _kv_invariants_after_each_test():
     """After every test: each live in-process engine with nothing unfinished has handed every KV
     block back (free + in use = total, no block held for a finished request)."""
     yield
-    from vllm_actors.engine import InProcessEngine
+    from vllm_actors.clients.inprocess import InProcessEngine
 
     for engine in list(InProcessEngine.live):
         if not engine.has_unfinished:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_actors.model_runner import BatchInput
+from vllm_actors.actors.worker.model_runner import BatchInput
 
 
 @dataclass

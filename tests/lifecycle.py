@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.events import EventBatch, Tokens, event_type
-from vllm_actors.tap_format import EVENT_GROUPS
+from vllm_actors.observe.tap_format import EVENT_GROUPS
 
 TERMINAL = {"FINISHED", "ABORTED"}
 

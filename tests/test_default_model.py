@@ -26,7 +26,7 @@ def llm(default_gguf_path: str):
 
 
 def test_default_model_is_the_embedded_gguf(llm: LLM, default_gguf_path: str) -> None:
-    from vllm_actors.model_config import ModelConfig
+    from vllm_actors.models.config import ModelConfig
 
     assert llm.config.model == default_gguf_path
     config = ModelConfig.from_path(llm.config.model)

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from vllm_actors.detokenizer import IncrementalDetokenizer
-from vllm_actors.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
+from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
 
 UNICODE_TEXTS = [
     "Hello world! 12345 and 3.14159.",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fake_runner import FakeRunner
 from lifecycle import check_against_outputs, check_sequences, check_story, request_stories
-from vllm_actors.config import EngineConfig
-from vllm_actors.engine import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.events import EventBatch, event_type
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.tap_format import EVENT_GROUPS
+from vllm_actors.observe.tap_format import EVENT_GROUPS
 from test_scheduler import random_prompts
 
 

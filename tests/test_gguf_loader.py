@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import PagedRunner, build_gguf
 
-from vllm_actors.model_config import ModelConfig, read_gguf_header
+from vllm_actors.models.config import ModelConfig, read_gguf_header
 from vllm_actors.models.hf_loader import load_hf_state_dict
 from vllm_actors.models.gguf_loader import hf_tensor_name, load_gguf_state_dict, unpermute_qk
 from vllm_actors.models.llama import CausalLM

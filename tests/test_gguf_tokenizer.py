@@ -18,9 +18,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from vllm_actors.chat_template import MissingChatTemplateError
-from vllm_actors.gguf_tokenizer import GGUFTokenType, load_gguf_tokenizer, tokenizer_from_gguf_metadata
-from vllm_actors.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.actors.frontend.chat_template import MissingChatTemplateError
+from vllm_actors.actors.frontend.gguf_tokenizer import GGUFTokenType, load_gguf_tokenizer, tokenizer_from_gguf_metadata
+from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
 
 # Hand-picked strings: every one must encode exactly as transformers does.
 SAME_STRINGS = [

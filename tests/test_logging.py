@@ -8,7 +8,7 @@ import sys
 import pytest
 import structlog
 
-from vllm_actors.log_setup import configure_logging
+from vllm_actors.runtime.log_setup import configure_logging
 
 
 def test_logging_follows_a_replaced_and_closed_stderr(monkeypatch: pytest.MonkeyPatch) -> None:

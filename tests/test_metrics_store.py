@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_actors.actors.metrics_store import MetricsStore, RequestState, Samples, elapsed
-from vllm_actors.metrics_text import summary_text
-from vllm_actors.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.actors.metrics_store.store import MetricsStore, RequestState, Samples, elapsed
+from vllm_actors.observe.stats_text import summary_text
+from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,

@@ -10,7 +10,7 @@ import torch
 from tiny_models import PagedRunner, build_checkpoint
 from tokenizers import Tokenizer
 
-from vllm_actors.model_config import ModelConfig
+from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.hf_loader import load_hf_state_dict, safetensors_files
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.loader import load_model

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vllm_actors.prefix_cache import ROOT_HASH, CachedBlock, PrefixCache, block_hash
+from vllm_actors.actors.scheduler.prefix_cache import ROOT_HASH, CachedBlock, PrefixCache, block_hash
 
 BS = 4
 

@@ -23,9 +23,9 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch, event_type
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.metrics import SeenQuery
-from vllm_actors.supervisor import ActorStartError, ProcessGroup
-from vllm_actors.tap_format import EVENT_GROUPS
-from vllm_actors.config import EngineConfig
+from vllm_actors.runtime.supervisor import ActorStartError, ProcessGroup
+from vllm_actors.observe.tap_format import EVENT_GROUPS
+from vllm_actors.protocol.config import EngineConfig
 
 ENGINE_ACTORS = ("worker-0", "kv_cache_manager", "scheduler")
 
@@ -205,8 +205,8 @@ def test_start_failure_names_the_actor_and_leaves_nothing(tmp_path: Path) -> Non
 
 SUPERVISOR_SCRIPT = """
 import json, os, sys, time
-from vllm_actors.config import EngineConfig
-from vllm_actors.supervisor import ProcessGroup
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runtime.supervisor import ProcessGroup
 group = ProcessGroup(EngineConfig(model=sys.argv[1], num_gpu_blocks_override=16)).start()
 print(json.dumps({"pids": list(group.pids().values()), "run_dir": str(group.run_dir)}), flush=True)
 if sys.argv[2] == "exit":
@@ -285,7 +285,7 @@ def test_taps_and_stats_from_the_command_line(llm: LLM, tmp_path: Path) -> None:
 
 
 def test_a_dead_worker_fails_generate_instead_of_hanging(tiny_qwen3: Path) -> None:
-    from vllm_actors.supervisor import ActorDiedError
+    from vllm_actors.runtime.supervisor import ActorDiedError
 
     with LLM(str(tiny_qwen3), num_gpu_blocks_override=32) as doomed:
         worker = next(c for c in doomed.group.children if c.actor_id == "worker-0")
@@ -296,7 +296,7 @@ def test_a_dead_worker_fails_generate_instead_of_hanging(tiny_qwen3: Path) -> No
 
 
 def test_a_group_on_tcp_endpoints(tiny_qwen3: Path) -> None:
-    from vllm_actors.client import EngineClient
+    from vllm_actors.clients.sync_client import EngineClient
 
     config = EngineConfig(model=str(tiny_qwen3), num_gpu_blocks_override=32)
     with ProcessGroup(config, tcp_host="127.0.0.1") as group:

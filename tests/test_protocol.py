@@ -60,12 +60,12 @@ def test_protocol_imports_nothing_of_the_project_but_itself() -> None:
 
 
 def test_bookkeeping_actors_import_no_torch_and_no_zmq() -> None:
-    for name in ("scheduler.py", "kv_cache_manager.py", "frontend.py"):
+    for name in ("scheduler/scheduler.py", "kv_cache_manager/manager.py", "frontend/frontend.py"):
         imported = _imports(PACKAGE / "actors" / name)
         assert not {"torch", "zmq"} & {module.split(".")[0] for module in imported}, name
     code = (
-        "import sys, vllm_actors, vllm_actors.actors.scheduler, vllm_actors.actors.kv_cache_manager, "
-        "vllm_actors.actors.frontend, vllm_actors.config; print('torch' in sys.modules)"
+        "import sys, vllm_actors, vllm_actors.actors.scheduler.scheduler, vllm_actors.actors.kv_cache_manager.manager, "
+        "vllm_actors.actors.frontend.frontend, vllm_actors.protocol.config; print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

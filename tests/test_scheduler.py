@@ -7,8 +7,8 @@ import random
 import pytest
 
 from fake_runner import FakeRunner
-from vllm_actors.config import EngineConfig
-from vllm_actors.engine import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -176,7 +176,7 @@ def test_out_of_vocabulary_token_is_rejected() -> None:
 
 
 def test_a_raw_add_request_with_token_ids_beyond_int32_gets_an_error_and_the_scheduler_goes_on() -> None:
-    from vllm_actors.actors.scheduler import FRONTEND, Scheduler
+    from vllm_actors.actors.scheduler.scheduler import FRONTEND, Scheduler
     from vllm_actors.protocol.messages import AddRequest, RequestUpdates
 
     engine, _ = make_engine(num_blocks=50)

@@ -21,9 +21,9 @@ import pytest
 from server_helpers import BusRecorder, child_pids, free_port, gone, start_server, stop_process, tail, wait_healthy
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.protocol.metrics import SummaryQuery, TimelineQuery
-from vllm_actors.run_dir import GroupInfo, read_group_info
-from vllm_actors.tap_format import EVENT_GROUPS
-from vllm_actors.tap import query_metrics
+from vllm_actors.runtime.run_dir import GroupInfo, read_group_info
+from vllm_actors.observe.tap_format import EVENT_GROUPS
+from vllm_actors.observe.tap import query_metrics
 
 MODEL_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 256

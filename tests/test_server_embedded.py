@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from server_helpers import free_port, stop_process, tail
 from vllm_actors import SamplingParams
-from vllm_actors.async_client import AsyncEngineClient
+from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server import build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -29,7 +29,7 @@ from vllm_actors.protocol.events import (
     event_type,
 )
 from vllm_actors.protocol.metrics import parse_event_json_line
-from vllm_actors.tap_format import (
+from vllm_actors.observe.tap_format import (
     EVENT_GROUPS,
     GapTracker,
     TapFilter,

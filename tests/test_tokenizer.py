@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from vllm_actors.chat_template import ChatTemplateError, MissingChatTemplateError, render_chat_template
-from vllm_actors.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.actors.frontend.chat_template import ChatTemplateError, MissingChatTemplateError, render_chat_template
+from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
 
 CHATML = (
     "{% for message in messages %}"
@@ -277,8 +277,8 @@ def test_bad_paths(tmp_path: Path) -> None:
 def test_text_layer_does_not_import_torch_or_transformers(chatml_dir: Path, default_gguf_path: str) -> None:
     code = (
         "import sys\n"
-        "from vllm_actors.tokenizer import load_tokenizer\n"
-        "from vllm_actors.detokenizer import IncrementalDetokenizer\n"
+        "from vllm_actors.actors.frontend.tokenizer import load_tokenizer\n"
+        "from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer\n"
         f"for path in ({str(chatml_dir)!r}, {default_gguf_path!r}):\n"
         "    tok = load_tokenizer(path)\n"
         "    d = IncrementalDetokenizer(tok, tok.encode('hi'), stop=['x'])\n"

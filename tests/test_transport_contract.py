@@ -10,8 +10,8 @@ import zmq
 
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.transport import InMemoryNetwork
-from vllm_actors.zmq_shell import ZmqEndpoint
+from vllm_actors.runtime.transport import InMemoryNetwork
+from vllm_actors.runtime.zmq_shell import ZmqEndpoint
 
 NAMES = ("a", "b", "c")
 MESSAGES = [

@@ -111,8 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tap(args: argparse.Namespace) -> int:
-    from vllm_actors.tap import locate_group, run_tap
-    from vllm_actors.tap_format import TapFilter
+    from vllm_actors.observe.tap import locate_group, run_tap
+    from vllm_actors.observe.tap_format import TapFilter
 
     address = args.address or locate_group(args.run_dir).addresses.bus_out
     tap_filter = TapFilter(
@@ -129,9 +129,9 @@ def _tap(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import msgspec
 
-    from vllm_actors.metrics_text import summary_text
+    from vllm_actors.observe.stats_text import summary_text
     from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
-    from vllm_actors.tap import locate_group, query_metrics, stats_query
+    from vllm_actors.observe.tap import locate_group, query_metrics, stats_query
 
     address = args.address or locate_group(args.run_dir).addresses.metrics
     reply = query_metrics(address, stats_query(args.timeline, args.dump))
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from vllm_actors.log_setup import configure_logging
+    from vllm_actors.runtime.log_setup import configure_logging
 
     configure_logging()
     args = build_parser().parse_args(argv)

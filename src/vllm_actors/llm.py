@@ -9,8 +9,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_actors.config import EngineConfig
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.metrics import SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -48,20 +48,20 @@ class LLM:
         self._group = None
         self._ids = itertools.count()
         if executor == "inprocess":
-            from vllm_actors.engine import InProcessEngine
+            from vllm_actors.clients.inprocess import InProcessEngine
 
             self._engine: Any = InProcessEngine(self.config)
             self._tokenizer = self._engine.tokenizer
             return
-        from vllm_actors.client import EngineClient
-        from vllm_actors.supervisor import ProcessGroup
+        from vllm_actors.clients.sync_client import EngineClient
+        from vllm_actors.runtime.supervisor import ProcessGroup
 
         check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
         self._group = ProcessGroup(self.config, check_invariants=check).start()
         try:
             self._tokenizer = None
             if self._group.info.tokenizer is not None:
-                from vllm_actors.tokenizer import load_tokenizer
+                from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self._group.info.tokenizer)
             self._engine = EngineClient(self._group.info, self._tokenizer)

@@ -62,7 +62,7 @@ from vllm_actors.bench.prefix_workloads import (
 )
 
 if TYPE_CHECKING:
-    from vllm_actors.async_client import AsyncEngineClient
+    from vllm_actors.clients.async_client import AsyncEngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -215,7 +215,7 @@ class EngineOptions:
 
 
 async def start_engine(options: EngineOptions, prefix_caching: bool) -> AsyncEngineClient:
-    from vllm_actors.async_client import AsyncEngineClient
+    from vllm_actors.clients.async_client import AsyncEngineClient
 
     log.info("starting the engine", model=options.model, enable_prefix_caching=prefix_caching)
     started = time.perf_counter()
@@ -531,7 +531,7 @@ async def run_all(args: argparse.Namespace, options: EngineOptions, workloads: S
 
 def run(args: argparse.Namespace) -> tuple[PrefixReport, int]:
     """Every run, then the JSON and the plot; returns the report and the exit status (1: a run failed)."""
-    from vllm_actors.model_config import ModelConfig
+    from vllm_actors.models.config import ModelConfig
 
     started = time.perf_counter()
     out_dir = Path(args.out)
@@ -558,7 +558,7 @@ def run(args: argparse.Namespace) -> tuple[PrefixReport, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from vllm_actors.log_setup import configure_logging
+    from vllm_actors.runtime.log_setup import configure_logging
 
     configure_logging(args.log_level)
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from vllm_actors.async_client import AsyncEngineClient
+    from vllm_actors.clients.async_client import AsyncEngineClient
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from vllm_actors.bench.throughput import QWEN3_0_6B_CONFIG
-from vllm_actors.config import EngineConfig
-from vllm_actors.engine import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.sampling import SamplingParams
 
 

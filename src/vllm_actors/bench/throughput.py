@@ -486,7 +486,7 @@ def _cuda_available() -> bool:
 
 
 def model_shape(model_path: str, dtype: str) -> ModelShape:
-    from vllm_actors.model_config import ModelConfig
+    from vllm_actors.models.config import ModelConfig
 
     config = ModelConfig.from_path(model_path)
     dtype_bytes = 4 if dtype in ("float32", "float") else 2
@@ -653,7 +653,7 @@ def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from vllm_actors.log_setup import configure_logging
+    from vllm_actors.runtime.log_setup import configure_logging
 
     configure_logging(args.log_level)
     report, status = run(args)

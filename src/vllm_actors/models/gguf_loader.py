@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from vllm_actors.model_config import GGUFHeader, GGUFTensorInfo, ModelConfig, read_gguf_header
+from vllm_actors.models.config import GGUFHeader, GGUFTensorInfo, ModelConfig, read_gguf_header
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.model_config import ModelConfig
+from vllm_actors.models.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

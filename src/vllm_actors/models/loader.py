@@ -8,7 +8,7 @@ import structlog
 import torch
 
 from vllm_actors.kernels.attention import get_attention_backend
-from vllm_actors.model_config import ModelConfig
+from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
 
 log = structlog.get_logger(__name__)

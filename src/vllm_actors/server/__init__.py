@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return build_app
     if name == "AsyncEngineClient":
-        from vllm_actors.async_client import AsyncEngineClient
+        from vllm_actors.clients.async_client import AsyncEngineClient
 
         return AsyncEngineClient
     raise AttributeError(f"module 'vllm_actors.server' has no attribute {name!r}")

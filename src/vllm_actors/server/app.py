@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from vllm_actors import __version__
-from vllm_actors.async_client import AsyncEngineClient
+from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers

@@ -9,10 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.actors.frontend import PreparedRequest
-from vllm_actors.async_client import RequestStream
-from vllm_actors.chat_template import ChatTemplateError
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.actors.frontend.frontend import PreparedRequest
+from vllm_actors.clients.async_client import RequestStream
+from vllm_actors.actors.frontend.chat_template import ChatTemplateError
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.sampling import MAX_LOGPROBS
 from vllm_actors.server.errors import OpenAIError, bad_request
 from vllm_actors.server.protocol import (

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.actors.frontend import PreparedRequest, PromptInput
-from vllm_actors.async_client import RequestStream
-from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.actors.frontend.frontend import PreparedRequest, PromptInput
+from vllm_actors.clients.async_client import RequestStream
+from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
 from vllm_actors.server.errors import OpenAIError, bad_request
 from vllm_actors.server.protocol import (
     CompletionChoice,

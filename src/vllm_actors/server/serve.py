@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 import uvicorn
 
-from vllm_actors.async_client import AsyncEngineClient, load_group_tokenizer
+from vllm_actors.clients.async_client import AsyncEngineClient, load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.serving import ServerState
 
@@ -43,7 +43,7 @@ class _Stop:
 
 def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from vllm_actors.llm import make_engine_config
-    from vllm_actors.supervisor import ProcessGroup
+    from vllm_actors.runtime.supervisor import ProcessGroup
 
     model = args.model_tag or args.model
     if args.model_tag and args.model and args.model_tag != args.model:

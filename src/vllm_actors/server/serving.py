@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from vllm_actors.actors.frontend import PreparedRequest, PromptInput
-from vllm_actors.async_client import AsyncEngineClient, RequestStream
-from vllm_actors.outputs import PositionLogprobs, RequestOutput
+from vllm_actors.actors.frontend.frontend import PreparedRequest, PromptInput
+from vllm_actors.clients.async_client import AsyncEngineClient, RequestStream
+from vllm_actors.actors.frontend.outputs import PositionLogprobs, RequestOutput
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.server.errors import OpenAIError, bad_request, error_body, from_decode_error
 from vllm_actors.server.metrics import ServerMetrics

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from vllm_actors.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,

@@ -147,7 +147,7 @@ def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """Read the ``tokenizer.*`` metadata of a GGUF file and build its tokenizer."""
     # The shared GGUF header parser: plain struct/numpy, much faster than gguf.GGUFReader, which
     # builds a numpy view per token string (about 5 s for a 49k vocabulary on a small CPU).
-    from vllm_actors.model_config import read_gguf_header
+    from vllm_actors.models.config import read_gguf_header
 
     metadata = read_gguf_header(path).metadata
     log.debug("gguf_tokenizer_metadata_read", path=str(path))

@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_actors.block_tables import BlockTableArray
-from vllm_actors.model_runner import BatchInput
+from vllm_actors.actors.worker.block_tables import BlockTableArray
+from vllm_actors.actors.worker.model_runner import BatchInput
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.sampler import Sampler, SamplingRow, top_logprobs
+from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
 
 SCHEDULER = "scheduler"
 BUS = "bus"

@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_actors.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.transport import CLIENT
+from vllm_actors.runtime.transport import CLIENT
 
 if TYPE_CHECKING:
-    from vllm_actors.detokenizer import IncrementalDetokenizer
-    from vllm_actors.tokenizer import Tokenizer
+    from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
+    from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
 SCHEDULER = "scheduler"
 BUS = "bus"
@@ -169,7 +169,7 @@ class Frontend:
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        from vllm_actors.detokenizer import IncrementalDetokenizer
+        from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(
             self.tokenizer,

@@ -18,15 +18,15 @@ import msgspec
 import structlog
 import zmq
 
-from vllm_actors.actors.frontend import Frontend, PreparedRequest, PromptInput
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import RequestUpdates
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.run_dir import GroupInfo
-from vllm_actors.transport import route_frontend_outputs
-from vllm_actors.zmq_shell import EventPublisher
+from vllm_actors.runtime.run_dir import GroupInfo
+from vllm_actors.runtime.transport import route_frontend_outputs
+from vllm_actors.runtime.zmq_shell import EventPublisher
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_actors.prefix_cache import PrefixCache
+from vllm_actors.actors.scheduler.prefix_cache import PrefixCache
 
 
 class LedgerError(RuntimeError):

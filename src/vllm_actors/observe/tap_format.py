@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.metrics_store import parent_request_id
-from vllm_actors.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.actors.metrics_store.store import parent_request_id
+from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     ALL_EVENTS,
     REQUEST_EVENTS,

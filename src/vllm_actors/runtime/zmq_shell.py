@@ -23,7 +23,7 @@ import zmq
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
-from vllm_actors.transport import Actor, EventStamper, split_events
+from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 
 log = structlog.get_logger(__name__)
 

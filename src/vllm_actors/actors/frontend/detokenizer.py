@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from vllm_actors.tokenizer import Tokenizer
+from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

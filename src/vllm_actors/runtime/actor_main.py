@@ -1,4 +1,4 @@
-"""One actor process: ``python -m vllm_actors.actor_main SPEC_JSON``.
+"""One actor process: ``python -m vllm_actors.runtime.actor_main SPEC_JSON``.
 
 Started by the supervisor in a fresh interpreter. The contract with the supervisor:
 - stdin is a pipe from the supervisor; EOF on it means the supervisor is gone (even by SIGKILL),
@@ -23,12 +23,12 @@ import msgspec
 import structlog
 import zmq
 
-from vllm_actors.config import EngineConfig, SchedulerConfig
-from vllm_actors.log_setup import configure_logging
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
+from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.protocol.events import ActorCrashed, ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
-from vllm_actors.run_dir import GroupAddresses
-from vllm_actors.zmq_shell import EVENT_HWM, ActorShell, EventPublisher, wait_until_seen
+from vllm_actors.runtime.run_dir import GroupAddresses
+from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell, EventPublisher, wait_until_seen
 
 log = structlog.get_logger(__name__)
 
@@ -107,7 +107,7 @@ def run_bus(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> Non
 
 def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
     """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER."""
-    from vllm_actors.actors.metrics_store import MetricsStore
+    from vllm_actors.actors.metrics_store.store import MetricsStore
     from vllm_actors.protocol.metrics import MetricsCodec
 
     codec = MetricsCodec()
@@ -198,9 +198,9 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
     if spec.role == "worker":
         import torch
 
-        from vllm_actors.actors.worker import Worker
-        from vllm_actors.model_runner import ModelRunner
-        from vllm_actors.sampler import Sampler
+        from vllm_actors.actors.worker.worker import Worker
+        from vllm_actors.actors.worker.model_runner import ModelRunner
+        from vllm_actors.actors.worker.sampler import Sampler
 
         threads = os.environ.get("VLLM_ACTORS_WORKER_THREADS")
         if threads:
@@ -218,14 +218,14 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
         }
         return worker, {"scheduler": [addresses.scheduler]}, {StepPlan: frozenset({b"kv_cache_manager"})}, info
     if spec.role == "kv_cache_manager":
-        from vllm_actors.actors.kv_cache_manager import KVCacheManager
+        from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
         manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
         if spec.check_invariants:
             manager = _Checked(manager, manager.check_invariants)
         return manager, {"worker": list(addresses.workers)}, {StepPlan: frozenset({b"scheduler"})}, {}
     if spec.role == "scheduler":
-        from vllm_actors.actors.scheduler import Scheduler
+        from vllm_actors.actors.scheduler.scheduler import Scheduler
 
         if spec.scheduler is None:
             raise ValueError("the scheduler needs its SchedulerConfig")

@@ -5,7 +5,7 @@ workers come before the KV-cache manager and the scheduler (the design sketch li
 because the size of the KV pool is known only once a worker has loaded the model and measured
 the memory left; the scheduler comes last because it is the group's entry point.
 
-Each child is a fresh interpreter (``python -m vllm_actors.actor_main``), so a user's unguarded
+Each child is a fresh interpreter (``python -m vllm_actors.runtime.actor_main``), so a user's unguarded
 ``__main__`` is never imported again. Each reports READY on its stdout pipe (only once the metrics
 store has seen its events) and watches its stdin pipe: when the supervisor dies, even by SIGKILL,
 the pipe closes and the child exits. One object owns the processes, pipes and the run directory;
@@ -31,9 +31,9 @@ from typing import IO, Any
 import msgspec
 import structlog
 
-from vllm_actors.actor_main import ActorSpec
-from vllm_actors.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
-from vllm_actors.run_dir import GroupAddresses, GroupInfo, make_addresses, make_run_dir, write_group_info
+from vllm_actors.runtime.actor_main import ActorSpec
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo, make_addresses, make_run_dir, write_group_info
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +154,7 @@ class ProcessGroup:
         log_path = self.log_dir / f"{actor_id}.log"
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "vllm_actors.actor_main", msgspec.json.encode(spec).decode()],
+                [sys.executable, "-m", "vllm_actors.runtime.actor_main", msgspec.json.encode(spec).decode()],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,

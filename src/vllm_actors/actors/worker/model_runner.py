@@ -19,9 +19,9 @@ import numpy as np
 import structlog
 import torch
 
-from vllm_actors.config import EngineConfig, resolve_scheduler_config
+from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.kernels.attention import AttentionMetadata
-from vllm_actors.model_config import ModelConfig
+from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
 
 log = structlog.get_logger(__name__)

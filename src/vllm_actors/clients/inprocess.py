@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from vllm_actors.actors.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
-from vllm_actors.actors.kv_cache_manager import KVCacheManager
-from vllm_actors.actors.scheduler import Scheduler
-from vllm_actors.actors.worker import Worker
-from vllm_actors.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
-from vllm_actors.model_config import ModelConfig
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.actors.frontend.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
+from vllm_actors.actors.scheduler.scheduler import Scheduler
+from vllm_actors.actors.worker.worker import Worker
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.models.config import ModelConfig
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.messages import StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
-from vllm_actors.transport import EventStamper, InMemoryNetwork, route_frontend_outputs, split_events
+from vllm_actors.runtime.transport import EventStamper, InMemoryNetwork, route_frontend_outputs, split_events
 
 if TYPE_CHECKING:
-    from vllm_actors.tokenizer import Tokenizer
+    from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -46,16 +46,16 @@ class InProcessEngine:
     ) -> None:
         """``runner`` and ``tokenizer`` may be injected (tests); by default the model runner
         loads ``config.model`` and the tokenizer comes from the same path."""
-        from vllm_actors.sampler import Sampler  # torch lives behind these imports
+        from vllm_actors.actors.worker.sampler import Sampler  # torch lives behind these imports
 
         self.config = config
         if runner is None:
-            from vllm_actors.model_runner import ModelRunner
+            from vllm_actors.actors.worker.model_runner import ModelRunner
 
             runner = ModelRunner(config)
         self.model_config: ModelConfig = runner.model_config
         if tokenizer == "load":
-            from vllm_actors.tokenizer import load_tokenizer
+            from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.tokenizer: Tokenizer | None = tokenizer  # type: ignore[assignment]
@@ -80,7 +80,7 @@ class InProcessEngine:
         self._frontend_endpoint, _, self._frontend_stamper = self._actors[0]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
         # Subscribers of the in-process event bus: the metrics store, tests.
-        from vllm_actors.actors.metrics_store import MetricsStore
+        from vllm_actors.actors.metrics_store.store import MetricsStore
 
         self.metrics_store = MetricsStore()
         self.event_listeners: list[Callable[[EventBatch], None]] = [self.metrics_store.record]

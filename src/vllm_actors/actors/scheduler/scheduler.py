@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_actors.actors.block_ledger import BlockLedger
-from vllm_actors.config import SchedulerConfig
+from vllm_actors.actors.scheduler.block_ledger import BlockLedger
+from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import (
     Aborted,
     Finished,
