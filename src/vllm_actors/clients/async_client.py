@@ -52,6 +52,7 @@ from vllm_actors.protocol.metrics import (
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
 from vllm_actors.runtime.transport import route_frontend_outputs
+from vllm_actors.protocol.names import parent_request_id, worker_id
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -451,7 +452,7 @@ class AsyncEngineClient:
                     continue
                 for event in batch.events:
                     if isinstance(event, Queued | Scheduled):
-                        timing = self._timings.get(event.request_id.split("#", 1)[0])
+                        timing = self._timings.get(parent_request_id(event.request_id))
                         if timing is None:
                             continue
                         if isinstance(event, Queued):
@@ -523,7 +524,7 @@ class AsyncEngineClient:
             problems.setdefault("metrics", "not answering")
             return problems
         actors = reply.actors if isinstance(reply, SeenReply) else {}
-        expected = ["metrics", *(f"worker-{rank}" for rank in range(len(self.info.addresses.workers))),
+        expected = ["metrics", *(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
                     "kv_cache_manager", "scheduler"]
         for actor in expected:
             seen = actors.get(actor)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.metrics_store.store import parent_request_id
+from vllm_actors.protocol.names import parent_request_id
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     ALL_EVENTS,

@@ -28,6 +28,7 @@ from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.protocol.events import ActorCrashed, ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
 from vllm_actors.runtime.run_dir import GroupAddresses
+from vllm_actors.protocol.names import worker_id
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell, EventPublisher, wait_until_seen
 
 log = structlog.get_logger(__name__)
@@ -230,7 +231,7 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
         if spec.scheduler is None:
             raise ValueError("the scheduler needs its SchedulerConfig")
         # Clients may submit and abort; only rank 0 of the workers returns sampled tokens.
-        accepts = {AddRequest: None, AbortRequests: None, StepResult: frozenset({b"worker-0"})}
+        accepts = {AddRequest: None, AbortRequests: None, StepResult: frozenset({worker_id(0).encode()})}
         scheduler = Scheduler(spec.scheduler)
         peers = {"kv_cache_manager": [addresses.kv_cache_manager]}
         if spec.check_invariants:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_actors.protocol.names import worker_id
+
 GROUP_FILE = "group.json"
 
 
@@ -58,7 +60,7 @@ def _free_tcp_port(host: str) -> int:
 def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None) -> GroupAddresses:
     """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given."""
     names = ["bus_in", "bus_out", "metrics", "scheduler", "kv_cache_manager"] + [
-        f"worker-{rank}" for rank in range(num_workers)
+        worker_id(rank) for rank in range(num_workers)
     ]
     if tcp_host is None:
         endpoints = {name: f"ipc://{run_dir}/{name}" for name in names}
@@ -70,7 +72,7 @@ def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None)
         metrics=endpoints["metrics"],
         scheduler=endpoints["scheduler"],
         kv_cache_manager=endpoints["kv_cache_manager"],
-        workers=[endpoints[f"worker-{rank}"] for rank in range(num_workers)],
+        workers=[endpoints[worker_id(rank)] for rank in range(num_workers)],
     )
 
 

@@ -33,6 +33,7 @@ import structlog
 
 from vllm_actors.runtime.actor_main import ActorSpec
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.protocol.names import worker_id
 from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo, make_addresses, make_run_dir, write_group_info
 
 log = structlog.get_logger(__name__)
@@ -115,7 +116,7 @@ class ProcessGroup:
             self._start_child("bus", "bus")
             self._start_child("metrics", "metrics")
             for rank in range(self.config.tensor_parallel_size):
-                self.worker_info = self._start_child("worker", f"worker-{rank}", rank=rank)
+                self.worker_info = self._start_child("worker", worker_id(rank), rank=rank)
             num_blocks = int(self.worker_info["num_blocks"])
             self.scheduler_config = resolve_scheduler_config(
                 self.config, int(self.worker_info["max_position_embeddings"]), num_blocks

@@ -16,9 +16,8 @@ from typing import Any, Protocol
 
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.names import BUS, CLIENT
 
-BUS = "bus"
-CLIENT = "client"  # outputs for the process that holds the frontend (never on the wire)
 
 
 class Actor(Protocol):

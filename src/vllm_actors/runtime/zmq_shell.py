@@ -24,12 +24,12 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
+from vllm_actors.protocol.names import FRONTEND
 
 log = structlog.get_logger(__name__)
 
 EVENT_HWM = 100_000  # event batches queued per subscriber before the bus drops (a visible gap)
 COMMAND_HWM = 100_000
-FRONTEND = "frontend"
 
 # Which senders may send which message type to an actor; None means any sender (clients).
 AcceptRules = Mapping[type, frozenset[bytes] | None]

@@ -19,14 +19,12 @@ from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, Posit
 from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.transport import CLIENT
+from vllm_actors.protocol.names import BUS, CLIENT, SCHEDULER, child_request_id
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
-SCHEDULER = "scheduler"
-BUS = "bus"
 
 PromptInput = str | Mapping[str, Any]
 
@@ -123,7 +121,7 @@ class Frontend:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)
-            engine_id = request.request_id if params.n == 1 else f"{request.request_id}#{index}"
+            engine_id = request.request_id if params.n == 1 else child_request_id(request.request_id, index)
             child = _Child(engine_id, index, child_params, self._detokenizer(request.prompt_token_ids, child_params))
             if params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0

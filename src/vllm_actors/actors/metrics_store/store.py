@@ -67,6 +67,7 @@ from vllm_actors.protocol.events import (
     Tokens,
     event_type,
 )
+from vllm_actors.protocol.names import CHILD_SEPARATOR, parent_request_id
 from vllm_actors.protocol.metrics import (
     ActorSeen,
     DumpQuery,
@@ -90,16 +91,12 @@ from vllm_actors.protocol.metrics import (
 
 log = structlog.get_logger(__name__)
 
-CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
 MAX_EVENTS_PER_QUERY = 10_000
 # Over-long timelines drop their high-volume entries first; the rest get this much more room.
 _BULK_TYPES = (Allocated, PrefillChunk, BlockCached)
 _TIMELINE_RESERVE = 256
 
 
-def parent_request_id(request_id: str) -> str:
-    """"r#3" -> "r"; an id without the separator is its own parent."""
-    return request_id.rsplit(CHILD_SEPARATOR, 1)[0] if CHILD_SEPARATOR in request_id else request_id
 
 
 # --------------------------------------------------------------------------- samples

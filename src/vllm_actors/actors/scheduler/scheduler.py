@@ -49,11 +49,9 @@ from vllm_actors.protocol.messages import (
     pack_token_ids,
 )
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
 
-KV_CACHE_MANAGER = "kv_cache_manager"
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32 (the frontend checks the vocabulary)
-FRONTEND = "frontend"
-BUS = "bus"
 
 
 class Status(enum.Enum):

@@ -19,9 +19,8 @@ from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
+from vllm_actors.protocol.names import BUS, SCHEDULER
 
-SCHEDULER = "scheduler"
-BUS = "bus"
 
 
 class Runner(Protocol):
