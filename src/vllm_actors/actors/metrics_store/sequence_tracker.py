@@ -67,7 +67,3 @@ class SequenceTracker:
     def _is_restart(batch: EventBatch, last_mono: float) -> bool:
         opens_with_starting = bool(batch.events) and isinstance(batch.events[0], ActorStarting)
         return (batch.first_seq == 0 and opens_with_starting) or batch.mono > last_mono
-
-    def forget(self, actor: str) -> None:
-        self._next.pop(actor, None)
-        self._mono.pop(actor, None)
