@@ -11,12 +11,19 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import structlog
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_actors.actors.metrics_store.store import MetricsStore, RequestState, Samples, elapsed
-from vllm_actors.observe.stats_text import summary_text
+from vllm_actors.actors.metrics_store.aggregates import Samples
+from vllm_actors.actors.metrics_store.dump import DumpContent
+from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, OpenRequestDropped, StaleBatch
+from vllm_actors.actors.metrics_store.records import RequestState, elapsed
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.actors.metrics_store.store import MetricsStore
+from vllm_actors.observe.stats_text import summary_text
+from vllm_actors.runtime.metrics_shell import answer, answer_frame, record_logged
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
@@ -73,6 +80,7 @@ class Bus:
         self.now = 0.0
         self.next_seq: dict[str, int] = {}
         self.batches: list[EventBatch] = []
+        self.notices: list[Notice] = []  # what the store said about the delivered batches
 
     def publish(self, actor: str, *events: Event, at: float | None = None, deliver: bool = True) -> EventBatch:
         if at is not None:
@@ -83,7 +91,7 @@ class Bus:
                            wall=WALL0 + self.now, events=list(events))
         self.batches.append(batch)
         if deliver and self.store is not None:
-            self.store.record(batch)
+            self.notices.extend(self.store.record(batch))
         return batch
 
     def tick(self, seconds: float = 0.01) -> None:
@@ -423,6 +431,7 @@ def test_gap_counting_and_lost_batch() -> None:
     assert isinstance(seen, SeenReply)
     info = seen.actors[SCHEDULER]
     assert (info.gaps, info.missed, info.num_events, info.last_seq) == (1, len(lost.events), 4, 6)
+    assert bus.notices == [EventGap(actor=SCHEDULER, missed=len(lost.events), first_seq=5)]  # for the shell's log
     reply = summary(store)
     assert_gauges_sane(reply)
     assert reply.running == 0
@@ -434,11 +443,12 @@ def test_first_batch_sets_baseline_and_stale_batches_are_skipped() -> None:
     store = MetricsStore()
     batch = EventBatch(actor=SCHEDULER, first_seq=500, mono=1.0, wall=WALL0, events=[
         Queued(request_id="a", num_waiting=1), Queued(request_id="b", num_waiting=2)])
-    store.record(batch)
-    store.record(batch)  # a duplicate
+    assert not store.record(batch)
+    assert store.record(batch) == [StaleBatch(actor=SCHEDULER, first_seq=500, skipped=2)]  # a duplicate
     overlap = EventBatch(actor=SCHEDULER, first_seq=501, mono=1.0, wall=WALL0, events=[
         Queued(request_id="b", num_waiting=2), Queued(request_id="c", num_waiting=3)])
-    store.record(overlap)  # its first event was seen already, its second is new
+    # its first event was seen already, its second is new
+    assert store.record(overlap) == [StaleBatch(actor=SCHEDULER, first_seq=501, skipped=1)]
     info = store.query(SeenQuery()).actors[SCHEDULER]  # type: ignore[union-attr]
     assert (info.gaps, info.stale_batches, info.stale_events, info.num_events, info.last_seq) == (0, 2, 3, 3, 502)
     reply = summary(store)
@@ -458,6 +468,7 @@ def test_actor_restart_resets_baseline_and_loses_its_requests() -> None:
     bus.tick(1.0)
     bus.next_seq[SCHEDULER] = 0  # a new incarnation numbers from zero again
     bus.publish(SCHEDULER, ActorStarting(pid=2, role="scheduler"), ActorReady(pid=2, role="scheduler"))
+    assert bus.notices == [ActorRestarted(actor=SCHEDULER, first_seq=0)]
     reply = summary(store)
     info = reply.actors[SCHEDULER]
     assert (info.restarts, info.gaps, info.stale_batches) == (1, 0, 0)
@@ -526,6 +537,8 @@ def test_finished_timelines_are_bounded() -> None:
         bus.publish(SCHEDULER, Queued(request_id=f"o{index}", num_waiting=index))
     reply = summary(store)
     assert (reply.open_requests, reply.waiting, reply.requests_evicted) == (4, 4, 2)
+    assert bus.notices == [OpenRequestDropped(request_id="o0", state="waiting"),
+                           OpenRequestDropped(request_id="o1", state="waiting")]
 
 
 def test_long_timelines_are_capped_but_keep_their_lifecycle() -> None:
@@ -547,7 +560,10 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     store = MetricsStore(max_events=50)
     run_scenario(store)
     path = tmp_path / "events.jsonl"
-    reply = store.query(DumpQuery(path=str(path)))
+    content = store.query(DumpQuery(path=str(path)))  # the store makes the content, writes nothing
+    assert isinstance(content, DumpContent) and content.num_events == 50
+    assert list(tmp_path.iterdir()) == []
+    reply = answer(store, DumpQuery(path=str(path)))  # its shell writes the file
     assert reply == DumpReply(path=str(path), num_events=50)
     lines = path.read_text().splitlines()
     assert len(lines) == 50
@@ -556,6 +572,25 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     expected = [(e.actor, e.seq, e.mono, e.wall, e.event) for e in retained.events]
     assert [parse_event_json_line(line) for line in lines] == expected
     assert list(tmp_path.iterdir()) == [path]  # no temporary left behind
+
+
+def test_the_in_process_engine_writes_dumps_too(tmp_path: Path) -> None:
+    from fake_runner import FakeRunner
+
+    from vllm_actors.clients.inprocess import InProcessEngine
+    from vllm_actors.protocol.config import EngineConfig
+    from vllm_actors.protocol.sampling import SamplingParams
+
+    config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=40, max_model_len=512)
+    engine = InProcessEngine(config, serialize=False, runner=FakeRunner(num_blocks=16, block_size=4), tokenizer=None)
+    engine.submit(engine.prepare("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, ignore_eos=True)))
+    while engine.has_unfinished:
+        engine.step()
+    engine.run_until_idle()
+    path = tmp_path / "events.jsonl"
+    reply = engine.query_metrics(DumpQuery(path=str(path)))
+    assert reply == DumpReply(path=str(path), num_events=engine.metrics_store.num_events)
+    assert {parse_event_json_line(line)[4].__class__ for line in path.read_text().splitlines()} >= {Arrived, Finished}
 
 
 def test_bad_queries_get_error_replies(tmp_path: Path) -> None:
@@ -573,12 +608,38 @@ def test_bad_queries_get_error_replies(tmp_path: Path) -> None:
         None,
     ]
     for query in bad:
-        assert isinstance(store.query(query), ErrorReply), query  # type: ignore[arg-type]
+        assert isinstance(answer(store, query), ErrorReply), query  # type: ignore[arg-type]
+        if query is not bad[5]:  # the state machine rejects all but the unwritable path itself
+            assert isinstance(store.query(query), ErrorReply), query  # type: ignore[arg-type]
     codec = MetricsCodec()
     for frame in (b"\x00garbage", msgspec.msgpack.encode({"type": "no_such_query"}),
                   msgspec.msgpack.encode({"type": "events_query", "limit": "many"})):
-        assert isinstance(codec.decode_reply(store.handle(frame)), ErrorReply)
-    assert isinstance(codec.decode_reply(store.handle(codec.encode(SummaryQuery()))), SummaryReply)
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            codec.decode_query(frame)
+        assert answer_frame(store, codec, frame, "metrics") is None  # the shell drops it (and logs)
+    reply_frame = answer_frame(store, codec, codec.encode(SummaryQuery()), "metrics")
+    assert reply_frame is not None and isinstance(codec.decode_reply(reply_frame), SummaryReply)
+
+
+def test_a_failing_query_gets_an_error_reply_and_a_log_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MetricsStore()
+
+    def broken(query: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(store, "query", broken)
+    with structlog.testing.capture_logs() as logs:
+        reply = answer(store, SummaryQuery())
+    assert reply == ErrorReply(message="query failed: RuntimeError: boom")
+    assert [(entry["event"], entry["log_level"]) for entry in logs] == [("query failed", "error")]
+
+
+def test_the_shell_logs_the_store_notices() -> None:
+    store = MetricsStore()
+    store.record(EventBatch(actor=SCHEDULER, first_seq=0, mono=1.0, wall=WALL0, events=[Heartbeat(pid=1)]))
+    with structlog.testing.capture_logs() as logs:
+        record_logged(store, EventBatch(actor=SCHEDULER, first_seq=4, mono=2.0, wall=WALL0, events=[Heartbeat(pid=1)]))
+    assert logs == [{"event": "event gap", "log_level": "warning", "actor": SCHEDULER, "missed": 3, "first_seq": 4}]
 
 
 def test_replies_round_trip_through_the_codec() -> None:

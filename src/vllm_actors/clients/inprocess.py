@@ -10,6 +10,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -81,9 +82,10 @@ class InProcessEngine:
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
         # Subscribers of the in-process event bus: the metrics store, tests.
         from vllm_actors.actors.metrics_store.store import MetricsStore
+        from vllm_actors.runtime.metrics_shell import record_logged
 
         self.metrics_store = MetricsStore()
-        self.event_listeners: list[Callable[[EventBatch], None]] = [self.metrics_store.record]
+        self.event_listeners: list[Callable[[EventBatch], None]] = [partial(record_logged, self.metrics_store)]
         InProcessEngine.live.add(self)
         if os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0"):
             self.step_hooks.append(InProcessEngine.check_invariants)
@@ -146,7 +148,9 @@ class InProcessEngine:
         return outputs
 
     def query_metrics(self, query: MetricsQuery) -> MetricsReply:
-        return self.metrics_store.query(query)
+        from vllm_actors.runtime.metrics_shell import answer
+
+        return answer(self.metrics_store, query)  # writes the file of a DumpQuery
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

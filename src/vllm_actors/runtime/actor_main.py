@@ -25,6 +25,7 @@ import zmq
 
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.runtime.log_setup import configure_logging
+from vllm_actors.runtime.metrics_shell import run_metrics
 from vllm_actors.protocol.events import ActorCrashed, ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
 from vllm_actors.runtime.run_dir import GroupAddresses
@@ -104,92 +105,6 @@ def run_bus(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> Non
     zmq.proxy_steerable(frontend, backend, None, control)
     for socket in (frontend, backend, control, terminator):
         socket.close()
-
-
-def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
-    """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER."""
-    from vllm_actors.actors.metrics_store.store import MetricsStore
-    from vllm_actors.protocol.metrics import MetricsCodec
-
-    codec = MetricsCodec()
-
-    store = MetricsStore(max_events=spec.metrics_max_events)
-    subscriber = context.socket(zmq.SUB)
-    subscriber.setsockopt(zmq.RCVHWM, EVENT_HWM)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(spec.addresses.bus_out)
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(spec.addresses.metrics)
-    publisher = EventPublisher(context, spec.addresses.bus_in, spec.actor_id)
-    batch_decoder = msgspec.msgpack.Decoder(_event_batch_type())
-
-    def receive_events() -> None:
-        while True:
-            try:
-                frames = subscriber.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                store.record(batch_decoder.decode(frames[-1]))
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                log.warning("frame dropped", actor=spec.actor_id, why="undecodable event batch", error=str(error))
-
-    # Ready once our own events come back through the bus: the subscription is live.
-    pid = os.getpid()
-    import time
-
-    deadline = time.monotonic() + READY_TIMEOUT
-    while store_seen(store, spec.actor_id) == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the metrics store never received its own events through the bus")
-        publisher.publish([ActorStarting(pid=pid, role=spec.role)])
-        if subscriber.poll(100):
-            receive_events()
-    publisher.publish([ActorReady(pid=pid, role=spec.role)])
-    report("ready", info={})
-
-    poller = zmq.Poller()
-    poller.register(subscriber, zmq.POLLIN)
-    poller.register(router, zmq.POLLIN)
-    while not stop.is_set():
-        ready = dict(poller.poll(100))
-        if subscriber in ready:
-            receive_events()
-        if router in ready:
-            while True:
-                try:
-                    frames = router.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if len(frames) != 2:
-                    log.warning("frame dropped", actor=spec.actor_id, why="wrong frame count", frames=len(frames))
-                    continue
-                receive_events()  # answer with everything that has arrived
-                try:
-                    reply = store.query(codec.decode_query(frames[1]))
-                except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                    log.warning("frame dropped", actor=spec.actor_id, why="undecodable query", error=str(error))
-                    continue
-                router.send_multipart([frames[0], codec.encode(reply)])
-    publisher.publish([ActorStopped(reason="signal")])
-    for socket in (subscriber, router):
-        socket.close()
-    publisher.close()
-
-
-def _event_batch_type() -> type:
-    from vllm_actors.protocol.events import EventBatch
-
-    return EventBatch
-
-
-def store_seen(store: Any, actor_id: str) -> int:
-    from vllm_actors.protocol.metrics import SeenQuery
-
-    reply = store.query(SeenQuery(actor=actor_id))
-    seen = reply.actors.get(actor_id)
-    return 0 if seen is None else seen.num_events
 
 
 # --------------------------------------------------------------------------- engine roles

@@ -1,0 +1,328 @@
+"""Recording event batches: the sequence check per actor, the bounded event log, and each event
+applied to the request records, counters, latency samples and KV pools it concerns."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from vllm_actors.actors.metrics_store.aggregates import Counters, KvPoolState, Latencies
+from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch
+from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed
+from vllm_actors.actors.metrics_store.request_table import RequestTable
+from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.protocol.events import (
+    Aborted,
+    ActorCrashed,
+    ActorDraining,
+    ActorReady,
+    ActorStarting,
+    ActorStopped,
+    Allocated,
+    Arrived,
+    BlockCached,
+    BlockEvicted,
+    Event,
+    EventBatch,
+    Finished,
+    FirstToken,
+    Freed,
+    Heartbeat,
+    KvPool,
+    Preempted,
+    PrefillChunk,
+    PrefixHit,
+    Queued,
+    Resumed,
+    Scheduled,
+    StepFinished,
+    StepStarted,
+    Tokens,
+    event_type,
+)
+from vllm_actors.protocol.metrics import ActorSeen
+
+# (actor, seq, mono, wall, event): one event of the log
+LogRow = tuple[str, int, float, float, Event]
+
+
+class Recorder:
+    """Everything the store learns from the bus. ``record`` applies one batch; what it has to
+    say about the stream (gaps, stale batches, restarts, dropped records) goes to ``notices``."""
+
+    def __init__(self, *, max_events: int, max_finished_requests: int, max_open_requests: int,
+                 max_timeline_events: int, sample_window: int) -> None:
+        self.notices: list[Notice] = []
+        self.history: deque[LogRow] = deque(maxlen=max_events)
+        self.num_events = 0  # events applied so far: the global index of the next one
+        self.num_batches = 0
+        self.first_wall: float | None = None
+        self.last_wall: float | None = None
+
+        self.sequences = SequenceTracker()
+        self.actors: dict[str, ActorSeen] = {}
+        self.requests = RequestTable(max_open_requests, max_finished_requests, max_timeline_events, self.notices)
+        self.kv: dict[str, KvPoolState] = {}
+        self.counters = Counters()
+        self.latencies = Latencies(sample_window)
+        self._itl_cap = sample_window
+
+        self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
+            Arrived: self._on_arrived,
+            Queued: self._on_queued,
+            Scheduled: self._on_admitted,
+            Resumed: self._on_admitted,
+            PrefillChunk: self._on_prefill_chunk,
+            FirstToken: self._on_first_token,
+            Tokens: self._on_tokens,
+            Preempted: self._on_preempted,
+            Finished: self._on_finished,
+            Aborted: self._on_aborted,
+            Allocated: self._on_allocated,
+            Freed: self._on_freed,
+            PrefixHit: self._on_request_block_event,
+            BlockCached: self._on_request_block_event,
+            BlockEvicted: self._on_block_evicted,
+            KvPool: self._on_kv_pool,
+            StepStarted: self._ignore,
+            StepFinished: self._on_step_finished,
+            ActorStarting: self._on_lifecycle,
+            ActorReady: self._on_lifecycle,
+            ActorDraining: self._on_lifecycle,
+            ActorStopped: self._on_lifecycle,
+            ActorCrashed: self._on_lifecycle,
+            Heartbeat: self._on_heartbeat,
+        }
+
+    # ------------------------------------------------------------------ batches
+    def record(self, batch: EventBatch) -> None:
+        """Apply one batch from the bus (in the order the bus delivered it)."""
+        actor = batch.actor
+        seen = self.actors.get(actor)
+        if seen is None:
+            seen = self.actors[actor] = ActorSeen(first_wall=batch.wall)
+        seen.num_batches += 1
+        seen.last_wall = batch.wall
+        self.num_batches += 1
+        if self.first_wall is None:
+            self.first_wall = batch.wall
+        self.last_wall = batch.wall if self.last_wall is None else max(self.last_wall, batch.wall)
+
+        check = self.sequences.check(batch)
+        skip = check.skip
+        if check.verdict is SeqVerdict.GAP:
+            seen.gaps += 1
+            seen.missed += check.missed
+            self.notices.append(EventGap(actor=actor, missed=check.missed, first_seq=batch.first_seq))
+        elif check.verdict is SeqVerdict.STALE:
+            seen.stale_batches += 1
+            seen.stale_events += skip
+            self.notices.append(StaleBatch(actor=actor, first_seq=batch.first_seq, skipped=skip))
+        elif check.verdict is SeqVerdict.RESTART:
+            seen.restarts += 1
+            self.notices.append(ActorRestarted(actor=actor, first_seq=batch.first_seq))
+            self._on_restart(actor)
+
+        events = batch.events
+        if skip >= len(events):
+            return
+        mono, wall = batch.mono, batch.wall
+        for position in range(skip, len(events)):
+            event = events[position]
+            seq = batch.first_seq + position
+            self.history.append((actor, seq, mono, wall, event))
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(actor, seq, mono, wall, event)
+            self.num_events += 1
+        seen.num_events += len(events) - skip
+        seen.last_seq = batch.first_seq + len(events) - 1
+
+    def _on_restart(self, actor: str) -> None:
+        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
+        lost = self.requests.owned_by(actor)
+        for record in lost:
+            self.requests.set_state(record, RequestState.LOST, actor)
+        self.counters.requests_lost += len(lost)
+        self.kv.pop(actor, None)
+
+    def _entry(self, request_id: str, actor: str, seq: int, mono: float, wall: float, event: Event) -> RequestRecord:
+        """The request's record (opened if new), with the event on its timeline."""
+        record = self.requests.get(request_id)
+        self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event)
+        return record
+
+    # ------------------------------------------------------------------ request events
+    def _on_arrived(self, actor: str, seq: int, mono: float, wall: float, event: Arrived) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if record.arrived is None:
+            record.arrived = (actor, mono, wall)
+            self.counters.requests_arrived += 1
+            if not record.prompt_counted:
+                record.prompt_counted = True
+                self.counters.prompt_tokens += max(event.num_prompt_tokens, 0)
+        if record.state is RequestState.NEW:
+            record.state = RequestState.ARRIVED
+
+    def _on_queued(self, actor: str, seq: int, mono: float, wall: float, event: Queued) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if record.queued is None:
+            record.queued = (actor, mono, wall)
+            if record.num_output_tokens is None:
+                record.num_output_tokens = 0
+        if not record.ended:
+            self.requests.set_state(record, RequestState.WAITING, actor)
+
+    def _on_admitted(self, actor: str, seq: int, mono: float, wall: float, event: Scheduled | Resumed) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if isinstance(event, Scheduled) and record.scheduled is None:
+            record.scheduled = (actor, mono, wall)
+        self.counters.prefix_cache_queries += max(event.num_query_tokens, 0)
+        self.counters.prefix_cache_hits += max(event.num_cached_tokens, 0)
+        if not record.ended:
+            self.requests.set_state(record, RequestState.RUNNING, actor)
+
+    def _on_preempted(self, actor: str, seq: int, mono: float, wall: float, event: Preempted) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        self.counters.preemptions += 1
+        self.counters.recomputed_tokens += max(event.num_computed_tokens, 0)
+        if not record.ended:
+            self.requests.set_state(record, RequestState.WAITING, actor)
+
+    def _on_prefill_chunk(self, actor: str, seq: int, mono: float, wall: float, event: PrefillChunk) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        self.counters.prefill_chunks += 1
+        self.counters.prefill_tokens += max(event.num_tokens, 0)
+        self.requests.mark_running(record, actor)
+
+    def _on_first_token(self, actor: str, seq: int, mono: float, wall: float, event: FirstToken) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if record.first_token is None:
+            record.first_token = (actor, mono, wall)
+        self.requests.mark_running(record, actor)
+
+    def _on_tokens(self, actor: str, seq: int, mono: float, wall: float, event: Tokens) -> None:
+        # The hot path (one entry per running request per step): kept flat on purpose.
+        stamp = (actor, mono, wall)
+        counts = event.num_output_tokens
+        num_counts = len(counts)
+        requests = self.requests
+        step, index, cap = event.step_id, self.num_events, requests.max_timeline_events
+        open_records, running = requests.open, RequestState.RUNNING
+        generated = 0
+        for position, request_id in enumerate(event.request_ids):
+            record = open_records.get(request_id) or requests.get(request_id)
+            count = counts[position] if position < num_counts else None
+            if len(record.tokens) < cap:
+                record.tokens.append(index, actor, seq, mono, wall, step, -1 if count is None or count < 0 else count)
+            else:
+                record.dropped += 1
+            generated += _new_tokens(record, count)
+            if record.state in ENDED:
+                continue  # e.g. the frontend finished it on a stop string while this step ran
+            if record.first_token is None and count == 1:
+                record.first_token = stamp
+            last = record.last_token
+            if last is not None and len(record.itl) < self._itl_cap:
+                seconds = mono - last[1] if last[0] == actor else wall - last[2]
+                record.itl.append(seconds if seconds > 0.0 else 0.0)
+            record.last_token = stamp
+            if record.state is not running:
+                requests.set_state(record, running, actor)
+        self.counters.generation_tokens += generated
+
+    def _on_finished(self, actor: str, seq: int, mono: float, wall: float, event: Finished) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if record.ended:
+            return
+        counters = self.counters
+        counters.requests_finished += 1
+        counters.finished_by_reason[event.reason] = counters.finished_by_reason.get(event.reason, 0) + 1
+        if not record.prompt_counted:
+            record.prompt_counted = True
+            counters.prompt_tokens += max(event.num_prompt_tokens, 0)
+        self._record_latencies(record, (actor, mono, wall))
+        self.requests.end(record, RequestState.FINISHED, actor)
+
+    def _record_latencies(self, record: RequestRecord, finished: Stamp) -> None:
+        latencies = self.latencies
+        start = record.arrived or record.queued
+        if start is not None:
+            latencies.e2e.add(elapsed(start, finished))
+            if record.first_token is not None:
+                latencies.ttft.add(elapsed(start, record.first_token))
+        if record.queued is not None and record.scheduled is not None:
+            latencies.queue.add(elapsed(record.queued, record.scheduled))
+        latencies.itl.extend(record.itl)
+        record.itl = []
+
+    def _on_aborted(self, actor: str, seq: int, mono: float, wall: float, event: Aborted) -> None:
+        record = self._entry(event.request_id, actor, seq, mono, wall, event)
+        if record.ended:
+            return
+        counters = self.counters
+        counters.requests_aborted += 1
+        counters.aborted_by_reason[event.reason] = counters.aborted_by_reason.get(event.reason, 0) + 1
+        record.itl = []
+        self.requests.end(record, RequestState.ABORTED, actor)
+
+    # ------------------------------------------------------------------ KV cache
+    def _on_allocated(self, actor: str, seq: int, mono: float, wall: float, event: Allocated) -> None:
+        self._entry(event.request_id, actor, seq, mono, wall, event)
+        pool = self.kv.setdefault(actor, KvPoolState())
+        pool.allocated(event.request_id, len(event.block_ids), event.num_free_blocks)
+
+    def _on_freed(self, actor: str, seq: int, mono: float, wall: float, event: Freed) -> None:
+        self._on_request_block_event(actor, seq, mono, wall, event)  # a FREED never opens a record
+        self.kv.setdefault(actor, KvPoolState()).freed(event.request_id, event.num_blocks, event.num_free_blocks)
+
+    def _on_request_block_event(self, actor: str, seq: int, mono: float, wall: float,
+                                event: PrefixHit | BlockCached | Freed) -> None:
+        """A cache event of one request goes on its timeline (it never opens a record)."""
+        record = self.requests.find(event.request_id)
+        if record is not None:
+            self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event)
+
+    def _on_block_evicted(self, actor: str, seq: int, mono: float, wall: float, event: BlockEvicted) -> None:
+        self.counters.kv_blocks_evicted += len(event.block_ids)
+
+    def _on_kv_pool(self, actor: str, seq: int, mono: float, wall: float, event: KvPool) -> None:
+        self.kv.setdefault(actor, KvPoolState()).state = event
+
+    # ------------------------------------------------------------------ worker and lifecycle
+    def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
+        self.counters.steps += 1
+        self.counters.step_tokens += max(event.num_tokens, 0)
+        self.latencies.step_ms.add(event.execute_ms)
+
+    def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
+        pass
+
+    def _on_lifecycle(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
+        seen = self.actors[actor]
+        seen.state = event_type(event)
+        if isinstance(event, (ActorStarting, ActorReady)):
+            seen.pid, seen.role = event.pid, event.role
+        elif isinstance(event, ActorCrashed):
+            seen.crashes += 1
+            seen.error = event.error
+
+    def _on_heartbeat(self, actor: str, seq: int, mono: float, wall: float, event: Heartbeat) -> None:
+        seen = self.actors[actor]
+        seen.last_heartbeat_wall = wall
+        seen.pid = event.pid
+
+
+def _new_tokens(record: RequestRecord, count: int | None) -> int:
+    """Tokens a TOKENS entry adds: the growth of the request's output length."""
+    if count is None:
+        return 1
+    previous = record.num_output_tokens
+    if previous is None:  # joined late: the earlier outputs were never reported here
+        record.num_output_tokens = count
+        return 1
+    if count <= previous:
+        return 0
+    record.num_output_tokens = count
+    return count - previous

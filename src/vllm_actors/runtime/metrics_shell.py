@@ -1,0 +1,165 @@
+"""The metrics store's shell: everything around the pure ``MetricsStore`` that does I/O.
+
+``run_metrics`` is the metrics actor process: it SUBscribes to the whole bus, records every batch,
+and answers queries on a ROUTER. The helpers below are its I/O, also used by the in-process
+engine: ``record_logged`` logs what the store noticed (gaps, stale batches, restarts, dropped
+records), ``answer`` answers a query, writing the file of a ``DumpQuery``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+import zmq
+
+from vllm_actors.actors.metrics_store.dump import DumpContent
+from vllm_actors.actors.metrics_store.notices import Notice
+from vllm_actors.actors.metrics_store.store import MetricsStore
+from vllm_actors.protocol.events import ActorReady, ActorStarting, ActorStopped, EventBatch
+from vllm_actors.protocol.metrics import DumpReply, ErrorReply, MetricsCodec, MetricsQuery, MetricsReply, SeenQuery
+from vllm_actors.runtime.zmq_shell import EVENT_HWM, EventPublisher
+
+if TYPE_CHECKING:
+    from vllm_actors.runtime.actor_main import ActorSpec
+
+log = structlog.get_logger(__name__)
+
+
+# --------------------------------------------------------------------------- the store's I/O
+def log_notices(notices: Iterable[Notice]) -> None:
+    for notice in notices:
+        getattr(log, notice.level)(notice.message, **dataclasses.asdict(notice))
+
+
+def record_logged(store: MetricsStore, batch: EventBatch) -> None:
+    """Record one batch and log what the store noticed about it."""
+    notices = store.record(batch)
+    if notices:
+        log_notices(notices)
+
+
+def write_dump(content: DumpContent) -> MetricsReply:
+    """Write a dump's lines to its path (through a temporary file, replaced at the end)."""
+    path = os.path.abspath(content.path)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            for line in content.lines():
+                handle.write(line)
+                handle.write("\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return ErrorReply(message=f"cannot write {path}: {exc}")
+    log.info("event log dumped", path=path, num_events=content.num_events)
+    return DumpReply(path=path, num_events=content.num_events)
+
+
+def answer(store: MetricsStore, query: MetricsQuery) -> MetricsReply:
+    """The store's reply to one query, a dump written; never raises: a query that fails gets an
+    ``ErrorReply``."""
+    try:
+        reply = store.query(query)
+        if isinstance(reply, DumpContent):
+            return write_dump(reply)
+        return reply
+    except Exception as exc:  # a query must always get a reply
+        log.exception("query failed", query=type(query).__name__)
+        return ErrorReply(message=f"query failed: {type(exc).__name__}: {exc}")
+
+
+def answer_frame(store: MetricsStore, codec: MetricsCodec, frame: bytes, actor_id: str) -> bytes | None:
+    """The reply frame to a query frame; None (logged) for a frame that is no query."""
+    try:
+        query = codec.decode_query(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        log.warning("frame dropped", actor=actor_id, why="undecodable query", error=str(error))
+        return None
+    return codec.encode(answer(store, query))
+
+
+def events_seen(store: MetricsStore, actor_id: str) -> int:
+    reply = store.query(SeenQuery(actor=actor_id))
+    seen = reply.actors.get(actor_id)  # type: ignore[union-attr]
+    return 0 if seen is None else seen.num_events
+
+
+# --------------------------------------------------------------------------- the process
+def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
+    """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER."""
+    # actor_main imports this module at its top: import back from it only here. (In an actor
+    # process actor_main runs as __main__, so this loads it once more as a plain module: it only
+    # defines things.)
+    from vllm_actors.runtime.actor_main import READY_TIMEOUT, report
+
+    codec = MetricsCodec()
+
+    store = MetricsStore(max_events=spec.metrics_max_events)
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.RCVHWM, EVENT_HWM)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(spec.addresses.bus_out)
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(spec.addresses.metrics)
+    publisher = EventPublisher(context, spec.addresses.bus_in, spec.actor_id)
+    batch_decoder = msgspec.msgpack.Decoder(EventBatch)
+
+    def receive_events() -> None:
+        while True:
+            try:
+                frames = subscriber.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                batch = batch_decoder.decode(frames[-1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                log.warning("frame dropped", actor=spec.actor_id, why="undecodable event batch", error=str(error))
+                continue
+            record_logged(store, batch)
+
+    # Ready once our own events come back through the bus: the subscription is live.
+    pid = os.getpid()
+    deadline = time.monotonic() + READY_TIMEOUT
+    while events_seen(store, spec.actor_id) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the metrics store never received its own events through the bus")
+        publisher.publish([ActorStarting(pid=pid, role=spec.role)])
+        if subscriber.poll(100):
+            receive_events()
+    publisher.publish([ActorReady(pid=pid, role=spec.role)])
+    report("ready", info={})
+
+    poller = zmq.Poller()
+    poller.register(subscriber, zmq.POLLIN)
+    poller.register(router, zmq.POLLIN)
+    while not stop.is_set():
+        ready = dict(poller.poll(100))
+        if subscriber in ready:
+            receive_events()
+        if router in ready:
+            while True:
+                try:
+                    frames = router.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    log.warning("frame dropped", actor=spec.actor_id, why="wrong frame count", frames=len(frames))
+                    continue
+                receive_events()  # answer with everything that has arrived
+                reply = answer_frame(store, codec, frames[1], spec.actor_id)
+                if reply is not None:
+                    router.send_multipart([frames[0], reply])
+    publisher.publish([ActorStopped(reason="signal")])
+    for socket in (subscriber, router):
+        socket.close()
+    publisher.close()
