@@ -111,7 +111,7 @@ class PrefixHit(msgspec.Struct, tag="PREFIX_HIT", kw_only=True):
 
 class BlockCached(msgspec.Struct, tag="BLOCK_CACHED", kw_only=True):
     """Full blocks of a request entered the prefix cache: a chain hanging under parent_hash
-    (0: the root). Hashes are ``prefix_cache.block_hash(parent hash, token ids)``."""
+    (0: the root). Hashes are ``protocol.block_hash.block_hash(parent hash, token ids)``."""
 
     request_id: str
     parent_hash: int

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.scheduler.prefix_cache import ROOT_HASH
+from vllm_actors.protocol.block_hash import ROOT_HASH
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
 from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import BUS, WORKER
