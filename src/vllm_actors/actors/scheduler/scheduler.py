@@ -152,10 +152,6 @@ class Scheduler:
         out.extend((BUS, event) for event in self._events)
         return out
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._departed or self._in_flight)
-
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
         error = self._admission_error(message)
