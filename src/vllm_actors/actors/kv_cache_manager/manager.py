@@ -16,66 +16,18 @@ Pure state machine: no sockets, no clock.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool, BlockPoolExhausted
 from vllm_actors.protocol.block_hash import ROOT_HASH
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
 from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import BUS, WORKER
 
-
-
-class BlockPoolExhausted(RuntimeError):
-    """The scheduler asked for more blocks than are free: its accounting and ours disagree."""
-
-
-class BlockPool:
-    """Fixed pool of KV blocks with reference counts (cached blocks are shared)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise BlockPoolExhausted(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
-            self._ref_counts[block] = 1
-        return blocks
-
-    def share(self, blocks: list[int]) -> None:
-        """One more holder for blocks already in use."""
-        for block in blocks:
-            if self._ref_counts[block] <= 0:
-                raise RuntimeError(f"block {block} shared while free")
-            self._ref_counts[block] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            if self._ref_counts[block] <= 0:
-                raise RuntimeError(f"block {block} released while not referenced")
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
-
-    def ref_count(self, block: int) -> int:
-        return self._ref_counts[block]
-
-    def free_blocks(self) -> list[int]:
-        return list(self._free)
 
 
 @dataclass(frozen=True, slots=True)
