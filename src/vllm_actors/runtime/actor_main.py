@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -207,7 +208,7 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
         if threads:
             torch.set_num_threads(int(threads))
         runner = ModelRunner(spec.engine)
-        worker = Worker(runner, Sampler(runner.device, spec.engine.seed))
+        worker = Worker(runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter)
         mc = runner.model_config
         info = {
             "num_blocks": runner.num_blocks,

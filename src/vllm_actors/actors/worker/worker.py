@@ -1,13 +1,13 @@
 """The worker: keeps each running request's tokens and block table, runs the step, samples.
 
-Pure state machine around a model runner: ``handle(StepPlan)`` returns one ``StepResult`` for the
+Pure state machine around a model runner (the clock that times a step is injected): ``handle(StepPlan)`` returns one ``StepResult`` for the
 scheduler. Because the worker appends every token it samples to the request's own token list, a
 decode step needs nothing from the plan but the request id - the next step's input is already here.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,9 +63,11 @@ class _PromptSpan:
 class Worker:
     name = "worker"
 
-    def __init__(self, runner: Runner, sampler: Sampler) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler, clock: Callable[[], float]) -> None:
+        """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step."""
         self.runner = runner
         self.sampler = sampler
+        self.clock = clock
         self.requests: dict[str, WorkerRequest] = {}
         width = getattr(runner, "max_blocks_per_seq", None)
         self.tables = BlockTableArray(width) if width else None
@@ -140,7 +142,7 @@ class Worker:
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
+        started = self.clock()
         for request_id in plan.finished_ids:
             self._drop(request_id)
         for new in plan.new_requests:
@@ -205,7 +207,7 @@ class Worker:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_batched_tokens=len(batch.token_ids),
-            execute_seconds=time.perf_counter() - started,
+            execute_seconds=self.clock() - started,
         )
 
     @staticmethod
