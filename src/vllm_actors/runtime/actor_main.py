@@ -26,7 +26,7 @@ import zmq
 
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.runtime.log_setup import configure_logging
-from vllm_actors.protocol.events import ActorCrashed, ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
+from vllm_actors.protocol.events import ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
 from vllm_actors.runtime.run_dir import GroupAddresses
 from vllm_actors.protocol.names import worker_id
@@ -276,11 +276,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
                         lambda: Heartbeat(pid=pid))
         shell.publisher.publish([ActorReady(pid=pid, role=spec.role)])
         report("ready", info=info)
-        try:
-            shell.run(stop)
-        except Exception as error:
-            shell.publisher.publish([ActorCrashed(error=f"{type(error).__name__}: {error}")])
-            raise
+        shell.run(stop)  # a bug publishes CRASHED and propagates: main() exits non-zero
         shell.publisher.publish([ActorDraining(reason="stop"), ActorStopped(reason="stop")])
     finally:
         shell.close()

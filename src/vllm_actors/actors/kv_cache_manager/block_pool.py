@@ -7,7 +7,8 @@ from collections import deque
 
 
 class BlockPoolExhausted(RuntimeError):
-    """The scheduler asked for more blocks than are free: its accounting and ours disagree."""
+    """More blocks asked for than are free. The manager checks every plan first (a plan needing
+    too many is rejected whole), so this is a bug: the actor crashes."""
 
 
 class BlockPool:

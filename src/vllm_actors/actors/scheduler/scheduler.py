@@ -30,6 +30,7 @@ from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.queue_policy import admission_error, admit, order_longest_prefix_first
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import (
     Aborted,
     Finished,
@@ -145,7 +146,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
         if not self._in_flight or result.step_id != self._in_flight[0][0].step_id:
-            raise ValueError(f"unexpected step result {result.step_id}")
+            raise MessageRejected(f"unexpected step result {result.step_id}")
         _, sampling_ids = self._in_flight.popleft()
         for request_id in sampling_ids:
             request = self.requests.get(request_id)

@@ -15,6 +15,7 @@ import torch
 
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
@@ -94,10 +95,10 @@ class Worker:
         return [(SCHEDULER, result), (BUS, started), (BUS, finished)]
 
     def validate(self, plan: StepPlan) -> None:
-        """Reject a plan that names unknown requests or asks for tokens that do not exist,
-        before any state changes."""
+        """Reject a plan that names unknown requests or asks for tokens that do not exist
+        (``MessageRejected``), before any state changes."""
         if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
-            raise ValueError("req_ids, num_tokens and new_block_ids differ in length")
+            raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
         computed = {
             request_id: (request.num_computed_tokens, len(request.token_ids))
             for request_id, request in self.requests.items()
@@ -105,23 +106,23 @@ class Worker:
         }
         for new in plan.new_requests:
             if len(new.token_ids) % 4:
-                raise ValueError(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
+                raise MessageRejected(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
         computed.update({new.request_id: (new.num_cached_tokens, new.num_tokens) for new in plan.new_requests})
         num_blocks = getattr(self.runner, "num_blocks", None)
         for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
             if request_id not in computed:
-                raise ValueError(f"plan schedules unknown request {request_id!r}")
+                raise MessageRejected(f"plan schedules unknown request {request_id!r}")
             done, known = computed[request_id]
             if not 1 <= num_new <= known - done:
-                raise ValueError(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
+                raise MessageRejected(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
             if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
-                raise ValueError(f"plan gives {request_id!r} a block outside the pool")
+                raise MessageRejected(f"plan gives {request_id!r} a block outside the pool")
             fresh = request_id in plan.finished_ids or request_id not in self.requests or any(
                 new.request_id == request_id for new in plan.new_requests
             )
             held = 0 if fresh else len(self.requests[request_id].block_table)
             if self.tables is not None and held + len(blocks) > self.tables.width:
-                raise ValueError(f"plan gives {request_id!r} more blocks than a sequence may hold")
+                raise MessageRejected(f"plan gives {request_id!r} more blocks than a sequence may hold")
 
     def _drop(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
