@@ -24,6 +24,7 @@ import msgspec
 import structlog
 import zmq
 
+from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.protocol.events import ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
@@ -268,7 +269,8 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         "kv_cache_manager": spec.addresses.kv_cache_manager,
         "scheduler": spec.addresses.scheduler,
     }[spec.role]
-    shell = ActorShell(context, actor, spec.actor_id, inbox, spec.addresses.bus_in, peers, accepts)
+    shell = ActorShell(context, actor, spec.actor_id, inbox, spec.addresses.bus_in, peers, accepts,
+                       MessageCodec.for_actor(spec.role))
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
     publisher_for_start.close()
     try:

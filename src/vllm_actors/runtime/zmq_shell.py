@@ -92,11 +92,19 @@ class ZmqEndpoint:
     ``inbox`` receives; ``send(peer_name, message)`` goes out through a DEALER to every address of
     that peer (several workers all get the plan); ``send(client_identity_bytes, message)`` replies
     through the ROUTER. ``recv`` returns the next well-formed message and sets ``last_sender``;
-    malformed frames are logged, counted and dropped."""
+    malformed frames are logged, counted and dropped. ``codec`` decodes what arrives (default: the
+    protocol types; an actor's ``MessageCodec.for_actor`` may decode some as views)."""
 
-    def __init__(self, context: zmq.Context, name: str, inbox: str, peers: Mapping[str, list[str]]) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        name: str,
+        inbox: str,
+        peers: Mapping[str, list[str]],
+        codec: MessageCodec | None = None,
+    ) -> None:
         self.name = name
-        self.codec = MessageCodec()
+        self.codec = codec or MessageCodec()
         self.num_dropped = 0
         self.last_sender = b""
         self.router = context.socket(zmq.ROUTER)
@@ -169,11 +177,12 @@ class ActorShell:
         bus_in: str,
         peers: Mapping[str, list[str]],
         accepts: AcceptRules,
+        codec: MessageCodec | None = None,
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
         self.accepts = accepts
-        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers)
+        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec)
         self.publisher = EventPublisher(context, bus_in, actor_id)
         self.replies = ClientReplies()
 
@@ -193,7 +202,7 @@ class ActorShell:
             raise
 
     def receive(self, sender: bytes, message: Any) -> None:
-        kind = type(message)
+        kind = self.endpoint.codec.protocol_type(message)
         if kind not in self.accepts:
             self.endpoint.drop("message type not taken here", sender=sender, type=kind.__name__)
             return

@@ -6,7 +6,9 @@ blocks each request holds and, with prefix caching, which token blocks are hit, 
 (``block_ledger`` says why the decisions live there); this actor decides which blocks: it frees
 those of departed requests, evicts, puts cache hits at the front of new tables, appends fresh
 blocks, records blocks as cached, checks every instruction against its own state, publishes the
-block events, and forwards the plan with the appended block ids to the workers.
+block events, and forwards the plan with the appended block ids to the workers. It never reads a
+new request's sampling parameters: over the wire it decodes plans as ``PassThroughPlan`` (those
+fields stay raw msgpack and are forwarded untouched); in one process it gets the plain plan.
 
 A block's reference count is the number of tables holding it, plus one while it is cached: a
 cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
