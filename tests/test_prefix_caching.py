@@ -18,7 +18,7 @@ from test_scheduler import make_engine, record_plans
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.clients.inprocess import InProcessEngine
-from vllm_actors.actors.scheduler.prefix_cache import block_hash
+from vllm_actors.protocol.block_hash import block_hash
 from vllm_actors.protocol.events import BlockCached, BlockEvicted, EventBatch, KvPool, PrefixHit, Preempted, Scheduled
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
@@ -281,7 +281,7 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
     """Regression: the KV manager's memo of hit chains must not outlive an eviction made by a
     plan without new requests (the hit would pass the check, then fail half-applied)."""
     from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
-    from vllm_actors.actors.scheduler.prefix_cache import block_hash
+    from vllm_actors.protocol.block_hash import block_hash
     from vllm_actors.protocol.messages import NewRequest, pack_token_ids
 
     manager = KVCacheManager(num_blocks=8, block_size=4)

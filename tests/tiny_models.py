@@ -198,17 +198,17 @@ class PagedRunner:
     def __init__(self, model: Any, block_size: int = 16, num_blocks: int = 64, seed: int = 0) -> None:
         import torch
 
-        from vllm_actors.models.llama import allocate_kv_caches
-
         config = model.config
         param = next(model.parameters())
         gen = torch.Generator().manual_seed(seed)
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, param.dtype, param.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
-            v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+
+        def noise() -> torch.Tensor:
+            return torch.randn(shape, generator=gen).to(dtype=param.dtype, device=param.device)
+
+        self.kv_caches = [(noise(), noise()) for _ in range(config.num_hidden_layers)]
         self.free: list[int] = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}

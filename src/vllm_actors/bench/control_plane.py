@@ -1,6 +1,6 @@
 """The control plane alone: the scheduler and the KV-cache manager replaying a workload of
 requests that share a system prompt, with no model (the worker's reply is one token per sampling
-request), every message through the msgspec codec as on the wire. Reports the CPU milliseconds
+request), every message through the msgspec codec as on the wire (each actor's decoder). Reports the CPU milliseconds
 each actor spends per step, to see what admissions with prefix-cache hits cost.
 """
 
@@ -17,6 +17,7 @@ from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
+from vllm_actors.protocol.names import KV_CACHE_MANAGER
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -37,7 +38,8 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
                              enable_prefix_caching=prefix_caching)
     scheduler = Scheduler(config)
     manager = KVCacheManager(config.num_blocks, config.block_size)
-    codec = MessageCodec()
+    codec = MessageCodec()  # the worker's
+    kv_codec = MessageCodec.for_actor(KV_CACHE_MANAGER)  # sampling parameters pass through raw
     rng = random.Random(seed)
     system = [rng.randrange(10_000) for _ in range(system_tokens)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -48,7 +50,7 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
             if not isinstance(message, StepPlan):
                 continue
             started = time.perf_counter()
-            plan = codec.decode(codec.encode(message))
+            plan = kv_codec.decode(codec.encode(message))
             decoded = time.perf_counter()
             assigned = manager.assign_blocks(plan, [])
             done = time.perf_counter()

@@ -71,7 +71,7 @@ class InProcessEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
-        self.worker = Worker(runner, Sampler(runner.device, config.seed))
+        self.worker = Worker(runner, Sampler(runner.device, config.seed), clock=time.perf_counter)
         self._network = InMemoryNetwork(serialize=serialize)
         self._actors = [
             (self._network.endpoint(actor.name), actor, EventStamper(actor.name))

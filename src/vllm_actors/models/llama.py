@@ -236,17 +236,3 @@ class CausalLM(nn.Module):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
                 target.copy_(tensor)
 
-
-def allocate_kv_caches(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[KVCache]:
-    """Zeroed per-layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
-    ]

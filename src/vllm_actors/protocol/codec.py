@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Union
 
 import msgspec
 
-from vllm_actors.protocol.messages import ALL_MESSAGES, PROTOCOL_VERSION, Message
+from vllm_actors.protocol.messages import ALL_MESSAGES, PROTOCOL_VERSION, Message, PassThroughPlan, StepPlan
+from vllm_actors.protocol.names import KV_CACHE_MANAGER
+
+# The message types an actor decodes as a view (``messages``, "decode views"), by actor name.
+DECODE_VIEWS: dict[str, dict[type, type]] = {KV_CACHE_MANAGER: {StepPlan: PassThroughPlan}}
 
 
 class MessageCodec:
     """Encodes any ``Message``; decodes bytes strictly into the tagged union or raises
-    ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (callers log and drop the frame)."""
+    ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (callers log and drop the frame).
+    ``views`` replaces message types of the union by views of the same wire format."""
 
-    def __init__(self) -> None:
+    def __init__(self, views: Mapping[type, type] | None = None) -> None:
+        views = dict(views or {})
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Message)
+        self._decoder = msgspec.msgpack.Decoder(Union[tuple(views.get(kind, kind) for kind in ALL_MESSAGES)])
+        self._protocol_type = {view: kind for kind, view in views.items()}
+
+    @classmethod
+    def for_actor(cls, name: str) -> MessageCodec:
+        """The codec an actor (by name or role) receives with."""
+        return cls(DECODE_VIEWS.get(name))
+
+    def protocol_type(self, message: Any) -> type:
+        """The protocol type of a decoded message (a view's is the type it stands for)."""
+        return self._protocol_type.get(type(message), type(message))
 
     def encode(self, message: Message) -> bytes:
         return self._encoder.encode(message)

@@ -36,7 +36,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: bool = True  # plan step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     # The waiting queue's order: "fcfs" (arrival) or "lpm" (longest cached prefix first, SGLang's
-    # name; falls back to arrival order when more than LPM_MAX_WAITING requests wait).
+    # name; falls back to arrival order when more than queue_policy.LPM_MAX_WAITING requests wait).
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:

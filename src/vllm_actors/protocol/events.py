@@ -111,7 +111,7 @@ class PrefixHit(msgspec.Struct, tag="PREFIX_HIT", kw_only=True):
 
 class BlockCached(msgspec.Struct, tag="BLOCK_CACHED", kw_only=True):
     """Full blocks of a request entered the prefix cache: a chain hanging under parent_hash
-    (0: the root). Hashes are ``prefix_cache.block_hash(parent hash, token ids)``."""
+    (0: the root). Hashes are ``protocol.block_hash.block_hash(parent hash, token ids)``."""
 
     request_id: str
     parent_hash: int
@@ -181,17 +181,25 @@ class Heartbeat(msgspec.Struct, tag="HEARTBEAT", kw_only=True):
     pid: int
 
 
+class Rejected(msgspec.Struct, tag="REJECTED", kw_only=True):
+    """The actor rejected a message that failed validation (nothing changed; it keeps serving)."""
+
+    message_type: str
+    sender: str  # the sender's identity, as text
+    error: str
+
+
 Event = (
     Arrived | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | KvPool
     | StepStarted | StepFinished
-    | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat
+    | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
-    ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat,
+    ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
 )
 
 REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",

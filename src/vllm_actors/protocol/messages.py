@@ -113,6 +113,22 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     new_block_ids: list[list[int]] = []
 
 
+# ------------------------------------------------------------------ decode views
+# Same wire format, decoded differently: the KV-cache manager reads a new request's id, its token
+# count and its cache hit, never the sampling parameters or the EOS ids. It decodes plans as
+# ``PassThroughPlan``, where those stay raw msgpack (no SamplingParams built, no validation run)
+# and are re-emitted byte for byte when it forwards the plan to the workers. In one process the
+# manager gets the plain ``StepPlan`` instead: it reads nothing that differs. Not in
+# ``ALL_MESSAGES``: the schemas describe the wire, which these do not change.
+class PassThroughNewRequest(NewRequest, kw_only=True):
+    params: msgspec.Raw  # type: ignore[assignment]
+    eos_token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class PassThroughPlan(StepPlan, tag="step_plan", kw_only=True):
+    new_requests: list[PassThroughNewRequest] = []  # type: ignore[assignment]
+
+
 class PromptLogprobs(msgspec.Struct, kw_only=True):
     request_id: str
     start: int  # prompt position of the first entry (position 0 never has one)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +24,11 @@ import msgspec
 import structlog
 import zmq
 
+from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.runtime.metrics_shell import run_metrics
-from vllm_actors.protocol.events import ActorCrashed, ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
+from vllm_actors.protocol.events import ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
 from vllm_actors.runtime.run_dir import GroupAddresses
 from vllm_actors.protocol.names import worker_id
@@ -122,7 +124,7 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
         if threads:
             torch.set_num_threads(int(threads))
         runner = ModelRunner(spec.engine)
-        worker = Worker(runner, Sampler(runner.device, spec.engine.seed))
+        worker = Worker(runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter)
         mc = runner.model_config
         info = {
             "num_blocks": runner.num_blocks,
@@ -182,7 +184,8 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         "kv_cache_manager": spec.addresses.kv_cache_manager,
         "scheduler": spec.addresses.scheduler,
     }[spec.role]
-    shell = ActorShell(context, actor, spec.actor_id, inbox, spec.addresses.bus_in, peers, accepts)
+    shell = ActorShell(context, actor, spec.actor_id, inbox, spec.addresses.bus_in, peers, accepts,
+                       MessageCodec.for_actor(spec.role))
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
     publisher_for_start.close()
     try:
@@ -190,11 +193,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
                         lambda: Heartbeat(pid=pid))
         shell.publisher.publish([ActorReady(pid=pid, role=spec.role)])
         report("ready", info=info)
-        try:
-            shell.run(stop)
-        except Exception as error:
-            shell.publisher.publish([ActorCrashed(error=f"{type(error).__name__}: {error}")])
-            raise
+        shell.run(stop)  # a bug publishes CRASHED and propagates: main() exits non-zero
         shell.publisher.publish([ActorDraining(reason="stop"), ActorStopped(reason="stop")])
     finally:
         shell.close()

@@ -36,24 +36,30 @@ class Endpoint(Protocol):
 
 class InMemoryNetwork:
     """Queues between named endpoints in one process. With ``serialize=True`` every wire message
-    makes a msgpack round trip, as it would between processes (client-bound outputs excepted)."""
+    makes a msgpack round trip, as it would between processes (client-bound outputs excepted),
+    decoded as the receiving actor decodes it (``MessageCodec.for_actor``). Without, the actors
+    get the live objects: state machines work with both."""
 
     def __init__(self, serialize: bool = False) -> None:
         self._inboxes: dict[str, deque[Any]] = {}
-        self._codec = MessageCodec() if serialize else None
+        self._serialize = serialize
+        self._codecs: dict[str, MessageCodec] = {}
 
     def endpoint(self, name: str) -> InMemoryEndpoint:
         if name in self._inboxes:
             raise ValueError(f"endpoint {name!r} exists already")
         self._inboxes[name] = deque()
+        if self._serialize:
+            self._codecs[name] = MessageCodec.for_actor(name)
         return InMemoryEndpoint(name, self)
 
     def _post(self, destination: str, message: Any) -> None:
         inbox = self._inboxes.get(destination)
         if inbox is None:
             raise KeyError(f"no endpoint named {destination!r}")
-        if self._codec is not None and destination != CLIENT:
-            message = self._codec.decode(self._codec.encode(message))
+        codec = self._codecs.get(destination)
+        if codec is not None and destination != CLIENT:
+            message = codec.decode(codec.encode(message))
         inbox.append(message)
 
     def _take(self, name: str) -> Any | None:

@@ -4,8 +4,10 @@ Sockets: a ROUTER bound at the actor's address receives commands ([sender identi
 one DEALER per peer (identity = this actor's id) sends to the peers' ROUTERs; a PUB connected to
 the bus publishes one ``EventBatch`` per handled message. Frames are decoded strictly: a frame
 that does not decode, a message type this actor does not take, or one from a sender that may not
-send it, is logged and dropped; a message the state machine rejects (ValueError and kin) likewise.
-The actor never dies of a peer's or client's mistake.
+send it, is logged and dropped; a message the state machine rejects (``MessageRejected``: it
+failed validation, nothing changed) likewise, with a ``REJECTED`` event on the bus. The actor
+never dies of a peer's or client's mistake. Any other exception out of the state machine is a bug:
+the shell publishes ``CRASHED`` and lets it propagate (the process exits non-zero; let it crash).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import structlog
 import zmq
 
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.errors import MessageRejected
+from vllm_actors.protocol.events import ActorCrashed, EventBatch, Rejected
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 from vllm_actors.protocol.names import FRONTEND
@@ -89,11 +92,19 @@ class ZmqEndpoint:
     ``inbox`` receives; ``send(peer_name, message)`` goes out through a DEALER to every address of
     that peer (several workers all get the plan); ``send(client_identity_bytes, message)`` replies
     through the ROUTER. ``recv`` returns the next well-formed message and sets ``last_sender``;
-    malformed frames are logged, counted and dropped."""
+    malformed frames are logged, counted and dropped. ``codec`` decodes what arrives (default: the
+    protocol types; an actor's ``MessageCodec.for_actor`` may decode some as views)."""
 
-    def __init__(self, context: zmq.Context, name: str, inbox: str, peers: Mapping[str, list[str]]) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        name: str,
+        inbox: str,
+        peers: Mapping[str, list[str]],
+        codec: MessageCodec | None = None,
+    ) -> None:
         self.name = name
-        self.codec = MessageCodec()
+        self.codec = codec or MessageCodec()
         self.num_dropped = 0
         self.last_sender = b""
         self.router = context.socket(zmq.ROUTER)
@@ -166,11 +177,12 @@ class ActorShell:
         bus_in: str,
         peers: Mapping[str, list[str]],
         accepts: AcceptRules,
+        codec: MessageCodec | None = None,
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
         self.accepts = accepts
-        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers)
+        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec)
         self.publisher = EventPublisher(context, bus_in, actor_id)
         self.replies = ClientReplies()
 
@@ -179,13 +191,18 @@ class ActorShell:
         return self.endpoint.num_dropped
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            message = self.endpoint.recv(timeout_ms=100)
-            if message is not None:
-                self.receive(self.endpoint.last_sender, message)
+        """Serve until ``stop``; a bug anywhere in the loop publishes CRASHED and propagates."""
+        try:
+            while not stop.is_set():
+                message = self.endpoint.recv(timeout_ms=100)
+                if message is not None:
+                    self.receive(self.endpoint.last_sender, message)
+        except Exception as error:
+            self.publisher.publish([ActorCrashed(error=f"{type(error).__name__}: {error}")])
+            raise
 
     def receive(self, sender: bytes, message: Any) -> None:
-        kind = type(message)
+        kind = self.endpoint.codec.protocol_type(message)
         if kind not in self.accepts:
             self.endpoint.drop("message type not taken here", sender=sender, type=kind.__name__)
             return
@@ -195,8 +212,11 @@ class ActorShell:
             return
         try:
             outputs = self.actor.handle(message)
-        except (ValueError, TypeError, KeyError, IndexError) as error:
+        except MessageRejected as error:  # anything else is a bug: it propagates, the actor crashes
             self.endpoint.drop("rejected by the state machine", sender=sender, type=kind.__name__, error=str(error))
+            self.publisher.publish(
+                [Rejected(message_type=kind.__name__, sender=sender[:64].decode(errors="replace"), error=str(error))]
+            )
             return
         self.replies.observe(sender, message)
         self.dispatch(outputs)

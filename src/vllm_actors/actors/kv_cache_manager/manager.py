@@ -6,7 +6,9 @@ blocks each request holds and, with prefix caching, which token blocks are hit, 
 (``block_ledger`` says why the decisions live there); this actor decides which blocks: it frees
 those of departed requests, evicts, puts cache hits at the front of new tables, appends fresh
 blocks, records blocks as cached, checks every instruction against its own state, publishes the
-block events, and forwards the plan with the appended block ids to the workers.
+block events, and forwards the plan with the appended block ids to the workers. It never reads a
+new request's sampling parameters: over the wire it decodes plans as ``PassThroughPlan`` (those
+fields stay raw msgpack and are forwarded untouched); in one process it gets the plain plan.
 
 A block's reference count is the number of tables holding it, plus one while it is cached: a
 cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
@@ -16,66 +18,19 @@ Pure state machine: no sockets, no clock.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.scheduler.prefix_cache import ROOT_HASH
+from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool
+from vllm_actors.protocol.block_hash import ROOT_HASH
+from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
 from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import BUS, WORKER
 
-
-
-class BlockPoolExhausted(RuntimeError):
-    """The scheduler asked for more blocks than are free: its accounting and ours disagree."""
-
-
-class BlockPool:
-    """Fixed pool of KV blocks with reference counts (cached blocks are shared)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise BlockPoolExhausted(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
-            self._ref_counts[block] = 1
-        return blocks
-
-    def share(self, blocks: list[int]) -> None:
-        """One more holder for blocks already in use."""
-        for block in blocks:
-            if self._ref_counts[block] <= 0:
-                raise RuntimeError(f"block {block} shared while free")
-            self._ref_counts[block] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            if self._ref_counts[block] <= 0:
-                raise RuntimeError(f"block {block} released while not referenced")
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
-
-    def ref_count(self, block: int) -> int:
-        return self._ref_counts[block]
-
-    def free_blocks(self) -> list[int]:
-        return list(self._free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,27 +88,27 @@ class KVCacheManager:
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
 
     def _check(self, plan: StepPlan) -> tuple[dict[str, NewRequest], dict[str, list[int]]]:
-        """Reject a plan this state cannot carry out, before anything changes. Returns the new
-        requests by id and the hash chains of their cache hits."""
+        """Reject a plan this state cannot carry out (``MessageRejected``), before anything
+        changes. Returns the new requests by id and the hash chains of their cache hits."""
         if len(plan.req_ids) != len(plan.num_blocks):
-            raise ValueError("req_ids and num_blocks differ in length")
+            raise MessageRejected("req_ids and num_blocks differ in length")
         if not set(plan.cached_hashes) <= set(plan.req_ids):
-            raise ValueError("cached_hashes names a request that is not scheduled")
+            raise MessageRejected("cached_hashes names a request that is not scheduled")
         if len(set(plan.req_ids)) != len(plan.req_ids):
-            raise ValueError("a request is scheduled twice")
+            raise MessageRejected("a request is scheduled twice")
         new_requests = {new.request_id: new for new in plan.new_requests}
         if not set(new_requests) <= set(plan.req_ids):
-            raise ValueError("a new request is not scheduled")
+            raise MessageRejected("a new request is not scheduled")
         departing = set(plan.finished_ids)
         evicted = set(plan.evicted_hashes)
         if evicted:
             self._chains.clear()  # a memo only: dropping it changes nothing but speed
         if len(evicted) != len(plan.evicted_hashes):
-            raise ValueError("a block is evicted twice")
+            raise MessageRejected("a block is evicted twice")
         for block_hash_ in plan.evicted_hashes:
             entry = self.cached.get(block_hash_)
             if entry is None:
-                raise ValueError(f"plan evicts block hash {block_hash_}, which is not cached")
+                raise MessageRejected(f"plan evicts block hash {block_hash_}, which is not cached")
             holders = self.pool.ref_count(entry.block_id) - 1
             released = sum(
                 self.block_tables[request_id].count(entry.block_id)
@@ -161,7 +116,7 @@ class KVCacheManager:
                 if request_id in self.block_tables
             )
             if holders - released > 0:
-                raise ValueError(f"plan evicts block {entry.block_id} while a request holds it")
+                raise MessageRejected(f"plan evicts block {entry.block_id} while a request holds it")
         freed = len(plan.evicted_hashes) + sum(
             len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
             for request_id in departing
@@ -180,9 +135,9 @@ class KVCacheManager:
             new = new_requests.get(request_id)
             if new is not None:
                 if request_id in self.block_tables and request_id not in departing:
-                    raise ValueError(f"new request {request_id!r} already has a block table")
+                    raise MessageRejected(f"new request {request_id!r} already has a block table")
                 if new.num_cached_tokens % self.block_size or not 0 <= new.num_cached_tokens < new.num_tokens:
-                    raise ValueError(f"new request {request_id!r} has a bad num_cached_tokens")
+                    raise MessageRejected(f"new request {request_id!r} has a bad num_cached_tokens")
                 held = new.num_cached_tokens // self.block_size
                 front = held
                 chain = self._chains.get(new.cached_block_hash)
@@ -191,26 +146,26 @@ class KVCacheManager:
                     if chain is not None and held:
                         self._chains[new.cached_block_hash] = chain
                 if chain is None:
-                    raise ValueError(f"plan gives {request_id!r} a cache hit on blocks that are not cached")
+                    raise MessageRejected(f"plan gives {request_id!r} a cache hit on blocks that are not cached")
                 hit_hashes[request_id] = chain
                 parent = chain[-1] if chain else ROOT_HASH
             else:
                 if request_id not in self.block_tables or request_id in departing:
-                    raise ValueError(f"plan schedules {request_id!r}, which holds no blocks here")
+                    raise MessageRejected(f"plan schedules {request_id!r}, which holds no blocks here")
                 held = len(self.block_tables[request_id])
                 front = self.num_cached_front.get(request_id, 0)
                 parent = self.hash_of[self.block_tables[request_id][front - 1]] if front else ROOT_HASH
             hashes = plan.cached_hashes.get(request_id, [])
             if front + len(hashes) > max(wanted, held):
-                raise ValueError(f"plan caches more blocks of {request_id!r} than it holds")
+                raise MessageRejected(f"plan caches more blocks of {request_id!r} than it holds")
             if any(parent_of(h) is not None for h in hashes) or len(set(hashes)) != len(hashes):
-                raise ValueError(f"plan caches a block of {request_id!r} that is already cached")
+                raise MessageRejected(f"plan caches a block of {request_id!r} that is already cached")
             for block_hash_ in hashes:
                 cached_now[block_hash_] = parent
                 parent = block_hash_
             needed += max(wanted - held, 0)
         if needed > self.pool.num_free + freed:
-            raise BlockPoolExhausted(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
+            raise MessageRejected(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
         return new_requests, hit_hashes
 
     # ------------------------------------------------------------------ steps of a plan

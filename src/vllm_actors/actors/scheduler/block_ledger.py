@@ -65,10 +65,6 @@ class BlockLedger:
         holding = self._holdings.get(request_id)
         return holding.num_blocks if holding else 0
 
-    def num_cached_blocks(self, request_id: str) -> int:
-        holding = self._holdings.get(request_id)
-        return len(holding.cached) if holding else 0
-
     def next_cache_check(self, request_id: str) -> int:
         """Computed tokens from which ``cache_blocks`` could cache another block of the request
         (one more full block than its cached front); never again once it stopped."""

@@ -6,78 +6,49 @@ parent: a trie of blocks. Runs of blocks are deliberately not compressed into on
 counts, LRU stamps, eviction and the BLOCK_CACHED / BLOCK_EVICTED events are all per block, so one
 node per block keeps every operation a plain walk with no node splitting. Matching costs one dict
 lookup per block. Each node carries a stable block hash, ``block_hash(parent_hash, token_ids)``
-(blake2b-64, see there), the root's being 0, so a router outside the engine can mirror the tree
-from the events alone. Keys are the token tuples themselves, so a hash collision can never make
-two different prefixes share a block here.
+(``vllm_actors.protocol.block_hash``), the root's being ``ROOT_HASH``, so a router outside the
+engine can mirror the tree from the events alone. Keys are the token tuples themselves, so a hash
+collision can never make two different prefixes share a block here.
 
-Block states, as the KV-cache manager sees them (every block is in exactly one):
-
-- free: on the pool's free list;
-- private: allocated from the pool to one request and not cached (the partial last block, or a
-  block whose content another request had already cached, see ``insert``);
-- cached and referenced (``ref_count > 0``): owned by this cache, in use by ``ref_count`` live
-  requests (shared when > 1);
-- cached and unreferenced (``ref_count == 0``): owned by this cache, its KV still valid, evictable.
-
-So free + private + cached == total, and ``num_evictable`` counts the last state. Ownership moves
-from the pool to the cache at ``insert`` and back at ``evict``: the manager can keep a cached
-block "allocated" in its ``BlockPool`` on the cache's behalf and ``pool.release`` it on eviction.
+Block ids here are labels (the scheduler's ``BlockLedger`` hands them out): the KV-cache manager
+owns the real blocks and learns the decisions by block hash. A block is, as far as the ledger is
+concerned: free; private to one request (the partial last block, or a block whose content another
+request had cached first, see ``extend``); cached and referenced (``ref_count > 0``: held by that
+many live requests, shared when > 1); or cached and unreferenced (``ref_count == 0``: its KV still
+valid, evictable). ``num_evictable`` counts the last state.
 
 Reference counts follow one rule: a request holds exactly the cached blocks at the front of its
-block table. ``acquire`` and ``release`` therefore take a path from the root (the list ``match``
-returned, or ``table[:num_cached]``), and every referenced block's ancestors are referenced at
-least as much, so every unreferenced block can actually be evicted (leaves first).
+block table, a path from the root; every referenced block's ancestors are referenced at least as
+much, so every unreferenced block can actually be evicted (leaves first).
 
-How the manager uses it, for a request with prompt ``P`` and block table ``table``:
+How the ledger uses it, for a request with tokens ``T``:
 
-1. Admission: ``hit = cache.match(P, max_blocks=(len(P) - 1) // block_size)`` (the cap leaves
-   at least one prompt token to compute, for the logits), then at once
-   ``cache.acquire([b.block_id for b in hit])``, before any eviction in the same step, or the hit
-   could be evicted. The table starts with those ids and the request computes from token
-   ``len(hit) * block_size``; keep ``num_cached = len(hit)``. Capacity for the other blocks is
-   ``pool.num_free + cache.num_evictable`` (read after the acquire); if admission fails after all,
-   ``cache.release`` the hit.
-2. As the request's KV is written (each step, for the tokens computed so far, never tokens only
-   scheduled): ``new = cache.insert(tokens[:num_computed], table)``; ``num_cached += len(new)``;
-   emit BLOCK_CACHED for each. Inserted blocks start held by the inserting request (ref 1).
-   ``insert`` is idempotent, so calling it with the whole computed prefix every step is fine.
-3. Finish, abort or preemption: ``cache.release(table[:num_cached])`` and
-   ``pool.release(table[num_cached:])``.
-4. Running short of free blocks: ``evicted = cache.evict(n)``, hand those ids back to the pool
-   and emit BLOCK_EVICTED for each, before preempting anyone.
+1. Admission: ``hit = cache.take(T, max_blocks=(len(T) - 1) // block_size)`` (the cap leaves at
+   least one token to compute, for the logits) takes the longest cached prefix and a reference to
+   each of its blocks, before any eviction in the same pass could take them. If admission fails
+   after all, ``cache.release(hit)``. ``match_length`` looks the same up without taking or
+   stamping anything (to order the waiting queue).
+2. As the request's KV is written: ``cache.extend(front_block, tokens_after_front, labels)``
+   caches its next full blocks (each starting with the request's reference) and returns them;
+   the request's cached front grows by that many.
+3. Finish, abort or preemption: ``cache.release(cached_front)``.
+4. Running short of free blocks: ``cache.evict(n)`` frees idle blocks, before anyone is preempted.
 
 A shared block is never written again: a request only writes from its first uncomputed token,
 which lies past its matched (full) blocks.
 
-LRU uses a logical clock, no wall clock: every call that takes a path (``match``, ``acquire``,
-``insert``, ``release``) advances it and stamps that path. Since one call stamps one root path,
-two cached leaves never share a stamp, so the eviction order is fully determined.
+LRU uses a logical clock, no wall clock: every call that takes a path (``take``, ``extend``,
+``release``) advances it and stamps that path. Since one call stamps one root path, two cached
+leaves never share a stamp, so the eviction order is fully determined.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import structlog
-
-log = structlog.get_logger(__name__)
-
-ROOT_HASH = 0
-
-
-def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """The block's hash: blake2b with an 8-byte digest over the parent's hash (8 bytes,
-    little-endian, unsigned) followed by each token id (4 bytes, little-endian, unsigned), the
-    digest read as a little-endian unsigned int. The root's hash is ``ROOT_HASH`` (0)."""
-    try:
-        data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
-    except struct.error as error:
-        raise ValueError(f"cannot hash block {list(token_ids)[:8]} under {parent_hash}: {error}") from error
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,25 +123,15 @@ class PrefixCache:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[CachedBlock]:
-        """The longest cached prefix of ``token_ids`` made of full blocks, at most ``max_blocks``
-        blocks (below 0 counts as 0). Stamps the matched path; takes no reference."""
-        path = self._match_path(token_ids, max_blocks)
-        self._stamp(path)
-        return [n.to_cached() for n in path]
-
     def match_length(self, token_ids: Sequence[int], max_blocks: int | None = None) -> int:
-        """How many blocks ``match`` would return, without stamping anything (for ordering)."""
+        """How many blocks ``take`` would take (at most ``max_blocks``, below 0 counting as 0),
+        without taking or stamping anything (for ordering)."""
         return len(self._match_path(token_ids, max_blocks))
 
-    def acquire(self, blocks: Sequence[int]) -> None:
-        """A request starts using these cached blocks, a path from the root (what ``match``
-        returned): each gains one reference."""
-        self._hold(self._path(blocks))
-
     def take(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
-        """``match`` then ``acquire`` in one walk: the ids of the longest cached prefix of
-        ``token_ids`` (at most ``max_blocks`` blocks), each now holding one more reference."""
+        """The ids of the longest cached prefix of ``token_ids`` made of full blocks (at most
+        ``max_blocks`` blocks, below 0 counting as 0), each now holding one more reference and
+        stamped as used."""
         path = self._match_path(token_ids, max_blocks)
         self._hold(path)
         return [node.block_id for node in path]
@@ -192,48 +153,15 @@ class PrefixCache:
                 self._num_evictable += 1
         self._stamp(path)
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[CachedBlock]:
-        """Cache a request's full blocks: ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]``
-        (extra block ids, such as a partial last block, are ignored). Returns the blocks newly
-        cached, in order; they now belong to the cache and start with one reference, held by
-        the inserting request, which releases them with ``release``.
-
-        Blocks already cached under the same id are passed over (the request must hold them,
-        from ``acquire`` or an earlier ``insert``). If a block's content is already cached under
-        another id (two requests computed the same prefix concurrently), the cached one is kept
-        and insertion stops there: the caller's block and everything after it stay private, and
-        the caller frees them to the pool when the request ends. Newly cached blocks therefore
-        always extend the cached front of the request's table."""
-        num_full = len(token_ids) // self.block_size
-        if len(block_ids) < num_full:
-            raise ValueError(f"{num_full} full blocks of tokens but only {len(block_ids)} block ids")
-        keys = list(self._keys(token_ids, num_full))
-        path: list[_Node] = []
-        node = self._root
-        for index, key in enumerate(keys):
-            child = node.children.get(key)
-            if child is None:
-                break
-            if child.block_id != block_ids[index]:
-                log.debug("prefix_cache.duplicate_block", kept=child.block_id, duplicate=block_ids[index], index=index)
-                self._stamp(path)
-                return []
-            if child.ref_count == 0:
-                raise ValueError(f"block {child.block_id} is cached but not held: acquire matched blocks first")
-            path.append(child)
-            node = child
-        start = len(path)
-        new_nodes = self._add_chain(node, keys[start:], block_ids[start:num_full])
-        self._stamp(path + new_nodes)
-        return [n.to_cached() for n in new_nodes]
-
     def extend(self, parent_block: int | None, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[CachedBlock]:
-        """``insert`` for a request whose cached front ends at ``parent_block`` (None: the root):
-        caches the full blocks of ``token_ids`` (the tokens right after that front) as
-        ``block_ids``, walking only the new part, so a request can cache its blocks as they fill
-        at a cost independent of its length. The parent must be held by the caller. Stops, like
-        ``insert``, at a block whose content is already cached under another id. Returns the
-        blocks newly cached, in order (each held once, by the caller)."""
+        """Cache a request's next full blocks: its cached front ends at ``parent_block`` (None:
+        the root), ``token_ids`` are the tokens right after that front and ``block_ids[i]`` holds
+        ``token_ids[i*bs:(i+1)*bs]`` (extra ids, such as a partial last block, are ignored). Walks
+        only the new part, so a request caches its blocks as they fill at a cost independent of
+        its length. The parent must be held by the caller. If the first block's content is
+        already cached under another id (two requests computed the same prefix concurrently),
+        the cached one is kept and nothing is cached: the caller's blocks stay private. Returns
+        the blocks newly cached, in order; each starts with one reference, the caller's."""
         if parent_block is None:
             parent = self._root
         else:
@@ -247,7 +175,6 @@ class PrefixCache:
             raise ValueError(f"{num_full} full blocks of tokens but only {len(block_ids)} block ids")
         keys = list(self._keys(token_ids, num_full))
         if keys and keys[0] in parent.children:
-            log.debug("prefix_cache.duplicate_block", kept=parent.children[keys[0]].block_id, duplicate=block_ids[0])
             return []
         new_nodes = self._add_chain(parent, keys, block_ids[:num_full])
         self._stamp(self._path_to(parent) + new_nodes)
@@ -270,8 +197,6 @@ class PrefixCache:
             node.alive = False
             self._num_evictable -= 1
             self._offer(parent)
-        if evicted:
-            log.debug("prefix_cache.evicted", count=len(evicted), num_cached=len(self._nodes))
         return evicted
 
     def check_invariants(self) -> None:

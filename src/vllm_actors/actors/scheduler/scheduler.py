@@ -14,18 +14,23 @@ Prefix caching (``block_ledger``): on admission a request takes the longest run 
 blocks matching its tokens and computes only the rest; its blocks are cached as they fill (at
 planning time, so a request admitted later in the same pass already hits them); idle cached blocks
 count as available and are evicted, least recently used first, before anyone is preempted.
+
+``queue_policy`` holds who gets in: admission checks, the waiting queue's order (``lpm``: longest
+cached prefix first) and admission with its cache lookup; ``request`` the per-request state.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
+from vllm_actors.actors.scheduler.queue_policy import admission_error, admit, order_longest_prefix_first
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import (
     Aborted,
     Finished,
@@ -48,58 +53,7 @@ from vllm_actors.protocol.messages import (
     StepResult,
     pack_token_ids,
 )
-from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
-
-MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32 (the frontend checks the vocabulary)
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    arrival_time: float
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    status: Status = Status.WAITING
-    in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
-    num_preemptions: int = 0
-    num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
-    packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
-    # Computed tokens at which its next full block could be cached: below it, a step asks the
-    # ledger nothing (most decode steps complete no block).
-    cache_check_at: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """Known token ids ``start:end`` (prompt then outputs) without joining the two lists."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-    @property
-    def num_tokens_with_pending(self) -> int:
-        """Tokens the worker will hold once the steps in flight are done: what can be computed."""
-        return self.num_tokens + self.num_pending
-
 
 @dataclass
 class SchedulerStats:
@@ -152,13 +106,9 @@ class Scheduler:
         out.extend((BUS, event) for event in self._events)
         return out
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._departed or self._in_flight)
-
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
-        error = self._admission_error(message)
+        error = admission_error(message, self.requests, self.config.max_model_len)
         if error is not None:
             self._events.append(Aborted(request_id=message.request_id, reason="error"))
             update = RequestUpdate(request_id=message.request_id, finish_reason="error", error=error)
@@ -175,21 +125,6 @@ class Scheduler:
         self.waiting.append(request)
         self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting)))
         return []
-
-    def _admission_error(self, message: AddRequest) -> str | None:
-        if message.request_id in self.requests:
-            return f"request id {message.request_id!r} is already in use"
-        num_prompt = len(message.prompt_token_ids)
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt > self.config.max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens, more than max_model_len "
-                f"({self.config.max_model_len})"
-            )
-        if min(message.prompt_token_ids) < 0 or max(message.prompt_token_ids) > MAX_TOKEN_ID:
-            return f"prompt token ids must lie in [0, {MAX_TOKEN_ID}]"
-        return None
 
     def _finish(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -211,7 +146,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
         if not self._in_flight or result.step_id != self._in_flight[0][0].step_id:
-            raise ValueError(f"unexpected step result {result.step_id}")
+            raise MessageRejected(f"unexpected step result {result.step_id}")
         _, sampling_ids = self._in_flight.popleft()
         for request_id in sampling_ids:
             request = self.requests.get(request_id)
@@ -318,42 +253,6 @@ class Scheduler:
         held = self.ledger.num_blocks(request.request_id)
         return self._blocks_for(request.num_computed_tokens + num_new) - held
 
-    # Longest-prefix-first ordering looks every waiting request up each pass: past this many
-    # waiting requests it costs more than it saves, and arrival order is kept (as SGLang does).
-    LPM_MAX_WAITING = 128
-
-    def _order_waiting(self) -> None:
-        if self.config.scheduling_policy != "lpm" or not 1 < len(self.waiting) <= self.LPM_MAX_WAITING:
-            return
-        hits = {
-            request.request_id: self.ledger.cached_prefix_blocks(request.all_token_ids)
-            for request in self.waiting
-            if self._looks_up(request)
-        }
-        # Stable: equal hits keep arrival order; a request still waiting for a token in flight
-        # goes last (it cannot be admitted yet and must not block the others).
-        self.waiting = deque(
-            sorted(self.waiting, key=lambda r: (r.num_pending > 0, -hits.get(r.request_id, 0)))
-        )
-
-    def _looks_up(self, request: ScheduledRequest) -> bool:
-        """Whether admission looks the request up in the prefix cache: not when it wants prompt
-        logprobs, which need every prompt position computed."""
-        return self.ledger.cache is not None and request.params.prompt_logprobs is None
-
-    def _admit(self, request: ScheduledRequest) -> tuple[int, int, int]:
-        """Take the request's cache hit (it then computes from there): (tokens looked up,
-        tokens hit, hash of the hit's last block)."""
-        if not self._looks_up(request):
-            self.ledger.admit(request.request_id, None)
-            request.cache_check_at = self.ledger.next_cache_check(request.request_id)
-            return 0, 0, 0
-        tokens = request.all_token_ids
-        num_blocks, last_hash = self.ledger.admit(request.request_id, tokens)
-        request.num_computed_tokens = num_blocks * self.config.block_size
-        request.cache_check_at = self.ledger.next_cache_check(request.request_id)
-        return len(tokens), request.num_computed_tokens, last_hash
-
     def _schedule(self) -> tuple[StepPlan, list[str]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[ScheduledRequest, int]] = []
@@ -382,15 +281,15 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        if not preempted_now:
-            self._order_waiting()
+        if not preempted_now and self.config.scheduling_policy == "lpm":
+            self.waiting = order_longest_prefix_first(self.waiting, self.ledger)
         while self.waiting and budget > 0 and not preempted_now:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
-            num_query, num_hit, hit_hash = self._admit(request)
+            num_query, num_hit, hit_hash = admit(request, self.ledger)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget)
             needed = self._blocks_needed(request, num_new)

@@ -1,13 +1,13 @@
 """The worker: keeps each running request's tokens and block table, runs the step, samples.
 
-Pure state machine around a model runner: ``handle(StepPlan)`` returns one ``StepResult`` for the
+Pure state machine around a model runner (the clock that times a step is injected): ``handle(StepPlan)`` returns one ``StepResult`` for the
 scheduler. Because the worker appends every token it samples to the request's own token list, a
 decode step needs nothing from the plan but the request id - the next step's input is already here.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,6 +15,7 @@ import torch
 
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
@@ -63,9 +64,11 @@ class _PromptSpan:
 class Worker:
     name = "worker"
 
-    def __init__(self, runner: Runner, sampler: Sampler) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler, clock: Callable[[], float]) -> None:
+        """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step."""
         self.runner = runner
         self.sampler = sampler
+        self.clock = clock
         self.requests: dict[str, WorkerRequest] = {}
         width = getattr(runner, "max_blocks_per_seq", None)
         self.tables = BlockTableArray(width) if width else None
@@ -92,10 +95,10 @@ class Worker:
         return [(SCHEDULER, result), (BUS, started), (BUS, finished)]
 
     def validate(self, plan: StepPlan) -> None:
-        """Reject a plan that names unknown requests or asks for tokens that do not exist,
-        before any state changes."""
+        """Reject a plan that names unknown requests or asks for tokens that do not exist
+        (``MessageRejected``), before any state changes."""
         if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
-            raise ValueError("req_ids, num_tokens and new_block_ids differ in length")
+            raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
         computed = {
             request_id: (request.num_computed_tokens, len(request.token_ids))
             for request_id, request in self.requests.items()
@@ -103,23 +106,23 @@ class Worker:
         }
         for new in plan.new_requests:
             if len(new.token_ids) % 4:
-                raise ValueError(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
+                raise MessageRejected(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
         computed.update({new.request_id: (new.num_cached_tokens, new.num_tokens) for new in plan.new_requests})
         num_blocks = getattr(self.runner, "num_blocks", None)
         for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
             if request_id not in computed:
-                raise ValueError(f"plan schedules unknown request {request_id!r}")
+                raise MessageRejected(f"plan schedules unknown request {request_id!r}")
             done, known = computed[request_id]
             if not 1 <= num_new <= known - done:
-                raise ValueError(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
+                raise MessageRejected(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
             if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
-                raise ValueError(f"plan gives {request_id!r} a block outside the pool")
+                raise MessageRejected(f"plan gives {request_id!r} a block outside the pool")
             fresh = request_id in plan.finished_ids or request_id not in self.requests or any(
                 new.request_id == request_id for new in plan.new_requests
             )
             held = 0 if fresh else len(self.requests[request_id].block_table)
             if self.tables is not None and held + len(blocks) > self.tables.width:
-                raise ValueError(f"plan gives {request_id!r} more blocks than a sequence may hold")
+                raise MessageRejected(f"plan gives {request_id!r} more blocks than a sequence may hold")
 
     def _drop(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -140,7 +143,7 @@ class Worker:
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
+        started = self.clock()
         for request_id in plan.finished_ids:
             self._drop(request_id)
         for new in plan.new_requests:
@@ -205,7 +208,7 @@ class Worker:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_batched_tokens=len(batch.token_ids),
-            execute_seconds=time.perf_counter() - started,
+            execute_seconds=self.clock() - started,
         )
 
     @staticmethod

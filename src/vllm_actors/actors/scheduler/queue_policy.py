@@ -1,0 +1,64 @@
+"""Who gets in: the admission checks of a new request, the waiting queue's order (FCFS, or
+longest cached prefix first), and admission itself with its prefix-cache lookup."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from vllm_actors.actors.scheduler.block_ledger import BlockLedger
+from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.protocol.messages import AddRequest
+
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32 (the frontend checks the vocabulary)
+# Longest-prefix-first ordering looks every waiting request up each pass: past this many
+# waiting requests it costs more than it saves, and arrival order is kept (as SGLang does).
+LPM_MAX_WAITING = 128
+
+
+def admission_error(message: AddRequest, requests: Mapping[str, object], max_model_len: int) -> str | None:
+    """Why the scheduler cannot take this request (the frontend gets it as an error), or None."""
+    if message.request_id in requests:
+        return f"request id {message.request_id!r} is already in use"
+    num_prompt = len(message.prompt_token_ids)
+    if num_prompt == 0:
+        return "the prompt is empty"
+    if num_prompt > max_model_len:
+        return f"the prompt has {num_prompt} tokens, more than max_model_len ({max_model_len})"
+    if min(message.prompt_token_ids) < 0 or max(message.prompt_token_ids) > MAX_TOKEN_ID:
+        return f"prompt token ids must lie in [0, {MAX_TOKEN_ID}]"
+    return None
+
+
+def looks_up(request: ScheduledRequest, ledger: BlockLedger) -> bool:
+    """Whether admission looks the request up in the prefix cache: not when it wants prompt
+    logprobs, which need every prompt position computed."""
+    return ledger.cache is not None and request.params.prompt_logprobs is None
+
+
+def order_longest_prefix_first(waiting: deque[ScheduledRequest], ledger: BlockLedger) -> deque[ScheduledRequest]:
+    """The "lpm" policy: the waiting requests with the most cached blocks first (stable: equal
+    hits keep arrival order). A request still waiting for a token in flight goes last (it cannot
+    be admitted yet and must not block the others). Past ``LPM_MAX_WAITING``: arrival order."""
+    if not 1 < len(waiting) <= LPM_MAX_WAITING:
+        return waiting
+    hits = {
+        request.request_id: ledger.cached_prefix_blocks(request.all_token_ids)
+        for request in waiting
+        if looks_up(request, ledger)
+    }
+    return deque(sorted(waiting, key=lambda r: (r.num_pending > 0, -hits.get(r.request_id, 0))))
+
+
+def admit(request: ScheduledRequest, ledger: BlockLedger) -> tuple[int, int, int]:
+    """The request starts holding blocks and takes its cache hit (it then computes from there):
+    (tokens looked up, tokens hit, hash of the hit's last block)."""
+    if not looks_up(request, ledger):
+        ledger.admit(request.request_id, None)
+        request.cache_check_at = ledger.next_cache_check(request.request_id)
+        return 0, 0, 0
+    tokens = request.all_token_ids
+    num_blocks, last_hash = ledger.admit(request.request_id, tokens)
+    request.num_computed_tokens = num_blocks * ledger.block_size
+    request.cache_check_at = ledger.next_cache_check(request.request_id)
+    return len(tokens), request.num_computed_tokens, last_hash

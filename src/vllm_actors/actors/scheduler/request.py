@@ -1,0 +1,55 @@
+"""A request as the scheduler keeps it: its tokens, its progress, where it is."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vllm_actors.protocol.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
+    num_preemptions: int = 0
+    num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
+    packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
+    # Computed tokens at which its next full block could be cached: below it, a step asks the
+    # ledger nothing (most decode steps complete no block).
+    cache_check_at: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids ``start:end`` (prompt then outputs) without joining the two lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the worker will hold once the steps in flight are done: what can be computed."""
+        return self.num_tokens + self.num_pending
