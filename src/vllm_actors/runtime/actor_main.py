@@ -1,18 +1,15 @@
 """One actor process: ``python -m vllm_actors.runtime.actor_main SPEC_JSON``.
 
-Started by the supervisor in a fresh interpreter. The contract with the supervisor:
-- stdin is a pipe from the supervisor; EOF on it means the supervisor is gone (even by SIGKILL),
-  and the actor exits;
-- exactly one JSON line on stdout: ``{"status": "ready", "info": {...}}`` once the actor serves,
-  or ``{"status": "error", "error": "..."}``; logs go to stderr;
-- SIGTERM or SIGINT: publish DRAINING/STOPPED and exit 0.
+Started by the supervisor in a fresh interpreter; ``runtime/process.py`` holds the contract with
+it (spec, readiness line, parent watch, signals). Here: build the role's state machine, wrap it in
+its shell (``zmq_shell.ActorShell``; the bus and the metrics store have their own shells in
+``bus.py`` and ``metrics_shell.py``), serve until stopped. SIGTERM or SIGINT: publish
+DRAINING/STOPPED and exit 0; a state machine's bug: publish CRASHED and exit 1.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -25,89 +22,33 @@ import structlog
 import zmq
 
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
+from vllm_actors.protocol.events import (
+    ActorDraining,
+    ActorReady,
+    ActorStarting,
+    ActorStopped,
+    Heartbeat,
+)
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    StepPlan,
+    StepResult,
+)
+from vllm_actors.protocol.names import worker_id
+from vllm_actors.runtime.bus import run_bus
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.runtime.metrics_shell import run_metrics
-from vllm_actors.protocol.events import ActorDraining, ActorReady, ActorStarting, ActorStopped, Heartbeat
-from vllm_actors.protocol.messages import AbortRequests, AddRequest, StepPlan, StepResult
-from vllm_actors.runtime.run_dir import GroupAddresses
-from vllm_actors.protocol.names import worker_id
-from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell, EventPublisher, wait_until_seen
+from vllm_actors.runtime.process import (
+    READY_TIMEOUT,
+    ActorSpec,
+    install_signal_handlers,
+    report,
+    watch_parent,
+)
+from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until_seen
 
 log = structlog.get_logger(__name__)
-
-HARD_EXIT_SECONDS = 3.0
-READY_TIMEOUT = 60.0
-
-
-class ActorSpec(msgspec.Struct, kw_only=True):
-    role: str  # "bus", "metrics", "worker", "kv_cache_manager", "scheduler"
-    actor_id: str
-    addresses: GroupAddresses
-    engine: EngineConfig
-    scheduler: SchedulerConfig | None = None
-    num_blocks: int = 0
-    rank: int = 0
-    check_invariants: bool = False
-    metrics_max_events: int = 100_000
-
-
-def report(status: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"status": status, **fields}) + "\n")
-    sys.stdout.flush()
-
-
-def watch_parent(stop: threading.Event) -> None:
-    """Exit when the supervisor's end of our stdin closes (it died or let us go)."""
-
-    def watch() -> None:
-        try:
-            while sys.stdin.buffer.read(1024):
-                pass
-        except (OSError, ValueError):
-            pass
-        stop.set()
-        timer = threading.Timer(HARD_EXIT_SECONDS, os._exit, args=(3,))
-        timer.daemon = True
-        timer.start()
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def install_signal_handlers(stop: threading.Event) -> None:
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-
-# --------------------------------------------------------------------------- infrastructure roles
-def run_bus(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
-    """The event bus: an XSUB/XPUB proxy. Actors publish into XSUB; subscribers read XPUB."""
-    frontend = context.socket(zmq.XSUB)
-    backend = context.socket(zmq.XPUB)
-    for socket in (frontend, backend):
-        socket.setsockopt(zmq.SNDHWM, EVENT_HWM)
-        socket.setsockopt(zmq.RCVHWM, EVENT_HWM)
-        socket.setsockopt(zmq.LINGER, 0)
-    frontend.bind(spec.addresses.bus_in)
-    backend.bind(spec.addresses.bus_out)
-    control = context.socket(zmq.PAIR)
-    control.bind("inproc://bus-control")
-    terminator = context.socket(zmq.PAIR)
-    terminator.connect("inproc://bus-control")
-
-    def terminate_on_stop() -> None:
-        stop.wait()
-        terminator.send(b"TERMINATE")
-
-    threading.Thread(target=terminate_on_stop, daemon=True).start()
-    report("ready", info={})
-    zmq.proxy_steerable(frontend, backend, None, control)
-    for socket in (frontend, backend, control, terminator):
-        socket.close()
-
 
 # --------------------------------------------------------------------------- engine roles
 def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, frozenset[bytes] | None], dict[str, Any]]:
@@ -116,9 +57,9 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
     if spec.role == "worker":
         import torch
 
-        from vllm_actors.actors.worker.worker import Worker
         from vllm_actors.actors.worker.model_runner import ModelRunner
         from vllm_actors.actors.worker.sampler import Sampler
+        from vllm_actors.actors.worker.worker import Worker
 
         threads = os.environ.get("VLLM_ACTORS_WORKER_THREADS")
         if threads:

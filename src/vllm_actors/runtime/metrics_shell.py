@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -23,12 +22,22 @@ import zmq
 from vllm_actors.actors.metrics_store.dump import DumpContent
 from vllm_actors.actors.metrics_store.notices import Notice
 from vllm_actors.actors.metrics_store.store import MetricsStore
-from vllm_actors.protocol.events import ActorReady, ActorStarting, ActorStopped, EventBatch
-from vllm_actors.protocol.metrics import DumpReply, ErrorReply, MetricsCodec, MetricsQuery, MetricsReply, SeenQuery
+from vllm_actors.protocol.events import (
+    ActorReady,
+    ActorStarting,
+    ActorStopped,
+    EventBatch,
+)
+from vllm_actors.protocol.metrics import (
+    DumpReply,
+    ErrorReply,
+    MetricsCodec,
+    MetricsQuery,
+    MetricsReply,
+    SeenQuery,
+)
+from vllm_actors.runtime.process import READY_TIMEOUT, ActorSpec, report
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, EventPublisher
-
-if TYPE_CHECKING:
-    from vllm_actors.runtime.actor_main import ActorSpec
 
 log = structlog.get_logger(__name__)
 
@@ -96,11 +105,6 @@ def events_seen(store: MetricsStore, actor_id: str) -> int:
 # --------------------------------------------------------------------------- the process
 def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
     """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER."""
-    # actor_main imports this module at its top: import back from it only here. (In an actor
-    # process actor_main runs as __main__, so this loads it once more as a plain module: it only
-    # defines things.)
-    from vllm_actors.runtime.actor_main import READY_TIMEOUT, report
-
     codec = MetricsCodec()
 
     store = MetricsStore(max_events=spec.metrics_max_events)

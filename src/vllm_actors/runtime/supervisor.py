@@ -31,10 +31,20 @@ from typing import IO, Any
 import msgspec
 import structlog
 
-from vllm_actors.runtime.actor_main import ActorSpec
-from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.protocol.config import (
+    EngineConfig,
+    SchedulerConfig,
+    resolve_scheduler_config,
+)
 from vllm_actors.protocol.names import worker_id
-from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo, make_addresses, make_run_dir, write_group_info
+from vllm_actors.runtime.process import ActorSpec
+from vllm_actors.runtime.run_dir import (
+    GroupAddresses,
+    GroupInfo,
+    make_addresses,
+    make_run_dir,
+    write_group_info,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,6 @@ from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.names import BUS, CLIENT
 
 
-
 class Actor(Protocol):
     name: str
 

@@ -26,8 +26,8 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import ActorCrashed, EventBatch, Rejected
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
-from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 from vllm_actors.protocol.names import FRONTEND
+from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 
 log = structlog.get_logger(__name__)
 
