@@ -318,7 +318,7 @@ class AsyncEngineClient:
         self._check_alive()
         self._ensure_tasks()
         stream = RequestStream(self, prepared)
-        messages = self.frontend.submit(prepared, arrival_time=time.time())
+        messages = self.frontend.submit(prepared)
         self._streams[prepared.request_id] = stream
         self._timings[prepared.request_id] = _Timing(arrival=time.monotonic())
         self._send(messages)

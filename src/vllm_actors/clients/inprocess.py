@@ -7,7 +7,6 @@ their messages. Used by tests and as the offline engine's in-process mode.
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -93,7 +92,7 @@ class InProcessEngine:
         return self.frontend.prepare(request_id, prompt, params)
 
     def submit(self, prepared: PreparedRequest) -> None:
-        self._send_from_frontend(self.frontend.submit(prepared, arrival_time=time.monotonic()))
+        self._send_from_frontend(self.frontend.submit(prepared))
 
     def abort(self, request_id: str) -> None:
         self._send_from_frontend(self.frontend.abort(request_id))

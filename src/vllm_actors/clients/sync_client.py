@@ -75,8 +75,8 @@ class EngineClient:
     def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
         return self.frontend.prepare(request_id, prompt, params)
 
-    def submit(self, prepared: PreparedRequest, arrival_time: float = 0.0) -> None:
-        self._send(self.frontend.submit(prepared, arrival_time))
+    def submit(self, prepared: PreparedRequest) -> None:
+        self._send(self.frontend.submit(prepared))
 
     def abort(self, request_id: str) -> None:
         self._send(self.frontend.abort(request_id))

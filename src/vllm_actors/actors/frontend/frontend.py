@@ -111,7 +111,7 @@ class Frontend:
             params = params.clone(max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         return PreparedRequest(request_id, text, prompt_ids, params)
 
-    def submit(self, prepared: PreparedRequest, arrival_time: float = 0.0) -> list[tuple[str, Message]]:
+    def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message]]:
         params = prepared.params
         if prepared.request_id in self._requests:
             raise ValueError(f"request id {prepared.request_id!r} is already in use")
@@ -132,7 +132,6 @@ class Frontend:
                 prompt_token_ids=request.prompt_token_ids,
                 params=child_params,
                 eos_token_ids=self.eos_token_ids,
-                arrival_time=arrival_time,
             )
             messages.append((SCHEDULER, add))
             messages.append(
@@ -142,10 +141,8 @@ class Frontend:
         self._requests[request.request_id] = request
         return messages
 
-    def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float = 0.0
-    ) -> list[tuple[str, Message]]:
-        return self.submit(self.prepare(request_id, prompt, params), arrival_time)
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> list[tuple[str, Message]]:
+        return self.submit(self.prepare(request_id, prompt, params))
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

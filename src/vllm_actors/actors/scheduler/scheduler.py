@@ -66,7 +66,6 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
-    arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -168,7 +167,6 @@ class Scheduler:
             prompt_token_ids=list(message.prompt_token_ids),
             params=message.params,
             eos_token_ids=list(message.eos_token_ids),
-            arrival_time=message.arrival_time,
             packed_prompt=pack_token_ids(message.prompt_token_ids),
         )
         self.requests[request.request_id] = request
