@@ -5,14 +5,20 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.protocol.metrics import SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
+from vllm_actors.clients.core import SyncClient
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.metrics import SummaryReply, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_actors.actors.frontend.tokenizer import Tokenizer
+    from vllm_actors.runtime.supervisor import ProcessGroup
 
 EXECUTORS = ("group", "inprocess")
 
@@ -45,63 +51,55 @@ class LLM:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         self.config = make_engine_config(model, engine_args)
         self.executor = executor
-        self._group = None
+        self._group: ProcessGroup | None = None
         self._ids = itertools.count()
+        self._client: SyncClient | None = None
         if executor == "inprocess":
             from vllm_actors.clients.inprocess import InProcessEngine
 
-            self._engine: Any = InProcessEngine(self.config)
-            self._tokenizer = self._engine.tokenizer
+            self._client = InProcessEngine(self.config)
             return
+        from vllm_actors.clients.core import load_group_tokenizer
         from vllm_actors.clients.sync_client import EngineClient
         from vllm_actors.runtime.supervisor import ProcessGroup
 
         check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
         self._group = ProcessGroup(self.config, check_invariants=check).start()
         try:
-            self._tokenizer = None
-            if self._group.info.tokenizer is not None:
-                from vllm_actors.actors.frontend.tokenizer import load_tokenizer
-
-                self._tokenizer = load_tokenizer(self._group.info.tokenizer)
-            self._engine = EngineClient(self._group.info, self._tokenizer)
+            self._client = EngineClient(self._group.info, load_group_tokenizer(self._group.info))
         except BaseException:
             self._group.shutdown()
             raise
 
     @property
-    def engine(self):  # noqa: ANN201 - the in-process engine or the client of the process group
-        if self._engine is None:
+    def engine(self) -> SyncClient:
+        """The client this LLM drives: the in-process engine or the client of the process group."""
+        if self._client is None:
             raise RuntimeError("this LLM has been shut down")
-        return self._engine
+        return self._client
 
     @property
-    def group(self):  # noqa: ANN201 - the ProcessGroup, or None in process
+    def group(self) -> ProcessGroup | None:
+        """The process group, or None in process."""
         return self._group
 
-    def get_tokenizer(self):  # noqa: ANN201
-        return self._tokenizer
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.frontend.vocab_size
+        return self.engine.vocab_size
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.frontend.max_model_len
+        return self.engine.max_model_len
 
     def get_metrics(self) -> SummaryReply:
         """Counters, gauges and latency percentiles from the metrics store."""
-        reply = self.engine.query_metrics(SummaryQuery())
-        if not isinstance(reply, SummaryReply):
-            raise RuntimeError(f"the metrics store answered {reply!r}")
-        return reply
+        return self.engine.get_metrics()
 
     def get_timeline(self, request_id: str) -> TimelineReply:
-        reply = self.engine.query_metrics(TimelineQuery(request_id=request_id))
-        if not isinstance(reply, TimelineReply):
-            raise RuntimeError(f"the metrics store answered {reply!r}")
-        return reply
+        return self.engine.get_timeline(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished
@@ -114,25 +112,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
-                )
+        params_list = self._params_list(sampling_params, len(prompt_list))
         engine = self.engine
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
         prepared = [
             engine.prepare(str(next(self._ids)), prompt, params)
             for prompt, params in zip(prompt_list, params_list, strict=True)
         ]
-        for request in prepared:
-            engine.submit(request)
-        return self._run([request.request_id for request in prepared], use_tqdm)
+        return self._run(prepared, use_tqdm)
 
     def chat(
         self,
@@ -142,28 +129,22 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        tokenizer = self._tokenizer
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [
-            {
-                "prompt_token_ids": tokenizer.encode(
-                    tokenizer.apply_chat_template(
-                        list(conversation),
-                        add_generation_prompt=add_generation_prompt,
-                        **dict(chat_template_kwargs or {}),
-                    ),
-                    add_special_tokens=False,
-                ),
-            }
-            for conversation in conversations
-        ]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
-        return outputs
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        params_list = self._params_list(sampling_params, len(conversations))
         engine = self.engine
+        prepared = [
+            engine.prepare_chat(str(next(self._ids)), conversation, params,  # type: ignore[arg-type]
+                                add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+            for conversation, params in zip(conversations, params_list, strict=True)
+        ]
+        return self._run(prepared, use_tqdm)
+
+    def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Submit the prepared requests and wait for all of them; outputs in their order."""
+        engine = self.engine
+        for request in prepared:
+            engine.submit(request)
+        request_ids = [request.request_id for request in prepared]
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
@@ -188,11 +169,24 @@ class LLM:
             progress.close()
         return [finished[request_id] for request_id in request_ids]
 
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(f"sampling_params: got {len(params_list)} for {count} prompts")
+        return params_list
+
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None and hasattr(engine, "close"):
-            engine.close()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
         if self._group is not None:
             self._group.shutdown()
 

@@ -23,21 +23,20 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from vllm_actors.actors.frontend.frontend import PreparedRequest, PromptInput
-from vllm_actors.clients.sync_client import frontend_for_group
-from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
-from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.events import EventBatch, Heartbeat, Queued, Scheduled
-from vllm_actors.protocol.messages import RequestUpdates
+from vllm_actors.actors.frontend.frontend import PreparedRequest
+from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.clients.core import ClientCore, ZmqTransport, expect_reply, frontend_for_group, load_group_tokenizer
+from vllm_actors.clients.latency import LatencyTracker, StatsListener
+from vllm_actors.clients.request_stream import RequestStream
+from vllm_actors.protocol.events import Heartbeat
 from vllm_actors.protocol.metrics import (
     MetricsCodec,
     MetricsQuery,
@@ -49,15 +48,16 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
+from vllm_actors.protocol.names import worker_id
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
-from vllm_actors.runtime.transport import route_frontend_outputs
-from vllm_actors.protocol.names import parent_request_id, worker_id
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
-    from vllm_actors.runtime.supervisor import ProcessGroup
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
+    from vllm_actors.runtime.supervisor import ProcessGroup
+
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestStream", "StatsListener", "load_group_tokenizer"]
 
 log = structlog.get_logger(__name__)
 
@@ -69,105 +69,7 @@ class EngineDeadError(RuntimeError):
     """The client lost its engine (its reader stopped or it was shut down)."""
 
 
-class StatsListener(Protocol):
-    """Receives latency samples of this client's requests, in seconds: ``"ttft"``, ``"itl"``
-    (one per step that brought tokens), ``"e2e"`` and ``"queue"`` (QUEUED to SCHEDULED)."""
-
-    def observe(self, metric: str, seconds: float) -> None: ...
-
-
-@dataclass
-class _Timing:
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
-    queued: dict[str, float] = field(default_factory=dict)  # engine id -> QUEUED (scheduler mono)
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of cumulative ``RequestOutput``.
-
-    Outputs are cumulative, so a consumer slower than the engine loses nothing by seeing only the
-    newest one: each ``__anext__`` returns the latest output not yet returned. The iteration ends
-    after the finished output (finish reasons "stop", "length", "abort" or "error")."""
-
-    def __init__(self, client: AsyncEngineClient, prepared: PreparedRequest) -> None:
-        self.client = client
-        self.request_id = prepared.request_id
-        self.prepared = prepared
-        self.finished = False  # the finished output has been received
-        self._latest: RequestOutput | None = None
-        self._last: RequestOutput | None = None
-        self._ready = asyncio.Event()
-        self._returned_final = False
-        self._error: BaseException | None = None
-
-    def _put(self, output: RequestOutput) -> None:
-        self._latest = output
-        self._last = output
-        self.finished = self.finished or output.finished
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self.finished = True
-        self._ready.set()
-
-    def _aborted(self) -> None:
-        """The request was aborted here: end the iteration with an output saying so."""
-        if self.finished:
-            return
-        last = self._last
-        n = self.prepared.params.n
-        previous = {c.index: c for c in last.outputs} if last is not None else {}
-        outputs = []
-        for index in range(n):
-            child = previous.get(index)
-            if child is None:
-                child = CompletionOutput(index=index, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
-            elif child.finish_reason is None:
-                child = CompletionOutput(index=index, text=child.text, token_ids=list(child.token_ids),
-                                         cumulative_logprob=child.cumulative_logprob, logprobs=child.logprobs)
-            if child.finish_reason is None:
-                child.finish_reason = "abort"
-            outputs.append(child)
-        self._put(RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prepared.prompt,
-            prompt_token_ids=self.prepared.prompt_token_ids,
-            prompt_logprobs=last.prompt_logprobs if last is not None else None,
-            outputs=outputs,
-            finished=True,
-        ))
-
-    def abort(self, reason: str = "abort") -> None:
-        """Abort the request unless it has finished (no-op then)."""
-        if not self.finished:
-            self.client.abort(self.request_id, reason)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._returned_final:
-                raise StopAsyncIteration
-            if self._latest is None and self._error is None:
-                self._ready.clear()
-                await self._ready.wait()
-            if self._error is not None:
-                self._returned_final = True
-                raise self._error
-            output, self._latest = self._latest, None
-            if output is None:
-                continue
-            if output.finished:
-                self._returned_final = True
-            return output
-
-
-class AsyncEngineClient:
+class AsyncEngineClient(ClientCore):
     """The frontend of a process group for asyncio applications (see the module docstring)."""
 
     def __init__(
@@ -180,12 +82,8 @@ class AsyncEngineClient:
     ) -> None:
         self.info = info
         self.group = group  # owned: shut down with the client
-        if tokenizer is None and load_tokenizer and info.tokenizer is not None:
-            from vllm_actors.actors.frontend.tokenizer import load_tokenizer as load
-
-            tokenizer = load(info.tokenizer)
-        self.tokenizer = tokenizer
-        self.frontend = frontend_for_group(info, tokenizer)
+        if tokenizer is None and load_tokenizer:
+            tokenizer = load_group_tokenizer(info)
         self.identity = f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.actor_id = self.identity.replace("client", "frontend", 1)
         self._context = zmq.asyncio.Context()
@@ -196,13 +94,12 @@ class AsyncEngineClient:
         # PUB never blocks: a plain socket on the same underlying context.
         self._sync_context = zmq.Context.shadow(self._context.underlying)
         self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id)
+        super().__init__(frontend_for_group(info, tokenizer), ZmqTransport(self._dealer, self._publisher), self.identity)
         self._metrics: zmq.asyncio.Socket = self._metrics_socket()
         self._metrics_lock = asyncio.Lock()
-        self._codec = MessageCodec()
         self._metrics_codec = MetricsCodec()
         self._streams: dict[str, RequestStream] = {}
-        self._timings: dict[str, _Timing] = {}
-        self._listeners: list[StatsListener] = []
+        self.latency = LatencyTracker()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: BaseException | None = None
@@ -258,7 +155,12 @@ class AsyncEngineClient:
         (PUB/SUB drops what is published before the subscription is in place)."""
         self._ensure_tasks()
         deadline = time.monotonic() + timeout
-        while not await self._bus_round_trip(timeout=1.0):
+        while True:
+            try:
+                if await self._bus_round_trip(timeout=1.0):
+                    return
+            except TimeoutError:  # a store slow to answer (a loaded machine): ask again until the deadline
+                pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the metrics store did not see {self.actor_id}'s events within {timeout:.0f} s")
 
@@ -268,7 +170,8 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._read_updates(), name=f"{self.identity}-reader")
         reader.add_done_callback(self._on_reader_done)
-        watcher = loop.create_task(self._watch_scheduler_events(), name=f"{self.identity}-bus")
+        watcher = loop.create_task(self.latency.follow_scheduler(self._context, self.info.addresses.bus_out),
+                                   name=f"{self.identity}-bus")
         self._tasks = [reader, watcher]
 
     def _metrics_socket(self) -> zmq.asyncio.Socket:
@@ -281,14 +184,6 @@ class AsyncEngineClient:
     @property
     def model(self) -> str:
         return self.info.model
-
-    @property
-    def max_model_len(self) -> int:
-        return self.frontend.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.frontend.vocab_size
 
     @property
     def max_num_seqs(self) -> int | None:
@@ -304,24 +199,17 @@ class AsyncEngineClient:
         return self._closed
 
     def add_stats_listener(self, listener: StatsListener) -> None:
-        self._listeners.append(listener)
+        self.latency.listeners.append(listener)
 
     # ------------------------------------------------------------------ requests
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
-        """Tokenise and validate (raises ValueError naming the field); queues nothing."""
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        return self.frontend.prepare(request_id, prompt, params)
-
     def submit(self, prepared: PreparedRequest) -> RequestStream:
         """Send a prepared request to the scheduler; its outputs arrive on the returned stream."""
         self._check_alive()
         self._ensure_tasks()
         stream = RequestStream(self, prepared)
-        messages = self.frontend.submit(prepared, arrival_time=time.time())
+        self._submit(prepared)
         self._streams[prepared.request_id] = stream
-        self._timings[prepared.request_id] = _Timing(arrival=time.monotonic())
-        self._send(messages)
+        self.latency.start(prepared.request_id, time.monotonic())
         return stream
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> RequestStream:
@@ -348,20 +236,12 @@ class AsyncEngineClient:
         """Abort a request of this client: the scheduler drops it (ABORTED(reason) on the bus) and
         its KV blocks are freed with the next plan. Unknown or finished ids are ignored."""
         stream = self._streams.pop(request_id, None)
-        self._timings.pop(request_id, None)
+        self.latency.forget(request_id)
         if self._closed:
             return
-        self._send(self.frontend.abort(request_id, reason))
+        self._abort(request_id, reason)
         if stream is not None:
             stream._aborted()
-
-    def _send(self, outputs: list[tuple[str, Any]]) -> list[Any]:
-        client_outputs, onward = route_frontend_outputs(outputs, self._publisher.publish)
-        for _, message in onward:  # everything onward goes to the scheduler
-            sent = self._dealer.send(self._codec.encode(message))
-            if not sent.done():  # queued behind the high-water mark: sent in order later
-                sent.add_done_callback(_log_send_failure)
-        return client_outputs
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -373,54 +253,20 @@ class AsyncEngineClient:
     async def _read_updates(self) -> None:
         while True:
             payload = await self._dealer.recv()
-            try:
-                message = self._codec.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                log.warning("frame dropped", actor=self.identity, why="undecodable", error=str(error))
-                continue
-            if not isinstance(message, RequestUpdates):
-                log.warning("frame dropped", actor=self.identity, why="unexpected type", type=type(message).__name__)
-                continue
             now = time.monotonic()
             try:
-                outputs = self._send(self.frontend.handle(message))
+                outputs = self._receive_frame(payload)
             except Exception:  # a bug here must not silence every other request
-                log.exception("updates not handled", actor=self.identity, step=message.step_id)
+                log.exception("updates not handled", actor=self.identity)
                 continue
             for output in outputs:
-                self._dispatch(output, now)
-
-    def _dispatch(self, output: RequestOutput, now: float) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        timing = self._timings.get(output.request_id)
-        if timing is not None and self._listeners:
-            self._observe_progress(timing, output, now)
-        stream._put(output)
-        if output.finished:
-            del self._streams[output.request_id]
-            self._timings.pop(output.request_id, None)
-
-    def _observe_progress(self, timing: _Timing, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-        if num_tokens > timing.num_tokens:
-            if timing.first_token is None:
-                timing.first_token = now
-                self._emit("ttft", now - timing.arrival)
-            elif timing.last_token is not None:
-                self._emit("itl", now - timing.last_token)
-            timing.last_token = now
-            timing.num_tokens = num_tokens
-        if output.finished and output.error is None:
-            self._emit("e2e", now - timing.arrival)
-
-    def _emit(self, metric: str, seconds: float) -> None:
-        for listener in self._listeners:
-            try:
-                listener.observe(metric, seconds)
-            except Exception:
-                log.exception("stats listener failed", metric=metric)
+                self.latency.on_output(output, now)
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                stream._put(output)
+                if output.finished:
+                    del self._streams[output.request_id]
 
     def _on_reader_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -432,35 +278,7 @@ class AsyncEngineClient:
         for stream in list(self._streams.values()):
             stream._fail(EngineDeadError(f"the client lost its engine: {error}"))
         self._streams.clear()
-        self._timings.clear()
-
-    async def _watch_scheduler_events(self) -> None:
-        """QUEUED -> SCHEDULED of this client's requests, from the scheduler's events (one clock)."""
-        subscriber = self._context.socket(zmq.SUB)
-        subscriber.setsockopt(zmq.LINGER, 0)
-        subscriber.setsockopt(zmq.SUBSCRIBE, b"scheduler")
-        subscriber.connect(self.info.addresses.bus_out)
-        decoder = msgspec.msgpack.Decoder(EventBatch)
-        try:
-            while True:
-                frames = await subscriber.recv_multipart()
-                if not self._listeners or not self._timings:
-                    continue
-                try:
-                    batch = decoder.decode(frames[-1])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                for event in batch.events:
-                    if isinstance(event, Queued | Scheduled):
-                        timing = self._timings.get(parent_request_id(event.request_id))
-                        if timing is None:
-                            continue
-                        if isinstance(event, Queued):
-                            timing.queued[event.request_id] = batch.mono
-                        elif event.request_id in timing.queued:
-                            self._emit("queue", max(batch.mono - timing.queued.pop(event.request_id), 0.0))
-        finally:
-            subscriber.close()
+        self.latency.clear()
 
     # ------------------------------------------------------------------ metrics and health
     async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
@@ -477,16 +295,10 @@ class AsyncEngineClient:
             return self._metrics_codec.decode_reply(payload)
 
     async def get_metrics(self) -> SummaryReply:
-        reply = await self.query_metrics(SummaryQuery())
-        if not isinstance(reply, SummaryReply):
-            raise RuntimeError(f"the metrics store answered {reply!r}")
-        return reply
+        return expect_reply(await self.query_metrics(SummaryQuery()), SummaryReply)
 
     async def get_timeline(self, request_id: str) -> TimelineReply:
-        reply = await self.query_metrics(TimelineQuery(request_id=request_id))
-        if not isinstance(reply, TimelineReply):
-            raise RuntimeError(f"the metrics store answered {reply!r}")
-        return reply
+        return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
 
     async def _bus_round_trip(self, timeout: float) -> bool:
         """Publish a heartbeat and wait until the metrics store has seen it (bus and store alive)."""
@@ -564,20 +376,6 @@ class AsyncEngineClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
-
-
-def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:
-    """The tokenizer a group names in its GroupInfo (None when it skips tokenizer init)."""
-    if info.tokenizer is None:
-        return None
-    from vllm_actors.actors.frontend.tokenizer import load_tokenizer
-
-    return load_tokenizer(info.tokenizer)
-
-
-def _log_send_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("send to the scheduler failed", error=repr(future.exception()))
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,40 +1,53 @@
-"""The engine in one process: the four actors wired through the in-memory transport.
+"""The engine in one process: the actors wired through the in-memory transport.
 
 The same state machines run as separate processes over ZMQ; here a round-robin loop delivers
-their messages. Used by tests and as the offline engine's in-process mode.
+their messages. The frontend is the client's own (``ClientCore``): its inbox is read by the same
+loop and its outputs come back from ``step``/``poll``. Used by tests and as the offline engine's
+in-process mode.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
-from vllm_actors.actors.frontend.frontend import CLIENT, Frontend, PreparedRequest, PromptInput
+from vllm_actors.actors.frontend.frontend import Frontend
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.actors.worker.worker import Worker
-from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.clients.core import SyncClient
 from vllm_actors.models.config import ModelConfig
-from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.protocol.messages import StepResult
-from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
 from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.messages import Message, StepResult
 from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
-from vllm_actors.runtime.transport import EventStamper, InMemoryNetwork, route_frontend_outputs, split_events
+from vllm_actors.runtime.transport import EventStamper, InMemoryEndpoint, InMemoryNetwork, split_events
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
-log = structlog.get_logger(__name__)
+
+class InMemoryTransport:
+    """The frontend's side of the in-memory network: messages to its endpoint, events stamped
+    and handed to the engine's bus listeners."""
+
+    def __init__(self, endpoint: InMemoryEndpoint, publish_batch: Callable[[EventBatch], None]) -> None:
+        self.endpoint = endpoint
+        self.stamper = EventStamper(endpoint.name)
+        self._publish_batch = publish_batch
+
+    def publish(self, events: list[Any]) -> None:
+        self._publish_batch(self.stamper.stamp(events))
+
+    def send(self, destination: str, message: Message) -> None:
+        self.endpoint.send(destination, message)
 
 
-class InProcessEngine:
+class InProcessEngine(SyncClient):
     # Every live engine, so that tests can check the KV invariants of all of them after each test.
     live: weakref.WeakSet[InProcessEngine] = weakref.WeakSet()
 
@@ -59,12 +72,11 @@ class InProcessEngine:
             from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        self.tokenizer: Tokenizer | None = tokenizer  # type: ignore[assignment]
         self.scheduler_config: SchedulerConfig = resolve_scheduler_config(
             config, self.model_config.max_position_embeddings, runner.num_blocks
         )
-        self.frontend = Frontend(
-            self.tokenizer,
+        frontend = Frontend(
+            tokenizer,  # type: ignore[arg-type]
             self.model_config.eos_token_ids,
             self.scheduler_config.max_model_len,
             self.model_config.vocab_size,
@@ -73,12 +85,12 @@ class InProcessEngine:
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
         self.worker = Worker(runner, Sampler(runner.device, config.seed), clock=time.perf_counter)
         self._network = InMemoryNetwork(serialize=serialize)
+        self._frontend_endpoint = self._network.endpoint(frontend.name)
+        super().__init__(frontend, InMemoryTransport(self._frontend_endpoint, self._publish), frontend.name)
         self._actors = [
             (self._network.endpoint(actor.name), actor, EventStamper(actor.name))
-            for actor in (self.frontend, self.scheduler, self.kv_cache_manager, self.worker)
+            for actor in (self.scheduler, self.kv_cache_manager, self.worker)
         ]
-        self._client = self._network.endpoint(CLIENT)
-        self._frontend_endpoint, _, self._frontend_stamper = self._actors[0]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
         # Subscribers of the in-process event bus: the metrics store, tests.
         from vllm_actors.actors.metrics_store.store import MetricsStore
@@ -90,28 +102,9 @@ class InProcessEngine:
         if os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0"):
             self.step_hooks.append(InProcessEngine.check_invariants)
 
-    # ------------------------------------------------------------------ requests
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
-        return self.frontend.prepare(request_id, prompt, params)
-
-    def submit(self, prepared: PreparedRequest) -> None:
-        self._send_from_frontend(self.frontend.submit(prepared, arrival_time=time.monotonic()))
-
-    def abort(self, request_id: str) -> None:
-        self._send_from_frontend(self.frontend.abort(request_id))
-
-    def _send_from_frontend(self, outputs: list[tuple[str, Any]]) -> None:
-        _, onward = route_frontend_outputs(outputs, lambda events: self._publish(self._frontend_stamper.stamp(events)))
-        for destination, message in onward:
-            self._frontend_endpoint.send(destination, message)
-
     def _publish(self, batch: EventBatch) -> None:
         for listener in self.event_listeners:
             listener(batch)
-
-    @property
-    def has_unfinished(self) -> bool:
-        return self.frontend.num_unfinished > 0
 
     # ------------------------------------------------------------------ running
     def step(self) -> list[RequestOutput]:
@@ -119,7 +112,10 @@ class InProcessEngine:
         return the client outputs that came out of it."""
         outputs: list[RequestOutput] = []
         while True:
-            progressed = False
+            update = self._frontend_endpoint.recv()
+            progressed = update is not None
+            if update is not None:
+                outputs.extend(self._receive(update))
             stepped = False
             for endpoint, actor, stamper in self._actors:
                 message = endpoint.recv()
@@ -133,7 +129,6 @@ class InProcessEngine:
                         stepped = True
                 if events:
                     self._publish(stamper.stamp(events))
-            outputs.extend(self._drain_client())
             if stepped:
                 for hook in self.step_hooks:
                     hook(self)
@@ -156,12 +151,6 @@ class InProcessEngine:
         outputs: list[RequestOutput] = []
         while self._network.pending():
             outputs.extend(self.step())
-        return outputs + self._drain_client()
-
-    def _drain_client(self) -> list[RequestOutput]:
-        outputs = []
-        while (output := self._client.recv()) is not None:
-            outputs.append(output)
         return outputs
 
     # ------------------------------------------------------------------ checks

@@ -41,7 +41,6 @@ class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
-    arrival_time: float = 0.0
 
 
 class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):

@@ -10,9 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
-from vllm_actors.clients.async_client import RequestStream
-from vllm_actors.actors.frontend.chat_template import ChatTemplateError
 from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.sampling import MAX_LOGPROBS
 from vllm_actors.server.errors import OpenAIError, bad_request
 from vllm_actors.server.protocol import (
@@ -97,18 +96,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
-    tokenizer = state.client.tokenizer
-    if tokenizer is None:
-        raise bad_request("messages: this server has no tokenizer (skip_tokenizer_init)", "messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             **dict(body.chat_template_kwargs or {}))
-    except (ChatTemplateError, TypeError) as error:
-        raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     engine_id = response_id = request_id("chatcmpl", request)
-    prepared = state.prepare(engine_id, {"prompt": text, "prompt_token_ids": prompt_ids}, params,
-                             prompt_param="messages")
+    prepared = state.prepare_chat(engine_id, messages, params, body.add_generation_prompt,
+                                  dict(body.chat_template_kwargs or {}))
     job = _Job(response_id, now(), model, body, prepared)
     streams = state.submit([prepared])
     if body.stream:

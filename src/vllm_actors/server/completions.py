@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.actors.frontend.frontend import PreparedRequest, PromptInput
-from vllm_actors.clients.async_client import RequestStream
+from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
+from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.server.errors import OpenAIError, bad_request
 from vllm_actors.server.protocol import (
     CompletionChoice,
@@ -71,7 +72,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for index, prompt in enumerate(prompts):
         prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         prepared.append(state.prepare(f"{engine_id}-{index}", prompt_input, params))
-    job = _Job(response_id, now(), model, body, prepared, [_prompt_text(state, p) for p in prepared],
+    job = _Job(response_id, now(), model, body, prepared, [state.client.frontend.prompt_text(p) for p in prepared],
                _token_decoder(state))
     streams = state.submit(prepared)
     if body.stream:
@@ -85,18 +86,14 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     return Response(encode(_response(job, outputs)), media_type="application/json")
 
 
-def _prompt_text(state: ServerState, prepared: PreparedRequest) -> str:
-    if prepared.prompt is not None:
-        return prepared.prompt
-    tokenizer = state.client.tokenizer
-    return tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False) if tokenizer else ""
-
-
 def _token_decoder(state: ServerState) -> Callable[[int], str]:
-    tokenizer = state.client.tokenizer
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    frontend = state.client.frontend
+
+    def decode(token_id: int) -> str:
+        text = frontend.token_text(token_id)
+        return text if text is not None else f"token_id:{token_id}"
+
+    return decode
 
 
 async def _collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:

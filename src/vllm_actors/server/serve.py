@@ -21,7 +21,8 @@ from typing import Any
 import structlog
 import uvicorn
 
-from vllm_actors.clients.async_client import AsyncEngineClient, load_group_tokenizer
+from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.clients.core import load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.serving import ServerState
 

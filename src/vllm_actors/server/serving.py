@@ -4,9 +4,10 @@ parameters, logprob formatting, Server-Sent Events, stream merging and disconnec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,9 +17,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from vllm_actors.actors.frontend.frontend import PreparedRequest, PromptInput
-from vllm_actors.clients.async_client import AsyncEngineClient, RequestStream
+from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import PositionLogprobs, RequestOutput
+from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.server.errors import OpenAIError, bad_request, error_body, from_decode_error
 from vllm_actors.server.metrics import ServerMetrics
@@ -73,34 +76,30 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                prompt_param: str = "prompt") -> PreparedRequest:
-        """Tokenise and validate; the prompt plus max_tokens must fit in max_model_len."""
-        requested = params.max_tokens
-        try:
-            prepared = self.client.prepare(request_id, prompt, params)
-        except ValueError as error:
-            message = str(error)
-            if message.startswith("prompt:"):
-                raise OpenAIError(message.replace("prompt:", f"{prompt_param}:", 1), 400, param=prompt_param) from None
-            raise bad_request(message) from None
-        num_prompt = len(prepared.prompt_token_ids)
-        max_len = self.client.max_model_len
-        total = num_prompt + (prepared.params.max_tokens or 0)
-        if total > max_len:
-            completion = requested if requested is not None else max(max_len - num_prompt, 1)
-            raise OpenAIError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested {total} tokens "
-                f"({num_prompt} in the {'messages' if prompt_param == 'messages' else 'prompt'}, {completion} in "
-                "the completion). Please reduce the length of the messages or completion.",
-                400,
-                param="max_tokens" if requested is not None and num_prompt < max_len else prompt_param,
-            )
-        return prepared
+    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+        """Tokenise and validate (the prompt plus max_tokens must fit in max_model_len); the
+        frontend's ValueError is a 400 naming the field it starts with."""
+        with _bad_request_on_value_error():
+            return self.client.prepare(request_id, prompt, params, max_tokens_must_fit=True)
+
+    def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
+                     add_generation_prompt: bool, chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
+        """``prepare`` for a conversation, through the model's chat template."""
+        with _bad_request_on_value_error():
+            return self.client.prepare_chat(request_id, messages, params, add_generation_prompt=add_generation_prompt,
+                                            chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True)
 
     def submit(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
         self.admit(sum(p.params.n for p in prepared))
         return [self.client.submit(p) for p in prepared]
+
+
+@contextlib.contextmanager
+def _bad_request_on_value_error() -> Iterator[None]:
+    try:
+        yield
+    except ValueError as error:
+        raise bad_request(str(error)) from None
 
 
 def request_id(prefix: str, request: Request) -> str:

@@ -1,6 +1,7 @@
 """The frontend's state machine: prompts in, text out.
 
-It validates and tokenises requests (raising ``ValueError`` before anything is queued), fans a
+It owns the client side's text: it tokenises prompts and chats (``text.py``), validates them
+(raising ``ValueError`` naming the field before anything is queued), fans a
 request with ``n > 1`` out into n engine requests, detokenises the scheduler's token updates
 incrementally, applies stop strings (ending the request at the scheduler with an abort of reason
 "stop") and assembles vLLM-shaped ``RequestOutput`` objects for the client. No torch here.
@@ -9,13 +10,12 @@ incrementally, applies stop strings (ending the request at the scheduler with an
 from __future__ import annotations
 
 import math
-
-import msgspec
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
 from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
 from vllm_actors.protocol.sampling import SamplingParams
@@ -24,9 +24,6 @@ from vllm_actors.protocol.names import BUS, CLIENT, SCHEDULER, child_request_id
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
-
-
-PromptInput = str | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -84,34 +81,52 @@ class Frontend:
         self._child_owner: dict[str, tuple[_Request, _Child]] = {}
 
     # ------------------------------------------------------------------ requests in
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return self.tokenize_prompt(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-        raise ValueError(
-            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
-        )
+    def prepare(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, *, max_tokens_must_fit: bool = False
+    ) -> PreparedRequest:
+        """Tokenise and validate; raises ValueError naming the field. Queues nothing.
 
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
-        """Tokenise and validate; raises ValueError naming the field. Queues nothing."""
+        ``max_tokens_must_fit``: refuse a request whose prompt plus max_tokens exceeds
+        max_model_len (the OpenAI server's rule; offline, generation just stops there)."""
+        self._check_new(request_id, params)
+        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        return self._prepare(request_id, text, prompt_ids, params, "prompt", max_tokens_must_fit)
+
+    def prepare_chat(
+        self,
+        request_id: str,
+        messages: ChatMessages,
+        params: SamplingParams,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens_must_fit: bool = False,
+    ) -> PreparedRequest:
+        """``prepare`` for a conversation: rendered through the model's chat template."""
+        self._check_new(request_id, params)
+        text, prompt_ids = tokenize_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                         chat_template_kwargs=chat_template_kwargs)
+        return self._prepare(request_id, text, prompt_ids, params, "messages", max_tokens_must_fit)
+
+    def _check_new(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, prompt_ids = self.tokenize_prompt(prompt)
-        self._validate(prompt_ids, params)
-        if params.max_tokens is None:
+
+    def _prepare(
+        self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams, field: str,
+        max_tokens_must_fit: bool,
+    ) -> PreparedRequest:
+        self._validate(prompt_ids, params, field)
+        requested = params.max_tokens
+        if requested is None:
             params = params.clone(max_tokens=max(self.max_model_len - len(prompt_ids), 1))
+        if max_tokens_must_fit:
+            self._check_fits(len(prompt_ids), requested, params.max_tokens or 0, field)
         return PreparedRequest(request_id, text, prompt_ids, params)
 
-    def submit(self, prepared: PreparedRequest, arrival_time: float = 0.0) -> list[tuple[str, Message]]:
+    def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message]]:
         params = prepared.params
         if prepared.request_id in self._requests:
             raise ValueError(f"request id {prepared.request_id!r} is already in use")
@@ -132,7 +147,6 @@ class Frontend:
                 prompt_token_ids=request.prompt_token_ids,
                 params=child_params,
                 eos_token_ids=self.eos_token_ids,
-                arrival_time=arrival_time,
             )
             messages.append((SCHEDULER, add))
             messages.append(
@@ -142,14 +156,12 @@ class Frontend:
         self._requests[request.request_id] = request
         return messages
 
-    def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float = 0.0
-    ) -> list[tuple[str, Message]]:
-        return self.submit(self.prepare(request_id, prompt, params), arrival_time)
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> list[tuple[str, Message]]:
+        return self.submit(self.prepare(request_id, prompt, params))
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, field: str = "prompt") -> None:
         if not prompt_ids:
-            raise ValueError("prompt: the prompt is empty")
+            raise ValueError(f"{field}: the prompt is empty")
         # min/max run in C: a 2,000-token prompt is checked in microseconds, not a Python loop
         low, high = min(prompt_ids), max(prompt_ids)
         if low < 0 or high >= self.vocab_size:
@@ -159,10 +171,33 @@ class Frontend:
             )
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens is longer than max_model_len ({self.max_model_len})"
+                f"{field}: {len(prompt_ids)} tokens is longer than max_model_len ({self.max_model_len})"
             )
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
+
+    def _check_fits(self, num_prompt: int, requested: int | None, max_tokens: int, field: str) -> None:
+        """The prompt plus max_tokens must fit in max_model_len (vLLM's OpenAI server's words)."""
+        total = num_prompt + max_tokens
+        if total <= self.max_model_len:
+            return
+        blame = "max_tokens" if requested is not None and num_prompt < self.max_model_len else field
+        raise ValueError(
+            f"{blame}: This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt} in the {field}, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+
+    # ------------------------------------------------------------------ text out
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text (special tokens spelled out); None without a tokenizer."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+
+    def prompt_text(self, prepared: PreparedRequest) -> str:
+        """The prompt's text: as given, else decoded from its token ids ("" without a tokenizer)."""
+        if prepared.prompt is not None:
+            return prepared.prompt
+        return self.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -264,9 +299,8 @@ class Frontend:
         for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True):
             if token_id in result:
                 continue
-            decoded = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
             result[token_id] = Logprob(logprob=logprob if math.isfinite(logprob) else -math.inf, rank=rank,
-                                       decoded_token=decoded)
+                                       decoded_token=self.token_text(token_id))
         return result
 
     def _output(self, request: _Request) -> RequestOutput:
@@ -295,12 +329,3 @@ class Frontend:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-
-def _token_id_list(ids: object) -> list[int]:
-    """A copy of ``ids`` as a list of ints (not bools), checked in C by msgspec."""
-    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
-        raise ValueError("prompt_token_ids must be a list of integers")
-    try:
-        return msgspec.convert(ids if isinstance(ids, list) else list(ids), list[int], strict=True)
-    except msgspec.ValidationError as error:
-        raise ValueError(f"prompt_token_ids must be a list of integers ({error})") from None

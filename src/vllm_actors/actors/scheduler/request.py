@@ -20,7 +20,6 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
-    arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
-from vllm_actors.actors.scheduler.queue_policy import admission_error, admit, order_longest_prefix_first
+from vllm_actors.actors.scheduler.queue_policy import (
+    admission_error,
+    admit,
+    order_longest_prefix_first,
+)
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.errors import MessageRejected
@@ -54,6 +58,7 @@ from vllm_actors.protocol.messages import (
     pack_token_ids,
 )
 from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
+
 
 @dataclass
 class SchedulerStats:
@@ -118,7 +123,6 @@ class Scheduler:
             prompt_token_ids=list(message.prompt_token_ids),
             params=message.params,
             eos_token_ids=list(message.eos_token_ids),
-            arrival_time=message.arrival_time,
             packed_prompt=pack_token_ids(message.prompt_token_ids),
         )
         self.requests[request.request_id] = request

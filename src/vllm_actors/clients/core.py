@@ -1,0 +1,213 @@
+"""The client core: what every client of the engine shares.
+
+A client is the frontend state machine (``actors/frontend``: text in, text out) plus a way to
+reach the engine. ``ClientCore`` owns the frontend and the client's paths, written once:
+
+* send: requests and aborts go through the frontend; its events are published on the bus first
+  (ARRIVED happens before the scheduler hears of the request), then its messages go onward;
+* receive: the scheduler's ``RequestUpdates`` (a wire frame, or an object in process) go through
+  the frontend into ``RequestOutput`` objects; a malformed frame is dropped with a log line;
+* metrics: ``expect_reply`` checks what the metrics store answered.
+
+A ``Transport`` says how events and messages leave: the in-memory network (``InProcessEngine``)
+or ZMQ sockets, plain (``EngineClient``) or asyncio (``AsyncEngineClient``). ``SyncClient`` is
+what the offline ``LLM`` drives: the in-process engine or the ZMQ client of a process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import msgspec
+import structlog
+import zmq
+
+from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest
+from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.messages import Message, RequestUpdates
+from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply, SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
+from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runtime.transport import route_frontend_outputs
+
+if TYPE_CHECKING:
+    from vllm_actors.actors.frontend.tokenizer import Tokenizer
+    from vllm_actors.runtime.run_dir import GroupInfo
+    from vllm_actors.runtime.zmq_shell import EventPublisher
+
+log = structlog.get_logger(__name__)
+
+R = TypeVar("R", bound=MetricsReply)
+
+
+class Transport(Protocol):
+    """How a client's frontend reaches the engine: events onto the bus, messages onward."""
+
+    def publish(self, events: list[Any]) -> object: ...
+
+    def send(self, destination: str, message: Message) -> None: ...
+
+
+class ZmqTransport:
+    """Events through a PUB socket to the bus, every message through a DEALER socket to the
+    scheduler (the only peer a client has). The DEALER may be a ``zmq.asyncio`` socket: a send
+    queued behind its high-water mark then completes later, in order, and a failure is logged."""
+
+    def __init__(self, dealer: zmq.Socket, publisher: EventPublisher) -> None:
+        self.dealer = dealer
+        self.publisher = publisher
+        self._codec = MessageCodec()
+
+    def publish(self, events: list[Any]) -> object:
+        return self.publisher.publish(events)
+
+    def send(self, destination: str, message: Message) -> None:
+        sent = self.dealer.send(self._codec.encode(message))
+        if isinstance(sent, asyncio.Future) and not sent.done():
+            sent.add_done_callback(_log_send_failure)
+
+
+class ClientCore:
+    """The frontend state machine and the one send path and receive path of every client."""
+
+    def __init__(self, frontend: Frontend, transport: Transport, name: str) -> None:
+        self.frontend = frontend
+        self.transport = transport
+        self.name = name  # for log lines
+        self._codec = MessageCodec()
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.frontend.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.frontend.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.frontend.vocab_size
+
+    # ------------------------------------------------------------------ requests out
+    def prepare(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, *, max_tokens_must_fit: bool = False
+    ) -> PreparedRequest:
+        """Tokenise and validate (raises ValueError naming the field); queues nothing."""
+        return self.frontend.prepare(request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit)
+
+    def prepare_chat(
+        self,
+        request_id: str,
+        messages: ChatMessages,
+        params: SamplingParams,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens_must_fit: bool = False,
+    ) -> PreparedRequest:
+        """``prepare`` for a conversation, through the model's chat template."""
+        return self.frontend.prepare_chat(
+            request_id, messages, params, add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=max_tokens_must_fit,
+        )
+
+    def _submit(self, prepared: PreparedRequest) -> None:
+        self._send(self.frontend.submit(prepared))
+
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
+        """Unknown or finished ids are ignored."""
+        self._send(self.frontend.abort(request_id, reason))
+
+    def _send(self, outputs: list[tuple[str, Any]]) -> list[RequestOutput]:
+        client_outputs, onward = route_frontend_outputs(outputs, self.transport.publish)
+        for destination, message in onward:
+            self.transport.send(destination, message)
+        return client_outputs
+
+    # ------------------------------------------------------------------ updates in
+    def _receive(self, message: RequestUpdates) -> list[RequestOutput]:
+        """The scheduler's updates through the frontend: the outputs they produce (and, for a
+        stop string, the abort and the FINISHED event sent on)."""
+        return self._send(self.frontend.handle(message))
+
+    def _receive_frame(self, payload: bytes) -> list[RequestOutput]:
+        """``_receive`` for a wire frame; a frame that is not ``RequestUpdates`` is dropped."""
+        try:
+            message = self._codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            log.warning("frame dropped", actor=self.name, why="undecodable", error=str(error))
+            return []
+        if not isinstance(message, RequestUpdates):
+            log.warning("frame dropped", actor=self.name, why="unexpected type", type=type(message).__name__)
+            return []
+        return self._receive(message)
+
+
+class SyncClient(ClientCore, ABC):
+    """A client whose calls return at once: what the offline ``LLM`` drives."""
+
+    def submit(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request; its outputs come from ``poll``."""
+        self._submit(prepared)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._abort(request_id, reason)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.frontend.num_unfinished > 0
+
+    @abstractmethod
+    def poll(self, timeout_ms: int = 100) -> list[RequestOutput]:
+        """Wait up to ``timeout_ms`` for updates; return the outputs they produced."""
+
+    @abstractmethod
+    def query_metrics(self, query: MetricsQuery) -> MetricsReply:
+        """One query to the metrics store."""
+
+    def get_metrics(self) -> SummaryReply:
+        """Counters, gauges and latency percentiles from the metrics store."""
+        return expect_reply(self.query_metrics(SummaryQuery()), SummaryReply)
+
+    def get_timeline(self, request_id: str) -> TimelineReply:
+        return expect_reply(self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release what the client holds (sockets); the engine itself is not stopped."""
+
+
+def expect_reply(reply: MetricsReply, kind: type[R]) -> R:
+    if not isinstance(reply, kind):
+        raise RuntimeError(f"the metrics store answered {reply!r}")
+    return reply
+
+
+def frontend_for_group(info: GroupInfo, tokenizer: Tokenizer | None) -> Frontend:
+    """The frontend state machine for a running group: model facts come from what its worker
+    reported at start-up."""
+    facts = info.worker
+    return Frontend(
+        tokenizer,
+        list(facts.get("eos_token_ids", [])),  # type: ignore[arg-type]
+        info.max_model_len,
+        int(facts.get("vocab_size", 0)),  # type: ignore[arg-type]
+    )
+
+
+def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:
+    """The tokenizer a group names in its GroupInfo (None when it skips tokenizer init)."""
+    if info.tokenizer is None:
+        return None
+    from vllm_actors.actors.frontend.tokenizer import load_tokenizer
+
+    return load_tokenizer(info.tokenizer)
+
+
+def _log_send_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("send to the scheduler failed", error=repr(future.exception()))
