@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
