@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 

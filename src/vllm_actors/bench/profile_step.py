@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_actors.bench.throughput import QWEN3_0_6B_CONFIG
-from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
 from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 
 
