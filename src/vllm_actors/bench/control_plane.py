@@ -11,6 +11,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -48,7 +49,7 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
             if not isinstance(message, StepPlan):
                 continue
             started = time.perf_counter()
-            plan = codec.decode(codec.encode(message))
+            plan = cast(StepPlan, codec.decode(codec.encode(message)))
             decoded = time.perf_counter()
             assigned = manager.assign_blocks(plan, [])
             done = time.perf_counter()
