@@ -277,7 +277,8 @@ def _varlen_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # mypy sees the binary search's int start, not the tensor it becomes under the JIT
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt  # type: ignore[attr-defined]
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
     # keys below the tile's first position are visible to every row: whole tiles of them need no mask
     first_pos = prefix_len + first_query
@@ -519,7 +520,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import msgspec
 import zmq
 
-from vllm_actors.protocol.events import EventBatch, event_type
+from vllm_actors.protocol.events import EventBatch, Heartbeat, event_type
 
 
 def free_port() -> int:
@@ -93,10 +94,13 @@ def start_server(model: Path, port: int, log_path: Path, run_root: Path, *extra:
 
 
 class BusRecorder:
-    """Records every event batch on the bus, in a thread."""
+    """Records every event batch on the bus, in a thread. With ``bus_in`` (the bus's publishing side)
+    the constructor returns only once the subscription is live (``join_bus``): nothing the group
+    publishes afterwards is missed."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, bus_in: str | None = None) -> None:
         self.batches: list[EventBatch] = []
+        self._arrived = threading.Condition()
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -105,26 +109,63 @@ class BusRecorder:
         self._decoder = msgspec.msgpack.Decoder(EventBatch)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        if bus_in is not None:
+            join_bus(lambda: self.batches, bus_in)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._socket.poll(50):
-                self.batches.append(self._decoder.decode(self._socket.recv_multipart()[-1]))
+                batch = self._decoder.decode(self._socket.recv_multipart()[-1])
+                with self._arrived:
+                    self.batches.append(batch)
+                    self._arrived.notify_all()
 
     def events(self, kind: str, request_id: str | None = None) -> list[object]:
         return [e for b in list(self.batches) for e in b.events
                 if event_type(e) == kind and (request_id is None or getattr(e, "request_id", None) == request_id)]
 
-    def wait_for(self, kind: str, request_id: str, timeout: float = 15.0) -> object:
+    def wait_for(self, kind: str, request_id: str, timeout: float = 60.0) -> object:
+        """The first ``kind`` event of the request, as soon as it arrives (``timeout``: a safety net only)."""
         deadline = time.monotonic() + timeout
-        while True:
-            found = self.events(kind, request_id)
-            if found:
-                return found[0]
-            assert time.monotonic() < deadline, f"no {kind} event for {request_id} within {timeout} s"
-            time.sleep(0.02)
+        with self._arrived:
+            while not (found := self.events(kind, request_id)):
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"no {kind} event for {request_id} within {timeout} s"
+                self._arrived.wait(remaining)
+        return found[0]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._socket.close()
+
+
+_probes = iter(range(1_000_000))
+
+
+def join_bus(recorded: Callable[[], list[EventBatch]], bus_in: str, timeout: float = 60.0) -> str:
+    """Wait until a bus subscriber's subscription is live: publish heartbeats from a probe actor of
+    our own into the bus until the subscriber (``recorded()`` returns what it has received so far)
+    has one. PUB/SUB drops whatever is published before the subscription reaches the bus (the
+    slow-joiner problem); once our probe came through, everything published later reaches the
+    subscriber too. The probe's batches stay in the recording, as an actor of their own; the
+    metrics store lists the probe as one more actor, as it does a client's health probes.
+    Returns the probe's actor id."""
+    probe = f"probe-{os.getpid()}-{next(_probes)}"
+    encoder = msgspec.msgpack.Encoder()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.connect(bus_in)
+    deadline = time.monotonic() + timeout
+    seq = 0
+    try:
+        while not any(batch.actor == probe for batch in list(recorded())):
+            assert time.monotonic() < deadline, f"the subscriber saw none of {probe}'s events within {timeout} s"
+            batch = EventBatch(actor=probe, first_seq=seq, mono=time.monotonic(), wall=time.time(),
+                               events=[Heartbeat(pid=os.getpid())])
+            publisher.send_multipart([probe.encode(), encoder.encode(batch)])
+            seq += 1
+            time.sleep(0.02)  # pacing between probes, not a wait for anything
+    finally:
+        publisher.close()
+    return probe

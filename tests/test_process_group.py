@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -16,11 +17,11 @@ import msgspec
 import pytest
 import zmq
 
-from server_helpers import gone
+from server_helpers import gone, join_bus
 from lifecycle import check_against_outputs, check_sequences, check_story, request_stories, settled_metrics
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.events import EventBatch, event_type
+from vllm_actors.protocol.events import EventBatch, Heartbeat, event_type
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.metrics import SeenQuery
 from vllm_actors.runtime.supervisor import ActorStartError, ProcessGroup
@@ -87,7 +88,7 @@ def settled(recorder: BusRecorder, outputs) -> None:
 
 def test_every_request_story_reaches_the_bus_and_the_store(llm: LLM) -> None:
     recorder = BusRecorder(llm.group.addresses.bus_out)
-    time.sleep(0.3)  # let the subscription reach the bus before the run starts
+    join_bus(lambda: recorder.batches, llm.group.addresses.bus_in)  # the subscription is live before the run
     try:
         outputs = llm.generate(_prompts(10, seed=1), [
             SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(10)
@@ -121,7 +122,7 @@ def test_every_request_story_reaches_the_bus_and_the_store(llm: LLM) -> None:
 
 def test_a_tap_joining_mid_run_sees_the_rest_without_gaps(llm: LLM) -> None:
     everything = BusRecorder(llm.group.addresses.bus_out)
-    time.sleep(0.3)
+    join_bus(lambda: everything.batches, llm.group.addresses.bus_in)
     late: list[BusRecorder] = []
 
     def join_later() -> None:
@@ -138,15 +139,26 @@ def test_a_tap_joining_mid_run_sees_the_rest_without_gaps(llm: LLM) -> None:
         settled(everything, outputs)
         all_tap, worker_tap = late
         settled(all_tap, outputs)
-        time.sleep(0.3)
+
+        def tails() -> dict[str, tuple[list[int], list[int]]]:
+            """Per actor: the batches the late tap saw, and the early one's from the late one's first on."""
+            late_seqs = {b.actor: [x.first_seq for x in list(all_tap.batches) if x.actor == b.actor]
+                         for b in list(all_tap.batches)}
+            return {actor: (seqs, [b.first_seq for b in list(everything.batches)
+                                   if b.actor == actor and b.first_seq >= seqs[0]])
+                    for actor, seqs in late_seqs.items()}
+
+        # The last batches (the worker's last step, the final FREEDs) may still be on their way to
+        # one recorder or another: wait until the two agree (60 s: a safety net), then check.
+        deadline = time.monotonic() + 60
+        while not (worker_tap.batches and all(a == b for a, b in tails().values())) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert all_tap.batches and worker_tap.batches
         check_sequences(all_tap.batches)  # no gap from the first batch each actor showed it
         check_sequences(worker_tap.batches)
         assert {b.actor for b in worker_tap.batches} == {"worker-0"}
         # For every actor, the late tap saw exactly the tail of what the early one saw.
-        for actor in {b.actor for b in all_tap.batches}:
-            seen_late = [b.first_seq for b in all_tap.batches if b.actor == actor]
-            seen_early = [b.first_seq for b in everything.batches if b.actor == actor and b.first_seq >= seen_late[0]]
+        for actor, (seen_late, seen_early) in tails().items():
             assert seen_late == seen_early, actor
     finally:
         for recorder in [everything, *late]:
@@ -177,13 +189,20 @@ def test_malformed_frames_are_dropped_and_every_actor_keeps_serving(llm: LLM) ->
         for frames in MALFORMED + [[bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))] for _ in range(20)]:
             dealer.send_multipart(frames)
         dealer.close()
-    # Bad events on the bus too.
+    # Bad events on the bus too, each followed by a good probe batch on the same connection: once the
+    # metrics store has seen a probe, it has also taken the garbage sent before it.
     publisher = context.socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
     publisher.connect(addresses.bus_in)
-    time.sleep(0.2)
-    publisher.send_multipart([b"scheduler", b"\x93garbage"])
-    publisher.close(linger=500)
-    time.sleep(0.5)
+    encoder, probe, deadline = msgspec.msgpack.Encoder(), f"probe-{os.getpid()}-malformed", time.monotonic() + 60
+    for seq in itertools.count():
+        publisher.send_multipart([b"scheduler", b"\x93garbage"])
+        publisher.send_multipart([probe.encode(), encoder.encode(EventBatch(
+            actor=probe, first_seq=seq, mono=time.monotonic(), wall=time.time(), events=[Heartbeat(pid=os.getpid())]))])
+        if probe in llm.engine.query_metrics(SeenQuery(actor=probe)).actors:
+            break
+        assert time.monotonic() < deadline, "the metrics store saw none of the probe's events"
+    publisher.close()
     assert all(llm.group.alive().values()), llm.group.alive()
     output = llm.generate("still serving", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                           use_tqdm=False)[0]
@@ -240,28 +259,76 @@ def test_no_actor_survives_its_supervisor(how: str, tiny_qwen3: Path) -> None:
 
 def _start_tap(run_dir: str, *filters: str) -> subprocess.Popen[str]:
     tap = subprocess.Popen(
-        [sys.executable, "-m", "vllm_actors", "tap", "--run-dir", run_dir, "--json", "--duration", "60", *filters],
+        [sys.executable, "-m", "vllm_actors", "tap", "--run-dir", run_dir, "--json", "--duration", "600", *filters],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert "tap attached" in tap.stderr.readline()
     return tap
 
 
+class TapLines:
+    """A tap's output lines (parsed), read in a thread as the tap prints them."""
+
+    def __init__(self, tap: subprocess.Popen[str]) -> None:
+        self.lines: list[dict] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(json.loads(line) for line in tap.stdout),
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> list[dict]:
+        self._thread.join(timeout=30)
+        return self.lines
+
+
+def _until(predicate, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.02)
+
+
+def _last_step(llm: LLM, request_id: str) -> int:
+    """The step that sampled the only token of a one-token request, from the metrics store."""
+    steps: list[int] = []
+
+    def first_token() -> bool:
+        steps.extend(e.event.step_id for e in llm.get_timeline(request_id).events if e.type == "FIRST_TOKEN")
+        return bool(steps)
+
+    _until(first_token, f"FIRST_TOKEN of {request_id} in the metrics store")
+    return steps[0]
+
+
 def test_taps_and_stats_from_the_command_line(llm: LLM, tmp_path: Path) -> None:
     run_dir = str(llm.group.run_dir)
     finished_tap = _start_tap(run_dir, "--type", "FINISHED")
     worker_tap = _start_tap(run_dir, "--actor", "worker-0")
-    time.sleep(0.5)  # the subscriptions travel to the bus
+    finished, worker = TapLines(finished_tap), TapLines(worker_tap)
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     try:
+        # The subscriptions are live once both taps print something of a request sent after they attached.
+        def both_print() -> bool:
+            llm.generate("warm up", one_token, use_tqdm=False)
+            return bool(finished.lines) and bool(worker.lines)
+
+        _until(both_print, "the taps' subscriptions reaching the bus")
         outputs = llm.generate(_prompts(6, seed=4), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
+        # A one-token marker after the run: once the taps show its step and its FINISHED, they have
+        # shown everything of the run (each actor's events reach a tap in order).
+        marker = llm.generate("marker", one_token, use_tqdm=False)[0].request_id
+        last_step = _last_step(llm, marker)
+        _until(lambda: any(line.get("request_id") == marker for line in list(finished.lines)), "the marker's FINISHED")
+        _until(lambda: any(line["type"] == "STEP_FINISHED" and line["step_id"] >= last_step
+                           for line in list(worker.lines)), "the marker's step on the worker tap")
         settled_metrics(llm, lambda m: m.kv_blocks_in_use == 0)
-        time.sleep(0.5)
     finally:
         for tap in (finished_tap, worker_tap):
             tap.send_signal(signal.SIGINT)
-    finished_lines = [json.loads(line) for line in finished_tap.communicate(timeout=30)[0].splitlines()]
-    worker_lines = [json.loads(line) for line in worker_tap.communicate(timeout=30)[0].splitlines()]
+    for tap in (finished_tap, worker_tap):
+        tap.stderr.read()
+        tap.wait(timeout=30)
+    finished_lines, worker_lines = finished.join(), worker.join()
     assert {line["type"] for line in finished_lines} == {"FINISHED"}
     assert {line["request_id"] for line in finished_lines} >= {o.request_id for o in outputs}
     assert {line["actor"] for line in worker_lines} == {"worker-0"}

@@ -11,11 +11,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER
 from vllm_actors.protocol.sampling import SamplingParams
@@ -50,7 +51,7 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
             if not isinstance(message, StepPlan):
                 continue
             started = time.perf_counter()
-            plan = kv_codec.decode(codec.encode(message))
+            plan = cast(StepPlan, kv_codec.decode(codec.encode(message)))
             decoded = time.perf_counter()
             assigned = manager.assign_blocks(plan, [])
             done = time.perf_counter()

@@ -17,12 +17,13 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from vllm_actors.bench.throughput import QWEN3_0_6B_CONFIG
-from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
 from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -39,18 +40,19 @@ def _timed(store: dict[str, list[float]], name: str, function):  # noqa: ANN001,
 
 
 def profile(batch_size: int, enforce_eager: bool, model_dir: str, steps: int,
-            prefix_caching: bool = True) -> dict[str, object]:
+            prefix_caching: bool = True) -> dict[str, Any]:
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           max_model_len=4096, enforce_eager=enforce_eager, gpu_memory_utilization=0.6,
                           enable_prefix_caching=prefix_caching)
     engine = InProcessEngine(config, tokenizer=None)
-    runner = engine.worker.runner
+    worker: Any = engine.worker  # its methods and the runner's are wrapped in timers below
+    runner: Any = worker.runner
     times: dict[str, list[float]] = defaultdict(list)
     runner._host_inputs = _timed(times, "host_inputs", runner._host_inputs)
     runner.execute = _timed(times, "runner.execute", runner.execute)
-    sampler = engine.worker.sampler
-    engine.worker.sampler = _timed(times, "sampler", sampler)
-    engine.worker.execute = _timed(times, "worker.execute", engine.worker.execute)
+    sampler = worker.sampler
+    worker.sampler = _timed(times, "sampler", sampler)
+    worker.execute = _timed(times, "worker.execute", worker.execute)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 16)
     for index in range(batch_size):
         engine.submit(engine.prepare(str(index), {"prompt_token_ids": [(index * 7 + j) % 10000 for j in range(512)]},

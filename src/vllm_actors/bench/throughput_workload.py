@@ -1,0 +1,105 @@
+"""``vllm-actors bench throughput``'s workload: nano-vllm's requests, and the model directory with
+Qwen3-0.6B's shape (random weights)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TEMPERATURE = 0.6
+DEFAULT_NUM_REQUESTS = 256
+PROMPT_LEN_RANGE = (100, 1024)
+OUTPUT_LEN_RANGE = (100, 1024)
+TOKEN_ID_RANGE = (0, 10000)
+DEFAULT_SEED = 0
+EXPECTED_OUTPUT_TOKENS = 133_966  # of the default workload (256 requests, seed 0)
+
+# Qwen3-0.6B's config.json (the shape; the weights are random).
+QWEN3_0_6B_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 28,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def head(self, count: int) -> Workload:
+        return Workload(self.prompts[:count], self.max_tokens[:count])
+
+    def fit_vocab(self, vocab_size: int) -> Workload:
+        """Token ids folded into ``[0, vocab_size)`` (only tiny test models have fewer than 10,001)."""
+        if vocab_size > TOKEN_ID_RANGE[1]:
+            return self
+        return Workload([[token % vocab_size for token in prompt] for prompt in self.prompts], self.max_tokens)
+
+
+def make_workload(
+    num_requests: int = DEFAULT_NUM_REQUESTS,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+    seed: int = DEFAULT_SEED,
+) -> Workload:
+    """nano-vllm's requests: at least the standard 256 are drawn (so a subset is the head of the
+    standard workload), then the first ``num_requests`` are kept; prompts are cut to
+    ``max_input_len`` and ``max_tokens`` capped at ``max_output_len`` (for scaled-down runs)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+    rng = random.Random(seed)  # the same stream as random.seed(seed) and the module's functions
+    drawn = max(num_requests, DEFAULT_NUM_REQUESTS)
+    prompts = [
+        [rng.randint(*TOKEN_ID_RANGE) for _ in range(rng.randint(*PROMPT_LEN_RANGE))] for _ in range(drawn)
+    ]
+    max_tokens = [rng.randint(*OUTPUT_LEN_RANGE) for _ in range(drawn)]
+    prompts, max_tokens = prompts[:num_requests], max_tokens[:num_requests]
+    if max_input_len is not None:
+        prompts = [prompt[:max_input_len] for prompt in prompts]
+    if max_output_len is not None:
+        max_tokens = [min(limit, max_output_len) for limit in max_tokens]
+    return Workload(prompts, max_tokens)
+
+
+def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
+    """A Hugging Face directory with only ``config.json`` (for ``load_format="dummy"``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or QWEN3_0_6B_CONFIG, indent=2) + "\n")
+    return path
