@@ -47,7 +47,7 @@ class FakeRunner:
         flat = 0
         for sequence, query_len in enumerate(batch.query_lens):
             table = batch.block_tables[sequence]
-            for offset in range(query_len):
+            for _ in range(query_len):
                 position = batch.positions[flat]
                 self.slots[self._slot(table, position)] = batch.token_ids[flat]
                 owner.append((sequence, position))

@@ -6,8 +6,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.protocol.events import EventBatch, Tokens, event_type
 from vllm_actors.observe.tap_format import EVENT_GROUPS
+from vllm_actors.protocol.events import EventBatch, Tokens, event_type
 
 TERMINAL = {"FINISHED", "ABORTED"}
 
@@ -95,7 +95,7 @@ def check_against_outputs(stories: dict[str, list[tuple[str, object]]], outputs:
                 assert completion.finish_reason == "abort", (engine_id, completion.finish_reason)
 
 
-def settled_metrics(llm, predicate, timeout: float = 10.0):  # noqa: ANN001, ANN201
+def settled_metrics(llm, predicate, timeout: float = 60.0):  # noqa: ANN001, ANN201
     """The metrics store hears each actor on its own pipe, a few milliseconds after the client
     hears the scheduler: wait until ``predicate(summary)`` holds, return the summary."""
     import time

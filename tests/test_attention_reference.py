@@ -86,7 +86,7 @@ def run_case(
     assert torch.equal(flat_k[untouched], before_k.view(-1, num_kv_heads, head_dim)[untouched])
 
     start = 0
-    for i, (c, q) in enumerate(specs):
+    for i, (_, q) in enumerate(specs):
         expected = dense_attention(qs[i], full_k[i], full_v[i], scale)
         got = out[start : start + q].double()
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5, msg=f"sequence {i} {specs[i]}")

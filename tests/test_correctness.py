@@ -55,7 +55,9 @@ def describe_mismatch(index: int, ours: list[int], theirs: list[int], logits: to
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama"])
-def test_greedy_matches_transformers_under_preemption_and_chunking(checkpoint: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_matches_transformers_under_preemption_and_chunking(
+    checkpoint: str, request: pytest.FixtureRequest
+) -> None:
     path: Path = request.getfixturevalue(checkpoint)
     llm = LLM(
         str(path),
@@ -138,7 +140,9 @@ def test_greedy_with_prefix_caching_matches_transformers_and_caching_off(tiny_qw
             replies += [o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in second_round], params, use_tqdm=False)]
             total = 2 * len(first_round)
-            metrics = settled_metrics(llm, lambda m: m.kv_blocks_in_use == 0 and m.requests_finished == total)
+            metrics = settled_metrics(
+                llm, lambda m, total=total: m.kv_blocks_in_use == 0 and m.requests_finished == total
+            )
             if caching:
                 assert metrics.prefix_cache_hits > 0 and metrics.prefix_cache_queries > metrics.prefix_cache_hits
                 assert metrics.kv_blocks_evicted > 0, "the pool was meant to force eviction"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fake_runner import FakeRunner
 from lifecycle import check_against_outputs, check_sequences, check_story, request_stories
-from vllm_actors.protocol.config import EngineConfig
+from test_scheduler import random_prompts
 from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.observe.tap_format import EVENT_GROUPS
+from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import EventBatch, event_type
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.observe.tap_format import EVENT_GROUPS
-from test_scheduler import random_prompts
 
 
 def test_events_tell_every_request_story() -> None:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import PagedRunner, build_gguf
 
+from tiny_models import PagedRunner, build_gguf
 from vllm_actors.models.config import ModelConfig, read_gguf_header
-from vllm_actors.models.hf_loader import load_hf_state_dict
 from vllm_actors.models.gguf_loader import hf_tensor_name, load_gguf_state_dict, unpermute_qk
+from vllm_actors.models.hf_loader import load_hf_state_dict
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.loader import load_model
 
@@ -103,7 +103,7 @@ def test_weights_equal_transformers(default_gguf_path: str, hf_gguf_model: Any, 
             f"model.layers.{layer}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
         ]
         names += [f"model.layers.{layer}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-        names += [f"model.layers.{layer}.input_layernorm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"]
+        names += [f"model.layers.{layer}.{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")]
     for name in names:
         assert ours[name].shape == theirs[name].shape, name
         assert torch.equal(ours[name], theirs[name].float()), name

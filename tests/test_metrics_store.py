@@ -23,7 +23,6 @@ from vllm_actors.actors.metrics_store.records import RequestState, elapsed
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.actors.metrics_store.store import MetricsStore
 from vllm_actors.observe.stats_text import summary_text
-from vllm_actors.runtime.metrics_shell import answer, answer_frame, record_logged
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
@@ -63,6 +62,7 @@ from vllm_actors.protocol.metrics import (
     TimelineReply,
     parse_event_json_line,
 )
+from vllm_actors.runtime.metrics_shell import answer, answer_frame, record_logged
 
 FRONTEND, SCHEDULER, KV, WORKER = "frontend", "scheduler", "kv_cache_manager", "worker-0"
 WALL0 = 1_700_000_000.0
@@ -576,7 +576,6 @@ def test_dump_round_trips(tmp_path: Path) -> None:
 
 def test_the_in_process_engine_writes_dumps_too(tmp_path: Path) -> None:
     from fake_runner import FakeRunner
-
     from vllm_actors.clients.inprocess import InProcessEngine
     from vllm_actors.protocol.config import EngineConfig
     from vllm_actors.protocol.sampling import SamplingParams

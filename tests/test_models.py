@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import PagedRunner, build_checkpoint
 from tokenizers import Tokenizer
 
+from tiny_models import PagedRunner, build_checkpoint
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.hf_loader import load_hf_state_dict, safetensors_files
 from vllm_actors.models.llama import CausalLM

@@ -10,19 +10,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_actors.bench.prefix_workloads import (
-    SUFFIX_LEN_RANGE,
-    USER_LEN_RANGE,
-    RequestTiming,
-    make_chat_workload,
-    make_shared_workload,
-)
 from vllm_actors.bench.prefix import (
     PrefixReport,
     RunResult,
     StoreCounters,
     format_report,
     parse_workloads,
+)
+from vllm_actors.bench.prefix_workloads import (
+    SUFFIX_LEN_RANGE,
+    USER_LEN_RANGE,
+    RequestTiming,
+    make_chat_workload,
+    make_shared_workload,
 )
 
 

@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 
-from fake_runner import FakeRunner
 from test_scheduler import make_engine, record_plans
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.block_hash import block_hash
-from vllm_actors.protocol.events import BlockCached, BlockEvicted, EventBatch, KvPool, PrefixHit, Preempted, Scheduled
+from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.events import BlockCached, BlockEvicted, EventBatch, KvPool, Preempted, PrefixHit, Scheduled
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -291,8 +290,9 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
     params = SamplingParams(max_tokens=1)
 
     def new(request_id: str, cached: int, last: int) -> NewRequest:
-        return NewRequest(request_id=request_id, token_ids=pack_token_ids(tokens), num_prompt_tokens=9, num_output_tokens=0,
-                          params=params, eos_token_ids=[0], num_cached_tokens=cached, cached_block_hash=last)
+        return NewRequest(request_id=request_id, token_ids=pack_token_ids(tokens), num_prompt_tokens=9,
+                          num_output_tokens=0, params=params, eos_token_ids=[0], num_cached_tokens=cached,
+                          cached_block_hash=last)
 
     plans = [
         StepPlan(step_id=0, new_requests=[new("a", 0, 0)], req_ids=["a"], num_tokens=[9], num_blocks=[3],

@@ -17,16 +17,16 @@ import msgspec
 import pytest
 import zmq
 
+from lifecycle import check_against_outputs, check_sequences, request_stories, settled_metrics
 from server_helpers import gone, join_bus
-from lifecycle import check_against_outputs, check_sequences, check_story, request_stories, settled_metrics
 from vllm_actors import LLM, SamplingParams
+from vllm_actors.observe.tap_format import EVENT_GROUPS
 from vllm_actors.protocol.codec import MessageCodec
+from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import EventBatch, Heartbeat, event_type
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.metrics import SeenQuery
 from vllm_actors.runtime.supervisor import ActorStartError, ProcessGroup
-from vllm_actors.observe.tap_format import EVENT_GROUPS
-from vllm_actors.protocol.config import EngineConfig
 
 ENGINE_ACTORS = ("worker-0", "kv_cache_manager", "scheduler")
 

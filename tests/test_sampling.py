@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.protocol.sampling import SamplingParams
 
 BAD_PARAMS = [
     ({"n": 0}, "n"),

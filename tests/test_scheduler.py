@@ -7,8 +7,8 @@ import random
 import pytest
 
 from fake_runner import FakeRunner
-from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.sampling import SamplingParams
 

@@ -21,10 +21,10 @@ import pytest
 
 from server_helpers import BusRecorder, child_pids, free_port, gone, start_server, stop_process, tail, wait_healthy
 from vllm_actors import LLM, SamplingParams
+from vllm_actors.observe.tap import query_metrics
+from vllm_actors.observe.tap_format import EVENT_GROUPS
 from vllm_actors.protocol.metrics import SummaryQuery, TimelineQuery
 from vllm_actors.runtime.run_dir import GroupInfo, read_group_info
-from vllm_actors.observe.tap_format import EVENT_GROUPS
-from vllm_actors.observe.tap import query_metrics
 
 MODEL_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 256
@@ -59,7 +59,9 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def server_process(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
+def server_process(
+    tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
     directory = tmp_path_factory.mktemp("srv")
     run_root, log_path, port = directory / "runs", directory / "server.log", free_port()
     process = start_server(tiny_qwen3, port, log_path, run_root, "--served-model-name", MODEL_NAME,
@@ -78,7 +80,8 @@ def reference(server_process, tiny_qwen3: Path) -> Reference:
     with LLM(str(tiny_qwen3), dtype="float32", executor="inprocess", max_model_len=MAX_MODEL_LEN,
              num_gpu_blocks_override=NUM_BLOCKS) as llm:
         outputs = llm.generate(PROMPTS + STREAM_PROMPTS,
-                               [greedy] * len(PROMPTS) + [greedy.clone(max_tokens=STREAM_MAX_TOKENS)] * len(STREAM_PROMPTS),
+                               [greedy] * len(PROMPTS)
+                               + [greedy.clone(max_tokens=STREAM_MAX_TOKENS)] * len(STREAM_PROMPTS),
                                use_tqdm=False)
         chats = llm.chat(CHATS, greedy, use_tqdm=False)
     texts = [output.outputs[0].text for output in outputs]
@@ -405,7 +408,8 @@ def test_prometheus_metrics_use_vllm_names(served: Served) -> None:
     assert values[f"vllm:prompt_tokens_total{{{label}}}"] > 0
     assert values[f"vllm:generation_tokens_total{{{label}}}"] > 0
     # Prefix caching is on by default; this module's requests repeat prompts ("Hello" and the like).
-    queries, hits = values[f"vllm:prefix_cache_queries_total{{{label}}}"], values[f"vllm:prefix_cache_hits_total{{{label}}}"]
+    queries = values[f"vllm:prefix_cache_queries_total{{{label}}}"]
+    hits = values[f"vllm:prefix_cache_hits_total{{{label}}}"]
     assert queries > 0 and 0 < hits < queries
     assert values[f'vllm:request_success_total{{finished_reason="length",{label}}}'] > 0
     assert values[f'vllm:request_success_total{{finished_reason="abort",{label}}}'] >= 2  # the disconnects

@@ -8,6 +8,16 @@ import re
 
 import pytest
 
+from vllm_actors.observe.tap_format import (
+    EVENT_GROUPS,
+    GapTracker,
+    TapFilter,
+    format_event,
+    format_event_json,
+    format_gap,
+    render_batch,
+    resolve_types,
+)
 from vllm_actors.protocol.events import (
     ALL_EVENTS,
     Aborted,
@@ -29,16 +39,6 @@ from vllm_actors.protocol.events import (
     event_type,
 )
 from vllm_actors.protocol.metrics import parse_event_json_line
-from vllm_actors.observe.tap_format import (
-    EVENT_GROUPS,
-    GapTracker,
-    TapFilter,
-    format_event,
-    format_event_json,
-    format_gap,
-    render_batch,
-    resolve_types,
-)
 
 WALL = 1_700_000_123.456789
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

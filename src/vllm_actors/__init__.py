@@ -2,9 +2,9 @@
 
 import structlog as _structlog
 
-from vllm_actors.runtime.log_setup import configure_logging as _configure_logging
 from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runtime.log_setup import configure_logging as _configure_logging
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,10 @@ from vllm_actors.protocol.sampling import SamplingParams
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags in vLLM's spelling."""
-    parser.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None,
+        help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -76,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
             outputs = llm.chat(conversations, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
-        sys.stdout.write(f"Prompt: {prompt!r}\n{completion.text}\n[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]\n\n")
+        summary = f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]"
+        sys.stdout.write(f"Prompt: {prompt!r}\n{completion.text}\n{summary}\n\n")
     return 0
 
 
@@ -130,8 +134,8 @@ def _stats(args: argparse.Namespace) -> int:
     import msgspec
 
     from vllm_actors.observe.stats_text import summary_text
-    from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
     from vllm_actors.observe.tap import locate_group, query_metrics, stats_query
+    from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
 
     address = args.address or locate_group(args.run_dir).addresses.metrics
     reply = query_metrics(address, stats_query(args.timeline, args.dump))
@@ -179,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_actors.server.args import add_server_arguments
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, health, metrics)")
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, models, health, metrics)"
+    )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     add_engine_arguments(serve)

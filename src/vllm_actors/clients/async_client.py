@@ -92,9 +92,10 @@ class AsyncEngineClient(ClientCore):
         self._dealer.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         self._dealer.connect(info.addresses.scheduler)
         # PUB never blocks: a plain socket on the same underlying context.
-        self._sync_context = zmq.Context.shadow(self._context.underlying)
+        self._sync_context: zmq.Context = zmq.Context.shadow(self._context.underlying)
         self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id)
-        super().__init__(frontend_for_group(info, tokenizer), ZmqTransport(self._dealer, self._publisher), self.identity)
+        transport = ZmqTransport(self._dealer, self._publisher)
+        super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
         self._metrics: zmq.asyncio.Socket = self._metrics_socket()
         self._metrics_lock = asyncio.Lock()
         self._metrics_codec = MetricsCodec()

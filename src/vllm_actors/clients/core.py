@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import msgspec
 import structlog
@@ -30,7 +30,14 @@ from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import Message, RequestUpdates
-from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply, SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
+from vllm_actors.protocol.metrics import (
+    MetricsQuery,
+    MetricsReply,
+    SummaryQuery,
+    SummaryReply,
+    TimelineQuery,
+    TimelineReply,
+)
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.transport import route_frontend_outputs
 
@@ -193,9 +200,9 @@ def frontend_for_group(info: GroupInfo, tokenizer: Tokenizer | None) -> Frontend
     facts = info.worker
     return Frontend(
         tokenizer,
-        list(facts.get("eos_token_ids", [])),  # type: ignore[arg-type]
+        list(cast("list[int]", facts.get("eos_token_ids", []))),
         info.max_model_len,
-        int(facts.get("vocab_size", 0)),  # type: ignore[arg-type]
+        int(cast(int, facts.get("vocab_size", 0))),
     )
 
 

@@ -9,8 +9,8 @@ in-process mode.
 from __future__ import annotations
 
 import os
-import weakref
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any

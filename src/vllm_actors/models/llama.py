@@ -12,8 +12,8 @@ import math
 import torch
 from torch import nn
 
-from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.models.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

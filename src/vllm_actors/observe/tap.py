@@ -16,10 +16,17 @@ import msgspec
 import structlog
 import zmq
 
-from vllm_actors.protocol.events import EventBatch
-from vllm_actors.protocol.metrics import DumpQuery, MetricsCodec, MetricsQuery, MetricsReply, SummaryQuery, TimelineQuery
-from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
 from vllm_actors.observe.tap_format import GapTracker, TapFilter, render_batch
+from vllm_actors.protocol.events import EventBatch
+from vllm_actors.protocol.metrics import (
+    DumpQuery,
+    MetricsCodec,
+    MetricsQuery,
+    MetricsReply,
+    SummaryQuery,
+    TimelineQuery,
+)
+from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
 from vllm_actors.runtime.zmq_shell import EVENT_HWM
 
 log = structlog.get_logger(__name__)

@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.protocol.names import parent_request_id
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.protocol.events import (
     ALL_EVENTS,
@@ -27,6 +26,7 @@ from vllm_actors.protocol.events import (
     stamped,
 )
 from vllm_actors.protocol.metrics import event_json_line
+from vllm_actors.protocol.names import parent_request_id
 
 # Event groups a filter may name instead of single types.
 EVENT_GROUPS: dict[str, frozenset[str]] = {

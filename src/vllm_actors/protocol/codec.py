@@ -23,7 +23,8 @@ class MessageCodec:
     def __init__(self, views: Mapping[type, type] | None = None) -> None:
         views = dict(views or {})
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Union[tuple(views.get(kind, kind) for kind in ALL_MESSAGES)])
+        union: Any = Union[tuple(views.get(kind, kind) for kind in ALL_MESSAGES)]  # noqa: UP007 - built at run time
+        self._decoder = msgspec.msgpack.Decoder(union)
         self._protocol_type = {view: kind for kind, view in views.items()}
 
     @classmethod

@@ -46,12 +46,16 @@ from vllm_actors.runtime.process import (
     report,
     watch_parent,
 )
+from vllm_actors.runtime.transport import Actor
 from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until_seen
 
 log = structlog.get_logger(__name__)
 
 # --------------------------------------------------------------------------- engine roles
-def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, frozenset[bytes] | None], dict[str, Any]]:
+AcceptRules = dict[type, frozenset[bytes] | None]
+
+
+def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRules, dict[str, Any]]:
     """The state machine of a role, its peers, what it accepts from whom, and what it reports."""
     addresses = spec.addresses
     if spec.role == "worker":
@@ -80,16 +84,18 @@ def build_actor(spec: ActorSpec) -> tuple[Any, dict[str, list[str]], dict[type, 
         from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
         manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
+        plans: AcceptRules = {StepPlan: frozenset({b"scheduler"})}
+        peers = {"worker": list(addresses.workers)}
         if spec.check_invariants:
-            manager = _Checked(manager, manager.check_invariants)
-        return manager, {"worker": list(addresses.workers)}, {StepPlan: frozenset({b"scheduler"})}, {}
+            return _Checked(manager, manager.check_invariants), peers, plans, {}
+        return manager, peers, plans, {}
     if spec.role == "scheduler":
         from vllm_actors.actors.scheduler.scheduler import Scheduler
 
         if spec.scheduler is None:
             raise ValueError("the scheduler needs its SchedulerConfig")
         # Clients may submit and abort; only rank 0 of the workers returns sampled tokens.
-        accepts = {AddRequest: None, AbortRequests: None, StepResult: frozenset({worker_id(0).encode()})}
+        accepts: AcceptRules = {AddRequest: None, AbortRequests: None, StepResult: frozenset({worker_id(0).encode()})}
         scheduler = Scheduler(spec.scheduler)
         peers = {"kv_cache_manager": [addresses.kv_cache_manager]}
         if spec.check_invariants:

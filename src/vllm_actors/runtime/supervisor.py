@@ -197,7 +197,8 @@ class ProcessGroup:
                 status = json.loads(line)
                 if status.get("status") == "ready":
                     return dict(status.get("info") or {})
-                raise ActorStartError(f"actor {child.actor_id} failed to start: {status.get('error')}\n{child.log_tail()}")
+                error = status.get("error")
+                raise ActorStartError(f"actor {child.actor_id} failed to start: {error}\n{child.log_tail()}")
 
     # ------------------------------------------------------------------ state
     def alive(self) -> dict[str, bool]:

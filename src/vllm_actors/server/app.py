@@ -15,12 +15,12 @@ from starlette.responses import Response
 
 from vllm_actors import __version__
 from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
-from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerState
 
 log = structlog.get_logger(__name__)

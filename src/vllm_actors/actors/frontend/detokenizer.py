@@ -19,11 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from vllm_actors.actors.frontend.tokenizer import Tokenizer
-
-log = structlog.get_logger(__name__)
 
 # Prompt tokens decoded as context before the first output token (enough for any decoder to
 # settle on its leading-space handling; more only costs time).
@@ -153,7 +149,6 @@ class IncrementalDetokenizer:
         index, stop = best
         self._pending = self._pending[: index + len(stop) if self._include_stop else index]
         self._stopped, self._stop_reason = True, stop
-        log.debug("stop_string_matched", stop=stop, num_tokens=len(self.token_ids))
         return True
 
     def _release(self, flush: bool = False) -> str:

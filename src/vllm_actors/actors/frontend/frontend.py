@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
-from vllm_actors.protocol.events import Arrived, Finished
+from vllm_actors.protocol.events import Arrived, Event, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
-from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.names import BUS, CLIENT, SCHEDULER, child_request_id
+from vllm_actors.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
@@ -126,12 +126,12 @@ class Frontend:
             self._check_fits(len(prompt_ids), requested, params.max_tokens or 0, field)
         return PreparedRequest(request_id, text, prompt_ids, params)
 
-    def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message]]:
+    def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message | Event]]:
         params = prepared.params
         if prepared.request_id in self._requests:
             raise ValueError(f"request id {prepared.request_id!r} is already in use")
         request = _Request(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, children=[])
-        messages: list[tuple[str, Message]] = []
+        messages: list[tuple[str, Message | Event]] = []
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -156,7 +156,9 @@ class Frontend:
         self._requests[request.request_id] = request
         return messages
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> list[tuple[str, Message]]:
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams
+    ) -> list[tuple[str, Message | Event]]:
         return self.submit(self.prepare(request_id, prompt, params))
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, field: str = "prompt") -> None:

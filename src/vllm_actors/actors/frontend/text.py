@@ -50,7 +50,9 @@ def tokenize_chat(
         raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init=True)")
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {})
+            [dict(message) for message in messages],
+            add_generation_prompt=add_generation_prompt,
+            **dict(chat_template_kwargs or {}),
         )
     except (ChatTemplateError, TypeError) as error:
         raise ValueError(f"messages: the chat template failed: {error}") from None

@@ -32,7 +32,6 @@ from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import BUS, WORKER
 
 
-
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
     block_id: int
@@ -72,7 +71,7 @@ class KVCacheManager:
             self._depart(request_id, events)
         self._evict(plan.evicted_hashes, events)
         new_block_ids: list[list[int]] = []
-        for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
+        for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
             hit = self._take_hit(new, hit_hashes[request_id], events) if new is not None else None
             table = self.block_tables.setdefault(request_id, [])
@@ -131,7 +130,7 @@ class KVCacheManager:
         cached_now: dict[int, int] = {}  # cached by requests earlier in this plan: hash -> parent
         hit_hashes: dict[str, list[int]] = {}  # shared lists: read only
         needed = 0
-        for index, (request_id, wanted) in enumerate(zip(plan.req_ids, plan.num_blocks, strict=True)):
+        for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
             if new is not None:
                 if request_id in self.block_tables and request_id not in departing:
@@ -303,7 +302,9 @@ class KVCacheManager:
             for position, block in enumerate(table):
                 cached = block in self.hash_of
                 if cached != (position < front):
-                    raise AssertionError(f"{request_id!r}: block {position} of {len(table)} breaks the cached front {front}")
+                    raise AssertionError(
+                        f"{request_id!r}: block {position} of {len(table)} breaks the cached front {front}"
+                    )
                 if cached:
                     if self.cached[self.hash_of[block]].parent_hash != parent:
                         raise AssertionError(f"{request_id!r}: cached block {position} is not under its predecessor")

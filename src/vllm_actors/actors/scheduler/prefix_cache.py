@@ -66,7 +66,7 @@ class _Node:
     def __init__(self, key: tuple[int, ...], block_id: int, parent: _Node | None, serial: int) -> None:
         self.key = key
         self.block_id = block_id
-        self.block_hash = ROOT_HASH if parent is None else block_hash(parent.block_hash, key)
+        self.block_hash: int = ROOT_HASH if parent is None else block_hash(parent.block_hash, key)
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.ref_count = 0
@@ -165,9 +165,10 @@ class PrefixCache:
         if parent_block is None:
             parent = self._root
         else:
-            parent = self._nodes.get(parent_block)
-            if parent is None:
+            found = self._nodes.get(parent_block)
+            if found is None:
                 raise ValueError(f"block {parent_block} is not cached")
+            parent = found
             if parent.ref_count == 0:
                 raise ValueError(f"block {parent_block} is cached but not held")
         num_full = len(token_ids) // self.block_size
@@ -246,7 +247,8 @@ class PrefixCache:
         # a lookup per block). An alive node's ancestors are alive: eviction takes leaves only.
         previous_tokens, previous_path = self._last_match
         reuse = min(len(previous_path), limit)
-        if reuse and previous_path[reuse - 1].alive and list(token_ids[: reuse * size]) == previous_tokens[: reuse * size]:
+        prefix = reuse * size
+        if reuse and previous_path[reuse - 1].alive and list(token_ids[:prefix]) == previous_tokens[:prefix]:
             path = previous_path[:reuse]
             node = path[-1]
         for key in self._keys(token_ids[len(path) * size :], limit - len(path)):

@@ -173,10 +173,11 @@ class Scheduler:
                 first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
             finish_reason, stop_reason = self._check_stop(request, token_id)
             chunk = prompt_logprobs.pop(request_id, None)
+            logprobs = result.logprobs[index] if result.logprobs else None
             update = RequestUpdate(
                 request_id=request_id,
                 new_token_ids=[token_id],
-                logprobs=[result.logprobs[index]] if result.logprobs and result.logprobs[index] else None,
+                logprobs=[logprobs] if logprobs else None,
                 prompt_logprobs=chunk.entries if chunk else None,
                 prompt_logprobs_start=chunk.start if chunk else 0,
                 finish_reason=finish_reason,

@@ -14,15 +14,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
-from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
+from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 
 log = structlog.get_logger(__name__)
 
@@ -139,7 +140,7 @@ class ModelRunner:
     def _profile_peak_activation_bytes(self, max_model_len: int) -> int:
         """Run the largest prefill step once (into a scratch cache) and measure its peak."""
         tokens = self.max_num_tokens
-        lengths = []
+        lengths: list[int] = []
         while sum(lengths) < tokens:
             lengths.append(min(max_model_len, tokens - sum(lengths)))
         scratch_blocks = sum(math.ceil(n / self.block_size) for n in lengths)
@@ -160,7 +161,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        saved, self.kv_caches = getattr(self, "kv_caches", None), scratch
+        saved: Any = getattr(self, "kv_caches", None)
+        self.kv_caches = scratch
         self._staging = self._make_staging()
         self._run_eager(batch)
         torch.cuda.synchronize(self.device)

@@ -1,8 +1,9 @@
 """The worker: keeps each running request's tokens and block table, runs the step, samples.
 
-Pure state machine around a model runner (the clock that times a step is injected): ``handle(StepPlan)`` returns one ``StepResult`` for the
-scheduler. Because the worker appends every token it samples to the request's own token list, a
-decode step needs nothing from the plan but the request id - the next step's input is already here.
+Pure state machine around a model runner (the clock that times a step is injected):
+``handle(StepPlan)`` returns one ``StepResult`` for the scheduler. Because the worker appends
+every token it samples to the request's own token list, a decode step needs nothing from the plan
+but the request id - the next step's input is already here.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import torch
 
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
-from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
 from vllm_actors.protocol.names import BUS, SCHEDULER
-
+from vllm_actors.protocol.sampling import SamplingParams
 
 
 class Runner(Protocol):
