@@ -50,7 +50,7 @@ from vllm_actors.protocol.metrics import (
 )
 from vllm_actors.protocol.names import worker_id
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, pid_alive, read_group_info
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -345,7 +345,7 @@ class AsyncEngineClient(ClientCore):
                 problems.setdefault(actor, "never seen by the metrics store")
             elif seen.state != "READY":
                 problems.setdefault(actor, f"state {seen.state}" + (f": {seen.error}" if seen.error else ""))
-            elif seen.pid is not None and not _pid_alive(seen.pid):
+            elif seen.pid is not None and not pid_alive(seen.pid):
                 problems.setdefault(actor, f"process {seen.pid} is gone")
         return problems
 
@@ -377,14 +377,3 @@ class AsyncEngineClient(ClientCore):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

@@ -87,7 +87,8 @@ def read_group_info(run_dir: str | Path) -> GroupInfo:
     return msgspec.json.decode(Path(run_dir, GROUP_FILE).read_bytes(), type=GroupInfo)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (possibly another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -105,6 +106,6 @@ def find_running_group() -> GroupInfo:
             info = read_group_info(path.parent)
         except (OSError, msgspec.DecodeError):
             continue
-        if _alive(info.pid):
+        if pid_alive(info.pid):
             return info
     raise FileNotFoundError(f"no running vllm-actors group under {runs_root()}; pass --run-dir or --address")
