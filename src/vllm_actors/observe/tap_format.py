@@ -33,7 +33,8 @@ EVENT_GROUPS: dict[str, frozenset[str]] = {
     "REQUEST": frozenset(REQUEST_EVENTS),
     "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "KV_POOL"}),
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
-    "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED"}),
+    "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
+                        "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET"}),
 }
 ALL_EVENT_TYPES: frozenset[str] = frozenset(cls.__struct_config__.tag for cls in ALL_EVENTS)  # type: ignore[misc]
 

@@ -189,17 +189,52 @@ class Rejected(msgspec.Struct, tag="REJECTED", kw_only=True):
     error: str
 
 
+class ActorFailed(msgspec.Struct, tag="ACTOR_FAILED", kw_only=True):
+    """Published by the supervisor: a child exited or stopped answering (``how``: "exited" or
+    "hung"); ``detail`` gives the exit code or signal, or how long it was silent."""
+
+    actor: str
+    how: str
+    detail: str
+
+
+class ActorRestarted(msgspec.Struct, tag="ACTOR_RESTARTED", kw_only=True):
+    """Published by the supervisor once a restarted child is READY again."""
+
+    actor: str
+    pid: int
+    attempt: int  # restarts of this actor so far, this one included
+    seconds: float  # from noticing the failure to READY
+
+
+class GroupFailed(msgspec.Struct, tag="GROUP_FAILED", kw_only=True):
+    """Published by the supervisor when it gives up (restart budget spent, a child that cannot
+    start again): every open request ends with an error and the group shuts down."""
+
+    reason: str
+
+
+class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
+    """Published by the scheduler when it resets the step pipeline after a restart: how many
+    running requests it preempted to resume by recompute."""
+
+    reason: str
+    num_preempted: int
+
+
 Event = (
     Arrived | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | KvPool
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
+    | ActorFailed | ActorRestarted | GroupFailed | PipelineReset
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
+    ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
 )
 
 REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",

@@ -41,6 +41,12 @@ class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
+    # A resubmission after the scheduler restarted: the client sends every unfinished request
+    # again with the output tokens it has received, and the scheduler resumes it as after a
+    # preemption (recompute). A resubmission of an id the scheduler already holds is ignored
+    # (the original may still have been queued on the socket).
+    resume: bool = False
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
@@ -94,6 +100,10 @@ class NewRequest(msgspec.Struct, kw_only=True):
 
 class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     step_id: int
+    # The pipeline restarts (a KV-cache manager or worker was restarted, or the scheduler is
+    # new): before applying this plan the KV-cache manager and the workers drop every request,
+    # block table and cached block they hold.
+    reset: bool = False
     new_requests: list[NewRequest] = []
     # Requests that left the batch since the last plan (finished, aborted or preempted):
     # the KV-cache manager frees their blocks, the worker drops their state.
@@ -161,7 +171,17 @@ class RequestUpdates(msgspec.Struct, tag="request_updates", kw_only=True):
     updates: list[RequestUpdate]
 
 
-Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates
+class RecoverPipeline(msgspec.Struct, tag="recover_pipeline", kw_only=True):
+    """From the supervisor to the scheduler: ``actor`` (the KV-cache manager or a worker) was
+    restarted and what it held is gone. The scheduler preempts every running request (they resume
+    by recompute), forgets its block ledger, ignores the results of plans sent before, and marks
+    its next plan ``reset``."""
+
+    actor: str
+    reason: str
+
+
+Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AddRequest,
@@ -169,4 +189,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     StepPlan,
     StepResult,
     RequestUpdates,
+    RecoverPipeline,
 )

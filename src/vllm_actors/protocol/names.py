@@ -15,6 +15,7 @@ FRONTEND = "frontend"
 METRICS = "metrics"
 BUS = "bus"
 CLIENT = "client"
+SUPERVISOR = "supervisor"  # the process group's parent: publishes failures and restarts
 
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
 
