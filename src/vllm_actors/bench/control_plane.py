@@ -69,7 +69,7 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
         costs.append(StepCost(plan.step_id, len(plan.req_ids), sum(plan.num_tokens), len(plan.new_requests),
                               scheduler_ms, kv_ms, codec_ms))
         started = time.perf_counter()
-        outputs = scheduler.handle(StepResult(step_id=plan.step_id, req_ids=list(plan.req_ids),
+        outputs = scheduler.handle(StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=list(plan.req_ids),
                                               token_ids=[1] * len(plan.req_ids)))
         deliver(outputs, (time.perf_counter() - started) * 1e3)
     return costs

@@ -146,6 +146,10 @@ class PromptLogprobs(msgspec.Struct, kw_only=True):
 
 class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     step_id: int
+    # The result of a ``reset`` plan. A new scheduler numbers its steps from 0 again, so the step
+    # id alone cannot tell its reset plan's result from a result of its predecessor's plans still
+    # in the pipeline: this flag does.
+    reset: bool = False
     req_ids: list[str]  # requests that sampled a token this step
     token_ids: list[int]
     logprobs: list[Logprobs | None] = []  # aligned with req_ids when any request asked for them

@@ -13,6 +13,13 @@ fields stay raw msgpack and are forwarded untouched); in one process it gets the
 A block's reference count is the number of tables holding it, plus one while it is cached: a
 cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
 blocks (never shared) return to the free list when a request departs.
+
+A ``reset`` plan (the pipeline restarts: this actor, a worker or the scheduler was restarted)
+first drops every table, cached block and reference - a fresh pool of the same size - publishing
+FREED for each table dropped, BLOCK_EVICTED for the cached blocks (deepest first, so a mirror of
+the cache built from the events stays exact) and KV_POOL; the plan goes on to the workers with
+``reset`` set. Plans with a step id below the last reset plan's were planned before it and are
+dropped unapplied.
 Pure state machine: no sockets, no clock.
 """
 
@@ -53,10 +60,13 @@ class KVCacheManager:
         # same chain, walked once. A chain stays valid until a block is evicted (then all go).
         self._chains: dict[int, list[int]] = {}
         self._last_pool: KvPool | None = None
+        self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the KV-cache manager does not take {type(message).__name__}")
+        if message.step_id < self._min_step_id and not message.reset:
+            return []  # planned before the pipeline reset: nothing it names exists any more
         events: list[Any] = []
         plan = self.assign_blocks(message, events)
         return [(WORKER, plan), *((BUS, event) for event in events)]
@@ -66,6 +76,11 @@ class KVCacheManager:
         """Carry out a plan's block work (see ``StepPlan`` for the order) and return it with the
         new block ids filled in. Checks the whole plan first, so a bad plan changes nothing."""
         events = [] if events is None else events
+        if plan.reset:
+            # Checked against the empty state it will meet, first: a bad plan changes nothing.
+            KVCacheManager(self.pool.num_blocks, self.block_size)._check(plan)
+            self.reset(events)
+            self._min_step_id = plan.step_id
         new_requests, hit_hashes = self._check(plan)
         for request_id in plan.finished_ids:
             self._depart(request_id, events)
@@ -166,6 +181,45 @@ class KVCacheManager:
         if needed > self.pool.num_free + freed:
             raise MessageRejected(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
         return new_requests, hit_hashes
+
+    def reset(self, events: list[Any]) -> None:
+        """Drop every table, cached block and reference: a fresh pool of the same size."""
+        num_blocks = self.pool.num_blocks
+        dropped = bool(self.block_tables or self.cached)
+        for request_id, table in self.block_tables.items():
+            if table:
+                events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=num_blocks))
+        if self.cached:
+            depth: dict[int, int] = {ROOT_HASH: 0}
+
+            def depth_of(block_hash_: int) -> int:
+                chain = []
+                while block_hash_ not in depth:
+                    chain.append(block_hash_)
+                    block_hash_ = self.cached[block_hash_].parent_hash
+                for known in reversed(chain):
+                    depth[known] = depth[block_hash_] + 1
+                    block_hash_ = known
+                return depth[block_hash_]
+
+            order = sorted(self.cached, key=lambda h: (-depth_of(h), self.cached[h].block_id))
+            events.append(
+                BlockEvicted(
+                    block_ids=[self.cached[h].block_id for h in order],
+                    block_hashes=order,
+                    parent_hashes=[self.cached[h].parent_hash for h in order],
+                )
+            )
+        self.pool = BlockPool(num_blocks)
+        self.block_tables = {}
+        self.num_cached_front = {}
+        self.cached = {}
+        self.hash_of = {}
+        self.num_idle_cached_blocks = 0
+        self._chains = {}
+        self._last_pool = None  # the plan's end state is reported whatever it was before
+        if dropped:
+            self._report_pool(events)
 
     # ------------------------------------------------------------------ steps of a plan
     def _depart(self, request_id: str, events: list[Any]) -> None:

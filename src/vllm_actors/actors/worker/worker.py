@@ -72,10 +72,13 @@ class Worker:
         self.requests: dict[str, WorkerRequest] = {}
         width = getattr(runner, "max_blocks_per_seq", None)
         self.tables = BlockTableArray(width) if width else None
+        self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
     def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the worker does not take {type(message).__name__}")
+        if message.step_id < self._min_step_id and not message.reset:
+            return []  # planned before the pipeline reset: its blocks may be someone else's now
         self.validate(message)
         num_prefill = sum(1 for new in message.new_requests if new.request_id in message.req_ids)
         started = StepStarted(
@@ -99,9 +102,10 @@ class Worker:
         (``MessageRejected``), before any state changes."""
         if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
             raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
+        held_requests = {} if plan.reset else self.requests  # a reset plan starts from nothing
         computed = {
             request_id: (request.num_computed_tokens, len(request.token_ids))
-            for request_id, request in self.requests.items()
+            for request_id, request in held_requests.items()
             if request_id not in plan.finished_ids
         }
         for new in plan.new_requests:
@@ -117,10 +121,10 @@ class Worker:
                 raise MessageRejected(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
             if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
                 raise MessageRejected(f"plan gives {request_id!r} a block outside the pool")
-            fresh = request_id in plan.finished_ids or request_id not in self.requests or any(
+            fresh = request_id in plan.finished_ids or request_id not in held_requests or any(
                 new.request_id == request_id for new in plan.new_requests
             )
-            held = 0 if fresh else len(self.requests[request_id].block_table)
+            held = 0 if fresh else len(held_requests[request_id].block_table)
             if self.tables is not None and held + len(blocks) > self.tables.width:
                 raise MessageRejected(f"plan gives {request_id!r} more blocks than a sequence may hold")
 
@@ -142,8 +146,18 @@ class Worker:
             row=self.tables.add() if self.tables is not None else -1,
         )
 
+    def reset(self) -> None:
+        """Drop every request and block-table row (a reset plan: the pipeline starts over; the
+        KV tensors are left as they are, nothing will read them before it writes them)."""
+        self.requests.clear()
+        if self.tables is not None:
+            self.tables = BlockTableArray(self.tables.width)
+
     def execute(self, plan: StepPlan) -> StepResult:
         started = self.clock()
+        if plan.reset:
+            self.reset()
+            self._min_step_id = plan.step_id
         for request_id in plan.finished_ids:
             self._drop(request_id)
         for new in plan.new_requests:
@@ -181,7 +195,7 @@ class Worker:
                 batch.logits_indices.append(flat_start + num_new - 1)
 
         if not batch.token_ids:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+            return StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[], token_ids=[])
         if self.tables is not None:
             batch.block_table_array = self.tables.gather(
                 [self.requests[request_id].row for request_id in plan.req_ids]
@@ -203,6 +217,7 @@ class Worker:
             logprobs = sampled.logprobs
         return StepResult(
             step_id=plan.step_id,
+            reset=plan.reset,
             req_ids=[request.request_id for request in samplers],
             token_ids=token_ids,
             logprobs=logprobs,
