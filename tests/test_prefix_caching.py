@@ -116,7 +116,7 @@ def test_a_request_admitted_later_in_the_same_pass_hits_blocks_planned_before_it
     shared = list(range(1, 25))
     assert not [m for _, m in add("b", shared + [30]) if isinstance(m, StepPlan)]  # one step in flight
     add("c", shared + [31, 32])
-    out = scheduler.handle(StepResult(step_id=first.step_id, req_ids=["a"], token_ids=[5]))
+    out = scheduler.handle(StepResult(step_id=first.step_id, reset=first.reset, req_ids=["a"], token_ids=[5]))
     plan = next(m for _, m in out if isinstance(m, StepPlan))
     hits = {new.request_id: new.num_cached_tokens for new in plan.new_requests}
     assert hits == {"b": 0, "c": 24}

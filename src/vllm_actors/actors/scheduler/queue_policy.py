@@ -27,6 +27,21 @@ def admission_error(message: AddRequest, requests: Mapping[str, object], max_mod
         return f"the prompt has {num_prompt} tokens, more than max_model_len ({max_model_len})"
     if min(message.prompt_token_ids) < 0 or max(message.prompt_token_ids) > MAX_TOKEN_ID:
         return f"prompt token ids must lie in [0, {MAX_TOKEN_ID}]"
+    outputs = message.output_token_ids
+    if not outputs:
+        return None
+    if not message.resume:
+        return "output_token_ids are only taken with resume=True (a resubmission)"
+    if min(outputs) < 0 or max(outputs) > MAX_TOKEN_ID:
+        return f"output token ids must lie in [0, {MAX_TOKEN_ID}]"
+    if num_prompt + len(outputs) > max_model_len:
+        return (
+            f"the prompt ({num_prompt} tokens) and the outputs so far ({len(outputs)}) are more than "
+            f"max_model_len ({max_model_len})"
+        )
+    max_tokens = message.params.max_tokens
+    if max_tokens is not None and len(outputs) > max_tokens:
+        return f"{len(outputs)} output tokens resubmitted, more than max_tokens ({max_tokens})"
     return None
 
 

@@ -17,6 +17,20 @@ count as available and are evicted, least recently used first, before anyone is 
 
 ``queue_policy`` holds who gets in: admission checks, the waiting queue's order (``lpm``: longest
 cached prefix first) and admission with its cache lookup; ``request`` the per-request state.
+
+Recovery (issue 12, "let it crash"). ``RecoverPipeline`` (the supervisor restarted the KV-cache
+manager or a worker, whose state is gone) resets the pipeline: every running request is preempted
+(to the front of the waiting queue, in its order, keeping its prompt and outputs: it resumes by
+recompute), the plans in flight are forgotten (no token of theirs will be counted, ``num_pending``
+is zeroed everywhere), the block ledger starts over (every block free, the prefix cache empty),
+``PIPELINE_RESET`` is published and the next plan carries ``reset=True`` (sent even if it
+schedules nothing), telling the KV-cache manager and the workers to drop everything first. Until
+that plan's result (``StepResult.reset``, its step id) is back, every other result is stale and
+ignored, as is any result of a step id below it afterwards. A new scheduler starts in that state:
+its first plan is a reset (its step ids start at 0 again, so only the flag tells its results from
+those of its predecessor's plans still in the pipeline). After a scheduler restart the clients
+resubmit their unfinished requests (``AddRequest.resume``) with the outputs they received: such a
+request enters as a preempted one; a resubmission of an id already held is ignored.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from vllm_actors.protocol.events import (
     Aborted,
     Finished,
     FirstToken,
+    PipelineReset,
     Preempted,
     PrefillChunk,
     Queued,
@@ -51,6 +66,7 @@ from vllm_actors.protocol.messages import (
     AddRequest,
     Message,
     NewRequest,
+    RecoverPipeline,
     RequestUpdate,
     RequestUpdates,
     StepPlan,
@@ -65,6 +81,8 @@ class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # prefill work split over several steps
+    num_resets: int = 0  # pipeline resets (RecoverPipeline)
+    num_stale_results: int = 0  # step results of plans sent before a reset, ignored
 
 
 class Scheduler:
@@ -82,6 +100,11 @@ class Scheduler:
         self._in_flight: deque[tuple[StepPlan, list[str]]] = deque()
         self._next_step_id = 0
         self.stats = SchedulerStats()
+        # Recovery: the next plan resets the pipeline (a new scheduler's first one does); once
+        # sent, its step id until its result is back; results of step ids below are stale.
+        self._reset_pending = True
+        self._reset_step: int | None = None
+        self._min_step_id = 0
 
     # ------------------------------------------------------------------ messages
     def handle(self, message: Message) -> list[tuple[str, Any]]:
@@ -103,6 +126,8 @@ class Scheduler:
                 self._finish(request_id)
         elif isinstance(message, StepResult):
             out.extend(self._on_step_result(message))
+        elif isinstance(message, RecoverPipeline):
+            self._reset_pipeline(f"{message.actor}: {message.reason}")
         else:
             raise TypeError(f"the scheduler does not take {type(message).__name__}")
         plan = self._maybe_schedule()
@@ -113,6 +138,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
+        if message.resume and message.request_id in self.requests:
+            return []  # the original (or an earlier resubmission) is here already
         error = admission_error(message, self.requests, self.config.max_model_len)
         if error is not None:
             self._events.append(Aborted(request_id=message.request_id, reason="error"))
@@ -124,7 +151,21 @@ class Scheduler:
             params=message.params,
             eos_token_ids=list(message.eos_token_ids),
             packed_prompt=pack_token_ids(message.prompt_token_ids),
+            output_token_ids=list(message.output_token_ids),
+            # A resubmission with outputs resumes as after a preemption (RESUMED, recompute).
+            num_preemptions=1 if message.output_token_ids else 0,
         )
+        if request.output_token_ids:
+            finish_reason, stop_reason = self._check_stop(request, request.output_token_ids[-1])
+            if finish_reason is not None:  # its last token ended it: the client missed only that
+                self._events.append(
+                    Finished(request_id=request.request_id, reason=finish_reason,
+                             num_prompt_tokens=len(request.prompt_token_ids),
+                             num_output_tokens=len(request.output_token_ids), stop_reason=stop_reason)
+                )
+                update = RequestUpdate(request_id=request.request_id, finish_reason=finish_reason,
+                                       stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_token_ids))
+                return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting)))
@@ -148,7 +189,20 @@ class Scheduler:
             request.in_worker = False
 
     # ------------------------------------------------------------------ results
+    def _is_stale(self, result: StepResult) -> bool:
+        """A result of a plan sent before the last pipeline reset (or by a previous scheduler)."""
+        if self._reset_pending:
+            return True  # the reset plan is not even sent: nothing in flight is ours
+        if self._reset_step is not None:
+            return not (result.reset and result.step_id == self._reset_step)
+        return result.step_id < self._min_step_id
+
     def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
+        if self._is_stale(result):
+            self.stats.num_stale_results += 1
+            return []
+        if result.reset:
+            self._reset_step = None  # the pipeline is ours again: results match plans in order
         if not self._in_flight or result.step_id != self._in_flight[0][0].step_id:
             raise MessageRejected(f"unexpected step result {result.step_id}")
         _, sampling_ids = self._in_flight.popleft()
@@ -233,11 +287,14 @@ class Scheduler:
     def _maybe_schedule(self) -> StepPlan | None:
         if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
-        if not (self.waiting or self.running or self._departed):
+        if not (self.waiting or self.running or self._departed or self._reset_pending):
             return None
         plan, sampling_ids = self._schedule()
-        if not plan.req_ids and not plan.finished_ids:
+        if not plan.req_ids and not plan.finished_ids and not plan.reset:
             return None  # everything waits for tokens in flight
+        if plan.reset:  # sent even when empty: the KV-cache manager and workers drop their state
+            self._reset_pending = False
+            self._reset_step = self._min_step_id = plan.step_id
         self._in_flight.append((plan, sampling_ids))
         self._next_step_id += 1
         self.stats.num_steps += 1
@@ -343,6 +400,7 @@ class Scheduler:
 
         plan = StepPlan(
             step_id=self._next_step_id,
+            reset=self._reset_pending,
             new_requests=new_requests,
             finished_ids=self._departed,
             req_ids=[request.request_id for request, _ in scheduled],
@@ -396,3 +454,32 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ recovery
+    def _reset_pipeline(self, reason: str) -> None:
+        """The KV-cache manager or a worker was restarted: what the pipeline held is gone."""
+        running, self.running = self.running, []
+        for request in running:  # PREEMPTED in batch order; the queue keeps that order
+            self._events.append(
+                Preempted(
+                    request_id=request.request_id,
+                    step_id=self._next_step_id,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.status = Status.WAITING
+            request.num_preemptions += 1
+        self.waiting.extendleft(reversed(running))
+        self.stats.num_preemptions += len(running)
+        for request in self.requests.values():  # waiting ones too: their tokens in flight are lost
+            request.num_computed_tokens = 0
+            request.num_pending = 0
+            request.in_worker = False
+            request.cache_check_at = 0
+        self.ledger = BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self._departed = []
+        self._in_flight.clear()
+        self._reset_pending = True
+        self._reset_step = None
+        self.stats.num_resets += 1
+        self._events.append(PipelineReset(reason=reason, num_preempted=len(running)))
