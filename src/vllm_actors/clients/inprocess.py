@@ -23,8 +23,9 @@ from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
-from vllm_actors.protocol.events import EventBatch
-from vllm_actors.protocol.messages import Message, StepResult
+from vllm_actors.protocol.errors import MessageRejected
+from vllm_actors.protocol.events import EventBatch, Rejected
+from vllm_actors.protocol.messages import Message, StepPlan, StepResult
 from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
 from vllm_actors.runtime.transport import EventStamper, InMemoryEndpoint, InMemoryNetwork, split_events
 
@@ -93,6 +94,7 @@ class InProcessEngine(SyncClient):
             for actor in (self.scheduler, self.kv_cache_manager, self.worker)
         ]
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
+        self._restarted: list[Any] = []  # actors put in place by replace_actor
         # Subscribers of the in-process event bus: the metrics store, tests.
         from vllm_actors.actors.metrics_store.store import MetricsStore
         from vllm_actors.runtime.metrics_shell import record_logged
@@ -123,7 +125,16 @@ class InProcessEngine(SyncClient):
                 if message is None:
                     continue
                 progressed = True
-                messages, events = split_events(actor.handle(message))
+                try:
+                    messages, events = split_events(actor.handle(message))
+                except MessageRejected as error:
+                    if actor not in self._restarted:
+                        raise  # in process, a rejection is a bug the test should see
+                    # As the shell does: a restarted actor meets plans made before its restart
+                    # (until the scheduler's reset plan); each is dropped, with REJECTED.
+                    rejected = Rejected(message_type=type(message).__name__, sender="", error=str(error))
+                    self._publish(stamper.stamp([rejected]))
+                    continue
                 for destination, outgoing in messages:
                     endpoint.send(destination, outgoing)
                     if isinstance(outgoing, StepResult):
@@ -154,7 +165,45 @@ class InProcessEngine(SyncClient):
             outputs.extend(self.step())
         return outputs
 
+    # ------------------------------------------------------------------ faults (tests)
+    def replace_actor(self, actor: Scheduler | KVCacheManager | Worker) -> None:
+        """Put a fresh ``actor`` in the place of the one of its name, as the supervisor restarts a
+        crashed process: the messages queued for the old one die with it; the new one's rejections
+        (plans made before its restart) are dropped with REJECTED, as by the shell. Recovery is
+        then up to the caller (``RecoverPipeline`` to the scheduler, or the clients' resubmissions)."""
+        for index, (endpoint, old, stamper) in enumerate(self._actors):
+            if old.name == actor.name:
+                while endpoint.recv() is not None:
+                    pass
+                self._actors[index] = (endpoint, actor, stamper)
+                self._restarted.append(actor)
+                setattr(self, actor.name, actor)
+                return
+        raise ValueError(f"no actor named {actor.name!r}")
+
+    def receive_pending(self) -> list[RequestOutput]:
+        """The outputs of the updates already queued for the client (what it has received once
+        a dead scheduler's last messages are in), without running any actor."""
+        outputs: list[RequestOutput] = []
+        while (update := self._frontend_endpoint.recv()) is not None:
+            outputs.extend(self._receive(update))
+        return outputs
+
+    def inject(self, destination: str, message: Message, first: bool = False) -> None:
+        """Queue ``message`` for an actor as if a peer (the supervisor) had sent it; ``first``
+        puts it ahead of what is already queued there."""
+        self._frontend_endpoint.send(destination, message)
+        if first:
+            inbox = self._network._inboxes[destination]
+            inbox.appendleft(inbox.pop())
+
     # ------------------------------------------------------------------ checks
+    def _resetting(self) -> bool:
+        """A pipeline reset the KV-cache manager has not applied yet: the scheduler has not sent
+        the reset plan, or it is still queued for the manager."""
+        queued = self._network._inboxes[self.kv_cache_manager.name]
+        return self.scheduler._reset_pending or any(isinstance(m, StepPlan) and m.reset for m in queued)
+
     def check_idle_invariants(self) -> None:
         """Once nothing is unfinished: no table is left and every block is free or idle in the
         prefix cache."""
@@ -176,8 +225,11 @@ class InProcessEngine(SyncClient):
         pending = set(self.scheduler._departed)
         manager = self.kv_cache_manager
         ledger = self.scheduler.ledger
-        manager.check_invariants(live | pending)
         ledger.check_invariants(live)
+        if self._resetting():  # the manager still holds what the reset plan will drop
+            manager.check_invariants()
+            return
+        manager.check_invariants(live | pending)
         if not pending:  # every plan is delivered in process: the KV manager has applied them all
             ours = (ledger.num_free, ledger.num_cached, ledger.cache.num_evictable if ledger.cache else 0)
             theirs = (manager.num_free_blocks, len(manager.cached), manager.num_idle_cached_blocks)
