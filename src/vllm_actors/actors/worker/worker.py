@@ -4,6 +4,12 @@ Pure state machine around a model runner (the clock that times a step is injecte
 ``handle(StepPlan)`` returns one ``StepResult`` for the scheduler. Because the worker appends
 every token it samples to the request's own token list, a decode step needs nothing from the plan
 but the request id - the next step's input is already here.
+
+A ``reset`` plan (the pipeline restarts after an actor was restarted) first drops every request
+and block-table row; its result carries ``reset`` back to the scheduler. The KV tensors are left
+as they are: every request comes back as new and recomputes what it reads. A plan with a step id
+below the last reset plan's was planned before it (its blocks may be someone else's now) and is
+dropped without running.
 """
 
 from __future__ import annotations
