@@ -88,7 +88,10 @@ class SchedulerStats:
 class Scheduler:
     name = "scheduler"
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, first_step_id: int = 0) -> None:
+        """``first_step_id``: a restarted scheduler numbers its steps above every id its
+        predecessors used (the supervisor passes ``incarnation << 40``), so a dead scheduler's plan
+        still in the pipeline can never pass for one of its own."""
         self.config = config
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
@@ -98,13 +101,13 @@ class Scheduler:
         self._events: list[Any] = []  # events of the message being handled
         # Plans sent whose results are not back yet (oldest first), with the ids each one samples.
         self._in_flight: deque[tuple[StepPlan, list[str]]] = deque()
-        self._next_step_id = 0
+        self._next_step_id = first_step_id
         self.stats = SchedulerStats()
         # Recovery: the next plan resets the pipeline (a new scheduler's first one does); once
         # sent, its step id until its result is back; results of step ids below are stale.
         self._reset_pending = True
         self._reset_step: int | None = None
-        self._min_step_id = 0
+        self._min_step_id = first_step_id
 
     # ------------------------------------------------------------------ messages
     def handle(self, message: Message) -> list[tuple[str, Any]]:
