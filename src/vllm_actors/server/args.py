@@ -44,11 +44,13 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
 
 def supervision_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The supervision flags given, as ProcessGroup keyword arguments."""
-    kwargs = {name: getattr(args, name, None) for name in _SUPERVISION_FLAGS}
-    for name in ("max_restarts",):
-        if kwargs[name] is not None and kwargs[name] < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {kwargs[name]}")
-    for name in ("restart_window", "liveness_timeout", "max_busy_seconds"):
-        if kwargs[name] is not None and not kwargs[name] > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {kwargs[name]}")
-    return {name: value for name, value in kwargs.items() if value is not None}
+    kwargs: dict[str, Any] = {}
+    for name in _SUPERVISION_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and name != "max_restarts"):
+            bound = ">= 0" if name == "max_restarts" else "> 0"
+            raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+        kwargs[name] = value
+    return kwargs
