@@ -126,7 +126,7 @@ class AsyncEngineClient(ClientCore):
         self._dead: BaseException | None = None
         self._supervision = SupervisionView()  # an attached client's view, from the bus
         self._failure_listeners: list[Callable[[str], None]] = []
-        self._listening = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the group's listeners hand over
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -199,18 +199,19 @@ class AsyncEngineClient(ClientCore):
         self._tasks = [reader, watcher]
 
     def _listen_to_group(self, loop: asyncio.AbstractEventLoop) -> None:
-        """An owned group's supervisor calls on its own thread: hand each call to the loop."""
-        if self.group is None or self._listening:
+        if self.group is None or self._loop is not None:
             return
-        self._listening = True
+        self._loop = loop
+        listen(self.group, self._restart_reported, self._failure_reported)
 
-        def on_restart(actor: str) -> None:
-            _call_soon(loop, self._on_actor_restarted, actor)
+    # The owned group's supervisor calls these on its own thread: hand each call to the loop.
+    def _restart_reported(self, actor: str) -> None:
+        if self._loop is not None:
+            _call_soon(self._loop, self._on_actor_restarted, actor)
 
-        def on_failure(reason: str) -> None:
-            _call_soon(loop, self._fail, reason)
-
-        listen(self.group, on_restart, on_failure)
+    def _failure_reported(self, reason: str) -> None:
+        if self._loop is not None:
+            _call_soon(self._loop, self._fail, reason)
 
     def _metrics_socket(self) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)

@@ -19,6 +19,7 @@ A ``ProcessGroup`` without these (no supervisor) is handled as before: an exited
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,14 +46,28 @@ def supervised(group: object) -> bool:
 
 
 def listen(group: object, on_restart: Callable[[str], None], on_failure: Callable[[str], None]) -> bool:
-    """Register the listeners (called on the supervisor's thread: they must only hand over).
+    """Register the listeners (called on the supervisor's thread: they must only hand over). Bound
+    methods are held weakly: a client that is gone is not kept alive by the group it listened to.
     False when the group has no supervisor."""
     if not supervised(group):
         return False
     group_any: Any = group
-    group_any.on_restart(on_restart)
-    group_any.on_failure(on_failure)
+    group_any.on_restart(_weakly(on_restart))
+    group_any.on_failure(_weakly(on_failure))
     return True
+
+
+def _weakly(callback: Callable[[str], None]) -> Callable[[str], None]:
+    if not hasattr(callback, "__self__"):
+        return callback
+    method = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+
+    def call(argument: str) -> None:
+        target = method()
+        if target is not None:
+            target(argument)
+
+    return call
 
 
 def group_failure(group: object) -> str | None:
