@@ -779,3 +779,17 @@ async def test_a_failed_group_ends_streams_with_an_error_and_refuses_requests(
         health = await http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert health.json()["unhealthy"] == {"group": "failed: actor worker-0: 6 restarts within 60 s"}
+
+
+def test_serve_supervision_flags_reach_the_process_group() -> None:
+    from vllm_actors.cli import build_parser
+    from vllm_actors.server.args import supervision_kwargs
+
+    parser = build_parser()
+    assert supervision_kwargs(parser.parse_args(["serve", "some/model"])) == {}  # the supervisor's defaults
+    args = parser.parse_args(["serve", "some/model", "--max-restarts", "0", "--restart-window", "30",
+                              "--liveness-timeout", "2.5", "--max-busy-seconds", "600"])
+    assert supervision_kwargs(args) == {"max_restarts": 0, "restart_window": 30.0, "liveness_timeout": 2.5,
+                                        "max_busy_seconds": 600.0}
+    with pytest.raises(ValueError, match="--liveness-timeout must be > 0"):
+        supervision_kwargs(parser.parse_args(["serve", "m", "--liveness-timeout", "0"]))
