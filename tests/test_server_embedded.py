@@ -1,6 +1,6 @@
 """The embeddable frontend: AsyncEngineClient in an asyncio application, build_app served in
 process (httpx's ASGI transport), the bounded queue, the mounted-app example, /health naming a
-dead actor (last: it kills one)."""
+dead actor and, with a supervisor, serving again once it is restarted (last: it kills one)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest_asyncio
 from server_helpers import free_port, stop_process, tail
 from vllm_actors import SamplingParams
 from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.clients.supervision import supervised
 from vllm_actors.server import build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -187,3 +188,9 @@ async def test_health_names_a_dead_actor(client: AsyncEngineClient) -> None:
         assert reply.status_code == 503
         body = reply.json()
         assert "kv_cache_manager" in body["error"]["message"] and "kv_cache_manager" in body["unhealthy"]
+        if supervised(client.group):  # restarted: serving again, with the same client
+            while (reply := await http.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline + 60, reply.text
+                await asyncio.sleep(0.1)
+            done = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+            assert done.status_code == 200, done.text

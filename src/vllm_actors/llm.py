@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.clients.core import SyncClient
+from vllm_actors.clients.core import EngineDeadError, SyncClient
+from vllm_actors.clients.supervision import raise_if_unsupervised_death
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.metrics import SummaryReply, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
@@ -44,6 +45,11 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size,
     num_gpu_blocks_override, gpu_memory_utilization, seed, enforce_eager, skip_tokenizer_init,
     tensor_parallel_size, ...).
+
+    The process group's supervisor restarts an actor that dies or hangs; ``generate`` goes on and
+    returns complete outputs (after a scheduler restart the unfinished requests are sent again
+    with the tokens they have). Only when the group gives up does it raise ``EngineDeadError``
+    with the reason, as does every later call.
     """
 
     def __init__(self, model: str | None = None, *, executor: str = "group", **engine_args: Any) -> None:
@@ -66,7 +72,7 @@ class LLM:
         check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
         self._group = ProcessGroup(self.config, check_invariants=check).start()
         try:
-            self._client = EngineClient(self._group.info, load_group_tokenizer(self._group.info))
+            self._client = EngineClient(self._group.info, load_group_tokenizer(self._group.info), group=self._group)
         except BaseException:
             self._group.shutdown()
             raise
@@ -142,21 +148,23 @@ class LLM:
     def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
         """Submit the prepared requests and wait for all of them; outputs in their order."""
         engine = self.engine
-        for request in prepared:
-            engine.submit(request)
         request_ids = [request.request_id for request in prepared]
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
+            for request in prepared:
+                engine.submit(request)
             while len(finished) < len(wanted):
                 if not engine.has_unfinished:
                     raise RuntimeError("the engine went idle with requests unfinished")
                 outputs = engine.poll(100)
                 if not outputs and self._group is not None:
-                    self._group.raise_if_dead()
+                    raise_if_unsupervised_death(self._group)  # a supervised group restarts its actors
                 for output in outputs:
                     if output.finished and output.request_id in wanted:
+                        if engine.failure is not None:
+                            raise EngineDeadError(f"the engine failed: {engine.failure}")
                         if output.error is not None:
                             raise ValueError(f"request {output.request_id} failed: {output.error}")
                         finished[output.request_id] = output

@@ -8,6 +8,13 @@ socket; one background task reads the scheduler's updates, runs them through the
 request's ``RequestStream``. A second task follows the scheduler's events on the bus for the queue
 time of this client's requests.
 
+The group's supervisor restarts actors that die or hang. After a scheduler restart the client sends
+its unfinished requests again (resume=True, with the tokens each has received): their streams just
+pause. When the group gives up, every open stream ends with a final output of finish reason
+"error" (``RequestOutput.error`` says why) and ``submit`` raises ``EngineDeadError``. A client that
+owns its group learns both from the group's listeners; an attached client from the supervisor's
+ACTOR_RESTARTED and GROUP_FAILED events on the bus (``clients/supervision.py``).
+
     client = await AsyncEngineClient.start("path/to/model", dtype="float32")
     async for output in client.generate("Hello", SamplingParams(max_tokens=16)):
         print(output.outputs[0].text)          # cumulative, like vLLM
@@ -22,10 +29,11 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -33,10 +41,26 @@ import zmq.asyncio
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.frontend.text import PromptInput
-from vllm_actors.clients.core import ClientCore, ZmqTransport, expect_reply, frontend_for_group, load_group_tokenizer
+from vllm_actors.clients.core import (
+    ClientCore,
+    EngineDeadError,
+    ZmqTransport,
+    expect_reply,
+    frontend_for_group,
+    load_group_tokenizer,
+)
 from vllm_actors.clients.latency import LatencyTracker, StatsListener
 from vllm_actors.clients.request_stream import RequestStream
-from vllm_actors.protocol.events import Heartbeat
+from vllm_actors.clients.supervision import (
+    READY,
+    Health,
+    SupervisionView,
+    classify,
+    group_failure,
+    group_states,
+    listen,
+)
+from vllm_actors.protocol.events import EventBatch, Heartbeat
 from vllm_actors.protocol.metrics import (
     MetricsCodec,
     MetricsQuery,
@@ -48,7 +72,7 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
-from vllm_actors.protocol.names import worker_id
+from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR, worker_id
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, pid_alive, read_group_info
 from vllm_actors.runtime.zmq_shell import EventPublisher
@@ -63,10 +87,6 @@ log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = 30.0
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
-
-
-class EngineDeadError(RuntimeError):
-    """The client lost its engine (its reader stopped or it was shut down)."""
 
 
 class AsyncEngineClient(ClientCore):
@@ -104,6 +124,9 @@ class AsyncEngineClient(ClientCore):
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: BaseException | None = None
+        self._supervision = SupervisionView()  # an attached client's view, from the bus
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the group's listeners hand over
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -169,11 +192,26 @@ class AsyncEngineClient(ClientCore):
         if self._tasks or self._closed:
             return
         loop = asyncio.get_running_loop()
+        self._listen_to_group(loop)
         reader = loop.create_task(self._read_updates(), name=f"{self.identity}-reader")
         reader.add_done_callback(self._on_reader_done)
-        watcher = loop.create_task(self.latency.follow_scheduler(self._context, self.info.addresses.bus_out),
-                                   name=f"{self.identity}-bus")
+        watcher = loop.create_task(self._watch_bus(), name=f"{self.identity}-bus")
         self._tasks = [reader, watcher]
+
+    def _listen_to_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.group is None or self._loop is not None:
+            return
+        self._loop = loop
+        listen(self.group, self._restart_reported, self._failure_reported)
+
+    # The owned group's supervisor calls these on its own thread: hand each call to the loop.
+    def _restart_reported(self, actor: str) -> None:
+        if self._loop is not None:
+            _call_soon(self._loop, self._on_actor_restarted, actor)
+
+    def _failure_reported(self, reason: str) -> None:
+        if self._loop is not None:
+            _call_soon(self._loop, self._fail, reason)
 
     def _metrics_socket(self) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)
@@ -198,6 +236,20 @@ class AsyncEngineClient(ClientCore):
     @property
     def is_closed(self) -> bool:
         return self._closed
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine failed for good (the group gave up), or None while it serves."""
+        if self.failure is None and self.group is not None:
+            reason = group_failure(self.group)
+            if reason is not None:  # the listener's call may still be on its way to the loop
+                self._fail(reason)
+        return self.failure
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """``listener(reason)`` is called (on the event loop) once the group has failed, after every
+        open stream has got its error output."""
+        self._failure_listeners.append(listener)
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         self.latency.listeners.append(listener)
@@ -247,8 +299,40 @@ class AsyncEngineClient(ClientCore):
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("the client has been shut down")
+        if self.failed is not None:
+            raise EngineDeadError(f"the engine failed: {self.failure}")
         if self._dead is not None:
             raise EngineDeadError(f"the client lost its engine: {self._dead}")
+
+    # ------------------------------------------------------------------ supervision (on the loop)
+    def _on_actor_restarted(self, actor: str) -> None:
+        if actor == SCHEDULER and not self._closed and self.failure is None:
+            self.resubmit_open()
+
+    def _fail(self, reason: str) -> None:
+        """The group failed: every open stream ends with an error output; new requests are refused."""
+        if self.failure is not None or self._closed:
+            return
+        self._dispatch(self.fail_open(reason), time.monotonic())
+        for stream in list(self._streams.values()):  # none left, unless one was never submitted
+            stream._errored(reason)
+        self._streams.clear()
+        self.latency.clear()
+        for listener in list(self._failure_listeners):
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("failure listener failed", actor=self.identity)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            self.latency.on_output(output, now)
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
 
     # ------------------------------------------------------------------ background tasks
     async def _read_updates(self) -> None:
@@ -260,14 +344,43 @@ class AsyncEngineClient(ClientCore):
             except Exception:  # a bug here must not silence every other request
                 log.exception("updates not handled", actor=self.identity)
                 continue
-            for output in outputs:
-                self.latency.on_output(output, now)
-                stream = self._streams.get(output.request_id)
-                if stream is None:
+            self._dispatch(outputs, now)
+
+    async def _watch_bus(self) -> None:
+        """Follow the scheduler's events (queue times for the stats listeners) and, for an attached
+        client, the supervisor's (restarts, the group's failure), until cancelled. A batch whose
+        actor is not its topic is ignored."""
+        subscriber = self._context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.setsockopt(zmq.SUBSCRIBE, SCHEDULER.encode())
+        if self.group is None:  # an owned group tells us itself, unforgeably
+            subscriber.setsockopt(zmq.SUBSCRIBE, SUPERVISOR.encode())
+        subscriber.connect(self.info.addresses.bus_out)
+        decoder = msgspec.msgpack.Decoder(EventBatch)
+        try:
+            while True:
+                frames = await subscriber.recv_multipart()
+                topic = frames[0].decode(errors="replace") if len(frames) == 2 else ""
+                if topic == SCHEDULER and not self.latency.wants_scheduler_events:
                     continue
-                stream._put(output)
-                if output.finished:
-                    del self._streams[output.request_id]
+                if topic not in (SCHEDULER, SUPERVISOR):
+                    continue
+                try:
+                    batch = decoder.decode(frames[-1])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if batch.actor != topic:
+                    continue
+                if topic == SCHEDULER:
+                    self.latency.on_scheduler_events(batch)
+                    continue
+                restarted, failed = self._supervision.on_batch(topic, batch)
+                if failed is not None:
+                    self._fail(failed)
+                for actor in restarted:
+                    self._on_actor_restarted(actor)
+        finally:
+            subscriber.close()
 
     def _on_reader_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -316,38 +429,73 @@ class AsyncEngineClient(ClientCore):
                 return True
             await asyncio.sleep(0.01)
 
-    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
-        """What is wrong, per actor (empty: healthy). Every process must be alive, every engine
-        actor READY in the metrics store, and an event from this client must reach the store
-        through the bus within ``timeout``."""
-        problems: dict[str, str] = {}
+    async def health(self, timeout: float = 2.0) -> Health:
+        """The verdict ``/health`` serves. The step pipeline (scheduler, KV-cache manager, workers)
+        down or restarting: "unavailable"; the bus or the metrics store down, or an event of this
+        client not reaching the store within ``timeout``: "degraded" (serving goes on); the group
+        given up: "failed". With an owned group the actors' states are the supervisor's own
+        (``ProcessGroup.state()``), never taken from events on the bus; an attached client
+        combines the supervisor's events with the metrics store's view of each actor."""
         if self._closed:
-            return {"frontend": "shut down"}
-        if self._dead is not None:
-            problems["frontend"] = f"reader stopped: {self._dead}"
+            return Health("unavailable", {"frontend": "shut down"})
+        failure = self.failed
+        if failure is not None:
+            return classify({}, failure=failure)
+        extra = {"frontend": f"reader stopped: {self._dead}"} if self._dead is not None else {}
         if self.group is not None:
-            for actor, alive in self.group.alive().items():
-                if not alive:
-                    problems[actor] = "process exited"
+            states = group_states(self.group)
+            if states.get("bus", READY) == READY and states.get("metrics", READY) == READY:
+                states.update(await self._store_reachable(timeout))
+        else:
+            states = await self._attached_states(timeout)
+        return classify(states, extra_unhealthy=extra)
+
+    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
+        """What is wrong, per part (empty: healthy): ``health()``'s problems, degraded ones included."""
+        return (await self.health(timeout)).problems()
+
+    async def _store_reachable(self, timeout: float) -> dict[str, str]:
+        """An event of this client must reach the metrics store through the bus within ``timeout``."""
         try:
             if not await self._bus_round_trip(timeout):
-                problems.setdefault("bus", "an event did not reach the metrics store")
+                return {"bus": "an event did not reach the metrics store"}
+        except TimeoutError:
+            return {"metrics": "not answering"}
+        return {}
+
+    async def _attached_states(self, timeout: float) -> dict[str, str]:
+        """Each actor's state for an attached client: restarting while the supervisor said so on the
+        bus, else what the metrics store saw of it (its own lifecycle events and pid)."""
+        states = dict(self._supervision.down)
+        reachable = await self._store_reachable(timeout)
+        states.update(reachable)
+        if "metrics" in reachable:
+            return states
+        try:
             reply = await self.query_metrics(SeenQuery(), timeout=timeout)
         except TimeoutError:
-            problems.setdefault("metrics", "not answering")
-            return problems
+            states["metrics"] = "not answering"
+            return states
         actors = reply.actors if isinstance(reply, SeenReply) else {}
-        expected = ["metrics", *(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
+        expected = [*(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
                     "kv_cache_manager", "scheduler"]
+        unseen = []
         for actor in expected:
             seen = actors.get(actor)
+            if actor in states:
+                continue
             if seen is None:
-                problems.setdefault(actor, "never seen by the metrics store")
+                unseen.append(actor)  # a restarted store has not heard from it yet
+                states[actor] = READY
             elif seen.state != "READY":
-                problems.setdefault(actor, f"state {seen.state}" + (f": {seen.error}" if seen.error else ""))
+                states[actor] = f"state {seen.state}" + (f": {seen.error}" if seen.error else "")
             elif seen.pid is not None and not pid_alive(seen.pid):
-                problems.setdefault(actor, f"process {seen.pid} is gone")
-        return problems
+                states[actor] = f"process {seen.pid} is gone"
+            else:
+                states[actor] = READY
+        if unseen:
+            states.setdefault("metrics", f"has not seen {', '.join(unseen)}")
+        return states
 
     # ------------------------------------------------------------------ lifetime
     async def shutdown(self, reason: str = "shutdown") -> None:
@@ -377,3 +525,11 @@ class AsyncEngineClient(ClientCore):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    """Hand a call from another thread to the loop (dropped once the loop is closed)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass

@@ -78,6 +78,11 @@ class ZmqTransport:
             sent.add_done_callback(_log_send_failure)
 
 
+class EngineDeadError(RuntimeError):
+    """The client lost its engine for good: the process group failed (its supervisor gave up),
+    the client was shut down, or its reader stopped."""
+
+
 class ClientCore:
     """The frontend state machine and the one send path and receive path of every client."""
 
@@ -86,6 +91,9 @@ class ClientCore:
         self.transport = transport
         self.name = name  # for log lines
         self._codec = MessageCodec()
+        # Why the engine is gone for good (the group failed), once it is: open requests have
+        # ended with finish reason "error" and new ones are refused.
+        self.failure: str | None = None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -136,6 +144,31 @@ class ClientCore:
             self.transport.send(destination, message)
         return client_outputs
 
+    # ------------------------------------------------------------------ recovery
+    def resubmit_open(self) -> int:
+        """The scheduler was restarted: send every unfinished engine request again (resume=True,
+        with the tokens received so far). Returns how many were sent."""
+        messages = self.frontend.resubmit()
+        self._send(list(messages))
+        if messages:
+            log.info("requests resubmitted", actor=self.name, count=len(messages))
+        return len(messages)
+
+    def fail_open(self, reason: str) -> list[RequestOutput]:
+        """The engine failed for good: remember why (new requests are refused) and end every open
+        request with finish reason "error" and ``reason`` as its error. Returns their final
+        outputs; a second call returns nothing."""
+        if self.failure is not None:
+            return []
+        self.failure = reason
+        log.error("engine failed: open requests end with an error", actor=self.name, reason=reason,
+                  open=self.frontend.num_unfinished)
+        return self._send(self.frontend.fail_all(reason))
+
+    def _check_not_failed(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine failed: {self.failure}")
+
     # ------------------------------------------------------------------ updates in
     def _receive(self, message: RequestUpdates) -> list[RequestOutput]:
         """The scheduler's updates through the frontend: the outputs they produce (and, for a
@@ -159,7 +192,9 @@ class SyncClient(ClientCore, ABC):
     """A client whose calls return at once: what the offline ``LLM`` drives."""
 
     def submit(self, prepared: PreparedRequest) -> None:
-        """Queue a prepared request; its outputs come from ``poll``."""
+        """Queue a prepared request; its outputs come from ``poll``. Raises EngineDeadError once
+        the engine has failed."""
+        self._check_not_failed()
         self._submit(prepared)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

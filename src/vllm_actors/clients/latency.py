@@ -10,14 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
 import structlog
-import zmq
-import zmq.asyncio
 
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.protocol.events import EventBatch, Queued, Scheduled
-from vllm_actors.protocol.names import SCHEDULER, parent_request_id
+from vllm_actors.protocol.names import parent_request_id
 
 log = structlog.get_logger(__name__)
 
@@ -84,25 +81,10 @@ class LatencyTracker:
                 elif event.request_id in timing.queued:
                     self._emit("queue", max(batch.mono - timing.queued.pop(event.request_id), 0.0))
 
-    async def follow_scheduler(self, context: zmq.asyncio.Context, bus_out: str) -> None:
-        """Read the scheduler's events from the bus until cancelled (a background task)."""
-        subscriber = context.socket(zmq.SUB)
-        subscriber.setsockopt(zmq.LINGER, 0)
-        subscriber.setsockopt(zmq.SUBSCRIBE, SCHEDULER.encode())
-        subscriber.connect(bus_out)
-        decoder = msgspec.msgpack.Decoder(EventBatch)
-        try:
-            while True:
-                frames = await subscriber.recv_multipart()
-                if not self.listeners or not self._timings:
-                    continue
-                try:
-                    batch = decoder.decode(frames[-1])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                self.on_scheduler_events(batch)
-        finally:
-            subscriber.close()
+    @property
+    def wants_scheduler_events(self) -> bool:
+        """Whether scheduler events are worth decoding: listeners, and requests being timed."""
+        return bool(self.listeners and self._timings)
 
     def _emit(self, metric: str, seconds: float) -> None:
         for listener in self.listeners:

@@ -44,6 +44,15 @@ class RequestStream:
 
     def _aborted(self) -> None:
         """The request was aborted here: end the iteration with an output saying so."""
+        self._end("abort")
+
+    def _errored(self, error: str) -> None:
+        """The engine failed: end the iteration with an output of finish reason "error"."""
+        self._end("error", error)
+
+    def _end(self, finish_reason: str, error: str | None = None) -> None:
+        """End the iteration with a finished output: the last one's children, the unfinished ones
+        marked ``finish_reason``."""
         if self.finished:
             return
         last = self._last
@@ -58,7 +67,7 @@ class RequestStream:
                 child = CompletionOutput(index=index, text=child.text, token_ids=list(child.token_ids),
                                          cumulative_logprob=child.cumulative_logprob, logprobs=child.logprobs)
             if child.finish_reason is None:
-                child.finish_reason = "abort"
+                child.finish_reason = finish_reason
             outputs.append(child)
         self._put(RequestOutput(
             request_id=self.request_id,
@@ -67,6 +76,7 @@ class RequestStream:
             prompt_logprobs=last.prompt_logprobs if last is not None else None,
             outputs=outputs,
             finished=True,
+            error=error,
         ))
 
     def abort(self, reason: str = "abort") -> None:

@@ -4,6 +4,12 @@ It tokenises, validates and detokenises in the calling process (the frontend act
 requests and aborts to the scheduler over a DEALER socket, receives the updates of its own
 requests, and publishes its own events (ARRIVED, stop-string FINISHED) on the bus. The offline
 ``LLM`` uses it for a process group; the shared paths are ``ClientCore``'s.
+
+Given the group (``group=``, listened to, not owned), it follows the supervisor: after a scheduler
+restart ``poll`` sends the unfinished requests again (resume=True, with the tokens received so
+far); once the group has failed ``poll`` ends every open request with finish reason "error" and
+``submit`` raises ``EngineDeadError``. The supervisor's listeners run on its thread and only set
+flags; ``poll`` acts on them in the caller's thread (the sockets and the frontend are not shared).
 """
 
 from __future__ import annotations
@@ -11,21 +17,25 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
 import zmq
 
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.clients.core import SyncClient, ZmqTransport, frontend_for_group
+from vllm_actors.clients.core import EngineDeadError, SyncClient, ZmqTransport, frontend_for_group
+from vllm_actors.clients.supervision import group_failure, listen
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
+from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.runtime.run_dir import GroupInfo
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
+    from vllm_actors.actors.frontend.frontend import PreparedRequest
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "frontend_for_group"]
+__all__ = ["EngineClient", "EngineDeadError", "frontend_for_group"]
 
 _counter = itertools.count()
 
@@ -37,8 +47,11 @@ def _close_sockets(sockets: list[zmq.Socket], context: zmq.Context) -> None:
 
 
 class EngineClient(SyncClient):
-    def __init__(self, info: GroupInfo, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, info: GroupInfo, tokenizer: Tokenizer | None = None, *, group: object | None = None) -> None:
+        """``group``: the ``ProcessGroup`` of ``info`` when this process runs it, to follow its
+        supervisor (restarts, failure); it is not shut down with the client."""
         self.info = info
+        self.group = group
         self.identity = f"client-{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
         self._context = zmq.Context()
         self._dealer = self._context.socket(zmq.DEALER)
@@ -54,11 +67,47 @@ class EngineClient(SyncClient):
             self, _close_sockets, [self._dealer, publisher.socket, self._metrics], self._context
         )
         super().__init__(frontend_for_group(info, tokenizer), ZmqTransport(self._dealer, publisher), self.identity)
+        self._scheduler_restarted = threading.Event()
+        self._failed_reason: str | None = None  # set by the supervisor's thread, read by poll
+        if group is not None:
+            listen(group, self._on_restart, self._on_failure)
+
+    # Called on the supervisor's monitor thread: hand over, nothing else.
+    def _on_restart(self, actor: str) -> None:
+        if actor == SCHEDULER:
+            self._scheduler_restarted.set()
+
+    def _on_failure(self, reason: str) -> None:
+        self._failed_reason = reason
+
+    def _group_failure(self) -> str | None:
+        return self._failed_reason or (group_failure(self.group) if self.group is not None else None)
+
+    def submit(self, prepared: PreparedRequest) -> None:
+        reason = self.failure or self._group_failure()
+        if reason is not None:  # the open requests' error outputs are poll's to return
+            raise EngineDeadError(f"the engine failed: {reason}")
+        super().submit(prepared)
 
     def poll(self, timeout_ms: int = 100) -> list[RequestOutput]:
+        """Wait up to ``timeout_ms`` for updates and return their outputs, acting first on what the
+        supervisor reported: once the group failed, the final error outputs of every open request;
+        after a scheduler restart, the unfinished requests are sent again (after taking in what
+        the old scheduler sent before it died, so that no token is counted twice)."""
+        reason = self._group_failure()
+        if reason is not None:
+            return self.fail_open(reason)
         outputs: list[RequestOutput] = []
-        if not self._dealer.poll(timeout_ms):
-            return outputs
+        if self._scheduler_restarted.is_set():
+            self._scheduler_restarted.clear()
+            outputs.extend(self._drain())
+            self.resubmit_open()
+        if self._dealer.poll(timeout_ms):
+            outputs.extend(self._drain())
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         while True:
             try:
                 payload = self._dealer.recv(flags=zmq.NOBLOCK)

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from vllm_actors import __version__
 from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.clients.supervision import Health
 from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
@@ -66,12 +67,11 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if state.draining:
-            return _unhealthy({"server": "shutting down"})
-        problems = await client.check_health()
-        if problems:
-            log.warning("unhealthy", problems=problems)
-            return _unhealthy(problems)
-        return Response(status_code=200)
+            return health_response(Health("draining", {"server": "shutting down"}))
+        verdict = await client.health()
+        if not verdict.serving:
+            log.warning("unhealthy", status=verdict.status, unhealthy=verdict.unhealthy, degraded=verdict.degraded)
+        return health_response(verdict)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -89,10 +89,22 @@ def build_app(
     return app
 
 
-def _unhealthy(problems: dict[str, str]) -> Response:
-    message = "; ".join(f"{actor}: {problem}" for actor, problem in problems.items())
+def health_response(health: Health) -> Response:
+    """``/health``: 200 with an empty body when all is well; 200 with
+    ``{"status": "degraded", "degraded": {part: what}}`` while serving goes on without the bus or
+    the metrics store; 503 in OpenAI's error shape plus ``status`` ("unavailable", "failed",
+    "draining") and ``unhealthy`` (and ``degraded``, if any) while no request can be served."""
+    if health.status == "ok":
+        return Response(status_code=200)
+    if health.serving:
+        body: dict[str, object] = {"status": health.status, "degraded": health.degraded}
+        return Response(encode(body), status_code=200, media_type="application/json")
+    message = "; ".join(f"{part}: {problem}" for part, problem in health.unhealthy.items())
     body = error_body(f"unhealthy: {message}", 503)
-    body["unhealthy"] = problems
+    body["status"] = health.status
+    body["unhealthy"] = health.unhealthy
+    if health.degraded:
+        body["degraded"] = health.degraded
     return Response(encode(body), status_code=503, media_type="application/json")
 
 

@@ -4,6 +4,7 @@ nothing heavy: the CLI builds its parser from this on every invocation."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -22,3 +23,34 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_supervision_arguments(parser)
+
+
+# The supervisor's knobs: unset flags leave the supervisor's own defaults.
+_SUPERVISION_FLAGS = ("max_restarts", "restart_window", "liveness_timeout", "max_busy_seconds")
+
+
+def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("supervision", "restarting actors that die or hang")
+    group.add_argument("--max-restarts", type=int, default=None,
+                       help="restarts allowed within --restart-window before the group fails and the server "
+                            "exits non-zero (default: 5)")
+    group.add_argument("--restart-window", type=float, default=None, help="seconds (default: 60)")
+    group.add_argument("--liveness-timeout", type=float, default=None,
+                       help="seconds without a liveness ping before an actor counts as hung (default: 5)")
+    group.add_argument("--max-busy-seconds", type=float, default=None,
+                       help="seconds one message may take before the actor counts as hung (default: 300)")
+
+
+def supervision_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The supervision flags given, as ProcessGroup keyword arguments."""
+    kwargs: dict[str, Any] = {}
+    for name in _SUPERVISION_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and name != "max_restarts"):
+            bound = ">= 0" if name == "max_restarts" else "> 0"
+            raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+        kwargs[name] = value
+    return kwargs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     job = _Job(response_id, now(), model, body, prepared)
     streams = state.submit([prepared])
     if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams[0]), streams))
+        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams))
     try:
         output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
     except ClientDisconnected:
@@ -110,7 +110,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     finally:
         abort_all(streams, "abort")
     if output.error is not None:
-        raise OpenAIError(output.error, 400)
+        raise state.output_error(output)
     return Response(encode(_response(job, output)), media_type="application/json")
 
 
@@ -134,7 +134,8 @@ def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
                                   usage=_usage(output))
 
 
-async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
+async def _stream(job: _Job, stream: RequestStream,
+                  error_of: Callable[[RequestOutput], OpenAIError]) -> AsyncIterator[bytes]:
     body = job.body
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
@@ -152,10 +153,11 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
     for index in range(body.n):  # the role first, like OpenAI
         yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
                     None)
+    error: OpenAIError | None = None
     async for output in stream:
         last = output
-        if output.error is not None:
-            raise OpenAIError(output.error, 400)
+        if output.error is not None and error is None:
+            error = error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
             index = completion.index
             if index in done:
@@ -176,6 +178,8 @@ async def _stream(job: _Job, stream: RequestStream) -> AsyncIterator[bytes]:
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=delta), logprobs=logprobs,
                                          finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
                         output)
+    if error is not None:  # the choices ended with finish_reason "error"; the error event says why
+        raise error
     if include_usage and last is not None:
         yield sse(ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[],
                                       usage=_usage(last)))

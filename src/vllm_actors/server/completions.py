@@ -52,6 +52,7 @@ class _Job:
     prepared: list[PreparedRequest]
     prompt_texts: list[str]  # for echo
     decode: Callable[[int], str]  # one token's text
+    error_of: Callable[[RequestOutput], OpenAIError]  # a request that ended with an error
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -73,12 +74,12 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         prepared.append(state.prepare(f"{engine_id}-{index}", prompt_input, params))
     job = _Job(response_id, now(), model, body, prepared, [state.client.frontend.prompt_text(p) for p in prepared],
-               _token_decoder(state))
+               _token_decoder(state), state.output_error)
     streams = state.submit(prepared)
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams), streams))
     try:
-        outputs = await unless_disconnected(request, streams, lambda: _collect(streams))
+        outputs = await unless_disconnected(request, streams, lambda: _collect(job, streams))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
@@ -96,11 +97,11 @@ def _token_decoder(state: ServerState) -> Callable[[int], str]:
     return decode
 
 
-async def _collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def _collect(job: _Job, streams: Sequence[RequestStream]) -> list[RequestOutput]:
     outputs = [await final_output(stream) for stream in streams]
     for output in outputs:
         if output.error is not None:
-            raise OpenAIError(output.error, 400)
+            raise job.error_of(output)
     return outputs
 
 
@@ -180,9 +181,10 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             message.usage = usage
         return sse(message)
 
+    error: OpenAIError | None = None
     async for prompt_index, output in merge_streams(streams):
-        if output.error is not None:
-            raise OpenAIError(output.error, 400)
+        if output.error is not None and error is None:
+            error = job.error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
             index = _choice_index(job, prompt_index, completion)
             cursor = cursors.setdefault(index, _Cursor())
@@ -213,6 +215,8 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             cursor.done = finished
             yield chunk(CompletionChoice(index=index, text=delta, logprobs=logprobs,
                                          finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+    if error is not None:  # the choices ended with finish_reason "error"; the error event says why
+        raise error
     if include_usage:
         total_prompt = sum(prompt_tokens)
         completion_tokens = sum(generated.values())

@@ -7,6 +7,11 @@ crosses a socket). On SIGTERM or SIGINT it stops taking requests (the listening 
 idle connections close, anything that still arrives gets 503 and /health turns 503), lets
 running requests finish for up to ``--shutdown-timeout`` seconds, aborts what is left (reason
 "shutdown"), then stops every actor. A second SIGINT forces the exit at once.
+
+The group's supervisor restarts an actor that dies or hangs while serving goes on (``/health``
+says what is down meanwhile). When it gives up (``--max-restarts`` within ``--restart-window``
+spent, or an actor that cannot start again), every open request ends with an error, new ones get
+503, the server stops and the command exits with status 1.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import uvicorn
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.core import load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
+from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.serving import ServerState
 
 log = structlog.get_logger(__name__)
@@ -53,20 +59,24 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
-    group = ProcessGroup(config, check_invariants=check)
+    group = ProcessGroup(config, check_invariants=check, **supervision_kwargs(args))
     try:
         group.start()  # a signal now raises SystemExit: start() stops what it started
         stop.raise_on_signal = False  # from here on a signal means: drain, then stop
-        asyncio.run(_serve(group, args, stop))
+        failure = asyncio.run(_serve(group, args, stop))
     finally:
         group.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failure is not None:
+        log.error("server stopped: the process group failed", reason=failure)
+        return 1
     log.info("server stopped")
     return 0
 
 
-async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> None:
+async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> str | None:
+    """Serve until stopped; returns why the group failed, if it did."""
     tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
     client = AsyncEngineClient(group.info, tokenizer, group=group, load_tokenizer=False)
     try:
@@ -88,12 +98,14 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> None:
             lifespan="off",
         )
         server = _DrainingServer(config, state)
-        if stop.requested:
-            return
+        client.add_failure_listener(server.on_group_failed)
+        if stop.requested or client.failed is not None:
+            return client.failed
         log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir)
         await server.serve()
         if state.client.num_unfinished:
             log.warning("aborting requests still running after the grace period", count=state.client.num_unfinished)
+        return client.failed
     finally:
         await client.shutdown(reason="shutdown")
 
@@ -104,6 +116,11 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+
+    def on_group_failed(self, reason: str) -> None:
+        """The group gave up (its open requests have ended with an error): stop serving."""
+        log.error("the process group failed: stopping the server", reason=reason)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.state.draining:

@@ -62,7 +62,12 @@ class ServerState:
         raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
 
     def admit(self, num_engine_requests: int) -> None:
-        """Refuse (503, Retry-After) while draining or when the queue is full."""
+        """Refuse (503) once the engine has failed, and (503, Retry-After) while draining or when
+        the queue is full. While an actor restarts, requests are taken: they wait, and are sent
+        again as needed after a scheduler restart."""
+        failure = self.client.failed
+        if failure is not None:
+            raise OpenAIError(f"The engine failed: {failure}", 503)
         if self.draining or self.client.is_closed:
             raise OpenAIError("The server is shutting down.", 503, headers={"Retry-After": "5"})
         limit = self.max_in_flight
@@ -92,6 +97,14 @@ class ServerState:
     def submit(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
         self.admit(sum(p.params.n for p in prepared))
         return [self.client.submit(p) for p in prepared]
+
+    def output_error(self, output: RequestOutput) -> OpenAIError:
+        """The error of a request that ended with one: the engine's failure is a 503 (the group gave
+        up); anything else (the scheduler refused the request) a 400."""
+        failure = self.client.failure
+        if failure is not None:
+            return OpenAIError(f"The engine failed: {failure}", 503)
+        return OpenAIError(output.error or "the request failed", 400)
 
 
 @contextlib.contextmanager
@@ -312,7 +325,10 @@ async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[Request
         reason = "abort"
     except Exception as error:  # the stream has started: errors go in-band
         reason = "error"
-        log.exception("stream failed")
+        if isinstance(error, OpenAIError):
+            log.warning("stream ended with an error", status=error.status, error=error.message)
+        else:
+            log.exception("stream failed")
         status = error.status if isinstance(error, OpenAIError) else 500
         yield sse(error_body(str(error) or type(error).__name__, status))
         yield SSE_DONE

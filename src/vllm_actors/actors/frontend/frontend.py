@@ -228,6 +228,43 @@ class Frontend:
         self._forget(request)
         return [(SCHEDULER, AbortRequests(request_ids=ids, reason=reason))] if ids else []
 
+    # ------------------------------------------------------------------ recovery
+    def resubmit(self) -> list[tuple[str, Message]]:
+        """After the scheduler restarted (its state is gone): every unfinished engine request again,
+        as ``AddRequest(resume=True)`` with the output tokens received so far, so that the new
+        scheduler resumes it by recompute. Same id, prompt, parameters (an n>1 child keeps its own
+        seed) and EOS ids. Children already finished here (a stop string, an error) are left out;
+        each detokenizer continues where it was, the scheduler sending only tokens after those.
+        No ARRIVED event: the request arrived once."""
+        messages: list[tuple[str, Message]] = []
+        for request in self._requests.values():
+            for child in request.children:
+                if child.finish_reason is not None:
+                    continue
+                messages.append((SCHEDULER, AddRequest(
+                    request_id=child.engine_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=child.params,
+                    eos_token_ids=self.eos_token_ids,
+                    resume=True,
+                    output_token_ids=list(child.token_ids),
+                )))
+        return messages
+
+    def fail_all(self, error: str) -> list[tuple[str, Any]]:
+        """The engine is gone for good: every open request ends now, its unfinished children with
+        finish reason "error" and the request with ``error``. Returns their final outputs (for the
+        client); nothing goes to the scheduler."""
+        out: list[tuple[str, Any]] = []
+        for request in list(self._requests.values()):
+            for child in request.children:
+                if child.finish_reason is None:
+                    child.finish_reason = "error"
+            request.error = error
+            out.append((CLIENT, self._output(request)))
+            self._forget(request)
+        return out
+
     # ------------------------------------------------------------------ updates in
     def handle(self, message: Message) -> list[tuple[str, Any]]:
         if not isinstance(message, RequestUpdates):
