@@ -52,3 +52,19 @@ class ScheduledRequest:
     def num_tokens_with_pending(self) -> int:
         """Tokens the worker will hold once the steps in flight are done: what can be computed."""
         return self.num_tokens + self.num_pending
+
+
+def check_stop(request: ScheduledRequest, token_id: int, max_model_len: int) -> tuple[str | None, int | None]:
+    """(finish reason, stop reason) when ``token_id``, just appended, ends the request."""
+    params = request.params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+    if params.max_tokens is not None and num_output >= params.max_tokens:
+        return "length", None
+    if request.num_tokens >= max_model_len:
+        return "length", None
+    return None, None

@@ -18,19 +18,7 @@ count as available and are evicted, least recently used first, before anyone is 
 ``queue_policy`` holds who gets in: admission checks, the waiting queue's order (``lpm``: longest
 cached prefix first) and admission with its cache lookup; ``request`` the per-request state.
 
-Recovery (issue 12, "let it crash"). ``RecoverPipeline`` (the supervisor restarted the KV-cache
-manager or a worker, whose state is gone) resets the pipeline: every running request is preempted
-(to the front of the waiting queue, in its order, keeping its prompt and outputs: it resumes by
-recompute), the plans in flight are forgotten (no token of theirs will be counted, ``num_pending``
-is zeroed everywhere), the block ledger starts over (every block free, the prefix cache empty),
-``PIPELINE_RESET`` is published and the next plan carries ``reset=True`` (sent even if it
-schedules nothing), telling the KV-cache manager and the workers to drop everything first. Until
-that plan's result (``StepResult.reset``, its step id) is back, every other result is stale and
-ignored, as is any result of a step id below it afterwards. A new scheduler starts in that state:
-its first plan is a reset (its step ids start at 0 again, so only the flag tells its results from
-those of its predecessor's plans still in the pipeline). After a scheduler restart the clients
-resubmit their unfinished requests (``AddRequest.resume``) with the outputs they received: such a
-request enters as a preempted one; a resubmission of an id already held is ignored.
+``recovery`` holds what a restart elsewhere in the group does to the scheduler.
 """
 
 from __future__ import annotations
@@ -46,14 +34,14 @@ from vllm_actors.actors.scheduler.queue_policy import (
     admit,
     order_longest_prefix_first,
 )
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
+from vllm_actors.actors.scheduler.recovery import reset_pipeline
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import (
     Aborted,
     Finished,
     FirstToken,
-    PipelineReset,
     Preempted,
     PrefillChunk,
     Queued,
@@ -130,7 +118,7 @@ class Scheduler:
         elif isinstance(message, StepResult):
             out.extend(self._on_step_result(message))
         elif isinstance(message, RecoverPipeline):
-            self._reset_pipeline(f"{message.actor}: {message.reason}")
+            reset_pipeline(self, f"{message.actor}: {message.reason}")
         else:
             raise TypeError(f"the scheduler does not take {type(message).__name__}")
         plan = self._maybe_schedule()
@@ -159,7 +147,7 @@ class Scheduler:
             num_preemptions=1 if message.output_token_ids else 0,
         )
         if request.output_token_ids:
-            finish_reason, stop_reason = self._check_stop(request, request.output_token_ids[-1])
+            finish_reason, stop_reason = check_stop(request, request.output_token_ids[-1], self.config.max_model_len)
             if finish_reason is not None:  # its last token ended it: the client missed only that
                 self._events.append(
                     Finished(request_id=request.request_id, reason=finish_reason,
@@ -228,7 +216,7 @@ class Scheduler:
             tokens_counts.append(len(request.output_token_ids))
             if len(request.output_token_ids) == 1:
                 first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
-            finish_reason, stop_reason = self._check_stop(request, token_id)
+            finish_reason, stop_reason = check_stop(request, token_id, self.config.max_model_len)
             chunk = prompt_logprobs.pop(request_id, None)
             logprobs = result.logprobs[index] if result.logprobs else None
             update = RequestUpdate(
@@ -271,20 +259,6 @@ class Scheduler:
         if not updates:
             return []
         return [(FRONTEND, RequestUpdates(step_id=result.step_id, updates=updates))]
-
-    def _check_stop(self, request: ScheduledRequest, token_id: int) -> tuple[str | None, int | None]:
-        params = request.params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return "length", None
-        if request.num_tokens >= self.config.max_model_len:
-            return "length", None
-        return None, None
 
     # ------------------------------------------------------------------ scheduling
     def _maybe_schedule(self) -> StepPlan | None:
@@ -457,32 +431,3 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    # ------------------------------------------------------------------ recovery
-    def _reset_pipeline(self, reason: str) -> None:
-        """The KV-cache manager or a worker was restarted: what the pipeline held is gone."""
-        running, self.running = self.running, []
-        for request in running:  # PREEMPTED in batch order; the queue keeps that order
-            self._events.append(
-                Preempted(
-                    request_id=request.request_id,
-                    step_id=self._next_step_id,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            request.status = Status.WAITING
-            request.num_preemptions += 1
-        self.waiting.extendleft(reversed(running))
-        self.stats.num_preemptions += len(running)
-        for request in self.requests.values():  # waiting ones too: their tokens in flight are lost
-            request.num_computed_tokens = 0
-            request.num_pending = 0
-            request.in_worker = False
-            request.cache_check_at = 0
-        self.ledger = BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self._departed = []
-        self._in_flight.clear()
-        self._reset_pending = True
-        self._reset_step = None
-        self.stats.num_resets += 1
-        self._events.append(PipelineReset(reason=reason, num_preempted=len(running)))
