@@ -443,14 +443,16 @@ def test_first_batch_sets_baseline_and_stale_batches_are_skipped() -> None:
     store = MetricsStore()
     batch = EventBatch(actor=SCHEDULER, first_seq=500, mono=1.0, wall=WALL0, events=[
         Queued(request_id="a", num_waiting=1), Queued(request_id="b", num_waiting=2)])
-    assert not store.record(batch)
+    # a store that restarted (or joined late) never saw events 0..499: one gap, not silence
+    assert store.record(batch) == [EventGap(actor=SCHEDULER, missed=500, first_seq=500)]
     assert store.record(batch) == [StaleBatch(actor=SCHEDULER, first_seq=500, skipped=2)]  # a duplicate
     overlap = EventBatch(actor=SCHEDULER, first_seq=501, mono=1.0, wall=WALL0, events=[
         Queued(request_id="b", num_waiting=2), Queued(request_id="c", num_waiting=3)])
     # its first event was seen already, its second is new
     assert store.record(overlap) == [StaleBatch(actor=SCHEDULER, first_seq=501, skipped=1)]
     info = store.query(SeenQuery()).actors[SCHEDULER]  # type: ignore[union-attr]
-    assert (info.gaps, info.stale_batches, info.stale_events, info.num_events, info.last_seq) == (0, 2, 3, 3, 502)
+    assert (info.gaps, info.missed, info.stale_batches, info.stale_events, info.num_events, info.last_seq) == (
+        1, 500, 2, 3, 3, 502)
     reply = summary(store)
     assert reply.waiting == 3 and reply.num_events == 3
     assert [entry.type for entry in timeline(store, "b").events] == ["QUEUED"]

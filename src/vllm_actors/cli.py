@@ -1,4 +1,4 @@
-"""Command line: ``vllm-actors generate | chat | serve | tap | stats``."""
+"""Command line: ``vllm-actors generate | chat | serve | tap | stats | bench | chaos``."""
 
 from __future__ import annotations
 
@@ -159,6 +159,12 @@ def _bench(args: argparse.Namespace) -> int:
     return throughput_main(args.rest)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from vllm_actors.bench.chaos import run_from_args
+
+    return run_from_args(args)
+
+
 def _add_group_location(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--run-dir", default=None, help="the group's run directory (default: the newest running group)")
     parser.add_argument("--address", default=None, help=address_help)
@@ -214,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=["throughput", "prefix"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
+
+    from vllm_actors.bench.chaos import add_chaos_arguments
+
+    chaos = commands.add_parser("chaos", help="kill actors under load; check that no request is lost (exit 1 if any)")
+    add_chaos_arguments(chaos)
+    chaos.set_defaults(func=_chaos)
     return parser
 
 

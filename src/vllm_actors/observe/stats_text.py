@@ -44,8 +44,20 @@ def summary_text(reply: SummaryReply) -> str:
         _format_percentiles("e2e", reply.e2e, 1.0, "s"),
         _format_percentiles("queue", reply.queue, 1e3, "ms"),
         _format_percentiles("step", reply.step_ms, 1.0, "ms"),
-        "actors",
     ]
+    if reply.actor_failures or reply.actor_restarts or reply.pipeline_resets or reply.group_failed:
+        restarts = reply.restart_seconds
+        lines.append(
+            f"recovery   failures {_format_reasons(reply.actor_failures)}; restarts "
+            f"{_format_reasons(reply.actor_restarts)}"
+            + (f" (mean {restarts.mean:.2f} s, max {restarts.max:.2f} s)" if restarts.count else "")
+            + f"; pipeline resets {reply.pipeline_resets}"
+            + (f"; GROUP FAILED: {reply.group_failed}" if reply.group_failed else "")
+        )
+    if reply.rejected_batches or reply.rejected_events:
+        lines.append(f"untrusted  {reply.rejected_batches} batches under another actor's id, "
+                     f"{reply.rejected_events} engine events from clients: not applied")
+    lines.append("actors")
     if not reply.actors:
         lines.append("  (none seen)")
     width = max((len(actor) for actor in reply.actors), default=0)
@@ -56,6 +68,8 @@ def summary_text(reply: SummaryReply) -> str:
             line += f", {seen.stale_batches} stale batches"
         if seen.restarts:
             line += f", {seen.restarts} restarts"
+        if seen.rejected_events:
+            line += f", {seen.rejected_events} events rejected"
         if seen.crashes:
             line += f", {seen.crashes} crashes, last: {seen.error}"
         lines.append(line)

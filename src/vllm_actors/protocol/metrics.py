@@ -94,7 +94,7 @@ class ActorSeen(msgspec.Struct, kw_only=True):
     last_seq: int = -1  # sequence number of the last event applied (-1: none yet)
     num_events: int = 0  # events applied
     num_batches: int = 0
-    gaps: int = 0  # times the sequence jumped forward
+    gaps: int = 0  # times the sequence jumped forward (or started past 0: events before the store saw it)
     missed: int = 0  # events lost in those jumps
     stale_batches: int = 0  # batches that went backwards (duplicates, late arrivals)
     stale_events: int = 0  # events of those batches that were skipped
@@ -107,6 +107,7 @@ class ActorSeen(msgspec.Struct, kw_only=True):
     crashes: int = 0
     error: str | None = None  # message of the last crash
     last_heartbeat_wall: float | None = None
+    rejected_events: int = 0  # events a client published that clients may not publish (not applied)
 
 
 # --------------------------------------------------------------------------- replies
@@ -164,6 +165,16 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     queue: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
     actors: dict[str, ActorSeen] = {}
+    # trust: batches whose actor is not their bus topic, and events of types clients may not
+    # publish that came from a client; neither is applied
+    rejected_batches: int = 0
+    rejected_events: int = 0
+    # supervision, from the supervisor's events and the scheduler's PIPELINE_RESET
+    actor_failures: dict[str, int] = {}  # ACTOR_FAILED per actor
+    actor_restarts: dict[str, int] = {}  # ACTOR_RESTARTED per actor
+    restart_seconds: Percentiles = Percentiles()  # ACTOR_RESTARTED.seconds: failure noticed to READY
+    pipeline_resets: int = 0
+    group_failed: str | None = None  # GROUP_FAILED's reason
 
 
 class SeenReply(msgspec.Struct, tag="seen_reply", kw_only=True):

@@ -31,3 +31,13 @@ def child_request_id(request_id: str, index: int) -> str:
 def parent_request_id(engine_id: str) -> str:
     """The client's request id of an engine request (``"r#1"`` -> ``"r"``; ``"r"`` -> ``"r"``)."""
     return engine_id.rsplit(CHILD_SEPARATOR, 1)[0]
+
+
+ENGINE_ACTORS = frozenset({SCHEDULER, KV_CACHE_MANAGER, METRICS, BUS, SUPERVISOR})
+
+
+def is_engine_actor(actor_id: str) -> bool:
+    """Whether an actor id belongs to the group itself (its processes and the supervisor), not to
+    a client: only the group's own processes may publish under these ids (clients publish as
+    ``frontend-...``, probes as ``probe-...``)."""
+    return actor_id in ENGINE_ACTORS or actor_id.startswith(f"{WORKER}-")

@@ -122,7 +122,7 @@ class _Checked:
 
 
 def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
-    publisher_for_start = EventPublisher(context, spec.addresses.bus_in, spec.actor_id)
+    publisher_for_start = EventPublisher.for_actor(context, spec.addresses, spec.actor_id)
     pid = os.getpid()
     publisher_for_start.publish([ActorStarting(pid=pid, role=spec.role)])
     actor, peers, accepts, info = build_actor(spec)
@@ -131,8 +131,8 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         "kv_cache_manager": spec.addresses.kv_cache_manager,
         "scheduler": spec.addresses.scheduler,
     }[spec.role]
-    shell = ActorShell(context, actor, spec.actor_id, inbox, spec.addresses.bus_in, peers, accepts,
-                       MessageCodec.for_actor(spec.role))
+    bus_in = spec.addresses.publish_address(spec.actor_id)  # its own endpoint: the bus forwards only its id there
+    shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, MessageCodec.for_actor(spec.role))
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
     publisher_for_start.close()
     try:

@@ -48,9 +48,9 @@ def log_notices(notices: Iterable[Notice]) -> None:
         getattr(log, notice.level)(notice.message, **dataclasses.asdict(notice))
 
 
-def record_logged(store: MetricsStore, batch: EventBatch) -> None:
-    """Record one batch and log what the store noticed about it."""
-    notices = store.record(batch)
+def record_logged(store: MetricsStore, batch: EventBatch, topic: str | None = None) -> None:
+    """Record one batch (``topic``: the bus topic it came under) and log what the store noticed."""
+    notices = store.record(batch, topic=topic)
     if notices:
         log_notices(notices)
 
@@ -115,7 +115,7 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) ->
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(spec.addresses.metrics)
-    publisher = EventPublisher(context, spec.addresses.bus_in, spec.actor_id)
+    publisher = EventPublisher.for_actor(context, spec.addresses, spec.actor_id)
     batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 
     def receive_events() -> None:
@@ -129,7 +129,7 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) ->
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
                 log.warning("frame dropped", actor=spec.actor_id, why="undecodable event batch", error=str(error))
                 continue
-            record_logged(store, batch)
+            record_logged(store, batch, frames[0].decode(errors="replace") if len(frames) == 2 else None)
 
     # Ready once our own events come back through the bus: the subscription is live.
     pid = os.getpid()

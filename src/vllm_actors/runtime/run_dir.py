@@ -11,18 +11,26 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_actors.protocol.names import worker_id
+from vllm_actors.protocol.names import KV_CACHE_MANAGER, METRICS, SCHEDULER, SUPERVISOR, worker_id
 
 GROUP_FILE = "group.json"
 
 
 class GroupAddresses(msgspec.Struct, kw_only=True):
-    bus_in: str  # XSUB side of the event bus: actors PUBlish here
+    bus_in: str  # XSUB side of the event bus where clients PUBlish (never under an engine actor's id)
     bus_out: str  # XPUB side: the metrics store and taps SUBscribe here
     metrics: str  # the metrics store's query socket (ROUTER)
     scheduler: str  # ROUTER: clients submit and abort here
     kv_cache_manager: str
     workers: list[str]
+    # One XSUB endpoint of the bus per engine actor and for the supervisor: the bus forwards only
+    # batches whose topic is the endpoint's owner, so nobody else can publish under that id.
+    # Kept out of group.json (``write_group_info``): clients publish on ``bus_in``.
+    bus_in_actors: dict[str, str] = {}
+
+    def publish_address(self, actor_id: str) -> str:
+        """Where ``actor_id`` publishes its events: its own endpoint, or the clients' one."""
+        return self.bus_in_actors.get(actor_id, self.bus_in)
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -59,9 +67,10 @@ def _free_tcp_port(host: str) -> int:
 
 def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None) -> GroupAddresses:
     """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given."""
+    publishers = [METRICS, *(worker_id(rank) for rank in range(num_workers)), KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR]
     names = ["bus_in", "bus_out", "metrics", "scheduler", "kv_cache_manager"] + [
         worker_id(rank) for rank in range(num_workers)
-    ]
+    ] + [f"bus_in_{actor}" for actor in publishers]
     if tcp_host is None:
         endpoints = {name: f"ipc://{run_dir}/{name}" for name in names}
     else:
@@ -73,13 +82,17 @@ def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None)
         scheduler=endpoints["scheduler"],
         kv_cache_manager=endpoints["kv_cache_manager"],
         workers=[endpoints[worker_id(rank)] for rank in range(num_workers)],
+        bus_in_actors={actor: endpoints[f"bus_in_{actor}"] for actor in publishers},
     )
 
 
 def write_group_info(info: GroupInfo) -> None:
+    """Write ``group.json`` for taps and attaching clients, without the engine actors' own bus
+    endpoints (a client publishes on ``bus_in``)."""
     path = Path(info.run_dir) / GROUP_FILE
     temporary = path.with_suffix(".tmp")
-    temporary.write_bytes(msgspec.json.encode(info))
+    public = msgspec.structs.replace(info, addresses=msgspec.structs.replace(info.addresses, bus_in_actors={}))
+    temporary.write_bytes(msgspec.json.encode(public))
     temporary.replace(path)
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -29,6 +29,9 @@ from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpda
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 
+if TYPE_CHECKING:
+    from vllm_actors.runtime.run_dir import GroupAddresses
+
 log = structlog.get_logger(__name__)
 
 EVENT_HWM = 100_000  # event batches queued per subscriber before the bus drops (a visible gap)
@@ -39,7 +42,16 @@ AcceptRules = Mapping[type, frozenset[bytes] | None]
 
 
 class EventPublisher:
-    """PUB socket to the bus; stamps and sends one batch per call. Topic = actor id."""
+    """PUB socket to the bus; stamps and sends one batch per call. Topic = actor id.
+
+    ``bus_in`` is the bus endpoint to publish on: an engine actor's or the supervisor's own
+    (``for_actor``: the bus forwards only its own topic from there), or the clients' shared one
+    (which forwards no engine actor's id)."""
+
+    @classmethod
+    def for_actor(cls, context: zmq.Context, addresses: GroupAddresses, actor_id: str) -> EventPublisher:
+        """A publisher on ``actor_id``'s own bus endpoint (the clients' one when it has none)."""
+        return cls(context, addresses.publish_address(actor_id), actor_id)
 
     def __init__(self, context: zmq.Context, bus_in: str, actor_id: str) -> None:
         self.socket = context.socket(zmq.PUB)

@@ -68,9 +68,10 @@ def _quantile(ordered: list[float], q: float) -> float:
 class Latencies:
     """The latency sample windows a summary reports."""
 
-    __slots__ = ("e2e", "itl", "queue", "step_ms", "ttft")
+    __slots__ = ("e2e", "itl", "queue", "restart", "step_ms", "ttft")
 
     def __init__(self, window: int) -> None:
+        self.restart = Samples(window)
         self.ttft = Samples(window)
         self.itl = Samples(window)
         self.e2e = Samples(window)
@@ -96,6 +97,12 @@ class Counters(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_evicted: int = 0
+    rejected_batches: int = 0
+    rejected_events: int = 0
+    actor_failures: dict[str, int] = {}
+    actor_restarts: dict[str, int] = {}
+    pipeline_resets: int = 0
+    group_failed: str | None = None
 
 
 # --------------------------------------------------------------------------- KV cache

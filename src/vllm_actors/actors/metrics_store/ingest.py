@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_actors.actors.metrics_store.aggregates import Counters, KvPoolState, Latencies
-from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch
+from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch, Untrusted
 from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed
 from vllm_actors.actors.metrics_store.request_table import RequestTable
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
@@ -16,6 +16,7 @@ from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
     ActorDraining,
+    ActorFailed,
     ActorReady,
     ActorStarting,
     ActorStopped,
@@ -28,8 +29,10 @@ from vllm_actors.protocol.events import (
     Finished,
     FirstToken,
     Freed,
+    GroupFailed,
     Heartbeat,
     KvPool,
+    PipelineReset,
     Preempted,
     PrefillChunk,
     PrefixHit,
@@ -41,10 +44,38 @@ from vllm_actors.protocol.events import (
     Tokens,
     event_type,
 )
+from vllm_actors.protocol.events import ActorRestarted as ActorRestartedEvent
 from vllm_actors.protocol.metrics import ActorSeen
+from vllm_actors.protocol.names import is_engine_actor
 
 # (actor, seq, mono, wall, event): one event of the log
 LogRow = tuple[str, int, float, float, Event]
+
+# What a client (any publisher whose id is no engine actor's: ``frontend-...``, ``probe-...``) may
+# publish: its requests' arrival, their end where the frontend ends them (a stop string; an
+# error or abort on its side), heartbeats and its own lifecycle (which touches only its own
+# entry). Anything else from a client is not applied: a KV_POOL, STEP_FINISHED or TOKENS under
+# a client id would still move the gauges.
+CLIENT_EVENTS: tuple[type, ...] = (Arrived, Finished, Aborted, Heartbeat,
+                                   ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed)
+CLIENT_FINISH_REASONS = frozenset({"stop", "error"})
+
+
+def client_may_publish(event: Event) -> bool:
+    if isinstance(event, Finished):
+        return event.reason in CLIENT_FINISH_REASONS
+    return isinstance(event, CLIENT_EVENTS)
+
+
+def _handshake(batch: EventBatch) -> bool:
+    return all(isinstance(event, (ActorStarting, Heartbeat)) for event in batch.events)
+
+
+def _noticed(count: int) -> bool:
+    """1, 10, 100, ...: how often a repeated notice is worth a log line."""
+    while count >= 10 and count % 10 == 0:
+        count //= 10
+    return count == 1
 
 
 class Recorder:
@@ -93,12 +124,22 @@ class Recorder:
             ActorStopped: self._on_lifecycle,
             ActorCrashed: self._on_lifecycle,
             Heartbeat: self._on_heartbeat,
+            ActorFailed: self._on_actor_failed,
+            ActorRestartedEvent: self._on_actor_restarted,
+            GroupFailed: self._on_group_failed,
+            PipelineReset: self._on_pipeline_reset,
         }
+        self._untrusted: dict[tuple[str, str], int] = {}
 
     # ------------------------------------------------------------------ batches
-    def record(self, batch: EventBatch) -> None:
-        """Apply one batch from the bus (in the order the bus delivered it)."""
+    def record(self, batch: EventBatch, topic: str | None = None) -> None:
+        """Apply one batch from the bus (in the order the bus delivered it). ``topic`` is the bus
+        topic it came under (the bus vouches for it): a batch naming another actor is dropped."""
         actor = batch.actor
+        if topic is not None and topic != actor:
+            self.counters.rejected_batches += 1
+            self._reject(topic, actor, "batch names another actor than its topic", 1)
+            return
         seen = self.actors.get(actor)
         if seen is None:
             seen = self.actors[actor] = ActorSeen(first_wall=batch.wall)
@@ -111,7 +152,15 @@ class Recorder:
 
         check = self.sequences.check(batch)
         skip = check.skip
-        if check.verdict is SeqVerdict.GAP:
+        if check.verdict is SeqVerdict.FIRST and batch.first_seq > 0 and not _handshake(batch):
+            # The actor published before this store saw it (the store restarted, or joined late).
+            # Not when its first batch seen is a start-up handshake (STARTING, HEARTBEAT): those
+            # are repeated until the store sees one, and the ones before were lost to the
+            # subscription still on its way (PUB/SUB's slow joiner), not to a store restart.
+            seen.gaps += 1
+            seen.missed += batch.first_seq
+            self.notices.append(EventGap(actor=actor, missed=batch.first_seq, first_seq=batch.first_seq))
+        elif check.verdict is SeqVerdict.GAP:
             seen.gaps += 1
             seen.missed += check.missed
             self.notices.append(EventGap(actor=actor, missed=check.missed, first_seq=batch.first_seq))
@@ -128,16 +177,33 @@ class Recorder:
         if skip >= len(events):
             return
         mono, wall = batch.mono, batch.wall
+        client = not is_engine_actor(actor)
+        applied = 0
         for position in range(skip, len(events)):
             event = events[position]
+            if client and not client_may_publish(event):
+                seen.rejected_events += 1
+                self.counters.rejected_events += 1
+                self._reject(actor, actor, f"a client may not publish {event_type(event)}", 1)
+                continue
             seq = batch.first_seq + position
             self.history.append((actor, seq, mono, wall, event))
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(actor, seq, mono, wall, event)
             self.num_events += 1
-        seen.num_events += len(events) - skip
+            applied += 1
+        seen.num_events += applied
         seen.last_seq = batch.first_seq + len(events) - 1
+
+    def _reject(self, publisher: str, claimed: str, why: str, count: int) -> None:
+        """Count a rejection per (publisher, why); a notice on the 1st, 10th, 100th... one."""
+        key = (publisher, why)
+        total = self._untrusted[key] = self._untrusted.get(key, 0) + count
+        if len(self._untrusted) > 1_000:  # bounded: forget the oldest keys
+            del self._untrusted[next(iter(self._untrusted))]
+        if _noticed(total):
+            self.notices.append(Untrusted(publisher=publisher[:64], claimed=claimed[:64], why=why, count=total))
 
     def _on_restart(self, actor: str) -> None:
         """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
@@ -307,6 +373,21 @@ class Recorder:
         elif isinstance(event, ActorCrashed):
             seen.crashes += 1
             seen.error = event.error
+
+    def _on_actor_failed(self, actor: str, seq: int, mono: float, wall: float, event: ActorFailed) -> None:
+        failures = self.counters.actor_failures
+        failures[event.actor] = failures.get(event.actor, 0) + 1
+
+    def _on_actor_restarted(self, actor: str, seq: int, mono: float, wall: float, event: ActorRestartedEvent) -> None:
+        restarts = self.counters.actor_restarts
+        restarts[event.actor] = restarts.get(event.actor, 0) + 1
+        self.latencies.restart.add(event.seconds)
+
+    def _on_group_failed(self, actor: str, seq: int, mono: float, wall: float, event: GroupFailed) -> None:
+        self.counters.group_failed = event.reason
+
+    def _on_pipeline_reset(self, actor: str, seq: int, mono: float, wall: float, event: PipelineReset) -> None:
+        self.counters.pipeline_resets += 1
 
     def _on_heartbeat(self, actor: str, seq: int, mono: float, wall: float, event: Heartbeat) -> None:
         seen = self.actors[actor]

@@ -51,4 +51,18 @@ class OpenRequestDropped:
     state: str
 
 
-Notice = EventGap | StaleBatch | ActorRestarted | OpenRequestDropped
+@dataclass(frozen=True, slots=True)
+class Untrusted:
+    """A batch or events the store did not apply because their publisher may not publish them:
+    a batch naming another actor than its bus topic, or a client publishing an engine event.
+    Noticed on the 1st, 10th, 100th... time per (publisher, why); ``count`` says which."""
+
+    level: ClassVar[str] = "warning"
+    message: ClassVar[str] = "untrusted events dropped"
+    publisher: str  # the bus topic (or the batch's actor without one)
+    claimed: str  # the batch's actor
+    why: str
+    count: int
+
+
+Notice = EventGap | StaleBatch | ActorRestarted | OpenRequestDropped | Untrusted

@@ -71,6 +71,13 @@ def summary(recorder: Recorder) -> SummaryReply:
         queue=latencies.queue.percentiles(),
         step_ms=latencies.step_ms.percentiles(),
         actors=_actors_copy(recorder),
+        rejected_batches=counters.rejected_batches,
+        rejected_events=counters.rejected_events,
+        actor_failures=dict(counters.actor_failures),
+        actor_restarts=dict(counters.actor_restarts),
+        restart_seconds=latencies.restart.percentiles(),
+        pipeline_resets=counters.pipeline_resets,
+        group_failed=counters.group_failed,
     )
 
 

@@ -10,10 +10,16 @@ What it keeps, all bounded:
 
 * the event log: the last ``max_events`` events, as (actor, seq, mono, wall, event);
 * per actor: the sequence check (gaps, stale batches, restarts; see ``SequenceTracker``) and the
-  last lifecycle state;
+  last lifecycle state; an actor first seen past sequence 0 (this store restarted, or joined
+  late) counts a gap of the events it never saw, unless that first batch is a start-up handshake
+  (STARTING, HEARTBEAT: the ones before it were lost to the slow joiner);
 * per request: its timeline (its request events, TOKENS narrowed to it, and its ALLOCATED / FREED)
   and the stamps its latencies need; open requests until they end, then the last
   ``max_finished_requests`` ended ones;
+* trust: a batch whose actor is not its bus topic, and events a client may not publish (it may
+  publish ARRIVED, FINISHED "stop"/"error", ABORTED, HEARTBEAT, its own lifecycle), are counted,
+  not applied;
+* supervision: failures and restarts per actor, restart times, pipeline resets, a group failure;
 * running aggregates: counters, gauges (running, waiting, KV blocks in use) and bounded sample
   windows for the latency percentiles, sorted again only when they changed since the last summary.
 
@@ -72,10 +78,14 @@ class MetricsStore:
                                   max_open_requests=max_open_requests, max_timeline_events=max_timeline_events,
                                   sample_window=sample_window)
 
-    def record(self, batch: EventBatch) -> Sequence[Notice]:
-        """Apply one batch from the bus (in the order the bus delivered it); return its notices."""
+    def record(self, batch: EventBatch, topic: str | None = None) -> Sequence[Notice]:
+        """Apply one batch from the bus (in the order the bus delivered it); return its notices.
+        ``topic``: the bus topic it came under, which the bus checked against the publisher's
+        endpoint; a batch naming another actor is not applied (None: no check, in process).
+        A client (an actor id that is no engine actor's) may publish only client events
+        (``ingest.CLIENT_EVENTS``); its other events are counted and not applied."""
         recorder = self._recorder
-        recorder.record(batch)
+        recorder.record(batch, topic)
         notices = recorder.notices
         if not notices:
             return _NO_NOTICES
