@@ -8,8 +8,11 @@ Every wait is on an event or a condition, with a generous safety deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +27,7 @@ from vllm_actors.clients.sync_client import EngineClient
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import ActorFailed, ActorRestarted, event_type
 from vllm_actors.protocol.metrics import EventsQuery, EventsReply, MetricsCodec, MetricsQuery, MetricsReply
+from vllm_actors.runtime.monitor import LineReader
 from vllm_actors.runtime.supervision import Liveness, RestartBudget, exit_detail
 from vllm_actors.runtime.supervisor import ActorDiedError, ProcessGroup
 
@@ -85,6 +89,101 @@ def test_exit_details() -> None:
     assert exit_detail(-9) == "killed by SIGKILL"
     assert exit_detail(1) == "exit code 1"
     assert exit_detail(0) == "exit code 0"
+
+
+# --------------------------------------------------------------------------- the child's side
+PINGING_CHILD = """
+import sys
+from vllm_actors.runtime.process import report, set_busy_source
+set_busy_source(lambda: 1.25)
+report("ready", info={"x": 1})
+sys.stdin.read()  # until the parent closes our stdin
+"""
+
+
+def test_a_child_pings_after_ready_with_its_busy_time() -> None:
+    child = subprocess.Popen([sys.executable, "-c", PINGING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    killer = threading.Timer(DEADLINE, child.kill)  # a safety net: readline blocks until a line comes
+    killer.start()
+    try:
+        assert child.stdout is not None
+        lines = [json.loads(child.stdout.readline()) for _ in range(3)]
+        assert lines == [{"status": "ready", "info": {"x": 1}}, *[{"status": "alive", "busy": 1.25}] * 2]
+    finally:
+        killer.cancel()
+        child.kill()
+        child.wait()
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_the_shell_reports_how_long_the_message_in_hand_takes(tmp_path: Path) -> None:
+    from vllm_actors.protocol.codec import MessageCodec
+    from vllm_actors.protocol.messages import AbortRequests
+    from vllm_actors.runtime.zmq_shell import ActorShell
+
+    seen: list[tuple[bool, float]] = []
+    handled = threading.Event()
+
+    class Slow:
+        name = "slow"
+
+        def handle(self, message: object) -> list:
+            seen.append((shell.busy_since is not None, shell.busy_seconds()))
+            handled.set()
+            return []
+
+    context = zmq.Context()
+    shell = ActorShell(context, Slow(), "slow", f"ipc://{tmp_path}/inbox", f"ipc://{tmp_path}/bus", {},
+                       {AbortRequests: None})
+    stop = threading.Event()
+    serving = threading.Thread(target=shell.run, args=(stop,))
+    serving.start()
+    sender = context.socket(zmq.DEALER)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(f"ipc://{tmp_path}/inbox")
+    try:
+        assert shell.busy_seconds() == 0.0
+        sender.send(MessageCodec().encode(AbortRequests(request_ids=[])))
+        assert handled.wait(DEADLINE)
+        assert seen[0][0] and seen[0][1] >= 0.0  # busy while handling
+    finally:
+        stop.set()
+        serving.join()
+        sender.close()
+        shell.close()
+        context.term()
+    assert shell.busy_since is None and shell.busy_seconds() == 0.0
+
+
+def test_the_line_reader_splits_whole_lines() -> None:
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as stream:
+        reader = LineReader(stream)
+        os.write(write_end, b'{"a": 1}\n{"b"')
+        reader.fill()
+        assert reader.lines() == [b'{"a": 1}']
+        os.write(write_end, b': 2}\n\n')
+        reader.fill()
+        assert reader.lines() == [b'{"b": 2}'] and not reader.eof
+        os.close(write_end)
+        reader.fill()
+        assert reader.eof and reader.lines() == []
+
+
+def test_only_the_supervisor_may_ask_the_scheduler_for_a_pipeline_reset(tiny_qwen3: Path) -> None:
+    from vllm_actors.protocol.config import resolve_scheduler_config
+    from vllm_actors.protocol.messages import RecoverPipeline
+    from vllm_actors.runtime.actor_main import build_actor
+    from vllm_actors.runtime.process import ActorSpec
+    from vllm_actors.runtime.run_dir import make_addresses
+
+    config = EngineConfig(model=str(tiny_qwen3))
+    spec = ActorSpec(role="scheduler", actor_id="scheduler", addresses=make_addresses(Path("/nonexistent"), 1),
+                     engine=config, scheduler=resolve_scheduler_config(config, 256, 32), num_blocks=32)
+    _, _, accepts, _ = build_actor(spec)
+    assert accepts[RecoverPipeline] == frozenset({b"supervisor"})
 
 
 # --------------------------------------------------------------------------- real groups

@@ -395,7 +395,7 @@ class ProcessGroup:
         events: list[Any] = []
         for child, how, detail in failures:
             log.error("actor failed", actor=child.actor_id, how=how, detail=detail, pid=child.process.pid,
-                      log_tail=child.log_tail(5))
+                      log=str(child.log_path))
             with self._lock:
                 self._states[child.actor_id] = RESTARTING
             events.append(ActorFailed(actor=child.actor_id, how=how, detail=detail))
