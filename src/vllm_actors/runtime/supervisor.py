@@ -121,6 +121,18 @@ class Child:
                     pass
 
 
+def _status_line(child: Child, line: bytes) -> dict[str, Any] | None:
+    """A child's status line as a dict; None (logged) for anything else a library printed."""
+    try:
+        status = json.loads(line)
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        log.warning("not a status line on the actor's stdout", actor=child.actor_id, line=line[:200])
+        return None
+    return status
+
+
 def _cleanup(children: list[Child], run_dir: Path, grace: float, stop: threading.Event,
              monitor: list[threading.Thread], done: threading.Event) -> None:
     """Stop the monitor, then every child (newest first), then remove the run directory; ``done``
@@ -313,10 +325,8 @@ class ProcessGroup:
             selector.register(child.reader.fd, selectors.EVENT_READ)
             while True:
                 for line in child.reader.lines():
-                    try:
-                        status = json.loads(line)
-                    except ValueError:
-                        log.warning("unreadable status line", actor=child.actor_id, line=line[:200])
+                    status = _status_line(child, line)
+                    if status is None:
                         continue
                     if status.get("status") == "ready":
                         with self._lock:
@@ -378,13 +388,12 @@ class ProcessGroup:
             self._recover(failures, link)
 
     def _on_line(self, child: Child, line: bytes) -> None:
-        try:
-            status = json.loads(line)
-        except ValueError:
-            log.warning("unreadable status line", actor=child.actor_id, line=line[:200])
+        status = _status_line(child, line)
+        if status is None:
             return
         if status.get("status") == "alive":
-            self.liveness.ping(child.actor_id, float(status.get("busy") or 0.0))
+            busy = status.get("busy")
+            self.liveness.ping(child.actor_id, float(busy) if isinstance(busy, (int, float)) else 0.0)
         elif status.get("status") == "error":
             child.last_error = str(status.get("error"))
 
