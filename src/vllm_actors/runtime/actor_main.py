@@ -32,10 +32,11 @@ from vllm_actors.protocol.events import (
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
+    RecoverPipeline,
     StepPlan,
     StepResult,
 )
-from vllm_actors.protocol.names import worker_id
+from vllm_actors.protocol.names import SUPERVISOR, worker_id
 from vllm_actors.runtime.bus import run_bus
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.runtime.metrics_shell import run_metrics
@@ -44,6 +45,7 @@ from vllm_actors.runtime.process import (
     ActorSpec,
     install_signal_handlers,
     report,
+    set_busy_source,
     watch_parent,
 )
 from vllm_actors.runtime.transport import Actor
@@ -94,8 +96,14 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
 
         if spec.scheduler is None:
             raise ValueError("the scheduler needs its SchedulerConfig")
-        # Clients may submit and abort; only rank 0 of the workers returns sampled tokens.
-        accepts: AcceptRules = {AddRequest: None, AbortRequests: None, StepResult: frozenset({worker_id(0).encode()})}
+        # Clients may submit and abort; only rank 0 of the workers returns sampled tokens; only the
+        # supervisor asks for a pipeline reset (after it restarted the KV-cache manager or a worker).
+        accepts: AcceptRules = {
+            AddRequest: None,
+            AbortRequests: None,
+            StepResult: frozenset({worker_id(0).encode()}),
+            RecoverPipeline: frozenset({SUPERVISOR.encode()}),
+        }
         scheduler = Scheduler(spec.scheduler)
         peers = {"kv_cache_manager": [addresses.kv_cache_manager]}
         if spec.check_invariants:
@@ -139,6 +147,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         wait_until_seen(shell.publisher, context, spec.addresses.metrics, spec.actor_id, READY_TIMEOUT,
                         lambda: Heartbeat(pid=pid))
         shell.publisher.publish([ActorReady(pid=pid, role=spec.role)])
+        set_busy_source(shell.busy_seconds)  # the liveness pings report how long a message takes
         report("ready", info=info)
         shell.run(stop)  # a bug publishes CRASHED and propagates: main() exits non-zero
         shell.publisher.publish([ActorDraining(reason="stop"), ActorStopped(reason="stop")])

@@ -3,8 +3,14 @@
 - The spec: one JSON-encoded ``ActorSpec`` on the command line.
 - stdin is a pipe from the supervisor; EOF on it means the supervisor is gone (even by SIGKILL),
   and the actor exits (``watch_parent``);
-- exactly one JSON line on stdout: ``{"status": "ready", "info": {...}}`` once the actor serves,
-  or ``{"status": "error", "error": "..."}`` (``report``); logs go to stderr;
+- stdout carries JSON lines only (``report``; logs go to stderr): first ``{"status": "ready",
+  "info": {...}}`` once the actor serves, or ``{"status": "error", "error": "..."}``; after READY,
+  a liveness ping ``{"status": "alive", "busy": <seconds>}`` every ``PING_INTERVAL`` seconds from a
+  daemon thread, where ``busy`` is how long the message being handled has taken so far (0 when
+  idle; ``set_busy_source``). A process that is stopped (SIGSTOP) or wedged stops pinging, and the
+  supervisor's monitor declares it hung. Lines are written whole under one lock, with ``os.write``
+  (no buffered stream a daemon thread could hold at interpreter exit), and a ping is skipped rather
+  than blocking when the pipe is full;
 - SIGTERM or SIGINT set the stop event (``install_signal_handlers``).
 """
 
@@ -12,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
-import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +32,11 @@ from vllm_actors.runtime.run_dir import GroupAddresses
 
 HARD_EXIT_SECONDS = 3.0
 READY_TIMEOUT = 60.0
+PING_INTERVAL = 0.5
+
+_stdout_lock = threading.Lock()
+_busy_source: Callable[[], float] = lambda: 0.0  # noqa: E731
+_pinger: threading.Thread | None = None
 
 
 class ActorSpec(msgspec.Struct, kw_only=True):
@@ -38,17 +51,58 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     metrics_max_events: int = 100_000
 
 
+def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:
+    data = (json.dumps(fields) + "\n").encode()
+    with _stdout_lock:
+        if skip_if_full:
+            # A pipe is writable when at least PIPE_BUF bytes are free: a short line then never blocks.
+            _, writable, _ = select.select([], [1], [], 0)
+            if not writable:
+                return
+        while data:
+            data = data[os.write(1, data):]
+
+
 def report(status: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"status": status, **fields}) + "\n")
-    sys.stdout.flush()
+    """One status line for the supervisor; READY also starts the liveness pings."""
+    _write_line({"status": status, **fields})
+    if status == "ready":
+        start_pings()
+
+
+def set_busy_source(busy: Callable[[], float]) -> None:
+    """What the pings report as ``busy``: seconds spent so far on the message being handled."""
+    global _busy_source
+    _busy_source = busy
+
+
+def start_pings(interval: float = PING_INTERVAL) -> None:
+    """Start the ping thread (once per process)."""
+    global _pinger
+    if _pinger is not None:
+        return
+
+    def ping() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                busy = float(_busy_source())
+                _write_line({"status": "alive", "busy": round(busy, 3)}, skip_if_full=True)
+            except (OSError, ValueError):  # the supervisor closed the pipe: the parent watch exits us
+                return
+
+    _pinger = threading.Thread(target=ping, name="liveness-ping", daemon=True)
+    _pinger.start()
 
 
 def watch_parent(stop: threading.Event) -> None:
     """Exit when the supervisor's end of our stdin closes (it died or let us go)."""
 
     def watch() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside a buffered stream holds its lock,
+        # and the interpreter aborts (SIGABRT) when it exits with that lock held.
         try:
-            while sys.stdin.buffer.read(1024):
+            while os.read(0, 1024):
                 pass
         except (OSError, ValueError):
             pass

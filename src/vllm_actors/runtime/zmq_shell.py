@@ -197,6 +197,12 @@ class ActorShell:
         self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec)
         self.publisher = EventPublisher(context, bus_in, actor_id)
         self.replies = ClientReplies()
+        self.busy_since: float | None = None  # time.monotonic() when the message in hand arrived
+
+    def busy_seconds(self) -> float:
+        """How long the message in hand has taken so far (0 when idle): the liveness pings' ``busy``."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def num_dropped(self) -> int:
@@ -208,7 +214,11 @@ class ActorShell:
             while not stop.is_set():
                 message = self.endpoint.recv(timeout_ms=100)
                 if message is not None:
-                    self.receive(self.endpoint.last_sender, message)
+                    self.busy_since = time.monotonic()
+                    try:
+                        self.receive(self.endpoint.last_sender, message)
+                    finally:
+                        self.busy_since = None
         except Exception as error:
             self.publisher.publish([ActorCrashed(error=f"{type(error).__name__}: {error}")])
             raise
