@@ -104,7 +104,8 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
             StepResult: frozenset({worker_id(0).encode()}),
             RecoverPipeline: frozenset({SUPERVISOR.encode()}),
         }
-        scheduler = Scheduler(spec.scheduler)
+        # A restarted scheduler numbers its steps above its predecessors' (see Scheduler).
+        scheduler = Scheduler(spec.scheduler, first_step_id=spec.incarnation << 40)
         peers = {"kv_cache_manager": [addresses.kv_cache_manager]}
         if spec.check_invariants:
             def check() -> None:

@@ -69,7 +69,7 @@ class SupervisorLink:
         self.stop = stop
         self._clock = clock
         self.context = zmq.Context()
-        self.publisher = EventPublisher(self.context, addresses.bus_in, SUPERVISOR)
+        self.publisher = EventPublisher.for_actor(self.context, addresses, SUPERVISOR)
         self.scheduler = self.context.socket(zmq.DEALER)
         self.scheduler.setsockopt(zmq.IDENTITY, SUPERVISOR.encode())
         self.scheduler.setsockopt(zmq.LINGER, 0)

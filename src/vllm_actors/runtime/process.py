@@ -49,6 +49,7 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     rank: int = 0
     check_invariants: bool = False
     metrics_max_events: int = 100_000
+    incarnation: int = 0  # how many times the supervisor restarted this actor before
 
 
 def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:

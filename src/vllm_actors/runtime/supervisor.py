@@ -427,7 +427,8 @@ class ProcessGroup:
                 return
             log.warning("restarting actor", actor=old.actor_id, restarts_in_window=self.budget.used())
             self.liveness.forget(old.actor_id)
-            new = self._spawn(old.spec)
+            spec = msgspec.structs.replace(old.spec, incarnation=old.spec.incarnation + 1)
+            new = self._spawn(spec)
             self.children[index] = new  # shutdown() now stops the new process
             try:
                 info = self._await_ready(new)
