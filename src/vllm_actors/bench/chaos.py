@@ -53,6 +53,7 @@ WORDS = ("river stone light window garden morning paper engine silver orange qui
 class ChaosOptions:
     model: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
+    supervision: dict[str, Any] = field(default_factory=dict)  # ProcessGroup's restart and liveness knobs
     duration: float = 60.0
     kill_every: float = 15.0  # mean seconds between faults; 0: no faults
     actors: tuple[str, ...] = DEFAULT_ACTORS
@@ -71,8 +72,12 @@ class ChaosOptions:
 # --------------------------------------------------------------------------- arguments
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     from vllm_actors.cli import add_engine_arguments
+    from vllm_actors.server.args import add_supervision_arguments
 
     add_engine_arguments(parser)
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights of the checkpoint's shape (a config.json is enough)")
+    add_supervision_arguments(parser)
     parser.set_defaults(device="cpu")  # the default model on CPU; --device auto or cuda for a GPU
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load under faults")
     parser.add_argument("--kill-every", type=float, default=15.0,
@@ -97,10 +102,12 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ChaosOptions:
     from vllm_actors.cli import engine_kwargs
+    from vllm_actors.server.args import supervision_kwargs
 
     actors = tuple(name.strip() for name in args.actors.split(",") if name.strip())
     options = ChaosOptions(
-        model=args.model, engine=engine_kwargs(args), duration=args.duration, kill_every=args.kill_every,
+        model=args.model, engine={**engine_kwargs(args), "load_format": args.load_format},
+        supervision=supervision_kwargs(args), duration=args.duration, kill_every=args.kill_every,
         actors=actors, stop_prob=args.stop_prob, stop_seconds=args.stop_seconds, concurrency=args.concurrency,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, hang_timeout=args.hang_timeout,
         idle_timeout=args.idle_timeout, reference=args.reference, seed=args.chaos_seed, json_path=args.json_path,
@@ -317,7 +324,7 @@ async def run_chaos(options: ChaosOptions, client: Any | None = None) -> ChaosRe
 
     owned = client is None
     if client is None:
-        client = await AsyncEngineClient.start(options.model, **options.engine)
+        client = await AsyncEngineClient.start(options.model, supervision=options.supervision, **options.engine)
     try:
         if client.group is None:
             raise ValueError("the chaos run needs a client that owns its process group (for the pids)")

@@ -29,7 +29,7 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,15 +136,18 @@ class AsyncEngineClient(ClientCore):
         *,
         check_invariants: bool = False,
         start_timeout: float = 300.0,
+        supervision: Mapping[str, Any] | None = None,
         **engine_args: Any,
     ) -> AsyncEngineClient:
         """Start a process group (engine arguments with vLLM's names) and connect to it; the
-        client owns the group and stops it on ``shutdown()``."""
+        client owns the group and stops it on ``shutdown()``. ``supervision``: ``ProcessGroup``'s
+        knobs (``max_restarts``, ``restart_window``, ``liveness_timeout``, ``max_busy_seconds``)."""
         from vllm_actors.llm import make_engine_config
         from vllm_actors.runtime.supervisor import ProcessGroup
 
         config = make_engine_config(model, engine_args)
-        group = ProcessGroup(config, check_invariants=check_invariants, start_timeout=start_timeout)
+        group = ProcessGroup(config, check_invariants=check_invariants, start_timeout=start_timeout,
+                             **dict(supervision or {}))
         try:
             await asyncio.to_thread(group.start)
             tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
