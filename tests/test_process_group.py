@@ -352,13 +352,13 @@ def test_taps_and_stats_from_the_command_line(llm: LLM, tmp_path: Path) -> None:
 
 
 def test_a_failed_group_fails_generate_instead_of_hanging(tiny_qwen3: Path) -> None:
-    from vllm_actors.runtime.supervisor import ActorDiedError
+    from vllm_actors.clients.core import EngineDeadError
 
     with LLM(str(tiny_qwen3), num_gpu_blocks_override=32) as doomed:
         doomed.group.budget.max_restarts = 0  # no restart allowed: the first death fails the group
         worker = next(c for c in doomed.group.children if c.actor_id == "worker-0")
         worker.process.kill()
-        with pytest.raises(ActorDiedError, match="worker-0"):
+        with pytest.raises(EngineDeadError, match="worker-0"):  # whether it fails before or during the call
             doomed.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)
 
 

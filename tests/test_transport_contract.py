@@ -60,3 +60,33 @@ def test_nothing_to_receive_gives_none(endpoints: dict) -> None:
 def test_unknown_destination_raises(endpoints: dict) -> None:
     with pytest.raises(KeyError):
         endpoints["a"].send("nobody", MESSAGES[0])
+
+
+def test_a_restarted_peer_takes_over_its_identity(tmp_path: Path) -> None:
+    """A restarted actor reconnects under its old identity while the receiving ROUTER may still
+    hold the dead one's pipe; its messages must arrive (ZMQ drops them without ROUTER_HANDOVER:
+    a restarted KV-cache manager's reset plan never reached the worker)."""
+    context = zmq.Context()
+    address = f"ipc://{tmp_path}/inbox"
+    receiver = ZmqEndpoint(context, "worker-0", address, {})
+    old = context.socket(zmq.DEALER)
+    old.setsockopt(zmq.IDENTITY, b"kv_cache_manager")
+    old.setsockopt(zmq.LINGER, 0)
+    old.connect(address)
+    new = context.socket(zmq.DEALER)
+    try:
+        codec = receiver.codec
+        old.send(codec.encode(AbortRequests(request_ids=["from-old"])))
+        assert receiver.recv(timeout_ms=10_000).request_ids == ["from-old"]
+        new.setsockopt(zmq.IDENTITY, b"kv_cache_manager")  # the old one is still connected
+        new.setsockopt(zmq.LINGER, 0)
+        new.connect(address)
+        new.send(codec.encode(AbortRequests(request_ids=["from-new"])))
+        message = receiver.recv(timeout_ms=10_000)
+        assert message is not None and message.request_ids == ["from-new"]
+        assert receiver.last_sender == b"kv_cache_manager"
+    finally:
+        old.close()
+        new.close()
+        receiver.close()
+        context.term()

@@ -123,6 +123,11 @@ class ZmqEndpoint:
         self.router.setsockopt(zmq.RCVHWM, COMMAND_HWM)
         self.router.setsockopt(zmq.SNDHWM, COMMAND_HWM)
         self.router.setsockopt(zmq.LINGER, 0)
+        # A restarted peer reconnects under the same identity (its actor id) while this socket may
+        # still hold the dead one's pipe: hand the identity over to the new connection. Without
+        # this ZMQ keeps the old pipe and silently drops everything the new peer sends (a restarted
+        # KV-cache manager's reset plan never reached the worker).
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.bind(inbox)
         self.peers: dict[str, list[zmq.Socket]] = {}
         for peer, addresses in peers.items():
