@@ -224,6 +224,8 @@ class ChaosRun:
                     return
                 else:
                     prompt_index = number % len(self.prompts)
+                if self.group_failed is not None or getattr(self.client, "failed", None) is not None:
+                    return  # the group gave up: every later request would fail at once
                 runs.append(await self.one_request(prompt_index, tag))
 
         await asyncio.gather(*(worker() for _ in range(self.options.concurrency)))

@@ -53,6 +53,8 @@ from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until
 
 log = structlog.get_logger(__name__)
 
+RESTART_SEEN_TIMEOUT = 3.0  # seconds a restarted actor waits for the metrics store to see it
+
 # --------------------------------------------------------------------------- engine roles
 AcceptRules = dict[type, frozenset[bytes] | None]
 
@@ -145,8 +147,17 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
     publisher_for_start.close()
     try:
-        wait_until_seen(shell.publisher, context, spec.addresses.metrics, spec.actor_id, READY_TIMEOUT,
-                        lambda: Heartbeat(pid=pid))
+        # A first start waits until the metrics store sees this actor's events (nothing is lost to
+        # the slow-joiner problem). A restart must not depend on the store, which may itself be
+        # down or hung: it waits briefly, then serves anyway (the store counts what it missed).
+        try:
+            seen_timeout = READY_TIMEOUT if spec.incarnation == 0 else RESTART_SEEN_TIMEOUT
+            wait_until_seen(shell.publisher, context, spec.addresses.metrics, spec.actor_id, seen_timeout,
+                            lambda: Heartbeat(pid=pid))
+        except TimeoutError:
+            if spec.incarnation == 0:
+                raise
+            log.warning("the metrics store does not see this restarted actor; serving anyway", actor=spec.actor_id)
         shell.publisher.publish([ActorReady(pid=pid, role=spec.role)])
         set_busy_source(shell.busy_seconds)  # the liveness pings report how long a message takes
         report("ready", info=info)

@@ -427,17 +427,27 @@ class ProcessGroup:
                 return
             log.warning("restarting actor", actor=old.actor_id, restarts_in_window=self.budget.used())
             self.liveness.forget(old.actor_id)
-            spec = msgspec.structs.replace(old.spec, incarnation=old.spec.incarnation + 1)
-            new = self._spawn(spec)
-            self.children[index] = new  # shutdown() now stops the new process
-            try:
-                info = self._await_ready(new)
-                if old.role == WORKER and info.get("num_blocks") != old.spec.engine.num_gpu_blocks_override:
-                    raise ActorStartError(f"actor {old.actor_id} came back with {info.get('num_blocks')} KV blocks, "
-                                          f"not {old.spec.engine.num_gpu_blocks_override}")
-            except ActorStartError as error:
-                self._fail(f"{what}; it could not be restarted: {str(error).splitlines()[0]}", new, link, events)
-                return
+            spec = old.spec
+            while True:
+                spec = msgspec.structs.replace(spec, incarnation=spec.incarnation + 1)
+                new = self._spawn(spec)
+                self.children[index] = new  # shutdown() now stops the new process
+                try:
+                    info = self._await_ready(new)
+                    if old.role == WORKER and info.get("num_blocks") != old.spec.engine.num_gpu_blocks_override:
+                        raise ActorStartError(f"actor {old.actor_id} came back with {info.get('num_blocks')} KV "
+                                              f"blocks, not {old.spec.engine.num_gpu_blocks_override}")
+                    break
+                except ActorStartError as error:
+                    # Killed by a signal while starting (another fault, not a start that cannot
+                    # work): try again, within the budget. Anything else fails the group.
+                    killed = new.process.poll() is not None and new.process.returncode < 0
+                    if killed and self.budget.try_spend():
+                        log.warning("restarting actor again: it was killed while starting", actor=old.actor_id,
+                                    returncode=new.process.returncode, restarts_in_window=self.budget.used())
+                        continue
+                    self._fail(f"{what}; it could not be restarted: {str(error).splitlines()[0]}", new, link, events)
+                    return
             self.liveness.started(new.actor_id)
             seconds = time.monotonic() - noticed
             with self._lock:
