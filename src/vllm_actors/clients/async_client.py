@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -41,6 +40,7 @@ import zmq.asyncio
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, bus_round_trip, follow_bus
 from vllm_actors.clients.core import (
     ClientCore,
     EngineDeadError,
@@ -60,21 +60,17 @@ from vllm_actors.clients.supervision import (
     group_states,
     listen,
 )
-from vllm_actors.protocol.events import EventBatch, Heartbeat
 from vllm_actors.protocol.metrics import (
-    MetricsCodec,
     MetricsQuery,
     MetricsReply,
-    SeenQuery,
-    SeenReply,
     SummaryQuery,
     SummaryReply,
     TimelineQuery,
     TimelineReply,
 )
-from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR, worker_id
+from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, pid_alive, read_group_info
+from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -116,9 +112,8 @@ class AsyncEngineClient(ClientCore):
         self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id)
         transport = ZmqTransport(self._dealer, self._publisher)
         super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
-        self._metrics: zmq.asyncio.Socket = self._metrics_socket()
-        self._metrics_lock = asyncio.Lock()
-        self._metrics_codec = MetricsCodec()
+        self._metrics = MetricsChannel(self._context, info.addresses.metrics)
+        self._health = HealthProbe(info, self._publisher, self._metrics, self.actor_id)
         self._streams: dict[str, RequestStream] = {}
         self.latency = LatencyTracker()
         self._tasks: list[asyncio.Task[None]] = []
@@ -215,12 +210,6 @@ class AsyncEngineClient(ClientCore):
     def _failure_reported(self, reason: str) -> None:
         if self._loop is not None:
             _call_soon(self._loop, self._fail, reason)
-
-    def _metrics_socket(self) -> zmq.asyncio.Socket:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.info.addresses.metrics)
-        return socket
 
     # ------------------------------------------------------------------ facts
     @property
@@ -351,39 +340,19 @@ class AsyncEngineClient(ClientCore):
 
     async def _watch_bus(self) -> None:
         """Follow the scheduler's events (queue times for the stats listeners) and, for an attached
-        client, the supervisor's (restarts, the group's failure), until cancelled. A batch whose
-        actor is not its topic is ignored."""
-        subscriber = self._context.socket(zmq.SUB)
-        subscriber.setsockopt(zmq.LINGER, 0)
-        subscriber.setsockopt(zmq.SUBSCRIBE, SCHEDULER.encode())
-        if self.group is None:  # an owned group tells us itself, unforgeably
-            subscriber.setsockopt(zmq.SUBSCRIBE, SUPERVISOR.encode())
-        subscriber.connect(self.info.addresses.bus_out)
-        decoder = msgspec.msgpack.Decoder(EventBatch)
-        try:
-            while True:
-                frames = await subscriber.recv_multipart()
-                topic = frames[0].decode(errors="replace") if len(frames) == 2 else ""
-                if topic == SCHEDULER and not self.latency.wants_scheduler_events:
-                    continue
-                if topic not in (SCHEDULER, SUPERVISOR):
-                    continue
-                try:
-                    batch = decoder.decode(frames[-1])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                if batch.actor != topic:
-                    continue
-                if topic == SCHEDULER:
-                    self.latency.on_scheduler_events(batch)
-                    continue
-                restarted, failed = self._supervision.on_batch(topic, batch)
-                if failed is not None:
-                    self._fail(failed)
-                for actor in restarted:
-                    self._on_actor_restarted(actor)
-        finally:
-            subscriber.close()
+        client, the supervisor's (restarts, the group's failure), until cancelled."""
+        topics = [SCHEDULER] if self.group is not None else [SCHEDULER, SUPERVISOR]  # an owned group tells us
+        async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, topics,
+                                             skip=lambda topic: topic == SCHEDULER
+                                             and not self.latency.wants_scheduler_events):
+            if topic == SCHEDULER:
+                self.latency.on_scheduler_events(batch)
+                continue
+            restarted, failed = self._supervision.on_batch(topic, batch)
+            if failed is not None:
+                self._fail(failed)
+            for actor in restarted:
+                self._on_actor_restarted(actor)
 
     def _on_reader_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -400,16 +369,7 @@ class AsyncEngineClient(ClientCore):
     # ------------------------------------------------------------------ metrics and health
     async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
         """One query to the metrics store; raises TimeoutError when it does not answer."""
-        async with self._metrics_lock:
-            await self._metrics.send(self._metrics_codec.encode(query))
-            try:
-                payload = await asyncio.wait_for(self._metrics.recv(), timeout)
-            except asyncio.TimeoutError:
-                # A late reply would answer the next query: start over on a fresh socket.
-                self._metrics.close(linger=0)
-                self._metrics = self._metrics_socket()
-                raise TimeoutError("the metrics store did not answer") from None
-            return self._metrics_codec.decode_reply(payload)
+        return await self._metrics.query(query, timeout)
 
     async def get_metrics(self) -> SummaryReply:
         return expect_reply(await self.query_metrics(SummaryQuery()), SummaryReply)
@@ -418,27 +378,10 @@ class AsyncEngineClient(ClientCore):
         return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
 
     async def _bus_round_trip(self, timeout: float) -> bool:
-        """Publish a heartbeat and wait until the metrics store has seen it (bus and store alive)."""
-        self._publisher.publish([Heartbeat(pid=os.getpid())])
-        wanted = self._publisher.stamper.next_seq - 1
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            reply = await self.query_metrics(SeenQuery(actor=self.actor_id), timeout=remaining)
-            seen = reply.actors.get(self.actor_id) if isinstance(reply, SeenReply) else None
-            if seen is not None and seen.last_seq >= wanted:
-                return True
-            await asyncio.sleep(0.01)
+        return await bus_round_trip(self._publisher, self._metrics, self.actor_id, timeout)
 
     async def health(self, timeout: float = 2.0) -> Health:
-        """The verdict ``/health`` serves. The step pipeline (scheduler, KV-cache manager, workers)
-        down or restarting: "unavailable"; the bus or the metrics store down, or an event of this
-        client not reaching the store within ``timeout``: "degraded" (serving goes on); the group
-        given up: "failed". With an owned group the actors' states are the supervisor's own
-        (``ProcessGroup.state()``), never taken from events on the bus; an attached client
-        combines the supervisor's events with the metrics store's view of each actor."""
+        """The verdict ``/health`` serves (``clients/async_health.py`` says how it is reached)."""
         if self._closed:
             return Health("unavailable", {"frontend": "shut down"})
         failure = self.failed
@@ -448,57 +391,14 @@ class AsyncEngineClient(ClientCore):
         if self.group is not None:
             states = group_states(self.group)
             if states.get("bus", READY) == READY and states.get("metrics", READY) == READY:
-                states.update(await self._store_reachable(timeout))
+                states.update(await self._health.store_reachable(timeout))
         else:
-            states = await self._attached_states(timeout)
+            states = await self._health.attached_states(dict(self._supervision.down), timeout)
         return classify(states, extra_unhealthy=extra)
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
         """What is wrong, per part (empty: healthy): ``health()``'s problems, degraded ones included."""
         return (await self.health(timeout)).problems()
-
-    async def _store_reachable(self, timeout: float) -> dict[str, str]:
-        """An event of this client must reach the metrics store through the bus within ``timeout``."""
-        try:
-            if not await self._bus_round_trip(timeout):
-                return {"bus": "an event did not reach the metrics store"}
-        except TimeoutError:
-            return {"metrics": "not answering"}
-        return {}
-
-    async def _attached_states(self, timeout: float) -> dict[str, str]:
-        """Each actor's state for an attached client: restarting while the supervisor said so on the
-        bus, else what the metrics store saw of it (its own lifecycle events and pid)."""
-        states = dict(self._supervision.down)
-        reachable = await self._store_reachable(timeout)
-        states.update(reachable)
-        if "metrics" in reachable:
-            return states
-        try:
-            reply = await self.query_metrics(SeenQuery(), timeout=timeout)
-        except TimeoutError:
-            states["metrics"] = "not answering"
-            return states
-        actors = reply.actors if isinstance(reply, SeenReply) else {}
-        expected = [*(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
-                    "kv_cache_manager", "scheduler"]
-        unseen = []
-        for actor in expected:
-            seen = actors.get(actor)
-            if actor in states:
-                continue
-            if seen is None:
-                unseen.append(actor)  # a restarted store has not heard from it yet
-                states[actor] = READY
-            elif seen.state != "READY":
-                states[actor] = f"state {seen.state}" + (f": {seen.error}" if seen.error else "")
-            elif seen.pid is not None and not pid_alive(seen.pid):
-                states[actor] = f"process {seen.pid} is gone"
-            else:
-                states[actor] = READY
-        if unseen:
-            states.setdefault("metrics", f"has not seen {', '.join(unseen)}")
-        return states
 
     # ------------------------------------------------------------------ lifetime
     async def shutdown(self, reason: str = "shutdown") -> None:
@@ -517,7 +417,7 @@ class AsyncEngineClient(ClientCore):
             except (asyncio.CancelledError, Exception):
                 pass
         self._publisher.close()
-        self._metrics.close(linger=0)
+        self._metrics.close()
         self._dealer.close(linger=CLOSE_LINGER_MS)
         await asyncio.to_thread(self._context.term)
         if self.group is not None:

@@ -1,0 +1,151 @@
+"""How the asyncio client reaches the metrics store and judges the group's health.
+
+``MetricsChannel``: one DEALER to the store, one query at a time; a query that times out closes
+the socket and opens a fresh one (a late reply would otherwise answer the next query).
+``HealthProbe``: what ``AsyncEngineClient.health`` needs beyond the supervisor's own view. The step
+pipeline (scheduler, KV-cache manager, workers) down or restarting makes the group "unavailable";
+the bus or the metrics store down, or an event of this client not reaching the store in time,
+"degraded" (serving goes on); a group given up, "failed". With an owned group the actors' states
+are the supervisor's (``ProcessGroup.state()``), never taken from events on the bus; an attached
+client combines the supervisor's events with the metrics store's view of each actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from vllm_actors.clients.supervision import READY
+from vllm_actors.protocol.events import EventBatch, Heartbeat
+from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply, SeenQuery, SeenReply
+from vllm_actors.protocol.names import worker_id
+from vllm_actors.runtime.run_dir import GroupInfo, pid_alive
+from vllm_actors.runtime.zmq_shell import EventPublisher
+
+
+class MetricsChannel:
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self._context = context
+        self._address = address
+        self._codec = MetricsCodec()
+        self._lock = asyncio.Lock()
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self._address)
+        return socket
+
+    async def query(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
+        """One query; raises TimeoutError when the store does not answer."""
+        async with self._lock:
+            await self._socket.send(self._codec.encode(query))
+            try:
+                payload = await asyncio.wait_for(self._socket.recv(), timeout)
+            except asyncio.TimeoutError:
+                self._socket.close(linger=0)
+                self._socket = self._connect()
+                raise TimeoutError("the metrics store did not answer") from None
+            return self._codec.decode_reply(payload)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+async def bus_round_trip(publisher: EventPublisher, metrics: MetricsChannel, actor_id: str, timeout: float) -> bool:
+    """Publish a heartbeat and wait until the metrics store has seen it (bus and store alive)."""
+    publisher.publish([Heartbeat(pid=os.getpid())])
+    wanted = publisher.stamper.next_seq - 1
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        reply = await metrics.query(SeenQuery(actor=actor_id), timeout=remaining)
+        seen = reply.actors.get(actor_id) if isinstance(reply, SeenReply) else None
+        if seen is not None and seen.last_seq >= wanted:
+            return True
+        await asyncio.sleep(0.01)
+
+
+class HealthProbe:
+    def __init__(self, info: GroupInfo, publisher: EventPublisher, metrics: MetricsChannel, actor_id: str) -> None:
+        self.info = info
+        self.publisher = publisher
+        self.metrics = metrics
+        self.actor_id = actor_id
+
+    async def store_reachable(self, timeout: float) -> dict[str, str]:
+        """An event of this client must reach the metrics store through the bus within ``timeout``."""
+        try:
+            if not await bus_round_trip(self.publisher, self.metrics, self.actor_id, timeout):
+                return {"bus": "an event did not reach the metrics store"}
+        except TimeoutError:
+            return {"metrics": "not answering"}
+        return {}
+
+    async def attached_states(self, states: dict[str, str], timeout: float) -> dict[str, str]:
+        """Each actor's state for an attached client: ``states`` (restarting while the supervisor
+        said so on the bus), else what the metrics store saw of it (its lifecycle events, its pid)."""
+        reachable = await self.store_reachable(timeout)
+        states.update(reachable)
+        if "metrics" in reachable:
+            return states
+        try:
+            reply = await self.metrics.query(SeenQuery(), timeout=timeout)
+        except TimeoutError:
+            states["metrics"] = "not answering"
+            return states
+        actors = reply.actors if isinstance(reply, SeenReply) else {}
+        expected = [*(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
+                    "kv_cache_manager", "scheduler"]
+        unseen = []
+        for actor in expected:
+            seen = actors.get(actor)
+            if actor in states:
+                continue
+            if seen is None:
+                unseen.append(actor)  # a restarted store has not heard from it yet
+                states[actor] = READY
+            elif seen.state != "READY":
+                states[actor] = f"state {seen.state}" + (f": {seen.error}" if seen.error else "")
+            elif seen.pid is not None and not pid_alive(seen.pid):
+                states[actor] = f"process {seen.pid} is gone"
+            else:
+                states[actor] = READY
+        if unseen:
+            states.setdefault("metrics", f"has not seen {', '.join(unseen)}")
+        return states
+
+
+async def follow_bus(context: zmq.asyncio.Context, bus_out: str, topics: list[str],
+                     skip: Callable[[str], bool] = lambda topic: False) -> AsyncIterator[tuple[str, EventBatch]]:
+    """(topic, batch) for each event batch of ``topics`` on the bus, until cancelled; undecodable
+    frames, topics ``skip`` names, and batches whose actor is not their topic are passed over."""
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.LINGER, 0)
+    for topic in topics:
+        subscriber.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    subscriber.connect(bus_out)
+    decoder = msgspec.msgpack.Decoder(EventBatch)
+    try:
+        while True:
+            frames = await subscriber.recv_multipart()
+            topic = frames[0].decode(errors="replace") if len(frames) == 2 else ""
+            if topic not in topics or skip(topic):
+                continue
+            try:
+                batch = decoder.decode(frames[-1])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if batch.actor == topic:
+                yield topic, batch
+    finally:
+        subscriber.close()
