@@ -678,7 +678,7 @@ async def served(env: Env, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     async def store_reachable(timeout: float) -> dict[str, str]:
         return {}  # no metrics store here: the bus round trip would time out
 
-    monkeypatch.setattr(client, "_store_reachable", store_reachable)
+    monkeypatch.setattr(client._health, "store_reachable", store_reachable)
     try:
         yield client, build_app(client, served_model_names=["fake"])
     finally:
