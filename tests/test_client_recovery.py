@@ -557,7 +557,10 @@ async def test_async_client_resubmits_and_fails_with_its_owned_group(env: Env) -
         streams = [client.add_request(f"b{i}", {"prompt_token_ids": p}, params.clone(max_tokens=200))
                    for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(collect(stream)) for stream in streams]
-        await wait_until_async(lambda: all(env.scheduler.progress(f"b{i}") >= 2 for i in range(3)))
+        # Wait until the client itself has taken in two tokens of each (the scheduler having sent
+        # them is not enough: on a busy machine they may still be in the socket).
+        await wait_until_async(lambda: all(stream._last is not None and len(stream._last.outputs[0].token_ids) >= 2
+                                           for stream in streams))
         await asyncio.to_thread(env.group.fail, "restart budget spent")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
         for outputs in results:

@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from vllm_actors.bench.chaos_report import ChaosReport, Fault, RequestRun, Restart, build_report, format_table
+from vllm_actors.clients.async_health import follow_bus
 from vllm_actors.protocol.events import ActorRestarted, EventBatch, GroupFailed, PipelineReset
 from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
 from vllm_actors.protocol.sampling import SamplingParams
@@ -268,24 +268,10 @@ class ChaosRun:
     async def follow_bus(self, address: str) -> None:
         """The supervisor's ACTOR_RESTARTED / GROUP_FAILED and the scheduler's PIPELINE_RESET."""
         context = zmq.asyncio.Context()
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        for topic in (SUPERVISOR, SCHEDULER):
-            socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        socket.connect(address)
-        decoder = msgspec.msgpack.Decoder(EventBatch)
         try:
-            while True:
-                frames = await socket.recv_multipart()
-                if len(frames) != 2 or frames[0] not in (SUPERVISOR.encode(), SCHEDULER.encode()):
-                    continue  # a subscription is a prefix: "scheduler" also matches longer ids
-                try:
-                    batch = decoder.decode(frames[1])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
+            async for _, batch in follow_bus(context, address, [SUPERVISOR, SCHEDULER]):
                 self.on_batch(batch)
         finally:
-            socket.close()
             context.term()
 
     def on_batch(self, batch: EventBatch) -> None:
