@@ -25,18 +25,14 @@ fails: ``GROUP_FAILED``, the ``on_failure`` listeners, and the group shuts itsel
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +46,15 @@ from vllm_actors.protocol.config import (
 )
 from vllm_actors.protocol.events import ActorFailed, ActorRestarted, GroupFailed
 from vllm_actors.protocol.names import KV_CACHE_MANAGER, SCHEDULER, WORKER, worker_id
-from vllm_actors.runtime.monitor import LineReader, SupervisorLink
+from vllm_actors.runtime.children import (
+    ActorDiedError,
+    ActorStartError,
+    Child,
+    Stopping,
+    cleanup,
+    status_line,
+)
+from vllm_actors.runtime.monitor import SupervisorLink
 from vllm_actors.runtime.process import ActorSpec
 from vllm_actors.runtime.run_dir import (
     GroupAddresses,
@@ -73,100 +77,9 @@ log = structlog.get_logger(__name__)
 
 STOP_GRACE_SECONDS = 5.0
 POLL_INTERVAL = 0.1  # the monitor's period: how soon an exit is noticed
-MONITOR_JOIN_SECONDS = 30.0
 
 # Actor states, as ``ProcessGroup.state()`` reports them.
 STARTING, READY, RESTARTING, FAILED, STOPPED = "starting", "ready", "restarting", "failed", "stopped"
-
-
-class ActorStartError(RuntimeError):
-    """An actor did not come up: names the actor and why, with the end of its log."""
-
-
-class ActorDiedError(RuntimeError):
-    """The group failed (an actor died past the restart budget, or could not start again): the reason."""
-
-
-class _Stopping(Exception):
-    """The group is shutting down while the monitor restarts a child."""
-
-
-@dataclass
-class Child:
-    actor_id: str
-    role: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    spec: ActorSpec
-    reader: LineReader = field(init=False)
-    last_error: str | None = None  # an error line the child reported after READY
-
-    def __post_init__(self) -> None:
-        assert self.process.stdout is not None
-        self.reader = LineReader(self.process.stdout)
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
-
-    def close_pipes(self) -> None:
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
-
-
-def _status_line(child: Child, line: bytes) -> dict[str, Any] | None:
-    """A child's status line as a dict; None (logged) for anything else a library printed."""
-    try:
-        status = json.loads(line)
-    except ValueError:
-        status = None
-    if not isinstance(status, dict):
-        log.warning("not a status line on the actor's stdout", actor=child.actor_id, line=line[:200])
-        return None
-    return status
-
-
-def _cleanup(children: list[Child], run_dir: Path, grace: float, stop: threading.Event,
-             monitor: list[threading.Thread], done: threading.Event) -> None:
-    """Stop the monitor, then every child (newest first), then remove the run directory; ``done``
-    once all that is over. Runs once (``weakref.finalize``)."""
-    try:
-        _stop_all(children, run_dir, grace, stop, monitor)
-    finally:
-        done.set()
-
-
-def _stop_all(children: list[Child], run_dir: Path, grace: float, stop: threading.Event,
-              monitor: list[threading.Thread]) -> None:
-    stop.set()
-    for thread in monitor:
-        if thread is not threading.current_thread():
-            thread.join(MONITOR_JOIN_SECONDS)
-    for child in reversed(children):
-        if child.process.poll() is None:
-            try:
-                child.process.send_signal(signal.SIGTERM)
-                child.process.send_signal(signal.SIGCONT)  # a stopped child can then handle it
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for child in reversed(children):
-        remaining = max(deadline - time.monotonic(), 0.0)
-        try:
-            child.process.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
-        child.close_pipes()
-    children.clear()
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Event) -> None:
@@ -183,7 +96,7 @@ def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Eve
                 return
             try:
                 group._tick(link)
-            except _Stopping:
+            except Stopping:
                 return
             except Exception as error:  # a bug here must not leave the group unsupervised
                 log.exception("the supervisor's monitor failed")
@@ -241,7 +154,7 @@ class ProcessGroup:
         self._monitor: list[threading.Thread] = []
         self._stopped = threading.Event()
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.children, self.run_dir, STOP_GRACE_SECONDS, self._stop, self._monitor, self._stopped
+            self, cleanup, self.children, self.run_dir, STOP_GRACE_SECONDS, self._stop, self._monitor, self._stopped
         )
 
     # ------------------------------------------------------------------ start
@@ -319,13 +232,13 @@ class ProcessGroup:
 
     def _await_ready(self, child: Child) -> dict[str, Any]:
         """Wait for the child's READY line (its info); raise ActorStartError if it fails, exits or
-        takes longer than ``start_timeout``, ``_Stopping`` if the group shuts down meanwhile."""
+        takes longer than ``start_timeout``, ``Stopping`` if the group shuts down meanwhile."""
         deadline = time.monotonic() + self.start_timeout
         with selectors.DefaultSelector() as selector:
             selector.register(child.reader.fd, selectors.EVENT_READ)
             while True:
                 for line in child.reader.lines():
-                    status = _status_line(child, line)
+                    status = status_line(child, line)
                     if status is None:
                         continue
                     if status.get("status") == "ready":
@@ -343,7 +256,7 @@ class ProcessGroup:
                         f"{child.log_tail()}"
                     )
                 if self._stop.is_set() and threading.current_thread() in self._monitor:
-                    raise _Stopping()
+                    raise Stopping()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ActorStartError(
@@ -371,7 +284,7 @@ class ProcessGroup:
             for line in child.reader.lines():
                 self._on_line(child, line)
         if self._stop.is_set():
-            raise _Stopping()
+            raise Stopping()
         failures: list[tuple[Child, str, str]] = []
         for child in children:
             returncode = child.process.poll()
@@ -388,7 +301,7 @@ class ProcessGroup:
             self._recover(failures, link)
 
     def _on_line(self, child: Child, line: bytes) -> None:
-        status = _status_line(child, line)
+        status = status_line(child, line)
         if status is None:
             return
         if status.get("status") == "alive":
