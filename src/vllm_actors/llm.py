@@ -12,7 +12,6 @@ from tqdm import tqdm
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.core import EngineDeadError, SyncClient
-from vllm_actors.clients.supervision import raise_if_unsupervised_death
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.metrics import SummaryReply, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
@@ -158,9 +157,7 @@ class LLM:
             while len(finished) < len(wanted):
                 if not engine.has_unfinished:
                     raise RuntimeError("the engine went idle with requests unfinished")
-                outputs = engine.poll(100)
-                if not outputs and self._group is not None:
-                    raise_if_unsupervised_death(self._group)  # a supervised group restarts its actors
+                outputs = engine.poll(100)  # a dead actor is restarted; the group's failure ends open requests
                 for output in outputs:
                     if output.finished and output.request_id in wanted:
                         if engine.failure is not None:

@@ -89,12 +89,6 @@ def group_states(group: object) -> dict[str, str]:
     return states
 
 
-def raise_if_unsupervised_death(group: object) -> None:
-    """Without a supervisor an exited actor is fatal (ActorDiedError); with one it is restarted
-    and only the group's failure is (reported through ``on_failure``)."""
-    if not supervised(group):
-        group_any: Any = group
-        group_any.raise_if_dead()
 
 
 # --------------------------------------------------------------------------- an attached client
