@@ -106,6 +106,8 @@ class Counters(msgspec.Struct, kw_only=True):
 
 
 # --------------------------------------------------------------------------- KV cache
+MAX_TRACKED_HOLDERS = 65_536  # requests whose blocks a pool follows (from ALLOCATED / FREED)
+
 @dataclass(slots=True)
 class KvPoolState:
     """One KV-cache actor's pool: its latest KV_POOL state, and the blocks it handed out per
@@ -120,6 +122,8 @@ class KvPoolState:
         self.blocks[request_id] = self.blocks.get(request_id, 0) + count
         self.in_use += count
         self.free = max(num_free_blocks, 0)
+        if len(self.blocks) > MAX_TRACKED_HOLDERS:  # FREED events lost: forget the oldest holder
+            self.in_use -= self.blocks.pop(next(iter(self.blocks)))
 
     def freed(self, request_id: str, num_blocks: int, num_free_blocks: int) -> None:
         held = self.blocks.get(request_id, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from vllm_actors.actors.metrics_store.ingest import LogRow
+from vllm_actors.actors.metrics_store.event_log import LogRow
 from vllm_actors.protocol.metrics import event_json_line
 
 

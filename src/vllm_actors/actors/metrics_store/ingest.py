@@ -3,15 +3,19 @@ applied to the request records, counters, latency samples and KV pools it concer
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from vllm_actors.actors.metrics_store.aggregates import Counters, KvPoolState, Latencies
-from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch, Untrusted
+from vllm_actors.actors.metrics_store.bounds import MAX_ID_CHARS, bounded, cap_id, count_into, event_bytes
+from vllm_actors.actors.metrics_store.event_log import EventLog
+from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch
 from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed
-from vllm_actors.actors.metrics_store.request_table import RequestTable
+from vllm_actors.actors.metrics_store.request_table import TOKEN_ROW_BYTES, RequestTable
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
+from vllm_actors.actors.metrics_store.trust import Rejections, client_may_publish
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
@@ -48,34 +52,10 @@ from vllm_actors.protocol.events import ActorRestarted as ActorRestartedEvent
 from vllm_actors.protocol.metrics import ActorSeen
 from vllm_actors.protocol.names import is_engine_actor
 
-# (actor, seq, mono, wall, event): one event of the log
-LogRow = tuple[str, int, float, float, Event]
-
-# What a client (any publisher whose id is no engine actor's: ``frontend-...``, ``probe-...``) may
-# publish: its requests' arrival, their end where the frontend ends them (a stop string; an
-# error or abort on its side), heartbeats and its own lifecycle (which touches only its own
-# entry). Anything else from a client is not applied: a KV_POOL, STEP_FINISHED or TOKENS under
-# a client id would still move the gauges.
-CLIENT_EVENTS: tuple[type, ...] = (Arrived, Finished, Aborted, Heartbeat,
-                                   ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed)
-CLIENT_FINISH_REASONS = frozenset({"stop", "error"})
-
-
-def client_may_publish(event: Event) -> bool:
-    if isinstance(event, Finished):
-        return event.reason in CLIENT_FINISH_REASONS
-    return isinstance(event, CLIENT_EVENTS)
-
+MAX_CLIENTS = 1_024  # clients (publishers that are no engine actor) remembered; the oldest go first
 
 def _handshake(batch: EventBatch) -> bool:
     return all(isinstance(event, (ActorStarting, Heartbeat)) for event in batch.events)
-
-
-def _noticed(count: int) -> bool:
-    """1, 10, 100, ...: how often a repeated notice is worth a log line."""
-    while count >= 10 and count % 10 == 0:
-        count //= 10
-    return count == 1
 
 
 class Recorder:
@@ -83,9 +63,10 @@ class Recorder:
     say about the stream (gaps, stale batches, restarts, dropped records) goes to ``notices``."""
 
     def __init__(self, *, max_events: int, max_finished_requests: int, max_open_requests: int,
-                 max_timeline_events: int, sample_window: int) -> None:
+                 max_timeline_events: int, sample_window: int, max_history_bytes: int,
+                 max_request_bytes: int) -> None:
         self.notices: list[Notice] = []
-        self.history: deque[LogRow] = deque(maxlen=max_events)
+        self.history = EventLog(max_events, max_history_bytes)
         self.num_events = 0  # events applied so far: the global index of the next one
         self.num_batches = 0
         self.first_wall: float | None = None
@@ -93,7 +74,10 @@ class Recorder:
 
         self.sequences = SequenceTracker()
         self.actors: dict[str, ActorSeen] = {}
-        self.requests = RequestTable(max_open_requests, max_finished_requests, max_timeline_events, self.notices)
+        self.requests = RequestTable(max_open_requests, max_finished_requests, max_timeline_events, self.notices,
+                                     max_request_bytes)
+        self._num_clients = 0
+        self._event_bytes = 0  # the estimated size of the event being applied
         self.kv: dict[str, KvPoolState] = {}
         self.counters = Counters()
         self.latencies = Latencies(sample_window)
@@ -129,20 +113,23 @@ class Recorder:
             GroupFailed: self._on_group_failed,
             PipelineReset: self._on_pipeline_reset,
         }
-        self._untrusted: dict[tuple[str, str], int] = {}
+        self._rejections = Rejections(self.notices)
 
     # ------------------------------------------------------------------ batches
     def record(self, batch: EventBatch, topic: str | None = None) -> None:
         """Apply one batch from the bus (in the order the bus delivered it). ``topic`` is the bus
         topic it came under (the bus vouches for it): a batch naming another actor is dropped."""
         actor = batch.actor
+        if len(actor) > MAX_ID_CHARS:  # an id of no actor of ours: kept short, as request ids
+            actor = cap_id(actor)
+            batch = msgspec.structs.replace(batch, actor=actor)
         if topic is not None and topic != actor:
             self.counters.rejected_batches += 1
-            self._reject(topic, actor, "batch names another actor than its topic", 1)
+            self._rejections.count(topic, actor, "batch names another actor than its topic", 1)
             return
         seen = self.actors.get(actor)
         if seen is None:
-            seen = self.actors[actor] = ActorSeen(first_wall=batch.wall)
+            seen = self._new_actor(actor, batch.wall)
         seen.num_batches += 1
         seen.last_wall = batch.wall
         self.num_batches += 1
@@ -184,10 +171,12 @@ class Recorder:
             if client and not client_may_publish(event):
                 seen.rejected_events += 1
                 self.counters.rejected_events += 1
-                self._reject(actor, actor, f"a client may not publish {event_type(event)}", 1)
+                self._rejections.count(actor, actor, f"a client may not publish {event_type(event)}", 1)
                 continue
             seq = batch.first_seq + position
-            self.history.append((actor, seq, mono, wall, event))
+            event = bounded(event)
+            self._event_bytes = size = event_bytes(event)
+            self.history.append((actor, seq, mono, wall, event), size)
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(actor, seq, mono, wall, event)
@@ -195,15 +184,19 @@ class Recorder:
             applied += 1
         seen.num_events += applied
         seen.last_seq = batch.first_seq + len(events) - 1
+        self.requests.trim()
 
-    def _reject(self, publisher: str, claimed: str, why: str, count: int) -> None:
-        """Count a rejection per (publisher, why); a notice on the 1st, 10th, 100th... one."""
-        key = (publisher, why)
-        total = self._untrusted[key] = self._untrusted.get(key, 0) + count
-        if len(self._untrusted) > 1_000:  # bounded: forget the oldest keys
-            del self._untrusted[next(iter(self._untrusted))]
-        if _noticed(total):
-            self.notices.append(Untrusted(publisher=publisher[:64], claimed=claimed[:64], why=why, count=total))
+    def _new_actor(self, actor: str, wall: float) -> ActorSeen:
+        """An actor's first batch: remembered; past ``MAX_CLIENTS`` clients the oldest is forgotten."""
+        if not is_engine_actor(actor):
+            self._num_clients += 1
+            if self._num_clients > MAX_CLIENTS:
+                oldest = next(name for name in self.actors if not is_engine_actor(name))
+                del self.actors[oldest]
+                self.sequences.forget(oldest)
+                self._num_clients -= 1
+        seen = self.actors[actor] = ActorSeen(first_wall=wall)
+        return seen
 
     def _on_restart(self, actor: str) -> None:
         """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
@@ -216,7 +209,7 @@ class Recorder:
     def _entry(self, request_id: str, actor: str, seq: int, mono: float, wall: float, event: Event) -> RequestRecord:
         """The request's record (opened if new), with the event on its timeline."""
         record = self.requests.get(request_id)
-        self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event)
+        self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event, self._event_bytes)
         return record
 
     # ------------------------------------------------------------------ request events
@@ -275,13 +268,19 @@ class Recorder:
         num_counts = len(counts)
         requests = self.requests
         step, index, cap = event.step_id, self.num_events, requests.max_timeline_events
+        if requests.full:
+            requests.trim()
+            if requests.full:
+                cap = 0  # over the byte budget with only open records: no more TOKENS rows
         open_records, running = requests.open, RequestState.RUNNING
-        generated = 0
+        generated = rows = 0
         for position, request_id in enumerate(event.request_ids):
             record = open_records.get(request_id) or requests.get(request_id)
             count = counts[position] if position < num_counts else None
             if len(record.tokens) < cap:
                 record.tokens.append(index, actor, seq, mono, wall, step, -1 if count is None or count < 0 else count)
+                record.nbytes += TOKEN_ROW_BYTES
+                rows += 1
             else:
                 record.dropped += 1
             generated += _new_tokens(record, count)
@@ -297,6 +296,7 @@ class Recorder:
             if record.state is not running:
                 requests.set_state(record, running, actor)
         self.counters.generation_tokens += generated
+        requests.nbytes += rows * TOKEN_ROW_BYTES
 
     def _on_finished(self, actor: str, seq: int, mono: float, wall: float, event: Finished) -> None:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
@@ -304,7 +304,7 @@ class Recorder:
             return
         counters = self.counters
         counters.requests_finished += 1
-        counters.finished_by_reason[event.reason] = counters.finished_by_reason.get(event.reason, 0) + 1
+        count_into(counters.finished_by_reason, event.reason)
         if not record.prompt_counted:
             record.prompt_counted = True
             counters.prompt_tokens += max(event.num_prompt_tokens, 0)
@@ -329,7 +329,7 @@ class Recorder:
             return
         counters = self.counters
         counters.requests_aborted += 1
-        counters.aborted_by_reason[event.reason] = counters.aborted_by_reason.get(event.reason, 0) + 1
+        count_into(counters.aborted_by_reason, event.reason)
         record.itl = []
         self.requests.end(record, RequestState.ABORTED, actor)
 
@@ -348,7 +348,7 @@ class Recorder:
         """A cache event of one request goes on its timeline (it never opens a record)."""
         record = self.requests.find(event.request_id)
         if record is not None:
-            self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event)
+            self.requests.add_entry(record, self.num_events, actor, seq, mono, wall, event, self._event_bytes)
 
     def _on_block_evicted(self, actor: str, seq: int, mono: float, wall: float, event: BlockEvicted) -> None:
         self.counters.kv_blocks_evicted += len(event.block_ids)
@@ -375,12 +375,10 @@ class Recorder:
             seen.error = event.error
 
     def _on_actor_failed(self, actor: str, seq: int, mono: float, wall: float, event: ActorFailed) -> None:
-        failures = self.counters.actor_failures
-        failures[event.actor] = failures.get(event.actor, 0) + 1
+        count_into(self.counters.actor_failures, event.actor)
 
     def _on_actor_restarted(self, actor: str, seq: int, mono: float, wall: float, event: ActorRestartedEvent) -> None:
-        restarts = self.counters.actor_restarts
-        restarts[event.actor] = restarts.get(event.actor, 0) + 1
+        count_into(self.counters.actor_restarts, event.actor)
         self.latencies.restart.add(event.seconds)
 
     def _on_group_failed(self, actor: str, seq: int, mono: float, wall: float, event: GroupFailed) -> None:

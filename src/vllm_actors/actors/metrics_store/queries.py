@@ -9,6 +9,7 @@ from itertools import islice
 import msgspec
 
 from vllm_actors.actors.metrics_store.aggregates import kv_gauges
+from vllm_actors.actors.metrics_store.bounds import cap_id
 from vllm_actors.actors.metrics_store.dump import DumpContent
 from vllm_actors.actors.metrics_store.ingest import Recorder
 from vllm_actors.actors.metrics_store.records import Entry, RequestRecord
@@ -90,7 +91,7 @@ def seen(recorder: Recorder, query: SeenQuery) -> MetricsReply:
         return SeenReply(actors=_actors_copy(recorder))
     if not isinstance(query.actor, str):
         return ErrorReply(message="SeenQuery.actor must be a string or None")
-    actor = recorder.actors.get(query.actor)
+    actor = recorder.actors.get(cap_id(query.actor))
     return SeenReply(actors={} if actor is None else {query.actor: msgspec.structs.replace(actor)})
 
 
@@ -98,6 +99,7 @@ def timeline(recorder: Recorder, query: TimelineQuery) -> MetricsReply:
     request_id = query.request_id
     if not isinstance(request_id, str) or not request_id:
         return ErrorReply(message="TimelineQuery.request_id must be a non-empty string")
+    request_id = cap_id(request_id)  # as the store keeps it
     own = recorder.requests.find(request_id)
     records: list[RequestRecord] = [] if own is None else [own]
     if query.include_children:

@@ -89,6 +89,7 @@ class RequestRecord:
     num_output_tokens: int | None = None  # None: unknown (the store joined after its start)
     prompt_counted: bool = False
     itl: list[float] = field(default_factory=list)
+    nbytes: int = 0  # estimated bytes it holds (see ``RequestTable``)
 
     @property
     def ended(self) -> bool:

@@ -2,7 +2,11 @@
 
 Also the gauges that follow request states (running, waiting), the parent -> children index of
 n>1 requests, and the cap on one request's timeline. Bounded: past ``max_open`` open requests the
-oldest is dropped (counted in ``evicted``, and told in ``notices``).
+oldest is dropped (counted in ``evicted``, and told in ``notices``). Bounded in bytes too: each
+record's size is estimated as it grows (``nbytes``); ``trim``, after each batch, drops the oldest
+ended records while the table is over ``max_bytes``. Open records are not dropped for bytes (they
+would come back with their next event): while the table is still over, their timelines take no
+more TOKENS rows nor bulk entries (ALLOCATED, PREFILL_CHUNK, BLOCK_CACHED), counted in ``dropped``.
 """
 
 from __future__ import annotations
@@ -16,12 +20,19 @@ from vllm_actors.protocol.names import CHILD_SEPARATOR, parent_request_id
 _BULK_TYPES = (Allocated, PrefillChunk, BlockCached)
 _TIMELINE_RESERVE = 256
 
+RECORD_BYTES = 1_024  # an empty record: its slots, its token log's arrays, its lists and sets
+ENTRY_BYTES = 168  # a timeline entry's tuple, index, seq and stamps (its event comes on top)
+TOKEN_ROW_BYTES = 64  # one row of a token log (six array items and the actor's slot)
+
 
 class RequestTable:
-    def __init__(self, max_open: int, max_finished: int, max_timeline_events: int, notices: list[Notice]) -> None:
+    def __init__(self, max_open: int, max_finished: int, max_timeline_events: int, notices: list[Notice],
+                 max_bytes: int = 1 << 62) -> None:
         self.max_open = max_open
         self.max_finished = max_finished
         self.max_timeline_events = max_timeline_events
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # estimated bytes of every record, open and ended
         self.open: dict[str, RequestRecord] = {}  # insertion order: oldest first
         self.ended: dict[str, RequestRecord] = {}  # insertion order: oldest first
         self.children: dict[str, set[str]] = {}  # parent id -> child ids with a record
@@ -39,7 +50,8 @@ class RequestTable:
         """The request's record, opened if it has none."""
         record = self.find(request_id)
         if record is None:
-            record = self.open[request_id] = RequestRecord(request_id)
+            record = self.open[request_id] = RequestRecord(request_id, nbytes=RECORD_BYTES + len(request_id))
+            self.nbytes += record.nbytes
             if CHILD_SEPARATOR in request_id:
                 self.children.setdefault(parent_request_id(request_id), set()).add(request_id)
             if len(self.open) > self.max_open:
@@ -62,14 +74,18 @@ class RequestTable:
 
     # ------------------------------------------------------------------ timeline
     def add_entry(self, record: RequestRecord, index: int, actor: str, seq: int, mono: float, wall: float,
-                  event: Event) -> None:
+                  event: Event, event_bytes: int) -> None:
+        """Put an event on the record's timeline (``event_bytes``: its estimated size)."""
         size = len(record.entries)
-        if size >= self.max_timeline_events and (
+        if (size >= self.max_timeline_events or self.nbytes > self.max_bytes) and (
             isinstance(event, _BULK_TYPES) or size >= self.max_timeline_events + _TIMELINE_RESERVE
         ):
             record.dropped += 1
             return
         record.entries.append((index, actor, seq, mono, wall, event))
+        added = ENTRY_BYTES + event_bytes
+        record.nbytes += added
+        self.nbytes += added
 
     # ------------------------------------------------------------------ states
     def set_state(self, record: RequestRecord, state: RequestState, actor: str) -> None:
@@ -96,14 +112,29 @@ class RequestTable:
             return
         self.ended[record.request_id] = record
         while len(self.ended) > self.max_finished:
-            oldest = next(iter(self.ended.values()))
-            del self.ended[oldest.request_id]
-            self._forget_child(oldest.request_id)
+            self._evict_ended()
 
     # ------------------------------------------------------------------ bounds
+    @property
+    def full(self) -> bool:
+        """Over ``max_bytes`` with nothing ended left to drop: timelines take no bulk entries."""
+        return self.nbytes > self.max_bytes
+
+    def trim(self) -> None:
+        """Back within ``max_bytes`` if dropping the oldest ended records can do it."""
+        while self.nbytes > self.max_bytes and self.ended:
+            self._evict_ended()
+
+    def _evict_ended(self) -> None:
+        oldest = next(iter(self.ended.values()))
+        del self.ended[oldest.request_id]
+        self.nbytes -= oldest.nbytes
+        self._forget_child(oldest.request_id)
+
     def _evict_open(self) -> None:
         oldest = next(iter(self.open.values()))
         del self.open[oldest.request_id]
+        self.nbytes -= oldest.nbytes
         self.running.discard(oldest.request_id)
         self.waiting.discard(oldest.request_id)
         self._forget_child(oldest.request_id)

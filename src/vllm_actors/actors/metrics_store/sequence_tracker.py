@@ -43,6 +43,11 @@ class SequenceTracker:
     def expected(self, actor: str) -> int | None:
         return self._next.get(actor)
 
+    def forget(self, actor: str) -> None:
+        """Drop what is known of ``actor`` (its next batch sets a new baseline)."""
+        self._next.pop(actor, None)
+        self._mono.pop(actor, None)
+
     def check(self, batch: EventBatch) -> SeqCheck:
         """Classify the batch and advance the actor's expected number."""
         actor, first, count = batch.actor, batch.first_seq, len(batch.events)

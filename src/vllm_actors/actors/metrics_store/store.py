@@ -8,20 +8,27 @@ notices and writes the file of a ``DumpQuery``, whose answer here is a ``DumpCon
 
 What it keeps, all bounded:
 
-* the event log: the last ``max_events`` events, as (actor, seq, mono, wall, event);
-* per actor: the sequence check (gaps, stale batches, restarts; see ``SequenceTracker``) and the
-  last lifecycle state; an actor first seen past sequence 0 (this store restarted, or joined
-  late) counts a gap of the events it never saw, unless that first batch is a start-up handshake
-  (STARTING, HEARTBEAT: the ones before it were lost to the slow joiner);
+* the event log: the last ``max_events`` events, as (actor, seq, mono, wall, event), within
+  ``max_history_bytes`` (estimated: ``bounds.event_bytes``);
+* every event bounded on arrival (``bounds.bounded``): request and actor ids over
+  ``MAX_ID_CHARS`` shortened to a prefix and a digest, other text cut at ``MAX_TEXT_CHARS``, so
+  what a client sends (a 60 KB request id) is never copied into every event naming it;
+* per actor (every engine actor, the last ``ingest.MAX_CLIENTS`` clients): the sequence check
+  (gaps, stale batches, restarts; see ``SequenceTracker``) and the last lifecycle state; an actor
+  first seen past sequence 0 (this store restarted, or joined late) counts a gap of the events it
+  never saw, unless that first batch is a start-up handshake (STARTING, HEARTBEAT: the ones before
+  it were lost to the slow joiner);
 * per request: its timeline (its request events, TOKENS narrowed to it, and its ALLOCATED / FREED)
   and the stamps its latencies need; open requests until they end, then the last
-  ``max_finished_requests`` ended ones;
+  ``max_finished_requests`` ended ones; all of them within ``max_request_bytes`` (the oldest
+  ended records go first; past it, open ones take no more bulk entries);
 * trust: a batch whose actor is not its bus topic, and events a client may not publish (it may
   publish ARRIVED, FINISHED "stop"/"error", ABORTED, HEARTBEAT, its own lifecycle), are counted,
   not applied;
 * supervision: failures and restarts per actor, restart times, pipeline resets, a group failure;
-* running aggregates: counters, gauges (running, waiting, KV blocks in use) and bounded sample
-  windows for the latency percentiles, sorted again only when they changed since the last summary.
+* running aggregates: counters (at most ``bounds.MAX_COUNTED_KEYS`` reasons each), gauges
+  (running, waiting, KV blocks in use) and bounded sample windows for the latency percentiles,
+  sorted again only when they changed since the last summary.
 
 Where each lives: ``ingest`` (recording), ``request_table`` and ``records`` (requests),
 ``aggregates`` (counters, samples, KV pools), ``queries`` (replies), ``dump`` (the dump's lines).
@@ -32,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_actors.actors.metrics_store import queries
+from vllm_actors.actors.metrics_store.bounds import cap_id
 from vllm_actors.actors.metrics_store.dump import DumpContent
 from vllm_actors.actors.metrics_store.ingest import Recorder
 from vllm_actors.actors.metrics_store.notices import Notice
@@ -64,9 +72,12 @@ class MetricsStore:
         max_open_requests: int = 50_000,
         max_timeline_events: int = 2_048,
         sample_window: int = 10_000,
+        max_history_bytes: int = 64 << 20,
+        max_request_bytes: int = 64 << 20,
     ) -> None:
         for name, value in (("max_events", max_events), ("max_finished_requests", max_finished_requests),
-                            ("max_open_requests", max_open_requests),
+                            ("max_open_requests", max_open_requests), ("max_history_bytes", max_history_bytes),
+                            ("max_request_bytes", max_request_bytes),
                             ("max_timeline_events", max_timeline_events), ("sample_window", sample_window)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -76,14 +87,15 @@ class MetricsStore:
         self.max_timeline_events = max_timeline_events
         self._recorder = Recorder(max_events=max_events, max_finished_requests=max_finished_requests,
                                   max_open_requests=max_open_requests, max_timeline_events=max_timeline_events,
-                                  sample_window=sample_window)
+                                  sample_window=sample_window, max_history_bytes=max_history_bytes,
+                                  max_request_bytes=max_request_bytes)
 
     def record(self, batch: EventBatch, topic: str | None = None) -> Sequence[Notice]:
         """Apply one batch from the bus (in the order the bus delivered it); return its notices.
         ``topic``: the bus topic it came under, which the bus checked against the publisher's
         endpoint; a batch naming another actor is not applied (None: no check, in process).
         A client (an actor id that is no engine actor's) may publish only client events
-        (``ingest.CLIENT_EVENTS``); its other events are counted and not applied."""
+        (``trust.CLIENT_EVENTS``); its other events are counted and not applied."""
         recorder = self._recorder
         recorder.record(batch, topic)
         notices = recorder.notices
@@ -117,6 +129,27 @@ class MetricsStore:
     def num_events(self) -> int:
         return self._recorder.num_events
 
+    @property
+    def num_retained(self) -> int:
+        return len(self._recorder.history)
+
+    @property
+    def retained_bytes(self) -> int:
+        """Estimated bytes of the event log and the request records."""
+        recorder = self._recorder
+        return recorder.history.nbytes + recorder.requests.nbytes
+
+    def table_sizes(self) -> dict[str, int]:
+        """How many entries each per-request or per-actor table holds (tests, soak figures)."""
+        recorder = self._recorder
+        requests = recorder.requests
+        return {
+            "history": len(recorder.history), "open": len(requests.open), "ended": len(requests.ended),
+            "children": len(requests.children), "running": len(requests.running),
+            "waiting": len(requests.waiting), "actors": len(recorder.actors),
+            "kv_blocks": sum(len(pool.blocks) for pool in recorder.kv.values()),
+        }
+
     def request_state(self, request_id: str) -> RequestState | None:
-        record = self._recorder.requests.find(request_id)
+        record = self._recorder.requests.find(cap_id(request_id))
         return None if record is None else record.state
