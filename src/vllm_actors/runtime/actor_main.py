@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_engine_actor(spec, context, stop)
     except Exception as error:
-        log.error("actor failed", error=str(error), traceback=traceback.format_exc())
+        log.error("actor failed", exc_info=error)  # one line; the traceback at DEBUG
         report("error", error=f"{type(error).__name__}: {error}")
         return 1
     finally:

@@ -240,7 +240,8 @@ class ActorShell:
         try:
             outputs = self.actor.handle(message)
         except MessageRejected as error:  # anything else is a bug: it propagates, the actor crashes
-            self.endpoint.drop("rejected by the state machine", sender=sender, type=kind.__name__, error=str(error))
+            self.endpoint.drop("rejected by the state machine", sender=sender, type=kind.__name__, error=str(error),
+                               **_request_of(message))
             self.publisher.publish(
                 [Rejected(message_type=kind.__name__, sender=sender[:64].decode(errors="replace"), error=str(error))]
             )
@@ -264,6 +265,15 @@ class ActorShell:
     def close(self) -> None:
         self.endpoint.close()
         self.publisher.close()
+
+
+def _request_of(message: Any) -> dict[str, object]:
+    """The request id a message names, for its log line (none: no field)."""
+    request_id = getattr(message, "request_id", None)
+    if isinstance(request_id, str):
+        return {"request_id": request_id}
+    request_ids = getattr(message, "request_ids", None)
+    return {"request_ids": request_ids[:8]} if isinstance(request_ids, list) and request_ids else {}
 
 
 def wait_until_seen(
