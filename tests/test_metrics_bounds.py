@@ -16,6 +16,7 @@ import pytest
 
 from vllm_actors.actors.metrics_store.bounds import MAX_ID_CHARS, MAX_TEXT_CHARS, bounded, cap_id, event_bytes
 from vllm_actors.actors.metrics_store.ingest import MAX_CLIENTS
+from vllm_actors.actors.metrics_store.queries import MAX_REPLY_BYTES
 from vllm_actors.actors.metrics_store.store import MetricsStore
 from vllm_actors.protocol.events import (
     Aborted,
@@ -30,7 +31,14 @@ from vllm_actors.protocol.events import (
     StepFinished,
     Tokens,
 )
-from vllm_actors.protocol.metrics import SummaryQuery, SummaryReply, TimelineQuery, TimelineReply
+from vllm_actors.protocol.metrics import (
+    EventsQuery,
+    EventsReply,
+    SummaryQuery,
+    SummaryReply,
+    TimelineQuery,
+    TimelineReply,
+)
 from vllm_actors.protocol.names import child_request_id
 
 _encoder = msgspec.msgpack.Encoder()
@@ -214,3 +222,17 @@ def test_estimates_are_of_the_right_order(steps: int) -> None:
         held = growth()
     assert store.retained_bytes > 0.6 * held, (store.retained_bytes, held)
     assert store.retained_bytes < 3 * held, (store.retained_bytes, held)
+
+
+def test_an_events_query_reply_is_bounded_in_bytes() -> None:
+    store = MetricsStore()
+    bus = WireBus(store)
+    ids = [f"{index:03d}" + "i" * 250 for index in range(128)]  # ~40 KB per TOKENS event
+    bus.publish("scheduler", *[Queued(request_id=r, num_waiting=1) for r in ids])
+    for step in range(600):
+        bus.publish("scheduler", Tokens(step_id=step, request_ids=ids, num_output_tokens=[step + 1] * 128))
+    reply = store.query(EventsQuery(since_index=0, limit=10_000))
+    assert isinstance(reply, EventsReply) and 0 < len(reply.events) < 601
+    assert len(msgspec.msgpack.encode(reply)) <= MAX_REPLY_BYTES
+    rest = store.query(EventsQuery(since_index=reply.next_index, limit=10_000))  # the rest, in order
+    assert isinstance(rest, EventsReply) and rest.first_index == reply.next_index and rest.missed == 0

@@ -9,8 +9,9 @@ from itertools import islice
 import msgspec
 
 from vllm_actors.actors.metrics_store.aggregates import kv_gauges
-from vllm_actors.actors.metrics_store.bounds import cap_id
+from vllm_actors.actors.metrics_store.bounds import cap_id, event_bytes
 from vllm_actors.actors.metrics_store.dump import DumpContent
+from vllm_actors.actors.metrics_store.event_log import ROW_BYTES
 from vllm_actors.actors.metrics_store.ingest import Recorder
 from vllm_actors.actors.metrics_store.records import Entry, RequestRecord
 from vllm_actors.protocol.events import event_type
@@ -30,6 +31,7 @@ from vllm_actors.protocol.metrics import (
 )
 
 MAX_EVENTS_PER_QUERY = 10_000
+MAX_REPLY_BYTES = 8 << 20  # estimated bytes of the events one EventsQuery gets back
 
 
 def summary(recorder: Recorder) -> SummaryReply:
@@ -134,8 +136,13 @@ def events(recorder: Recorder, query: EventsQuery) -> MetricsReply:
     start = max(end + since, 0) if since < 0 else min(since, end)
     missed = max(oldest - start, 0)
     start = max(start, oldest)
-    rows = islice(history, start - oldest, start - oldest + limit)
-    found = [TimelineEntry(actor=a, seq=s, mono=m, wall=w, type=event_type(e), event=e) for a, s, m, w, e in rows]
+    found: list[TimelineEntry] = []
+    size = 0
+    for actor, seq, mono, wall, event in islice(history, start - oldest, start - oldest + limit):
+        size += ROW_BYTES + event_bytes(event)
+        if found and size > MAX_REPLY_BYTES:  # the rest in the next query (from next_index)
+            break
+        found.append(TimelineEntry(actor=actor, seq=seq, mono=mono, wall=wall, type=event_type(event), event=event))
     return EventsReply(first_index=start, next_index=start + len(found), missed=missed, events=found)
 
 
