@@ -157,3 +157,5 @@ def test_the_metrics_store_tables_stay_within_their_bounds(
     assert tables["children"] <= tables["ended"]
     assert tables["running"] == tables["waiting"] == tables["kv_blocks"] == 0
     assert store.retained_bytes <= (64 << 20) * 2
+    requests = store._recorder.requests
+    assert requests.nbytes == sum(r.nbytes for r in [*requests.open.values(), *requests.ended.values()])

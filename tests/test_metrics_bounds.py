@@ -88,6 +88,12 @@ def generate(bus: WireBus, request_ids: list[str], steps: int, client: str = "cl
                                for r in request_ids])
 
 
+def accounted(store: MetricsStore) -> bool:
+    """The table's byte count is the sum of its records' (no drift)."""
+    requests = store._recorder.requests
+    return requests.nbytes == sum(r.nbytes for r in [*requests.open.values(), *requests.ended.values()])
+
+
 def summary(store: MetricsStore) -> SummaryReply:
     reply = store.query(SummaryQuery())
     assert isinstance(reply, SummaryReply)
@@ -179,6 +185,7 @@ def test_finished_records_are_bounded_in_bytes_oldest_first() -> None:
     assert 16 <= sizes["ended"] < 40 * 16
     assert store.request_state("g0-0") is None and store.request_state("g39-15") is not None
     assert summary(store).requests_finished == 40 * 16  # the counters keep counting
+    assert accounted(store)
 
 
 def test_open_records_stop_growing_past_the_byte_budget_when_nothing_ended_is_left() -> None:
@@ -195,6 +202,7 @@ def test_open_records_stop_growing_past_the_byte_budget_when_nothing_ended_is_le
     assert reply.generation_tokens == 64 * 200  # the counters keep counting
     timeline = store.query(TimelineQuery(request_id="open-0"))
     assert isinstance(timeline, TimelineReply) and timeline.dropped > 0
+    assert accounted(store)
 
 
 def test_many_clients_are_remembered_up_to_a_bound() -> None:
@@ -207,8 +215,13 @@ def test_many_clients_are_remembered_up_to_a_bound() -> None:
     assert actors <= MAX_CLIENTS + 1
     assert "scheduler" in summary(store).actors  # engine actors are never forgotten
     assert len(store._recorder.sequences._next) == actors
-    bus.publish("x" * 100_000, Arrived(request_id="long", num_prompt_tokens=1, max_tokens=1))
+    long_actor = "x" * 100_000
+    bus.publish(long_actor, Arrived(request_id="long", num_prompt_tokens=1, max_tokens=1))
+    store.record(EventBatch(actor=long_actor, first_seq=1, mono=9.0, wall=1e9 + 9,
+                            events=[Arrived(request_id="long2", num_prompt_tokens=1, max_tokens=1)]),
+                 topic=long_actor)  # under its own (long) topic: applied
     assert max(map(len, summary(store).actors)) <= MAX_ID_CHARS
+    assert summary(store).rejected_batches == 0 and store.request_state("long2") is not None
 
 
 @pytest.mark.parametrize("steps", [1, 50])

@@ -54,6 +54,7 @@ from vllm_actors.protocol.names import is_engine_actor
 
 MAX_CLIENTS = 1_024  # clients (publishers that are no engine actor) remembered; the oldest go first
 
+
 def _handshake(batch: EventBatch) -> bool:
     return all(isinstance(event, (ActorStarting, Heartbeat)) for event in batch.events)
 
@@ -123,6 +124,8 @@ class Recorder:
         if len(actor) > MAX_ID_CHARS:  # an id of no actor of ours: kept short, as request ids
             actor = cap_id(actor)
             batch = msgspec.structs.replace(batch, actor=actor)
+        if topic is not None and len(topic) > MAX_ID_CHARS:
+            topic = cap_id(topic)
         if topic is not None and topic != actor:
             self.counters.rejected_batches += 1
             self._rejections.count(topic, actor, "batch names another actor than its topic", 1)
