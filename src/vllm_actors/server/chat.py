@@ -102,7 +102,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     job = _Job(response_id, now(), model, body, prepared)
     streams = state.submit([prepared])
     if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams))
+        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
+                                   streams)
     try:
         output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
     except ClientDisconnected:

@@ -77,7 +77,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                _token_decoder(state), state.output_error)
     streams = state.submit(prepared)
     if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams), streams))
+        return EventStreamResponse(guarded_events(_stream(job, streams), streams, request), streams)
     try:
         outputs = await unless_disconnected(request, streams, lambda: _collect(job, streams))
     except ClientDisconnected:

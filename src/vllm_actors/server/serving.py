@@ -23,7 +23,14 @@ from vllm_actors.actors.frontend.text import PromptInput
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.server.errors import OpenAIError, bad_request, error_body, from_decode_error
+from vllm_actors.server.errors import (
+    OpenAIError,
+    bad_request,
+    edge_context,
+    error_body,
+    from_decode_error,
+    log_edge_error,
+)
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
 
@@ -71,6 +78,10 @@ class ServerState:
         if self.draining or self.client.is_closed:
             raise OpenAIError("The server is shutting down.", 503, headers={"Retry-After": "5"})
         limit = self.max_in_flight
+        if limit is not None and num_engine_requests > limit:  # never admissible: not a 503 to retry
+            raise bad_request(
+                f"n: the request needs {num_engine_requests} sequences (n times the prompts), more than the "
+                f"server takes at once ({limit})", "n")
         in_flight = self.client.num_unfinished
         if limit is not None and in_flight + num_engine_requests > limit:
             raise OpenAIError(
@@ -95,8 +106,17 @@ class ServerState:
                                             chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True)
 
     def submit(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
+        """Admit, then send every request; if one fails, those already sent are aborted (reason
+        "error") before the error goes on: a failed request leaves nothing in flight."""
         self.admit(sum(p.params.n for p in prepared))
-        return [self.client.submit(p) for p in prepared]
+        streams: list[RequestStream] = []
+        try:
+            for p in prepared:
+                streams.append(self.client.submit(p))
+        except BaseException:
+            abort_all(streams, "error")
+            raise
+        return streams
 
     def output_error(self, output: RequestOutput) -> OpenAIError:
         """The error of a request that ended with one: the engine's failure is a 503 (the group gave
@@ -120,7 +140,9 @@ def request_id(prefix: str, request: Request) -> str:
     its requests in flight, as in vLLM), else ``<prefix>-<random>``. The response's ``id`` and the
     engine's request id (events, timelines) are the same."""
     header = request.headers.get("x-request-id")
-    return f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
+    value = f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
+    request.state.request_id = value  # for the error lines at the edge (errors.edge_context)
+    return value
 
 
 async def decode_body(request: Request, kind: type[S]) -> S:
@@ -315,9 +337,11 @@ def sse(body: msgspec.Struct | dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[RequestStream],
+                         request: Request) -> AsyncIterator[bytes]:
     """The SSE body: aborts the streams when the client leaves (the iteration is cancelled or
-    closed early) and turns a failure into an error event, then ``[DONE]``, like vLLM."""
+    closed early) and turns a failure into an error event, then ``[DONE]``, like vLLM. A failure
+    is logged as one line naming the request (the traceback at debug level only)."""
     reason = "disconnect"
     try:
         async for chunk in events:
@@ -326,9 +350,10 @@ async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[Request
     except Exception as error:  # the stream has started: errors go in-band
         reason = "error"
         if isinstance(error, OpenAIError):
-            log.warning("stream ended with an error", status=error.status, error=error.message)
+            log.warning("stream ended with an error", **edge_context(request.scope), status=error.status,
+                        error=error.message[:500])
         else:
-            log.exception("stream failed")
+            log_edge_error("stream failed", request.scope, error)
         status = error.status if isinstance(error, OpenAIError) else 500
         yield sse(error_body(str(error) or type(error).__name__, status))
         yield SSE_DONE
@@ -342,8 +367,9 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream] = ()) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams  # aborted at the end, should the body never have started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -366,3 +392,6 @@ class EventStreamResponse(StreamingResponse):
             closer = getattr(self.body_iterator, "aclose", None)
             if closer is not None:
                 await closer()
+            # A body generator closed before its first step never runs its own clean-up (a client
+            # that left before the first byte): whatever is still running is aborted here.
+            abort_all(self.streams, "disconnect")

@@ -135,7 +135,7 @@ class Frontend:
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + index)
+                child_params = params.clone(seed=params.child_seed(index))
             engine_id = request.request_id if params.n == 1 else child_request_id(request.request_id, index)
             child = _Child(engine_id, index, child_params, self._detokenizer(request.prompt_token_ids, child_params))
             if params.logprobs is not None:
@@ -170,6 +170,11 @@ class Frontend:
             bad = low if low < 0 else high
             raise ValueError(
                 f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        outside = [token_id for token_id in params.stop_token_ids if token_id >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(
