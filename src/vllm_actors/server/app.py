@@ -9,6 +9,8 @@ down. Mount it under another application as is::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 from fastapi import FastAPI, Request
 from starlette.responses import Response
@@ -17,6 +19,7 @@ from vllm_actors import __version__
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.supervision import Health
 from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
+from vllm_actors.server.auth import ApiKeyMiddleware
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
@@ -32,10 +35,12 @@ def build_app(
     served_model_names: list[str] | None = None,
     max_num_seqs: int | None = None,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    api_key: str | Sequence[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
     beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
-    (``max_waiting_requests=None``: no bound)."""
+    (``max_waiting_requests=None``: no bound). ``api_key`` (one or several): every endpoint but
+    ``/health`` then wants ``Authorization: Bearer <key>`` and answers 401 without it."""
     names = list(served_model_names or [client.model])
     metrics = ServerMetrics(names[0])
     client.add_stats_listener(metrics)
@@ -49,6 +54,9 @@ def build_app(
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state
     install_error_handlers(app)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before any body is read
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -20,6 +20,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "(negative: no bound)")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                         help="seconds running requests may take to finish after SIGTERM/SIGINT")
+    parser.add_argument("--api-key", nargs="+", default=None,
+                        help="require 'Authorization: Bearer <key>' on every endpoint but /health (401 without); "
+                             "several keys may be given (default: $VLLM_API_KEY, else no authentication)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
