@@ -20,6 +20,7 @@ from fake_served import Env, env, served_app, tokenizer  # noqa: F401
 from server_helpers import free_port
 from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.runtime.log_setup import configure_logging
+from vllm_actors.server.errors import edge_context
 from vllm_actors.server.serving import guarded_events
 
 
@@ -151,3 +152,10 @@ async def test_the_traceback_is_there_at_debug_level(stderr_lines: Callable[[], 
         pass
     text = "\n".join(stderr_lines())
     assert "stream failed: traceback" in text and "Traceback" in text
+
+
+def test_a_path_or_an_id_cannot_forge_a_log_line() -> None:
+    scope = {"type": "http", "path": "/v1/\n2026 [error] forged", "headers": [(b"x-request-id", b"a\tb")]}
+    context = edge_context(scope)
+    assert "\n" not in context["path"] and context["path"].startswith("/v1/\\n")
+    assert context["request_id"] == "a\\tb"

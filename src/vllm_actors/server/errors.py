@@ -126,7 +126,13 @@ def edge_context(scope: Scope) -> dict[str, str]:
     if request_id is None:
         header = dict(scope.get("headers") or ()).get(b"x-request-id", b"")
         request_id = header[:_MAX_LOGGED_ID].decode("latin-1") or "-"
-    return {"request_id": str(request_id)[:_MAX_LOGGED_ID], "path": str(scope.get("path", ""))}
+    return {"request_id": one_line(str(request_id), _MAX_LOGGED_ID), "path": one_line(str(scope.get("path", "")))}
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """``text`` cut to ``limit`` characters, control characters escaped: a client's path (``%0A``
+    decodes to a newline) or message can neither split a log line nor forge one."""
+    return text[:limit].encode("unicode_escape").decode("ascii")
 
 
 def log_edge_error(message: str, scope: Scope, error: BaseException) -> None:

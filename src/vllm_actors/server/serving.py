@@ -30,6 +30,7 @@ from vllm_actors.server.errors import (
     error_body,
     from_decode_error,
     log_edge_error,
+    one_line,
 )
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
@@ -351,7 +352,7 @@ async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[Request
         reason = "error"
         if isinstance(error, OpenAIError):
             log.warning("stream ended with an error", **edge_context(request.scope), status=error.status,
-                        error=error.message[:500])
+                        error=one_line(error.message))
         else:
             log_edge_error("stream failed", request.scope, error)
         status = error.status if isinstance(error, OpenAIError) else 500
