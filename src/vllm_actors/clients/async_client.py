@@ -71,6 +71,7 @@ from vllm_actors.protocol.metrics import (
 from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -102,17 +103,18 @@ class AsyncEngineClient(ClientCore):
             tokenizer = load_group_tokenizer(info)
         self.identity = f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.actor_id = self.identity.replace("client", "frontend", 1)
+        self.keys = keys_for(info.addresses, info.run_dir)  # TCP: the group's CURVE keys
         self._context = zmq.asyncio.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._dealer.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-        self._dealer.connect(info.addresses.scheduler)
+        connect(self._dealer, info.addresses.scheduler, self.keys)
         # PUB never blocks: a plain socket on the same underlying context.
         self._sync_context: zmq.Context = zmq.Context.shadow(self._context.underlying)
-        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id)
+        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id, keys=self.keys)
         transport = ZmqTransport(self._dealer, self._publisher)
         super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
-        self._metrics = MetricsChannel(self._context, info.addresses.metrics)
+        self._metrics = MetricsChannel(self._context, info.addresses.metrics, self.keys)
         self._health = HealthProbe(info, self._publisher, self._metrics, self.actor_id)
         self._streams: dict[str, RequestStream] = {}
         self.latency = LatencyTracker()
@@ -342,7 +344,7 @@ class AsyncEngineClient(ClientCore):
         """Follow the scheduler's events (queue times for the stats listeners) and, for an attached
         client, the supervisor's (restarts, the group's failure), until cancelled."""
         topics = [SCHEDULER] if self.group is not None else [SCHEDULER, SUPERVISOR]  # an owned group tells us
-        async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, topics,
+        async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, self.keys, topics,
                                              skip=lambda topic: topic == SCHEDULER
                                              and not self.latency.wants_scheduler_events):
             if topic == SCHEDULER:
