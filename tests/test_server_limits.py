@@ -235,3 +235,42 @@ def test_default_limits_follow_max_model_len() -> None:
     assert RequestLimits.for_model(256, max_prompt_bytes=10, max_body_bytes=20) == RequestLimits(20, 10)
     with pytest.raises(ValueError, match="positive"):
         RequestLimits.for_model(256, max_prompt_bytes=0)
+
+
+def test_text_limits_refuse_before_tokenising_and_before_listing_ids(tiny_qwen3: Path) -> None:
+    from vllm_actors.actors.frontend.text import tokenize_chat, tokenize_prompt
+    from vllm_actors.actors.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen3)
+    text = FILLER * 1000  # 45,000 characters: tokenised through encode_batch_fast
+    assert tokenize_prompt(tokenizer, text)[1] == tokenizer.backend.encode(text).ids
+    with pytest.raises(ValueError, match=r"^prompt: the prompt is longer than the 100 bytes a prompt may have \(101 "):
+        tokenize_prompt(tokenizer, "é" * 50 + "a", max_bytes=100)  # 51 characters, 101 bytes
+    with pytest.raises(ValueError, match=r"^prompt: \d+ tokens is longer than max_model_len \(256\)"):
+        tokenize_prompt(tokenizer, text, max_tokens=256)
+    with pytest.raises(ValueError, match=r"^prompt: 300 tokens is longer than max_model_len \(256\)"):
+        tokenize_prompt(tokenizer, {"prompt_token_ids": ["not checked"] * 300}, max_tokens=256)
+    chat = [{"role": "user", "content": text}]
+    with pytest.raises(ValueError, match=r"^messages: the message contents are 45000 characters"):
+        tokenize_chat(tokenizer, chat, max_bytes=1000)
+    with pytest.raises(ValueError, match=r"^messages: \d+ tokens is longer than max_model_len \(256\)"):
+        tokenize_chat(tokenizer, chat, max_tokens=256)
+
+
+def test_long_text_work_runs_on_the_pool_and_short_on_the_loop() -> None:
+    import asyncio
+    import threading
+
+    from vllm_actors.clients.async_text import OFF_LOOP_CHARS, TextPool
+
+    async def run() -> tuple[str, str]:
+        pool = TextPool("test")
+        try:
+            short = await pool.run(lambda: threading.current_thread().name, OFF_LOOP_CHARS - 1)
+            long = await pool.run(lambda: threading.current_thread().name, OFF_LOOP_CHARS)
+        finally:
+            pool.close()
+        return short, long
+
+    short, long = asyncio.run(run())
+    assert short == threading.main_thread().name and long.startswith("test-text")
