@@ -39,7 +39,8 @@ import zmq.asyncio
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.clients import async_text
 from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, bus_round_trip, follow_bus
 from vllm_actors.clients.core import (
     ClientCore,
@@ -124,6 +125,7 @@ class AsyncEngineClient(ClientCore):
         self._supervision = SupervisionView()  # an attached client's view, from the bus
         self._failure_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # where the group's listeners hand over
+        self._text = async_text.TextPool(self.identity)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -258,6 +260,32 @@ class AsyncEngineClient(ClientCore):
         self._streams[prepared.request_id] = stream
         self.latency.start(prepared.request_id, time.monotonic())
         return stream
+
+    async def prepare_async(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                            max_tokens_must_fit: bool = False, max_prompt_bytes: int | None = None) -> PreparedRequest:
+        """``prepare`` that keeps the loop free: a long text is tokenised on a worker thread
+        (``clients/async_text.py``); a text over ``max_prompt_bytes`` is refused before tokenising,
+        a token-id list over max_model_len before it is converted."""
+        return await async_text.prepare_prompt(self.frontend, self._text, request_id, prompt, params,
+                                               max_tokens_must_fit=max_tokens_must_fit,
+                                               max_prompt_bytes=max_prompt_bytes)
+
+    async def prepare_chat_async(self, request_id: str, messages: ChatMessages, params: SamplingParams, *,
+                                 add_generation_prompt: bool = True,
+                                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                                 max_tokens_must_fit: bool = False,
+                                 max_prompt_bytes: int | None = None) -> PreparedRequest:
+        """``prepare_chat`` that keeps the loop free (the template and tokenising of a long chat on a
+        worker thread)."""
+        return await async_text.prepare_chat(self.frontend, self._text, request_id, messages, params,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template_kwargs=chat_template_kwargs,
+                                             max_tokens_must_fit=max_tokens_must_fit,
+                                             max_prompt_bytes=max_prompt_bytes)
+
+    async def detokenize_async(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens spelled out; a long list decoded off the loop."""
+        return await async_text.detokenize(self.frontend, self._text, token_ids)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> RequestStream:
         return self.submit(self.prepare(request_id, prompt, params))
@@ -418,6 +446,7 @@ class AsyncEngineClient(ClientCore):
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._text.close()
         self._publisher.close()
         self._metrics.close()
         self._dealer.close(linger=CLOSE_LINGER_MS)

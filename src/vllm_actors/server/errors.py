@@ -81,9 +81,20 @@ def param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
-def from_decode_error(error: msgspec.DecodeError) -> OpenAIError:
-    """A msgspec error -> 400 naming the field: "Expected `float`, got `str` - at `$.temperature`"."""
+def from_decode_error(error: msgspec.DecodeError | UnicodeDecodeError | RecursionError,
+                      content_type: str | None = None) -> OpenAIError:
+    """A body that does not decode -> 400: a msgspec error names the field ("Expected `float`, got
+    `str` - at `$.temperature`"); invalid UTF-8 and JSON nested deeper than the decoder's
+    recursion limit say so; malformed JSON sent with another Content-Type (a form) names it."""
+    if isinstance(error, UnicodeDecodeError):
+        return OpenAIError(f"the request body is not valid UTF-8: invalid byte at position {error.start}", 400)
+    if isinstance(error, RecursionError):
+        return OpenAIError("the request body is nested too deeply (JSON depth limit exceeded)", 400)
     text = str(error)
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if not isinstance(error, msgspec.ValidationError) and media_type and not _is_json(media_type):
+        return OpenAIError(f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                           f"{media_type[:100]!r}: {text}", 400)
     if not isinstance(error, msgspec.ValidationError):
         return OpenAIError(f"the request body is not valid JSON: {text}", 400)
     message, _, where = text.partition(" - at ")
@@ -94,6 +105,10 @@ def from_decode_error(error: msgspec.DecodeError) -> OpenAIError:
     if not path:
         return OpenAIError(f"invalid request body: {message}", 400)
     return OpenAIError(f"{path}: {message}", 400, param=re.split(r"[.\[]", path)[0])
+
+
+def _is_json(media_type: str) -> bool:
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def install_error_handlers(app: FastAPI) -> None:

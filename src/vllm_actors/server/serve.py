@@ -31,6 +31,7 @@ from vllm_actors.clients.core import load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.auth import api_keys_from
+from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.serving import ServerState
 
 log = structlog.get_logger(__name__)
@@ -89,6 +90,8 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
             max_num_seqs=group.config.max_num_seqs,
             max_waiting_requests=args.max_waiting_requests if args.max_waiting_requests >= 0 else None,
             api_key=api_keys,
+            limits=RequestLimits.for_model(client.max_model_len, max_prompt_bytes=args.max_prompt_bytes,
+                                           max_body_bytes=args.max_request_body_bytes),
         )
         state = server_state(app)
         config = uvicorn.Config(

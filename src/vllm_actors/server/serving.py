@@ -8,7 +8,7 @@ import contextlib
 import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,13 +32,14 @@ from vllm_actors.server.errors import (
     log_edge_error,
     one_line,
 )
+from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's default, when attached to a group of unknown config
-MAX_BODY_BYTES = 32 * 1024 * 1024
+DRAIN_BYTES = 64 * 1024 * 1024  # what is read and dropped past the cap before answering 413
 LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class ServerState:
     max_waiting_requests: int | None
     metrics: ServerMetrics
     draining: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def model_name(self) -> str:
@@ -93,18 +95,28 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
-        """Tokenise and validate (the prompt plus max_tokens must fit in max_model_len); the
-        frontend's ValueError is a 400 naming the field it starts with."""
+    async def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+        """Tokenise (a long text off the event loop) and validate: the prompt within the byte limit
+        and max_model_len, plus max_tokens within max_model_len; the frontend's ValueError is a 400
+        naming the field it starts with."""
         with _bad_request_on_value_error():
-            return self.client.prepare(request_id, prompt, params, max_tokens_must_fit=True)
+            return await self.client.prepare_async(request_id, prompt, params, max_tokens_must_fit=True,
+                                                   max_prompt_bytes=self.limits.max_prompt_bytes)
 
-    def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
-                     add_generation_prompt: bool, chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
+    async def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
+                           add_generation_prompt: bool,
+                           chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
         """``prepare`` for a conversation, through the model's chat template."""
         with _bad_request_on_value_error():
-            return self.client.prepare_chat(request_id, messages, params, add_generation_prompt=add_generation_prompt,
-                                            chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True)
+            return await self.client.prepare_chat_async(
+                request_id, messages, params, add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True,
+                max_prompt_bytes=self.limits.max_prompt_bytes)
+
+    async def prompt_texts(self, prepared: Sequence[PreparedRequest]) -> list[str]:
+        """Each prompt's text (for echo): as given, else decoded (a long one off the loop)."""
+        return [p.prompt if p.prompt is not None else await self.client.detokenize_async(p.prompt_token_ids)
+                for p in prepared]
 
     def submit(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
         """Admit, then send every request; if one fails, those already sent are aborted (reason
@@ -146,16 +158,37 @@ def request_id(prefix: str, request: Request) -> str:
     return value
 
 
-async def decode_body(request: Request, kind: type[S]) -> S:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise OpenAIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
+async def decode_body(request: Request, kind: type[S], max_bytes: int = MAX_BODY_BYTES) -> S:
+    """The JSON body as ``kind``; every failure is an OpenAIError: 413 past ``max_bytes`` (refused
+    from Content-Length before reading, else once the bytes read pass it), 400 for an empty body,
+    malformed JSON, invalid UTF-8, too deep a nesting or a wrong field."""
+    body = await read_body(request, max_bytes)
     if not body:
         raise OpenAIError("the request body is empty; expected a JSON object", 400)
     try:
         return msgspec.json.decode(body, type=kind)
-    except msgspec.DecodeError as error:
-        raise from_decode_error(error) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise from_decode_error(error, request.headers.get("content-type")) from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, kept only up to ``max_bytes``: past that (or a Content-Length past it) the rest
+    is read and dropped, up to ``DRAIN_BYTES`` more, before the 413, so that the client, still
+    sending, gets the answer rather than a reset connection."""
+    declared = request.headers.get("content-length", "")
+    size = 0
+    chunks: list[bytes] | None = None if declared.isdigit() and int(declared) > max_bytes else []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if chunks is not None and size > max_bytes:
+            chunks = None  # too large: drop what was kept
+        if chunks is not None:
+            chunks.append(chunk)
+        elif size > max_bytes + DRAIN_BYTES:
+            break
+    if chunks is None:
+        raise OpenAIError(f"the request body is larger than {max_bytes} bytes", 413)
+    return b"".join(chunks)
 
 
 def sampling_params(

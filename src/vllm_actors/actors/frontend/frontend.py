@@ -89,7 +89,7 @@ class Frontend:
         ``max_tokens_must_fit``: refuse a request whose prompt plus max_tokens exceeds
         max_model_len (the OpenAI server's rule; offline, generation just stops there)."""
         self._check_new(request_id, params)
-        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, max_tokens=self.max_model_len)
         return self._prepare(request_id, text, prompt_ids, params, "prompt", max_tokens_must_fit)
 
     def prepare_chat(
@@ -107,6 +107,15 @@ class Frontend:
         text, prompt_ids = tokenize_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                          chat_template_kwargs=chat_template_kwargs)
         return self._prepare(request_id, text, prompt_ids, params, "messages", max_tokens_must_fit)
+
+    def prepare_tokens(
+        self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
+        field: str = "prompt", max_tokens_must_fit: bool = False,
+    ) -> PreparedRequest:
+        """``prepare`` for a prompt tokenised elsewhere (``text.py``'s functions, on a worker
+        thread): the same checks, ``field`` naming the request field they blame."""
+        self._check_new(request_id, params)
+        return self._prepare(request_id, text, prompt_ids, params, field, max_tokens_must_fit)
 
     def _check_new(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
