@@ -23,6 +23,7 @@ from vllm_actors.actors.metrics_store.records import RequestState, elapsed
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.actors.metrics_store.store import MetricsStore
 from vllm_actors.observe.stats_text import summary_text
+from vllm_actors.observe.tap import save_dump
 from vllm_actors.protocol.events import (
     Aborted,
     ActorCrashed,
@@ -561,12 +562,14 @@ def test_long_timelines_are_capped_but_keep_their_lifecycle() -> None:
 def test_dump_round_trips(tmp_path: Path) -> None:
     store = MetricsStore(max_events=50)
     run_scenario(store)
-    path = tmp_path / "events.jsonl"
-    content = store.query(DumpQuery(path=str(path)))  # the store makes the content, writes nothing
+    content = store.query(DumpQuery())  # the store makes the content, writes nothing
     assert isinstance(content, DumpContent) and content.num_events == 50
     assert list(tmp_path.iterdir()) == []
-    reply = answer(store, DumpQuery(path=str(path)))  # its shell writes the file
-    assert reply == DumpReply(path=str(path), num_events=50)
+    reply = answer(store, DumpQuery(), tmp_path)  # its shell writes a file it names in the dump directory
+    assert isinstance(reply, DumpReply) and reply.num_events == 50
+    path = Path(reply.path)
+    assert path.parent == tmp_path and path.name.startswith("events-") and path.suffix == ".jsonl"
+    assert path.stat().st_mode & 0o777 == 0o600
     lines = path.read_text().splitlines()
     assert len(lines) == 50
     retained = store.query(EventsQuery(since_index=0, limit=1000))
@@ -588,9 +591,10 @@ def test_the_in_process_engine_writes_dumps_too(tmp_path: Path) -> None:
     while engine.has_unfinished:
         engine.step()
     engine.run_until_idle()
+    reply = engine.query_metrics(DumpQuery())
+    assert isinstance(reply, DumpReply) and reply.num_events == engine.metrics_store.num_events
     path = tmp_path / "events.jsonl"
-    reply = engine.query_metrics(DumpQuery(path=str(path)))
-    assert reply == DumpReply(path=str(path), num_events=engine.metrics_store.num_events)
+    assert save_dump(reply, path) == DumpReply(path=str(path), num_events=reply.num_events)
     assert {parse_event_json_line(line)[4].__class__ for line in path.read_text().splitlines()} >= {Arrived, Finished}
 
 
@@ -602,27 +606,26 @@ def test_bad_queries_get_error_replies(tmp_path: Path) -> None:
         EventsQuery(since_index="x", limit=3),  # type: ignore[arg-type]
         TimelineQuery(request_id=""),
         TimelineQuery(request_id=7),  # type: ignore[arg-type]
-        DumpQuery(path=""),
-        DumpQuery(path=str(tmp_path / "no" / "such" / "dir.jsonl")),
+        DumpQuery(),  # into a dump directory that is not there
         SeenQuery(actor=3),  # type: ignore[arg-type]
         "summary please",
         None,
     ]
     for query in bad:
-        assert isinstance(answer(store, query), ErrorReply), query  # type: ignore[arg-type]
-        if query is not bad[5]:  # the state machine rejects all but the unwritable path itself
+        assert isinstance(answer(store, query, tmp_path / "no" / "such"), ErrorReply), query  # type: ignore[arg-type]
+        if query is not bad[4]:  # the state machine rejects all but the dump it cannot write
             assert isinstance(store.query(query), ErrorReply), query  # type: ignore[arg-type]
     codec = MetricsCodec()
     for frame in (b"\x00garbage", msgspec.msgpack.encode({"type": "no_such_query"}),
                   msgspec.msgpack.encode({"type": "events_query", "limit": "many"})):
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             codec.decode_query(frame)
-        assert answer_frame(store, codec, frame, "metrics") is None  # the shell drops it (and logs)
-    reply_frame = answer_frame(store, codec, codec.encode(SummaryQuery()), "metrics")
+        assert answer_frame(store, codec, frame, "metrics", tmp_path) is None  # the shell drops it (and logs)
+    reply_frame = answer_frame(store, codec, codec.encode(SummaryQuery()), "metrics", tmp_path)
     assert reply_frame is not None and isinstance(codec.decode_reply(reply_frame), SummaryReply)
 
 
-def test_a_failing_query_gets_an_error_reply_and_a_log_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_query_gets_an_error_reply_and_a_log_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     store = MetricsStore()
 
     def broken(query: object) -> None:
@@ -630,7 +633,7 @@ def test_a_failing_query_gets_an_error_reply_and_a_log_line(monkeypatch: pytest.
 
     monkeypatch.setattr(store, "query", broken)
     with structlog.testing.capture_logs() as logs:
-        reply = answer(store, SummaryQuery())
+        reply = answer(store, SummaryQuery(), tmp_path)
     assert reply == ErrorReply(message="query failed: RuntimeError: boom")
     assert [(entry["event"], entry["log_level"]) for entry in logs] == [("query failed", "error")]
 
@@ -827,3 +830,23 @@ def test_arbitrary_event_soup_never_raises(batches: list[EventBatch]) -> None:
     for query in (TimelineQuery(request_id="c"), SeenQuery(), EventsQuery(since_index=-7, limit=3)):
         assert not isinstance(store.query(query), ErrorReply)
     summary_text(summary(store))
+
+
+def test_a_dump_query_never_chooses_the_file(tmp_path: Path) -> None:
+    """A ``path`` in a dump query off the wire (as the old protocol had it) is ignored: the file
+    goes in the dump directory under the store's name, never where the query says."""
+    store = MetricsStore(max_events=50)
+    run_scenario(store)
+    codec = MetricsCodec()
+    dump_dir, outside = tmp_path / "run", tmp_path / "outside"
+    dump_dir.mkdir()
+    outside.mkdir()
+    target = outside / "chosen.jsonl"
+    for path in (str(target), "../outside/chosen.jsonl", "/etc/passwd"):
+        frame = msgspec.msgpack.encode({"type": "dump_query", "path": path})
+        reply_frame = answer_frame(store, codec, frame, "metrics", dump_dir)
+        assert reply_frame is not None
+        reply = codec.decode_reply(reply_frame)
+        assert isinstance(reply, DumpReply) and Path(reply.path).parent == dump_dir
+    assert list(outside.iterdir()) == []
+    assert len(list(dump_dir.iterdir())) == 3  # one new file per dump, none overwritten

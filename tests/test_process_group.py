@@ -299,6 +299,21 @@ def _last_step(llm: LLM, request_id: str) -> int:
     return steps[0]
 
 
+def test_the_run_directory_is_private_and_every_socket_file_0600(llm: LLM) -> None:
+    import stat
+
+    run_dir = llm.group.run_dir
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    sockets = [path for path in run_dir.iterdir() if path.is_socket()]
+    addresses = llm.group.addresses
+    bound = [addresses.bus_in, addresses.bus_out, addresses.metrics, addresses.scheduler, addresses.kv_cache_manager,
+             *addresses.workers, *addresses.bus_in_actors.values()]
+    assert sorted(str(path) for path in sockets) == sorted(address.removeprefix("ipc://") for address in bound)
+    assert {path.name: oct(stat.S_IMODE(path.stat().st_mode)) for path in sockets} == {
+        path.name: oct(0o600) for path in sockets
+    }
+
+
 def test_taps_and_stats_from_the_command_line(llm: LLM, tmp_path: Path) -> None:
     run_dir = str(llm.group.run_dir)
     finished_tap = _start_tap(run_dir, "--type", "FINISHED")

@@ -18,7 +18,7 @@ BAD_PARAMS = [
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),  # signed 64-bit: -1 is a seed, as in vLLM
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),

@@ -219,7 +219,7 @@ INVALID: list[tuple[str, str, object, int, str | None]] = [
     ("max_tokens a string", "/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("n zero", "/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("logprobs too many", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
-    ("seed negative", "/v1/completions", {"prompt": "a", "seed": -1}, 400, "seed"),
+    ("seed over 64 bits", "/v1/completions", {"prompt": "a", "seed": 2**64 - 1, "n": 2}, 400, "seed"),
     ("stop not a string", "/v1/completions", {"prompt": "a", "stop": 123}, 400, "stop"),
     ("stream not a bool", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stream_options without stream", "/v1/completions",

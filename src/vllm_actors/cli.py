@@ -115,10 +115,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tap(args: argparse.Namespace) -> int:
-    from vllm_actors.observe.tap import locate_group, run_tap
+    from vllm_actors.observe.tap import group_endpoint, run_tap
     from vllm_actors.observe.tap_format import TapFilter
 
-    address = args.address or locate_group(args.run_dir).addresses.bus_out
+    address, keys = group_endpoint(args.run_dir, args.address, lambda addresses: addresses.bus_out)
     tap_filter = TapFilter(
         types=set(args.type) if args.type else None,
         actors=set(args.actor) if args.actor else None,
@@ -126,7 +126,7 @@ def _tap(args: argparse.Namespace) -> int:
     )
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
     run_tap(address, tap_filter, sys.stdout, as_json=args.json, color=color, max_events=args.count,
-            duration=args.duration)
+            duration=args.duration, keys=keys)
     return 0
 
 
@@ -134,11 +134,13 @@ def _stats(args: argparse.Namespace) -> int:
     import msgspec
 
     from vllm_actors.observe.stats_text import summary_text
-    from vllm_actors.observe.tap import locate_group, query_metrics, stats_query
-    from vllm_actors.protocol.metrics import ErrorReply, SummaryReply
+    from vllm_actors.observe.tap import group_endpoint, query_metrics, save_dump, stats_query
+    from vllm_actors.protocol.metrics import DumpReply, ErrorReply, SummaryReply
 
-    address = args.address or locate_group(args.run_dir).addresses.metrics
-    reply = query_metrics(address, stats_query(args.timeline, args.dump))
+    address, keys = group_endpoint(args.run_dir, args.address, lambda addresses: addresses.metrics)
+    reply = query_metrics(address, stats_query(args.timeline, args.dump), keys=keys)
+    if isinstance(reply, DumpReply) and args.dump is not None:
+        reply = save_dump(reply, args.dump)
     if isinstance(reply, ErrorReply):
         sys.stderr.write(f"error: {reply.message}\n")
         return 2

@@ -269,7 +269,7 @@ class ChaosRun:
         """The supervisor's ACTOR_RESTARTED / GROUP_FAILED and the scheduler's PIPELINE_RESET."""
         context = zmq.asyncio.Context()
         try:
-            async for _, batch in follow_bus(context, address, [SUPERVISOR, SCHEDULER]):
+            async for _, batch in follow_bus(context, address, self.client.keys, [SUPERVISOR, SCHEDULER]):
                 self.on_batch(batch)
         finally:
             context.term()

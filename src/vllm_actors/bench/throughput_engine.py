@@ -88,13 +88,15 @@ class EngineSession:
             time.sleep(0.05)
 
     def dump_events(self, path: Path) -> Path:
+        from vllm_actors.observe.tap import save_dump
         from vllm_actors.protocol.metrics import DumpQuery, DumpReply
 
         query = self.llm.engine.query_metrics
         kwargs = {"timeout_ms": 120_000} if "timeout_ms" in inspect.signature(query).parameters else {}
-        reply = query(DumpQuery(path=str(path.resolve())), **kwargs)
+        reply = query(DumpQuery(), **kwargs)
         if not isinstance(reply, DumpReply):
             raise RuntimeError(f"the metrics store could not dump its event log: {reply!r}")
+        reply = save_dump(reply, path.resolve())
         log.info("event log dumped", path=reply.path, events=reply.num_events)
         return Path(reply.path)
 

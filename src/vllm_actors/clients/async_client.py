@@ -39,7 +39,8 @@ import zmq.asyncio
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.clients import async_text
 from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, bus_round_trip, follow_bus
 from vllm_actors.clients.core import (
     ClientCore,
@@ -71,6 +72,7 @@ from vllm_actors.protocol.metrics import (
 from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -102,17 +104,18 @@ class AsyncEngineClient(ClientCore):
             tokenizer = load_group_tokenizer(info)
         self.identity = f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.actor_id = self.identity.replace("client", "frontend", 1)
+        self.keys = keys_for(info.addresses, info.run_dir)  # TCP: the group's CURVE keys
         self._context = zmq.asyncio.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._dealer.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-        self._dealer.connect(info.addresses.scheduler)
+        connect(self._dealer, info.addresses.scheduler, self.keys)
         # PUB never blocks: a plain socket on the same underlying context.
         self._sync_context: zmq.Context = zmq.Context.shadow(self._context.underlying)
-        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id)
+        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id, keys=self.keys)
         transport = ZmqTransport(self._dealer, self._publisher)
         super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
-        self._metrics = MetricsChannel(self._context, info.addresses.metrics)
+        self._metrics = MetricsChannel(self._context, info.addresses.metrics, self.keys)
         self._health = HealthProbe(info, self._publisher, self._metrics, self.actor_id)
         self._streams: dict[str, RequestStream] = {}
         self.latency = LatencyTracker()
@@ -122,6 +125,7 @@ class AsyncEngineClient(ClientCore):
         self._supervision = SupervisionView()  # an attached client's view, from the bus
         self._failure_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # where the group's listeners hand over
+        self._text = async_text.TextPool(self.identity)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -257,6 +261,32 @@ class AsyncEngineClient(ClientCore):
         self.latency.start(prepared.request_id, time.monotonic())
         return stream
 
+    async def prepare_async(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                            max_tokens_must_fit: bool = False, max_prompt_bytes: int | None = None) -> PreparedRequest:
+        """``prepare`` that keeps the loop free: a long text is tokenised on a worker thread
+        (``clients/async_text.py``); a text over ``max_prompt_bytes`` is refused before tokenising,
+        a token-id list over max_model_len before it is converted."""
+        return await async_text.prepare_prompt(self.frontend, self._text, request_id, prompt, params,
+                                               max_tokens_must_fit=max_tokens_must_fit,
+                                               max_prompt_bytes=max_prompt_bytes)
+
+    async def prepare_chat_async(self, request_id: str, messages: ChatMessages, params: SamplingParams, *,
+                                 add_generation_prompt: bool = True,
+                                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                                 max_tokens_must_fit: bool = False,
+                                 max_prompt_bytes: int | None = None) -> PreparedRequest:
+        """``prepare_chat`` that keeps the loop free (the template and tokenising of a long chat on a
+        worker thread)."""
+        return await async_text.prepare_chat(self.frontend, self._text, request_id, messages, params,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template_kwargs=chat_template_kwargs,
+                                             max_tokens_must_fit=max_tokens_must_fit,
+                                             max_prompt_bytes=max_prompt_bytes)
+
+    async def detokenize_async(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens spelled out; a long list decoded off the loop."""
+        return await async_text.detokenize(self.frontend, self._text, token_ids)
+
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> RequestStream:
         return self.submit(self.prepare(request_id, prompt, params))
 
@@ -342,7 +372,7 @@ class AsyncEngineClient(ClientCore):
         """Follow the scheduler's events (queue times for the stats listeners) and, for an attached
         client, the supervisor's (restarts, the group's failure), until cancelled."""
         topics = [SCHEDULER] if self.group is not None else [SCHEDULER, SUPERVISOR]  # an owned group tells us
-        async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, topics,
+        async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, self.keys, topics,
                                              skip=lambda topic: topic == SCHEDULER
                                              and not self.latency.wants_scheduler_events):
             if topic == SCHEDULER:
@@ -416,6 +446,7 @@ class AsyncEngineClient(ClientCore):
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._text.close()
         self._publisher.close()
         self._metrics.close()
         self._dealer.close(linger=CLOSE_LINGER_MS)

@@ -26,13 +26,15 @@ from vllm_actors.protocol.events import EventBatch, Heartbeat
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply, SeenQuery, SeenReply
 from vllm_actors.protocol.names import worker_id
 from vllm_actors.runtime.run_dir import GroupInfo, pid_alive
+from vllm_actors.runtime.security import GroupKeys, connect
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 
 class MetricsChannel:
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, context: zmq.asyncio.Context, address: str, keys: GroupKeys | None = None) -> None:
         self._context = context
         self._address = address
+        self._keys = keys
         self._codec = MetricsCodec()
         self._lock = asyncio.Lock()
         self._socket = self._connect()
@@ -40,7 +42,7 @@ class MetricsChannel:
     def _connect(self) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self._address)
+        connect(socket, self._address, self._keys)
         return socket
 
     async def query(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
@@ -125,7 +127,7 @@ class HealthProbe:
         return states
 
 
-async def follow_bus(context: zmq.asyncio.Context, bus_out: str, topics: list[str],
+async def follow_bus(context: zmq.asyncio.Context, bus_out: str, keys: GroupKeys | None, topics: list[str],
                      skip: Callable[[str], bool] = lambda topic: False) -> AsyncIterator[tuple[str, EventBatch]]:
     """(topic, batch) for each event batch of ``topics`` on the bus, until cancelled; undecodable
     frames, topics ``skip`` names, and batches whose actor is not their topic are passed over."""
@@ -133,7 +135,7 @@ async def follow_bus(context: zmq.asyncio.Context, bus_out: str, topics: list[st
     subscriber.setsockopt(zmq.LINGER, 0)
     for topic in topics:
         subscriber.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    subscriber.connect(bus_out)
+    connect(subscriber, bus_out, keys)
     decoder = msgspec.msgpack.Decoder(EventBatch)
     try:
         while True:

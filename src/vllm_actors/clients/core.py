@@ -17,6 +17,7 @@ what the offline ``LLM`` drives: the in-process engine or the ZMQ client of a pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -132,7 +133,17 @@ class ClientCore:
         )
 
     def _submit(self, prepared: PreparedRequest) -> None:
-        self._send(self.frontend.submit(prepared))
+        """Register the request with the frontend and send it on. If sending fails part-way (a
+        value the wire cannot carry, a socket error), the request is taken back: the frontend
+        forgets it and the scheduler is told to drop what already reached it, so nothing stays
+        counted as in flight."""
+        messages = self.frontend.submit(prepared)
+        try:
+            self._send(messages)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._send(self.frontend.abort(prepared.request_id, "error"))
+            raise
 
     def _abort(self, request_id: str, reason: str = "abort") -> None:
         """Unknown or finished ids are ignored."""

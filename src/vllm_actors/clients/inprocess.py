@@ -9,10 +9,12 @@ in-process mode.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import weakref
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_actors.actors.frontend.frontend import Frontend
@@ -26,7 +28,7 @@ from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_s
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import EventBatch, Rejected
 from vllm_actors.protocol.messages import Message, StepPlan, StepResult
-from vllm_actors.protocol.metrics import MetricsQuery, MetricsReply
+from vllm_actors.protocol.metrics import DumpQuery, MetricsQuery, MetricsReply
 from vllm_actors.runtime.transport import EventStamper, InMemoryEndpoint, InMemoryNetwork, split_events
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ class InProcessEngine(SyncClient):
         from vllm_actors.runtime.metrics_shell import record_logged
 
         self.metrics_store = MetricsStore()
+        self._dump_dir: Path | None = None  # made (private) at the first DumpQuery
         self.event_listeners: list[Callable[[EventBatch], None]] = [partial(record_logged, self.metrics_store)]
         InProcessEngine.live.add(self)
         if os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0"):
@@ -157,7 +160,9 @@ class InProcessEngine(SyncClient):
     def query_metrics(self, query: MetricsQuery) -> MetricsReply:
         from vllm_actors.runtime.metrics_shell import answer
 
-        return answer(self.metrics_store, query)  # writes the file of a DumpQuery
+        if self._dump_dir is None and isinstance(query, DumpQuery):
+            self._dump_dir = Path(tempfile.mkdtemp(prefix="vllm-actors-dumps-"))
+        return answer(self.metrics_store, query, self._dump_dir or Path())  # writes the file of a DumpQuery there
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -29,6 +29,7 @@ from vllm_actors.clients.supervision import group_failure, listen
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.runtime.run_dir import GroupInfo
+from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 if TYPE_CHECKING:
@@ -53,15 +54,17 @@ class EngineClient(SyncClient):
         self.info = info
         self.group = group
         self.identity = f"client-{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
+        keys = keys_for(info.addresses, info.run_dir)  # TCP: the group's CURVE keys
         self._context = zmq.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._dealer.setsockopt(zmq.LINGER, 0)
-        self._dealer.connect(info.addresses.scheduler)
-        publisher = EventPublisher(self._context, info.addresses.bus_in, self.identity.replace("client", "frontend"))
+        connect(self._dealer, info.addresses.scheduler, keys)
+        publisher = EventPublisher(self._context, info.addresses.bus_in, self.identity.replace("client", "frontend"),
+                                   keys=keys)
         self._metrics = self._context.socket(zmq.DEALER)
         self._metrics.setsockopt(zmq.LINGER, 0)
-        self._metrics.connect(info.addresses.metrics)
+        connect(self._metrics, info.addresses.metrics, keys)
         self._metrics_codec = MetricsCodec()
         self._finalizer = weakref.finalize(
             self, _close_sockets, [self._dealer, publisher.socket, self._metrics], self._context

@@ -7,9 +7,11 @@ slow terminal never disturbs serving; what a tap misses shows as a gap line.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import msgspec
@@ -20,13 +22,15 @@ from vllm_actors.observe.tap_format import GapTracker, TapFilter, render_batch
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.metrics import (
     DumpQuery,
+    DumpReply,
     MetricsCodec,
     MetricsQuery,
     MetricsReply,
     SummaryQuery,
     TimelineQuery,
 )
-from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.security import GroupKeys, connect, is_tcp
 from vllm_actors.runtime.zmq_shell import EVENT_HWM
 
 log = structlog.get_logger(__name__)
@@ -34,6 +38,17 @@ log = structlog.get_logger(__name__)
 
 def locate_group(run_dir: str | None) -> GroupInfo:
     return read_group_info(run_dir) if run_dir else find_running_group()
+
+
+def group_endpoint(run_dir: str | None, address: str | None,
+                   pick: Callable[[GroupAddresses], str]) -> tuple[str, GroupKeys | None]:
+    """Where to attach: ``address``, or ``pick`` of the group's addresses; for a TCP endpoint, with
+    the group's CURVE keys, read from its run directory (``run_dir``, else the newest running group)."""
+    if address is not None and not is_tcp(address):
+        return address, None
+    info = locate_group(run_dir)
+    endpoint = address or pick(info.addresses)
+    return endpoint, GroupKeys.load(info.run_dir) if is_tcp(endpoint) else None
 
 
 def bus_topics(tap_filter: TapFilter) -> list[bytes]:
@@ -54,6 +69,7 @@ def run_tap(
     max_events: int | None = None,
     duration: float | None = None,
     stop: Callable[[], bool] = lambda: False,
+    keys: GroupKeys | None = None,
 ) -> int:
     """Print the live stream until interrupted (or ``max_events`` lines / ``duration`` seconds)."""
     context = zmq.Context()
@@ -62,7 +78,7 @@ def run_tap(
     socket.setsockopt(zmq.LINGER, 0)
     for topic in bus_topics(tap_filter):
         socket.setsockopt(zmq.SUBSCRIBE, topic)
-    socket.connect(address)
+    connect(socket, address, keys)
     sys.stderr.write(f"# tap attached to {address}\n")
     sys.stderr.flush()
     decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -96,11 +112,12 @@ def run_tap(
     return printed
 
 
-def query_metrics(address: str, query: MetricsQuery, timeout_ms: int = 5000) -> MetricsReply:
+def query_metrics(address: str, query: MetricsQuery, timeout_ms: int = 5000,
+                  keys: GroupKeys | None = None) -> MetricsReply:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
+    connect(socket, address, keys)
     codec = MetricsCodec()
     try:
         socket.send(codec.encode(query))
@@ -116,6 +133,13 @@ def stats_query(timeline: str | None, dump: str | None) -> MetricsQuery:
     if timeline is not None:
         return TimelineQuery(request_id=timeline)
     if dump is not None:
-        return DumpQuery(path=dump)
+        return DumpQuery()  # the store names the file in its run directory; ``save_dump`` moves it
     return SummaryQuery()
+
+
+def save_dump(reply: DumpReply, destination: str | Path) -> DumpReply:
+    """Move the file the store wrote (in the group's run directory) to ``destination``."""
+    target = Path(destination).absolute()
+    shutil.move(reply.path, target)
+    return DumpReply(path=str(target), num_events=reply.num_events)
 

@@ -44,9 +44,10 @@ class SeenQuery(msgspec.Struct, tag="seen_query", kw_only=True):
 
 
 class DumpQuery(msgspec.Struct, tag="dump_query", kw_only=True):
-    """Write the whole retained event log to ``path`` (on the store's host) as JSON lines."""
-
-    path: str
+    """Write the whole retained event log as JSON lines to a new file of the store's choosing in
+    the group's run directory (``DumpReply.path``); the asking side moves it where it wants it
+    (``observe/tap.save_dump``). A query never names a path: whoever can reach the store's socket
+    must not make it write a file where they choose (a ``path`` sent anyway is ignored)."""
 
 
 class EventsQuery(msgspec.Struct, tag="events_query", kw_only=True):

@@ -2,7 +2,10 @@
 
 Names and defaults follow vLLM's ``SamplingParams`` so code written for vLLM works unchanged.
 Every invalid value raises a ``ValueError`` naming the field, at construction time, before any
-request is queued.
+request is queued. Integers are bounded so that every value fits the wire (msgpack: 64 bits) and
+no request can make the engine loop or allocate without end: ``seed`` over signed 64 bits (as
+vLLM's OpenAI server: -1 is a seed like any other), ``n`` at most ``MAX_N``, token counts, ``top_k``
+and token ids at most ``MAX_INT32``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import msgspec
 # Temperatures below this are treated as greedy, like vLLM does, to avoid dividing by ~0.
 _GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 1024  # completions per request (OpenAI allows 128; the frontend builds one child request each)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, like vLLM's (torch.long)
+MAX_INT32 = 2**31 - 1  # token counts, top_k, token ids: far beyond any model, and within every tensor dtype
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -41,18 +47,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._validate()
 
     def _validate(self) -> None:
-        _check_int("n", self.n, minimum=1)
+        _check_int("n", self.n, minimum=1, maximum=MAX_N)
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
         if self.top_p == 0.0:
             raise ValueError("top_p must be in (0, 1], got 0.0")
-        _check_int("top_k", self.top_k, minimum=0)
+        _check_int("top_k", self.top_k, minimum=0, maximum=MAX_INT32)
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            _check_int("seed", self.seed, minimum=MIN_SEED, maximum=MAX_SEED)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+            _check_int("max_tokens", self.max_tokens, minimum=1, maximum=MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, minimum=0, maximum=MAX_INT32)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
@@ -65,7 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, minimum=0)
+            _check_int("stop_token_ids", token_id, minimum=0, maximum=MAX_INT32)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -80,6 +86,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def clone(self, **changes: object) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the ``index``-th of ``n`` completions: ``seed + index``, wrapped around within
+        the signed 64-bit range (so a seed near the top stays a valid seed)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index - MIN_SEED) % 2**64 + MIN_SEED
 
 
 def _check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:

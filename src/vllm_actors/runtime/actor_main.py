@@ -47,6 +47,7 @@ from vllm_actors.runtime.process import (
     set_busy_source,
     watch_parent,
 )
+from vllm_actors.runtime.security import GroupKeys, authenticating, keys_for
 from vllm_actors.runtime.transport import Actor
 from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until_seen
 
@@ -131,8 +132,9 @@ class _Checked:
         return outputs
 
 
-def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
-    publisher_for_start = EventPublisher.for_actor(context, spec.addresses, spec.actor_id)
+def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Event,
+                     keys: GroupKeys | None = None) -> None:
+    publisher_for_start = EventPublisher.for_actor(context, spec.addresses, spec.actor_id, keys)
     pid = os.getpid()
     publisher_for_start.publish([ActorStarting(pid=pid, role=spec.role)])
     actor, peers, accepts, info = build_actor(spec)
@@ -142,7 +144,8 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         "scheduler": spec.addresses.scheduler,
     }[spec.role]
     bus_in = spec.addresses.publish_address(spec.actor_id)  # its own endpoint: the bus forwards only its id there
-    shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, MessageCodec.for_actor(spec.role))
+    shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, MessageCodec.for_actor(spec.role),
+                       keys=keys)
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
     publisher_for_start.close()
     try:
@@ -152,7 +155,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         try:
             seen_timeout = READY_TIMEOUT if spec.incarnation == 0 else RESTART_SEEN_TIMEOUT
             wait_until_seen(shell.publisher, context, spec.addresses.metrics, spec.actor_id, seen_timeout,
-                            lambda: Heartbeat(pid=pid))
+                            lambda: Heartbeat(pid=pid), keys)
         except TimeoutError:
             if spec.incarnation == 0:
                 raise
@@ -176,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers(stop)
     context = zmq.Context()
     try:
-        if spec.role == "bus":
-            run_bus(spec, context, stop)
-        elif spec.role == "metrics":
-            run_metrics(spec, context, stop)
-        else:
-            run_engine_actor(spec, context, stop)
+        keys = keys_for(spec.addresses, spec.run_dir)  # TCP: the group's CURVE keys, from the run directory
+        with authenticating(context, keys):
+            if spec.role == "bus":
+                run_bus(spec, context, stop, keys)
+            elif spec.role == "metrics":
+                run_metrics(spec, context, stop, keys)
+            else:
+                run_engine_actor(spec, context, stop, keys)
     except Exception as error:
         log.error("actor failed", exc_info=error)  # one line; the traceback at DEBUG
         report("error", error=f"{type(error).__name__}: {error}")

@@ -25,6 +25,7 @@ import zmq
 
 from vllm_actors.protocol.names import is_engine_actor
 from vllm_actors.runtime.process import ActorSpec, report
+from vllm_actors.runtime.security import GroupKeys, bind
 from vllm_actors.runtime.zmq_shell import EVENT_HWM
 
 log = structlog.get_logger(__name__)
@@ -72,23 +73,25 @@ class DropCounter:
         return True
 
 
-def _socket(context: zmq.Context, kind: int, address: str) -> zmq.Socket:
+def _socket(context: zmq.Context, kind: int, address: str, keys: GroupKeys | None) -> zmq.Socket:
     socket = context.socket(kind)
     socket.setsockopt(zmq.SNDHWM, EVENT_HWM)
     socket.setsockopt(zmq.RCVHWM, EVENT_HWM)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(address)  # ipc: replaces a stale socket file
+    bind(socket, address, keys)  # ipc: replaces a stale socket file
     return socket
 
 
 class Bus:
-    """The bus's sockets and its forwarding loop (``run_bus`` runs it as an actor process)."""
+    """The bus's sockets and its forwarding loop (``run_bus`` runs it as an actor process).
+    ``keys``: the group's CURVE keys, for TCP endpoints (``runtime/security.py``)."""
 
-    def __init__(self, context: zmq.Context, clients: str, owned: dict[str, str], out: str) -> None:
-        self.inputs: dict[zmq.Socket, str | None] = {_socket(context, zmq.XSUB, clients): None}
+    def __init__(self, context: zmq.Context, clients: str, owned: dict[str, str], out: str,
+                 keys: GroupKeys | None = None) -> None:
+        self.inputs: dict[zmq.Socket, str | None] = {_socket(context, zmq.XSUB, clients, keys): None}
         for owner, address in owned.items():
-            self.inputs[_socket(context, zmq.XSUB, address)] = owner
-        self.output = _socket(context, zmq.XPUB, out)
+            self.inputs[_socket(context, zmq.XSUB, address, keys)] = owner
+        self.output = _socket(context, zmq.XPUB, out, keys)
         self.drops = DropCounter()
         self.forwarded = 0
 
@@ -136,10 +139,11 @@ class Bus:
             socket.close()
 
 
-def run_bus(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
+def run_bus(spec: ActorSpec, context: zmq.Context, stop: threading.Event, keys: GroupKeys | None = None) -> None:
     """The event bus process: bind every endpoint, report ready, forward until ``stop``."""
     addresses = spec.addresses
-    bus = Bus(context, addresses.bus_in, dict(addresses.bus_in_actors), addresses.bus_out)
+    bus = Bus(context, addresses.bus_in, dict(addresses.bus_in_actors), addresses.bus_out,
+              keys)
     report("ready", info={})
     try:
         bus.run(stop)

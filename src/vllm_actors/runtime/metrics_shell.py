@@ -3,7 +3,8 @@
 ``run_metrics`` is the metrics actor process: it SUBscribes to the whole bus, records every batch,
 and answers queries on a ROUTER. The helpers below are its I/O, also used by the in-process
 engine: ``record_logged`` logs what the store noticed (gaps, stale batches, restarts, dropped
-records), ``answer`` answers a query, writing the file of a ``DumpQuery``.
+records), ``answer`` answers a query, writing the file of a ``DumpQuery`` into the dump directory
+(the group's run directory) under a name it chooses: a query never names the file.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -37,6 +40,7 @@ from vllm_actors.protocol.metrics import (
     SeenQuery,
 )
 from vllm_actors.runtime.process import READY_TIMEOUT, ActorSpec, report
+from vllm_actors.runtime.security import GroupKeys, bind, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, EventPublisher
 
 log = structlog.get_logger(__name__)
@@ -55,45 +59,47 @@ def record_logged(store: MetricsStore, batch: EventBatch, topic: str | None = No
         log_notices(notices)
 
 
-def write_dump(content: DumpContent) -> MetricsReply:
-    """Write a dump's lines to its path (through a temporary file, replaced at the end)."""
-    path = os.path.abspath(content.path)
-    temporary = f"{path}.tmp-{os.getpid()}"
+def write_dump(content: DumpContent, directory: Path) -> MetricsReply:
+    """Write a dump's lines to a new file in ``directory`` (mode 0600, a name no other dump has:
+    ``events-*.jsonl``); the asking side moves it away."""
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
+        descriptor, path = tempfile.mkstemp(prefix="events-", suffix=".jsonl", dir=directory)
+    except OSError as exc:
+        return ErrorReply(message=f"cannot write a dump in {directory}: {exc}")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             for line in content.lines():
                 handle.write(line)
                 handle.write("\n")
-        os.replace(temporary, path)
     except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(path)
         return ErrorReply(message=f"cannot write {path}: {exc}")
     log.info("event log dumped", path=path, num_events=content.num_events)
     return DumpReply(path=path, num_events=content.num_events)
 
 
-def answer(store: MetricsStore, query: MetricsQuery) -> MetricsReply:
-    """The store's reply to one query, a dump written; never raises: a query that fails gets an
-    ``ErrorReply``."""
+def answer(store: MetricsStore, query: MetricsQuery, dump_dir: Path) -> MetricsReply:
+    """The store's reply to one query, a dump written into ``dump_dir``; never raises: a query
+    that fails gets an ``ErrorReply``."""
     try:
         reply = store.query(query)
         if isinstance(reply, DumpContent):
-            return write_dump(reply)
+            return write_dump(reply, dump_dir)
         return reply
     except Exception as exc:  # a query must always get a reply
         log.exception("query failed", query=type(query).__name__)
         return ErrorReply(message=f"query failed: {type(exc).__name__}: {exc}")
 
 
-def answer_frame(store: MetricsStore, codec: MetricsCodec, frame: bytes, actor_id: str) -> bytes | None:
+def answer_frame(store: MetricsStore, codec: MetricsCodec, frame: bytes, actor_id: str, dump_dir: Path) -> bytes | None:
     """The reply frame to a query frame; None (logged) for a frame that is no query."""
     try:
         query = codec.decode_query(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         log.warning("frame dropped", actor=actor_id, why="undecodable query", error=str(error))
         return None
-    return codec.encode(answer(store, query))
+    return codec.encode(answer(store, query, dump_dir))
 
 
 def events_seen(store: MetricsStore, actor_id: str) -> int:
@@ -103,19 +109,23 @@ def events_seen(store: MetricsStore, actor_id: str) -> int:
 
 
 # --------------------------------------------------------------------------- the process
-def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) -> None:
-    """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER."""
+def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event, keys: GroupKeys | None = None) -> None:
+    """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER; dumps go to
+    the run directory."""
     codec = MetricsCodec()
+    dump_dir = Path(spec.run_dir)
+    if not spec.run_dir or not dump_dir.is_dir():
+        raise ValueError(f"the metrics store needs the group's run directory for its dumps, got {spec.run_dir!r}")
 
     store = MetricsStore(max_events=spec.metrics_max_events)
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.RCVHWM, EVENT_HWM)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(spec.addresses.bus_out)
+    connect(subscriber, spec.addresses.bus_out, keys)
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    router.bind(spec.addresses.metrics)
-    publisher = EventPublisher.for_actor(context, spec.addresses, spec.actor_id)
+    bind(router, spec.addresses.metrics, keys)
+    publisher = EventPublisher.for_actor(context, spec.addresses, spec.actor_id, keys)
     batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 
     def receive_events() -> None:
@@ -160,7 +170,7 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event) ->
                     log.warning("frame dropped", actor=spec.actor_id, why="wrong frame count", frames=len(frames))
                     continue
                 receive_events()  # answer with everything that has arrived
-                reply = answer_frame(store, codec, frames[1], spec.actor_id)
+                reply = answer_frame(store, codec, frames[1], spec.actor_id, dump_dir)
                 if reply is not None:
                     router.send_multipart([frames[0], reply])
     publisher.publish([ActorStopped(reason="signal")])

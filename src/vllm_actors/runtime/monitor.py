@@ -26,6 +26,7 @@ from vllm_actors.protocol.messages import RecoverPipeline
 from vllm_actors.protocol.metrics import MetricsCodec, SeenQuery
 from vllm_actors.protocol.names import SUPERVISOR
 from vllm_actors.runtime.run_dir import GroupAddresses
+from vllm_actors.runtime.security import GroupKeys, connect
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
 log = structlog.get_logger(__name__)
@@ -64,16 +65,17 @@ class SupervisorLink:
     """The monitor thread's sockets: events out (confirmed by the metrics store), pipeline resets."""
 
     def __init__(self, addresses: GroupAddresses, stop: threading.Event,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, keys: GroupKeys | None = None) -> None:
         self.addresses = addresses
+        self.keys = keys
         self.stop = stop
         self._clock = clock
         self.context = zmq.Context()
-        self.publisher = EventPublisher.for_actor(self.context, addresses, SUPERVISOR)
+        self.publisher = EventPublisher.for_actor(self.context, addresses, SUPERVISOR, keys)
         self.scheduler = self.context.socket(zmq.DEALER)
         self.scheduler.setsockopt(zmq.IDENTITY, SUPERVISOR.encode())
         self.scheduler.setsockopt(zmq.LINGER, 0)
-        self.scheduler.connect(addresses.scheduler)
+        connect(self.scheduler, addresses.scheduler, keys)
         self._codec = MessageCodec()
         self._metrics_codec = MetricsCodec()
         self.confirmed = False  # the store has received our events since the bus and store last started
@@ -97,7 +99,7 @@ class SupervisorLink:
         answer a query still queued on an old one."""
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.addresses.metrics)
+        connect(dealer, self.addresses.metrics, self.keys)
         deadline = self._clock() + timeout
         try:
             while self._clock() < deadline and not self.stop.is_set():

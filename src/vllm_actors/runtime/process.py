@@ -50,6 +50,7 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     check_invariants: bool = False
     metrics_max_events: int = 100_000
     incarnation: int = 0  # how many times the supervisor restarted this actor before
+    run_dir: str = ""  # the group's run directory: its CURVE keys (TCP), the metrics store's dumps
 
 
 def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:

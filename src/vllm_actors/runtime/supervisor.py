@@ -63,6 +63,7 @@ from vllm_actors.runtime.run_dir import (
     make_run_dir,
     write_group_info,
 )
+from vllm_actors.runtime.security import GroupKeys
 from vllm_actors.runtime.supervision import (
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_MAX_BUSY_SECONDS,
@@ -87,7 +88,7 @@ def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Eve
     group = group_ref()
     if group is None:
         return
-    link = SupervisorLink(group.addresses, stop)
+    link = SupervisorLink(group.addresses, stop, keys=group.keys)
     del group
     try:
         while not stop.is_set():
@@ -140,6 +141,11 @@ class ProcessGroup:
         self.run_dir = make_run_dir()
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.addresses: GroupAddresses = make_addresses(self.run_dir, config.tensor_parallel_size, tcp_host)
+        # TCP: CURVE keys made for this group, in its run directory (0600) for actors and clients.
+        self.keys: GroupKeys | None = None
+        if tcp_host is not None:
+            self.keys = GroupKeys.generate()
+            self.keys.save(self.run_dir)
         self.children: list[Child] = []
         self.worker_info: dict[str, Any] = {}
         self.scheduler_config: SchedulerConfig | None = None
@@ -203,6 +209,7 @@ class ProcessGroup:
             engine=self.config,
             check_invariants=self.check_invariants,
             metrics_max_events=self.metrics_max_events,
+            run_dir=str(self.run_dir),
             **spec_fields,
         )
         child = self._spawn(spec)

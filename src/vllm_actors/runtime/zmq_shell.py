@@ -27,6 +27,7 @@ from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import ActorCrashed, EventBatch, Rejected
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
 from vllm_actors.protocol.names import FRONTEND
+from vllm_actors.runtime.security import GroupKeys, bind, connect
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
 
 if TYPE_CHECKING:
@@ -49,15 +50,16 @@ class EventPublisher:
     (which forwards no engine actor's id)."""
 
     @classmethod
-    def for_actor(cls, context: zmq.Context, addresses: GroupAddresses, actor_id: str) -> EventPublisher:
+    def for_actor(cls, context: zmq.Context, addresses: GroupAddresses, actor_id: str,
+                  keys: GroupKeys | None = None) -> EventPublisher:
         """A publisher on ``actor_id``'s own bus endpoint (the clients' one when it has none)."""
-        return cls(context, addresses.publish_address(actor_id), actor_id)
+        return cls(context, addresses.publish_address(actor_id), actor_id, keys=keys)
 
-    def __init__(self, context: zmq.Context, bus_in: str, actor_id: str) -> None:
+    def __init__(self, context: zmq.Context, bus_in: str, actor_id: str, *, keys: GroupKeys | None = None) -> None:
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, EVENT_HWM)
         self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.connect(bus_in)
+        connect(self.socket, bus_in, keys)
         self.stamper = EventStamper(actor_id)
         self._topic = actor_id.encode()
         self._encoder = msgspec.msgpack.Encoder()
@@ -105,7 +107,8 @@ class ZmqEndpoint:
     that peer (several workers all get the plan); ``send(client_identity_bytes, message)`` replies
     through the ROUTER. ``recv`` returns the next well-formed message and sets ``last_sender``;
     malformed frames are logged, counted and dropped. ``codec`` decodes what arrives (default: the
-    protocol types; an actor's ``MessageCodec.for_actor`` may decode some as views)."""
+    protocol types; an actor's ``MessageCodec.for_actor`` may decode some as views). ``keys``: the
+    group's CURVE keys, for TCP endpoints (``runtime/security.py``)."""
 
     def __init__(
         self,
@@ -114,8 +117,11 @@ class ZmqEndpoint:
         inbox: str,
         peers: Mapping[str, list[str]],
         codec: MessageCodec | None = None,
+        *,
+        keys: GroupKeys | None = None,
     ) -> None:
         self.name = name
+        self.keys = keys
         self.codec = codec or MessageCodec()
         self.num_dropped = 0
         self.last_sender = b""
@@ -128,7 +134,7 @@ class ZmqEndpoint:
         # this ZMQ keeps the old pipe and silently drops everything the new peer sends (a restarted
         # KV-cache manager's reset plan never reached the worker).
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.router.bind(inbox)
+        bind(self.router, inbox, keys)
         self.peers: dict[str, list[zmq.Socket]] = {}
         for peer, addresses in peers.items():
             self.peers[peer] = [self._dealer(context, address) for address in addresses]
@@ -138,7 +144,7 @@ class ZmqEndpoint:
         dealer.setsockopt(zmq.IDENTITY, self.name.encode())
         dealer.setsockopt(zmq.SNDHWM, COMMAND_HWM)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(address)
+        connect(dealer, address, self.keys)
         return dealer
 
     def send(self, destination: str | bytes, message: Any) -> None:
@@ -195,12 +201,14 @@ class ActorShell:
         peers: Mapping[str, list[str]],
         accepts: AcceptRules,
         codec: MessageCodec | None = None,
+        *,
+        keys: GroupKeys | None = None,
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
         self.accepts = accepts
-        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec)
-        self.publisher = EventPublisher(context, bus_in, actor_id)
+        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec, keys=keys)
+        self.publisher = EventPublisher(context, bus_in, actor_id, keys=keys)
         self.replies = ClientReplies()
         self.busy_since: float | None = None  # time.monotonic() when the message in hand arrived
 
@@ -283,6 +291,7 @@ def wait_until_seen(
     actor_id: str,
     timeout: float,
     make_event: Callable[[], Any],
+    keys: GroupKeys | None = None,
 ) -> None:
     """Publish until the metrics store reports having seen this actor (PUB/SUB drops what is sent
     before the subscription reaches the publisher: the slow-joiner problem)."""
@@ -292,7 +301,7 @@ def wait_until_seen(
 
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(metrics_address)
+    connect(dealer, metrics_address, keys)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

@@ -9,6 +9,8 @@ down. Mount it under another application as is::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 from fastapi import FastAPI, Request
 from starlette.responses import Response
@@ -17,9 +19,12 @@ from vllm_actors import __version__
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.supervision import Health
 from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
+from vllm_actors.server.auth import ApiKeyMiddleware
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
+from vllm_actors.server.limits import RequestLimits
+from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
 from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerState
@@ -32,10 +37,14 @@ def build_app(
     served_model_names: list[str] | None = None,
     max_num_seqs: int | None = None,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    api_key: str | Sequence[str] | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
     beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
-    (``max_waiting_requests=None``: no bound)."""
+    (``max_waiting_requests=None``: no bound). ``api_key`` (one or several): every endpoint but
+    ``/health`` then wants ``Authorization: Bearer <key>`` and answers 401 without it. ``limits``:
+    the body and prompt sizes taken (default: ``RequestLimits.for_model(max_model_len)``)."""
     names = list(served_model_names or [client.model])
     metrics = ServerMetrics(names[0])
     client.add_stats_listener(metrics)
@@ -45,10 +54,15 @@ def build_app(
         max_num_seqs=max_num_seqs or client.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         max_waiting_requests=max_waiting_requests,
         metrics=metrics,
+        limits=limits or RequestLimits.for_model(client.max_model_len),
     )
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(TrimAfterLargeBodies)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before any body is read
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -18,8 +18,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests in flight beyond --max-num-seqs before new ones get 503 with Retry-After "
                              "(negative: no bound)")
+    parser.add_argument("--max-prompt-bytes", type=int, default=None,
+                        help="longest prompt text (UTF-8 bytes; a chat: its rendered text) tokenised; longer ones "
+                             "get 400 before tokenising (default: max_model_len x 32)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="largest request body; larger ones get 413 (default: 6 x --max-prompt-bytes, "
+                             "within 1 MiB .. 32 MiB)")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                         help="seconds running requests may take to finish after SIGTERM/SIGINT")
+    parser.add_argument("--api-key", nargs="+", default=None,
+                        help="require 'Authorization: Bearer <key>' on every endpoint but /health (401 without); "
+                             "several keys may be given (default: $VLLM_API_KEY, else no authentication)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")

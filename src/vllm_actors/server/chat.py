@@ -79,7 +79,7 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    body = await decode_body(request, ChatCompletionRequest)
+    body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
     model = state.check_model(body.model)
     messages = conversation(body.messages)
     if body.tools and body.tool_choice != "none":  # OpenAI: "auto" when tools are given
@@ -97,12 +97,13 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
     engine_id = response_id = request_id("chatcmpl", request)
-    prepared = state.prepare_chat(engine_id, messages, params, body.add_generation_prompt,
+    prepared = await state.prepare_chat(engine_id, messages, params, body.add_generation_prompt,
                                   dict(body.chat_template_kwargs or {}))
     job = _Job(response_id, now(), model, body, prepared)
     streams = state.submit([prepared])
     if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams))
+        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
+                                   streams)
     try:
         output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
     except ClientDisconnected:

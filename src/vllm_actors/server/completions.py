@@ -56,14 +56,14 @@ class _Job:
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    body = await decode_body(request, CompletionRequest)
+    body = await decode_body(request, CompletionRequest, state.limits.max_body_bytes)
     model = state.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix: not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of: only best_of == n is supported, got best_of={body.best_of}, n={body.n}", "best_of")
     try:
-        prompts = normalize_prompts(body.prompt)
+        prompts = normalize_prompts(body.prompt, max_tokens=state.client.max_model_len)
     except PromptShapeError as error:
         raise bad_request(str(error), "prompt") from None
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
@@ -72,12 +72,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prepared = []
     for index, prompt in enumerate(prompts):
         prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-        prepared.append(state.prepare(f"{engine_id}-{index}", prompt_input, params))
-    job = _Job(response_id, now(), model, body, prepared, [state.client.frontend.prompt_text(p) for p in prepared],
+        prepared.append(await state.prepare(f"{engine_id}-{index}", prompt_input, params))
+    prompt_texts = await state.prompt_texts(prepared) if body.echo else [""] * len(prepared)
+    job = _Job(response_id, now(), model, body, prepared, prompt_texts,
                _token_decoder(state), state.output_error)
     streams = state.submit(prepared)
     if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams), streams))
+        return EventStreamResponse(guarded_events(_stream(job, streams), streams, request), streams)
     try:
         outputs = await unless_disconnected(request, streams, lambda: _collect(job, streams))
     except ClientDisconnected:

@@ -226,19 +226,23 @@ class PromptShapeError(ValueError):
     pass
 
 
-def normalize_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes -> a list of prompts, each text or token ids."""
+def normalize_prompts(prompt: str | list[Any], max_tokens: int | None = None) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts, each text or token ids. A token-id list
+    longer than ``max_tokens`` is refused before its items are looked at."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise PromptShapeError("prompt: must not be an empty list")
-    if all(_is_token(item) for item in prompt):
-        return [list(prompt)]
+    if _is_token(prompt[0]):
+        _check_count(prompt, max_tokens)
+        if all(_is_token(item) for item in prompt):
+            return [list(prompt)]
     if all(isinstance(item, str) for item in prompt):
         return list(prompt)
     if all(isinstance(item, list) for item in prompt):
         prompts: list[str | list[int]] = []
         for item in prompt:
+            _check_count(item, max_tokens)
             if not item or not all(_is_token(token) for token in item):
                 raise PromptShapeError("prompt: a list of token-id lists must hold non-empty lists of integers")
             prompts.append(list(item))
@@ -246,6 +250,11 @@ def normalize_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     raise PromptShapeError(
         "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"
     )
+
+
+def _check_count(ids: list[Any], max_tokens: int | None) -> None:
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise PromptShapeError(f"prompt: {len(ids)} tokens is longer than max_model_len ({max_tokens})")
 
 
 def _is_token(item: object) -> bool:

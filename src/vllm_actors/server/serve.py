@@ -30,6 +30,8 @@ from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.core import load_group_tokenizer
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.args import supervision_kwargs
+from vllm_actors.server.auth import api_keys_from
+from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.serving import ServerState
 
 log = structlog.get_logger(__name__)
@@ -56,6 +58,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models named: {args.model_tag!r} and --model {args.model!r}")
     config = make_engine_config(model, engine_args)
+    api_keys = api_keys_from(args.api_key)  # an empty key fails here, before the group starts
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
@@ -63,7 +66,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     try:
         group.start()  # a signal now raises SystemExit: start() stops what it started
         stop.raise_on_signal = False  # from here on a signal means: drain, then stop
-        failure = asyncio.run(_serve(group, args, stop))
+        failure = asyncio.run(_serve(group, args, stop, api_keys))
     finally:
         group.shutdown()
         for sig, handler in previous.items():
@@ -75,7 +78,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> str | None:
+async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: list[str]) -> str | None:
     """Serve until stopped; returns why the group failed, if it did."""
     tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
     client = AsyncEngineClient(group.info, tokenizer, group=group, load_tokenizer=False)
@@ -86,6 +89,9 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> str | Non
             served_model_names=args.served_model_name,
             max_num_seqs=group.config.max_num_seqs,
             max_waiting_requests=args.max_waiting_requests if args.max_waiting_requests >= 0 else None,
+            api_key=api_keys,
+            limits=RequestLimits.for_model(client.max_model_len, max_prompt_bytes=args.max_prompt_bytes,
+                                           max_body_bytes=args.max_request_body_bytes),
         )
         state = server_state(app)
         config = uvicorn.Config(
@@ -101,7 +107,8 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop) -> str | Non
         client.add_failure_listener(server.on_group_failed)
         if stop.requested or client.failed is not None:
             return client.failed
-        log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir)
+        log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir,
+                 api_key=bool(api_keys))
         await server.serve()
         if state.client.num_unfinished:
             log.warning("aborting requests still running after the grace period", count=state.client.num_unfinished)

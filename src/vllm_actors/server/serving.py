@@ -8,7 +8,7 @@ import contextlib
 import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -23,14 +23,23 @@ from vllm_actors.actors.frontend.text import PromptInput
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.server.errors import OpenAIError, bad_request, error_body, from_decode_error
+from vllm_actors.server.errors import (
+    OpenAIError,
+    bad_request,
+    edge_context,
+    error_body,
+    from_decode_error,
+    log_edge_error,
+    one_line,
+)
+from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's default, when attached to a group of unknown config
-MAX_BODY_BYTES = 32 * 1024 * 1024
+DRAIN_BYTES = 64 * 1024 * 1024  # what is read and dropped past the cap before answering 413
 LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
 T = TypeVar("T")
@@ -45,6 +54,7 @@ class ServerState:
     max_waiting_requests: int | None
     metrics: ServerMetrics
     draining: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def model_name(self) -> str:
@@ -71,6 +81,10 @@ class ServerState:
         if self.draining or self.client.is_closed:
             raise OpenAIError("The server is shutting down.", 503, headers={"Retry-After": "5"})
         limit = self.max_in_flight
+        if limit is not None and num_engine_requests > limit:  # never admissible: not a 503 to retry
+            raise bad_request(
+                f"n: the request needs {num_engine_requests} sequences (n times the prompts), more than the "
+                f"server takes at once ({limit})", "n")
         in_flight = self.client.num_unfinished
         if limit is not None and in_flight + num_engine_requests > limit:
             raise OpenAIError(
@@ -81,22 +95,41 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
-        """Tokenise and validate (the prompt plus max_tokens must fit in max_model_len); the
-        frontend's ValueError is a 400 naming the field it starts with."""
+    async def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+        """Tokenise (a long text off the event loop) and validate: the prompt within the byte limit
+        and max_model_len, plus max_tokens within max_model_len; the frontend's ValueError is a 400
+        naming the field it starts with."""
         with _bad_request_on_value_error():
-            return self.client.prepare(request_id, prompt, params, max_tokens_must_fit=True)
+            return await self.client.prepare_async(request_id, prompt, params, max_tokens_must_fit=True,
+                                                   max_prompt_bytes=self.limits.max_prompt_bytes)
 
-    def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
-                     add_generation_prompt: bool, chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
+    async def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
+                           add_generation_prompt: bool,
+                           chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
         """``prepare`` for a conversation, through the model's chat template."""
         with _bad_request_on_value_error():
-            return self.client.prepare_chat(request_id, messages, params, add_generation_prompt=add_generation_prompt,
-                                            chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True)
+            return await self.client.prepare_chat_async(
+                request_id, messages, params, add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True,
+                max_prompt_bytes=self.limits.max_prompt_bytes)
+
+    async def prompt_texts(self, prepared: Sequence[PreparedRequest]) -> list[str]:
+        """Each prompt's text (for echo): as given, else decoded (a long one off the loop)."""
+        return [p.prompt if p.prompt is not None else await self.client.detokenize_async(p.prompt_token_ids)
+                for p in prepared]
 
     def submit(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
+        """Admit, then send every request; if one fails, those already sent are aborted (reason
+        "error") before the error goes on: a failed request leaves nothing in flight."""
         self.admit(sum(p.params.n for p in prepared))
-        return [self.client.submit(p) for p in prepared]
+        streams: list[RequestStream] = []
+        try:
+            for p in prepared:
+                streams.append(self.client.submit(p))
+        except BaseException:
+            abort_all(streams, "error")
+            raise
+        return streams
 
     def output_error(self, output: RequestOutput) -> OpenAIError:
         """The error of a request that ended with one: the engine's failure is a 503 (the group gave
@@ -120,19 +153,42 @@ def request_id(prefix: str, request: Request) -> str:
     its requests in flight, as in vLLM), else ``<prefix>-<random>``. The response's ``id`` and the
     engine's request id (events, timelines) are the same."""
     header = request.headers.get("x-request-id")
-    return f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
+    value = f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
+    request.state.request_id = value  # for the error lines at the edge (errors.edge_context)
+    return value
 
 
-async def decode_body(request: Request, kind: type[S]) -> S:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise OpenAIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
+async def decode_body(request: Request, kind: type[S], max_bytes: int = MAX_BODY_BYTES) -> S:
+    """The JSON body as ``kind``; every failure is an OpenAIError: 413 past ``max_bytes`` (refused
+    from Content-Length before reading, else once the bytes read pass it), 400 for an empty body,
+    malformed JSON, invalid UTF-8, too deep a nesting or a wrong field."""
+    body = await read_body(request, max_bytes)
     if not body:
         raise OpenAIError("the request body is empty; expected a JSON object", 400)
     try:
         return msgspec.json.decode(body, type=kind)
-    except msgspec.DecodeError as error:
-        raise from_decode_error(error) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise from_decode_error(error, request.headers.get("content-type")) from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, kept only up to ``max_bytes``: past that (or a Content-Length past it) the rest
+    is read and dropped, up to ``DRAIN_BYTES`` more, before the 413, so that the client, still
+    sending, gets the answer rather than a reset connection."""
+    declared = request.headers.get("content-length", "")
+    size = 0
+    chunks: list[bytes] | None = None if declared.isdigit() and int(declared) > max_bytes else []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if chunks is not None and size > max_bytes:
+            chunks = None  # too large: drop what was kept
+        if chunks is not None:
+            chunks.append(chunk)
+        elif size > max_bytes + DRAIN_BYTES:
+            break
+    if chunks is None:
+        raise OpenAIError(f"the request body is larger than {max_bytes} bytes", 413)
+    return b"".join(chunks)
 
 
 def sampling_params(
@@ -315,9 +371,11 @@ def sse(body: msgspec.Struct | dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[RequestStream],
+                         request: Request) -> AsyncIterator[bytes]:
     """The SSE body: aborts the streams when the client leaves (the iteration is cancelled or
-    closed early) and turns a failure into an error event, then ``[DONE]``, like vLLM."""
+    closed early) and turns a failure into an error event, then ``[DONE]``, like vLLM. A failure
+    is logged as one line naming the request (the traceback at debug level only)."""
     reason = "disconnect"
     try:
         async for chunk in events:
@@ -326,9 +384,10 @@ async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[Request
     except Exception as error:  # the stream has started: errors go in-band
         reason = "error"
         if isinstance(error, OpenAIError):
-            log.warning("stream ended with an error", status=error.status, error=error.message)
+            log.warning("stream ended with an error", **edge_context(request.scope), status=error.status,
+                        error=one_line(error.message))
         else:
-            log.exception("stream failed")
+            log_edge_error("stream failed", request.scope, error)
         status = error.status if isinstance(error, OpenAIError) else 500
         yield sse(error_body(str(error) or type(error).__name__, status))
         yield SSE_DONE
@@ -342,8 +401,9 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream] = ()) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams  # aborted at the end, should the body never have started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -366,3 +426,6 @@ class EventStreamResponse(StreamingResponse):
             closer = getattr(self.body_iterator, "aclose", None)
             if closer is not None:
                 await closer()
+            # A body generator closed before its first step never runs its own clean-up (a client
+            # that left before the first byte): whatever is still running is aborted here.
+            abort_all(self.streams, "disconnect")

@@ -89,7 +89,7 @@ class Frontend:
         ``max_tokens_must_fit``: refuse a request whose prompt plus max_tokens exceeds
         max_model_len (the OpenAI server's rule; offline, generation just stops there)."""
         self._check_new(request_id, params)
-        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, max_tokens=self.max_model_len)
         return self._prepare(request_id, text, prompt_ids, params, "prompt", max_tokens_must_fit)
 
     def prepare_chat(
@@ -107,6 +107,15 @@ class Frontend:
         text, prompt_ids = tokenize_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                          chat_template_kwargs=chat_template_kwargs)
         return self._prepare(request_id, text, prompt_ids, params, "messages", max_tokens_must_fit)
+
+    def prepare_tokens(
+        self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
+        field: str = "prompt", max_tokens_must_fit: bool = False,
+    ) -> PreparedRequest:
+        """``prepare`` for a prompt tokenised elsewhere (``text.py``'s functions, on a worker
+        thread): the same checks, ``field`` naming the request field they blame."""
+        self._check_new(request_id, params)
+        return self._prepare(request_id, text, prompt_ids, params, field, max_tokens_must_fit)
 
     def _check_new(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -135,7 +144,7 @@ class Frontend:
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + index)
+                child_params = params.clone(seed=params.child_seed(index))
             engine_id = request.request_id if params.n == 1 else child_request_id(request.request_id, index)
             child = _Child(engine_id, index, child_params, self._detokenizer(request.prompt_token_ids, child_params))
             if params.logprobs is not None:
@@ -170,6 +179,11 @@ class Frontend:
             bad = low if low < 0 else high
             raise ValueError(
                 f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        outside = [token_id for token_id in params.stop_token_ids if token_id >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(

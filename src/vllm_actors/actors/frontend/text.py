@@ -22,17 +22,34 @@ PromptInput = str | Mapping[str, Any]
 ChatMessages = Sequence[Mapping[str, Any]]
 
 
-def tokenize_prompt(tokenizer: Tokenizer | None, prompt: PromptInput) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a text prompt or a dict with 'prompt' or 'prompt_token_ids'."""
+class TooManyTokens(ValueError):
+    """``Tokenizer.encode`` found more tokens than its limit."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"{count} tokens, more than {limit}")
+        self.count = count
+        self.limit = limit
+
+
+def tokenize_prompt(
+    tokenizer: Tokenizer | None, prompt: PromptInput, *, max_bytes: int | None = None, max_tokens: int | None = None,
+) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a text prompt or a dict with 'prompt' or 'prompt_token_ids'.
+    A text over ``max_bytes`` (UTF-8) is refused before it is tokenised, a token-id list over
+    ``max_tokens`` before it is converted."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
-        return prompt, tokenizer.encode(prompt)
+        check_text_size(prompt, "prompt", max_bytes)
+        return prompt, encode(tokenizer, prompt, "prompt", max_tokens)
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if max_tokens is not None and isinstance(ids, Sequence) and len(ids) > max_tokens:
+                raise ValueError(f"prompt: {len(ids)} tokens is longer than max_model_len ({max_tokens})")
+            return prompt.get("prompt"), token_id_list(ids)
         if "prompt" in prompt and isinstance(prompt["prompt"], str):
-            return tokenize_prompt(tokenizer, prompt["prompt"])
+            return tokenize_prompt(tokenizer, prompt["prompt"], max_bytes=max_bytes, max_tokens=max_tokens)
         raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
@@ -43,11 +60,20 @@ def tokenize_chat(
     *,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_bytes: int | None = None,
+    max_tokens: int | None = None,
 ) -> tuple[str, list[int]]:
     """(text, token ids) of a conversation through the model's chat template. The template writes
-    the special tokens itself, so the text is encoded without adding any."""
+    the special tokens itself, so the text is encoded without adding any. ``max_bytes`` bounds the
+    rendered text; messages whose text content alone is over it are refused before rendering;
+    more than ``max_tokens`` are refused before the ids become a list."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init=True)")
+    if max_bytes is not None:
+        contents = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        if contents > max_bytes:
+            raise ValueError(f"messages: the message contents are {contents} characters, more than the "
+                             f"{max_bytes} bytes a prompt may have")
     try:
         text = tokenizer.apply_chat_template(
             [dict(message) for message in messages],
@@ -56,7 +82,28 @@ def tokenize_chat(
         )
     except (ChatTemplateError, TypeError) as error:
         raise ValueError(f"messages: the chat template failed: {error}") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    check_text_size(text, "messages", max_bytes)
+    return text, encode(tokenizer, text, "messages", max_tokens, add_special_tokens=False)
+
+
+def encode(tokenizer: Tokenizer, text: str, field: str, max_tokens: int | None,
+           add_special_tokens: bool = True) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=max_tokens)
+    except TooManyTokens as error:
+        raise ValueError(f"{field}: {error.count} tokens is longer than max_model_len ({error.limit})") from None
+
+
+def check_text_size(text: str, field: str, max_bytes: int | None) -> None:
+    """Refuse a text of more than ``max_bytes`` UTF-8 bytes (its length in characters settles a
+    huge one without encoding it)."""
+    if max_bytes is None:
+        return
+    size = len(text) if len(text) > max_bytes else len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        unit = "characters" if len(text) > max_bytes else "bytes"
+        raise ValueError(f"{field}: the prompt is longer than the {max_bytes} bytes a prompt may have "
+                         f"({size} {unit})")
 
 
 def token_id_list(ids: object) -> list[int]:

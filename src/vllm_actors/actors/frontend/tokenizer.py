@@ -19,11 +19,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from vllm_actors.actors.frontend.chat_template import render_chat_template, select_chat_template
 from vllm_actors.actors.frontend.gguf_tokenizer import is_gguf_file, load_gguf_tokenizer
+from vllm_actors.actors.frontend.text import TooManyTokens
 
 log = structlog.get_logger(__name__)
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _EXTRA_SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
+_RELEASE_GIL_CHARS = 16384  # texts from this length on are encoded without holding the GIL
 
 
 class Tokenizer:
@@ -176,8 +178,19 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, *, limit: int | None = None) -> list[int]:
+        """The token ids of ``text``; more than ``limit`` of them raise ``TooManyTokens`` (before the
+        ids become a Python list). A long text goes through ``encode_batch_fast``, which releases the
+        GIL while it works and keeps no offsets: measured on a 3 MB text, ``encode`` held the GIL for
+        up to 290 ms at a time and ``encode_batch`` freed its per-token offsets and strings for
+        410 ms under the GIL, while ``encode_batch_fast`` freed its result in 2 ms."""
+        if len(text) >= _RELEASE_GIL_CHARS:
+            encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        if limit is not None and len(encoding) > limit:
+            raise TooManyTokens(len(encoding), limit)
+        return encoding.ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)

@@ -1,7 +1,7 @@
 """The content of an event-log dump: one JSON line per retained event (``event_json_line``).
 
-Pure: the store hands a ``DumpContent`` to its shell, which writes the file and replies with a
-``DumpReply``."""
+Pure: the store hands a ``DumpContent`` to its shell, which writes it to a file of its choosing in
+the run directory and replies with a ``DumpReply``."""
 
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ def dump_lines(rows: Iterable[LogRow]) -> Iterator[str]:
 
 @dataclass(frozen=True, slots=True)
 class DumpContent:
-    """A ``DumpQuery``'s answer before it is written: where to (as asked) and the retained events
-    at the time of the query."""
+    """A ``DumpQuery``'s answer before it is written: the retained events at the time of the query."""
 
-    path: str
     rows: tuple[LogRow, ...]
 
     @property

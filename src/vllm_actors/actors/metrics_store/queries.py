@@ -146,8 +146,5 @@ def events(recorder: Recorder, query: EventsQuery) -> MetricsReply:
     return EventsReply(first_index=start, next_index=start + len(found), missed=missed, events=found)
 
 
-def dump(recorder: Recorder, query: DumpQuery) -> DumpContent | ErrorReply:
-    path = query.path
-    if not isinstance(path, str) or not path:
-        return ErrorReply(message="DumpQuery.path must be a non-empty string")
-    return DumpContent(path=path, rows=tuple(recorder.history))
+def dump(recorder: Recorder, query: DumpQuery) -> DumpContent:
+    return DumpContent(rows=tuple(recorder.history))

@@ -107,7 +107,7 @@ class MetricsStore:
 
     def query(self, query: MetricsQuery) -> MetricsReply | DumpContent:
         """Answer one query: an ``ErrorReply`` for one it cannot answer; for a ``DumpQuery``, the
-        ``DumpContent`` that its shell writes to ``content.path`` (and then replies ``DumpReply``)."""
+        ``DumpContent`` that its shell writes to a file it names (and then replies ``DumpReply``)."""
         recorder = self._recorder
         if isinstance(query, SummaryQuery):
             return queries.summary(recorder)
