@@ -154,3 +154,38 @@ def test_malformed_frames_at_an_actor_shell_cost_a_few_lines(stderr: io.StringIO
     finally:
         shell.close()
         context.term()
+
+
+def test_uvicorn_lines_are_bounded_and_one_line() -> None:
+    """uvicorn logs through the standard library: a flood of one line is cut to the limit plus one
+    count, and an exception loses its traceback (kept as error=) unless at DEBUG."""
+    import logging
+
+    from vllm_actors.runtime.stdlib_log_limits import StdlibLogLimit
+
+    now = [0.0]
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("test.uvicorn.flood")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    logger.addFilter(StdlibLogLimit(per_key=5, clock=lambda: now[0]))
+    for _ in range(1000):
+        logger.warning("Invalid HTTP request received.")
+    assert len(records) == 5
+    now[0] = 1.5
+    logger.warning("Invalid HTTP request received.")
+    assert [r.getMessage() for r in records[5:]] == [
+        "log lines suppressed like='Invalid HTTP request received.' suppressed=995 seconds=1.0",
+        "Invalid HTTP request received."]
+    try:
+        raise ValueError("bad frame")
+    except ValueError:
+        logger.exception("Exception in ASGI application")
+    assert records[-1].exc_info is None
+    assert records[-1].getMessage() == "Exception in ASGI application error=ValueError: bad frame"

@@ -23,7 +23,7 @@ def _stderr_logger(*args: object) -> structlog.PrintLogger:
     return structlog.PrintLogger(file=sys.stderr)
 
 
-def _lines_per_second(value: int | None) -> int:
+def log_rate(value: int | None = None) -> int:
     if value is not None:
         return value
     try:
@@ -35,7 +35,7 @@ def _lines_per_second(value: int | None) -> int:
 def configure_logging(level: str | None = None, lines_per_second: int | None = None) -> None:
     name = (level or os.environ.get("VLLM_ACTORS_LOG_LEVEL", "WARNING")).upper()
     numeric = getattr(logging, name, logging.WARNING)
-    rate = _lines_per_second(lines_per_second)
+    rate = log_rate(lines_per_second)
     limit: list[structlog.typing.Processor] = [RateLimiter(per_key=rate, total=10 * rate)] if rate > 0 else []
     structlog.configure(
         processors=[

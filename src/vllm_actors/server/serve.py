@@ -28,6 +28,8 @@ import uvicorn
 
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.core import load_group_tokenizer
+from vllm_actors.runtime.log_setup import log_rate
+from vllm_actors.runtime.stdlib_log_limits import install as install_log_limits
 from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.auth import api_keys_from
@@ -103,6 +105,12 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
             access_log=not args.disable_uvicorn_access_log,
             lifespan="off",
         )
+        # uvicorn logs through the standard library: the same bounds as our own lines (an access
+        # line per request is allowed ten times the rate of any other line).
+        rate = log_rate()
+        debug = os.environ.get("VLLM_ACTORS_LOG_LEVEL", "").upper() == "DEBUG"
+        install_log_limits(["uvicorn.error"], rate, debug=debug)
+        install_log_limits(["uvicorn.access"], 10 * rate, debug=debug)
         server = _DrainingServer(config, state)
         client.add_failure_listener(server.on_group_failed)
         if stop.requested or client.failed is not None:
