@@ -323,6 +323,7 @@ def write_plot(path: Path) -> bool:
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     _RECORDS.clear()
     status = 0
     print(HEADER, flush=True)
