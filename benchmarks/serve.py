@@ -5,4 +5,5 @@ Same as ``vllm-actors bench serve``.
 
 from vllm_actors.bench.serve import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # the client processes are spawned: they import this file too
+    raise SystemExit(main())
