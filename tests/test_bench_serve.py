@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from vllm_actors.bench.serve_client import (
     run_load,
     split_load,
     summarize,
+    tpot,
 )
 
 FAIL_TOKENS = 13  # a request for this many tokens gets HTTP 500
@@ -121,6 +123,8 @@ def test_open_loop_against_fake_server(fake_server: str) -> None:
     assert summary["goodput"]["good"] == 4  # all but the failed and the slow one
     assert summary["ttft"]["count"] == 5 and summary["itl"]["count"] == 4 + 8 + 6 + 2 + 11
     assert summary["ttft"]["p99"] >= SLOW_FIRST_S * 0.9
+    assert summary["tokens_per_chunk"] == 1.0 and summary["tpot"]["count"] == 5
+    assert summary["tpot"]["p50"] >= GAP_S * 0.8
     summary.update({"kind": "rate", "value": 2.0, "sent": 6})
     assert format_row("fake", summary).startswith("| fake | 2/s | 6 | 1 |")
 
@@ -149,3 +153,58 @@ def test_workload_and_slo() -> None:
     assert not RequestResult(0, 10, 3, ok=True, ttft=0.1, itl=[0.01] * 50 + [0.2] * 5).meets(0.2, 0.05)
     assert not RequestResult(0, 10, 3, ok=True, ttft=0.25).meets(0.2, 0.05)
     assert not RequestResult(0, 10, 3, ok=False, ttft=0.01).meets(0.2, 0.05)
+    assert tpot(0.1, 1.1, 11) == pytest.approx(0.1) and tpot(0.1, 0.1, 1) is None
+
+
+def test_command_line() -> None:
+    from vllm_actors.bench.serve import build_parser, server_command
+    from vllm_actors.cli import build_parser as cli_parser
+    from vllm_actors.cli import engine_kwargs
+
+    cli = cli_parser()
+    assert engine_kwargs(cli.parse_args(["serve", "m", "--load-format", "dummy"]))["load_format"] == "dummy"
+    assert engine_kwargs(cli.parse_args(["serve", "m"]))["load_format"] == "auto"
+    assert cli.parse_args(["bench", "serve", "--rates", "1"]).which == "serve"
+    args = build_parser().parse_args(["--engines", "ours", "vllm", "--rates", "0.5", "20", "--port", "9"])
+    ours, vllm = (server_command(engine, args, "/m", "dummy") for engine in ("ours", "vllm"))
+    assert ours[1:4] == ["-m", "vllm_actors", "serve"] and vllm[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    assert ours[4:] == vllm[4:] and "--load-format" in ours and ours[ours.index("--port") + 1] == "9"
+
+
+_FAKE_VLLM = '''
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, **kw): self.kw = kw
+class _Completion:
+    def __init__(self, n): self.token_ids = list(range(n))
+class _Output:
+    def __init__(self, n): self.outputs = [_Completion(n)]
+class LLM:
+    def __init__(self, **kw): assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"]
+    def generate(self, inputs, params, use_tqdm=False):
+        assert all("prompt_token_ids" in i for i in inputs) and all(p.kw["ignore_eos"] for p in params)
+        return [_Output(p.kw["max_tokens"]) for p in params]
+'''
+
+
+def test_vllm_peer_runs_in_its_own_process(tmp_path: Path) -> None:
+    """throughput --peer vllm: peer_vllm.py under another PYTHONPATH (here a stand-in for vLLM)."""
+    from vllm_actors.bench.throughput import build_parser, run_vllm_peer
+    from vllm_actors.bench.throughput_workload import make_workload
+
+    site = tmp_path / "site" / "vllm"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(_FAKE_VLLM)
+    args = build_parser().parse_args(["--peer", "vllm", "--vllm-pythonpath", str(site.parent), "--runs", "2",
+                                      "--batch1-input-len", "8", "--batch1-output-len", "5",
+                                      "--out", str(tmp_path / "out")])
+    Path(args.out).mkdir()
+    workload = make_workload(3, max_input_len=16, max_output_len=4)
+    result = run_vllm_peer(args, str(tmp_path), "dummy", workload, tmp_path, 151936)
+    assert "error" not in result, result.get("error")
+    assert result["version"] == "0.0-fake" and len(result["runs"]) == 2
+    assert result["output_tokens"] == result["expected_output_tokens"] == workload.output_tokens
+    assert result["batch1"]["input_len"] == 8 and len(result["batch1"]["ttft_samples_s"]) == 5
+    (site / "__init__.py").write_text("raise ImportError('no vllm here')")
+    failed = run_vllm_peer(args, str(tmp_path), "dummy", workload, tmp_path / "out", 151936)
+    assert failed["error"].startswith("exit 1") and "no vllm here" in failed["error"]

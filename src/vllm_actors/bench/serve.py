@@ -42,7 +42,9 @@ from vllm_actors.bench.serve_client import (
     poisson_requests,
     run_load,
     split_load,
+    spread,
     summarize,
+    tpot,
 )
 from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
 
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-itl-ms", type=float, default=50.0, help="bound on each request's p99 inter-token gap")
 
     parser.add_argument("--out", default="results/serve")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="SERVE_JSON",
+                        help="measure nothing: put the servers of these serve.json files (e.g. runs of separate "
+                             "device calls) into one serve.json / serve.md / serve.png under --out, without "
+                             "their per-request rows")
     return parser
 
 
@@ -249,8 +255,8 @@ def _load_label(summary: dict[str, Any]) -> str:
 
 
 HEADER = ("| server | load | sent | failed | out tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
-          "| E2E p50 / p90 / p99 (s) | goodput (share, req/s) |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| TPOT p50 / p99 (ms) | tokens per chunk | E2E p50 / p90 / p99 (s) | goodput (share, req/s) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def format_row(name: str, s: dict[str, Any]) -> str:
@@ -258,6 +264,7 @@ def format_row(name: str, s: dict[str, Any]) -> str:
     return (f"| {name} | {_load_label(s)} | {s['sent']} | {s['failed']} | {s['output_tok_s']:,.0f} | "
             f"{t['p50'] * 1e3:.1f} / {t['p90'] * 1e3:.1f} / {t['p99'] * 1e3:.1f} | "
             f"{i['p50'] * 1e3:.2f} / {i['p90'] * 1e3:.2f} / {i['p99'] * 1e3:.2f} | "
+            f"{s['tpot']['p50'] * 1e3:.2f} / {s['tpot']['p99'] * 1e3:.2f} | {s['tokens_per_chunk']:.2f} | "
             f"{e['p50']:.2f} / {e['p90']:.2f} / {e['p99']:.2f} | {g['share']:.1%}, {g['rate']:.2f} |")
 
 
@@ -269,7 +276,9 @@ def markdown(args: argparse.Namespace) -> str:
              f"{args.input_len[0]}-{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}.", ""]
     for record in _RECORDS:
         lines.append(f"- {record['name']}: {record.get('version', '')} startup {record.get('startup_s', 0):.1f} s"
-                     + (f", error: {record['error']}" if record.get("error") else ""))
+                     + (f", error: {record['error']}" if record.get("error") else "")
+                     + (f" (from {record['source']})" if record.get("source") else "")
+                     + (f"; server: `{record['command']}`" if record.get("command") else ""))
     lines += ["", HEADER]
     lines += [format_row(record["name"], summary) for record in _RECORDS for summary in record["loads"]]
     return "\n".join(lines) + "\n"
@@ -321,7 +330,36 @@ def write_plot(path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- main
+def _without_rows(load: dict[str, Any]) -> dict[str, Any]:
+    """A load's summary without its per-request rows, with TPOT computed from them where a run
+    older than the TPOT column lacks it."""
+    rows = load.get("per_request") or []
+    if "tpot" not in load and rows:
+        done = [row for row in rows if row["ok"]]
+        load = {**load, "tpot": spread([t for r in done if (t := tpot(r["ttft"], r["e2e"], r["out"])) is not None])}
+        gaps = load["itl"]["count"]
+        load["tokens_per_chunk"] = load["output_tokens"] / max(1, gaps + len(done))
+    return {k: v for k, v in load.items() if k != "per_request"}
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """The servers of several runs in one report; the settings (SLO, lengths, ...) are the first run's."""
+    documents = [json.loads(Path(path).read_text()) for path in paths]
+    args = argparse.Namespace(**{**documents[0]["config"], "merge": paths, "out": str(out)})
+    _RECORDS.clear()
+    for path, document in zip(paths, documents, strict=True):
+        for record in document["servers"]:
+            record = {**record, "source": Path(path).name}
+            record["loads"] = [_without_rows(load) for load in record["loads"]]
+            _RECORDS.append(record)
+    write_outputs(out, args, True)
+    print(markdown(args), flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _RECORDS.clear()

@@ -329,6 +329,12 @@ def spread(samples: Sequence[float]) -> dict[str, float]:
             "max": ordered[-1] if ordered else 0.0}
 
 
+def tpot(ttft: float, e2e: float, output_tokens: int) -> float | None:
+    """Time per output token after the first, (e2e - ttft) / (tokens - 1): unlike the gaps between
+    chunks, it does not depend on how many tokens the server puts in a chunk."""
+    return (e2e - ttft) / (output_tokens - 1) if output_tokens > 1 else None
+
+
 def summarize(results: Sequence[RequestResult], start: float, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
     """The load's figures: seconds in the spreads; wall = first send to last end."""
     done = [result for result in results if result.ok]
@@ -347,6 +353,8 @@ def summarize(results: Sequence[RequestResult], start: float, ttft_slo: float, i
         "output_tok_s": sum(result.output_tokens for result in done) / wall,
         "ttft": spread([result.ttft for result in done]),
         "itl": spread([gap for result in done for gap in result.itl]),
+        "tpot": spread([t for r in done if (t := tpot(r.ttft, r.e2e, r.output_tokens)) is not None]),
+        "tokens_per_chunk": (sum(r.output_tokens for r in done) / max(1, sum(r.chunks for r in done))),
         "e2e": spread([result.e2e for result in done]),
         "goodput": {"ttft_slo_s": ttft_slo, "itl_p99_slo_s": itl_slo, "good": good,
                     "share": good / len(results) if results else 0.0, "rate": good / wall},
