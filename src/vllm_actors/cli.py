@@ -17,6 +17,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights in the checkpoint's shapes (only config.json is read)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -37,7 +39,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
-        "tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
         "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
         "scheduling_policy",
@@ -152,6 +154,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "serve":
+        from vllm_actors.bench.serve import main as serve_main
+
+        return serve_main(args.rest)
     if args.which == "prefix":
         from vllm_actors.bench.prefix import main as prefix_main
 
@@ -219,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
 
     bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("which", choices=["throughput", "prefix"])
+    bench.add_argument("which", choices=["throughput", "prefix", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
 

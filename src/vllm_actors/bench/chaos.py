@@ -74,9 +74,7 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     from vllm_actors.cli import add_engine_arguments
     from vllm_actors.server.args import add_supervision_arguments
 
-    add_engine_arguments(parser)
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                        help="dummy: random weights of the checkpoint's shape (a config.json is enough)")
+    add_engine_arguments(parser)  # with --load-format (dummy: random weights of the checkpoint's shape)
     add_supervision_arguments(parser)
     parser.set_defaults(device="cpu")  # the default model on CPU; --device auto or cuda for a GPU
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load under faults")
@@ -106,7 +104,7 @@ def options_from_args(args: argparse.Namespace) -> ChaosOptions:
 
     actors = tuple(name.strip() for name in args.actors.split(",") if name.strip())
     options = ChaosOptions(
-        model=args.model, engine={**engine_kwargs(args), "load_format": args.load_format},
+        model=args.model, engine=engine_kwargs(args),
         supervision=supervision_kwargs(args), duration=args.duration, kill_every=args.kill_every,
         actors=actors, stop_prob=args.stop_prob, stop_seconds=args.stop_seconds, concurrency=args.concurrency,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, hang_timeout=args.hang_timeout,

@@ -116,6 +116,16 @@ class BenchReport:
     errors: dict[str, str] = field(default_factory=dict)  # part -> what went wrong
     total_seconds: float = 0.0
     steps: list[dict[str, float]] = field(default_factory=list)  # per worker step of the timed run
+    ours_runs: list[float] = field(default_factory=list)  # output tok/s of every timed run (the best is ``ours``)
+    startup_s: float | None = None  # our engine: LLM(...) until it returned
+    batch1_client: dict[str, Any] | None = None  # client-clock batch-1 (peer_vllm.client_batch1)
+    peer_vllm: dict[str, Any] | None = None  # peer_vllm.py's result
+
+    @property
+    def vllm_ratio(self) -> float | None:
+        if self.ours is None or not self.peer_vllm or not self.peer_vllm.get("tokens_per_s"):
+            return None
+        return self.ours.tokens_per_s / float(self.peer_vllm["tokens_per_s"])
 
     @property
     def fraction_of_floor(self) -> float | None:
@@ -142,6 +152,11 @@ class BenchReport:
             "batch1": {name: asdict(result) for name, result in self.batch1.items()},
             "errors": dict(self.errors),
             "total_seconds": self.total_seconds,
+            "ours_runs": self.ours_runs,
+            "startup_s": self.startup_s,
+            "batch1_client": self.batch1_client,
+            "peer_vllm": self.peer_vllm,
+            "vllm_ratio": self.vllm_ratio,
             "steps": self.steps,
         }
 
@@ -161,6 +176,11 @@ def table_rows(report: BenchReport) -> list[tuple[str, str]]:
                                  f"{ours.output_tokens:,} output tokens"))
         rows.append(("ours: output tok/s", f"{ours.tokens_per_s:,.0f}"))
         rows.append(("ours: wall time of generate", f"{ours.seconds:,.2f} s"))
+        if len(report.ours_runs) > 1:
+            rows.append(("ours: every run (tok/s)", ", ".join(f"{value:,.0f}" for value in report.ours_runs)))
+    if report.startup_s is not None:
+        rows.append(("ours: engine start", f"{report.startup_s:.1f} s"))
+    rows.extend(_vllm_rows(report))
     if report.floor is not None:
         floor = report.floor
         rows.append(("floor: output tok/s", f"{floor.tokens_per_s:,.0f} ({floor.seconds:.2f} s: prefill "
@@ -205,6 +225,30 @@ def table_rows(report: BenchReport) -> list[tuple[str, str]]:
     for part, error in report.errors.items():
         rows.append((f"error: {part}", error))
     rows.append(("total benchmark wall time", f"{report.total_seconds:,.1f} s"))
+    return rows
+
+
+def _vllm_rows(report: BenchReport) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    ours_b1, peer = report.batch1_client, report.peer_vllm
+    if ours_b1:
+        rows.append(("ours: batch-1 (client clock)", f"TTFT {_ms(ours_b1['ttft_s'])}, "
+                                                     f"{ours_b1['ms_per_token']:.3f} ms/token"))
+    if not peer:
+        return rows
+    if peer.get("tokens_per_s"):
+        runs = ", ".join(f"{run['tokens_per_s']:,.0f}" for run in peer.get("runs", []))
+        rows.append((f"vLLM {peer.get('version', '')}: output tok/s",
+                     f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
+    if peer.get("startup_s") is not None:
+        rows.append(("vLLM: engine start", f"{peer['startup_s']:.1f} s"))
+    if peer.get("batch1"):
+        b1 = peer["batch1"]
+        rows.append(("vLLM: batch-1 (client clock)", f"TTFT {_ms(b1['ttft_s'])}, {b1['ms_per_token']:.3f} ms/token"))
+    if report.vllm_ratio is not None:
+        rows.append(("ours / vLLM (tok/s)", f"{report.vllm_ratio:.3f}"))
+    if peer.get("error"):
+        rows.append(("error: vLLM", str(peer["error"])))
     return rows
 
 
@@ -257,11 +301,13 @@ def write_png(report: BenchReport, path: Path) -> bool:
         bars.append(("floor", report.floor.tokens_per_s))
     if report.peer is not None:
         bars.append((f"transformers\n({report.peer.num_requests} req)", report.peer.tokens_per_s))
+    if report.peer_vllm and report.peer_vllm.get("tokens_per_s"):
+        bars.append((f"vLLM {report.peer_vllm.get('version', '')}", float(report.peer_vllm["tokens_per_s"])))
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 2]})
     if bars:
         names, values = zip(*bars, strict=True)
-        drawn = left.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(bars)])
+        drawn = left.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange", "tab:purple"][: len(bars)])
         left.bar_label(drawn, labels=[f"{value:,.0f}" for value in values])
     left.set_ylabel("output tokens / s")
     left.set_title("throughput")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
 import sys
@@ -57,6 +58,7 @@ from vllm_actors.bench.throughput_workload import (
     make_workload,
     write_model_dir,
 )
+from vllm_actors.protocol.events import DISABLE_EVENTS_ENV
 
 # The workload and the event-log analysis live in their own modules; their names stay importable from here.
 __all__ = [
@@ -102,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--max-output-len", type=int, default=OUTPUT_LEN_RANGE[1], help="cap max_tokens")
     workload.add_argument("--warmup-requests", type=int, default=4,
                           help="short requests (64-token prompts, 16 tokens) before the timed run")
+    workload.add_argument("--runs", type=int, default=1,
+                          help="timed runs of the workload per engine; the best counts (the event-log metrics "
+                               "are the last run's)")
+    workload.add_argument("--no-events", action="store_true",
+                          help="engine actors publish no work events (VLLM_ACTORS_DISABLE_EVENTS=1): measures "
+                               "what events cost; no event-log metrics, batch-1 by the client's clock only")
 
     floor = parser.add_argument_group("floor")
     floor.add_argument("--no-floor", action="store_true", help="do not measure the GPU's ceilings")
@@ -111,13 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="FLOP/s to compute the floor with instead of the measured bf16 matmul rate")
 
     peer = parser.add_argument_group("peer")
-    peer.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    peer.add_argument("--peer", choices=("transformers", "vllm", "none"), default="transformers",
+                      help="vllm: vLLM's offline LLM on the same workload, in its own process (peer_vllm.py)")
     peer.add_argument("--no-peer", dest="peer", action="store_const", const="none", help="same as --peer none")
     peer.add_argument("--peer-num-requests", type=int, default=None,
                       help="run the peer on the first N requests only (default: --num-requests)")
     peer.add_argument("--peer-attn", default=None,
                       help="transformers attn_implementation (default: its paged sdpa)")
     peer.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds")
+    peer.add_argument("--vllm-python", default=sys.executable, help="the Python that runs vLLM")
+    peer.add_argument("--vllm-pythonpath", default="/tmp/vsite",
+                      help="PYTHONPATH of vLLM's process (where its packages are; '' to inherit ours)")
 
     batch1 = parser.add_argument_group("batch-1 decode")
     batch1.add_argument("--no-batch1", action="store_true")
@@ -196,6 +208,46 @@ def run_peer(args: argparse.Namespace, model_path: str, workload: Workload, rand
     )
 
 
+def run_vllm_peer(
+    args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
+    vocab_size: int,
+) -> dict[str, Any]:
+    """peer_vllm.py in a process of its own, under vLLM's PYTHONPATH; its JSON result (with
+    ``error`` when it failed, and what it measured before that)."""
+    import subprocess
+
+    from vllm_actors.bench import peer_vllm
+
+    script = scratch_dir / "peer_vllm.py"  # run from a folder of its own: bench/'s modules shadow nothing
+    shutil.copyfile(peer_vllm.__file__, script)
+    workload_path, result_path = scratch_dir / "vllm_workload.json", scratch_dir / "vllm_result.json"
+    workload_path.write_text(json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens}))
+    command = [
+        args.vllm_python, str(script), "--model", model_path, "--workload", str(workload_path),
+        "--out", str(result_path), "--load-format", load_format, "--dtype", args.dtype,
+        "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
+        "--runs", str(max(1, args.runs)), "--warmup-requests", str(args.warmup_requests),
+        "--batch1-input-len", str(args.batch1_input_len), "--batch1-output-len", str(args.batch1_output_len),
+        "--vocab-size", str(vocab_size),
+        *(["--enforce-eager"] if args.enforce_eager else []),
+        *(["--no-enable-prefix-caching"] if not args.enable_prefix_caching else []),
+        *(["--no-batch1"] if args.no_batch1 else []),
+    ]
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               HF_HUB_OFFLINE="1")
+    if args.vllm_pythonpath:
+        env["PYTHONPATH"] = args.vllm_pythonpath
+    log.info("starting the vLLM peer", command=" ".join(command))
+    completed = subprocess.run(command, env=env, timeout=args.peer_timeout, check=False, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    (Path(args.out) / "vllm_peer.log").write_text(completed.stdout)
+    result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    if completed.returncode != 0:
+        result["error"] = f"exit {completed.returncode}: " + " | ".join(completed.stdout.splitlines()[-12:])
+    return result
+
+
 def _config_record(args: argparse.Namespace, load_format: str, workload: Workload) -> dict[str, Any]:
     record: dict[str, Any] = dict(vars(args))
     record["load_format"] = load_format
@@ -239,15 +291,20 @@ def _run_ours(
 ) -> bool:
     """Part 1: the timed run, its metrics and batch-1 on the same engine. False if the run failed."""
     try:
+        started = time.perf_counter()
         with make_llm(args, model_path, load_format, args.enforce_eager) as llm:
+            report.startup_s = time.perf_counter() - started
             session = EngineSession(llm)
             steps, start_wall = measure_ours(args, session, workload, report, scratch_dir)
             report.steps = step_series(steps, start_wall)
             write_json(report, out_json)
             if not args.no_batch1:
                 key = _batch1_key(args.enforce_eager)
-                with _part(report, f"batch1_{key}", out_json):
-                    report.batch1[key] = session.batch1(args, args.enforce_eager, shape.vocab_size)
+                if not args.no_events:
+                    with _part(report, f"batch1_{key}", out_json):
+                        report.batch1[key] = session.batch1(args, args.enforce_eager, shape.vocab_size)
+                with _part(report, "batch1_client", out_json):
+                    report.batch1_client = session.batch1_client(args, shape.vocab_size)
     except Exception as exc:
         log.exception("the timed run failed")
         report.errors["ours"] = f"{type(exc).__name__}: {exc}"
@@ -297,14 +354,21 @@ def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
             workload = workload.fit_vocab(shape.vocab_size)
         report = BenchReport(config=_config_record(args, load_format, workload))
 
+        if args.no_events:
+            os.environ[DISABLE_EVENTS_ENV] = "1"  # read by every actor of the group at its start
         ok = _run_ours(args, model_path, load_format, shape, workload, report, scratch_dir, out_json)
-        if ok and not args.no_batch1 and not args.batch1_same_engine_only:
+        os.environ.pop(DISABLE_EVENTS_ENV, None)
+        if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
             _run_other_batch1(args, model_path, load_format, shape, workload, report, out_json)
         with _part(report, "floor", out_json):
             report.ceilings, report.floor = compute_floor(args, shape, workload)
         if ok and args.peer == "transformers":
             with _part(report, "peer", out_json):
                 report.peer = run_peer(args, model_path, workload, random_weights=load_format == "dummy")
+        if args.peer == "vllm":
+            with _part(report, "peer_vllm", out_json):
+                report.peer_vllm = run_vllm_peer(args, model_path, load_format, workload, scratch_dir,
+                                                 shape.vocab_size)
 
     report.total_seconds = time.perf_counter() - started
     with _part(report, "plot", out_json):

@@ -237,6 +237,15 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
 )
 
+# What an engine actor reports about its work (requests, KV blocks, steps), as opposed to the
+# lifecycle and supervision events. VLLM_ACTORS_DISABLE_EVENTS=1 drops these before they are
+# published, to measure what publishing them costs (the metrics store then sees no requests).
+WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
+    Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
+)
+DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"
+
 REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",
                   "PREEMPTED", "RESUMED", "FINISHED", "ABORTED")
 

@@ -12,6 +12,7 @@ the shell publishes ``CRASHED`` and lets it propagate (the process exits non-zer
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -24,7 +25,7 @@ import zmq
 
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.errors import MessageRejected
-from vllm_actors.protocol.events import ActorCrashed, EventBatch, Rejected
+from vllm_actors.protocol.events import DISABLE_EVENTS_ENV, WORK_EVENTS, ActorCrashed, EventBatch, Rejected
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.runtime.security import GroupKeys, bind, connect
@@ -63,8 +64,12 @@ class EventPublisher:
         self.stamper = EventStamper(actor_id)
         self._topic = actor_id.encode()
         self._encoder = msgspec.msgpack.Encoder()
+        # The cost-of-events switch (protocol.events.DISABLE_EVENTS_ENV): work events are dropped here.
+        self._drop_work_events = os.environ.get(DISABLE_EVENTS_ENV, "") not in ("", "0")
 
     def publish(self, events: list[Any]) -> EventBatch | None:
+        if self._drop_work_events:
+            events = [event for event in events if not isinstance(event, WORK_EVENTS)]
         if not events:
             return None
         batch = self.stamper.stamp(events)

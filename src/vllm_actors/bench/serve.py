@@ -1,0 +1,413 @@
+"""``vllm-actors bench serve``: online serving benchmark against this engine's server, vLLM's, or
+any OpenAI-compatible URL.
+
+For each server (``--engines ours vllm``, started here one after the other on the same model
+directory, or ``--url``), after a warm-up, each load in turn: Poisson arrivals at ``--rates``
+requests/s for ``--duration`` seconds, or ``--concurrencies`` closed loops for as long. The client
+(serve_client.py) runs in ``--num-clients`` processes and streams ``/v1/completions`` with random
+token-id prompts: a ShareGPT-like log-normal mix of 128-1024 prompt tokens and 64-512 output
+tokens (``ignore_eos``), so both servers do the same work. The prompts of each load are drawn from
+their own seed (no prefix-cache hits across loads), the same for every server.
+
+Reported per server and load: requests, failures, output tok/s, TTFT / inter-token / end-to-end
+p50, p90, p99, and goodput under the SLO (TTFT <= ``--slo-ttft-ms`` and the request's own p99
+inter-token gap <= ``--slo-itl-ms``): the share of requests sent that met it, and their rate.
+Outputs under ``--out``: ``serve.json`` (rewritten after every load), ``serve.md`` (the table) and
+``serve.png`` (matplotlib; skipped with a note without it).
+
+With no ``--model``, the model directory is Qwen3-0.6B's shape with random weights
+(``--load-format dummy`` for both servers) and a word-level tokenizer over its 151,936 ids
+("t0", "t1", ...), so that both servers detokenize every token as they would a real model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_actors.bench.serve_client import (
+    INPUT_LEN_RANGE,
+    OUTPUT_LEN_RANGE,
+    make_requests,
+    poisson_requests,
+    run_load,
+    split_load,
+    spread,
+    summarize,
+    tpot,
+)
+from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
+
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-actors bench serve", description=__doc__.split("\n\n")[0])
+    target = parser.add_argument_group("servers")
+    target.add_argument("--engines", nargs="+", choices=("ours", "vllm"), default=["ours"],
+                        help="servers to start, in this order (each stopped before the next starts)")
+    target.add_argument("--url", default=None, help="drive this running server instead (e.g. http://host:8000)")
+    target.add_argument("--label", default=None, help="the --url server's name in the report")
+    target.add_argument("--model", default=None, help="model directory (default: random Qwen3-0.6B shape)")
+    target.add_argument("--load-format", default=None, help="default: dummy without --model, auto with it")
+    target.add_argument("--dtype", default="bfloat16")
+    target.add_argument("--max-model-len", type=int, default=4096)
+    target.add_argument("--max-num-seqs", type=int, default=256)
+    target.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    target.add_argument("--port", type=int, default=8123)
+    target.add_argument("--server-args", default="", help="extra arguments for every started server (one string)")
+    target.add_argument("--vllm-python", default=sys.executable)
+    target.add_argument("--vllm-pythonpath", default="/tmp/vsite",
+                        help="PYTHONPATH for vLLM's server (its packages; '' to keep ours)")
+    target.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for a server to be up")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--rates", type=float, nargs="*", default=[0.5, 20.0, 40.0], help="Poisson requests/s")
+    load.add_argument("--concurrencies", type=int, nargs="*", default=[],
+                      help="closed loops of this many requests in flight (instead of --rates)")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
+    load.add_argument("--num-clients", type=int, default=4, help="client processes")
+    load.add_argument("--input-len", type=int, nargs=2, default=list(INPUT_LEN_RANGE), metavar=("MIN", "MAX"))
+    load.add_argument("--output-len", type=int, nargs=2, default=list(OUTPUT_LEN_RANGE), metavar=("MIN", "MAX"))
+    load.add_argument("--temperature", type=float, default=0.6)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup-requests", type=int, default=24, help="concurrent short requests before the loads")
+    load.add_argument("--request-timeout", type=float, default=300.0)
+    load.add_argument("--slo-ttft-ms", type=float, default=200.0)
+    load.add_argument("--slo-itl-ms", type=float, default=50.0, help="bound on each request's p99 inter-token gap")
+
+    parser.add_argument("--out", default="results/serve")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="SERVE_JSON",
+                        help="measure nothing: put the servers of these serve.json files (e.g. runs of separate "
+                             "device calls) into one serve.json / serve.md / serve.png under --out, without "
+                             "their per-request rows")
+    return parser
+
+
+# --------------------------------------------------------------------------- model directory
+def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
+    """config.json (Qwen3-0.6B's shape) plus a word-level tokenizer over the whole vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = dict(config or QWEN3_0_6B_CONFIG)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    vocab = {f"t{i}": i for i in range(int(config["vocab_size"]))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    eos = f"t{config.get('eos_token_id', 0)}"
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(config["max_position_embeddings"]),
+        "eos_token": eos, "unk_token": "t0", "pad_token": eos, "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- servers
+def server_command(engine: str, args: argparse.Namespace, model: str, load_format: str) -> list[str]:
+    common = [model, "--load-format", load_format, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+              "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+              "--host", "127.0.0.1", "--port", str(args.port), "--disable-uvicorn-access-log",
+              "--uvicorn-log-level", "warning", *shlex.split(args.server_args)]
+    if engine == "vllm":
+        return [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", *common]
+    return [sys.executable, "-m", "vllm_actors", "serve", *common]
+
+
+def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    if engine == "vllm":
+        env.update(VLLM_ENV)
+        if args.vllm_pythonpath:
+            env["PYTHONPATH"] = args.vllm_pythonpath
+    return env
+
+
+def http_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - a local benchmark URL
+        return json.loads(response.read())
+
+
+def served_model(url: str) -> str:
+    return str(http_json(f"{url}/v1/models")["data"][0]["id"])
+
+
+class Server:
+    """A server process in its own session (so that stopping it stops its children too)."""
+
+    def __init__(self, engine: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.engine, self.command, self.log_path = engine, command, log_path
+        self.log = log_path.open("w")
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.started = started
+        self.startup_s = 0.0
+
+    def wait_ready(self, url: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited with {self.process.returncode}: "
+                                   f"{self.tail()}")
+            try:
+                model = served_model(url)
+                self.startup_s = time.monotonic() - self.started
+                return model
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(f"{self.engine} server not up after {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        self.log.flush()
+        return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if self.process.poll() is not None:
+                break
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children left in the session (workers, engine cores)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.log.close()
+
+
+# --------------------------------------------------------------------------- loads
+def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
+    if args.concurrencies:
+        return [("concurrency", float(c)) for c in args.concurrencies]
+    return [("rate", rate) for rate in args.rates]
+
+
+def load_requests(args: argparse.Namespace, kind: str, value: float, seed: int) -> list[Any]:
+    input_range: tuple[int, int] = (args.input_len[0], args.input_len[1])
+    output_range: tuple[int, int] = (args.output_len[0], args.output_len[1])
+    if kind == "rate":
+        return poisson_requests(value, args.duration, seed, input_range=input_range, output_range=output_range)
+    return make_requests(int(value * args.duration * 4 + 16), seed, input_range, output_range)
+
+
+def warm_up(args: argparse.Namespace, url: str, model: str) -> float:
+    started = time.monotonic()
+    if args.warmup_requests <= 0:
+        return 0.0
+    requests = make_requests(args.warmup_requests + 2, args.seed + 999_999, tuple(args.input_len), (16, 32))
+    for first in requests[:2]:  # two alone, then a burst
+        run_load(split_load(completions_url(url), model, [first], 1, temperature=args.temperature,
+                            timeout=args.request_timeout), in_process=True)
+    run_load(split_load(completions_url(url), model, requests[2:], 1, temperature=args.temperature,
+                        timeout=args.request_timeout), in_process=True)
+    return time.monotonic() - started
+
+
+def completions_url(url: str) -> str:
+    return f"{url.rstrip('/')}/v1/completions"
+
+
+def measure(args: argparse.Namespace, url: str, model: str, name: str, record: dict[str, Any], out: Path) -> None:
+    record["warmup_s"] = warm_up(args, url, model)
+    for index, (kind, value) in enumerate(loads(args)):
+        requests = load_requests(args, kind, value, args.seed + 1000 * (index + 1))
+        concurrency = int(value) if kind == "concurrency" else 0
+        shards = split_load(completions_url(url), model, requests, args.num_clients, temperature=args.temperature,
+                            timeout=args.request_timeout, concurrency=concurrency, duration=args.duration)
+        results, start = run_load(shards)
+        summary = summarize(results, start, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+        summary.update({"kind": kind, "value": value, "sent": len(results), "client_processes": len(shards)})
+        summary["per_request"] = [
+            {"i": r.index, "in": r.prompt_len, "out": r.output_tokens, "t0": round(r.start - start, 4),
+             "ttft": round(r.ttft, 5), "e2e": round(r.e2e, 4), "ok": r.ok, **({"error": r.error} if r.error else {})}
+            for r in results
+        ]
+        record["loads"].append(summary)
+        print(format_row(name, summary), flush=True)
+        write_outputs(out, args, None)
+
+
+# --------------------------------------------------------------------------- outputs
+_RECORDS: list[dict[str, Any]] = []
+
+
+def _load_label(summary: dict[str, Any]) -> str:
+    value = summary["value"]
+    return f"{value:g}/s" if summary["kind"] == "rate" else f"c={int(value)}"
+
+
+HEADER = ("| server | load | sent | failed | out tok/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
+          "| TPOT p50 / p99 (ms) | tokens per chunk | E2E p50 / p90 / p99 (s) | goodput (share, req/s) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def format_row(name: str, s: dict[str, Any]) -> str:
+    t, i, e, g = s["ttft"], s["itl"], s["e2e"], s["goodput"]
+    return (f"| {name} | {_load_label(s)} | {s['sent']} | {s['failed']} | {s['output_tok_s']:,.0f} | "
+            f"{t['p50'] * 1e3:.1f} / {t['p90'] * 1e3:.1f} / {t['p99'] * 1e3:.1f} | "
+            f"{i['p50'] * 1e3:.2f} / {i['p90'] * 1e3:.2f} / {i['p99'] * 1e3:.2f} | "
+            f"{s['tpot']['p50'] * 1e3:.2f} / {s['tpot']['p99'] * 1e3:.2f} | {s['tokens_per_chunk']:.2f} | "
+            f"{e['p50']:.2f} / {e['p90']:.2f} / {e['p99']:.2f} | {g['share']:.1%}, {g['rate']:.2f} |")
+
+
+def markdown(args: argparse.Namespace) -> str:
+    lines = [f"# bench serve, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             f"command: `{' '.join(shlex.quote(a) for a in sys.argv)}`", "",
+             f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and the request's p99 inter-token gap <= {args.slo_itl_ms:g} ms; "
+             f"{args.duration:g} s of arrivals per load, {args.num_clients} client processes, prompts "
+             f"{args.input_len[0]}-{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}.", ""]
+    for record in _RECORDS:
+        lines.append(f"- {record['name']}: {record.get('version', '')} startup {record.get('startup_s', 0):.1f} s"
+                     + (f", error: {record['error']}" if record.get("error") else "")
+                     + (f" (from {record['source']})" if record.get("source") else "")
+                     + (f"; server: `{record['command']}`" if record.get("command") else ""))
+    lines += ["", HEADER]
+    lines += [format_row(record["name"], summary) for record in _RECORDS for summary in record["loads"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, args: argparse.Namespace, plot: bool | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    document = {"config": {k: v for k, v in vars(args).items()}, "servers": _RECORDS}
+    temporary = out / "serve.json.tmp"
+    temporary.write_text(json.dumps(document, indent=1) + "\n")
+    temporary.replace(out / "serve.json")
+    (out / "serve.md").write_text(markdown(args))
+    if plot:
+        write_plot(out / "serve.png")
+
+
+def write_plot(path: Path) -> bool:
+    from vllm_actors.bench.report import load_pyplot
+
+    plt = load_pyplot(path)
+    if plt is None:
+        print("matplotlib is not installed: no plot", flush=True)
+        return False
+    panels = (("TTFT p50 / p99 (ms)", "ttft", 1e3), ("inter-token p50 / p99 (ms)", "itl", 1e3),
+              ("end-to-end p50 / p99 (s)", "e2e", 1.0))
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    for record in _RECORDS:
+        if not record["loads"]:
+            continue
+        xs = [summary["value"] for summary in record["loads"]]
+        for axis, (title, key, scale) in zip(axes, panels, strict=False):
+            line = axis.plot(xs, [s[key]["p50"] * scale for s in record["loads"]], marker="o",
+                             label=f"{record['name']} p50")
+            axis.plot(xs, [s[key]["p99"] * scale for s in record["loads"]], marker="x", ls="--",
+                      color=line[0].get_color(), label=f"{record['name']} p99")
+            axis.set_title(title)
+        axes[3].plot(xs, [s["goodput"]["share"] * 100 for s in record["loads"]], marker="o", label=record["name"])
+    axes[3].set_title("goodput under the SLO (% of requests)")
+    axes[3].set_ylim(0, 105)
+    for axis in axes:
+        axis.set_xlabel("requests/s" if not _RECORDS or not _RECORDS[0]["loads"]
+                        or _RECORDS[0]["loads"][0]["kind"] == "rate" else "concurrency")
+        axis.legend(fontsize=7)
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+# --------------------------------------------------------------------------- main
+def _without_rows(load: dict[str, Any]) -> dict[str, Any]:
+    """A load's summary without its per-request rows, with TPOT computed from them where a run
+    older than the TPOT column lacks it."""
+    rows = load.get("per_request") or []
+    if "tpot" not in load and rows:
+        done = [row for row in rows if row["ok"]]
+        load = {**load, "tpot": spread([t for r in done if (t := tpot(r["ttft"], r["e2e"], r["out"])) is not None])}
+        gaps = load["itl"]["count"]
+        load["tokens_per_chunk"] = load["output_tokens"] / max(1, gaps + len(done))
+    return {k: v for k, v in load.items() if k != "per_request"}
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """The servers of several runs in one report; the settings (SLO, lengths, ...) are the first run's."""
+    documents = [json.loads(Path(path).read_text()) for path in paths]
+    args = argparse.Namespace(**{**documents[0]["config"], "merge": paths, "out": str(out)})
+    _RECORDS.clear()
+    for path, document in zip(paths, documents, strict=True):
+        for record in document["servers"]:
+            record = {**record, "source": Path(path).name}
+            record["loads"] = [_without_rows(load) for load in record["loads"]]
+            _RECORDS.append(record)
+    write_outputs(out, args, True)
+    print(markdown(args), flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge(args.merge, Path(args.out))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _RECORDS.clear()
+    status = 0
+    print(HEADER, flush=True)
+    if args.url:
+        url = args.url.rstrip("/")
+        record: dict[str, Any] = {"name": args.label or url, "url": url, "loads": []}
+        _RECORDS.append(record)
+        measure(args, url, served_model(url), record["name"], record, out)
+        write_outputs(out, args, True)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
+        model = args.model or str(write_model_dir(Path(scratch) / "qwen3-0.6b-shape"))
+        load_format = args.load_format or ("dummy" if args.model is None else "auto")
+        url = f"http://127.0.0.1:{args.port}"
+        for engine in args.engines:
+            name = "vLLM" if engine == "vllm" else "vllm_actors"
+            record = {"name": name, "engine": engine, "loads": []}
+            _RECORDS.append(record)
+            command = server_command(engine, args, model, load_format)
+            record["command"] = " ".join(shlex.quote(part) for part in command)
+            server = Server(engine, command, server_env(engine, args), out / f"server-{engine}.log")
+            try:
+                served = server.wait_ready(url, args.server_timeout)
+                record["startup_s"] = server.startup_s
+                record["version"] = _version(url)
+                print(f"{name} up after {server.startup_s:.1f} s", flush=True)
+                measure(args, url, served, name, record, out)
+            except Exception as error:
+                record["error"] = f"{type(error).__name__}: {error}"[:2000]
+                print(f"{name} failed: {record['error']}", flush=True)
+                status = 1
+            finally:
+                server.stop()
+            write_outputs(out, args, False)
+    write_outputs(out, args, True)
+    print(markdown(args), flush=True)
+    return status
+
+
+def _version(url: str) -> str:
+    try:
+        return str(http_json(f"{url}/version").get("version", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args)
