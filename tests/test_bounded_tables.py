@@ -6,7 +6,7 @@ the in-memory transport): plain ones, n=2 ones, client disconnects mid-generatio
 resubmissions and raw ``AddRequest``s the scheduler refuses, with preemptions on a small KV pool
 and prefix caching on. Every container of every actor (found by walking its attributes, so a
 table added later is covered too) is measured after the first 2,000 and after all 20,000: none
-may have grown, beyond what the KV pool bounds. The scheduler shell's ``ClientReplies`` sees the
+may have grown, beyond what the KV pool bounds. The scheduler shell's ``RequestOwners`` sees the
 same traffic. The prefix cache holds at most the pool's blocks, and evicted tree nodes are freed.
 """
 
@@ -22,24 +22,24 @@ import pytest
 from fake_runner import FakeRunner
 from vllm_actors.actors.metrics_store.store import MetricsStore
 from vllm_actors.actors.scheduler import prefix_cache
+from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
-from vllm_actors.protocol.names import SCHEDULER
+from vllm_actors.protocol.names import MAX_REQUEST_ID_LENGTH, SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.zmq_shell import ClientReplies
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 4
 WAVE = 250
 
 
-def make_engine() -> tuple[InProcessEngine, ClientReplies]:
+def make_engine() -> tuple[InProcessEngine, RequestOwners]:
     runner = FakeRunner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     config = EngineConfig(model="fake", block_size=BLOCK_SIZE, max_num_batched_tokens=256, max_num_seqs=64,
                           max_model_len=128, enable_prefix_caching=True)
     engine = InProcessEngine(config, serialize=True, runner=runner, tokenizer=None)
-    replies = ClientReplies()
+    replies = RequestOwners()
     scheduler = engine.scheduler
     handle = scheduler.handle
 
@@ -61,7 +61,7 @@ def run_wave(engine: InProcessEngine, start: int, rng: random.Random) -> None:
     for index in range(start, start + WAVE):
         kind = index % 10
         prompt = (shared if kind < 4 else []) + [rng.randrange(1, 97) for _ in range(rng.randint(1, 40))]
-        request_id = f"r{index}" if kind != 5 else f"long-{index}-" + "x" * 2_000
+        request_id = f"r{index}" if kind != 5 else f"long-{index}-".ljust(MAX_REQUEST_ID_LENGTH, "x")
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8), ignore_eos=kind != 6,
                                 n=2 if kind == 7 else 1)
         engine.submit(engine.prepare(request_id, {"prompt_token_ids": prompt}, params))
@@ -110,7 +110,7 @@ def sizes(engine: InProcessEngine) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def served() -> tuple[InProcessEngine, ClientReplies, dict[str, int], dict[str, int]]:
+def served() -> tuple[InProcessEngine, RequestOwners, dict[str, int], dict[str, int]]:
     engine, replies = make_engine()
     rng = random.Random(13)
     for start in range(0, 2_000, WAVE):
@@ -122,7 +122,7 @@ def served() -> tuple[InProcessEngine, ClientReplies, dict[str, int], dict[str, 
 
 
 def test_no_engine_table_grows_with_the_requests_served(
-        served: tuple[InProcessEngine, ClientReplies, dict[str, int], dict[str, int]]) -> None:
+        served: tuple[InProcessEngine, RequestOwners, dict[str, int], dict[str, int]]) -> None:
     engine, replies, early, late = served
     grown = {path: (early.get(path), size) for path, size in late.items()
              if size > max(early.get(path, 0), 2 * NUM_BLOCKS + 64)}
@@ -136,7 +136,7 @@ def test_no_engine_table_grows_with_the_requests_served(
 
 
 def test_the_prefix_cache_is_bounded_by_the_pool_and_frees_evicted_nodes(
-        served: tuple[InProcessEngine, ClientReplies, dict[str, int], dict[str, int]]) -> None:
+        served: tuple[InProcessEngine, RequestOwners, dict[str, int], dict[str, int]]) -> None:
     engine = served[0]
     cache = engine.scheduler.ledger.cache
     assert cache is not None
@@ -149,7 +149,7 @@ def test_the_prefix_cache_is_bounded_by_the_pool_and_frees_evicted_nodes(
 
 
 def test_the_metrics_store_tables_stay_within_their_bounds(
-        served: tuple[InProcessEngine, ClientReplies, dict[str, int], dict[str, int]]) -> None:
+        served: tuple[InProcessEngine, RequestOwners, dict[str, int], dict[str, int]]) -> None:
     store: MetricsStore = served[0].metrics_store
     tables = store.table_sizes()
     assert tables["history"] <= store.max_events

@@ -77,7 +77,8 @@ class InProcessEngine(SyncClient):
 
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.scheduler_config: SchedulerConfig = resolve_scheduler_config(
-            config, self.model_config.max_position_embeddings, runner.num_blocks
+            config, self.model_config.max_position_embeddings, runner.num_blocks,
+            vocab_size=self.model_config.vocab_size,
         )
         frontend = Frontend(
             tokenizer,  # type: ignore[arg-type]

@@ -87,9 +87,14 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_steps_in_flight: int = 2  # 2: plan step N+1 while step N runs (async scheduling)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # The model's vocabulary (what the worker reported): token ids arriving on the scheduler's
+    # socket must lie below it. None: not known (tests); ids are then only checked against int32.
+    vocab_size: int | None = None
 
 
-def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_blocks: int) -> SchedulerConfig:
+def resolve_scheduler_config(
+    config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None
+) -> SchedulerConfig:
     """Fill in the defaults that depend on the model and on the KV pool the worker made."""
     max_model_len = config.max_model_len or model_max_len
     if max_model_len > model_max_len:
@@ -123,4 +128,5 @@ def resolve_scheduler_config(config: EngineConfig, model_max_len: int, num_block
         max_steps_in_flight=2 if config.async_scheduling else 1,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
+        vocab_size=vocab_size,
     )

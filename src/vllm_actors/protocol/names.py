@@ -4,9 +4,19 @@ Messages are addressed to actor names (``SCHEDULER``, ``WORKER``, ...); ``BUS`` 
 events and ``CLIENT`` the address of outputs for the process that holds the frontend (never on the
 wire). Worker ranks are ``worker-<rank>``. A request with ``n > 1`` fans out into engine requests
 ``<id>#0``, ``<id>#1``, ...
+
+Request ids (``request_id_error``, ``engine_request_id_error``): a client's id is 1 to
+``MAX_REQUEST_ID_LENGTH`` characters of ``REQUEST_ID_CHARACTERS`` (RFC 3986's unreserved characters
+plus ``:``, which covers UUIDs, OpenAI's ``chatcmpl-...`` and trace ids); never ``#``, which
+separates an ``n > 1`` request's children, so ``"y#1"`` can never be taken for a child of ``"y"``.
+The ids travel in every per-step event: their length bounds what a client can make the bus and the
+metrics store carry. An engine request id is a client's id, or a child id ``<id>#<index>``. The
+frontend checks the first, the scheduler the second (anything may arrive on its socket).
 """
 
 from __future__ import annotations
+
+import re
 
 SCHEDULER = "scheduler"
 KV_CACHE_MANAGER = "kv_cache_manager"
@@ -18,6 +28,46 @@ CLIENT = "client"
 SUPERVISOR = "supervisor"  # the process group's parent: publishes failures and restarts
 
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
+
+
+MAX_REQUEST_ID_LENGTH = 128
+REQUEST_ID_CHARACTERS = "A-Z a-z 0-9 - . _ ~ :"
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:~-]{{1,{MAX_REQUEST_ID_LENGTH}}}")
+_CHILD_INDEX = re.compile(r"[0-9]{1,9}")
+
+
+def describe_request_id(request_id: str, keep: int = 40) -> str:
+    """An id as error messages and log lines quote it: its start and its length when it is long,
+    so that a 60 KB id is never copied into an error, a log line or an event."""
+    if len(request_id) <= keep:
+        return repr(request_id)
+    return f"{request_id[:keep]!r}... ({len(request_id)} characters)"
+
+
+def request_id_error(request_id: object) -> str | None:
+    """Why ``request_id`` cannot be a client's request id, or None."""
+    if not isinstance(request_id, str):
+        return f"request_id must be a string, got {type(request_id).__name__}"
+    if _REQUEST_ID.fullmatch(request_id):
+        return None
+    if not request_id:
+        return "request_id must not be empty"
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        return (f"request_id must be at most {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}: "
+                f"{describe_request_id(request_id)}")
+    return (f"request_id may hold only the characters {REQUEST_ID_CHARACTERS} ('{CHILD_SEPARATOR}' separates "
+            f"the children of an n > 1 request), got {describe_request_id(request_id)}")
+
+
+def engine_request_id_error(engine_id: object) -> str | None:
+    """Why ``engine_id`` cannot be an engine request id (a client's id, or ``<id>#<index>``)."""
+    if isinstance(engine_id, str) and CHILD_SEPARATOR in engine_id:
+        parent, _, index = engine_id.rpartition(CHILD_SEPARATOR)
+        if not _CHILD_INDEX.fullmatch(index):
+            return f"request_id: a child's index after '{CHILD_SEPARATOR}' must be a number, got " \
+                   f"{describe_request_id(engine_id)}"
+        return request_id_error(parent)
+    return request_id_error(engine_id)
 
 
 def worker_id(rank: int) -> str:

@@ -172,7 +172,8 @@ class ProcessGroup:
                 self.worker_info = self._start_child("worker", worker_id(rank), rank=rank)
             num_blocks = int(self.worker_info["num_blocks"])
             self.scheduler_config = resolve_scheduler_config(
-                self.config, int(self.worker_info["max_position_embeddings"]), num_blocks
+                self.config, int(self.worker_info["max_position_embeddings"]), num_blocks,
+                vocab_size=int(self.worker_info["vocab_size"]),
             )
             self._start_child("kv_cache_manager", "kv_cache_manager", num_blocks=num_blocks)
             self._start_child("scheduler", "scheduler", scheduler=self.scheduler_config, num_blocks=num_blocks)

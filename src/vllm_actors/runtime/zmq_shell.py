@@ -5,7 +5,9 @@ one DEALER per peer (identity = this actor's id) sends to the peers' ROUTERs; a 
 the bus publishes one ``EventBatch`` per handled message. Frames are decoded strictly: a frame
 that does not decode, a message type this actor does not take, or one from a sender that may not
 send it, is logged and dropped; a message the state machine rejects (``MessageRejected``: it
-failed validation, nothing changed) likewise, with a ``REJECTED`` event on the bus. The actor
+failed validation, nothing changed) likewise, with a ``REJECTED`` event on the bus. Requests and
+aborts from clients are screened first for request identity (``actors/scheduler/owners.py``: each
+client connection owns its request ids; a refused ``AddRequest`` is answered to its sender only). The actor
 never dies of a peer's or client's mistake. Any other exception out of the state machine is a bug:
 the shell publishes ``CRASHED`` and lets it propagate (the process exits non-zero; let it crash).
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +24,11 @@ import msgspec
 import structlog
 import zmq
 
+from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import DISABLE_EVENTS_ENV, WORK_EVENTS, ActorCrashed, EventBatch, Rejected
-from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdates
+from vllm_actors.protocol.messages import RequestUpdates
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.runtime.security import GroupKeys, bind, connect
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
@@ -78,32 +80,6 @@ class EventPublisher:
 
     def close(self) -> None:
         self.socket.close()
-
-
-class ClientReplies:
-    """The scheduler's memory of which client submitted which request, so that each client gets
-    the updates of its own requests only."""
-
-    def __init__(self) -> None:
-        self._owner: dict[str, bytes] = {}
-
-    def observe(self, sender: bytes, message: Any) -> None:
-        if isinstance(message, AddRequest):
-            self._owner[message.request_id] = sender
-        elif isinstance(message, AbortRequests):
-            for request_id in message.request_ids:
-                self._owner.pop(request_id, None)
-
-    def split(self, updates: RequestUpdates) -> dict[bytes, RequestUpdates]:
-        grouped: dict[bytes, list[Any]] = defaultdict(list)
-        for update in updates.updates:
-            owner = self._owner.get(update.request_id)
-            if owner is None:
-                continue
-            grouped[owner].append(update)
-            if update.finish_reason is not None:
-                del self._owner[update.request_id]
-        return {owner: RequestUpdates(step_id=updates.step_id, updates=batch) for owner, batch in grouped.items()}
 
 
 class ZmqEndpoint:
@@ -214,7 +190,8 @@ class ActorShell:
         self.accepts = accepts
         self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec, keys=keys)
         self.publisher = EventPublisher(context, bus_in, actor_id, keys=keys)
-        self.replies = ClientReplies()
+        # Which client connection owns which request (the scheduler's clients): see owners.py.
+        self.owners = RequestOwners()
         self.busy_since: float | None = None  # time.monotonic() when the message in hand arrived
 
     def busy_seconds(self) -> float:
@@ -250,23 +227,33 @@ class ActorShell:
         if allowed is not None and sender not in allowed:
             self.endpoint.drop("sender may not send this", sender=sender, type=kind.__name__)
             return
+        message, refusal = self.owners.screen(sender, message)  # identity: ids owned per connection
+        if refusal is not None:
+            self.refuse(sender, kind.__name__, refusal.error, "refused: request identity", message)
+            if refusal.reply is not None:
+                self.endpoint.send(sender, refusal.reply)  # to the sender only
+        if message is None:
+            return
         try:
             outputs = self.actor.handle(message)
         except MessageRejected as error:  # anything else is a bug: it propagates, the actor crashes
-            self.endpoint.drop("rejected by the state machine", sender=sender, type=kind.__name__, error=str(error),
-                               **_request_of(message))
-            self.publisher.publish(
-                [Rejected(message_type=kind.__name__, sender=sender[:64].decode(errors="replace"), error=str(error))]
-            )
+            self.refuse(sender, kind.__name__, str(error), "rejected by the state machine", message)
             return
-        self.replies.observe(sender, message)
+        self.owners.observe(sender, message)
         self.dispatch(outputs)
+
+    def refuse(self, sender: bytes, message_type: str, error: str, why: str, message: Any = None) -> None:
+        """Log and publish (``REJECTED``) a message refused whole or in part; nothing changed."""
+        self.endpoint.drop(why, sender=sender, type=message_type, error=error, **_request_of(message))
+        self.publisher.publish(
+            [Rejected(message_type=message_type, sender=sender[:64].decode(errors="replace"), error=error)]
+        )
 
     def dispatch(self, outputs: list[tuple[str, Any]]) -> None:
         messages, events = split_events(outputs)
         for destination, message in messages:
             if destination == FRONTEND and isinstance(message, RequestUpdates):
-                for owner, updates in self.replies.split(message).items():
+                for owner, updates in self.owners.split(message).items():
                     self.endpoint.send(owner, updates)
                 continue
             try:

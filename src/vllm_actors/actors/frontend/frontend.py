@@ -18,7 +18,14 @@ from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, Posit
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
 from vllm_actors.protocol.events import Arrived, Event, Finished
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
-from vllm_actors.protocol.names import BUS, CLIENT, SCHEDULER, child_request_id
+from vllm_actors.protocol.names import (
+    BUS,
+    CLIENT,
+    SCHEDULER,
+    child_request_id,
+    describe_request_id,
+    request_id_error,
+)
 from vllm_actors.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -120,8 +127,11 @@ class Frontend:
     def _check_new(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        error = request_id_error(request_id)  # length and characters: no '#', the children's separator
+        if error is not None:
+            raise ValueError(error)
+        if request_id in self._requests or request_id in self._child_owner:
+            raise ValueError(f"request_id {describe_request_id(request_id)} is already in use")
 
     def _prepare(
         self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams, field: str,
@@ -137,8 +147,8 @@ class Frontend:
 
     def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message | Event]]:
         params = prepared.params
-        if prepared.request_id in self._requests:
-            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        if prepared.request_id in self._requests or prepared.request_id in self._child_owner:
+            raise ValueError(f"request_id {describe_request_id(prepared.request_id)} is already in use")
         request = _Request(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, children=[])
         messages: list[tuple[str, Message | Event]] = []
         for index in range(params.n):

@@ -4,36 +4,57 @@ longest cached prefix first), and admission itself with its prefix-cache lookup.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest
+from vllm_actors.protocol.names import describe_request_id, engine_request_id_error
+from vllm_actors.protocol.sampling import SamplingParams
 
-MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32 (the frontend checks the vocabulary)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32: the bound when the vocabulary is not known
+MAX_SEED = 2**63 - 1  # seeds are signed 64-bit, as in vLLM (torch.long)
 # Longest-prefix-first ordering looks every waiting request up each pass: past this many
 # waiting requests it costs more than it saves, and arrival order is kept (as SGLang does).
 LPM_MAX_WAITING = 128
 
 
-def admission_error(message: AddRequest, requests: Mapping[str, object], max_model_len: int) -> str | None:
-    """Why the scheduler cannot take this request (the frontend gets it as an error), or None."""
+def identity_error(message: AddRequest, requests: Mapping[str, object]) -> str | None:
+    """Why the request's id cannot be taken (well formed, not in use), or None. Such a rejection
+    leaves no event: the id may be another request's, whose timeline it must not touch."""
+    error = engine_request_id_error(message.request_id)
+    if error is not None:
+        return error
     if message.request_id in requests:
-        return f"request id {message.request_id!r} is already in use"
+        return f"request_id {describe_request_id(message.request_id)} is already in use"
+    return None
+
+
+def admission_error(message: AddRequest, config: SchedulerConfig) -> str | None:
+    """Why the scheduler cannot take this request (the frontend gets it as an error), or None.
+    Anything may arrive on the scheduler's socket: every value a worker would index with or
+    compute from is checked here, against this engine's vocabulary and context length."""
+    max_model_len = config.max_model_len
+    token_limit = config.vocab_size if config.vocab_size is not None else MAX_TOKEN_ID + 1
     num_prompt = len(message.prompt_token_ids)
     if num_prompt == 0:
         return "the prompt is empty"
     if num_prompt > max_model_len:
         return f"the prompt has {num_prompt} tokens, more than max_model_len ({max_model_len})"
-    if min(message.prompt_token_ids) < 0 or max(message.prompt_token_ids) > MAX_TOKEN_ID:
-        return f"prompt token ids must lie in [0, {MAX_TOKEN_ID}]"
+    error = _token_ids_error("prompt token ids", message.prompt_token_ids, token_limit)
+    error = error or _token_ids_error("eos_token_ids", message.eos_token_ids, token_limit)
+    error = error or sampling_error(message.params)
+    if error is not None:
+        return error
     outputs = message.output_token_ids
     if not outputs:
         return None
     if not message.resume:
         return "output_token_ids are only taken with resume=True (a resubmission)"
-    if min(outputs) < 0 or max(outputs) > MAX_TOKEN_ID:
-        return f"output token ids must lie in [0, {MAX_TOKEN_ID}]"
+    error = _token_ids_error("output token ids", outputs, token_limit)
+    if error is not None:
+        return error
     if num_prompt + len(outputs) > max_model_len:
         return (
             f"the prompt ({num_prompt} tokens) and the outputs so far ({len(outputs)}) are more than "
@@ -42,6 +63,26 @@ def admission_error(message: AddRequest, requests: Mapping[str, object], max_mod
     max_tokens = message.params.max_tokens
     if max_tokens is not None and len(outputs) > max_tokens:
         return f"{len(outputs)} output tokens resubmitted, more than max_tokens ({max_tokens})"
+    return None
+
+
+def _token_ids_error(what: str, token_ids: Sequence[int], limit: int) -> str | None:
+    # min/max run in C: a long prompt is checked in microseconds
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= limit):
+        return f"{what} must lie in [0, {limit - 1}]"
+    return None
+
+
+def sampling_error(params: SamplingParams) -> str | None:
+    """The sampling parameters' own checks (``protocol/sampling.py``), run again (decoding ran them,
+    but a field set after construction, in process, skipped them), then the bounds the worker
+    relies on whatever those checks allow."""
+    try:
+        params.__post_init__()
+    except (ValueError, TypeError) as error:
+        return str(error)
+    if params.seed is not None and params.seed > MAX_SEED:
+        return f"seed must be <= {MAX_SEED}, got {params.seed}"
     return None
 
 

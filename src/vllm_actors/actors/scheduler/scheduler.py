@@ -32,6 +32,7 @@ from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.queue_policy import (
     admission_error,
     admit,
+    identity_error,
     order_longest_prefix_first,
 )
 from vllm_actors.actors.scheduler.recovery import reset_pipeline
@@ -62,6 +63,8 @@ from vllm_actors.protocol.messages import (
     pack_token_ids,
 )
 from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
+
+MAX_ABORT_REASON = 64  # characters of a client's abort reason that reach the bus
 
 
 @dataclass
@@ -111,7 +114,7 @@ class Scheduler:
                     continue
                 if message.reason != "stop":  # a stop string: the frontend published FINISHED
                     self._events.append(
-                        Aborted(request_id=request_id, reason=message.reason,
+                        Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
                                 num_output_tokens=len(request.output_token_ids))
                     )
                 self._finish(request_id)
@@ -131,9 +134,12 @@ class Scheduler:
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
         if message.resume and message.request_id in self.requests:
             return []  # the original (or an earlier resubmission) is here already
-        error = admission_error(message, self.requests, self.config.max_model_len)
-        if error is not None:
-            self._events.append(Aborted(request_id=message.request_id, reason="error"))
+        error = identity_error(message, self.requests)
+        if error is None:
+            error = admission_error(message, self.config)
+            if error is not None:  # a well-formed id of no other request: its timeline says why
+                self._events.append(Aborted(request_id=message.request_id, reason="error"))
+        if error is not None:  # answered to its sender only; nothing else changed
             update = RequestUpdate(request_id=message.request_id, finish_reason="error", error=error)
             return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
         request = ScheduledRequest(
