@@ -159,3 +159,28 @@ def test_a_path_or_an_id_cannot_forge_a_log_line() -> None:
     context = edge_context(scope)
     assert "\n" not in context["path"] and context["path"].startswith("/v1/\\n")
     assert context["request_id"] == "a\\tb"
+
+
+def test_a_client_leaving_mid_body_is_no_error(stderr_lines: Callable[[], list[str]]) -> None:
+    """A client that disconnects before its body is whole (Starlette raises ClientDisconnect from
+    request.body()) gets nothing written back and logs no error line: found by the fuzzer, where
+    it was logged as "request failed" and a 500 was sent to nobody."""
+    from vllm_actors.server.errors import InternalErrorMiddleware
+
+    async def endpoint(scope: Any, receive: Any, send: Any) -> None:
+        await Request(scope, receive).body()
+        raise AssertionError("the body cannot be whole")
+
+    incoming = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return incoming.pop(0)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    asyncio.run(InternalErrorMiddleware(endpoint)(scope, receive, send))
+    assert sent == []
+    assert not [line for line in stderr_lines() if "error" in line.lower()]

@@ -15,6 +15,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -181,6 +182,8 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:  # the client left before its body was whole: nobody to answer
+            log.debug("client left before its request body was whole", path=scope.get("path"))
         except Exception as error:
             log_edge_error("request failed", scope, error)
             if not started:
