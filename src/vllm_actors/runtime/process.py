@@ -48,7 +48,7 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     num_blocks: int = 0
     rank: int = 0
     check_invariants: bool = False
-    metrics_max_events: int = 100_000
+    metrics_max_events: int = 50_000  # the metrics store's DEFAULT_MAX_EVENTS
     incarnation: int = 0  # how many times the supervisor restarted this actor before
     run_dir: str = ""  # the group's run directory: its CURVE keys (TCP), the metrics store's dumps
 

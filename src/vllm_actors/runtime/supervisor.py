@@ -125,7 +125,7 @@ class ProcessGroup:
         tcp_host: str | None = None,
         start_timeout: float = 300.0,
         check_invariants: bool = False,
-        metrics_max_events: int = 100_000,
+        metrics_max_events: int = 50_000,
         log_dir: str | None = None,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         restart_window: float = DEFAULT_RESTART_WINDOW,

@@ -60,20 +60,26 @@ from vllm_actors.protocol.metrics import (
 _NO_NOTICES: tuple[Notice, ...] = ()
 
 
+# What the store retains by default: a few minutes of a busy server (about 15 requests a second
+# here make 10-15 events each), so that its memory levels off within minutes (the 30-minute soak
+# of issue 13: flat after its fifth minute); older history lives in dumps and the bus's taps.
+DEFAULT_MAX_EVENTS = 50_000
+DEFAULT_MAX_FINISHED_REQUESTS = 4_096
+
 class MetricsStore:
     """Records every event batch of the bus; answers ``MetricsQuery``s with ``MetricsReply``s
     (a ``DumpQuery`` with the ``DumpContent`` its shell writes)."""
 
     def __init__(
         self,
-        max_events: int = 100_000,
-        max_finished_requests: int = 10_000,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        max_finished_requests: int = DEFAULT_MAX_FINISHED_REQUESTS,
         *,
         max_open_requests: int = 50_000,
         max_timeline_events: int = 2_048,
         sample_window: int = 10_000,
-        max_history_bytes: int = 64 << 20,
-        max_request_bytes: int = 64 << 20,
+        max_history_bytes: int = 32 << 20,
+        max_request_bytes: int = 32 << 20,
     ) -> None:
         for name, value in (("max_events", max_events), ("max_finished_requests", max_finished_requests),
                             ("max_open_requests", max_open_requests), ("max_history_bytes", max_history_bytes),
