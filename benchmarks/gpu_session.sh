@@ -9,14 +9,32 @@
 #           vllm (install the vLLM peer from .vllmpeer/ into /tmp/vsite once its pieces are in
 #           /tmp/vllmpeer: see ../shared/device/vllm-peer/fetch.sh; skipped when /tmp/vsite has it),
 #           serve (the online benchmark, benchmarks/serve.py; extra arguments after `--` go to it;
-#           results in $out/serve), events (the offline run with event publishing on, off, on, off:
+#           results in $out/serve), events (the offline run with event publishing on, off, on, off
+#           (EVENT_PAIRS pairs, default 2):
 #           benchmarks/throughput.py --no-peer --no-batch1 --no-floor [--no-events]; extra
-#           arguments after `--` go to each run)
+#           arguments after `--` go to each run), tptests (2 GPUs: TP=2 greedy equal to TP=1,
+#           tests/test_gpu_tensor_parallel.py), allreduce (2+ GPUs: NCCL vs symmetric-memory one-shot
+#           all-reduce at decode sizes, benchmarks/allreduce.py; results in $out/allreduce.json)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
+#        bash benchmarks/gpu_session.sh tptests allreduce            # on nvidia-h200-x2
+#        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
 #        bash benchmarks/gpu_session.sh vllm throughput -- --peer vllm --runs 2 --batch1-same-engine-only
 #        bash benchmarks/gpu_session.sh vllm serve -- --engines vllm ours --rates 0.5 20 40 --duration 60
 #        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
+#        bash benchmarks/gpu_session.sh policy-sweep
+#        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
+# Scheduling policies (not in the default list):
+#   policies      the mixed workload (benchmarks/serve.py --workload mixed) once per scheduling policy
+#                 $POLICIES (default: fcfs priority edf lrs) at $POLICY_RATE req/s (default 8) for
+#                 $POLICY_DURATION s (default 45); Chrome traces of the edf and lrs runs, gzipped, at
+#                 most 8 MiB each, and what they say of the requests that missed their TTFT target
+#                 (observe/trace_summary.py, in policies.log); results in $out/policies; extra
+#                 arguments after `--` go to it
+#   policy-sweep  fcfs alone at $SWEEP_RATES (default 4 8 12 16 24 32 48) for 30 s each: its serve.md
+#                 names the first rate where FCFS meets fewer than 80% of interactive deadlines;
+#                 results in $out/sweep; extra arguments after `--` go to it
+#   Each brings back 5-6 files: run them in separate calls (a call brings back at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
@@ -40,6 +58,9 @@ for stage in "${stages[@]}"; do
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py
              timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/test_gpu_tensor_parallel.py \
+               2>&1 | tee "$out/tptests.log" | tail -40 ;;
+    allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
@@ -48,13 +69,35 @@ for stage in "${stages[@]}"; do
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
     serve) python3 benchmarks/serve.py --out "$out/serve" "$@" 2>&1 | tee "$out/serve.log" | tail -40 ;;
-    events) for run in on-1 off-1 on-2 off-2; do
+    events) runs=(); for pair in $(seq 1 "${EVENT_PAIRS:-2}"); do runs+=("on-$pair" "off-$pair"); done
+            for run in "${runs[@]}"; do
               flag=; [ "${run%-*}" = off ] && flag=--no-events
               python3 benchmarks/throughput.py --no-peer --no-batch1 --no-floor --out "/tmp/events-$run" $flag "$@" \
                 > "/tmp/events-$run.log" 2>&1
               cp "/tmp/events-$run/results.json" "$out/events-$run.json"
               echo "events $run: $(grep -E 'ours: (output tok/s|every run)|error' "/tmp/events-$run.log" | tr -s ' ' | tr '\n' ' ')"
             done ;;
+    policies) scratch=/tmp/policies; rm -rf "$scratch"; mkdir -p "$out/policies"
+              # shellcheck disable=SC2086 # the policy list is word-split on purpose
+              python3 benchmarks/serve.py --workload mixed --scheduling-policies ${POLICIES:-fcfs priority edf lrs} \
+                --rates "${POLICY_RATE:-8}" --duration "${POLICY_DURATION:-45}" --request-timeout 90 \
+                --trace "$scratch/trace.json.gz" \
+                --trace-policies edf lrs --trace-max-mb 8 --out "$scratch" "$@" 2>&1 | tee "$out/policies.log" | tail -40
+              rc=${PIPESTATUS[0]}
+              tail -n 5 "$scratch"/server-*.log >> "$out/policies.log" 2>/dev/null
+              python3 -m vllm_actors.observe.trace_summary "$scratch"/trace-*.json.gz --top 15 2>&1 \
+                | tee -a "$out/policies.log" | tail -40
+              cp "$scratch"/serve.json "$scratch"/serve.md "$scratch"/slo.png "$scratch"/trace-*.json.gz "$out/policies/" \
+                2>/dev/null
+              [ "$rc" -eq 0 ] ;;
+    policy-sweep) scratch=/tmp/sweep; rm -rf "$scratch"; mkdir -p "$out/sweep"
+              # shellcheck disable=SC2086
+              python3 benchmarks/serve.py --workload mixed --scheduling-policies fcfs \
+                --rates ${SWEEP_RATES:-4 8 12 16 24 32 48} --duration 30 --request-timeout 90 --out "$scratch" "$@" 2>&1 \
+                | tee "$out/sweep.log" | tail -40
+              rc=${PIPESTATUS[0]}
+              cp "$scratch"/serve.json "$scratch"/serve.md "$scratch"/slo.png "$out/sweep/" 2>/dev/null
+              [ "$rc" -eq 0 ] ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1

@@ -34,6 +34,26 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=False, num_shards=3)
 
 
+# Shapes that split over 2 and 3 ranks: 6 query heads, intermediate 96. Qwen3 with one KV head
+# (replicated on every rank), Llama with six (split).
+TP_QWEN3_SHAPE = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 96}
+TP_LLAMA_SHAPE = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 96}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3 for tensor parallelism: 6 heads, 1 KV head (replicated at TP=2 and 3), tied embeddings."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_tp"), "qwen3", tie_word_embeddings=True,
+                            shape=TP_QWEN3_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama for tensor parallelism: 6 heads, 6 KV heads (split), untied lm_head, 2 shards."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_llama_tp"), "llama", tie_word_embeddings=False,
+                            num_shards=2, shape=TP_LLAMA_SHAPE)
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF; skips the test when it is not installed."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,13 +15,9 @@ import httpx
 import msgspec
 import zmq
 
+from vllm_actors.bench.procfs import child_pids as child_pids
+from vllm_actors.bench.procfs import free_port as free_port  # the tests take it from here
 from vllm_actors.protocol.events import EventBatch, Heartbeat, event_type
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_healthy(base_url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 180.0) -> None:
@@ -44,17 +39,6 @@ def tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of a process (Linux /proc)."""
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children.extend(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return children
 
 
 def gone(pid: int) -> bool:

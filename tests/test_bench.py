@@ -3,6 +3,7 @@ computation, the report, and one end-to-end run of ``main`` on a tiny random Qwe
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from trace_check import check_covers
 from vllm_actors.bench.floor import ModelShape, workload_floor
 from vllm_actors.bench.report import BenchReport, LatencyStats, OursResult, format_table, percentile, write_json
 from vllm_actors.bench.throughput import (
@@ -21,6 +23,7 @@ from vllm_actors.bench.throughput import (
     step_series,
     worker_steps,
 )
+from vllm_actors.protocol.metrics import parse_event_json_line
 
 TINY_QWEN3_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -203,7 +206,7 @@ def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: 
         "--num-requests", "4", "--max-input-len", "32", "--max-output-len", "8", "--warmup-requests", "1",
         "--no-floor", "--no-peer", "--bandwidth", "3e12", "--matmul-rate", "790e12",
         "--batch1-input-len", "16", "--batch1-output-len", "4",
-        "--out", str(out), "--log-level", "WARNING",
+        "--out", str(out), "--log-level", "WARNING", "--keep-events", "--trace", str(out / "trace.json"),
     ])
     results = json.loads((out / "results.json").read_text())
     if status != 0 and "load_format" in results["errors"].get("ours", ""):
@@ -227,6 +230,14 @@ def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: 
     assert len(results["steps"]) == metrics["num_steps"]
     table = capsys.readouterr().out
     assert "ours: output tok/s" in table and "batch-1 decode, CUDA graphs off" in table
+    # --trace: the run's event log (the one --keep-events keeps) as a Chrome trace, every event in it
+    with gzip.open(out / "events.jsonl.gz", "rb") as handle:
+        rows = [parse_event_json_line(line) for line in handle if line.strip()]
+    trace = json.loads((out / "trace.json").read_text())
+    events = check_covers(trace, rows)
+    assert sum(1 for e in events if e["name"] == "finished") >= 4 + 1  # the warm-up's and the run's
+    assert results["config"]["trace"]["path"] == str(out / "trace.json")
+    assert results["config"]["trace"]["num_events"] == len(rows) and results["config"]["trace"]["num_left_out"] == 0
 
 
 @pytest.mark.slow
@@ -256,3 +267,37 @@ def test_control_plane_replay_reports_admissions_with_hits() -> None:
     # With caching the 11 later requests skip the 64 shared tokens (4 blocks of 16).
     computed = {caching: sum(step.num_tokens for step in steps) for caching, steps in costs.items()}
     assert computed[False] - computed[True] == 11 * 64
+
+
+def test_the_json_penalties_mix_is_one_request_in_ten_constrained() -> None:
+    from vllm_actors.bench.throughput_mix import MIX_SCHEMA, PENALTIES, mix_fields, our_params
+
+    fields = mix_fields("json-penalties", 256)
+    constrained = [index for index, entry in enumerate(fields) if "json" in entry]
+    assert constrained == list(range(0, 256, 10)) and json.loads(fields[0]["json"]) == MIX_SCHEMA
+    assert all(entry == PENALTIES for entry in fields if "json" not in entry)
+    assert mix_fields("none", 3) == [{}, {}, {}]
+    params = our_params(fields[0], 8)
+    assert params.structured_outputs is not None and params.ignore_eos and params.max_tokens == 8
+    assert our_params(fields[1], 8).repetition_penalty == PENALTIES["repetition_penalty"]
+
+
+@pytest.mark.slow
+def test_mix_smoke_on_cpu(tiny_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mix json-penalties``: the plain and the mixed workload on one engine, every token produced."""
+    from vllm_actors.bench.throughput import main
+
+    out = tmp_path / "out"
+    status = main([
+        "--model", str(tiny_qwen3), "--num-requests", "10", "--max-input-len", "16", "--max-output-len", "6",
+        "--warmup-requests", "1", "--no-floor", "--no-peer", "--mix", "json-penalties", "--max-model-len", "512",
+        "--out", str(out),
+        "--log-level", "WARNING",
+    ])
+    mix = json.loads((out / "mix.json").read_text())
+    assert status == 0, mix
+    ours = mix["ours"]
+    for name in ("plain", "mixed"):
+        assert ours[name] and all(run["output_tokens"] == mix["output_tokens"] for run in ours[name]), ours
+        assert ours[f"{name}_tokens_per_s"] > 0
+    assert "cost" in ours and "mix json-penalties" in capsys.readouterr().out

@@ -13,6 +13,7 @@ for the supervisor, calling its listeners from a thread of its own as the monito
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -115,6 +116,19 @@ def test_resubmit_sends_each_unfinished_request_with_the_tokens_received(tokeniz
     assert final.finished and completion.token_ids == words and completion.finish_reason == "length"
     assert completion.text == tokenizer.decode(words)
     assert frontend.resubmit() == []
+
+
+def test_resubmit_keeps_priority_and_deadlines_without_an_arrival_time(tokenizer: Tokenizer) -> None:
+    """A resubmission after a scheduler restart keeps its scheduling (issue 18) but is never
+    refused as late: it carries no arrival time."""
+    frontend = make_frontend(tokenizer)
+    prepared = dataclasses.replace(frontend.prepare("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4)),
+                                   priority=2, ttft_target_ms=100.0, e2e_target_ms=1000.0, arrival_time=50.0)
+    (original,) = adds_of(frontend.submit(prepared))
+    assert (original.priority, original.ttft_deadline, original.e2e_deadline, original.arrival_time) == (
+        2, 50.1, 51.0, 50.0)
+    (again,) = adds_of(frontend.resubmit())
+    assert (again.priority, again.ttft_deadline, again.e2e_deadline, again.arrival_time) == (2, 50.1, 51.0, None)
 
 
 def test_resubmit_leaves_finished_children_out_and_keeps_each_childs_seed(tokenizer: Tokenizer) -> None:

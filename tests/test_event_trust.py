@@ -191,11 +191,21 @@ def _socket(kind: int, address: str, topic: bytes | None = None) -> zmq.Socket:
 
 
 def _published_until_received(publisher: zmq.Socket, subscriber: zmq.Socket, frames: list[bytes]) -> list[bytes]:
-    """Publish until the subscriber gets something (the slow joiner); what it got first."""
+    """Publish until the subscriber gets something (the slow joiner); what it got first.
+
+    The copies sent before the first one arrived may still be on their way; a marker sent after
+    them arrives after them (one connection keeps its order), so reading up to the marker drains
+    them and the next check sees only what it sends (CI once got a stray worker copy here).
+    """
     for _ in range(500):
         publisher.send_multipart(frames)
         if subscriber.poll(20):
-            return subscriber.recv_multipart()
+            got = subscriber.recv_multipart()
+            marker = [frames[0], b"drained"]
+            publisher.send_multipart(marker)
+            while subscriber.recv_multipart() != marker:
+                pass
+            return got
     raise AssertionError("nothing came through the bus")
 
 

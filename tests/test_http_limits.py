@@ -34,7 +34,7 @@ def test_seeds_over_the_signed_64_bit_range_are_accepted(seed: int) -> None:
     ("max_tokens", 0), ("max_tokens", MAX_INT32 + 1), ("max_tokens", 2**64),
     ("min_tokens", -1), ("min_tokens", MAX_INT32 + 1),
     ("top_k", -2), ("top_k", MAX_INT32 + 1),
-    ("logprobs", 21), ("logprobs", 2**64), ("prompt_logprobs", 21), ("prompt_logprobs", -5),
+    ("logprobs", -2), ("logprobs", 2**64), ("prompt_logprobs", MAX_INT32 + 1), ("prompt_logprobs", -5),
 ])
 def test_out_of_range_integers_are_a_value_error_naming_the_field(field: str, value: int) -> None:
     fields: dict[str, Any] = {field: value}

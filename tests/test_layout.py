@@ -28,7 +28,7 @@ PACKAGE = ROOT / "src" / "vllm_actors"
 ACTORS = PACKAGE / "actors"
 
 # Whole folders of state machines, and single state-machine modules of folders that also hold I/O code.
-STATE_MACHINE_FOLDERS = ("scheduler", "kv_cache_manager", "metrics_store")
+STATE_MACHINE_FOLDERS = ("scheduler", "kv_cache_manager", "metrics_store", "controller")
 STATE_MACHINE_FILES = ("frontend/frontend.py", "frontend/detokenizer.py", "worker/worker.py")
 TORCH_ALLOWED = {"vllm_actors.actors.worker.worker"}
 

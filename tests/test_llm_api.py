@@ -85,7 +85,9 @@ def test_bad_input_raises_and_the_engine_keeps_serving(llm: LLM, prompts, params
 
 def test_engine_arguments_use_vllms_names(tiny_qwen3: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(tiny_qwen3), tensor_parallel_size=2)
+        LLM(str(tiny_qwen3), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 needs the process executor"):
+        LLM(str(tiny_qwen3), executor="inprocess", tensor_parallel_size=2)
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(tiny_qwen3), max_num_seq=4)
     with pytest.raises(ValueError, match="dtype"):

@@ -139,7 +139,8 @@ def test_bfloat16_close_to_float32(tiny_qwen3: Path) -> None:
     prompt = Tokenizer.from_file(str(tiny_qwen3 / "tokenizer.json")).encode(TEXT_A).ids
     expected = PagedRunner(ref).step({0: prompt})[0]
     got = PagedRunner(low).step({0: prompt})[0]
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.bfloat16  # logits stay in the model's dtype; the sampler upcasts where it computes
+    got = got.float()
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 

@@ -25,8 +25,8 @@ BAD_PARAMS = [
     ({"stop": [""]}, "stop"),
     ({"stop": [3]}, "stop"),
     ({"stop_token_ids": [-4]}, "stop_token_ids"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"logprobs": -2}, "logprobs"),  # -1 is the whole vocabulary; any count is taken (the server bounds it)
+    ({"prompt_logprobs": -3}, "prompt_logprobs"),
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ]

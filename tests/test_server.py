@@ -221,10 +221,10 @@ INVALID: list[tuple[str, str, object, int, str | None]] = [
     ("logprobs too many", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("seed over 64 bits", "/v1/completions", {"prompt": "a", "seed": 2**64 - 1, "n": 2}, 400, "seed"),
     ("stop not a string", "/v1/completions", {"prompt": "a", "stop": 123}, 400, "stop"),
-    ("stream not a bool", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("stream not a bool", "/v1/completions", {"prompt": "a", "stream": "maybe"}, 400, "stream"),  # "yes": true
     ("stream_options without stream", "/v1/completions",
      {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("presence_penalty unsupported", "/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400,
+    ("presence_penalty out of range", "/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400,
      "presence_penalty"),
     ("prompt an empty list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt mixed list", "/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
@@ -399,7 +399,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(served: Served)
 # --------------------------------------------------------------------------- metrics
 def test_prometheus_metrics_use_vllm_names(served: Served) -> None:
     text = httpx.get(f"{served.base_url}/metrics").text
-    label = f'model_name="{MODEL_NAME}"'
+    label = f'engine="0",model_name="{MODEL_NAME}"'  # prometheus_client writes labels sorted
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:gpu_cache_usage_perc"):
         assert f"{name}{{{label}}}" in text, name
@@ -411,13 +411,60 @@ def test_prometheus_metrics_use_vllm_names(served: Served) -> None:
     queries = values[f"vllm:prefix_cache_queries_total{{{label}}}"]
     hits = values[f"vllm:prefix_cache_hits_total{{{label}}}"]
     assert queries > 0 and 0 < hits < queries
-    assert values[f'vllm:request_success_total{{finished_reason="length",{label}}}'] > 0
-    assert values[f'vllm:request_success_total{{finished_reason="abort",{label}}}'] >= 2  # the disconnects
+    success = f'vllm:request_success_total{{engine="0",finished_reason="%s",model_name="{MODEL_NAME}"}}'
+    assert values[success % "length"] > 0
+    assert values[success % "abort"] >= 2  # the disconnects
     for histogram in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                       "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
                       "vllm:request_queue_time_seconds"):
         assert values[f"{histogram}_count{{{label}}}"] > 0, histogram
-        assert f'{histogram}_bucket{{le="+Inf",{label}}}' in text
+        assert f'{histogram}_bucket{{engine="0",le="+Inf",model_name="{MODEL_NAME}"}}' in text
+
+
+def test_vllm_request_histograms_and_cache_config_info(served: Served) -> None:
+    """The request-level families vLLM's dashboard reads, with vLLM's types and buckets, and their
+    values right for requests of known size (the histograms count every finished request)."""
+    from vllm_actors.server.metrics import N_BUCKETS, REQUEST_LATENCY_BUCKETS, build_1_2_5_buckets
+
+    label = f'engine="0",model_name="{MODEL_NAME}"'
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{served.base_url}/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    before = scrape()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    for _ in range(2):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "n": 2, "ignore_eos": True}
+        assert httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=120).status_code == 200
+    after = scrape()
+    text = httpx.get(f"{served.base_url}/metrics").text
+
+    def grew(name: str) -> float:
+        return after[f"{name}{{{label}}}"] - before.get(f"{name}{{{label}}}", 0.0)
+
+    # two requests of n = 2, as in vLLM four engine requests: 7 prompt tokens and 3 generated each
+    assert grew("vllm:request_prompt_tokens_count") == 4 and grew("vllm:request_prompt_tokens_sum") == 28
+    assert grew("vllm:request_generation_tokens_sum") == 12
+    assert grew("vllm:request_params_n_sum") == 4 and grew("vllm:request_params_max_tokens_sum") == 12
+    for name in ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds"):
+        assert grew(f"{name}_count") == 4 and grew(f"{name}_sum") >= 0
+    def buckets(name: str) -> list[float]:
+        return [float(line.split('le="')[1].split('"')[0]) for line in text.splitlines()
+                if line.startswith(f"{name}_bucket{{") and 'le="+Inf"' not in line]
+
+    tokens = list(build_1_2_5_buckets(served.info.max_model_len))
+    assert tokens[:6] == [1, 2, 5, 10, 20, 50]
+    assert buckets("vllm:request_prompt_tokens") == tokens == buckets("vllm:request_params_max_tokens")
+    assert buckets("vllm:request_params_n") == list(N_BUCKETS)
+    assert buckets("vllm:request_inference_time_seconds") == list(REQUEST_LATENCY_BUCKETS)
+    assert "# TYPE vllm:request_prompt_tokens histogram" in text
+    assert "# TYPE vllm:cache_config_info gauge" in text
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert f'num_gpu_blocks="{served.info.worker["num_blocks"]}"' in info and info.endswith(" 1.0")
+    assert 'engine="0"' in info
 
 
 # --------------------------------------------------------------------------- shutdown (last)

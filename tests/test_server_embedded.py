@@ -116,7 +116,7 @@ async def test_build_app_serves_in_process(client: AsyncEngineClient) -> None:
         assert body["model"] == "local" and body["usage"]["completion_tokens"] == 5
         assert (await http.get("/health")).status_code == 200
         metrics = (await http.get("/metrics")).text
-        assert 'vllm:e2e_request_latency_seconds_count{model_name="local"} 1.0' in metrics
+        assert 'vllm:e2e_request_latency_seconds_count{engine="0",model_name="local"} 1.0' in metrics
         assert (await http.get("/version")).json()["version"]
 
 
@@ -167,7 +167,11 @@ async def test_the_mounted_app_example_runs(client: AsyncEngineClient, tmp_path:
             assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
             chunks = [c async for c in await sdk.completions.create(
                 model="local-llm", prompt="Hello", max_tokens=4, temperature=0, stream=True)]
-            assert len(chunks) >= 2
+            # how many chunks depends on how fast the engine runs ahead of the stream (outputs that
+            # queue up go out together, as in vLLM): the streamed text is the whole completion
+            whole = await sdk.completions.create(model="local-llm", prompt="Hello", max_tokens=4, temperature=0)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+            assert chunks[-1].choices[0].finish_reason == "length"
             await sdk.close()
         example.send_signal(signal.SIGTERM)
         assert example.wait(timeout=30) == 0 or example.returncode == -signal.SIGTERM, tail(log_path)

@@ -164,7 +164,8 @@ def test_format_event_line_layout() -> None:
     step = format_event("worker-0", 7, WALL, SAMPLES[9], color=False)
     assert "execute_ms=12.346" in step
     arrived = format_event("frontend", 0, WALL, SAMPLES[0], color=False)
-    assert arrived.endswith("ARRIVED       request_id=r1 num_prompt_tokens=12 max_tokens=5")
+    assert arrived.endswith("ARRIVED       request_id=r1 num_prompt_tokens=12 max_tokens=5 priority=0")
+    assert "deadline" not in arrived  # optional fields left unset are not shown
 
 
 def test_long_lists_are_truncated() -> None:

@@ -117,10 +117,12 @@ def build_checkpoint(
     num_shards: int = 1,
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
+    shape: dict[str, int] | None = None,
 ) -> Path:
     """Build a tiny random float32 Llama/Qwen3 checkpoint (HF layout) with its tokenizer at path.
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
+    shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...).
     """
     import torch
     from transformers import (
@@ -152,6 +154,7 @@ def build_checkpoint(
         attention_bias=False,
         torch_dtype="float32",
     )
+    common.update(shape or {})
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling:
         rope.update(rope_scaling)
@@ -198,7 +201,7 @@ class PagedRunner:
     def __init__(self, model: Any, block_size: int = 16, num_blocks: int = 64, seed: int = 0) -> None:
         import torch
 
-        config = model.config
+        config = getattr(model, "local_config", model.config)  # a tensor-parallel rank's KV heads
         param = next(model.parameters())
         gen = torch.Generator().manual_seed(seed)
         self.model = model

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from vllm_actors.protocol.config import SCHEDULING_POLICIES
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -30,11 +33,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="replicas, each a full scheduler, KV-cache manager and workers, under one controller")
+    parser.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "pull", "cache_aware"],
+                        default="round_robin", help="how the controller spreads requests over the replicas")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of prompt prefixes already computed")
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
-                        help="waiting-queue order: arrival (fcfs) or longest cached prefix first (lpm)")
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
+                        help="who runs first: arrival (fcfs), longest cached prefix (lpm), the request's priority "
+                             "(priority: lower first, preempting higher values; vLLM's), earliest deadline (edf) or "
+                             "least remaining slack by the step cost model (lrs)")
+    parser.add_argument("--reject-unmeetable", action="store_true",
+                        help="admission control: refuse at arrival (HTTP 503 with the reason) a request whose "
+                             "deadline the step cost model says cannot be met")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -42,7 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
         "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
-        "scheduling_policy",
+        "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
     )
     return {name: getattr(args, name) for name in names}
 
@@ -125,31 +137,78 @@ def _tap(args: argparse.Namespace) -> int:
         types=set(args.type) if args.type else None,
         actors=set(args.actor) if args.actor else None,
         request_ids=set(args.request) if args.request else None,
+        replicas=set(args.replica) if args.replica else None,
     )
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
-    run_tap(address, tap_filter, sys.stdout, as_json=args.json, color=color, max_events=args.count,
-            duration=args.duration, keys=keys)
+    # Ctrl-C (SIGINT) stops the tap even when it was started with SIGINT ignored (a background job
+    # of a non-interactive shell inherits that, and Python then installs no handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run_tap(address, tap_filter, sys.stdout, as_json=args.json, color=color, max_events=args.count,
+                duration=args.duration, keys=keys)
+    except KeyboardInterrupt:  # a second Ctrl-C while the socket closes
+        pass
     return 0
 
 
 def _stats(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return _stats_trace(args)
     import msgspec
 
     from vllm_actors.observe.stats_text import summary_text
     from vllm_actors.observe.tap import group_endpoint, query_metrics, save_dump, stats_query
-    from vllm_actors.protocol.metrics import DumpReply, ErrorReply, SummaryReply
+    from vllm_actors.protocol.metrics import DumpReply, ErrorReply, SummaryQuery, SummaryReply
 
     address, keys = group_endpoint(args.run_dir, args.address, lambda addresses: addresses.metrics)
-    reply = query_metrics(address, stats_query(args.timeline, args.dump), keys=keys)
+    reply = query_metrics(address, stats_query(args.timeline, args.dump, args.replica), keys=keys)
     if isinstance(reply, DumpReply) and args.dump is not None:
         reply = save_dump(reply, args.dump)
     if isinstance(reply, ErrorReply):
         sys.stderr.write(f"error: {reply.message}\n")
         return 2
+    if isinstance(reply, SummaryReply) and args.replica is None and reply.replicas:
+        # A replica set: the whole group (every replica summed), then each replica's own.
+        per_replica = [query_metrics(address, SummaryQuery(replica=replica), keys=keys) for replica in reply.replicas]
+        if args.json:
+            sys.stdout.write(msgspec.json.encode({"total": reply, "replicas": per_replica}).decode() + "\n")
+            return 0
+        texts = [summary_text(reply)] + [f"--- replica {each.replica} ---\n{summary_text(each)}"
+                                        for each in per_replica if isinstance(each, SummaryReply)]
+        sys.stdout.write("\n".join(texts) + "\n")
+        return 0
     if isinstance(reply, SummaryReply) and not args.json:
         sys.stdout.write(summary_text(reply) + "\n")
     else:
         sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+    return 0
+
+
+def _stats_trace(args: argparse.Namespace) -> int:
+    """``stats --trace PATH``: the retained event log as a Chrome trace (with ``--dump``, the
+    dump it was made from is kept there too)."""
+    from vllm_actors.observe.tap import group_endpoint, query_metrics, save_dump
+    from vllm_actors.observe.trace_file import max_trace_bytes, read_dump, write_trace
+    from vllm_actors.protocol.metrics import DumpQuery, DumpReply
+
+    address, keys = group_endpoint(args.run_dir, args.address, lambda addresses: addresses.metrics)
+    reply = query_metrics(address, DumpQuery(), timeout_ms=120_000, keys=keys)
+    if not isinstance(reply, DumpReply):
+        sys.stderr.write(f"error: {getattr(reply, 'message', reply)}\n")
+        return 2
+    if args.dump is not None:
+        reply = save_dump(reply, args.dump)
+    try:
+        written = write_trace(read_dump(reply.path), args.trace, max_trace_bytes(args.trace_max_mb))
+    finally:
+        if args.dump is None:
+            Path(reply.path).unlink(missing_ok=True)
+    options = written.options
+    sys.stdout.write(f"trace: {written.path} ({written.num_bytes:,} bytes, {written.num_trace_events:,} trace events "
+                     f"from {written.num_events:,} log events; detail {options.detail}, every "
+                     f"{options.request_stride} request(s) shown"
+                     + (f"; the oldest {written.num_left_out:,} log events left out" if written.num_left_out else "")
+                     + ")\n")
     return 0
 
 
@@ -212,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     tap.add_argument("--type", action="append", help="event type or group (REQUEST, KV, WORKER, ACTOR); repeatable")
     tap.add_argument("--actor", action="append", help="actor id or pattern (worker-*); repeatable")
     tap.add_argument("--request", action="append", help="request id; repeatable")
+    tap.add_argument("--replica", action="append", type=int,
+                     help="replica index (data_parallel_size > 1: actors named <name>@<replica>); repeatable")
     tap.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     tap.add_argument("--count", type=int, default=None, help="exit after this many lines")
     tap.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
@@ -220,8 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="summary of a running group's metrics store")
     _add_group_location(stats, "the metrics store's endpoint")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument("--trace", metavar="PATH", default=None,
+                       help="write the retained event log as a Chrome trace (open it in ui.perfetto.dev; "
+                            "PATH ending in .gz: gzipped)")
+    stats.add_argument("--trace-max-mb", type=float, default=8.0,
+                       help="size bound of --trace: merged decode slices, then every 2nd, 4th... request (0: none)")
     stats.add_argument("--timeline", metavar="REQUEST_ID", default=None, help="one request's events")
     stats.add_argument("--dump", metavar="PATH", default=None, help="write the retained event log as JSON lines")
+    stats.add_argument("--replica", type=int, default=None,
+                       help="one replica's summary (default: the whole group, then each replica's)")
     stats.set_defaults(func=_stats)
 
     bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,7 @@ class LLM:
     (SmolLM2-135M-Instruct, GGUF) is used. Engine arguments take vLLM's names (dtype, max_model_len,
     max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size,
     num_gpu_blocks_override, gpu_memory_utilization, seed, enforce_eager, skip_tokenizer_init,
-    tensor_parallel_size, ...).
+    tensor_parallel_size, data_parallel_size, routing_policy, ...).
 
     The process group's supervisor restarts an actor that dies or hangs; ``generate`` goes on and
     returns complete outputs (after a scheduler restart the unfinished requests are sent again
@@ -60,6 +61,8 @@ class LLM:
         self._ids = itertools.count()
         self._client: SyncClient | None = None
         if executor == "inprocess":
+            if self.config.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 needs the process group (executor='group')")
             from vllm_actors.clients.inprocess import InProcessEngine
 
             self._client = InProcessEngine(self.config)
@@ -99,9 +102,10 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def get_metrics(self) -> SummaryReply:
-        """Counters, gauges and latency percentiles from the metrics store."""
-        return self.engine.get_metrics()
+    def get_metrics(self, replica: int | None = None) -> SummaryReply:
+        """Counters, gauges and latency percentiles from the metrics store (``replica``: one
+        replica's of a replica set; its ``replicas`` lists them)."""
+        return self.engine.get_metrics(replica)
 
     def get_timeline(self, request_id: str) -> TimelineReply:
         return self.engine.get_timeline(request_id)
@@ -115,14 +119,28 @@ class LLM:
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        ttft_target_ms: float | Sequence[float | None] | None = None,
+        e2e_target_ms: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one per prompt, as vLLM (lower runs first; the "priority" scheduling
+        policy honours it). ``ttft_target_ms`` / ``e2e_target_ms``: latency targets from arrival,
+        one for all or one per prompt (the "edf" and "lrs" policies order by them; with
+        ``reject_unmeetable`` a request that cannot meet its target raises ValueError)."""
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
+        count = len(prompt_list)
+        if priority is not None and len(priority) != count:
+            raise ValueError(f"priority has {len(priority)} values for {count} prompts")
+        priorities = list(priority) if priority is not None else [0] * count
+        ttfts, e2es = _per_prompt("ttft_target_ms", ttft_target_ms, count), _per_prompt("e2e_target_ms",
+                                                                                         e2e_target_ms, count)
         engine = self.engine
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
         prepared = [
-            engine.prepare(str(next(self._ids)), prompt, params)
-            for prompt, params in zip(prompt_list, params_list, strict=True)
+            dataclasses.replace(engine.prepare(str(next(self._ids)), prompt, params), priority=rank,
+                                ttft_target_ms=ttft, e2e_target_ms=e2e)
+            for prompt, params, rank, ttft, e2e in zip(prompt_list, params_list, priorities, ttfts, e2es, strict=True)
         ]
         return self._run(prepared, use_tqdm)
 
@@ -200,3 +218,12 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _per_prompt(name: str, value: float | Sequence[float | None] | None, count: int) -> list[float | None]:
+    if value is None or isinstance(value, (int, float)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} values for {count} prompts")
+    return values

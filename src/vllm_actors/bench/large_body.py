@@ -10,30 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
+
+from vllm_actors.bench.procfs import free_port, rss_bytes
 
 FILLER = "The quick brown fox jumps over the lazy dog. "
 
 
 def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return rss_bytes(pid) or 0
 
 
 def _wait_healthy(base: str, process: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
@@ -51,7 +42,7 @@ def _wait_healthy(base: str, process: subprocess.Popen[bytes], timeout: float = 
 
 
 def measure(model: str, megabytes: float, serve_args: list[str], settle: float) -> dict[str, object]:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as run_root:
         env = dict(os.environ, VLLM_ACTORS_RUN_ROOT=run_root)

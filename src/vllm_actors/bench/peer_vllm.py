@@ -47,6 +47,15 @@ def client_batch1(
             "full_samples_s": fulls}
 
 
+def _extra(fields: dict[str, Any]) -> dict[str, Any]:
+    """A request's mix fields as vLLM's SamplingParams arguments."""
+    if "json" not in fields:
+        return dict(fields)
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(json=fields["json"])}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="vLLM's side of the throughput benchmark")
     parser.add_argument("--model", required=True)
@@ -66,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch1-input-len", type=int, default=1024)
     parser.add_argument("--batch1-output-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=151936)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     return parser
 
 
@@ -82,20 +92,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.workload) as handle:
         workload = json.load(handle)
     prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+    mix = workload.get("mix")  # per request: {"json": schema} or penalties (bench/throughput_mix.py)
     result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "runs": [],
                               "python": sys.version.split()[0]}
     started = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=mix is None,  # structured outputs need the tokenizer
+              tensor_parallel_size=args.tensor_parallel_size)
     result["startup_s"] = time.perf_counter() - started
     print(f"vllm {vllm.__version__}: engine up after {result['startup_s']:.1f} s", flush=True)
 
-    def generate(batch: Sequence[Sequence[int]], limits: Sequence[int]) -> tuple[int, float]:
+    def generate(batch: Sequence[Sequence[int]], limits: Sequence[int],
+                 extras: Sequence[dict[str, Any]] | None = None) -> tuple[int, float]:
         inputs: list[Any] = [{"prompt_token_ids": list(p)} for p in batch]
         params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n, detokenize=False,
-                                 seed=None) for n in limits]
+                                 seed=None, **_extra(fields))
+                  for n, fields in zip(limits, extras or [{}] * len(limits), strict=True)]
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -108,6 +122,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["runs"].append({"output_tokens": produced, "seconds": seconds, "tokens_per_s": produced / seconds})
         print(f"vllm run {run + 1}: {produced} tokens in {seconds:.2f} s = {produced / seconds:,.0f} tok/s", flush=True)
         _write(args.out, result)
+    if mix is not None:  # the same workload with the mix, on the same engine (vLLM 0.26's spelling)
+        result["plain"], result["mixed"] = result["runs"], []
+        for run in range(args.runs):
+            produced, seconds = generate(prompts, max_tokens, mix)
+            result["mixed"].append({"output_tokens": produced, "seconds": seconds, "tokens_per_s": produced / seconds})
+            print(f"vllm mixed run {run + 1}: {produced / seconds:,.0f} tok/s", flush=True)
+            _write(args.out, result)
+        result["plain_tokens_per_s"] = max(r["tokens_per_s"] for r in result["plain"])
+        result["mixed_tokens_per_s"] = max(r["tokens_per_s"] for r in result["mixed"])
+        result["cost"] = 1.0 - result["mixed_tokens_per_s"] / result["plain_tokens_per_s"]
     best = max(result["runs"], key=lambda r: r["tokens_per_s"])
     result.update({"num_requests": len(prompts), "output_tokens": best["output_tokens"], "seconds": best["seconds"],
                    "tokens_per_s": best["tokens_per_s"], "expected_output_tokens": sum(max_tokens)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +39,7 @@ class LatencyStats:
                    p99=percentile(ordered, 0.99), mean=sum(ordered) / len(ordered), max=ordered[-1])
 
 
-def percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
     """The q-quantile of sorted values, interpolating linearly between the nearest ranks."""
     if not ordered:
         return 0.0

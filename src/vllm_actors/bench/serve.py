@@ -15,6 +15,12 @@ inter-token gap <= ``--slo-itl-ms``): the share of requests sent that met it, an
 Outputs under ``--out``: ``serve.json`` (rewritten after every load), ``serve.md`` (the table) and
 ``serve.png`` (matplotlib; skipped with a note without it).
 
+``--workload mixed`` (serve_mixed.py) sends interactive requests (short, tight TTFT and inter-token
+targets, a lower ``priority``) and long batch requests (loose targets) in on/off bursts, and reports
+each class's SLO attainment; ``--scheduling-policies fcfs priority edf lrs`` starts our server once
+per policy on the same requests (serve_policies.py): ``slo.png`` and an attainment table in
+``serve.md``. ``--trace PATH`` writes each of our servers' event logs as a Chrome trace.
+
 With no ``--model``, the model directory is Qwen3-0.6B's shape with random weights
 (``--load-format dummy`` for both servers) and a word-level tokenizer over its 151,936 ids
 ("t0", "t1", ...), so that both servers detokenize every token as they would a real model's.
@@ -24,14 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,31 @@ from vllm_actors.bench.serve_client import (
     summarize,
     tpot,
 )
-from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
-
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1"}
+from vllm_actors.bench.serve_policies import (
+    add_mixed_arguments,
+    check_arguments,
+    load_mixed,
+    mixed_description,
+    policy_arguments,
+    save_trace,
+    server_name,
+    servers,
+    slo_markdown,
+    slo_row,
+    slo_summary,
+    trace_env,
+    trace_path,
+    write_slo_plot,
+)
+from vllm_actors.bench.serve_server import (  # noqa: F401 - importable from here as before
+    VLLM_ENV,
+    Server,
+    http_json,
+    served_model,
+    server_command,
+    server_env,
+    write_model_dir,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,110 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-ttft-ms", type=float, default=200.0)
     load.add_argument("--slo-itl-ms", type=float, default=50.0, help="bound on each request's p99 inter-token gap")
 
+    add_mixed_arguments(parser)
     parser.add_argument("--out", default="results/serve")
     parser.add_argument("--merge", nargs="+", default=None, metavar="SERVE_JSON",
                         help="measure nothing: put the servers of these serve.json files (e.g. runs of separate "
                              "device calls) into one serve.json / serve.md / serve.png under --out, without "
                              "their per-request rows")
     return parser
-
-
-# --------------------------------------------------------------------------- model directory
-def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
-    """config.json (Qwen3-0.6B's shape) plus a word-level tokenizer over the whole vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    config = dict(config or QWEN3_0_6B_CONFIG)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    vocab = {f"t{i}": i for i in range(int(config["vocab_size"]))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    eos = f"t{config.get('eos_token_id', 0)}"
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(config["max_position_embeddings"]),
-        "eos_token": eos, "unk_token": "t0", "pad_token": eos, "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
-    return path
-
-
-# --------------------------------------------------------------------------- servers
-def server_command(engine: str, args: argparse.Namespace, model: str, load_format: str) -> list[str]:
-    common = [model, "--load-format", load_format, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-              "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-              "--host", "127.0.0.1", "--port", str(args.port), "--disable-uvicorn-access-log",
-              "--uvicorn-log-level", "warning", *shlex.split(args.server_args)]
-    if engine == "vllm":
-        return [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", *common]
-    return [sys.executable, "-m", "vllm_actors", "serve", *common]
-
-
-def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ)
-    if engine == "vllm":
-        env.update(VLLM_ENV)
-        if args.vllm_pythonpath:
-            env["PYTHONPATH"] = args.vllm_pythonpath
-    return env
-
-
-def http_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - a local benchmark URL
-        return json.loads(response.read())
-
-
-def served_model(url: str) -> str:
-    return str(http_json(f"{url}/v1/models")["data"][0]["id"])
-
-
-class Server:
-    """A server process in its own session (so that stopping it stops its children too)."""
-
-    def __init__(self, engine: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.engine, self.command, self.log_path = engine, command, log_path
-        self.log = log_path.open("w")
-        started = time.monotonic()
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        self.started = started
-        self.startup_s = 0.0
-
-    def wait_ready(self, url: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited with {self.process.returncode}: "
-                                   f"{self.tail()}")
-            try:
-                model = served_model(url)
-                self.startup_s = time.monotonic() - self.started
-                return model
-            except OSError:
-                time.sleep(1.0)
-        raise TimeoutError(f"{self.engine} server not up after {timeout:.0f} s: {self.tail()}")
-
-    def tail(self, lines: int = 15) -> str:
-        self.log.flush()
-        return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            if self.process.poll() is not None:
-                break
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # children left in the session (workers, engine cores)
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.log.close()
 
 
 # --------------------------------------------------------------------------- loads
@@ -203,6 +129,8 @@ def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
 def load_requests(args: argparse.Namespace, kind: str, value: float, seed: int) -> list[Any]:
     input_range: tuple[int, int] = (args.input_len[0], args.input_len[1])
     output_range: tuple[int, int] = (args.output_len[0], args.output_len[1])
+    if kind == "rate" and args.workload == "mixed":
+        return load_mixed(args, value, seed)
     if kind == "rate":
         return poisson_requests(value, args.duration, seed, input_range=input_range, output_range=output_range)
     return make_requests(int(value * args.duration * 4 + 16), seed, input_range, output_range)
@@ -235,13 +163,19 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
         results, start = run_load(shards)
         summary = summarize(results, start, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
         summary.update({"kind": kind, "value": value, "sent": len(results), "client_processes": len(shards)})
+        if args.workload == "mixed":
+            summary["slo"] = slo_summary(args, results, requests, start)
+        klass = {request.index: getattr(request, "klass", None) for request in requests}
         summary["per_request"] = [
             {"i": r.index, "in": r.prompt_len, "out": r.output_tokens, "t0": round(r.start - start, 4),
-             "ttft": round(r.ttft, 5), "e2e": round(r.e2e, 4), "ok": r.ok, **({"error": r.error} if r.error else {})}
+             "ttft": round(r.ttft, 5), "e2e": round(r.e2e, 4), "ok": r.ok, **({"error": r.error} if r.error else {}),
+             **({"class": klass[r.index]} if klass[r.index] else {})}
             for r in results
         ]
         record["loads"].append(summary)
         print(format_row(name, summary), flush=True)
+        if "slo" in summary:
+            print(slo_row(name, summary, None), flush=True)
         write_outputs(out, args, None)
 
 
@@ -274,6 +208,8 @@ def markdown(args: argparse.Namespace) -> str:
              f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and the request's p99 inter-token gap <= {args.slo_itl_ms:g} ms; "
              f"{args.duration:g} s of arrivals per load, {args.num_clients} client processes, prompts "
              f"{args.input_len[0]}-{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}.", ""]
+    if getattr(args, "workload", "poisson") == "mixed":  # (a merged older run has no workload)
+        lines[4:6] = [mixed_description(args), ""]
     for record in _RECORDS:
         lines.append(f"- {record['name']}: {record.get('version', '')} startup {record.get('startup_s', 0):.1f} s"
                      + (f", error: {record['error']}" if record.get("error") else "")
@@ -281,6 +217,7 @@ def markdown(args: argparse.Namespace) -> str:
                      + (f"; server: `{record['command']}`" if record.get("command") else ""))
     lines += ["", HEADER]
     lines += [format_row(record["name"], summary) for record in _RECORDS for summary in record["loads"]]
+    lines += slo_markdown(_RECORDS)
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +230,7 @@ def write_outputs(out: Path, args: argparse.Namespace, plot: bool | None) -> Non
     (out / "serve.md").write_text(markdown(args))
     if plot:
         write_plot(out / "serve.png")
+        write_slo_plot(_RECORDS, out / "slo.png")
 
 
 def write_plot(path: Path) -> bool:
@@ -376,19 +314,26 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or str(write_model_dir(Path(scratch) / "qwen3-0.6b-shape"))
         load_format = args.load_format or ("dummy" if args.model is None else "auto")
         url = f"http://127.0.0.1:{args.port}"
-        for engine in args.engines:
-            name = "vLLM" if engine == "vllm" else "vllm_actors"
-            record = {"name": name, "engine": engine, "loads": []}
+        started = servers(args)
+        for engine, policy in started:
+            name = server_name(engine, policy)
+            record = {"name": name, "engine": engine, "loads": [], **({"policy": policy} if policy else {})}
             _RECORDS.append(record)
-            command = server_command(engine, args, model, load_format)
+            command = server_command(engine, args, model, load_format) + policy_arguments(policy)
             record["command"] = " ".join(shlex.quote(part) for part in command)
-            server = Server(engine, command, server_env(engine, args), out / f"server-{engine}.log")
+            log_name = f"server-{engine}" + (f"-{policy}" if policy else "")
+            traced = trace_path(args, engine, policy, len(started) > 1)
+            env = {**server_env(engine, args), **(trace_env(args) if traced is not None else {})}
+            server = Server(engine, command, env, out / f"{log_name}.log")
             try:
                 served = server.wait_ready(url, args.server_timeout)
                 record["startup_s"] = server.startup_s
                 record["version"] = _version(url)
                 print(f"{name} up after {server.startup_s:.1f} s", flush=True)
                 measure(args, url, served, name, record, out)
+                if traced is not None:
+                    record["trace"] = save_trace(server.process.pid, traced, args.trace_max_mb)
+                    print(f"{name} trace: {record['trace']}", flush=True)
             except Exception as error:
                 record["error"] = f"{type(error).__name__}: {error}"[:2000]
                 print(f"{name} failed: {record['error']}", flush=True)
@@ -410,4 +355,5 @@ def _version(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_arguments(args)
     return run(args)

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from vllm_actors.bench.report import percentile
+
 # ShareGPT-like length mix: log-normal around a few hundred prompt tokens and ~200 output tokens,
 # clipped to the ranges asked for.
 INPUT_LEN_RANGE = (128, 1024)
@@ -42,6 +44,7 @@ class ServeRequest:
     prompt: list[int]
     max_tokens: int
     offset: float = 0.0  # seconds after the load's start (Poisson arrivals); 0 for closed loops
+    extra: dict[str, Any] | None = None  # more fields of the body (priority, targets: serve_mixed.py)
 
 
 def _lognormal_len(rng: random.Random, median: float, bounds: tuple[int, int]) -> int:
@@ -175,7 +178,7 @@ async def stream_one(url: str, model: str, request: ServeRequest, temperature: f
     result = RequestResult(request.index, len(request.prompt), request.max_tokens)
     body = {
         "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": temperature,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(request.extra or {}),
     }
     result.start = time.monotonic()
     finished = False
@@ -312,16 +315,6 @@ def split_load(
 
 
 # --------------------------------------------------------------------------- statistics
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """The q-quantile of sorted values, interpolating between the nearest ranks."""
-    if not ordered:
-        return 0.0
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def spread(samples: Sequence[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {"count": len(ordered), "p50": percentile(ordered, 0.5), "p90": percentile(ordered, 0.9),

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 import structlog
 
+from vllm_actors.bench.procfs import child_pids, free_port, rss_bytes
 from vllm_actors.bench.soak_load import WEIGHTS, Result, fire, fire_clash, make_shot
 from vllm_actors.bench.soak_report import Sample, Tally, build_report, format_markdown
 from vllm_actors.observe.tap import query_metrics
@@ -56,22 +56,6 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found.extend(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return found
-
-
 def _actor_name(pid: int) -> str:
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -85,18 +69,13 @@ def _actor_name(pid: int) -> str:
 
 
 def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    size = rss_bytes(pid)
+    return None if size is None else size / 2**20
 
 
 def group_processes(serve_pid: int) -> dict[str, int]:
     """The serve process (``serve``) and each actor of its group, by name."""
-    return {"serve": serve_pid, **{_actor_name(pid): pid for pid in _children(serve_pid)}}
+    return {"serve": serve_pid, **{_actor_name(pid): pid for pid in child_pids(serve_pid)}}
 
 
 def _summary(info: GroupInfo) -> SummaryReply | None:
@@ -208,7 +187,7 @@ def wait_serving(base_url: str, process: subprocess.Popen[bytes], run_root: Path
 def stop_serve(process: subprocess.Popen[bytes], timeout: float = 60) -> None:
     if process.poll() is not None:
         return
-    children = _children(process.pid)
+    children = child_pids(process.pid)
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=timeout)
@@ -225,7 +204,7 @@ def stop_serve(process: subprocess.Popen[bytes], timeout: float = 60) -> None:
 def run_soak(args: argparse.Namespace) -> int:
     results = Path(args.results or f"results/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     results.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="soak-runs-") as run_root:
         process = start_serve(args, port, Path(run_root), results / "serve.log")

@@ -41,6 +41,7 @@ from typing import Any
 
 import structlog
 
+from vllm_actors.bench import throughput_mix
 from vllm_actors.bench.event_log import decode_idle_share, request_latencies, step_series, worker_steps
 from vllm_actors.bench.floor import Floor, GpuCeilings, ModelShape, measure_ceilings, workload_floor
 from vllm_actors.bench.report import BenchReport, format_table, write_json, write_png
@@ -49,6 +50,7 @@ from vllm_actors.bench.throughput_workload import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_SEED,
     EXPECTED_OUTPUT_TOKENS,
+    MODEL_SHAPES,
     OUTPUT_LEN_RANGE,
     PROMPT_LEN_RANGE,
     QWEN3_0_6B_CONFIG,
@@ -58,6 +60,7 @@ from vllm_actors.bench.throughput_workload import (
     make_workload,
     write_model_dir,
 )
+from vllm_actors.observe import trace_file
 from vllm_actors.protocol.events import DISABLE_EVENTS_ENV
 
 # The workload and the event-log analysis live in their own modules; their names stay importable from here.
@@ -89,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline throughput on nano-vllm's workload, against the GPU's floor and transformers.",
     )
     model = add_model_arguments(parser)
+    model.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
+                       help="without --model: the random checkpoint's shape")
+    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="GPUs (ranks) for our engine and the vLLM peer")
     model.add_argument("--max-model-len", type=int, default=4096)
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the timed run")
@@ -96,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="turn prefix caching off (the workload's random prompts share nothing)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload and engine seed")
+    model.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="replicas (one GPU each) under one controller; the vLLM peer runs with one")
+    model.add_argument("--routing-policy", default="round_robin",
+                       choices=("round_robin", "least_loaded", "pull", "cache_aware"))
 
     workload = parser.add_argument_group("workload")
     workload.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
@@ -107,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--runs", type=int, default=1,
                           help="timed runs of the workload per engine; the best counts (the event-log metrics "
                                "are the last run's)")
+    workload.add_argument("--mix", choices=("none", "json-penalties"), default="none",
+                          help="10%% JSON schema, the rest penalties, vs plain on one engine (throughput_mix.py)")
     workload.add_argument("--no-events", action="store_true",
                           help="engine actors publish no work events (VLLM_ACTORS_DISABLE_EVENTS=1): measures "
                                "what events cost; no event-log metrics, batch-1 by the client's clock only")
@@ -141,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--out", default="results/throughput", help="directory for results.json, throughput.png")
     output.add_argument("--keep-events", action="store_true", help="also keep the event log as events.jsonl.gz")
+    trace_file.add_trace_arguments(output, "the timed run's event log (as the metrics store retained it)")
     output.add_argument("--log-level", default=os.environ.get("VLLM_ACTORS_LOG_LEVEL", "INFO"))
     return parser
 
@@ -210,7 +224,7 @@ def run_peer(args: argparse.Namespace, model_path: str, workload: Workload, rand
 
 def run_vllm_peer(
     args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
-    vocab_size: int,
+    vocab_size: int, mix: str = "none",
 ) -> dict[str, Any]:
     """peer_vllm.py in a process of its own, under vLLM's PYTHONPATH; its JSON result (with
     ``error`` when it failed, and what it measured before that)."""
@@ -221,7 +235,10 @@ def run_vllm_peer(
     script = scratch_dir / "peer_vllm.py"  # run from a folder of its own: bench/'s modules shadow nothing
     shutil.copyfile(peer_vllm.__file__, script)
     workload_path, result_path = scratch_dir / "vllm_workload.json", scratch_dir / "vllm_result.json"
-    workload_path.write_text(json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens}))
+    content: dict[str, Any] = {"prompts": workload.prompts, "max_tokens": workload.max_tokens}
+    if mix != "none":  # plain and mixed runs, with the tokenizer (throughput_mix.py)
+        content["mix"] = throughput_mix.mix_fields(mix, len(workload))
+    workload_path.write_text(json.dumps(content))
     command = [
         args.vllm_python, str(script), "--model", model_path, "--workload", str(workload_path),
         "--out", str(result_path), "--load-format", load_format, "--dtype", args.dtype,
@@ -229,7 +246,7 @@ def run_vllm_peer(
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--runs", str(max(1, args.runs)), "--warmup-requests", str(args.warmup_requests),
         "--batch1-input-len", str(args.batch1_input_len), "--batch1-output-len", str(args.batch1_output_len),
-        "--vocab-size", str(vocab_size),
+        "--vocab-size", str(vocab_size), "--tensor-parallel-size", str(args.tensor_parallel_size),
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--no-enable-prefix-caching"] if not args.enable_prefix_caching else []),
         *(["--no-batch1"] if args.no_batch1 else []),
@@ -252,7 +269,8 @@ def _config_record(args: argparse.Namespace, load_format: str, workload: Workloa
     record: dict[str, Any] = dict(vars(args))
     record["load_format"] = load_format
     record["model_description"] = (
-        "Qwen3-0.6B shape, random weights (load_format=dummy)" if args.model is None
+        f"{args.model_shape} shape, random weights (load_format=dummy), TP={args.tensor_parallel_size}"
+        if args.model is None
         else f"{args.model} (load_format={load_format})"
     )
     record["workload"] = {"num_requests": len(workload), "prompt_tokens": workload.prompt_tokens,
@@ -315,6 +333,11 @@ def _run_ours(
         if args.keep_events and events.is_file():
             with events.open("rb") as source, gzip.open(Path(args.out) / "events.jsonl.gz", "wb") as target:
                 shutil.copyfileobj(source, target)
+        if args.trace and events.is_file():
+            with _part(report, "trace", out_json):
+                bound = trace_file.max_trace_bytes(args.trace_max_mb)
+                written = trace_file.write_trace(trace_file.read_dump(events), args.trace, bound)
+                report.config["trace"] = trace_file.trace_record(written)
     return True
 
 
@@ -346,18 +369,26 @@ def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
 
     with tempfile.TemporaryDirectory(prefix="vllm-actors-bench-") as scratch:
         scratch_dir = Path(scratch)
-        model_path = args.model or str(write_model_dir(scratch_dir / "qwen3-0.6b-shape"))
+        model_path = args.model or str(write_model_dir(scratch_dir / f"{args.model_shape}-shape",
+                                                       MODEL_SHAPES[args.model_shape]))
         shape = model_shape(model_path, args.dtype)
         if shape.vocab_size <= TOKEN_ID_RANGE[1]:
             log.warning("the model's vocabulary is smaller than the workload's token ids: folding them",
                         vocab_size=shape.vocab_size)
             workload = workload.fit_vocab(shape.vocab_size)
         report = BenchReport(config=_config_record(args, load_format, workload))
+        if args.mix != "none":
+            mix = throughput_mix.run(args, workload, load_format, scratch_dir, run_vllm_peer)
+            print(throughput_mix.format_mix(mix))
+            return report, 0 if "error" not in mix.get("ours", {}) else 1
 
         if args.no_events:
             os.environ[DISABLE_EVENTS_ENV] = "1"  # read by every actor of the group at its start
+        if args.trace:  # the whole run in the store's log, read by the metrics store at its start
+            os.environ.update(trace_file.retention_env(args.trace_max_events))
         ok = _run_ours(args, model_path, load_format, shape, workload, report, scratch_dir, out_json)
-        os.environ.pop(DISABLE_EVENTS_ENV, None)
+        for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
+            os.environ.pop(name, None)
         if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
             _run_other_batch1(args, model_path, load_format, shape, workload, report, out_json)
         with _part(report, "floor", out_json):

@@ -27,16 +27,25 @@ from vllm_actors.bench.throughput_workload import TEMPERATURE, TOKEN_ID_RANGE, W
 log = structlog.get_logger(__name__)
 
 
-def make_llm(args: argparse.Namespace, model_path: str, load_format: str, enforce_eager: bool) -> Any:
+def make_llm(
+    args: argparse.Namespace, model_path: str, load_format: str, enforce_eager: bool, tokenizer: bool = False
+) -> Any:
+    """``tokenizer``: load the model's tokenizer (structured outputs need it); off by default."""
     from vllm_actors.llm import LLM
 
     engine_args: dict[str, Any] = {
-        "skip_tokenizer_init": True, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+        "skip_tokenizer_init": not tokenizer, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "seed": args.seed,
         "enforce_eager": enforce_eager, "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
     }
     if not args.enable_prefix_caching:
         engine_args["enable_prefix_caching"] = False
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "data_parallel_size", 1) > 1:  # only passed when asked: older engines lack the argument
+        engine_args["data_parallel_size"] = args.data_parallel_size
+        engine_args["routing_policy"] = args.routing_policy
     if load_format != "auto":
         engine_args["load_format"] = load_format  # only passed when needed: older engines lack the argument
     log.info("starting the engine", model=model_path, enforce_eager=enforce_eager, load_format=load_format)

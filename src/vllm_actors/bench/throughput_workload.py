@@ -98,6 +98,14 @@ def make_workload(
     return Workload(prompts, max_tokens)
 
 
+# Qwen3-8B's shape (tensor-parallel benchmarks: 32 heads, 8 KV heads, untied LM head).
+QWEN3_8B_CONFIG: dict[str, Any] = {
+    **QWEN3_0_6B_CONFIG, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+}
+MODEL_SHAPES: dict[str, dict[str, Any]] = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
+
+
 def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
     """A Hugging Face directory with only ``config.json`` (for ``load_format="dummy"``)."""
     path.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, TextOptions
 from vllm_actors.clients import async_text
 from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, bus_round_trip, follow_bus
 from vllm_actors.clients.core import (
@@ -69,7 +69,7 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
-from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
+from vllm_actors.protocol.names import ENTRY_ACTORS, SCHEDULER, SUPERVISOR, split_replica
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
 from vllm_actors.runtime.security import connect, keys_for
@@ -86,6 +86,11 @@ log = structlog.get_logger(__name__)
 CONNECT_TIMEOUT = 30.0
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
 
+
+
+def is_scheduler(topic: str) -> bool:
+    """A scheduler's topic: the group's, or a replica's ("scheduler@1")."""
+    return split_replica(topic)[0] == SCHEDULER
 
 class AsyncEngineClient(ClientCore):
     """The frontend of a process group for asyncio applications (see the module docstring)."""
@@ -222,7 +227,11 @@ class AsyncEngineClient(ClientCore):
 
     @property
     def max_num_seqs(self) -> int | None:
-        return self.group.config.max_num_seqs if self.group is not None else None
+        """Sequences the engine runs at once: every replica's ``max_num_seqs``."""
+        if self.group is None:
+            return None
+        config = self.group.config
+        return config.max_num_seqs * getattr(config, "data_parallel_size", 1)  # a group of one replica may not say
 
     @property
     def num_unfinished(self) -> int:
@@ -258,30 +267,33 @@ class AsyncEngineClient(ClientCore):
         stream = RequestStream(self, prepared)
         self._submit(prepared)
         self._streams[prepared.request_id] = stream
-        self.latency.start(prepared.request_id, time.monotonic())
+        params = prepared.params
+        self.latency.start(prepared.request_id, time.monotonic(), params.n, params.max_tokens)
         return stream
 
     async def prepare_async(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                            max_tokens_must_fit: bool = False, max_prompt_bytes: int | None = None) -> PreparedRequest:
+                            max_tokens_must_fit: bool = False, max_prompt_bytes: int | None = None,
+                            text_options: TextOptions | None = None) -> PreparedRequest:
         """``prepare`` that keeps the loop free: a long text is tokenised on a worker thread
         (``clients/async_text.py``); a text over ``max_prompt_bytes`` is refused before tokenising,
         a token-id list over max_model_len before it is converted."""
         return await async_text.prepare_prompt(self.frontend, self._text, request_id, prompt, params,
                                                max_tokens_must_fit=max_tokens_must_fit,
-                                               max_prompt_bytes=max_prompt_bytes)
+                                               max_prompt_bytes=max_prompt_bytes, text_options=text_options)
 
     async def prepare_chat_async(self, request_id: str, messages: ChatMessages, params: SamplingParams, *,
                                  add_generation_prompt: bool = True,
                                  chat_template_kwargs: Mapping[str, Any] | None = None,
                                  max_tokens_must_fit: bool = False,
-                                 max_prompt_bytes: int | None = None) -> PreparedRequest:
+                                 max_prompt_bytes: int | None = None,
+                                 text_options: TextOptions | None = None) -> PreparedRequest:
         """``prepare_chat`` that keeps the loop free (the template and tokenising of a long chat on a
         worker thread)."""
         return await async_text.prepare_chat(self.frontend, self._text, request_id, messages, params,
                                              add_generation_prompt=add_generation_prompt,
                                              chat_template_kwargs=chat_template_kwargs,
                                              max_tokens_must_fit=max_tokens_must_fit,
-                                             max_prompt_bytes=max_prompt_bytes)
+                                             max_prompt_bytes=max_prompt_bytes, text_options=text_options)
 
     async def detokenize_async(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens spelled out; a long list decoded off the loop."""
@@ -328,7 +340,7 @@ class AsyncEngineClient(ClientCore):
 
     # ------------------------------------------------------------------ supervision (on the loop)
     def _on_actor_restarted(self, actor: str) -> None:
-        if actor == SCHEDULER and not self._closed and self.failure is None:
+        if actor in ENTRY_ACTORS and not self._closed and self.failure is None:
             self.resubmit_open()
 
     def _fail(self, reason: str) -> None:
@@ -373,9 +385,9 @@ class AsyncEngineClient(ClientCore):
         client, the supervisor's (restarts, the group's failure), until cancelled."""
         topics = [SCHEDULER] if self.group is not None else [SCHEDULER, SUPERVISOR]  # an owned group tells us
         async for topic, batch in follow_bus(self._context, self.info.addresses.bus_out, self.keys, topics,
-                                             skip=lambda topic: topic == SCHEDULER
+                                             skip=lambda topic: is_scheduler(topic)
                                              and not self.latency.wants_scheduler_events):
-            if topic == SCHEDULER:
+            if is_scheduler(topic):  # "scheduler" subscribes to every replica's ("scheduler@1")
                 self.latency.on_scheduler_events(batch)
                 continue
             restarted, failed = self._supervision.on_batch(topic, batch)
@@ -401,8 +413,9 @@ class AsyncEngineClient(ClientCore):
         """One query to the metrics store; raises TimeoutError when it does not answer."""
         return await self._metrics.query(query, timeout)
 
-    async def get_metrics(self) -> SummaryReply:
-        return expect_reply(await self.query_metrics(SummaryQuery()), SummaryReply)
+    async def get_metrics(self, replica: int | None = None) -> SummaryReply:
+        """The metrics store's summary: the whole group's, or one replica's."""
+        return expect_reply(await self.query_metrics(SummaryQuery(replica=replica)), SummaryReply)
 
     async def get_timeline(self, request_id: str) -> TimelineReply:
         return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)

@@ -24,7 +24,14 @@ import zmq.asyncio
 from vllm_actors.clients.supervision import READY
 from vllm_actors.protocol.events import EventBatch, Heartbeat
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply, SeenQuery, SeenReply
-from vllm_actors.protocol.names import worker_id
+from vllm_actors.protocol.names import (
+    CONTROLLER,
+    KV_CACHE_MANAGER,
+    SCHEDULER,
+    replica_actor,
+    split_replica,
+    worker_id,
+)
 from vllm_actors.runtime.run_dir import GroupInfo, pid_alive
 from vllm_actors.runtime.security import GroupKeys, connect
 from vllm_actors.runtime.zmq_shell import EventPublisher
@@ -48,14 +55,23 @@ class MetricsChannel:
     async def query(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
         """One query; raises TimeoutError when the store does not answer."""
         async with self._lock:
-            await self._socket.send(self._codec.encode(query))
             try:
+                await self._socket.send(self._codec.encode(query))
                 payload = await asyncio.wait_for(self._socket.recv(), timeout)
             except asyncio.TimeoutError:
-                self._socket.close(linger=0)
-                self._socket = self._connect()
+                self._reset()
                 raise TimeoutError("the metrics store did not answer") from None
+            except BaseException:
+                # Cancelled (a caller's own timeout, a task cancelled) between the query and its
+                # reply: that reply would still come, and answer the next query with old numbers
+                # (a scrape showing the state as of an earlier scrape). A fresh socket never gets it.
+                self._reset()
+                raise
             return self._codec.decode_reply(payload)
+
+    def _reset(self) -> None:
+        self._socket.close(linger=0)
+        self._socket = self._connect()
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -108,6 +124,9 @@ class HealthProbe:
         actors = reply.actors if isinstance(reply, SeenReply) else {}
         expected = [*(worker_id(rank) for rank in range(len(self.info.addresses.workers))),
                     "kv_cache_manager", "scheduler"]
+        if self.info.data_parallel_size > 1:  # a replica set: the controller and each replica's pipeline
+            expected = [CONTROLLER, *(replica_actor(name, replica) for replica in range(self.info.data_parallel_size)
+                                      for name in (worker_id(0), KV_CACHE_MANAGER, SCHEDULER))]
         unseen = []
         for actor in expected:
             seen = actors.get(actor)
@@ -141,7 +160,7 @@ async def follow_bus(context: zmq.asyncio.Context, bus_out: str, keys: GroupKeys
         while True:
             frames = await subscriber.recv_multipart()
             topic = frames[0].decode(errors="replace") if len(frames) == 2 else ""
-            if topic not in topics or skip(topic):
+            if (topic not in topics and split_replica(topic)[0] not in topics) or skip(topic):
                 continue
             try:
                 batch = decoder.decode(frames[-1])

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest
-from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
+from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, TextOptions, tokenize_chat, tokenize_prompt
 from vllm_actors.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -63,26 +63,33 @@ def _lower_priority() -> None:
 
 async def prepare_prompt(
     frontend: Frontend, pool: TextPool, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-    max_tokens_must_fit: bool, max_prompt_bytes: int | None,
+    max_tokens_must_fit: bool, max_prompt_bytes: int | None, text_options: TextOptions | None = None,
 ) -> PreparedRequest:
+    options = text_options or TextOptions()
     tokenize = functools.partial(tokenize_prompt, frontend.tokenizer, prompt, max_bytes=max_prompt_bytes,
-                                 max_tokens=frontend.max_model_len)
+                                 max_tokens=options.token_limit(frontend.max_model_len),
+                                 add_special_tokens=options.add_special_tokens)
     text, ids = await pool.run(tokenize, prompt_size(prompt))
+    text, ids = options.truncate(text, ids)
     return frontend.prepare_tokens(request_id, text, ids, params, max_tokens_must_fit=max_tokens_must_fit)
 
 
 async def prepare_chat(
     frontend: Frontend, pool: TextPool, request_id: str, messages: ChatMessages, params: SamplingParams, *,
     add_generation_prompt: bool, chat_template_kwargs: Mapping[str, Any] | None, max_tokens_must_fit: bool,
-    max_prompt_bytes: int | None,
+    max_prompt_bytes: int | None, text_options: TextOptions | None = None,
 ) -> PreparedRequest:
+    options = text_options or TextOptions(add_special_tokens=False)
     tokenize = functools.partial(tokenize_chat, frontend.tokenizer, messages,
                                  add_generation_prompt=add_generation_prompt,
                                  chat_template_kwargs=chat_template_kwargs, max_bytes=max_prompt_bytes,
-                                 max_tokens=frontend.max_model_len)
+                                 max_tokens=options.token_limit(frontend.max_model_len),
+                                 continue_final_message=options.continue_final_message,
+                                 add_special_tokens=options.add_special_tokens)
     size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     text, ids = await pool.run(tokenize, size)
-    return frontend.prepare_tokens(request_id, text, ids, params, field="messages",
+    truncated, ids = options.truncate(text, ids)
+    return frontend.prepare_tokens(request_id, truncated, ids, params, field="messages",
                                    max_tokens_must_fit=max_tokens_must_fit)
 
 

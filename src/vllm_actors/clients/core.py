@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -137,6 +139,9 @@ class ClientCore:
         value the wire cannot carry, a socket error), the request is taken back: the frontend
         forgets it and the scheduler is told to drop what already reached it, so nothing stays
         counted as in flight."""
+        if prepared.arrival_time is None and (prepared.ttft_target_ms is not None
+                                              or prepared.e2e_target_ms is not None):
+            prepared = dataclasses.replace(prepared, arrival_time=time.time())  # the deadlines' origin
         messages = self.frontend.submit(prepared)
         try:
             self._send(messages)
@@ -223,9 +228,10 @@ class SyncClient(ClientCore, ABC):
     def query_metrics(self, query: MetricsQuery) -> MetricsReply:
         """One query to the metrics store."""
 
-    def get_metrics(self) -> SummaryReply:
-        """Counters, gauges and latency percentiles from the metrics store."""
-        return expect_reply(self.query_metrics(SummaryQuery()), SummaryReply)
+    def get_metrics(self, replica: int | None = None) -> SummaryReply:
+        """Counters, gauges and latency percentiles from the metrics store: the whole group's, or
+        (``replica``) one replica's."""
+        return expect_reply(self.query_metrics(SummaryQuery(replica=replica)), SummaryReply)
 
     def get_timeline(self, request_id: str) -> TimelineReply:
         return expect_reply(self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)

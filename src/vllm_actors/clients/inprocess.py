@@ -21,6 +21,8 @@ from vllm_actors.actors.frontend.frontend import Frontend
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
+from vllm_actors.actors.worker.deferred import defer_steps
+from vllm_actors.actors.worker.grammar import worker_grammars
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
 from vllm_actors.models.config import ModelConfig
@@ -33,6 +35,11 @@ from vllm_actors.runtime.transport import EventStamper, InMemoryEndpoint, InMemo
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
+
+
+def _has_pending(actor: object) -> bool:
+    has_pending = getattr(actor, "has_pending", None)
+    return bool(has_pending is not None and has_pending())
 
 
 class InMemoryTransport:
@@ -67,6 +74,9 @@ class InProcessEngine(SyncClient):
         from vllm_actors.actors.worker.sampler import Sampler  # torch lives behind these imports
 
         self.config = config
+        if config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs the process executor (one process per rank); "
+                             "the in-process engine runs one worker")
         if runner is None:
             from vllm_actors.actors.worker.model_runner import ModelRunner
 
@@ -88,7 +98,11 @@ class InProcessEngine(SyncClient):
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
-        self.worker = Worker(runner, Sampler(runner.device, config.seed), clock=time.perf_counter)
+        mc = self.model_config
+        self.worker = Worker(
+            runner, Sampler(runner.device, config.seed), clock=time.perf_counter, defer=defer_steps(),
+            grammars=worker_grammars(config.tokenizer or config.model, mc.vocab_size, mc.eos_token_ids),
+        )
         self._network = InMemoryNetwork(serialize=serialize)
         self._frontend_endpoint = self._network.endpoint(frontend.name)
         super().__init__(frontend, InMemoryTransport(self._frontend_endpoint, self._publish), frontend.name)
@@ -126,11 +140,13 @@ class InProcessEngine(SyncClient):
             stepped = False
             for endpoint, actor, stamper in self._actors:
                 message = endpoint.recv()
-                if message is None:
+                if message is None and not _has_pending(actor):
                     continue
                 progressed = True
                 try:
-                    messages, events = split_events(actor.handle(message))
+                    # As the shell does: a launched step is read back once no message waits.
+                    outputs_of = actor.handle(message) if message is not None else actor.flush()  # type: ignore[union-attr]
+                    messages, events = split_events(outputs_of)
                 except MessageRejected as error:
                     if actor not in self._restarted:
                         raise  # in process, a rejection is a bug the test should see
@@ -167,7 +183,7 @@ class InProcessEngine(SyncClient):
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        while self._network.pending():
+        while self._network.pending() or any(_has_pending(actor) for _, actor, _ in self._actors):
             outputs.extend(self.step())
         return outputs
 

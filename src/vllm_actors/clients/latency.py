@@ -2,7 +2,9 @@
 
 TTFT, inter-token latency and end-to-end time are what the client sees (its own clock, from the
 moment it submitted the request); the queue time, QUEUED to SCHEDULED, comes from the scheduler's
-events on the bus (one clock, the scheduler's).
+events on the bus (one clock, the scheduler's). As in vLLM, a request with ``n`` > 1 is ``n``
+engine requests (children): each child's samples are its own, and ``params_n`` and
+``max_num_generation_tokens`` are observed once, when its last child finishes.
 """
 
 from __future__ import annotations
@@ -12,27 +14,57 @@ from typing import Protocol
 
 import structlog
 
-from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.events import EventBatch, Queued, Scheduled
-from vllm_actors.protocol.names import parent_request_id
+from vllm_actors.protocol.names import CHILD_SEPARATOR, parent_request_id
 
 log = structlog.get_logger(__name__)
 
 
 class StatsListener(Protocol):
-    """Receives latency samples of this client's requests, in seconds: ``"ttft"``, ``"itl"``
-    (one per step that brought tokens), ``"e2e"`` and ``"queue"`` (QUEUED to SCHEDULED)."""
+    """Receives samples of this client's requests, per engine request (each child of an ``n`` > 1
+    request). In seconds: ``"ttft"``, ``"itl"`` (one per step that brought tokens), ``"e2e"``,
+    ``"queue"`` (QUEUED to SCHEDULED), and for a child that finished well ``"prefill"`` (TTFT less
+    its queue time), ``"decode"`` (first to last token), ``"inference"`` (their sum) and
+    ``"time_per_output_token"`` (decode over the tokens after the first, 0 for one token).
+    Counts, once per such child: ``"prompt_tokens"``, ``"prefill_kv_computed_tokens"`` (the prompt
+    less its tokens found in the prefix cache), ``"generation_tokens"`` and
+    ``"params_max_tokens"`` (when it had one); once per request: ``"params_n"`` and
+    ``"max_num_generation_tokens"`` (its longest child)."""
 
     def observe(self, metric: str, seconds: float) -> None: ...
 
 
 @dataclass
-class _Timing:
-    arrival: float
+class _Child:
+    """One engine request's progress, as the client sees it."""
+
+    queue_seconds: float = 0.0  # QUEUED to SCHEDULED
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    n: int = 1
+    max_tokens: int | None = None
+    children: dict[int, _Child] = field(default_factory=dict)
     queued: dict[str, float] = field(default_factory=dict)  # engine id -> QUEUED (scheduler mono)
+
+    def child(self, index: int) -> _Child:
+        found = self.children.get(index)
+        if found is None:
+            found = self.children[index] = _Child()
+        return found
+
+
+def _child_index(engine_id: str) -> int:
+    """The completion index an engine request id names (``"r#2"`` -> 2; ``"r"`` -> 0)."""
+    _, separator, index = engine_id.rpartition(CHILD_SEPARATOR)
+    return int(index) if separator and index.isdigit() else 0
 
 
 class LatencyTracker:
@@ -40,8 +72,8 @@ class LatencyTracker:
         self.listeners: list[StatsListener] = []
         self._timings: dict[str, _Timing] = {}
 
-    def start(self, request_id: str, now: float) -> None:
-        self._timings[request_id] = _Timing(arrival=now)
+    def start(self, request_id: str, now: float, n: int = 1, max_tokens: int | None = None) -> None:
+        self._timings[request_id] = _Timing(arrival=now, n=n, max_tokens=max_tokens)
 
     def forget(self, request_id: str) -> None:
         self._timings.pop(request_id, None)
@@ -53,22 +85,49 @@ class LatencyTracker:
         """An output reached the client at ``now``; a finished one ends the request's timing."""
         timing = self._timings.get(output.request_id)
         if timing is not None and self.listeners:
-            self._observe_progress(timing, output, now)
+            for completion in output.outputs:
+                self._observe_child(timing, output, completion, now)
+            if output.finished and output.error is None:
+                self._emit("params_n", timing.n)
+                self._emit("max_num_generation_tokens",
+                           max((child.num_tokens for child in timing.children.values()), default=0))
         if output.finished:
             self._timings.pop(output.request_id, None)
 
-    def _observe_progress(self, timing: _Timing, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-        if num_tokens > timing.num_tokens:
-            if timing.first_token is None:
-                timing.first_token = now
+    def _observe_child(self, timing: _Timing, output: RequestOutput, completion: CompletionOutput,
+                       now: float) -> None:
+        child = timing.child(completion.index)
+        if child.done:
+            return
+        num_tokens = len(completion.token_ids)
+        if num_tokens > child.num_tokens:
+            if child.first_token is None:
+                child.first_token = now
                 self._emit("ttft", now - timing.arrival)
-            elif timing.last_token is not None:
-                self._emit("itl", now - timing.last_token)
-            timing.last_token = now
-            timing.num_tokens = num_tokens
-        if output.finished and output.error is None:
+            elif child.last_token is not None:
+                self._emit("itl", now - child.last_token)
+            child.last_token = now
+            child.num_tokens = num_tokens
+        finished = completion.finish_reason is not None or output.finished
+        if finished and output.error is None:
+            child.done = True
             self._emit("e2e", now - timing.arrival)
+            self._observe_finished(timing, child, output)
+
+    def _observe_finished(self, timing: _Timing, child: _Child, output: RequestOutput) -> None:
+        if child.first_token is not None and child.last_token is not None:
+            prefill = max(child.first_token - timing.arrival - child.queue_seconds, 0.0)
+            decode = child.last_token - child.first_token
+            self._emit("prefill", prefill)
+            self._emit("decode", decode)
+            self._emit("inference", prefill + decode)
+            self._emit("time_per_output_token", decode / (child.num_tokens - 1) if child.num_tokens > 1 else 0.0)
+        num_prompt = len(output.prompt_token_ids)
+        self._emit("prompt_tokens", num_prompt)
+        self._emit("prefill_kv_computed_tokens", num_prompt - max(output.num_cached_tokens, 0))
+        self._emit("generation_tokens", child.num_tokens)
+        if timing.max_tokens is not None:
+            self._emit("params_max_tokens", timing.max_tokens)
 
     def on_scheduler_events(self, batch: EventBatch) -> None:
         for event in batch.events:
@@ -79,7 +138,11 @@ class LatencyTracker:
                 if isinstance(event, Queued):
                     timing.queued[event.request_id] = batch.mono
                 elif event.request_id in timing.queued:
-                    self._emit("queue", max(batch.mono - timing.queued.pop(event.request_id), 0.0))
+                    seconds = max(batch.mono - timing.queued.pop(event.request_id), 0.0)
+                    child = timing.child(_child_index(event.request_id))
+                    if not child.queue_seconds:
+                        child.queue_seconds = seconds
+                    self._emit("queue", seconds)
 
     @property
     def wants_scheduler_events(self) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_actors.protocol.events import ActorFailed, ActorRestarted, EventBatch, GroupFailed
-from vllm_actors.protocol.names import KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER
+from vllm_actors.protocol.names import CONTROLLER, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, split_replica
 
 READY = "ready"
 RESTARTING = "restarting"
@@ -34,9 +34,11 @@ EXITED = "exited"  # the process has exited and the supervisor has not reported 
 
 
 def is_critical(actor: str) -> bool:
-    """Actors without which no request can be served: the step pipeline. The bus and the metrics
-    store are not (serving goes on while they restart: degraded)."""
-    return actor in (SCHEDULER, KV_CACHE_MANAGER) or actor.startswith(WORKER + "-")
+    """Actors without which no request can be served: the step pipeline (and a replica set's
+    controller). The bus and the metrics store are not (serving goes on while they restart:
+    degraded)."""
+    name, _ = split_replica(actor)
+    return name in (SCHEDULER, KV_CACHE_MANAGER, CONTROLLER) or name.startswith(WORKER + "-")
 
 
 # --------------------------------------------------------------------------- an owned group
@@ -143,9 +145,15 @@ def classify(states: Mapping[str, str], *, failure: str | None = None,
         return Health("failed", {"group": f"failed: {failure}"})
     unhealthy = dict(extra_unhealthy or {})
     degraded: dict[str, str] = {}
+    # A replica set serves while one replica's pipeline is whole: the others' troubles degrade it.
+    replicas = {split_replica(actor)[1] for actor in states} - {None}
+    down = {split_replica(actor)[1] for actor, state in states.items() if state != READY and is_critical(actor)}
+    some_replica_up = bool(replicas - down)
     for actor, state in states.items():
         if state != READY:
-            (unhealthy if is_critical(actor) else degraded)[actor] = state
+            replica = split_replica(actor)[1]
+            critical = is_critical(actor) and not (replica is not None and some_replica_up)
+            (unhealthy if critical else degraded)[actor] = state
     if unhealthy:
         return Health("unavailable", unhealthy, degraded)
     return Health("degraded" if degraded else "ok", {}, degraded)

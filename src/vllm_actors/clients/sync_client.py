@@ -27,7 +27,7 @@ from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.core import EngineDeadError, SyncClient, ZmqTransport, frontend_for_group
 from vllm_actors.clients.supervision import group_failure, listen
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
-from vllm_actors.protocol.names import SCHEDULER
+from vllm_actors.protocol.names import ENTRY_ACTORS
 from vllm_actors.runtime.run_dir import GroupInfo
 from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
@@ -77,7 +77,7 @@ class EngineClient(SyncClient):
 
     # Called on the supervisor's monitor thread: hand over, nothing else.
     def _on_restart(self, actor: str) -> None:
-        if actor == SCHEDULER:
+        if actor in ENTRY_ACTORS:  # a replica's scheduler: the controller re-sends its requests
             self._scheduler_restarted.set()
 
     def _on_failure(self, reason: str) -> None:

@@ -10,6 +10,7 @@ pairs (r0, r_{d/2}, r1, r_{d/2+1}, ...); `unpermute_qk` undoes it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from vllm_actors.models.config import GGUFHeader, GGUFTensorInfo, ModelConfig, read_gguf_header
+from vllm_actors.models.parallel import Part
 
 log = structlog.get_logger(__name__)
 
@@ -64,18 +66,55 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, *tail).transpose(1, 2).reshape(rows, *tail)
 
 
-def read_gguf_tensor(path: str | Path, info: GGUFTensorInfo) -> np.ndarray:
-    """Dequantized float32 numpy array of one tensor, in torch (reversed GGUF) shape."""
+def read_gguf_tensor(path: str | Path, info: GGUFTensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """Dequantized float32 numpy array of one tensor, in torch (reversed GGUF) shape; ``rows``:
+    only rows ``[start, stop)`` of a 2-D tensor's first torch dimension (whole quantized rows, read
+    from the memory map alone)."""
     qtype = GGMLQuantizationType(info.ggml_type)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     ne0 = info.shape[0]
     if ne0 % block_size != 0:
         raise ValueError(f"{info.name}: row length {ne0} is not a multiple of the {qtype.name} block {block_size}")
-    rows = int(np.prod(info.shape[1:], dtype=np.int64)) if len(info.shape) > 1 else 1
+    num_rows = int(np.prod(info.shape[1:], dtype=np.int64)) if len(info.shape) > 1 else 1
     row_bytes = ne0 // block_size * type_size
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(rows, row_bytes))
+    shape = tuple(reversed(info.shape))
+    start, stop = rows if rows is not None and len(info.shape) == 2 else (0, num_rows)
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset + start * row_bytes,
+                    shape=(stop - start, row_bytes))
     values = dequantize(np.asarray(raw), qtype).astype(np.float32, copy=False)
-    return values.reshape(tuple(reversed(info.shape)))
+    return values.reshape((stop - start, *shape[1:]) if len(shape) == 2 else shape)
+
+
+class GGUFSource:
+    """A GGUF file's tensors under their HF names, read one at a time (``load_from``): a
+    tensor-parallel rank reads just its rows of a column-parallel weight; of a row-parallel one it
+    dequantizes whole rows and keeps its columns (quantized blocks run along the rows)."""
+
+    def __init__(self, path: str | Path, config: ModelConfig | None = None) -> None:
+        self.path = path
+        self.config = config or ModelConfig.from_path(str(path))
+        self.infos: dict[str, GGUFTensorInfo] = {}
+        for info in read_gguf_header(path).tensors.values():
+            if info.name == "rope_freqs.weight":
+                raise ValueError(f"{path}: rope frequency factors (llama3 rope in GGUF) are not supported")
+            self.infos[hf_tensor_name(info.name)] = info
+
+    def names(self) -> Iterable[str]:
+        return self.infos.keys()
+
+    def shape(self, name: str) -> list[int]:
+        return list(reversed(self.infos[name].shape))
+
+    def read(self, name: str, part: Part | None) -> torch.Tensor:
+        rows = (part.start, part.stop) if part is not None and part.dim == 0 else None
+        array = read_gguf_tensor(self.path, self.infos[name], rows)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        module = name.rsplit(".", 1)[0]
+        if self.config.architecture == "llama" and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            tensor = unpermute_qk(tensor, tensor.shape[0] // self.config.head_dim)  # whole heads, in any part
+        if part is not None and part.dim == 1:
+            tensor = tensor[:, part.start : part.stop]
+        return tensor.contiguous()
 
 
 def load_gguf_state_dict(

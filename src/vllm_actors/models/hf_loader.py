@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+
+from vllm_actors.models.parallel import Part
 
 log = structlog.get_logger(__name__)
 
@@ -43,3 +49,41 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         state.update(part)
     log.debug("hf_state_dict_loaded", path=str(path), files=len(files), tensors=len(state))
     return state
+
+
+class SafetensorsSource:
+    """The checkpoint's tensors, read lazily: ``read(name, part)`` reads only that part's rows or
+    columns from the memory-mapped file (what a tensor-parallel rank loads). A context manager:
+    the files stay open until it exits."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._stack = ExitStack()
+        self._files: dict[str, Any] = {}
+        self.path = path
+        for file in safetensors_files(path):
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in handle.keys():
+                if name in self._files:
+                    self._stack.close()
+                    raise ValueError(f"tensor {name!r} appears in several shards of {path}")
+                self._files[name] = handle
+
+    def __enter__(self) -> SafetensorsSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def names(self) -> Iterable[str]:
+        return self._files.keys()
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._files[name].get_slice(name).get_shape())
+
+    def read(self, name: str, part: Part | None) -> torch.Tensor:
+        if part is None:
+            return self._files[name].get_tensor(name)
+        view = self._files[name].get_slice(name)
+        if part.dim == 0:
+            return view[part.start : part.stop]
+        return view[:, part.start : part.stop]

@@ -3,11 +3,17 @@
 Tokens of all sequences of a step are flattened to T (no padding); attention goes through the
 paged backend of `vllm_actors.kernels.attention`. Parameter names follow Hugging Face's, so HF
 state dicts load as they are.
+
+Under tensor parallelism (``tp``, `models/parallel.py`) the modules are built from the rank's local
+config (its heads, KV heads, intermediate size and vocabulary rows); ``o_proj`` and ``down_proj``
+all-reduce their partial sums, the embedding is vocabulary-parallel and the logits are all-gathered.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -15,6 +21,7 @@ from torch import nn
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,8 +66,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """``config``: the rank's local config (its heads and KV heads)."""
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -95,26 +104,27 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)  # in place on the GPU
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         # gate and up projections in one GEMM; loaded from the checkpoint's gate_proj/up_proj
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,21 +147,28 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Llama/Qwen3 causal LM over flattened, unpadded tokens with a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend | None = None, tp: TensorParallel | None = None
+    ) -> None:
+        """``config``: the whole model's; ``tp``: this rank's place in a tensor-parallel group
+        (its modules then hold its shard: ``local_config``)."""
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or TensorParallel()
+        self.layout = ShardLayout(config, self.tp.rank, self.tp.size)
+        self.local_config = local = self.layout.local_config()
+        self.model = Decoder(local, self.tp)
+        self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn_backend = attn_backend
@@ -178,15 +195,18 @@ class CausalLM(nn.Module):
         inv_freq = self._rope_inv_freq(positions.device)
         angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2], float32
         cos, sin = angles.cos(), angles.sin()
-        x = self.model.embed_tokens(input_ids)
+        x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout, self.tp)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
+        is, and converts to float32 only where it computes with them)."""
+        if not self.tp.enabled:
+            return self.lm_head(hidden)
+        return self.tp.all_gather_columns(self.lm_head(hidden))[:, : self.config.vocab_size]
 
     # Checkpoint names that fill a slice of one merged parameter: (merged, part, index of the part).
     _MERGED = (
@@ -198,7 +218,7 @@ class CausalLM(nn.Module):
     )
 
     def _merged_slice(self, merged: str, index: int) -> slice:
-        c = self.config
+        c = self.local_config
         if merged.endswith("qkv_proj"):
             bounds = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         else:
@@ -218,9 +238,14 @@ class CausalLM(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face-named state dict in place (q/k/v and gate/up into their merged
-        parameters); missing or unexpected names raise."""
+        parameters, this rank's shard of each); missing or unexpected names raise."""
+        self.load_from(DictSource(state_dict))
+
+    def load_from(self, source: TensorSource) -> None:
+        """Read this rank's part of every weight from ``source`` (only that part: a safetensors
+        source reads just those rows or columns); missing or unexpected names raise."""
         targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
-        given = dict(state_dict)
+        given = {name: name for name in source.names()}
         if self.config.tie_word_embeddings:
             lm = given.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" not in given and lm is not None:
@@ -230,9 +255,46 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
         with torch.no_grad():
-            for name, tensor in given.items():
+            for name, source_name in given.items():
                 target = targets[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
-                target.copy_(tensor)
+                if self.layout.rank0_only(name) and self.tp.rank != 0:
+                    target.zero_()  # a row-parallel bias counts once, on rank 0
+                    continue
+                part = self.layout.slice_of(name)
+                shape = source.shape(source_name)
+                expected = list(target.shape)
+                if part is not None:
+                    expected[part.dim] = part.full
+                if shape != expected:
+                    raise ValueError(f"{name}: shape {tuple(shape)} != expected {tuple(expected)}")
+                tensor = source.read(source_name, part)
+                rows = tensor.shape[0]  # the last rank's vocabulary shard may be short: zero rows pad it
+                target[:rows].copy_(tensor)
+                target[rows:].zero_()
 
+
+class TensorSource(Protocol):
+    """Checkpoint tensors by Hugging Face name, read whole or in part."""
+
+    def names(self) -> Iterable[str]: ...
+
+    def shape(self, name: str) -> list[int]: ...
+
+    def read(self, name: str, part: Part | None) -> torch.Tensor: ...
+
+
+class DictSource:
+    """A state dict already in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def read(self, name: str, part: Part | None) -> torch.Tensor:
+        tensor = self.tensors[name]
+        return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)

@@ -10,6 +10,7 @@ import torch
 from vllm_actors.kernels.attention import get_attention_backend
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
+from vllm_actors.models.parallel import TensorParallel
 
 log = structlog.get_logger(__name__)
 
@@ -41,24 +42,39 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load weights at path into a CausalLM of the given dtype on device, in eval mode.
-    ``load_format="dummy"`` reads only the configuration and draws random weights."""
+    ``load_format="dummy"`` reads only the configuration and draws random weights. ``tp``: load
+    this rank's shard only (safetensors: only its rows or columns are read; GGUF: only its rows, or
+    of a row-parallel weight whole rows dequantized then cut to its columns: quantized blocks run
+    along the rows; one tensor at a time)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     start = time.perf_counter()
     device = torch.device(device)
     config = ModelConfig.from_path(path)
     with torch.device("meta"):
-        model = CausalLM(config, attn_backend=get_attention_backend(device))
+        model = CausalLM(config, attn_backend=get_attention_backend(device), tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+    elif config.source == "gguf":
+        from vllm_actors.models.gguf_loader import GGUFSource
+
+        model.load_from(GGUFSource(config.path, config))
     else:
-        model.load_weights(load_state_dict(config))
+        from vllm_actors.models.hf_loader import SafetensorsSource
+
+        with SafetensorsSource(config.path) as source:
+            model.load_from(source)
     model.eval()
     log.info(
         "model_loaded",

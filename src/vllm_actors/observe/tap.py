@@ -79,13 +79,14 @@ def run_tap(
     for topic in bus_topics(tap_filter):
         socket.setsockopt(zmq.SUBSCRIBE, topic)
     connect(socket, address, keys)
-    sys.stderr.write(f"# tap attached to {address}\n")
-    sys.stderr.flush()
     decoder = msgspec.msgpack.Decoder(EventBatch)
     gaps = GapTracker()
     printed = 0
     deadline = None if duration is None else time.monotonic() + duration
     try:
+        # announced inside the try: a Ctrl-C right after the announcement still ends cleanly
+        sys.stderr.write(f"# tap attached to {address}\n")
+        sys.stderr.flush()
         while not stop():
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -129,12 +130,12 @@ def query_metrics(address: str, query: MetricsQuery, timeout_ms: int = 5000,
         context.term()
 
 
-def stats_query(timeline: str | None, dump: str | None) -> MetricsQuery:
+def stats_query(timeline: str | None, dump: str | None, replica: int | None = None) -> MetricsQuery:
     if timeline is not None:
         return TimelineQuery(request_id=timeline)
     if dump is not None:
         return DumpQuery()  # the store names the file in its run directory; ``save_dump`` moves it
-    return SummaryQuery()
+    return SummaryQuery(replica=replica)
 
 
 def save_dump(reply: DumpReply, destination: str | Path) -> DumpReply:

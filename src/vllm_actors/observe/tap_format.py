@@ -21,12 +21,13 @@ from vllm_actors.protocol.events import (
     ActorCrashed,
     Event,
     EventBatch,
+    Routed,
     Tokens,
     event_type,
     stamped,
 )
 from vllm_actors.protocol.metrics import event_json_line
-from vllm_actors.protocol.names import parent_request_id
+from vllm_actors.protocol.names import parent_request_id, replica_of
 
 # Event groups a filter may name instead of single types.
 EVENT_GROUPS: dict[str, frozenset[str]] = {
@@ -93,11 +94,15 @@ class TapFilter:
     ``actors``: actor ids; shell-style patterns such as ``worker-*`` allowed.
     ``request_ids``: an event matches when it concerns one of them - any id a TOKENS event lists,
     and a child ``"r#i"`` matches ``"r"``.
+    ``replicas``: replica indices; an event matches when its actor belongs to one of them
+    (``scheduler@1``; the bare names of a one-replica group are replica 0) or it is a ROUTED
+    event sending a request to one of them.
     """
 
     types: set[str] | None = None
     actors: set[str] | None = None
     request_ids: set[str] | None = None
+    replicas: set[int] | None = None
     _types: frozenset[str] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,9 @@ class TapFilter:
         if self._types is not None and event_type(event) not in self._types:
             return False
         if not self.matches_actor(actor):
+            return False
+        if self.replicas is not None and replica_of(actor) not in self.replicas \
+                and not (isinstance(event, Routed) and event.replica in self.replicas):
             return False
         if self.request_ids is None:
             return True
@@ -173,7 +181,8 @@ def _format_value(value: Any) -> str:
 
 
 def event_fields(event: Event) -> str:
-    """``key=value`` pairs of an event, compact: lists cut after a few items, TOKENS paired up."""
+    """``key=value`` pairs of an event, compact: lists cut after a few items, TOKENS paired up,
+    optional fields left unset (None by default and None here) not shown."""
     if isinstance(event, Tokens):
         counts = event.num_output_tokens
         pairs = [f"{request_id}:{counts[index] if index < len(counts) else '?'}"
@@ -183,7 +192,9 @@ def event_fields(event: Event) -> str:
         return f"step_id={event.step_id} n={len(event.request_ids)} out=[{shown}{f' …+{more}' if more > 0 else ''}]"
     fields = msgspec.to_builtins(event)
     fields.pop("type", None)
-    return " ".join(f"{key}={_format_value(value)}" for key, value in fields.items())
+    unset = {field.name for field in msgspec.structs.fields(event)
+             if field.default is None and getattr(event, field.name) is None}
+    return " ".join(f"{key}={_format_value(value)}" for key, value in fields.items() if key not in unset)
 
 
 def _type_color(kind: str) -> str:

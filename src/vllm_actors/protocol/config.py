@@ -12,7 +12,9 @@ import msgspec
 # cpu_kv_cache_gib argument.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority", "edf", "lrs")
+# How a replica set's controller spreads requests over its replicas (actors/controller/routing.py).
+ROUTING_POLICIES = ("round_robin", "least_loaded", "pull", "cache_aware")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -30,21 +32,32 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False
+    # Workers worker-0..N-1 as the ranks of one tensor-parallel group (the process executor only).
     tensor_parallel_size: int = 1
     device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
     load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random, real shapes)
     async_scheduling: bool = True  # plan step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     # The waiting queue's order: "fcfs" (arrival) or "lpm" (longest cached prefix first, SGLang's
-    # name; falls back to arrival order when more than queue_policy.LPM_MAX_WAITING requests wait).
+    # name; falls back to arrival order when more than queue_policy.LPM_MAX_WAITING requests wait),
+    # "priority" (vLLM's: (priority, arrival), preempting the lowest-priority running request) or
+    # "edf" (earliest absolute deadline first, requests without one after) or "lrs" (least remaining
+    # slack: deadline minus the predicted remaining work; actors/scheduler/policies/).
     scheduling_policy: str = "fcfs"
+    # Admission control: refuse at arrival a request whose deadline the step cost model says cannot
+    # be met (the server answers 503 with the reason) instead of serving it late.
+    reject_unmeetable: bool = False
+    # Replicas (vLLM's data parallelism): data_parallel_size full groups (scheduler, KV-cache
+    # manager, workers) under one controller that routes each request by routing_policy.
+    data_parallel_size: int = 1
+    routing_policy: str = "round_robin"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face directory or a .gguf file")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -56,13 +69,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet: vllm_actors runs one worker per replica "
-                "until tensor parallelism lands"
-            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
@@ -87,6 +97,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_steps_in_flight: int = 2  # 2: plan step N+1 while step N runs (async scheduling)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    reject_unmeetable: bool = False
     # The model's vocabulary (what the worker reported): token ids arriving on the scheduler's
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
@@ -125,8 +136,10 @@ def resolve_scheduler_config(
         enable_chunked_prefill=config.enable_chunked_prefill,
         block_size=config.block_size,
         num_blocks=num_blocks,
-        max_steps_in_flight=2 if config.async_scheduling else 1,
+        # VLLM_ACTORS_STEPS_IN_FLIGHT: how many steps ahead async scheduling plans (default 2)
+        max_steps_in_flight=int(os.environ.get("VLLM_ACTORS_STEPS_IN_FLIGHT", "2")) if config.async_scheduling else 1,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
+        reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
     )

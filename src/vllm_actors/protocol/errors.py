@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# The prefix of a scheduler's refusal of a request whose deadline cannot be met (admission
+# control, ``reject_unmeetable``): the server answers it with a 503, not a 400.
+UNMEETABLE_DEADLINE = "unmeetable deadline"
+
 
 class MessageRejected(ValueError):
     """The message fails validation against the actor's state (a plan naming unknown requests, a

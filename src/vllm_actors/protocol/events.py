@@ -21,11 +21,28 @@ class Arrived(msgspec.Struct, tag="ARRIVED", kw_only=True):
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
+    priority: int = 0  # the request's scheduling priority and absolute deadlines (Unix seconds)
+    ttft_deadline: float | None = None
+    e2e_deadline: float | None = None
+
+
+class Routed(msgspec.Struct, tag="ROUTED", kw_only=True):
+    """A replica set's controller sent the request to a replica (``reason``: the routing policy's
+    name, "sticky", "cache_hit" or "pulled"; ``num_cached_blocks``: the prompt's blocks its
+    mirror of that replica's prefix cache held)."""
+
+    request_id: str
+    replica: int
+    reason: str
+    num_cached_blocks: int = 0
 
 
 class Queued(msgspec.Struct, tag="QUEUED", kw_only=True):
     request_id: str
     num_waiting: int
+    priority: int = 0  # the request's scheduling priority and absolute deadlines (AddRequest's)
+    ttft_deadline: float | None = None
+    e2e_deadline: float | None = None
 
 
 class Scheduled(msgspec.Struct, tag="SCHEDULED", kw_only=True):
@@ -191,7 +208,8 @@ class Rejected(msgspec.Struct, tag="REJECTED", kw_only=True):
 
 class ActorFailed(msgspec.Struct, tag="ACTOR_FAILED", kw_only=True):
     """Published by the supervisor: a child exited or stopped answering (``how``: "exited" or
-    "hung"); ``detail`` gives the exit code or signal, or how long it was silent."""
+    "hung"); ``detail`` gives the exit code or signal, or how long it was silent. ``how`` "unit":
+    a tensor-parallel rank taken down because another rank failed (``detail`` names it)."""
 
     actor: str
     how: str
@@ -223,7 +241,7 @@ class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
 
 
 Event = (
-    Arrived | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
+    Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | KvPool
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
@@ -231,7 +249,7 @@ Event = (
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
-    Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
+    Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
@@ -241,12 +259,12 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 # lifecycle and supervision events. VLLM_ACTORS_DISABLE_EVENTS=1 drops these before they are
 # published, to measure what publishing them costs (the metrics store then sees no requests).
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
-    Arrived, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
+    Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
 )
 DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"
 
-REQUEST_EVENTS = ("ARRIVED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",
+REQUEST_EVENTS = ("ARRIVED", "ROUTED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",
                   "PREEMPTED", "RESUMED", "FINISHED", "ABORTED")
 
 
@@ -255,7 +273,9 @@ def event_type(event: Event) -> str:
 
 
 class EventBatch(msgspec.Struct, tag="event_batch", kw_only=True):
-    actor: str  # actor id, e.g. "scheduler" or "worker-0"; also the bus topic
+    # actor id, e.g. "scheduler" or "worker-0"; also the bus topic. A replica's actors carry their
+    # replica ("scheduler@1", "worker-0@1": ``names.replica_of``), which the bus vouches for.
+    actor: str
     first_seq: int  # per-actor sequence number of events[0]; events[i] has first_seq + i
     mono: float  # time.monotonic() of the publishing host when the batch was stamped
     wall: float  # time.time()

@@ -47,6 +47,18 @@ class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
     # (the original may still have been queued on the socket).
     resume: bool = False
     output_token_ids: list[int] = []
+    # Scheduling (issue 18): vLLM's priority (lower runs first; the "priority" policy orders and
+    # preempts by it) and absolute deadlines in seconds on the sender's clock (arrival + the
+    # request's TTFT / end-to-end target); the "edf" policy orders by the earliest of them.
+    priority: int = 0
+    ttft_deadline: float | None = None
+    e2e_deadline: float | None = None
+    # When the sender took the request (Unix seconds, the deadlines' clock): admission control's
+    # "now" (the scheduler keeps no clock). None: not stamped; no deadline check at arrival.
+    arrival_time: float | None = None
+    # Sticky sessions (a replica set's controller): requests with the same key go to the same
+    # replica. From HTTP: the ``X-Session-Id`` header, else the body's ``user`` field.
+    session_key: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
@@ -167,6 +179,9 @@ class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id (or string) that ended the request
     num_prompt_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the request's first admission (vLLM's
+    # usage.prompt_tokens_details.cached_tokens); sent with its first token.
+    num_cached_tokens: int = 0
     error: str | None = None
 
 

@@ -34,7 +34,11 @@ class TimelineQuery(msgspec.Struct, tag="timeline_query", kw_only=True):
 
 
 class SummaryQuery(msgspec.Struct, tag="summary_query", kw_only=True):
-    pass
+    """The whole group's summary, or (``replica``) one replica's: the events of its scheduler,
+    KV-cache manager and workers alone (a replica's latencies count from its QUEUED: a client's
+    ARRIVED names no replica). In a group of one replica, replica 0 is the whole group."""
+
+    replica: int | None = None
 
 
 class SeenQuery(msgspec.Struct, tag="seen_query", kw_only=True):
@@ -111,6 +115,21 @@ class ActorSeen(msgspec.Struct, kw_only=True):
     rejected_events: int = 0  # events a client published that clients may not publish (not applied)
 
 
+# vLLM's vllm:iteration_tokens_total buckets (vllm/v1/metrics/loggers.py): tokens per engine step.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class BucketCounts(msgspec.Struct, kw_only=True, frozen=True):
+    """A histogram of every value seen (not a window): ``counts[i]`` values at most ``bounds[i]``
+    and above the bound before it; ``counts[-1]`` those above the last bound (Prometheus' +Inf
+    bucket holds ``count``)."""
+
+    bounds: list[float] = []
+    counts: list[int] = []
+    count: int = 0
+    total: float = 0.0
+
+
 # --------------------------------------------------------------------------- replies
 class TimelineReply(msgspec.Struct, tag="timeline_reply", kw_only=True):
     request_id: str
@@ -147,6 +166,11 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0  # STEP_FINISHED events
     step_tokens: int = 0  # tokens computed by those steps
+    step_tokens_histogram: BucketCounts = BucketCounts()  # tokens per step (ITERATION_TOKENS_BUCKETS)
+    # Prompt tokens of admitted requests by where their KV came from, at their first admission
+    # (vLLM's vllm:prompt_tokens_by_source): computed, or found in the prefix cache.
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
     # KV cache, summed over the KV-cache actors (from their KV_POOL events; ALLOCATED / FREED
     # when a pool state was never seen). In use: held by a request; idle cached blocks count as
     # free, as in vLLM's kv_cache_usage_perc.
@@ -176,6 +200,10 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     restart_seconds: Percentiles = Percentiles()  # ACTOR_RESTARTED.seconds: failure noticed to READY
     pipeline_resets: int = 0
     group_failed: str | None = None  # GROUP_FAILED's reason
+    # replica sets (data_parallel_size > 1): the replicas the store has heard from, and which one
+    # this summary covers (None: the whole group, every replica summed)
+    replicas: list[int] = []
+    replica: int | None = None
 
 
 class SeenReply(msgspec.Struct, tag="seen_reply", kw_only=True):

@@ -26,6 +26,7 @@ METRICS = "metrics"
 BUS = "bus"
 CLIENT = "client"
 SUPERVISOR = "supervisor"  # the process group's parent: publishes failures and restarts
+CONTROLLER = "controller"  # a replica set's router (data_parallel_size > 1): the clients' entry point
 
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...
 
@@ -83,11 +84,52 @@ def parent_request_id(engine_id: str) -> str:
     return engine_id.rsplit(CHILD_SEPARATOR, 1)[0]
 
 
-ENGINE_ACTORS = frozenset({SCHEDULER, KV_CACHE_MANAGER, METRICS, BUS, SUPERVISOR})
+ENGINE_ACTORS = frozenset({SCHEDULER, KV_CACHE_MANAGER, METRICS, BUS, SUPERVISOR, CONTROLLER})
+# The actor clients send requests to: a restart of it has lost their requests (they re-submit).
+ENTRY_ACTORS = frozenset({SCHEDULER, CONTROLLER})
+REPLICA_ACTORS = frozenset({SCHEDULER, KV_CACHE_MANAGER})  # with the workers: one set per replica
+
+# Replicas (data_parallel_size > 1): each replica's scheduler, KV-cache manager and workers carry
+# the replica index after REPLICA_SEPARATOR ("scheduler@1", "worker-0@1"); with one replica the
+# names stay bare ("scheduler" is replica 0). The bus topic and the metrics store's actor are that
+# name, so an event's replica is read from its publisher's id (``replica_of``), which the bus
+# vouches for: nobody else can publish under it.
+REPLICA_SEPARATOR = "@"
+_REPLICA_INDEX = re.compile(r"0|[1-9][0-9]{0,3}")
+
+
+def replica_actor(name: str, replica: int | None) -> str:
+    """The id of actor ``name`` (``SCHEDULER``, ``KV_CACHE_MANAGER``, ``worker-<rank>``) in replica
+    ``replica``; None: the bare name (a group of one replica)."""
+    return name if replica is None else f"{name}{REPLICA_SEPARATOR}{replica}"
+
+
+def split_replica(actor_id: str) -> tuple[str, int | None]:
+    """(the actor's name within its replica, its replica index or None when it has none)."""
+    name, separator, index = actor_id.rpartition(REPLICA_SEPARATOR)
+    if separator and _REPLICA_INDEX.fullmatch(index) and _is_replica_actor(name):
+        return name, int(index)
+    return actor_id, None
+
+
+def replica_of(actor_id: str) -> int | None:
+    """The replica an engine actor belongs to: its index after ``@``; 0 for the bare name of a
+    replica's actor (a single-replica group); None for the set's own actors (bus, metrics store,
+    supervisor, controller) and for clients."""
+    name, replica = split_replica(actor_id)
+    if replica is not None:
+        return replica
+    return 0 if _is_replica_actor(name) else None
+
+
+def _is_replica_actor(name: str) -> bool:
+    return name in REPLICA_ACTORS or name == WORKER or name.startswith(f"{WORKER}-")
 
 
 def is_engine_actor(actor_id: str) -> bool:
     """Whether an actor id belongs to the group itself (its processes and the supervisor), not to
     a client: only the group's own processes may publish under these ids (clients publish as
-    ``frontend-...``, probes as ``probe-...``)."""
-    return actor_id in ENGINE_ACTORS or actor_id.startswith(f"{WORKER}-")
+    ``frontend-...``, probes as ``probe-...``). Replica actors' ids (``scheduler@1``) are engine
+    actors' too."""
+    name, _ = split_replica(actor_id)
+    return name in ENGINE_ACTORS or _is_replica_actor(name)

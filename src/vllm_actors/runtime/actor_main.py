@@ -35,8 +35,17 @@ from vllm_actors.protocol.messages import (
     StepPlan,
     StepResult,
 )
-from vllm_actors.protocol.names import SUPERVISOR, worker_id
+from vllm_actors.protocol.names import (
+    CONTROLLER,
+    KV_CACHE_MANAGER,
+    SCHEDULER,
+    SUPERVISOR,
+    replica_actor,
+    worker_id,
+)
 from vllm_actors.runtime.bus import run_bus
+from vllm_actors.runtime.busy_poll import busy_poll_seconds
+from vllm_actors.runtime.controller_shell import ControllerShell
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.runtime.metrics_shell import run_metrics
 from vllm_actors.runtime.process import (
@@ -62,19 +71,31 @@ AcceptRules = dict[type, frozenset[bytes] | None]
 def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRules, dict[str, Any]]:
     """The state machine of a role, its peers, what it accepts from whom, and what it reports."""
     addresses = spec.addresses
+
+    def own(name: str) -> bytes:  # a peer of this replica, as its DEALER identity reads
+        return replica_actor(name, spec.replica).encode()
+
     if spec.role == "worker":
         import torch
 
+        from vllm_actors.actors.worker.deferred import defer_steps
+        from vllm_actors.actors.worker.grammar import worker_grammars
         from vllm_actors.actors.worker.model_runner import ModelRunner
         from vllm_actors.actors.worker.sampler import Sampler
         from vllm_actors.actors.worker.worker import Worker
+        from vllm_actors.models.parallel import join_group
 
         threads = os.environ.get("VLLM_ACTORS_WORKER_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
-        runner = ModelRunner(spec.engine)
-        worker = Worker(runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter)
+        tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
+        runner = ModelRunner(spec.engine, tp)
         mc = runner.model_config
+        grammars = worker_grammars(spec.engine.tokenizer or spec.engine.model, mc.vocab_size, mc.eos_token_ids)
+        worker = Worker(
+            runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter, defer=defer_steps(),
+            grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
+        )
         info = {
             "num_blocks": runner.num_blocks,
             "max_position_embeddings": mc.max_position_embeddings,
@@ -82,13 +103,15 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
             "eos_token_ids": list(mc.eos_token_ids),
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "rank": tp.rank,
+            "tensor_parallel_size": tp.size,
         }
-        return worker, {"scheduler": [addresses.scheduler]}, {StepPlan: frozenset({b"kv_cache_manager"})}, info
+        return worker, {"scheduler": [addresses.scheduler]}, {StepPlan: frozenset({own(KV_CACHE_MANAGER)})}, info
     if spec.role == "kv_cache_manager":
         from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
         manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
-        plans: AcceptRules = {StepPlan: frozenset({b"scheduler"})}
+        plans: AcceptRules = {StepPlan: frozenset({own(SCHEDULER)})}
         peers = {"worker": list(addresses.workers)}
         if spec.check_invariants:
             return _Checked(manager, manager.check_invariants), peers, plans, {}
@@ -103,7 +126,7 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         accepts: AcceptRules = {
             AddRequest: None,
             AbortRequests: None,
-            StepResult: frozenset({worker_id(0).encode()}),
+            StepResult: frozenset({own(worker_id(0))}),
             RecoverPipeline: frozenset({SUPERVISOR.encode()}),
         }
         # A restarted scheduler numbers its steps above its predecessors' (see Scheduler).
@@ -115,6 +138,23 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
 
             return _Checked(scheduler, check), peers, accepts, {}
         return scheduler, peers, accepts, {}
+    if spec.role == CONTROLLER:
+        from vllm_actors.actors.controller.controller import Controller
+        from vllm_actors.actors.controller.routing import Router
+
+        engine = spec.engine
+        router = Router(engine.routing_policy, len(addresses.replicas), block_size=engine.block_size,
+                        capacity=engine.max_num_seqs)
+        schedulers = {replica_actor(SCHEDULER, index): [replica.scheduler]
+                      for index, replica in enumerate(addresses.replicas)}
+        # Clients submit and abort; only the supervisor reports a replica's scheduler restarted.
+        # The replicas' updates come back on the controller's own DEALERs (controller_shell.py).
+        controls: AcceptRules = {
+            AddRequest: None,
+            AbortRequests: None,
+            RecoverPipeline: frozenset({SUPERVISOR.encode()}),
+        }
+        return Controller(router), schedulers, controls, {}
     raise ValueError(f"unknown role {spec.role!r}")
 
 
@@ -142,11 +182,18 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
         "worker": spec.addresses.workers[spec.rank] if spec.addresses.workers else "",
         "kv_cache_manager": spec.addresses.kv_cache_manager,
         "scheduler": spec.addresses.scheduler,
+        CONTROLLER: spec.addresses.scheduler,  # the clients' entry point
     }[spec.role]
     bus_in = spec.addresses.publish_address(spec.actor_id)  # its own endpoint: the bus forwards only its id there
-    shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, MessageCodec.for_actor(spec.role),
-                       keys=keys)
+    codec = MessageCodec.for_actor(spec.role)
+    shell: ActorShell
+    if spec.role == CONTROLLER:
+        shell = ControllerShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, codec, keys=keys,
+                                bus_out=spec.addresses.bus_out)
+    else:
+        shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, codec, keys=keys)
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor
+    shell.busy_poll_s = busy_poll_seconds(spec.engine.device)
     publisher_for_start.close()
     try:
         # A first start waits until the metrics store sees this actor's events (nothing is lost to

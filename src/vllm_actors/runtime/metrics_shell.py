@@ -108,6 +108,26 @@ def events_seen(store: MetricsStore, actor_id: str) -> int:
     return 0 if seen is None else seen.num_events
 
 
+# Environment variables that raise (or lower) the event log's bounds, e.g. for a benchmark that
+# wants the trace of a whole run: events retained, and their estimated bytes.
+MAX_EVENTS_ENV = "VLLM_ACTORS_METRICS_MAX_EVENTS"
+MAX_BYTES_ENV = "VLLM_ACTORS_METRICS_MAX_BYTES"
+
+
+def store_bounds(max_events: int) -> dict[str, int]:
+    """The store's event-log bounds: ``max_events`` (the spec's) and the default bytes, unless
+    the environment names others."""
+    bounds = {"max_events": max_events}
+    for name, key in ((MAX_EVENTS_ENV, "max_events"), (MAX_BYTES_ENV, "max_history_bytes")):
+        value = os.environ.get(name, "").strip()
+        if value:
+            number = int(value)
+            if number < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+            bounds[key] = number
+    return bounds
+
+
 # --------------------------------------------------------------------------- the process
 def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event, keys: GroupKeys | None = None) -> None:
     """The metrics store: SUBscribes to the whole bus, answers queries on a ROUTER; dumps go to
@@ -117,7 +137,7 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event, ke
     if not spec.run_dir or not dump_dir.is_dir():
         raise ValueError(f"the metrics store needs the group's run directory for its dumps, got {spec.run_dir!r}")
 
-    store = MetricsStore(max_events=spec.metrics_max_events)
+    store = MetricsStore(**store_bounds(spec.metrics_max_events))
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.RCVHWM, EVENT_HWM)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")

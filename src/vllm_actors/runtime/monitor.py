@@ -76,6 +76,7 @@ class SupervisorLink:
         self.scheduler.setsockopt(zmq.IDENTITY, SUPERVISOR.encode())
         self.scheduler.setsockopt(zmq.LINGER, 0)
         connect(self.scheduler, addresses.scheduler, keys)
+        self._dealers: dict[str, zmq.Socket] = {}  # to the replicas' schedulers (data_parallel_size > 1)
         self._codec = MessageCodec()
         self._metrics_codec = MetricsCodec()
         self.confirmed = False  # the store has received our events since the bus and store last started
@@ -132,10 +133,24 @@ class SupervisorLink:
             return self._until_seen(batch.first_seq + len(batch.events) - 1, confirm_timeout, resend=False)
         return self.confirmed
 
-    def recover_pipeline(self, actor: str, reason: str) -> None:
-        self.scheduler.send(self._codec.encode(RecoverPipeline(actor=actor, reason=reason)))
+    def recover_pipeline(self, actor: str, reason: str, address: str | None = None) -> None:
+        """``RecoverPipeline`` to the group's scheduler, or to the one at ``address`` (a replica's,
+        or the controller's when a replica's scheduler restarted)."""
+        payload = self._codec.encode(RecoverPipeline(actor=actor, reason=reason))
+        if address is None or address == self.addresses.scheduler:
+            self.scheduler.send(payload)
+            return
+        dealer = self._dealers.get(address)
+        if dealer is None:
+            dealer = self._dealers[address] = self.context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, SUPERVISOR.encode())
+            dealer.setsockopt(zmq.LINGER, 0)
+            connect(dealer, address, self.keys)
+        dealer.send(payload)
 
     def close(self) -> None:
+        for dealer in self._dealers.values():
+            dealer.close()
         self.scheduler.close()
         self.publisher.close()
         self.context.term()

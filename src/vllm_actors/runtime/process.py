@@ -47,10 +47,14 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     scheduler: SchedulerConfig | None = None
     num_blocks: int = 0
     rank: int = 0
+    # A tensor-parallel worker's rendezvous (``file://`` in the run directory), new for every
+    # start of the worker unit: the ranks of one start meet there.
+    tp_init: str = ""
     check_invariants: bool = False
     metrics_max_events: int = 50_000  # the metrics store's DEFAULT_MAX_EVENTS
     incarnation: int = 0  # how many times the supervisor restarted this actor before
     run_dir: str = ""  # the group's run directory: its CURVE keys (TCP), the metrics store's dumps
+    replica: int | None = None  # the replica of a scheduler, KV-cache manager or worker (None: the only one)
 
 
 def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:

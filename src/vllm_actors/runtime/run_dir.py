@@ -11,9 +11,25 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_actors.protocol.names import KV_CACHE_MANAGER, METRICS, SCHEDULER, SUPERVISOR, worker_id
+from vllm_actors.protocol.names import (
+    CONTROLLER,
+    KV_CACHE_MANAGER,
+    METRICS,
+    SCHEDULER,
+    SUPERVISOR,
+    replica_actor,
+    worker_id,
+)
 
 GROUP_FILE = "group.json"
+
+
+class ReplicaAddresses(msgspec.Struct, kw_only=True):
+    """One replica's step pipeline (data_parallel_size > 1): its scheduler, KV-cache manager, workers."""
+
+    scheduler: str
+    kv_cache_manager: str
+    workers: list[str]
 
 
 class GroupAddresses(msgspec.Struct, kw_only=True):
@@ -27,6 +43,17 @@ class GroupAddresses(msgspec.Struct, kw_only=True):
     # batches whose topic is the endpoint's owner, so nobody else can publish under that id.
     # Kept out of group.json (``write_group_info``): clients publish on ``bus_in``.
     bus_in_actors: dict[str, str] = {}
+    # A replica set (data_parallel_size > 1): ``scheduler`` is the controller's socket (the
+    # clients' entry point) and each replica's pipeline is here; an actor of replica r gets a copy
+    # with r's addresses in ``scheduler``, ``kv_cache_manager`` and ``workers`` (``for_replica``).
+    # Kept out of group.json, as bus_in_actors.
+    replicas: list[ReplicaAddresses] = []
+
+    def for_replica(self, replica: int) -> GroupAddresses:
+        """The addresses as an actor of ``replica`` sees them: its own pipeline's."""
+        own = self.replicas[replica]
+        return msgspec.structs.replace(self, scheduler=own.scheduler, kv_cache_manager=own.kv_cache_manager,
+                                       workers=list(own.workers), replicas=[])
 
     def publish_address(self, actor_id: str) -> str:
         """Where ``actor_id`` publishes its events: its own endpoint, or the clients' one."""
@@ -41,6 +68,7 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     worker: dict[str, object] = {}  # what the worker reported: KV pool, model facts
     max_model_len: int = 0
     tokenizer: str | None = None  # where clients load the tokenizer from (None: skip_tokenizer_init)
+    data_parallel_size: int = 1  # replicas; above 1, "scheduler" is the controller's address
 
 
 def runs_root() -> Path:
@@ -65,24 +93,39 @@ def _free_tcp_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None) -> GroupAddresses:
-    """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given."""
-    publishers = [METRICS, *(worker_id(rank) for rank in range(num_workers)), KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR]
-    names = ["bus_in", "bus_out", "metrics", "scheduler", "kv_cache_manager"] + [
-        worker_id(rank) for rank in range(num_workers)
-    ] + [f"bus_in_{actor}" for actor in publishers]
+def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None,
+                   num_replicas: int = 1) -> GroupAddresses:
+    """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given. With
+    ``num_replicas > 1``: a controller at ``scheduler`` and one pipeline per replica, whose
+    actors are named ``<name>@<replica>`` (``names.replica_actor``)."""
+    indices: list[int | None] = [None] if num_replicas == 1 else list(range(num_replicas))
+
+    def pipeline(replica: int | None) -> list[str]:
+        return [replica_actor(name, replica)
+                for name in (*(worker_id(rank) for rank in range(num_workers)), KV_CACHE_MANAGER, SCHEDULER)]
+
+    replica_actors = [actor for replica in indices for actor in pipeline(replica)]
+    publishers = [METRICS, *replica_actors, SUPERVISOR, *([CONTROLLER] if num_replicas > 1 else [])]
+    names = ["bus_in", "bus_out", "metrics", *(["scheduler"] if num_replicas > 1 else []), *replica_actors,
+             *(f"bus_in_{actor}" for actor in publishers)]
     if tcp_host is None:
         endpoints = {name: f"ipc://{run_dir}/{name}" for name in names}
     else:
         endpoints = {name: f"tcp://{tcp_host}:{_free_tcp_port(tcp_host)}" for name in names}
+    replicas = [ReplicaAddresses(
+        scheduler=endpoints[replica_actor(SCHEDULER, replica)],
+        kv_cache_manager=endpoints[replica_actor(KV_CACHE_MANAGER, replica)],
+        workers=[endpoints[replica_actor(worker_id(rank), replica)] for rank in range(num_workers)],
+    ) for replica in indices]
     return GroupAddresses(
         bus_in=endpoints["bus_in"],
         bus_out=endpoints["bus_out"],
         metrics=endpoints["metrics"],
-        scheduler=endpoints["scheduler"],
-        kv_cache_manager=endpoints["kv_cache_manager"],
-        workers=[endpoints[worker_id(rank)] for rank in range(num_workers)],
+        scheduler=endpoints["scheduler"] if num_replicas > 1 else replicas[0].scheduler,
+        kv_cache_manager="" if num_replicas > 1 else replicas[0].kv_cache_manager,
+        workers=[] if num_replicas > 1 else replicas[0].workers,
         bus_in_actors={actor: endpoints[f"bus_in_{actor}"] for actor in publishers},
+        replicas=replicas if num_replicas > 1 else [],
     )
 
 
@@ -91,7 +134,8 @@ def write_group_info(info: GroupInfo) -> None:
     endpoints (a client publishes on ``bus_in``)."""
     path = Path(info.run_dir) / GROUP_FILE
     temporary = path.with_suffix(".tmp")
-    public = msgspec.structs.replace(info, addresses=msgspec.structs.replace(info.addresses, bus_in_actors={}))
+    public = msgspec.structs.replace(info, addresses=msgspec.structs.replace(info.addresses, bus_in_actors={},
+                                                                            replicas=[]))
     temporary.write_bytes(msgspec.json.encode(public))
     temporary.replace(path)
 

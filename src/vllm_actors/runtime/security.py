@@ -87,7 +87,9 @@ def is_tcp(address: str) -> bool:
 
 def uses_tcp(addresses: GroupAddresses) -> bool:
     endpoints = [addresses.bus_in, addresses.bus_out, addresses.metrics, addresses.scheduler,
-                 addresses.kv_cache_manager, *addresses.workers, *addresses.bus_in_actors.values()]
+                 addresses.kv_cache_manager, *addresses.workers, *addresses.bus_in_actors.values(),
+                 *(address for replica in addresses.replicas
+                   for address in (replica.scheduler, replica.kv_cache_manager, *replica.workers))]
     return any(is_tcp(address) for address in endpoints)
 
 

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,8 @@ from vllm_actors.protocol.config import (
     SchedulerConfig,
     resolve_scheduler_config,
 )
-from vllm_actors.protocol.events import ActorFailed, ActorRestarted, GroupFailed
-from vllm_actors.protocol.names import KV_CACHE_MANAGER, SCHEDULER, WORKER, worker_id
+from vllm_actors.protocol.events import GroupFailed
+from vllm_actors.protocol.names import CONTROLLER, KV_CACHE_MANAGER, SCHEDULER, WORKER, replica_actor, worker_id
 from vllm_actors.runtime.children import (
     ActorDiedError,
     ActorStartError,
@@ -56,6 +56,7 @@ from vllm_actors.runtime.children import (
 )
 from vllm_actors.runtime.monitor import SupervisorLink
 from vllm_actors.runtime.process import ActorSpec
+from vllm_actors.runtime.recovery import POLL_INTERVAL, RESTARTING, Recovery
 from vllm_actors.runtime.run_dir import (
     GroupAddresses,
     GroupInfo,
@@ -71,16 +72,30 @@ from vllm_actors.runtime.supervision import (
     DEFAULT_RESTART_WINDOW,
     Liveness,
     RestartBudget,
-    exit_detail,
 )
 
 log = structlog.get_logger(__name__)
 
 STOP_GRACE_SECONDS = 5.0
-POLL_INTERVAL = 0.1  # the monitor's period: how soon an exit is noticed
 
 # Actor states, as ``ProcessGroup.state()`` reports them.
-STARTING, READY, RESTARTING, FAILED, STOPPED = "starting", "ready", "restarting", "failed", "stopped"
+STARTING, READY, FAILED, STOPPED = "starting", "ready", "failed", "stopped"  # and RESTARTING
+
+
+def replica_environment(spec: ActorSpec, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """A replica's worker sees only its own GPUs (data_parallel_size > 1): replica r of tensor
+    parallel size t gets the devices r*t .. r*t+t-1 of ``CUDA_VISIBLE_DEVICES`` (or of the
+    machine's, numbered from 0). None: the supervisor's environment as it is."""
+    if spec.role != WORKER or spec.replica is None:
+        return None
+    size = spec.engine.tensor_parallel_size
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    first = spec.replica * size
+    chosen = devices[first:first + size] if devices is not None else [str(first + i) for i in range(size)]
+    if devices is not None and len(chosen) < size:
+        return None  # fewer devices than replicas (a CPU run, a shared GPU): leave it as it is
+    return {**environ, "CUDA_VISIBLE_DEVICES": ",".join(chosen)}
 
 
 def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Event) -> None:
@@ -109,7 +124,7 @@ def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Eve
         link.close()
 
 
-class ProcessGroup:
+class ProcessGroup(Recovery):
     """The actors of one engine as supervised processes.
 
     Supervision (after ``start()``): ``max_restarts`` restarts at most in any ``restart_window``
@@ -123,6 +138,7 @@ class ProcessGroup:
         config: EngineConfig,
         *,
         tcp_host: str | None = None,
+        keys: GroupKeys | None = None,
         start_timeout: float = 300.0,
         check_invariants: bool = False,
         metrics_max_events: int = 50_000,
@@ -140,12 +156,16 @@ class ProcessGroup:
         self.liveness = Liveness(liveness_timeout, max_busy_seconds, time.monotonic)
         self.run_dir = make_run_dir()
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
-        self.addresses: GroupAddresses = make_addresses(self.run_dir, config.tensor_parallel_size, tcp_host)
-        # TCP: CURVE keys made for this group, in its run directory (0600) for actors and clients.
+        self.addresses: GroupAddresses = make_addresses(self.run_dir, config.tensor_parallel_size, tcp_host,
+                                                        num_replicas=config.data_parallel_size)
+        # TCP: CURVE keys made for this group (or handed to it by a launcher: ``keys``), in its run
+        # directory (0600) for actors and clients.
         self.keys: GroupKeys | None = None
         if tcp_host is not None:
-            self.keys = GroupKeys.generate()
+            self.keys = keys or GroupKeys.generate()
             self.keys.save(self.run_dir)
+        elif keys is not None:
+            raise ValueError("keys are for TCP endpoints: pass tcp_host too")
         self.children: list[Child] = []
         self.worker_info: dict[str, Any] = {}
         self.scheduler_config: SchedulerConfig | None = None
@@ -153,6 +173,8 @@ class ProcessGroup:
         self._failure_log = ""  # the end of the log of the actor that failed the group
         self._states: dict[str, str] = {}
         self._restarts: dict[str, int] = {}
+        self._tp_starts = 0  # starts of the worker ranks so far: each meets at a new rendezvous
+        self._down_with: dict[str, str] = {}  # a rank restarting because another one failed -> that one
         self._restart_listeners: list[Callable[[str], None]] = []
         self._failure_listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
@@ -168,15 +190,11 @@ class ProcessGroup:
         try:
             self._start_child("bus", "bus")
             self._start_child("metrics", "metrics")
-            for rank in range(self.config.tensor_parallel_size):
-                self.worker_info = self._start_child("worker", worker_id(rank), rank=rank)
-            num_blocks = int(self.worker_info["num_blocks"])
-            self.scheduler_config = resolve_scheduler_config(
-                self.config, int(self.worker_info["max_position_embeddings"]), num_blocks,
-                vocab_size=int(self.worker_info["vocab_size"]),
-            )
-            self._start_child("kv_cache_manager", "kv_cache_manager", num_blocks=num_blocks)
-            self._start_child("scheduler", "scheduler", scheduler=self.scheduler_config, num_blocks=num_blocks)
+            replicas = self.config.data_parallel_size
+            for replica in [None] if replicas == 1 else range(replicas):
+                self._start_replica(replica)
+            if replicas > 1:  # the clients' entry point, once every replica serves
+                self._start_child(CONTROLLER, CONTROLLER)
         except BaseException:
             self.shutdown()
             raise
@@ -190,6 +208,21 @@ class ProcessGroup:
         log.info("group started", run_dir=str(self.run_dir), actors=[c.actor_id for c in self.children])
         return self
 
+    def _start_replica(self, replica: int | None) -> None:
+        """One replica's pipeline: its workers, its KV-cache manager, its scheduler (None: the
+        group's only one, under the bare names)."""
+        info = self._start_workers(replica)
+        num_blocks = int(info["num_blocks"])
+        scheduler_config = resolve_scheduler_config(
+            self.config, int(info["max_position_embeddings"]), num_blocks, vocab_size=int(info["vocab_size"]),
+        )
+        if replica in (None, 0):
+            self.worker_info, self.scheduler_config = info, scheduler_config
+        self._start_child("kv_cache_manager", replica_actor(KV_CACHE_MANAGER, replica), num_blocks=num_blocks,
+                          replica=replica)
+        self._start_child("scheduler", replica_actor(SCHEDULER, replica), scheduler=scheduler_config,
+                          num_blocks=num_blocks, replica=replica)
+
     @property
     def info(self) -> GroupInfo:
         return GroupInfo(
@@ -200,28 +233,55 @@ class ProcessGroup:
             worker=self.worker_info,
             max_model_len=self.scheduler_config.max_model_len if self.scheduler_config else 0,
             tokenizer=None if self.config.skip_tokenizer_init else (self.config.tokenizer or self.config.model),
+            data_parallel_size=self.config.data_parallel_size,
         )
 
-    def _start_child(self, role: str, actor_id: str, **spec_fields: Any) -> dict[str, Any]:
-        spec = ActorSpec(
+    def _spec(self, role: str, actor_id: str, replica: int | None = None, **spec_fields: Any) -> ActorSpec:
+        return ActorSpec(
             role=role,
             actor_id=actor_id,
-            addresses=self.addresses,
+            addresses=self.addresses if replica is None else self.addresses.for_replica(replica),
+            replica=replica,
             engine=self.config,
             check_invariants=self.check_invariants,
             metrics_max_events=self.metrics_max_events,
             run_dir=str(self.run_dir),
             **spec_fields,
         )
-        child = self._spawn(spec)
+
+    def _start_child(self, role: str, actor_id: str, replica: int | None = None,
+                     **spec_fields: Any) -> dict[str, Any]:
+        child = self._spawn(self._spec(role, actor_id, replica, **spec_fields))
         self.children.append(child)
-        info = self._await_ready(child)
-        if role == WORKER:
-            # A restarted worker must make the same pool (the KV-cache manager and the scheduler
-            # keep theirs): pin it, in a copy of the user's config.
-            engine = msgspec.structs.replace(self.config, num_gpu_blocks_override=int(info["num_blocks"]))
-            child.spec = msgspec.structs.replace(spec, engine=engine)
-        return info
+        return self._await_ready(child)
+
+    def _start_workers(self, replica: int | None) -> dict[str, Any]:
+        """Start every rank of a replica at once (they meet in one rendezvous before any is READY),
+        wait for all; pin the pool each made (the same on every rank) so that a restart makes it
+        again. Returns rank 0's report."""
+        tp_init = self._tp_rendezvous()
+        children = [self._spawn(self._spec(WORKER, replica_actor(worker_id(rank), replica), replica, rank=rank,
+                                           tp_init=tp_init))
+                    for rank in range(self.config.tensor_parallel_size)]
+        self.children.extend(children)
+        infos = [self._await_ready(child, children) for child in children]
+        pools = {int(info["num_blocks"]) for info in infos}
+        if len(pools) != 1:
+            raise ActorStartError(f"the tensor-parallel ranks made KV pools of different sizes: {sorted(pools)}")
+        # A restarted worker must make the same pool (the KV-cache manager and the scheduler
+        # keep theirs): pin it, in a copy of the user's config.
+        engine = msgspec.structs.replace(self.config, num_gpu_blocks_override=pools.pop())
+        for child in children:
+            child.spec = msgspec.structs.replace(child.spec, engine=engine)
+        return infos[0]
+
+    def _tp_rendezvous(self) -> str:
+        """A fresh rendezvous for one start of the worker ranks: a file store in the run
+        directory (never a fixed port); "" without tensor parallelism."""
+        if self.config.tensor_parallel_size == 1:
+            return ""
+        self._tp_starts += 1
+        return f"file://{self.run_dir}/tp-{self._tp_starts}.store"
 
     def _spawn(self, spec: ActorSpec) -> Child:
         log_path = self.log_dir / f"{spec.actor_id}.log"
@@ -230,6 +290,7 @@ class ProcessGroup:
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "vllm_actors.runtime.actor_main", msgspec.json.encode(spec).decode()],
+                env=replica_environment(spec, os.environ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
@@ -238,9 +299,10 @@ class ProcessGroup:
             )
         return Child(spec.actor_id, spec.role, process, log_path, spec)
 
-    def _await_ready(self, child: Child) -> dict[str, Any]:
+    def _await_ready(self, child: Child, siblings: list[Child] | None = None) -> dict[str, Any]:
         """Wait for the child's READY line (its info); raise ActorStartError if it fails, exits or
-        takes longer than ``start_timeout``, ``Stopping`` if the group shuts down meanwhile."""
+        takes longer than ``start_timeout``, or one of ``siblings`` (ranks starting with it, which
+        it waits for) exits first; ``Stopping`` if the group shuts down meanwhile."""
         deadline = time.monotonic() + self.start_timeout
         with selectors.DefaultSelector() as selector:
             selector.register(child.reader.fd, selectors.EVENT_READ)
@@ -263,6 +325,12 @@ class ProcessGroup:
                         f"actor {child.actor_id} exited with code {child.process.returncode} before READY\n"
                         f"{child.log_tail()}"
                     )
+                gone = [s for s in siblings or [] if s is not child and s.process.poll() is not None]
+                if gone:
+                    raise ActorStartError(
+                        f"actor {gone[0].actor_id} exited with code {gone[0].process.returncode} while "
+                        f"{child.actor_id} was starting\n{gone[0].log_tail()}"
+                    )
                 if self._stop.is_set() and threading.current_thread() in self._monitor:
                     raise Stopping()
                 remaining = deadline - time.monotonic()
@@ -275,129 +343,7 @@ class ProcessGroup:
                     child.reader.fill()
 
     # ------------------------------------------------------------------ supervision (monitor thread)
-    def _tick(self, link: SupervisorLink) -> None:
-        """One round: read every ping that arrived (waiting up to POLL_INTERVAL), then judge."""
-        children = list(self.children)
-        open_pipes = [child for child in children if not child.reader.eof]
-        if open_pipes:
-            with selectors.DefaultSelector() as selector:
-                for child in open_pipes:
-                    selector.register(child.reader.fd, selectors.EVENT_READ, child)
-                ready = [key.data for key, _ in selector.select(POLL_INTERVAL)]
-        else:
-            self._stop.wait(POLL_INTERVAL)
-            ready = []
-        for child in ready:
-            child.reader.fill()
-            for line in child.reader.lines():
-                self._on_line(child, line)
-        if self._stop.is_set():
-            raise Stopping()
-        failures: list[tuple[Child, str, str]] = []
-        for child in children:
-            returncode = child.process.poll()
-            if returncode is not None:
-                detail = exit_detail(returncode)
-                if child.last_error:
-                    detail += f": {child.last_error}"
-                failures.append((child, "exited", detail))
-                continue
-            verdict = self.liveness.verdict(child.actor_id)
-            if verdict is not None:
-                failures.append((child, "hung", verdict))
-        if failures:
-            self._recover(failures, link)
-
-    def _on_line(self, child: Child, line: bytes) -> None:
-        status = status_line(child, line)
-        if status is None:
-            return
-        if status.get("status") == "alive":
-            busy = status.get("busy")
-            self.liveness.ping(child.actor_id, float(busy) if isinstance(busy, (int, float)) else 0.0)
-        elif status.get("status") == "error":
-            child.last_error = str(status.get("error"))
-
-    def _recover(self, failures: list[tuple[Child, str, str]], link: SupervisorLink) -> None:
-        """Kill what is left of the failed children, restart each (in start order), tell the group."""
-        noticed = time.monotonic()
-        failed_ids = {child.actor_id for child, _, _ in failures}
-        events: list[Any] = []
-        for child, how, detail in failures:
-            log.error("actor failed", actor=child.actor_id, how=how, detail=detail, pid=child.process.pid,
-                      log=str(child.log_path))
-            with self._lock:
-                self._states[child.actor_id] = RESTARTING
-            events.append(ActorFailed(actor=child.actor_id, how=how, detail=detail))
-        # With the bus or the store down, the failures could not be seen: publish them after the restarts.
-        path_down = bool(failed_ids & {"bus", "metrics"})
-        if not path_down:
-            link.publish(events)
-            events = []
-        for child, _, _ in failures:
-            self._kill(child)
-        restarted: list[Child] = []
-        for index, old in enumerate(list(self.children)):
-            if old.actor_id not in failed_ids:
-                continue
-            how, detail = next((h, d) for c, h, d in failures if c is old)
-            what = f"{old.actor_id} {how} ({detail})"
-            if not self.budget.try_spend():
-                self._fail(f"restart budget spent ({self.budget.describe()}); last failure: {what}", old, link,
-                           events)
-                return
-            log.warning("restarting actor", actor=old.actor_id, restarts_in_window=self.budget.used())
-            self.liveness.forget(old.actor_id)
-            spec = old.spec
-            while True:
-                spec = msgspec.structs.replace(spec, incarnation=spec.incarnation + 1)
-                new = self._spawn(spec)
-                self.children[index] = new  # shutdown() now stops the new process
-                try:
-                    info = self._await_ready(new)
-                    if old.role == WORKER and info.get("num_blocks") != old.spec.engine.num_gpu_blocks_override:
-                        raise ActorStartError(f"actor {old.actor_id} came back with {info.get('num_blocks')} KV "
-                                              f"blocks, not {old.spec.engine.num_gpu_blocks_override}")
-                    break
-                except ActorStartError as error:
-                    # Killed by a signal while starting (another fault, not a start that cannot
-                    # work): try again, within the budget. Anything else fails the group.
-                    killed = new.process.poll() is not None and new.process.returncode < 0
-                    if killed and self.budget.try_spend():
-                        log.warning("restarting actor again: it was killed while starting", actor=old.actor_id,
-                                    returncode=new.process.returncode, restarts_in_window=self.budget.used())
-                        continue
-                    self._fail(f"{what}; it could not be restarted: {str(error).splitlines()[0]}", new, link, events)
-                    return
-            self.liveness.started(new.actor_id)
-            seconds = time.monotonic() - noticed
-            with self._lock:
-                attempt = self._restarts[new.actor_id] = self._restarts.get(new.actor_id, 0) + 1
-            log.warning("actor restarted", actor=new.actor_id, pid=new.process.pid, attempt=attempt,
-                        seconds=round(seconds, 3))
-            events.append(ActorRestarted(actor=new.actor_id, pid=new.process.pid, attempt=attempt, seconds=seconds))
-            restarted.append(new)
-        if path_down:
-            link.unconfirm()
-        link.publish(events)
-        roles = {child.role for child in restarted}
-        if SCHEDULER not in roles:  # a fresh scheduler resets the pipeline with its first plan
-            for child in restarted:
-                if child.role in (WORKER, KV_CACHE_MANAGER):
-                    link.recover_pipeline(child.actor_id, f"{child.actor_id} restarted")
-        for child in restarted:
-            self._notify(self._restart_listeners, child.actor_id)
-
-    def _kill(self, child: Child) -> None:
-        """SIGKILL (a stopped process dies of it too) and reap."""
-        if child.process.poll() is None:
-            try:
-                child.process.kill()
-            except ProcessLookupError:
-                pass
-        child.process.wait()
-        child.close_pipes()
-
+    # _tick, _recover, _restart: recovery.py
     def _fail(self, reason: str, culprit: Child | None, link: SupervisorLink, events: list[Any] | None = None) -> None:
         """Give up: GROUP_FAILED, a log line, the failure listeners, then shut the group down."""
         with self._lock:
@@ -443,6 +389,10 @@ class ProcessGroup:
         """Per actor: "starting", "ready", "restarting", "failed" (could not be recovered) or "stopped"."""
         with self._lock:
             states = dict(self._states)
+            # A rank restarting because another rank failed says which (/health names the one down).
+            for actor, culprit in self._down_with.items():
+                if states.get(actor) == RESTARTING:
+                    states[actor] = f"{RESTARTING} ({culprit} is down)"
         if self.stopped:
             return {actor: state if state == FAILED else STOPPED for actor, state in states.items()}
         return states

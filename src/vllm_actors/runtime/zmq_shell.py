@@ -193,6 +193,9 @@ class ActorShell:
         # Which client connection owns which request (the scheduler's clients): see owners.py.
         self.owners = RequestOwners()
         self.busy_since: float | None = None  # time.monotonic() when the message in hand arrived
+        # Poll without blocking for this long after a message (runtime/busy_poll.py; 0: always block).
+        self.busy_poll_s = 0.0
+        self._last_message_at = 0.0
 
     def busy_seconds(self) -> float:
         """How long the message in hand has taken so far (0 when idle): the liveness pings' ``busy``."""
@@ -207,7 +210,7 @@ class ActorShell:
         """Serve until ``stop``; a bug anywhere in the loop publishes CRASHED and propagates."""
         try:
             while not stop.is_set():
-                message = self.endpoint.recv(timeout_ms=100)
+                message = self._next_message()
                 if message is not None:
                     self.busy_since = time.monotonic()
                     try:
@@ -217,6 +220,32 @@ class ActorShell:
         except Exception as error:
             self.publisher.publish([ActorCrashed(error=f"{type(error).__name__}: {error}")])
             raise
+
+    def _next_message(self) -> Any | None:
+        """The next message; meanwhile, a step the actor launched and has not read back (a
+        worker's deferred step) is flushed as soon as it is done and no message waits, so the
+        next plan, when it comes first, is launched before the previous step is read back."""
+        has_pending = getattr(self.actor, "has_pending", None)
+        if has_pending is None or not has_pending():
+            if self.busy_poll_s and time.monotonic() - self._last_message_at < self.busy_poll_s:
+                message = self.endpoint.recv(timeout_ms=0)  # busy: look again at once (busy_poll.py)
+                if message is None:
+                    time.sleep(0)
+                    return None
+            else:
+                message = self.endpoint.recv(timeout_ms=100)
+            if message is not None:
+                self._last_message_at = time.monotonic()
+            return message
+        while True:
+            message = self.endpoint.recv(timeout_ms=0)
+            if message is not None:
+                self._last_message_at = time.monotonic()
+                return message
+            if self.actor.pending_ready():  # type: ignore[attr-defined]
+                self.dispatch(self.actor.flush())  # type: ignore[attr-defined]
+                return None
+            time.sleep(0)  # the GPU is busy with the step: let other threads run, look again
 
     def receive(self, sender: bytes, message: Any) -> None:
         kind = self.endpoint.codec.protocol_type(message)

@@ -18,6 +18,8 @@ from starlette.responses import Response
 from vllm_actors import __version__
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.supervision import Health
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.metrics import SummaryReply
 from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.auth import ApiKeyMiddleware
 from vllm_actors.server.chat import create_chat_completion
@@ -27,9 +29,23 @@ from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
-from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerState
+from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerOptions, ServerState
 
 log = structlog.get_logger(__name__)
+
+def cache_config_labels(client: AsyncEngineClient) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels (vLLM: its CacheConfig's fields, each as ``str(value)``),
+    from what the group's worker reported and, for a group this client started, its engine config."""
+    info = getattr(client, "info", None)
+    worker = dict(getattr(info, "worker", {}) or {})
+    labels = {"num_gpu_blocks": str(worker.get("num_blocks")), "cache_dtype": "auto", "num_cpu_blocks": "None"}
+    config = getattr(getattr(client, "group", None), "config", None)
+    if isinstance(config, EngineConfig):
+        labels.update(block_size=str(config.block_size), enable_prefix_caching=str(config.enable_prefix_caching),
+                      gpu_memory_utilization=str(config.gpu_memory_utilization),
+                      num_gpu_blocks_override=str(config.num_gpu_blocks_override))
+    return labels
+
 
 def build_app(
     client: AsyncEngineClient,
@@ -39,14 +55,17 @@ def build_app(
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     api_key: str | Sequence[str] | None = None,
     limits: RequestLimits | None = None,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
     beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
     (``max_waiting_requests=None``: no bound). ``api_key`` (one or several): every endpoint but
     ``/health`` then wants ``Authorization: Bearer <key>`` and answers 401 without it. ``limits``:
-    the body and prompt sizes taken (default: ``RequestLimits.for_model(max_model_len)``)."""
+    the body and prompt sizes taken (default: ``RequestLimits.for_model(max_model_len)``).
+    ``options``: vLLM's flags for request fields (--max-logprobs, --return-tokens-as-token-ids,
+    --trust-request-chat-template)."""
     names = list(served_model_names or [client.model])
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], client.max_model_len or 4096, cache_config_labels(client))
     client.add_stats_listener(metrics)
     state = ServerState(
         client=client,
@@ -55,6 +74,7 @@ def build_app(
         max_waiting_requests=max_waiting_requests,
         metrics=metrics,
         limits=limits or RequestLimits.for_model(client.max_model_len),
+        options=options or ServerOptions(),
     )
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state
@@ -89,12 +109,15 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        per_replica: list[SummaryReply] = []
         try:
             summary = await client.get_metrics()
+            for replica in summary.replicas:  # a replica set: vLLM's engine label per replica
+                per_replica.append(await client.get_metrics(replica=replica))
         except (TimeoutError, RuntimeError) as error:
             log.warning("metrics store unavailable for /metrics", error=str(error))
-            summary = None
-        return Response(metrics.render(summary), media_type=CONTENT_TYPE)
+            summary, per_replica = None, []
+        return Response(metrics.render(summary, per_replica), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> Response:

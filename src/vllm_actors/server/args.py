@@ -8,6 +8,7 @@ from typing import Any
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser: the Hermes/Qwen <tool_call>{...}</tool_call> format
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,30 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", nargs="+", default=None,
                         help="require 'Authorization: Bearer <key>' on every endpoint but /health (401 without); "
                              "several keys may be given (default: $VLLM_API_KEY, else no authentication)")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs per position a request may ask for (logprobs, top_logprobs, "
+                             "prompt_logprobs); -1: the whole vocabulary (vLLM's flag; default 20)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="spell tokens in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids "
+                             "overrides it)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens: prompt tokens served from the "
+                             "prefix cache (vLLM's flag)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (refused with 400 otherwise)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let requests use tool_choice \"auto\" (needs --tool-call-parser; vLLM's flag)")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                        help="how tool calls are read out of the model's text for tool_choice \"auto\": hermes "
+                             "(<tool_call>{...}</tool_call>, Hermes and Qwen models)")
+    parser.add_argument("--default-ttft-target-ms", type=float, default=None,
+                        help="time-to-first-token target of requests that set no ttft_target_ms (edf, lrs, "
+                             "--reject-unmeetable)")
+    parser.add_argument("--default-e2e-target-ms", type=float, default=None,
+                        help="end-to-end target of requests that set no e2e_target_ms")
+    parser.add_argument("--default-targets", action="append", default=[], metavar="ENDPOINT:ttft=MS,e2e=MS",
+                        help="per-endpoint defaults (completions, chat), e.g. chat:ttft=200,e2e=5000; before "
+                             "--default-*-target-ms")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")

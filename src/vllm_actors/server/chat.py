@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,8 +13,9 @@ from starlette.responses import Response
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.request_stream import RequestStream
-from vllm_actors.protocol.sampling import MAX_LOGPROBS
 from vllm_actors.server.errors import OpenAIError, bad_request
+from vllm_actors.server.fields import check_fields, text_options
+from vllm_actors.server.logprobs import chat_logprobs, prompt_logprobs_body
 from vllm_actors.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -26,6 +28,7 @@ from vllm_actors.server.protocol import (
     Usage,
     encode,
     now,
+    usage,
 )
 from vllm_actors.server.serving import (
     SSE_DONE,
@@ -33,14 +36,23 @@ from vllm_actors.server.serving import (
     EventStreamResponse,
     ServerState,
     abort_all,
-    chat_logprobs,
     decode_body,
     final_output,
     guarded_events,
     request_id,
     sampling_params,
+    session_key,
     sse,
     unless_disconnected,
+)
+from vllm_actors.server.tool_parser import ParsedDelta, ToolParser, merge_calls
+from vllm_actors.server.tools import (
+    ToolPlan,
+    ToolRequest,
+    delta_tool_calls,
+    history_tool_calls,
+    plan_tools,
+    tool_calls_body,
 )
 
 
@@ -51,6 +63,12 @@ class _Job:
     model: str
     body: ChatCompletionRequest
     prepared: PreparedRequest
+    role: str  # the reply's: the assistant's, or the last message's without a generation prompt
+    echo: str  # echo: the last message's content, when it has the reply's role
+    as_ids: bool  # tokens as "token_id:<id>"
+    prompt_text: str | None  # return_prompt_text: the rendered template
+    details: bool = False  # --enable-prompt-tokens-details
+    tools: ToolPlan | None = None  # tool calls parsed out of the output
 
 
 def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -70,10 +88,12 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                 texts.append(part.text)
             content = "\n".join(texts)
         entry: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
-        for name in ("name", "tool_calls", "tool_call_id"):
+        for name in ("name", "tool_call_id"):
             value = getattr(message, name)
             if value is not None:
                 entry[name] = value
+        if message.tool_calls is not None:
+            entry["tool_calls"] = history_tool_calls(message.tool_calls, position)
         result.append(entry)
     return result
 
@@ -81,25 +101,49 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
     model = state.check_model(body.model)
+    check_fields(body, "chat")
     messages = conversation(body.messages)
-    if body.tools and body.tool_choice != "none":  # OpenAI: "auto" when tools are given
-        raise bad_request("tools: tool calling is not supported by this server", "tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format: type {body.response_format.type!r} is not supported (text only)",
-                          "response_format")
+    tools = plan_tools(body, auto_enabled=state.options.enable_auto_tool_choice
+                       and state.options.tool_call_parser is not None)
     if body.top_logprobs is not None:
-        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}",
-                              "top_logprobs")
-        if body.top_logprobs > 0 and not body.logprobs:
+        state.check_logprobs("top_logprobs", body.top_logprobs)
+        if body.top_logprobs != 0 and not body.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    state.check_logprobs("prompt_logprobs", body.prompt_logprobs)
+    if body.stream and body.prompt_logprobs is not None and body.prompt_logprobs != 0:
+        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be true together with add_generation_prompt (set "
+                          "add_generation_prompt to false)", "continue_final_message")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
-    engine_id = response_id = request_id("chatcmpl", request)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:  # vLLM: echo asks for the prompt's logprobs
+        prompt_logprobs = body.top_logprobs or 0
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    if tools.constraint is not None:  # a named function or "required": the output is held to the tools' schema
+        if params.structured_outputs is not None:
+            raise bad_request("tool_choice: you can only either use constraints for structured outputs or tools, "
+                              "not both", "tool_choice")
+        params = params.clone(structured_outputs=tools.constraint)
+    engine_id = response_id = request_id("chatcmpl", request, body.request_id)
+    options = text_options(body, state.client.max_model_len, max_tokens,
+                           continue_final_message=body.continue_final_message)
     prepared = await state.prepare_chat(engine_id, messages, params, body.add_generation_prompt,
-                                  dict(body.chat_template_kwargs or {}))
-    job = _Job(response_id, now(), model, body, prepared)
+                                        _template_kwargs(body, state, tools), options)
+    sticky = session_key(request, body.user)
+    if sticky is not None:
+        prepared = dataclasses.replace(prepared, session_key=sticky)
+    role = "assistant" if body.add_generation_prompt else messages[-1]["role"]
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
+    as_ids = body.return_tokens_as_token_ids
+    prompt_text = None
+    if body.return_prompt_text:
+        prompt_text = prepared.prompt if prepared.prompt is not None else (await state.prompt_texts([prepared]))[0]
+    job = _Job(response_id, now(), model, body, prepared, role, echo,
+               bool(as_ids if as_ids is not None else state.options.return_tokens_as_token_ids), prompt_text,
+               state.options.prompt_tokens_details, tools.plan)
+    prepared = state.with_schedule([prepared], body, "chat")[0]
     streams = state.submit([prepared])
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
@@ -115,24 +159,66 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     return Response(encode(_response(job, output)), media_type="application/json")
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt = len(output.prompt_token_ids)
+def _template_kwargs(body: ChatCompletionRequest, state: ServerState, tools: ToolRequest) -> dict[str, Any]:
+    """What the chat template sees beyond the messages: chat_template_kwargs, documents,
+    reasoning_effort (and enable_thinking from it, unless given: vLLM's rule) and a chat_template
+    of the request's own (only with --trust-request-chat-template, as vLLM)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if tools.template_tools is not None:
+        kwargs["tools"] = tools.template_tools
+    if body.documents is not None:
+        kwargs.setdefault("documents", body.documents)
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        kwargs.setdefault("enable_thinking", body.reasoning_effort != "none")
+    if body.chat_template is not None:
+        if not state.options.trust_request_chat_template:
+            raise bad_request("chat_template: a chat template in the request is refused unless the server runs "
+                              "with --trust-request-chat-template", "chat_template")
+        kwargs["chat_template"] = body.chat_template
+    return kwargs
+
+
+def _parse(plan: ToolPlan, parser: ToolParser, text: str, *, last: bool) -> ParsedDelta:
+    """A choice's new text through its tool parser (``last``: the output ends here)."""
+    parsed = parser.feed(text)
+    if last:
+        parsed.extend(parser.finish())
+    parsed.calls = plan.keep(parsed.calls)
+    return parsed
+
+
+def _usage(job: _Job, output: RequestOutput) -> Usage:
     generated = sum(len(c.token_ids) for c in output.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+    return usage(len(output.prompt_token_ids), generated, output.num_cached_tokens if job.details else None)
 
 
 def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
     choices = []
+    with_ids = bool(job.body.return_token_ids)
     for completion in output.outputs:
         logprobs = None
         if job.body.logprobs:
-            logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], job.body.top_logprobs or 0)
+            logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], job.body.top_logprobs or 0,
+                                     job.as_ids)
+        message = AssistantMessage(role=job.role, content=job.echo + completion.text)
+        finish_reason = completion.finish_reason
+        if job.tools is not None:
+            parsed = _parse(job.tools, job.tools.parser(), completion.text, last=True)
+            calls = merge_calls(parsed.calls)
+            message = AssistantMessage(role=job.role, content=(job.echo + parsed.content) or (None if calls else ""),
+                                       tool_calls=tool_calls_body(calls))
+            finish_reason = job.tools.finish_reason(finish_reason, bool(calls))
         choices.append(ChatChoice(
-            index=completion.index, message=AssistantMessage(content=completion.text), logprobs=logprobs,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            index=completion.index, message=message,
+            logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
+            token_ids=list(completion.token_ids) if with_ids else None,
         ))
     return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
-                                  usage=_usage(output))
+                                  usage=_usage(job, output),
+                                  prompt_logprobs=prompt_logprobs_body(output.prompt_logprobs),
+                                  prompt_token_ids=list(output.prompt_token_ids) if with_ids else None,
+                                  prompt_text=job.prompt_text)
 
 
 async def _stream(job: _Job, stream: RequestStream,
@@ -144,16 +230,29 @@ async def _stream(job: _Job, stream: RequestStream,
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     last: RequestOutput | None = None
+    parsers: dict[int, ToolParser] = {}
+    called: set[int] = set()
 
-    def chunk(choice: ChatStreamChoice, output: RequestOutput | None) -> bytes:
+    def chunk(choice: ChatStreamChoice, output: RequestOutput | None, first: bool = False) -> bytes:
         message = ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[choice])
-        if include_usage:
-            message.usage = _usage(output) if continuous and output is not None else None
+        if first and body.return_token_ids:  # vLLM: the prompt's ids (and text) in the first chunk
+            message.prompt_token_ids = list(job.prepared.prompt_token_ids)
+        if first and job.prompt_text is not None:
+            message.prompt_text = job.prompt_text
+        if include_usage:  # OpenAI: null on every chunk but the last; vLLM's continuous stats: on each
+            message.usage = None
+            if continuous:  # vLLM: the prompt and this choice's tokens so far (none yet in the role and echo chunks)
+                generated = next((len(c.token_ids) for c in output.outputs if c.index == choice.index), 0) \
+                    if output is not None else 0
+                message.usage = usage(len(job.prepared.prompt_token_ids), generated)
         return sse(message)
 
     for index in range(body.n):  # the role first, like OpenAI
-        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
-                    None)
+        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=job.role, content="")),
+                    None, first=index == 0)
+    if job.echo:
+        for index in range(body.n):
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=job.echo)), None)
     error: OpenAIError | None = None
     async for output in stream:
         last = output
@@ -173,15 +272,30 @@ async def _stream(job: _Job, stream: RequestStream,
                 continue  # nothing to show yet (text held back: a partial character or stop string)
             logprobs = None
             if body.logprobs and completion.logprobs is not None:
-                logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:], body.top_logprobs or 0)
+                logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:], body.top_logprobs or 0,
+                                         job.as_ids)
+            message = DeltaMessage(content=delta)
+            finish_reason = completion.finish_reason
+            if job.tools is not None:
+                parser = parsers.setdefault(index, job.tools.parser())
+                parsed = _parse(job.tools, parser, delta, last=finished)
+                if parsed.calls:
+                    called.add(index)
+                if not (parsed.content or parsed.calls or finished or logprobs or (body.return_token_ids and new_ids)):
+                    continue  # held back: markup or whitespace the parser has not placed yet
+                message = DeltaMessage(content=parsed.content or None,
+                                       tool_calls=delta_tool_calls(parsed.calls) or None)
+                finish_reason = job.tools.finish_reason(finish_reason, index in called)
             if finished:
                 done.add(index)
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason),
-                        output)
+            choice = ChatStreamChoice(index=index, delta=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=completion.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids = list(new_ids)
+            yield chunk(choice, output)
     if error is not None:  # the choices ended with finish_reason "error"; the error event says why
         raise error
     if include_usage and last is not None:
         yield sse(ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[],
-                                      usage=_usage(last)))
+                                      usage=_usage(job, last)))
     yield SSE_DONE

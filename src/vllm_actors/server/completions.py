@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
 from vllm_actors.actors.frontend.text import PromptInput
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.server.errors import OpenAIError, bad_request
+from vllm_actors.server.fields import check_fields, text_options
+from vllm_actors.server.logprobs import completion_logprobs, prompt_logprobs_body
 from vllm_actors.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -20,10 +23,10 @@ from vllm_actors.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptShapeError,
-    Usage,
     encode,
     normalize_prompts,
     now,
+    usage,
 )
 from vllm_actors.server.serving import (
     SSE_DONE,
@@ -31,13 +34,13 @@ from vllm_actors.server.serving import (
     EventStreamResponse,
     ServerState,
     abort_all,
-    completion_logprobs,
     decode_body,
     final_output,
     guarded_events,
     merge_streams,
     request_id,
     sampling_params,
+    session_key,
     sse,
     unless_disconnected,
 )
@@ -53,29 +56,47 @@ class _Job:
     prompt_texts: list[str]  # for echo
     decode: Callable[[int], str]  # one token's text
     error_of: Callable[[RequestOutput], OpenAIError]  # a request that ended with an error
+    echo_only: bool  # echo with max_tokens 0: the prompt alone
+    as_ids: bool  # tokens as "token_id:<id>"
+    details: bool = False  # --enable-prompt-tokens-details
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, CompletionRequest, state.limits.max_body_bytes)
     model = state.check_model(body.model)
-    if body.suffix:
-        raise bad_request("suffix: not supported", "suffix")
+    check_fields(body, "completions")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of: only best_of == n is supported, got best_of={body.best_of}, n={body.n}", "best_of")
     try:
         prompts = normalize_prompts(body.prompt, max_tokens=state.client.max_model_len)
     except PromptShapeError as error:
         raise bad_request(str(error), "prompt") from None
-    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-    engine_id = response_id = request_id("cmpl", request)
+    state.check_logprobs("logprobs", body.logprobs)
+    state.check_logprobs("prompt_logprobs", body.prompt_logprobs)
+    if body.stream and body.prompt_logprobs is not None and body.prompt_logprobs != 0:
+        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:  # vLLM: echo's logprobs are the prompt's
+        prompt_logprobs = body.logprobs
+    echo_only = body.echo and body.max_tokens == 0  # vLLM: the prompt (and its logprobs), one token generated
+    max_tokens = 1 if echo_only else body.max_tokens
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    engine_id = response_id = request_id("cmpl", request, body.request_id)
+    options = text_options(body, state.client.max_model_len, max_tokens)
     prepared = []
     for index, prompt in enumerate(prompts):
         prompt_input: PromptInput = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-        prepared.append(await state.prepare(f"{engine_id}-{index}", prompt_input, params))
+        prepared.append(await state.prepare(f"{engine_id}-{index}", prompt_input, params, options))
+    sticky = session_key(request, body.user)
+    if sticky is not None:
+        prepared = [dataclasses.replace(p, session_key=sticky) for p in prepared]
     prompt_texts = await state.prompt_texts(prepared) if body.echo else [""] * len(prepared)
+    as_ids = body.return_tokens_as_token_ids
     job = _Job(response_id, now(), model, body, prepared, prompt_texts,
-               _token_decoder(state), state.output_error)
+               lambda token_id: state.token_text(token_id, as_ids), state.output_error, echo_only,
+               bool(as_ids if as_ids is not None else state.options.return_tokens_as_token_ids),
+               state.options.prompt_tokens_details)
+    prepared = state.with_schedule(prepared, body, "completions")
     streams = state.submit(prepared)
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams), streams, request), streams)
@@ -86,16 +107,6 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     finally:
         abort_all(streams, "abort")
     return Response(encode(_response(job, outputs)), media_type="application/json")
-
-
-def _token_decoder(state: ServerState) -> Callable[[int], str]:
-    frontend = state.client.frontend
-
-    def decode(token_id: int) -> str:
-        text = frontend.token_text(token_id)
-        return text if text is not None else f"token_id:{token_id}"
-
-    return decode
 
 
 async def _collect(job: _Job, streams: Sequence[RequestStream]) -> list[RequestOutput]:
@@ -112,7 +123,7 @@ def _choice_index(job: _Job, prompt_index: int, completion: CompletionOutput) ->
 
 def _echo_logprobs(job: _Job, output: RequestOutput) -> tuple[CompletionLogprobs, int]:
     prompt_positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    return completion_logprobs(output.prompt_token_ids, prompt_positions, 0, job.decode)
+    return completion_logprobs(output.prompt_token_ids, prompt_positions, 0, job.decode, job.as_ids)
 
 
 def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
@@ -122,25 +133,31 @@ def _response(job: _Job, outputs: list[RequestOutput]) -> CompletionResponse:
         num_prompt += len(output.prompt_token_ids)
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
-            text = completion.text
+            text = "" if job.echo_only else completion.text
             logprobs = None
             if job.body.logprobs is not None:
                 offset = 0
                 logprobs = CompletionLogprobs()
                 if job.body.echo:
                     logprobs, offset = _echo_logprobs(job, output)
-                generated, _ = completion_logprobs(completion.token_ids, completion.logprobs or [], offset, job.decode)
-                _extend(logprobs, generated)
+                if not job.echo_only:
+                    generated, _ = completion_logprobs(completion.token_ids, completion.logprobs or [], offset,
+                                                       job.decode, job.as_ids)
+                    _extend(logprobs, generated)
             if job.body.echo:
                 text = job.prompt_texts[prompt_index] + text
+            with_ids = bool(job.body.return_token_ids)
             choices.append(CompletionChoice(
                 index=_choice_index(job, prompt_index, completion), text=text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if with_ids else None,
+                prompt_logprobs=prompt_logprobs_body(output.prompt_logprobs),  # whenever computed (vLLM)
+                prompt_token_ids=list(output.prompt_token_ids) if with_ids else None,
             ))
     choices.sort(key=lambda choice: choice.index)
     return CompletionResponse(
         id=job.response_id, created=job.created, model=job.model, choices=choices,
-        usage=Usage(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated),
+        usage=usage(num_prompt, num_generated, sum(o.num_cached_tokens for o in outputs) if job.details else None),
     )
 
 
@@ -169,17 +186,15 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
     cursors: dict[int, _Cursor] = {}
     prompt_tokens = [len(p.prompt_token_ids) for p in job.prepared]
     generated: dict[int, int] = {}
+    cached: dict[int, int] = {}  # prompt index -> its prompt tokens found in the prefix cache
 
-    def chunk(choice: CompletionChoice) -> bytes:
-        usage = None
-        if continuous:
-            completion_tokens = sum(generated.values())
-            total_prompt = sum(prompt_tokens)
-            usage = Usage(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                          total_tokens=total_prompt + completion_tokens)
+    def chunk(choice: CompletionChoice, prompt_index: int) -> bytes:
+        counts = None
+        if continuous:  # vLLM: this choice's prompt and its tokens so far
+            counts = usage(prompt_tokens[prompt_index], generated[choice.index])
         message = CompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[choice])
         if include_usage:
-            message.usage = usage
+            message.usage = counts
         return sse(message)
 
     error: OpenAIError | None = None
@@ -192,18 +207,20 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             if cursor.done:
                 continue
             generated[index] = len(completion.token_ids)
-            delta = completion.text[cursor.text:]
+            cached[prompt_index] = output.num_cached_tokens
+            delta = "" if job.echo_only else completion.text[cursor.text:]
             logprobs = None
-            if not cursor.started:
+            first = not cursor.started
+            if first:
                 cursor.started = True
                 if body.echo:
                     delta = job.prompt_texts[prompt_index] + delta
                     if body.logprobs is not None:
                         logprobs, cursor.offset = _echo_logprobs(job, output)
             new_ids = completion.token_ids[cursor.tokens:]
-            if body.logprobs is not None and completion.logprobs is not None:
+            if body.logprobs is not None and completion.logprobs is not None and not job.echo_only:
                 more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:], cursor.offset,
-                                                            job.decode)
+                                                            job.decode, job.as_ids)
                 if logprobs is None:
                     logprobs = more
                 else:
@@ -214,8 +231,13 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             if not delta and not finished and not (new_ids and body.logprobs is not None):
                 continue  # nothing to show yet (text held back: a partial character or stop string)
             cursor.done = finished
-            yield chunk(CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+            choice = CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                      finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            if body.return_token_ids:  # vLLM: the prompt's ids in a choice's first chunk, then the new ids
+                choice.token_ids = list(new_ids)
+                if first:
+                    choice.prompt_token_ids = list(output.prompt_token_ids)
+            yield chunk(choice, prompt_index)
     if error is not None:  # the choices ended with finish_reason "error"; the error event says why
         raise error
     if include_usage:
@@ -223,7 +245,6 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
         completion_tokens = sum(generated.values())
         yield sse(CompletionChunk(
             id=job.response_id, created=job.created, model=job.model, choices=[],
-            usage=Usage(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                        total_tokens=total_prompt + completion_tokens),
+            usage=usage(total_prompt, completion_tokens, sum(cached.values()) if job.details else None),
         ))
     yield SSE_DONE

@@ -1,21 +1,19 @@
-"""``/metrics``: Prometheus text with vLLM's metric names, so vLLM's dashboards work unchanged.
+"""``/metrics``: Prometheus text with vLLM 0.26's metric names, types, labels (``model_name``,
+``engine``) and bucket boundaries (vllm/v1/metrics/loggers.py), so vLLM's dashboards work unchanged.
 
-Counters and gauges come from the metrics store's ``SummaryReply`` (the whole group's view, read
-at scrape time). Latency histograms use vLLM's bucket boundaries and are observed by this server's
-client as its requests progress (what its users see: arrival at the server to first token, between
-tokens, to the end), plus the queue time (QUEUED to SCHEDULED) from the scheduler's events.
-Every series carries a ``model_name`` label.
+Gauges, counters and the tokens-per-step histogram come from the metrics store's ``SummaryReply``
+(the whole group's view, read at scrape time: ``metrics_summary.py``). The request histograms are
+observed by this server's client as its requests progress (what its users see: arrival at the
+server to first token, between tokens, to the end), per engine request as in vLLM (each child of
+an ``n`` > 1 request), plus the queue time (QUEUED to SCHEDULED) from the scheduler's events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from vllm_actors.protocol.metrics import SummaryReply
+from vllm_actors.server.metrics_summary import ENGINE, LABELS, SummaryCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -26,91 +24,89 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's vllm:request_params_n
 
 
-class _SummaryCollector(Collector):
-    """Counters and gauges from the last SummaryReply (set just before each scrape)."""
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
 
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.summary: SummaryReply | None = None
 
-    def collect(self) -> Iterator[Metric]:
-        summary = self.summary
-        if summary is None:
-            return
-        labels = ["model_name"]
-        values = [self.model_name]
+TOKENS = "tokens"  # buckets: build_1_2_5_buckets(max_model_len)
 
-        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, documentation, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, documentation, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", summary.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", summary.waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", summary.kv_usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name of vllm:kv_cache_usage_perc).",
-                    summary.kv_usage)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", summary.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", summary.generation_tokens)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", summary.preemptions)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.", summary.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.", summary.prefix_cache_hits)
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=["model_name", "finished_reason"])
-        reasons = dict.fromkeys(("stop", "length", "abort"), 0)
-        for reason, count in summary.finished_by_reason.items():
-            reasons[reason] = reasons.get(reason, 0) + count
-        reasons["abort"] += sum(summary.aborted_by_reason.values())
-        for reason, count in reasons.items():
-            success.add_metric([self.model_name, reason], count)
-        yield success
+# The client's samples (``clients/latency.py``'s StatsListener) -> vLLM's histograms that take them:
+# (name, documentation, buckets). ``inter_token_latency`` also feeds vLLM's older name.
+HISTOGRAMS: dict[str, tuple[tuple[str, str, tuple[float, ...] | str], ...]] = {
+    "ttft": (("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),),
+    "itl": (("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (vLLM's name "
+             "before 0.11 for vllm:inter_token_latency_seconds).", ITL_BUCKETS)),
+    "time_per_output_token": (("vllm:request_time_per_output_token_seconds",
+                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),),
+    "e2e": (("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+             REQUEST_LATENCY_BUCKETS),),
+    "queue": (("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+               REQUEST_LATENCY_BUCKETS),),
+    "inference": (("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                   REQUEST_LATENCY_BUCKETS),),
+    "prefill": (("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                 REQUEST_LATENCY_BUCKETS),),
+    "decode": (("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS),),
+    "prefill_kv_computed_tokens": (("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens "
+                                    "computed during prefill (excluding cached tokens).", TOKENS),),
+    "prompt_tokens": (("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKENS),),
+    "generation_tokens": (("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKENS),),
+    "max_num_generation_tokens": (("vllm:request_max_num_generation_tokens",
+                                   "Histogram of maximum number of requested generation tokens.", TOKENS),),
+    "params_n": (("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),),
+    "params_max_tokens": (("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                           TOKENS),),
+}
 
 
 class ServerMetrics:
     """The server's Prometheus registry: histograms observed live, the rest at scrape time."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 4096,
+                 cache_config: dict[str, str] | None = None) -> None:
+        """``cache_config``: ``vllm:cache_config_info``'s labels (block size, blocks, caching...)."""
         self.registry = CollectorRegistry()
-        self._summary = _SummaryCollector(model_name)
+        self._summary = SummaryCollector(model_name)
         self.registry.register(self._summary)
-
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, documentation, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
-
-        ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        ITL_BUCKETS)
-        tpot = histogram("vllm:time_per_output_token_seconds",
-                         "Histogram of time per output token in seconds (older name of inter-token latency).",
-                         ITL_BUCKETS)
-        e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        queue = histogram("vllm:request_queue_time_seconds",
-                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self._histograms: dict[str, tuple[Histogram, ...]] = {
-            "ttft": (ttft,), "itl": (itl, tpot), "e2e": (e2e,), "queue": (queue,),
-        }
+        tokens = build_1_2_5_buckets(max_model_len)
+        self._histograms: dict[str, list[Histogram]] = {}
+        for metric, families in HISTOGRAMS.items():
+            for name, documentation, buckets in families:
+                histogram = Histogram(name, documentation, LABELS, buckets=tokens if buckets == TOKENS else buckets,
+                                      registry=self.registry)
+                self._histograms.setdefault(metric, []).append(histogram.labels(model_name, ENGINE))
+        if cache_config is not None:
+            labels = {**cache_config, "engine": ENGINE}
+            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(labels),
+                         registry=self.registry)
+            info.labels(**labels).set(1)
 
     def observe(self, metric: str, seconds: float) -> None:
         """The client's StatsListener."""
         for histogram in self._histograms.get(metric, ()):
             histogram.observe(seconds)
 
-    def render(self, summary: SummaryReply | None) -> bytes:
-        """Prometheus text; without a summary (the store did not answer) only the histograms."""
+    def render(self, summary: SummaryReply | None, per_replica: list[SummaryReply] | None = None) -> bytes:
+        """Prometheus text; without a summary (the store did not answer) only the histograms. A
+        replica set's families come from ``per_replica``, one series per replica (``engine``)."""
         self._summary.summary = summary
+        self._summary.per_engine = list(per_replica or [])
         try:
             return generate_latest(self.registry)
         finally:
             self._summary.summary = None
+            self._summary.per_engine = []

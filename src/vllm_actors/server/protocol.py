@@ -47,6 +47,35 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # vLLM's other request fields (issue 15): each honoured, or refused with a 400 naming it
+    # (server/fields.py's table says which)
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    request_id: str | None = None
+    use_beam_search: bool = False
+    length_penalty: Number = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    logprob_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # the older spellings of structured_outputs (vLLM before 0.12), still sent by many clients
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
+    ttft_target_ms: Number | None = None  # latency targets from arrival (issue 18; edf, lrs, --reject-unmeetable)
+    e2e_target_ms: Number | None = None
+    return_token_offsets: bool | None = False
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -56,6 +85,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # defined below (helper 2's)
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -72,7 +104,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
+    type: str  # "text", "json_object" or "json_schema" (server/structured.py)
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -87,13 +120,39 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # vLLM's extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
+    return_assistant_tokens_mask: bool = False
 
 
 # --------------------------------------------------------------------------- responses
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # with --enable-prompt-tokens-details (vLLM's flag); left out otherwise
+    prompt_tokens_details: PromptTokensDetails | None | UnsetType = UNSET
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> Usage:
+    """Token counts; ``cached`` (prompt tokens found in the prefix cache) when details are on."""
+    body = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    if cached is not None:
+        body.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
+    return body
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -103,12 +162,27 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """One entry of vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # None for the first prompt token
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: set (maybe to null) in a response; in a stream chunk only when asked for
+    token_ids: list[int] | None | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -138,10 +212,35 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str  # vLLM's "chatcmpl-tool-<hex>"
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: the first has id, type and name, the rest arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[Any] = []
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -150,6 +249,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -160,11 +260,15 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):
@@ -173,6 +277,7 @@ class ChatStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -183,6 +288,8 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     choices: list[ChatStreamChoice]
     usage: Usage | None | UnsetType = UNSET
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # the first chunk's, with return_token_ids
+    prompt_text: str | UnsetType = UNSET  # the first chunk's, with return_prompt_text
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):

@@ -34,7 +34,8 @@ from vllm_actors.server.app import build_app, server_state
 from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.auth import api_keys_from
 from vllm_actors.server.limits import RequestLimits
-from vllm_actors.server.serving import ServerState
+from vllm_actors.server.serving import ServerOptions, ServerState
+from vllm_actors.server.targets import Targets, parse_default_targets
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +60,14 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     model = args.model_tag or args.model
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models named: {args.model_tag!r} and --model {args.model!r}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's check, before anything starts
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = make_engine_config(model, engine_args)
+    parse_default_targets(args.default_targets)  # a malformed --default-targets fails before the group starts
+    for flag in ("default_ttft_target_ms", "default_e2e_target_ms"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of milliseconds, got {value}")
     api_keys = api_keys_from(args.api_key)  # an empty key fails here, before the group starts
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -89,11 +97,19 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
         app = build_app(
             client,
             served_model_names=args.served_model_name,
-            max_num_seqs=group.config.max_num_seqs,
+            max_num_seqs=group.config.max_num_seqs * group.config.data_parallel_size,  # every replica's
             max_waiting_requests=args.max_waiting_requests if args.max_waiting_requests >= 0 else None,
             api_key=api_keys,
             limits=RequestLimits.for_model(client.max_model_len, max_prompt_bytes=args.max_prompt_bytes,
                                            max_body_bytes=args.max_request_body_bytes),
+            options=ServerOptions(max_logprobs=args.max_logprobs,
+                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                  trust_request_chat_template=args.trust_request_chat_template,
+                                  prompt_tokens_details=args.enable_prompt_tokens_details,
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                  tool_call_parser=args.tool_call_parser,
+                                  default_targets=Targets(args.default_ttft_target_ms, args.default_e2e_target_ms),
+                                  endpoint_targets=parse_default_targets(args.default_targets)),
         )
         state = server_state(app)
         config = uvicorn.Config(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +17,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
-from vllm_actors.actors.frontend.outputs import PositionLogprobs, RequestOutput
-from vllm_actors.actors.frontend.text import PromptInput
+from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.text import PromptInput, TextOptions
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.request_stream import RequestStream
-from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE
+from vllm_actors.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from vllm_actors.server.errors import (
     OpenAIError,
     bad_request,
@@ -32,18 +32,36 @@ from vllm_actors.server.errors import (
     log_edge_error,
     one_line,
 )
+from vllm_actors.server.fields import check_media_type, lax_decode
 from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
-from vllm_actors.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, _SamplingFields
+from vllm_actors.server.protocol import _SamplingFields
+from vllm_actors.server.structured import structured_outputs_of
+from vllm_actors.server.targets import Targets, with_schedule
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's default, when attached to a group of unknown config
 DRAIN_BYTES = 64 * 1024 * 1024  # what is read and dropped past the cap before answering 413
-LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
 T = TypeVar("T")
 S = TypeVar("S", bound=msgspec.Struct)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """vLLM's server flags for the request fields: ``--max-logprobs`` (-1: the vocabulary),
+    ``--return-tokens-as-token-ids``, ``--trust-request-chat-template``."""
+
+    max_logprobs: int = MAX_LOGPROBS
+    return_tokens_as_token_ids: bool = False
+    trust_request_chat_template: bool = False
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" (with a parser)
+    tool_call_parser: str | None = None  # --tool-call-parser: "hermes"
+    # --default-ttft-target-ms / --default-e2e-target-ms, and per endpoint --default-targets
+    default_targets: Targets = field(default_factory=Targets)
+    endpoint_targets: dict[str, Targets] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +73,7 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    options: ServerOptions = field(default_factory=lambda: ServerOptions())
 
     @property
     def model_name(self) -> str:
@@ -65,6 +84,28 @@ class ServerState:
         if self.max_waiting_requests is None:
             return None
         return self.max_num_seqs + self.max_waiting_requests
+
+    def check_logprobs(self, name: str, value: int | None) -> None:
+        """vLLM's bound: at most ``--max-logprobs`` (-1: the vocabulary) per position; -1 asks for
+        the whole vocabulary."""
+        if value is None:
+            return
+        if value < -1:
+            raise bad_request(f"{name}: must be a non-negative value or -1, got {value}", name)
+        vocab = self.client.frontend.vocab_size
+        wanted = vocab if value == -1 else value
+        cap = vocab if self.options.max_logprobs == -1 else self.options.max_logprobs
+        if wanted > cap:
+            raise bad_request(f"{name}: requested {wanted} logprobs, which is greater than max allowed: {cap} "
+                              "(--max-logprobs)", name)
+
+    def token_text(self, token_id: int, as_id: bool | None) -> str:
+        """One token's text, or ``token_id:<id>`` with return_tokens_as_token_ids (the request's,
+        else the server flag's)."""
+        if as_id if as_id is not None else self.options.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        text = self.client.frontend.token_text(token_id)
+        return text if text is not None else f"token_id:{token_id}"
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
@@ -95,23 +136,26 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    async def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> PreparedRequest:
+    async def prepare(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                      text_options: TextOptions | None = None) -> PreparedRequest:
         """Tokenise (a long text off the event loop) and validate: the prompt within the byte limit
         and max_model_len, plus max_tokens within max_model_len; the frontend's ValueError is a 400
         naming the field it starts with."""
         with _bad_request_on_value_error():
             return await self.client.prepare_async(request_id, prompt, params, max_tokens_must_fit=True,
-                                                   max_prompt_bytes=self.limits.max_prompt_bytes)
+                                                   max_prompt_bytes=self.limits.max_prompt_bytes,
+                                                   text_options=text_options)
 
     async def prepare_chat(self, request_id: str, messages: list[dict[str, Any]], params: SamplingParams,
                            add_generation_prompt: bool,
-                           chat_template_kwargs: dict[str, Any] | None) -> PreparedRequest:
+                           chat_template_kwargs: dict[str, Any] | None,
+                           text_options: TextOptions | None = None) -> PreparedRequest:
         """``prepare`` for a conversation, through the model's chat template."""
         with _bad_request_on_value_error():
             return await self.client.prepare_chat_async(
                 request_id, messages, params, add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True,
-                max_prompt_bytes=self.limits.max_prompt_bytes)
+                max_prompt_bytes=self.limits.max_prompt_bytes, text_options=text_options)
 
     async def prompt_texts(self, prepared: Sequence[PreparedRequest]) -> list[str]:
         """Each prompt's text (for echo): as given, else decoded (a long one off the loop)."""
@@ -137,7 +181,14 @@ class ServerState:
         failure = self.client.failure
         if failure is not None:
             return OpenAIError(f"The engine failed: {failure}", 503)
+        if output.error is not None and output.error.startswith(UNMEETABLE_DEADLINE):
+            return OpenAIError(output.error, 503)  # admission control (--reject-unmeetable)
         return OpenAIError(output.error or "the request failed", 400)
+
+    def with_schedule(self, prepared: list[PreparedRequest], body: _SamplingFields,
+                      endpoint: str) -> list[PreparedRequest]:
+        """The body's priority and latency targets (else the server's defaults) on the requests."""
+        return with_schedule(prepared, body, endpoint, self.options.endpoint_targets, self.options.default_targets)
 
 
 @contextlib.contextmanager
@@ -148,11 +199,25 @@ def _bad_request_on_value_error() -> Iterator[None]:
         raise bad_request(str(error)) from None
 
 
-def request_id(prefix: str, request: Request) -> str:
+MAX_SESSION_KEY_CHARS = 256
+
+
+def session_key(request: Request, user: str | None) -> str | None:
+    """The sticky-session key of a request in a replica set: the ``X-Session-Id`` header, else the
+    body's ``user`` field (OpenAI's end-user id); None: no session. At most 256 characters."""
+    key = request.headers.get("x-session-id") or user
+    if key is not None and len(key) > MAX_SESSION_KEY_CHARS:
+        raise bad_request(f"the session key (X-Session-Id, else user) must be at most {MAX_SESSION_KEY_CHARS} "
+                          f"characters, got {len(key)}", param="user")
+    return key or None
+
+
+def request_id(prefix: str, request: Request, body_id: str | None = None) -> str:
     """``<prefix>-<X-Request-Id>`` when the client sends that header (it must then be unique among
-    its requests in flight, as in vLLM), else ``<prefix>-<random>``. The response's ``id`` and the
-    engine's request id (events, timelines) are the same."""
-    header = request.headers.get("x-request-id")
+    its requests in flight, as in vLLM), else ``<prefix>-<request_id>`` for the body's field, else
+    ``<prefix>-<random>``. The response's ``id`` and the engine's request id (events, timelines)
+    are the same."""
+    header = request.headers.get("x-request-id") or body_id
     value = f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
     request.state.request_id = value  # for the error lines at the edge (errors.edge_context)
     return value
@@ -160,13 +225,18 @@ def request_id(prefix: str, request: Request) -> str:
 
 async def decode_body(request: Request, kind: type[S], max_bytes: int = MAX_BODY_BYTES) -> S:
     """The JSON body as ``kind``; every failure is an OpenAIError: 413 past ``max_bytes`` (refused
-    from Content-Length before reading, else once the bytes read pass it), 400 for an empty body,
-    malformed JSON, invalid UTF-8, too deep a nesting or a wrong field."""
+    from Content-Length before reading, else once the bytes read pass it), 415 for a body declared
+    as another media type, 400 for an empty body, malformed JSON, invalid UTF-8, too deep a nesting
+    or a wrong field (after pydantic's lax coercions: ``fields.lax_decode``)."""
     body = await read_body(request, max_bytes)
+    check_media_type(request.headers.get("content-type"))
     if not body:
         raise OpenAIError("the request body is empty; expected a JSON object", 400)
     try:
-        return msgspec.json.decode(body, type=kind)
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError:  # a "true" for a bool, a "3" for an int: pydantic's lax mode, as vLLM
+            return lax_decode(body, kind)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
         raise from_decode_error(error, request.headers.get("content-type")) from None
 
@@ -199,12 +269,7 @@ def sampling_params(
     prompt_logprobs: int | None,
 ) -> SamplingParams:
     """OpenAI's and vLLM's request fields -> SamplingParams; invalid values are a 400 naming the field."""
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        value = getattr(body, name)
-        if value is not None and value != neutral:
-            raise bad_request(f"{name}: not supported by this engine (only {neutral} is accepted)", name)
-    if body.logit_bias:
-        raise bad_request("logit_bias: not supported by this engine", "logit_bias")
+    logit_bias = _logit_bias(body.logit_bias)
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     if max_tokens is not None and max_tokens < 1:
@@ -225,6 +290,13 @@ def sampling_params(
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": body.skip_special_tokens,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "logit_bias": logit_bias,
+        "allowed_token_ids": body.allowed_token_ids,
+        "bad_words": list(body.bad_words or []),
+        "structured_outputs": structured_outputs_of(body),
     }
     try:
         return SamplingParams(**fields)
@@ -232,55 +304,18 @@ def sampling_params(
         raise bad_request(str(error)) from None
 
 
-# --------------------------------------------------------------------------- logprobs
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
-def _token_text(entry: Any, token_id: int) -> str:
-    return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
-
-
-def completion_logprobs(
-    token_ids: Sequence[int],
-    positions: Sequence[PositionLogprobs | None],
-    text_offset: int,
-    decode: Callable[[int], str],
-) -> tuple[CompletionLogprobs, int]:
-    """OpenAI's legacy logprobs for ``token_ids`` (a position without logprobs - the first prompt
-    token - gets None). Returns them and the text offset after the last token."""
-    result = CompletionLogprobs()
-    for token_id, position in zip(token_ids, positions, strict=False):
-        chosen = position.get(token_id) if position else None
-        text = _token_text(chosen, token_id) if chosen is not None else decode(token_id)
-        result.text_offset.append(text_offset)
-        result.tokens.append(text)
-        if chosen is None or position is None:
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-        else:
-            result.token_logprobs.append(_finite(chosen.logprob))
-            result.top_logprobs.append({_token_text(e, i): _finite(e.logprob) for i, e in position.items()})
-        text_offset += len(text)
-    return result, text_offset
-
-
-def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top: int) -> ChatLogprobs:
-    content = []
-    for token_id, position in zip(token_ids, positions, strict=False):
-        chosen = position.get(token_id)
-        if chosen is None:
-            continue
-        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
-        tops = [
-            TopLogprob(token=_token_text(e, i), logprob=_finite(e.logprob),
-                       bytes=list(_token_text(e, i).encode("utf-8", errors="replace")))
-            for i, e in ranked[:top]
-        ]
-        text = _token_text(chosen, token_id)
-        content.append(TokenLogprob(token=text, logprob=_finite(chosen.logprob),
-                                    bytes=list(text.encode("utf-8", errors="replace")), top_logprobs=tops))
-    return ChatLogprobs(content=content)
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys, strings) -> {id: bias}; 400 naming the
+    field for a key that is not an id."""
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}"[:500], "logit_bias") from None
+    return bias
 
 
 # --------------------------------------------------------------------------- streams

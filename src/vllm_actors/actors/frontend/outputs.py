@@ -38,5 +38,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's RequestOutput field)
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -9,6 +9,7 @@ against the model (vocabulary, max_model_len) are the frontend's: ``Frontend._va
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -22,6 +23,29 @@ PromptInput = str | Mapping[str, Any]
 ChatMessages = Sequence[Mapping[str, Any]]
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a prompt becomes tokens beyond the defaults (vLLM's request fields): the tokenizer's
+    special tokens, truncation to ``truncate_prompt_tokens`` (resolved: no -1) from
+    ``truncation_side``, and a chat's last message left open."""
+
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
+    continue_final_message: bool = False
+
+    def token_limit(self, max_model_len: int) -> int | None:
+        """The most tokens tokenising may produce: none when truncating (the byte limit bounds it)."""
+        return None if self.truncate_prompt_tokens is not None else max_model_len
+
+    def truncate(self, text: str | None, ids: list[int]) -> tuple[str | None, list[int]]:
+        """(text, ids) truncated; the text becomes None (decoded when needed) once ids are cut."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or keep >= len(ids):
+            return text, ids
+        return None, truncate_ids(ids, keep, self.truncation_side)
+
+
 class TooManyTokens(ValueError):
     """``Tokenizer.encode`` found more tokens than its limit."""
 
@@ -33,6 +57,7 @@ class TooManyTokens(ValueError):
 
 def tokenize_prompt(
     tokenizer: Tokenizer | None, prompt: PromptInput, *, max_bytes: int | None = None, max_tokens: int | None = None,
+    add_special_tokens: bool = True,
 ) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a text prompt or a dict with 'prompt' or 'prompt_token_ids'.
     A text over ``max_bytes`` (UTF-8) is refused before it is tokenised, a token-id list over
@@ -41,7 +66,7 @@ def tokenize_prompt(
         if tokenizer is None:
             raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
         check_text_size(prompt, "prompt", max_bytes)
-        return prompt, encode(tokenizer, prompt, "prompt", max_tokens)
+        return prompt, encode(tokenizer, prompt, "prompt", max_tokens, add_special_tokens=add_special_tokens)
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -49,7 +74,8 @@ def tokenize_prompt(
                 raise ValueError(f"prompt: {len(ids)} tokens is longer than max_model_len ({max_tokens})")
             return prompt.get("prompt"), token_id_list(ids)
         if "prompt" in prompt and isinstance(prompt["prompt"], str):
-            return tokenize_prompt(tokenizer, prompt["prompt"], max_bytes=max_bytes, max_tokens=max_tokens)
+            return tokenize_prompt(tokenizer, prompt["prompt"], max_bytes=max_bytes, max_tokens=max_tokens,
+                                   add_special_tokens=add_special_tokens)
         raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
@@ -62,11 +88,15 @@ def tokenize_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     max_bytes: int | None = None,
     max_tokens: int | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """(text, token ids) of a conversation through the model's chat template. The template writes
     the special tokens itself, so the text is encoded without adding any. ``max_bytes`` bounds the
     rendered text; messages whose text content alone is over it are refused before rendering;
-    more than ``max_tokens`` are refused before the ids become a list."""
+    more than ``max_tokens`` are refused before the ids become a list. ``continue_final_message``:
+    the text ends right after the last message's content (the model continues it, vLLM's and
+    transformers' rule); ``add_special_tokens`` adds the tokenizer's own (BOS) on top."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init=True)")
     if max_bytes is not None:
@@ -82,8 +112,33 @@ def tokenize_chat(
         )
     except (ChatTemplateError, TypeError) as error:
         raise ValueError(f"messages: the chat template failed: {error}") from None
+    if continue_final_message:
+        text = open_final_message(text, messages)
     check_text_size(text, "messages", max_bytes)
-    return text, encode(tokenizer, text, "messages", max_tokens, add_special_tokens=False)
+    return text, encode(tokenizer, text, "messages", max_tokens, add_special_tokens=add_special_tokens)
+
+
+def open_final_message(text: str, messages: ChatMessages) -> str:
+    """``text`` (rendered without a generation prompt) cut right after the last message's content,
+    as transformers' ``continue_final_message`` does: what the template closes it with (an
+    end-of-turn token, a newline) is dropped."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message: the last message must have text content")
+    where = text.rfind(final.strip())
+    if where < 0:
+        raise ValueError("continue_final_message: the last message does not appear in the rendered chat template")
+    if text[where:where + len(final.lstrip())] == final.lstrip():
+        return text[:where + len(final.lstrip())]  # the template kept the content's spacing
+    return text[:where + len(final.strip())]
+
+
+def truncate_ids(ids: list[int], keep: int, side: str = "left") -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep ``keep`` tokens, the last ones ("left": truncate at
+    the start) or the first ("right")."""
+    if keep >= len(ids):
+        return ids
+    return ids[len(ids) - keep:] if side == "left" else ids[:keep]
 
 
 def encode(tokenizer: Tokenizer, text: str, field: str, max_tokens: int | None,

@@ -3,6 +3,7 @@ KV-cache pools behind the KV gauges."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm_actors.protocol.events import KvPool
-from vllm_actors.protocol.metrics import Percentiles
+from vllm_actors.protocol.metrics import BucketCounts, Percentiles
 
 
 class Samples:
@@ -65,6 +66,26 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
 
 
+class Buckets:
+    """Counts of every value by fixed upper bounds (a Prometheus histogram's buckets)."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: Iterable[float]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def snapshot(self) -> BucketCounts:
+        return BucketCounts(bounds=list(self.bounds), counts=list(self.counts), count=self.count, total=self.total)
+
+
 class Latencies:
     """The latency sample windows a summary reports."""
 
@@ -94,6 +115,8 @@ class Counters(msgspec.Struct, kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0
     step_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_evicted: int = 0

@@ -8,11 +8,11 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.metrics_store.aggregates import Counters, KvPoolState, Latencies
+from vllm_actors.actors.metrics_store.aggregates import Buckets, Counters, KvPoolState, Latencies
 from vllm_actors.actors.metrics_store.bounds import MAX_ID_CHARS, bounded, cap_id, count_into, event_bytes
 from vllm_actors.actors.metrics_store.event_log import EventLog
 from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch
-from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed
+from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed, new_tokens
 from vllm_actors.actors.metrics_store.request_table import TOKEN_ROW_BYTES, RequestTable
 from vllm_actors.actors.metrics_store.sequence_tracker import SequenceTracker, SeqVerdict
 from vllm_actors.actors.metrics_store.trust import Rejections, client_may_publish
@@ -42,6 +42,7 @@ from vllm_actors.protocol.events import (
     PrefixHit,
     Queued,
     Resumed,
+    Routed,
     Scheduled,
     StepFinished,
     StepStarted,
@@ -49,7 +50,7 @@ from vllm_actors.protocol.events import (
     event_type,
 )
 from vllm_actors.protocol.events import ActorRestarted as ActorRestartedEvent
-from vllm_actors.protocol.metrics import ActorSeen
+from vllm_actors.protocol.metrics import ITERATION_TOKENS_BUCKETS, ActorSeen
 from vllm_actors.protocol.names import is_engine_actor
 
 MAX_CLIENTS = 1_024  # clients (publishers that are no engine actor) remembered; the oldest go first
@@ -82,6 +83,7 @@ class Recorder:
         self.kv: dict[str, KvPoolState] = {}
         self.counters = Counters()
         self.latencies = Latencies(sample_window)
+        self.step_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self._itl_cap = sample_window
 
         self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
@@ -98,6 +100,7 @@ class Recorder:
             Allocated: self._on_allocated,
             Freed: self._on_freed,
             PrefixHit: self._on_request_block_event,
+            Routed: self._on_routed,
             BlockCached: self._on_request_block_event,
             BlockEvicted: self._on_block_evicted,
             KvPool: self._on_kv_pool,
@@ -224,8 +227,13 @@ class Recorder:
             if not record.prompt_counted:
                 record.prompt_counted = True
                 self.counters.prompt_tokens += max(event.num_prompt_tokens, 0)
+            record.num_prompt_tokens = max(event.num_prompt_tokens, 0)
+            self._count_prompt_sources(record)
         if record.state is RequestState.NEW:
             record.state = RequestState.ARRIVED
+
+    def _on_routed(self, actor: str, seq: int, mono: float, wall: float, event: Routed) -> None:
+        self._entry(event.request_id, actor, seq, mono, wall, event)  # a replica set's routing, on the timeline
 
     def _on_queued(self, actor: str, seq: int, mono: float, wall: float, event: Queued) -> None:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
@@ -240,10 +248,18 @@ class Recorder:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
         if isinstance(event, Scheduled) and record.scheduled is None:
             record.scheduled = (actor, mono, wall)
+            record.cached_at_admission = max(event.num_cached_tokens, 0)
+            self._count_prompt_sources(record)
         self.counters.prefix_cache_queries += max(event.num_query_tokens, 0)
         self.counters.prefix_cache_hits += max(event.num_cached_tokens, 0)
         if not record.ended:
             self.requests.set_state(record, RequestState.RUNNING, actor)
+
+    def _count_prompt_sources(self, record: RequestRecord) -> None:
+        sources = record.take_prompt_sources()
+        if sources is not None:
+            self.counters.prompt_tokens_computed += sources[0]
+            self.counters.prompt_tokens_cached += sources[1]
 
     def _on_preempted(self, actor: str, seq: int, mono: float, wall: float, event: Preempted) -> None:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
@@ -286,7 +302,7 @@ class Recorder:
                 rows += 1
             else:
                 record.dropped += 1
-            generated += _new_tokens(record, count)
+            generated += new_tokens(record, count)
             if record.state in ENDED:
                 continue  # e.g. the frontend finished it on a stop string while this step ran
             if record.first_token is None and count == 1:
@@ -363,6 +379,7 @@ class Recorder:
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
+        self.step_tokens.add(max(event.num_tokens, 0))
         self.latencies.step_ms.add(event.execute_ms)
 
     def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
@@ -395,16 +412,3 @@ class Recorder:
         seen.last_heartbeat_wall = wall
         seen.pid = event.pid
 
-
-def _new_tokens(record: RequestRecord, count: int | None) -> int:
-    """Tokens a TOKENS entry adds: the growth of the request's output length."""
-    if count is None:
-        return 1
-    previous = record.num_output_tokens
-    if previous is None:  # joined late: the earlier outputs were never reported here
-        record.num_output_tokens = count
-        return 1
-    if count <= previous:
-        return 0
-    record.num_output_tokens = count
-    return count - previous

@@ -88,6 +88,9 @@ class RequestRecord:
     last_token: Stamp | None = None
     num_output_tokens: int | None = None  # None: unknown (the store joined after its start)
     prompt_counted: bool = False
+    num_prompt_tokens: int | None = None  # from ARRIVED
+    cached_at_admission: int | None = None  # SCHEDULED's num_cached_tokens (its first admission)
+    sources_counted: bool = False  # its prompt tokens counted as computed / cached
     itl: list[float] = field(default_factory=list)
     nbytes: int = 0  # estimated bytes it holds (see ``RequestTable``)
 
@@ -95,7 +98,31 @@ class RequestRecord:
     def ended(self) -> bool:
         return self.state in ENDED
 
+    def take_prompt_sources(self) -> tuple[int, int] | None:
+        """Its prompt tokens as (computed, cached), once both its prompt length (ARRIVED) and its
+        first admission (SCHEDULED) are known (two actors' events, in either order); None before
+        and after that once: counted once, the counters only grow."""
+        if self.sources_counted or self.num_prompt_tokens is None or self.cached_at_admission is None:
+            return None
+        self.sources_counted = True
+        cached = min(self.cached_at_admission, self.num_prompt_tokens)
+        return self.num_prompt_tokens - cached, cached
+
     def all_entries(self) -> Iterator[Entry]:
         """Its timeline entries, TOKENS included (not in index order: sort them)."""
         yield from self.entries
         yield from self.tokens.entries(self.request_id)
+
+
+def new_tokens(record: RequestRecord, count: int | None) -> int:
+    """Tokens a TOKENS entry adds: the growth of the request's output length."""
+    if count is None:
+        return 1
+    previous = record.num_output_tokens
+    if previous is None:  # joined late: the earlier outputs were never reported here
+        record.num_output_tokens = count
+        return 1
+    if count <= previous:
+        return 0
+    record.num_output_tokens = count
+    return count - previous

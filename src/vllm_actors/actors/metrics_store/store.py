@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from vllm_actors.actors.metrics_store import queries
 from vllm_actors.actors.metrics_store.bounds import cap_id
 from vllm_actors.actors.metrics_store.dump import DumpContent
@@ -56,6 +58,7 @@ from vllm_actors.protocol.metrics import (
     SummaryReply,
     TimelineQuery,
 )
+from vllm_actors.protocol.names import split_replica
 
 _NO_NOTICES: tuple[Notice, ...] = ()
 
@@ -65,6 +68,7 @@ _NO_NOTICES: tuple[Notice, ...] = ()
 # of issue 13: flat after its fifth minute); older history lives in dumps and the bus's taps.
 DEFAULT_MAX_EVENTS = 50_000
 DEFAULT_MAX_FINISHED_REQUESTS = 4_096
+MAX_REPLICAS = 64  # replicas summarised one by one (their actors' ids carry "@<replica>")
 
 class MetricsStore:
     """Records every event batch of the bus; answers ``MetricsQuery``s with ``MetricsReply``s
@@ -95,6 +99,12 @@ class MetricsStore:
                                   max_open_requests=max_open_requests, max_timeline_events=max_timeline_events,
                                   sample_window=sample_window, max_history_bytes=max_history_bytes,
                                   max_request_bytes=max_request_bytes)
+        # Replica sets: one more recorder per replica, fed only its own actors' batches (counters,
+        # gauges, latencies per replica; no event log of its own). Bounded by MAX_REPLICAS.
+        self._replica_limits = {"max_finished_requests": max_finished_requests, "max_open_requests": max_open_requests,
+                                "max_timeline_events": 1, "sample_window": sample_window,
+                                "max_request_bytes": max_request_bytes}
+        self._replicas: dict[int, Recorder] = {}
 
     def record(self, batch: EventBatch, topic: str | None = None) -> Sequence[Notice]:
         """Apply one batch from the bus (in the order the bus delivered it); return its notices.
@@ -104,6 +114,15 @@ class MetricsStore:
         (``trust.CLIENT_EVENTS``); its other events are counted and not applied."""
         recorder = self._recorder
         recorder.record(batch, topic)
+        _, replica = split_replica(batch.actor)
+        if replica is not None and (topic is None or topic == batch.actor):
+            own = self._replicas.get(replica)
+            if own is None and len(self._replicas) < MAX_REPLICAS:
+                own = self._replicas[replica] = Recorder(max_events=1, max_history_bytes=1 << 10,
+                                                         **self._replica_limits)
+            if own is not None:
+                own.record(batch, topic)
+                own.notices.clear()  # the group's recorder reports the stream's troubles
         notices = recorder.notices
         if not notices:
             return _NO_NOTICES
@@ -116,7 +135,7 @@ class MetricsStore:
         ``DumpContent`` that its shell writes to a file it names (and then replies ``DumpReply``)."""
         recorder = self._recorder
         if isinstance(query, SummaryQuery):
-            return queries.summary(recorder)
+            return self.summary(query.replica)
         if isinstance(query, TimelineQuery):
             return queries.timeline(recorder, query)
         if isinstance(query, SeenQuery):
@@ -127,8 +146,16 @@ class MetricsStore:
             return queries.dump(recorder, query)
         return ErrorReply(message=f"unknown query: {type(query).__name__}")
 
-    def summary(self) -> SummaryReply:
-        return queries.summary(self._recorder)
+    def summary(self, replica: int | None = None) -> SummaryReply:
+        """The whole group's summary, or one replica's (``SummaryQuery.replica``)."""
+        replicas = sorted(self._replicas)
+        if replica is None or (replica == 0 and not replicas):
+            reply = queries.summary(self._recorder)
+            return msgspec.structs.replace(reply, replicas=replicas, replica=replica)
+        own = self._replicas.get(replica) if isinstance(replica, int) else None
+        if own is None:
+            return SummaryReply(replicas=replicas, replica=replica)  # not heard from (yet): nothing counted
+        return msgspec.structs.replace(queries.summary(own), replicas=replicas, replica=replica)
 
     # ------------------------------------------------------------------ introspection (tests, shells)
     @property

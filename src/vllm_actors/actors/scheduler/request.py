@@ -27,9 +27,14 @@ class ScheduledRequest:
     num_preemptions: int = 0
     num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
     packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
+    num_cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     # Computed tokens at which its next full block could be cached: below it, a step asks the
     # ledger nothing (most decode steps complete no block).
     cache_check_at: int = 0
+    priority: int = 0  # lower runs first under the "priority" policy (vLLM's)
+    deadline: float | None = None  # the earliest of its absolute TTFT / end-to-end deadlines
+    arrival: int = 0  # arrival sequence number: the tie-break of every policy's order
+    queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue (aging)
 
     @property
     def num_tokens(self) -> int:

@@ -15,8 +15,11 @@ blocks matching its tokens and computes only the rest; its blocks are cached as 
 planning time, so a request admitted later in the same pass already hits them); idle cached blocks
 count as available and are evicted, least recently used first, before anyone is preempted.
 
-``queue_policy`` holds who gets in: admission checks, the waiting queue's order (``lpm``: longest
-cached prefix first) and admission with its cache lookup; ``request`` the per-request state.
+``queue_policy`` holds who gets in: admission checks and admission with its cache lookup;
+``policies`` the order of both queues under ``scheduling_policy`` (fcfs, lpm, priority, edf, lrs:
+running requests are served in that order and the last one is preempted); ``cost_model`` the step
+cost model and ``deadlines`` admission control (``reject_unmeetable``); ``results`` a step's
+result (tokens, stops); ``request`` the per-request state.
 
 ``recovery`` holds what a restart elsewhere in the group does to the scheduler.
 """
@@ -29,26 +32,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
+from vllm_actors.actors.scheduler.deadlines import earliest_deadline, unmeetable_error
+from vllm_actors.actors.scheduler.policies import LeastRemainingSlack, make_policy, queue_ahead
 from vllm_actors.actors.scheduler.queue_policy import (
     admission_error,
     admit,
     identity_error,
-    order_longest_prefix_first,
 )
 from vllm_actors.actors.scheduler.recovery import reset_pipeline
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
+from vllm_actors.actors.scheduler.results import on_step_result
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import (
     Aborted,
     Finished,
-    FirstToken,
     Preempted,
     PrefillChunk,
     Queued,
     Resumed,
     Scheduled,
-    Tokens,
 )
 from vllm_actors.protocol.messages import (
     AbortRequests,
@@ -79,14 +82,19 @@ class SchedulerStats:
 class Scheduler:
     name = "scheduler"
 
-    def __init__(self, config: SchedulerConfig, first_step_id: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, first_step_id: int = 0, cost_model: CostModel | None = None) -> None:
         """``first_step_id``: a restarted scheduler numbers its steps above every id its
         predecessors used (the supervisor passes ``incarnation << 40``), so a dead scheduler's plan
-        still in the pipeline can never pass for one of its own."""
+        still in the pipeline can never pass for one of its own. ``cost_model``: the step cost
+        model of the deadline policies and admission control (default: fitted online from the
+        steps' measured times; tests inject a fixed one)."""
         self.config = config
+        self.cost_model: CostModel = cost_model if cost_model is not None else OnlineCostModel()
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
+        self.policy = make_policy(config.scheduling_policy, self.cost_model)
+        self._num_arrivals = 0
         self.ledger = BlockLedger(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._departed: list[str] = []  # left the worker since the last plan
         self._events: list[Any] = []  # events of the message being handled
@@ -119,7 +127,7 @@ class Scheduler:
                     )
                 self._finish(request_id)
         elif isinstance(message, StepResult):
-            out.extend(self._on_step_result(message))
+            out.extend(on_step_result(self, message))
         elif isinstance(message, RecoverPipeline):
             reset_pipeline(self, f"{message.actor}: {message.reason}")
         else:
@@ -137,6 +145,11 @@ class Scheduler:
         error = identity_error(message, self.requests)
         if error is None:
             error = admission_error(message, self.config)
+            if error is None and self.config.reject_unmeetable:
+                ahead = queue_ahead(self.policy, self.waiting, message, self._num_arrivals) + self.running
+                error = unmeetable_error(message, ahead, len(self.running),
+                                         self.cost_model, self.config.max_num_batched_tokens,
+                                         self.config.max_num_seqs)
             if error is not None:  # a well-formed id of no other request: its timeline says why
                 self._events.append(Aborted(request_id=message.request_id, reason="error"))
         if error is not None:  # answered to its sender only; nothing else changed
@@ -151,7 +164,12 @@ class Scheduler:
             output_token_ids=list(message.output_token_ids),
             # A resubmission with outputs resumes as after a preemption (RESUMED, recompute).
             num_preemptions=1 if message.output_token_ids else 0,
+            priority=message.priority,
+            deadline=earliest_deadline(message),
+            arrival=self._num_arrivals,
+            queued_at_step=self.stats.num_steps,
         )
+        self._num_arrivals += 1
         if request.output_token_ids:
             finish_reason, stop_reason = check_stop(request, request.output_token_ids[-1], self.config.max_model_len)
             if finish_reason is not None:  # its last token ended it: the client missed only that
@@ -165,7 +183,9 @@ class Scheduler:
                 return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting)))
+        self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting),
+                                   priority=message.priority, ttft_deadline=message.ttft_deadline,
+                                   e2e_deadline=message.e2e_deadline))
         return []
 
     def _finish(self, request_id: str) -> None:
@@ -184,87 +204,6 @@ class Scheduler:
         if request.in_worker:
             self._departed.append(request.request_id)
             request.in_worker = False
-
-    # ------------------------------------------------------------------ results
-    def _is_stale(self, result: StepResult) -> bool:
-        """A result of a plan sent before the last pipeline reset (or by a previous scheduler)."""
-        if self._reset_pending:
-            return True  # the reset plan is not even sent: nothing in flight is ours
-        if self._reset_step is not None:
-            return not (result.reset and result.step_id == self._reset_step)
-        return result.step_id < self._min_step_id
-
-    def _on_step_result(self, result: StepResult) -> list[tuple[str, Message]]:
-        if self._is_stale(result):
-            self.stats.num_stale_results += 1
-            return []
-        if result.reset:
-            self._reset_step = None  # the pipeline is ours again: results match plans in order
-        if not self._in_flight or result.step_id != self._in_flight[0][0].step_id:
-            raise MessageRejected(f"unexpected step result {result.step_id}")
-        _, sampling_ids = self._in_flight.popleft()
-        for request_id in sampling_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.num_pending -= 1
-        updates: list[RequestUpdate] = []
-        tokens_ids: list[str] = []
-        tokens_counts: list[int] = []
-        first_tokens: list[FirstToken] = []
-        finished: list[Finished] = []
-        prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
-        for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
-            request = self.requests.get(request_id)
-            if request is None:  # finished or aborted while the step ran: the token is dropped
-                continue
-            request.output_token_ids.append(token_id)
-            tokens_ids.append(request_id)
-            tokens_counts.append(len(request.output_token_ids))
-            if len(request.output_token_ids) == 1:
-                first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
-            finish_reason, stop_reason = check_stop(request, token_id, self.config.max_model_len)
-            chunk = prompt_logprobs.pop(request_id, None)
-            logprobs = result.logprobs[index] if result.logprobs else None
-            update = RequestUpdate(
-                request_id=request_id,
-                new_token_ids=[token_id],
-                logprobs=[logprobs] if logprobs else None,
-                prompt_logprobs=chunk.entries if chunk else None,
-                prompt_logprobs_start=chunk.start if chunk else 0,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                num_prompt_tokens=len(request.prompt_token_ids),
-            )
-            updates.append(update)
-            if finish_reason is not None:
-                finished.append(
-                    Finished(
-                        request_id=request_id,
-                        reason=finish_reason,
-                        num_prompt_tokens=len(request.prompt_token_ids),
-                        num_output_tokens=len(request.output_token_ids),
-                        stop_reason=stop_reason,
-                    )
-                )
-                self._finish(request_id)
-        # Lifecycle order within a step: FIRST_TOKEN, then the step's TOKENS, then FINISHED.
-        self._events.extend(first_tokens)
-        if tokens_ids:
-            self._events.append(Tokens(step_id=result.step_id, request_ids=tokens_ids,
-                                       num_output_tokens=tokens_counts))
-        self._events.extend(finished)
-        for request_id, chunk in prompt_logprobs.items():  # prompt chunks that sampled nothing yet
-            if request_id in self.requests:
-                updates.append(
-                    RequestUpdate(
-                        request_id=request_id,
-                        prompt_logprobs=chunk.entries,
-                        prompt_logprobs_start=chunk.start,
-                    )
-                )
-        if not updates:
-            return []
-        return [(FRONTEND, RequestUpdates(step_id=result.step_id, updates=updates))]
 
     # ------------------------------------------------------------------ scheduling
     def _maybe_schedule(self) -> StepPlan | None:
@@ -305,6 +244,10 @@ class Scheduler:
         cached: dict[str, list[int]] = {}  # hashes of the blocks scheduled requests cache this step
         preempted_now = False
 
+        self.policy.step = self.stats.num_steps
+        if isinstance(self.policy, LeastRemainingSlack):
+            self.policy.batch = max(1, len(self.running))
+        self.policy.order_running(self.running)  # most urgent first: the last one is preempted
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -326,8 +269,8 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        if not preempted_now and self.config.scheduling_policy == "lpm":
-            self.waiting = order_longest_prefix_first(self.waiting, self.ledger)
+        if not preempted_now:
+            self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
         while self.waiting and budget > 0 and not preempted_now:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -346,6 +289,8 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             admitted = Resumed if request.num_preemptions else Scheduled
+            if not request.num_preemptions and not request.output_token_ids:
+                request.num_cached_prompt_tokens = min(num_hit, len(request.prompt_token_ids))
             self._events.append(
                 admitted(
                     request_id=request.request_id,
@@ -435,5 +380,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = Status.WAITING
         request.num_preemptions += 1
+        request.queued_at_step = self.stats.num_steps
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -3,15 +3,25 @@
 The worker hands it flattened batches (token ids, positions, block tables); it builds the
 attention metadata, runs the model and returns the logits of the positions that were asked for.
 
-On a GPU: the step's integer inputs go through pinned host buffers in one non-blocking copy each;
+On a GPU: the step's integer inputs go through pinned host buffers in one non-blocking copy each
+(two sets in turn, so a step can be prepared while the previous one's copies may still be queued);
+input ids that the previous step sampled and the host has not read yet (``DeferredInputs``) are
+gathered from that step's sampled ids on the device;
 decode steps (one new token per sequence) replay a CUDA graph captured for the next batch-size
-bucket, padded rows writing nowhere (slot -1); the KV pool takes what ``gpu_memory_utilization``
-leaves after the weights and the peak activations of a profiling pass of the largest step.
+bucket, padded rows writing nowhere (slot -1), their inputs packed in one buffer and moved by one
+copy (``graph_inputs.py``); where the step's rows need nothing but the fused sampling kernel, a
+second graph per bucket can draw the tokens too (``execute_sampled``: no sampler launches on the
+host; on by default, ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off); other steps (prefills,
+mixed) replay a graph of the whole forward pass padded to the next token count
+(``padded_forward.py``); the KV pool takes what ``gpu_memory_utilization`` leaves after the
+weights and the peak activations of a profiling pass of the largest step (twice that with padded
+graphs: their pool holds one more such step).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +30,14 @@ import numpy as np
 import structlog
 import torch
 
+from vllm_actors.actors.worker.deferred import DeferredInputs, fill_deferred
+from vllm_actors.actors.worker.graph_inputs import GraphInputs, GraphSampling
+from vllm_actors.actors.worker.padded_forward import PaddedForward, padded_graphs_enabled
+from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
+from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 
 log = structlog.get_logger(__name__)
@@ -38,12 +53,19 @@ _DTYPES = {
 GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """``rank``: a tensor-parallel rank, pinned to GPU ``rank`` (where ``name`` names no index)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    if device.type == "cuda" and rank is not None:
+        if device.index is not None:
+            raise ValueError(f"device {name!r}: a tensor-parallel worker takes GPU <rank>; pass 'cuda' or 'auto'")
+        device = torch.device("cuda", rank)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
     return device
 
 
@@ -68,6 +90,16 @@ class BatchInput:
     block_tables: list[list[int]]  # per sequence (the worker's own lists; test runners read these)
     logits_indices: list[int]  # flat positions whose logits are returned
     block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
+    deferred: DeferredInputs | None = None  # placeholders in token_ids to fill on the device
+
+    def table_array(self) -> np.ndarray:
+        """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
+        if self.block_table_array is not None:
+            return self.block_table_array
+        tables = np.zeros((len(self.block_tables), max(len(t) for t in self.block_tables) or 1), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            tables[row, : len(table)] = table
+        return tables
 
     @property
     def is_decode(self) -> bool:
@@ -78,17 +110,30 @@ class BatchInput:
 class _DecodeGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
         self.graph = graph
-        self.logits = logits
+        self.logits = logits  # the logits, or (graphs that sample) the chosen ids
+
+
+def graph_sampler_enabled() -> bool:
+    """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
+    host side after the replay). On by default: on the H100, batch-1 decode 2.36 vs 2.52 ms/token
+    with the same offline throughput, the GPU tests passing (benchmarks/RESULTS.md)."""
+    return os.environ.get("VLLM_ACTORS_GRAPH_SAMPLER", "1") != "0"
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """``tp``: this worker's rank of a tensor-parallel group (joined already): it holds that
+        rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda")."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp or TensorParallel()
+        self.device = resolve_device(config.device, self.tp.rank if self.tp.enabled else None)
         self.model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         torch.manual_seed(config.seed)
-        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed)
+        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+        self.local_config = self.model.local_config  # this rank's KV heads size the cache
         self.block_size = config.block_size
         limits = resolve_scheduler_config(config, self.model_config.max_position_embeddings, num_blocks=1 << 30)
         self.max_num_tokens = limits.max_num_batched_tokens
@@ -97,8 +142,13 @@ class ModelRunner:
         self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._staging = self._make_staging()
+        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self._staging_turn = 0
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
+        self._static: GraphInputs | None = None
+        self._graph_sizes: list[int] = []
+        self._padded: PaddedForward | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs()
         log.info(
@@ -109,12 +159,16 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             cuda_graphs=sorted(self._graphs),
+            padded_graphs=sorted(self._padded.graphs) if self._padded else [],
         )
+
+    def _wants_padded_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and padded_graphs_enabled()
 
     # ------------------------------------------------------------------ memory
     @property
     def bytes_per_block(self) -> int:
-        mc = self.model_config
+        mc = self.local_config
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
 
@@ -125,10 +179,13 @@ class ModelRunner:
             activations = self._profile_peak_activation_bytes(max_model_len)
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = 512 << 20  # CUDA graphs' pool, sampler buffers, allocator slack
+            if self._wants_padded_graphs():
+                reserve += activations  # the padded graphs' pool holds the largest step's activations
             budget = free - (1.0 - self.config.gpu_memory_utilization) * total - activations - reserve
         else:
             budget = self.config.resolved_cpu_kv_cache_bytes()
-        num_blocks = int(budget // self.bytes_per_block)
+        # Every rank must hold the same pool (block ids are the same on every rank): the smallest.
+        num_blocks = self.tp.min_int(int(budget // self.bytes_per_block), self.device)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
@@ -163,7 +220,8 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         saved: Any = getattr(self, "kv_caches", None)
         self.kv_caches = scratch
-        self._staging = self._make_staging()
+        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self._staging_turn = 0
         self._run_eager(batch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -173,7 +231,7 @@ class ModelRunner:
         return int(peak)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mc = self.model_config
+        mc = self.local_config
         shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         return [
             (
@@ -201,6 +259,7 @@ class ModelRunner:
             "seq_lens": buffer(seqs, torch.int32),
             "logits_indices": buffer(self.max_num_tokens + seqs, torch.long),
             "block_tables": buffer((seqs, width), torch.int32),
+            "deferred": buffer((2, seqs), torch.long),
         }
 
     # ------------------------------------------------------------------ inputs
@@ -209,15 +268,11 @@ class ModelRunner:
         sequence length 1, slot -1) and block tables ``width`` blocks wide."""
         num_tokens = len(batch.token_ids)
         num_seqs = len(batch.query_lens)
-        staging = self._staging
+        self._staging_turn ^= 1
+        staging = self._staging_sets[self._staging_turn]
         if staging["block_tables"].shape[1] < width or staging["input_ids"].shape[0] < num_tokens + rows:
-            self._staging = staging = self._make_staging(width)
-        if batch.block_table_array is not None:
-            tables = batch.block_table_array
-        else:
-            tables = np.zeros((num_seqs, max(len(t) for t in batch.block_tables) or 1), dtype=np.int32)
-            for row, table in enumerate(batch.block_tables):
-                tables[row, : len(table)] = table
+            staging = self._staging_sets[self._staging_turn] = self._make_staging(width)
+        tables = batch.table_array()
         positions = np.asarray(batch.positions, dtype=np.int64)
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
         sequence_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -248,7 +303,15 @@ class ModelRunner:
         index = staging["logits_indices"].numpy()
         index[: len(batch.logits_indices)] = batch.logits_indices
         total = num_tokens + pad_tokens
+        deferred = {}
+        if batch.deferred is not None:
+            count = len(batch.deferred.flat_index)
+            pairs = staging["deferred"].numpy()
+            pairs[0, :count] = batch.deferred.flat_index
+            pairs[1, :count] = batch.deferred.source_row
+            deferred["deferred"] = staging["deferred"][:, :count]
         return {
+            **deferred,
             "input_ids": staging["input_ids"][:total],
             "positions": staging["positions"][:total],
             "slot_mapping": staging["slot_mapping"][:total],
@@ -261,11 +324,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
-        """Run one forward pass; return float32 logits of ``batch.logits_indices`` rows."""
-        if batch.is_decode and self._graphs:
-            bucket = next((size for size in sorted(self._graphs) if size >= len(batch.query_lens)), None)
-            if bucket is not None:
-                return self._run_graph(batch, bucket)
+        """Run one forward pass; return the logits of ``batch.logits_indices`` rows, in the model's
+        dtype (a view of a graph's output buffer: read before the next step)."""
+        bucket = self._decode_bucket(batch)
+        if bucket is not None:
+            return self._run_graph(batch, bucket)
+        larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
+        if not larger_decode and self._padded is not None and self._padded.graphs:
+            size = self._padded.bucket(batch)
+            if size is not None:
+                return self._padded.run(batch, size)
         return self._run_eager(batch)
 
     def _run_eager(self, batch: BatchInput) -> torch.Tensor:
@@ -274,6 +342,7 @@ class ModelRunner:
         width = max(math.ceil(max(batch.seq_lens) / self.block_size), 1)
         host = self._host_inputs(batch, num_seqs, width)
         on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in host.items()}
+        fill_deferred(on_device["input_ids"], batch, on_device.get("deferred"))
         meta = AttentionMetadata(
             slot_mapping=on_device["slot_mapping"],
             query_start_loc=on_device["query_start_loc"],
@@ -285,17 +354,7 @@ class ModelRunner:
             seq_lens_cpu=list(batch.seq_lens),
         )
         hidden = self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches)
-        return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"])).float()
-
-    def _graph_inputs(self, size: int) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self._static["input_ids"][:size],
-            "positions": self._static["positions"][:size],
-            "slot_mapping": self._static["slot_mapping"][:size],
-            "query_start_loc": self._static["query_start_loc"][: size + 1],
-            "seq_lens": self._static["seq_lens"][:size],
-            "block_tables": self._static["block_tables"][:size],
-        }
+        return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"]))
 
     def _graph_meta(self, inputs: dict[str, torch.Tensor], size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -316,41 +375,62 @@ class ModelRunner:
         if largest not in sizes:
             sizes.append(largest)
         device = self.device
-        width = self.max_blocks_per_seq
-        self._static = {
-            "input_ids": torch.zeros(largest, dtype=torch.long, device=device),
-            "positions": torch.zeros(largest, dtype=torch.long, device=device),
-            "slot_mapping": torch.full((largest,), -1, dtype=torch.long, device=device),
-            "query_start_loc": torch.arange(largest + 1, dtype=torch.int32, device=device),
-            "seq_lens": torch.ones(largest, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros((largest, width), dtype=torch.int32, device=device),
-        }
+        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
+        sample_in_graph = graph_sampler_enabled() and fused_sampling.HAVE_TRITON
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
+        if self._wants_padded_graphs():  # first: their largest step sizes the shared pool
+            self._padded = PaddedForward(self, self.max_num_tokens, self.max_num_seqs)
+            self._padded.capture(pool, stream)
         with torch.inference_mode():
             for size in sorted(sizes, reverse=True):  # largest first: the pool grows once
-                inputs = self._graph_inputs(size)
+                inputs = self._static.for_bucket(size)
                 meta = self._graph_meta(inputs, size)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph
-                        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
-                        self.model.compute_logits(hidden)
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
-                    logits = self.model.compute_logits(hidden)
-                self._graphs[size] = _DecodeGraph(graph, logits)
+                for sampled in (False, True) if sample_in_graph else (False,):
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph
+                            self._decode_pass(inputs, meta, sampled)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        output = self._decode_pass(inputs, meta, sampled)
+                    (self._sampled_graphs if sampled else self._graphs)[size] = _DecodeGraph(graph, output)
+        self._graph_sizes = sorted(self._graphs)
         torch.cuda.synchronize(device)
         log.info("cuda_graphs_captured", sizes=len(sizes), seconds=round(time.perf_counter() - started, 2))
 
-    def _run_graph(self, batch: BatchInput, bucket: int) -> torch.Tensor:
-        num_seqs = len(batch.query_lens)
-        host = self._host_inputs(batch, bucket, self.max_blocks_per_seq)
-        static = self._graph_inputs(bucket)
-        for name in static:
-            static[name].copy_(host[name], non_blocking=True)
-        graph = self._graphs[bucket]
+    def _decode_pass(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata, sampled: bool) -> torch.Tensor:
+        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        if not sampled:
+            return logits
+        return fused_sampling.gumbel_argmax(logits, inputs["inv_temperature"], inputs["noise"], inputs["seeds"])
+
+    def _run_graph(self, batch: BatchInput, bucket: int, sampling: GraphSampling | None = None) -> torch.Tensor:
+        assert self._static is not None
+        pairs = self._static.upload(batch, bucket, sampling)
+        fill_deferred(self._static.device["input_ids"], batch, pairs)
+        graph = (self._sampled_graphs if sampling is not None else self._graphs)[bucket]
         graph.graph.replay()
-        return graph.logits[:num_seqs].float()
+        return graph.logits[: len(batch.query_lens)]
+
+    def _decode_bucket(self, batch: BatchInput) -> int | None:
+        if not batch.is_decode or not self._graphs:
+            return None
+        return next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
+
+    def samples_in_graph(self, batch: BatchInput) -> bool:
+        """Whether ``execute_sampled`` can run this step (a decode step with a sampling graph)."""
+        bucket = self._decode_bucket(batch)
+        return bucket is not None and bucket in self._sampled_graphs
+
+    @torch.inference_mode()
+    def execute_sampled(self, batch: BatchInput, sampling: GraphSampling) -> torch.Tensor:
+        """Run a decode step and draw its tokens in one graph replay (``samples_in_graph`` first);
+        return the chosen ids on the device (a view of the graph's output: read, or copy, before
+        the next step)."""
+        bucket = self._decode_bucket(batch)
+        assert bucket is not None and bucket in self._sampled_graphs
+        return self._run_graph(batch, bucket, sampling)
+

@@ -5,22 +5,42 @@ exist; greedy rows take the argmax; the other rows divide by temperature, keep t
 top-p nucleus and the tokens above ``min_p`` times the largest probability, and draw with the
 exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p.
 
+On a GPU, a batch whose rows use neither top-k, top-p nor min-p is drawn by one fused Triton kernel
+(``kernels/sampling.py``: temperature and Gumbel-max in one read of the logits, greedy rows mixed
+in); its noise is Philox keyed per row, so a seeded row's token still depends only on its seed and
+output index. ``VLLM_ACTORS_SAMPLER=torch`` forces the torch path, ``=triton`` the kernel on any
+device (tests run it on the CPU under TRITON_INTERPRET=1).
+
 Seeds: a row with a seed draws its noise from a generator seeded by (seed, output index), so the
 token it gets depends on nothing else in the batch, nor on preemptions. Rows without a seed share
 the engine's generator. Logprobs are those of the model's raw distribution (vLLM's default).
+
+Before all of this, ``penalties.apply_controls`` applies vLLM's logits controls (allowed token ids,
+bad words, logit_bias, repetition/frequency/presence penalties) to the rows that set them.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from vllm_actors.actors.worker.graph_inputs import GraphSampling
+from vllm_actors.actors.worker.penalties import apply_controls
+from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.protocol.messages import Logprobs
 from vllm_actors.protocol.sampling import SamplingParams
 
 _MASK = float("-inf")
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
+_ROW_MIX = 0x5851F42D4C957F2D  # another, below 2**63: spreads a step's rows apart
+
+
+def _filters(params: SamplingParams) -> bool:
+    """Top-k, top-p or min-p: the rows the fused kernel does not take."""
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 @dataclass
@@ -28,6 +48,14 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int  # outputs before this one: the index of the token being drawn
     min_tokens_stop_ids: list[int]  # ids masked while num_output_tokens < min_tokens
+    token_ids: Sequence[int] = ()  # prompt then outputs so far: penalties and bad words read them
+    num_prompt_tokens: int = 0
+
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -43,7 +71,10 @@ def seeded_generator(seed: int, output_index: int, device: torch.device) -> torc
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> list[Logprobs]:
-    """Chosen token first, then the top ``num_top``, with 1-based ranks. ``logprobs`` is [N, V]."""
+    """Chosen token first, then the top ``num_top`` (-1: the whole vocabulary, as vLLM), with
+    1-based ranks. ``logprobs`` is [N, V]."""
+    if num_top < 0 or num_top > logprobs.shape[1]:
+        num_top = logprobs.shape[1]
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
     ranks = (logprobs > chosen_lp).sum(dim=1) + 1
     if num_top > 0:
@@ -68,25 +99,67 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> 
     return result
 
 
+def fused_sampler_enabled(device: torch.device) -> bool:
+    choice = os.environ.get("VLLM_ACTORS_SAMPLER", "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"VLLM_ACTORS_SAMPLER must be 'torch' or 'triton', got {choice!r}")
+    if not fused_sampling.HAVE_TRITON or choice == "torch":
+        return False
+    return choice == "triton" or device.type == "cuda"
+
+
+def row_seed(seed: int, output_index: int) -> int:
+    """The fused kernel's Philox key of a seeded row's ``output_index``-th draw."""
+    return (seed * _SEED_MIX + output_index) & fused_sampling.SEED_MASK
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.fused = fused_sampler_enabled(device)
+        self._seed = seed
+        self._draws = 0  # fused draws so far: keys the unseeded rows' noise of each step
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """``logits`` is [N, V] float32, one row per request that samples this step."""
-        logits = logits.float()
+        """``logits`` is [N, V] (float32, or the model's half type on a GPU), one row per request
+        that samples this step."""
         num_rows = logits.shape[0]
         wants_logprobs = [row.params.logprobs is not None for row in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(wants_logprobs) else None
 
+        chosen = self.draw(logits, rows)
+        token_ids = chosen.tolist()
+        logprobs: list[Logprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            asking = [index for index, wants in enumerate(wants_logprobs) if wants]
+            vocab = raw_logprobs.shape[1]
+            wants = [vocab if (rows[i].params.logprobs or 0) < 0 else rows[i].params.logprobs or 0 for i in asking]
+            index = torch.tensor(asking, device=logits.device)
+            entries = top_logprobs(raw_logprobs[index], chosen[index], max(wants))
+            for row_index, entry, wanted in zip(asking, entries, wants, strict=True):
+                logprobs[row_index] = Logprobs(
+                    token_ids=entry.token_ids[: wanted + 1],
+                    logprobs=entry.logprobs[: wanted + 1],
+                    ranks=entry.ranks[: wanted + 1],
+                )
+        return SampleResult(token_ids=token_ids, logprobs=logprobs)
+
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The chosen token of every row, left on the logits' device (no host round trip). Greedy
+        rows and the fused kernel read half-precision logits as they are (exactly: the argmax of a
+        bfloat16 row is that of its float32 copy); the torch sampling path works in float32."""
+        num_rows = logits.shape[0]
+        logits = apply_controls(logits, rows)  # penalties, logit_bias, allowed ids, bad words
         logits = self._mask_min_tokens(logits, rows)
         chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         greedy = [index for index, row in enumerate(rows) if row.params.greedy]
         random = [index for index, row in enumerate(rows) if not row.params.greedy]
         if not random:  # all greedy: no copies of the logits
             chosen = logits.argmax(dim=-1)
+        elif self.fused and not any(_filters(row.params) for row in rows):
+            chosen = self._sample_fused(logits, rows)
         elif not greedy:  # all sampled
             chosen = self._sample(logits, rows)
         else:
@@ -94,22 +167,52 @@ class Sampler:
             chosen[index] = logits[index].argmax(dim=-1)
             index = torch.tensor(random, device=logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
+        return chosen
 
-        token_ids = chosen.tolist()
-        logprobs: list[Logprobs | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            asking = [index for index, wants in enumerate(wants_logprobs) if wants]
-            num_top = max(rows[index].params.logprobs or 0 for index in asking)
-            index = torch.tensor(asking, device=logits.device)
-            entries = top_logprobs(raw_logprobs[index], chosen[index], num_top)
-            for row_index, entry in zip(asking, entries, strict=True):
-                wanted = rows[row_index].params.logprobs or 0
-                logprobs[row_index] = Logprobs(
-                    token_ids=entry.token_ids[: wanted + 1],
-                    logprobs=entry.logprobs[: wanted + 1],
-                    ranks=entry.ranks[: wanted + 1],
-                )
-        return SampleResult(token_ids=token_ids, logprobs=logprobs)
+    def graph_params(self, rows: list[SamplingRow]) -> GraphSampling | None:
+        """The fused kernel's per-row inputs when ``draw`` would be that kernel alone (or a plain
+        argmax) on these rows, for a decode graph that samples inside it; None when a row needs
+        more (top-k/p, min-p, logits controls, a min_tokens mask). Same noise as ``draw``."""
+        if not self.fused:
+            return None
+        for row in rows:
+            params = row.params
+            if _filters(params) or params.has_controls or params.structured_outputs is not None:
+                return None  # a grammar's mask comes from the host between the logits and the draw
+            if row.num_output_tokens < params.min_tokens and row.min_tokens_stop_ids:
+                return None
+        step_key = 0 if all(row.params.greedy for row in rows) else self._next_step_key()
+        return self._row_inputs(rows, step_key)
+
+    def _next_step_key(self) -> int:
+        """The Philox key of this draw's unseeded rows (one per fused draw)."""
+        self._draws += 1
+        return (self._seed * _SEED_MIX + self._draws * 0x2545F4914F6CDD1D) & fused_sampling.SEED_MASK
+
+    @staticmethod
+    def _row_inputs(rows: list[SamplingRow], step_key: int) -> GraphSampling:
+        """Per row: inverse temperature, noise scale (0: greedy) and Philox key."""
+        inv: list[float] = []
+        noise: list[float] = []
+        seeds: list[int] = []
+        for index, row in enumerate(rows):
+            greedy = row.params.greedy
+            inv.append(1.0 if greedy else 1.0 / row.params.temperature)
+            noise.append(0.0 if greedy else 1.0)
+            if row.params.seed is not None:
+                seeds.append(row_seed(row.params.seed, row.num_output_tokens))
+            else:
+                seeds.append((index * _ROW_MIX + step_key) & fused_sampling.SEED_MASK)
+        return GraphSampling(inv, noise, seeds)
+
+    @staticmethod
+    def needs_host(params: SamplingParams) -> bool:
+        """Whether a row's draw needs more than ``draw`` (logprobs, read back with the tokens):
+        such a step cannot be launched before the previous step's tokens are on the host; nor can
+        one whose penalties or bad words read the tokens generated so far, nor one constrained by
+        structured outputs (its matcher takes each token before the next mask)."""
+        return (params.logprobs is not None or params.prompt_logprobs is not None or params.needs_history
+                or params.structured_outputs is not None)
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -122,7 +225,25 @@ class Sampler:
                 masked[index, ids] = _MASK
         return logits if masked is None else masked
 
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Every row (greedy ones too) in one kernel launch."""
+        device = logits.device
+        num_rows = len(rows)
+        step_key = self._next_step_key()
+        if all(row.params.seed is None and not row.params.greedy for row in rows):
+            temperatures = {row.params.temperature for row in rows}
+            if len(temperatures) == 1:  # the common case: nothing per row to copy to the device
+                inv_temperature = torch.full((num_rows,), 1.0 / temperatures.pop(), device=device)
+                noise = torch.ones(num_rows, device=device)
+                seeds = (torch.arange(num_rows, device=device) * _ROW_MIX + step_key) & fused_sampling.SEED_MASK
+                return fused_sampling.gumbel_argmax(logits, inv_temperature, noise, seeds)
+        inputs = self._row_inputs(rows, step_key)
+        scales = torch.tensor([inputs.inv_temperature, inputs.noise], dtype=torch.float32).to(device, non_blocking=True)
+        seeds = torch.tensor(inputs.seeds, dtype=torch.long).to(device, non_blocking=True)
+        return fused_sampling.gumbel_argmax(logits, scales[0], scales[1], seeds)
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        logits = logits.float()
         device = logits.device
         temperatures = {row.params.temperature for row in rows}
         if len(temperatures) == 1:  # one value for the batch (the common case): no tensor to build

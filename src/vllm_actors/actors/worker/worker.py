@@ -5,6 +5,21 @@ Pure state machine around a model runner (the clock that times a step is injecte
 every token it samples to the request's own token list, a decode step needs nothing from the plan
 but the request id - the next step's input is already here.
 
+With ``defer=True`` (the process shell's choice; ``deferred.py``) a plan whose rows need nothing
+read back but their tokens is launched before the previous step's tokens are read: ``handle``
+then returns the previous step's result, and the shell calls ``flush`` when no plan is waiting.
+
+Structured outputs (``grammar.py``, injected as ``grammars``): a constrained request gets a matcher
+when admitted (a resumed one replays its outputs into it); before the draw its row's logits are
+masked to what the grammar allows, and each token it samples goes to its matcher at once. Such a
+row needs its previous token before its next mask, so its steps are not deferred.
+
+Under tensor parallelism every rank's worker gets every plan and keeps the same requests and
+block tables; each runs its shard of the forward pass (the collectives are inside the model), only
+rank 0 samples, and its chosen ids are broadcast to the other ranks (which need them as the next
+step's inputs). Only rank 0 answers the scheduler and publishes step events: the others return
+nothing, so the scheduler waits for one reply per step whatever the group's size.
+
 A ``reset`` plan (the pipeline restarts after an actor was restarted) first drops every request
 and block-table row; its result carries ``reset`` back to the scheduler. The KV tensors are left
 as they are: every request comes back as new and recomputes what it reads. A plan with a step id
@@ -14,24 +29,39 @@ dropped without running.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from vllm_actors.actors.worker.block_tables import BlockTableArray
+from vllm_actors.actors.worker.deferred import DeferredInputs, HostCopies, PendingStep
 from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.actors.worker.ranks import Ranks, SingleRank
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
 from vllm_actors.protocol.names import BUS, SCHEDULER
-from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs
 
 
 class Runner(Protocol):
     def execute(self, batch: BatchInput) -> torch.Tensor: ...
+
+
+class RowGrammar(Protocol):
+    def consume(self, token_id: int) -> None: ...
+
+
+class GrammarSource(Protocol):
+    """Structured outputs (``grammar.Grammars``): a matcher per constrained request, compiled off
+    the step's thread; the constrained rows' logits masked before the draw."""
+
+    def start(self, spec: StructuredOutputs, replay: Sequence[int] = ()) -> RowGrammar: ...
+
+    def mask(self, logits: torch.Tensor, rows: list[Any], row_index: list[int]) -> None: ...
 
 
 @dataclass
@@ -45,6 +75,8 @@ class WorkerRequest:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     row: int = -1  # its row in the worker's BlockTableArray
+    num_pending: int = 0  # tokens sampled by launched steps, not read back yet
+    grammar: RowGrammar | None = None  # its structured-output matcher, when constrained
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -70,9 +102,23 @@ class _PromptSpan:
 class Worker:
     name = "worker"
 
-    def __init__(self, runner: Runner, sampler: Sampler, clock: Callable[[], float]) -> None:
-        """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step."""
+    def __init__(
+        self, runner: Runner, sampler: Sampler, clock: Callable[[], float], defer: bool = False,
+        grammars: GrammarSource | None = None, await_reset: bool = False,
+    ) -> None:
+        """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
+        ``defer``: launch a step before reading the previous one back, where the runner can take
+        input ids from the device (``supports_deferred_inputs``). ``grammars``: structured outputs
+        (without, a constrained request is rejected). ``await_reset``: drop every plan until a
+        reset plan (a restarted tensor-parallel rank: a plan queued for its predecessor may reach
+        it and not its peers, and a step run by one rank alone would hang the group)."""
+        self.grammars = grammars
+        self._await_reset = await_reset
+        self.defer = defer and bool(getattr(runner, "supports_deferred_inputs", False))
+        self._pending: PendingStep | None = None
+        self._copies = HostCopies()
         self.runner = runner
+        self.tp: Ranks = getattr(runner, "tp", None) or SingleRank()
         self.sampler = sampler
         self.clock = clock
         self.requests: dict[str, WorkerRequest] = {}
@@ -85,23 +131,118 @@ class Worker:
             raise TypeError(f"the worker does not take {type(message).__name__}")
         if message.step_id < self._min_step_id and not message.reset:
             return []  # planned before the pipeline reset: its blocks may be someone else's now
+        if self._await_reset and not message.reset:
+            return []
+        self._await_reset = False
         self.validate(message)
-        num_prefill = sum(1 for new in message.new_requests if new.request_id in message.req_ids)
-        started = StepStarted(
-            step_id=message.step_id,
-            num_seqs=len(message.req_ids),
-            num_tokens=sum(message.num_tokens),
-            num_prefill_seqs=num_prefill,
+        started = self._started(message)
+        if self.defer and self._deferrable(message):
+            # A step already done is read back first: its result goes out at once, and the GPU
+            # is idle anyway. One still running is read back after this plan is launched.
+            outputs = self.flush() if self.pending_ready() else []
+            launched = self._launch(message, started)
+            outputs += self.flush()
+            self._pending = launched
+            return outputs
+        outputs = self.flush()
+        return outputs + self._outputs(started, self.execute(message))
+
+    @staticmethod
+    def _started(plan: StepPlan) -> StepStarted:
+        return StepStarted(
+            step_id=plan.step_id,
+            num_seqs=len(plan.req_ids),
+            num_tokens=sum(plan.num_tokens),
+            num_prefill_seqs=sum(1 for new in plan.new_requests if new.request_id in plan.req_ids),
         )
-        result = self.execute(message)
+
+    def _outputs(self, started: StepStarted, result: StepResult) -> list[tuple[str, Any]]:
+        if self.tp.rank != 0:
+            return []  # rank 0 answers for the group
         finished = StepFinished(
-            step_id=message.step_id,
-            num_seqs=len(message.req_ids),
+            step_id=result.step_id,
+            num_seqs=started.num_seqs,
             num_tokens=result.num_batched_tokens,
             num_sampled=len(result.req_ids),
             execute_ms=result.execute_seconds * 1e3,
         )
         return [(SCHEDULER, result), (BUS, started), (BUS, finished)]
+
+    # ------------------------------------------------------------------ deferred steps
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def pending_ready(self) -> bool:
+        return self._pending is None or self._pending.ready()
+
+    def flush(self) -> list[tuple[str, Any]]:
+        """Read the launched step back: its result and events (nothing when none is pending)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        token_ids = pending.token_ids()
+        for request, token_id in zip(pending.samplers, token_ids, strict=True):
+            request.token_ids.append(token_id)
+            request.num_pending -= 1
+        result = StepResult(
+            step_id=pending.step_id,
+            req_ids=[request.request_id for request in pending.samplers],
+            token_ids=token_ids,
+            num_batched_tokens=pending.num_batched_tokens,
+            execute_seconds=self.clock() - pending.started_at,
+        )
+        return self._outputs(pending.started, result)
+
+    def _deferrable(self, plan: StepPlan) -> bool:
+        """Whether every row's draw is all the step needs (no logprobs to read back)."""
+        if plan.reset:
+            return False
+        if any(self.sampler.needs_host(new.params) for new in plan.new_requests):
+            return False
+        return not any(
+            self.sampler.needs_host(self.requests[request_id].params)
+            for request_id in plan.req_ids
+            if request_id in self.requests and request_id not in plan.finished_ids
+        )
+
+    def _launch(self, plan: StepPlan, started: StepStarted) -> PendingStep:
+        """Run the step and draw its tokens, leaving them on the device; input ids that the
+        pending step sampled are taken from its sampled ids there."""
+        started_at = self.clock()
+        self._apply_membership(plan)
+        pending = self._pending
+        batch, samplers, sample_rows, _ = self._build_batch(plan, pending)
+        if not batch.token_ids:
+            empty = torch.empty(0, dtype=torch.long)
+            return PendingStep(plan.step_id, started_at, started, [], empty, empty, None, 0)
+        rows = [SamplingRow(r.params, r.num_output_tokens, r.min_tokens_stop_ids, r.token_ids, r.num_prompt_tokens)
+                for r in samplers]
+        in_graph = getattr(self.runner, "samples_in_graph", None)
+        sampling = None
+        if in_graph is not None and not self.tp.enabled and in_graph(batch):
+            sampling = self.sampler.graph_params(rows)
+        if sampling is not None:  # one replay runs the step and draws its tokens
+            chosen = self.runner.execute_sampled(batch, sampling)  # type: ignore[attr-defined]
+        else:
+            logits = self.runner.execute(batch)
+            if sample_rows != list(range(logits.shape[0])):
+                logits = logits[sample_rows]
+            chosen = self._draw(logits, rows)
+        host, done = self._copies.start(chosen)
+        for request in samplers:
+            request.num_output_tokens += 1
+            request.num_pending += 1  # 2 until the previous step (launched before) is read back
+        row_of = {request.request_id: row for row, request in enumerate(samplers)}
+        return PendingStep(
+            plan.step_id, started_at, started, samplers, chosen, host, done, len(batch.token_ids), row_of
+        )
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The chosen ids on the device: drawn by rank 0, broadcast to the others."""
+        if self.tp.rank != 0:
+            return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device))
+        chosen = self.sampler.draw(logits, rows).long()
+        return self.tp.broadcast(chosen)
 
     def validate(self, plan: StepPlan) -> None:
         """Reject a plan that names unknown requests or asks for tokens that do not exist
@@ -110,13 +251,15 @@ class Worker:
             raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
         held_requests = {} if plan.reset else self.requests  # a reset plan starts from nothing
         computed = {
-            request_id: (request.num_computed_tokens, len(request.token_ids))
+            request_id: (request.num_computed_tokens, len(request.token_ids) + request.num_pending)
             for request_id, request in held_requests.items()
             if request_id not in plan.finished_ids
         }
         for new in plan.new_requests:
             if len(new.token_ids) % 4:
                 raise MessageRejected(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
+            if new.params.structured_outputs is not None and self.grammars is None:
+                raise MessageRejected(f"new request {new.request_id!r}: structured outputs need grammars")
         computed.update({new.request_id: (new.num_cached_tokens, new.num_tokens) for new in plan.new_requests})
         num_blocks = getattr(self.runner, "num_blocks", None)
         for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
@@ -141,9 +284,15 @@ class Worker:
 
     def _admit(self, new: NewRequest) -> None:
         self._drop(new.request_id)
+        token_ids = new.token_list()
+        grammar = None
+        if new.params.structured_outputs is not None and self.grammars is not None:
+            # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
+            grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
         self.requests[new.request_id] = WorkerRequest(
             request_id=new.request_id,
-            token_ids=new.token_list(),
+            token_ids=token_ids,
+            grammar=grammar,
             num_prompt_tokens=new.num_prompt_tokens,
             num_output_tokens=new.num_output_tokens,
             params=new.params,
@@ -159,8 +308,7 @@ class Worker:
         if self.tables is not None:
             self.tables = BlockTableArray(self.tables.width)
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        started = self.clock()
+    def _apply_membership(self, plan: StepPlan) -> None:
         if plan.reset:
             self.reset()
             self._min_step_id = plan.step_id
@@ -169,10 +317,17 @@ class Worker:
         for new in plan.new_requests:
             self._admit(new)
 
+    def _build_batch(
+        self, plan: StepPlan, pending: PendingStep | None = None
+    ) -> tuple[BatchInput, list[WorkerRequest], list[int], list[_PromptSpan]]:
+        """The step's flattened inputs; a token the pending step sampled becomes a placeholder
+        filled on the device from that step's sampled ids."""
         batch = BatchInput([], [], [], [], [], [])
         samplers: list[WorkerRequest] = []
         sample_rows: list[int] = []  # rows of the logits that are sampled
         spans: list[_PromptSpan] = []
+        deferred_index: list[int] = []
+        deferred_row: list[int] = []
         for request_id, num_new, new_blocks in zip(
             plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True
         ):
@@ -182,10 +337,17 @@ class Worker:
                 self.tables.append(request.row, new_blocks)
             start = request.num_computed_tokens
             end = start + num_new
-            if end > len(request.token_ids):
-                raise ValueError(f"{request_id}: asked to compute {end} tokens, {len(request.token_ids)} known")
+            known = len(request.token_ids)
+            if end > known + request.num_pending:
+                raise ValueError(f"{request_id}: asked to compute {end} tokens, {known} known")
             flat_start = len(batch.token_ids)
             batch.token_ids.extend(request.token_ids[start:end])
+            if end > known:  # the last input is the token the pending step sampled
+                if pending is None or pending.row_of.get(request_id) is None:
+                    raise ValueError(f"{request_id}: its last token is pending in no launched step")
+                batch.token_ids.append(0)
+                deferred_index.append(len(batch.token_ids) - 1)
+                deferred_row.append(pending.row_of[request_id])
             batch.positions.extend(range(start, end))
             batch.query_lens.append(num_new)
             batch.seq_lens.append(end)
@@ -195,29 +357,48 @@ class Worker:
                 spans.append(_PromptSpan(request, len(batch.logits_indices), start + 1, last - start))
                 batch.logits_indices.extend(range(flat_start, flat_start + last - start))
             request.num_computed_tokens = end
-            if end == len(request.token_ids):
+            if end == known + request.num_pending:
                 samplers.append(request)
                 sample_rows.append(len(batch.logits_indices))
                 batch.logits_indices.append(flat_start + num_new - 1)
-
-        if not batch.token_ids:
-            return StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[], token_ids=[])
-        if self.tables is not None:
+        if deferred_index and pending is not None:
+            batch.deferred = DeferredInputs(deferred_index, pending.chosen, deferred_row)
+        if batch.token_ids and self.tables is not None:
             batch.block_table_array = self.tables.gather(
                 [self.requests[request_id].row for request_id in plan.req_ids]
             )
+        return batch, samplers, sample_rows, spans
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = self.clock()
+        self._apply_membership(plan)
+        batch, samplers, sample_rows, spans = self._build_batch(plan)
+        if not batch.token_ids:
+            return StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[], token_ids=[])
         logits = self.runner.execute(batch)
+        if self.tp.rank != 0:
+            return self._follow(plan, batch, samplers, logits)
 
         prompt_logprobs = [self._prompt_logprobs(span, logits) for span in spans]
         rows = [
-            SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids)
+            SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids,
+                        request.token_ids, request.num_prompt_tokens)
             for request in samplers
         ]
-        sampled = self.sampler(logits[sample_rows], rows) if samplers else None
+        if samplers and sample_rows != list(range(logits.shape[0])):
+            logits = logits[sample_rows]  # not when every row samples (decode): no copy of batch x vocab
+        constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
+        if constrained and self.grammars is not None:  # structured outputs: disallowed tokens to -inf
+            self.grammars.mask(logits, [samplers[i].grammar for i in constrained], constrained)
+        sampled = self.sampler(logits, rows) if samplers else None
         token_ids = sampled.token_ids if sampled else []
+        if self.tp.enabled and samplers:  # the other ranks take their next inputs from these
+            self.tp.broadcast(torch.tensor(token_ids, dtype=torch.long, device=logits.device))
         for request, token_id in zip(samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
             request.num_output_tokens += 1
+            if request.grammar is not None:  # the matcher sees the token here, before the next step
+                request.grammar.consume(token_id)
         logprobs: list[Logprobs | None] = []
         if sampled and any(entry is not None for entry in sampled.logprobs):
             logprobs = sampled.logprobs
@@ -231,6 +412,19 @@ class Worker:
             num_batched_tokens=len(batch.token_ids),
             execute_seconds=self.clock() - started,
         )
+
+    def _follow(self, plan: StepPlan, batch: BatchInput, samplers: list[WorkerRequest],
+                logits: torch.Tensor) -> StepResult:
+        """A rank above 0: take the ids rank 0 drew; no sampling, no logprobs."""
+        token_ids: list[int] = []
+        if samplers:
+            received = torch.empty(len(samplers), dtype=torch.long, device=logits.device)
+            token_ids = self.tp.broadcast(received).tolist()
+        for request, token_id in zip(samplers, token_ids, strict=True):
+            request.token_ids.append(token_id)
+            request.num_output_tokens += 1
+        return StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[r.request_id for r in samplers],
+                          token_ids=token_ids, num_batched_tokens=len(batch.token_ids))
 
     @staticmethod
     def _prompt_logprobs(span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobs:

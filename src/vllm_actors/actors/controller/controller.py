@@ -1,0 +1,257 @@
+"""The replica-set controller: the clients' entry point when ``data_parallel_size > 1``.
+
+Clients talk to it exactly as to one scheduler (``AddRequest``, ``AbortRequests`` in;
+``RequestUpdates`` out, through the same socket rules: ``actors/scheduler/owners.py`` applies at
+its socket). It sends each new request to one replica's scheduler (``routing.Router``), passes
+aborts to the replica holding the request, and passes the replicas' updates back. It keeps what
+it needs to recover a replica's requests without their clients: each open request's
+``AddRequest`` and the output tokens it forwarded. When the supervisor reports that a replica's
+scheduler restarted (``RecoverPipeline`` naming it), the controller sends that replica every
+request it held again (``resume=True`` with the tokens so far), as a client does after a
+single scheduler's restart; the other replicas' requests never notice.
+
+It also follows the bus (the shell feeds ``observe``): the replicas' KV-cache managers' block and
+pool events (the cache-aware mirror, the KV usage) and the supervisor's failures and restarts (a
+replica with an actor down gets no new request while another is up). An update for a request the
+controller does not hold from that replica (a controller restarted and routed the client's
+resubmission elsewhere) is not forwarded, and the request is aborted there; an update for a
+request it does not hold at all is dropped.
+
+When the controller itself restarts, its clients re-send their open requests (``resume=True``).
+A replica still running one has sent its updates to the dead controller (lost); once one of its
+updates reaches the new controller, the request is known to run there ("unclaimed"), and its
+re-sent copy goes to another replica, resuming from the client's tokens, while the old copy is
+aborted (never aborted and re-added on one replica: a scheduler must not see an id leave and come
+back while a step of it is in flight). Known gap: a request re-sent before its replica's next
+update arrives is routed as new; if that is its own replica, the replica ignores it as a
+resubmission and the tokens made while no controller listened are lost to the client.
+
+A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
+(``scheduler@<r>``); ``Routed`` events say where each request went.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_actors.actors.controller.routing import Router, RouteRequest
+from vllm_actors.protocol.events import (
+    Aborted,
+    ActorFailed,
+    ActorRestarted,
+    ActorStarting,
+    EventBatch,
+    Routed,
+)
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    RecoverPipeline,
+    RequestUpdate,
+    RequestUpdates,
+)
+from vllm_actors.protocol.names import (
+    BUS,
+    CONTROLLER,
+    FRONTEND,
+    KV_CACHE_MANAGER,
+    SCHEDULER,
+    SUPERVISOR,
+    replica_actor,
+    split_replica,
+)
+
+MAX_SESSION_KEY = 256  # characters of a session key kept as they are; a longer one is digested
+MAX_ABORT_REASON = 64
+MAX_UNCLAIMED = 65_536
+
+
+@dataclass(frozen=True)
+class FromReplica:
+    """Updates as the shell hands them over: with the replica whose scheduler sent them."""
+
+    replica: int
+    updates: RequestUpdates
+
+
+@dataclass
+class _Open:
+    add: AddRequest
+    replica: int | None  # None: waiting in the controller for a slot (pull)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def session_key(key: str | None) -> str | None:
+    if key is None or len(key) <= MAX_SESSION_KEY:
+        return key
+    return "#" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+class Controller:
+    name = CONTROLLER
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.num_replicas = len(router.replicas)
+        self.requests: dict[str, _Open] = {}
+        self._down: dict[int, set[str]] = defaultdict(set)  # replica -> its actors reported down
+        self.num_orphans = 0
+        # requests a replica runs that nobody here routed (a restart of ours): id -> replica
+        self.unclaimed: OrderedDict[str, int] = OrderedDict()
+
+    def scheduler_of(self, replica: int) -> str:
+        return replica_actor(SCHEDULER, replica)
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, message: Any) -> list[tuple[str, Any]]:
+        if isinstance(message, AddRequest):
+            return self._add(message)
+        if isinstance(message, AbortRequests):
+            return self._abort(message)
+        if isinstance(message, FromReplica):
+            return self._updates(message.replica, message.updates)
+        if isinstance(message, RecoverPipeline):
+            return self._recover(message)
+        raise TypeError(f"the controller does not take {type(message).__name__}")
+
+    def _add(self, add: AddRequest) -> list[tuple[str, Any]]:
+        known = self.requests.get(add.request_id)
+        if known is not None:  # a resubmission of a request in hand: where it is (the replica ignores it)
+            return [] if known.replica is None else [(self.scheduler_of(known.replica), add)]
+        holder = self.unclaimed.pop(add.request_id, None) if add.resume else None
+        if holder is not None and self.num_replicas > 1:
+            # Re-sent after a restart of ours while a replica still runs it: the tokens that copy
+            # made while no controller listened are lost, so a fresh copy on another replica
+            # resumes from the client's tokens and the old one is stopped.
+            self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
+            replica = min((r for r in range(self.num_replicas) if r != holder),
+                          key=lambda r: (self.router.replicas[r].in_flight, r))
+            self.router.replicas[replica].in_flight += 1
+            stop = (self.scheduler_of(holder), AbortRequests(request_ids=[add.request_id], reason="rerouted"))
+            return [stop, *self._send(add.request_id, replica, "resumed", 0)]
+        key = session_key(add.session_key)
+        self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
+        decision = self.router.route(RouteRequest(add.request_id, add.prompt_token_ids, key))
+        if decision is None:
+            return []  # pull: waits for a replica with room
+        return self._send(add.request_id, decision.replica, decision.reason, decision.cached_blocks)
+
+    def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> list[tuple[str, Any]]:
+        request = self.requests[request_id]
+        request.replica = replica
+        event = Routed(request_id=request_id, replica=replica, reason=reason, num_cached_blocks=cached_blocks)
+        return [(self.scheduler_of(replica), request.add), (BUS, event)]
+
+    def _abort(self, message: AbortRequests) -> list[tuple[str, Any]]:
+        per_replica: dict[int, list[str]] = defaultdict(list)
+        out: list[tuple[str, Any]] = []
+        for request_id in message.request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue  # finished meanwhile
+            if request.replica is None:  # never left the controller
+                self.router.drop(request_id)
+                if message.reason != "stop":
+                    out.append((BUS, Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
+                                             num_output_tokens=len(request.output_token_ids))))
+                continue
+            per_replica[request.replica].append(request_id)
+        for replica, ids in per_replica.items():
+            out.insert(0, (self.scheduler_of(replica), AbortRequests(request_ids=ids, reason=message.reason)))
+            for _ in ids:
+                out.extend(self._released(replica))
+        return out
+
+    def _updates(self, replica: int, updates: RequestUpdates) -> list[tuple[str, Any]]:
+        passed: list[RequestUpdate] = []
+        orphans: list[str] = []
+        out: list[tuple[str, Any]] = []
+        for update in updates.updates:
+            request = self.requests.get(update.request_id)
+            if request is None:
+                # aborted or finished here (late updates), or running since before a restart of
+                # ours: remember where, for when its client re-sends it
+                if update.finish_reason is None:
+                    self.unclaimed[update.request_id] = replica
+                    self.unclaimed.move_to_end(update.request_id)
+                    if len(self.unclaimed) > MAX_UNCLAIMED:  # late updates of aborted requests: the oldest go
+                        self.unclaimed.popitem(last=False)
+                else:
+                    self.unclaimed.pop(update.request_id, None)
+                continue
+            if request.replica != replica:
+                # Another replica serves it now (routed again after a restart of ours): stop this
+                # copy. Never an abort of a request coming back to the same replica: a scheduler
+                # must not see one id leave and return while a step of it is in flight.
+                if update.finish_reason is None:
+                    orphans.append(update.request_id)
+                continue
+            passed.append(update)
+            request.output_token_ids.extend(update.new_token_ids)
+            if update.finish_reason is not None:
+                del self.requests[update.request_id]
+                out.extend(self._released(replica))
+        if passed:
+            out.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed)))
+        if orphans:
+            self.num_orphans += len(orphans)
+            out.append((self.scheduler_of(replica), AbortRequests(request_ids=orphans, reason="rerouted")))
+        return out
+
+    def _released(self, replica: int) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for request, decision in self.router.release(replica):
+            if request.request_id in self.requests:
+                out.extend(self._send(request.request_id, decision.replica, decision.reason, decision.cached_blocks))
+        return out
+
+    def _recover(self, message: RecoverPipeline) -> list[tuple[str, Any]]:
+        """A replica's scheduler restarted: its requests go to it again, resumed with their tokens."""
+        name, replica = split_replica(message.actor)
+        if name != SCHEDULER or replica is None or replica >= self.num_replicas:
+            return []
+        out: list[tuple[str, Any]] = []
+        for request_id, request in self.requests.items():
+            if request.replica != replica:
+                continue
+            add = request.add
+            resumed = AddRequest(request_id=request_id, prompt_token_ids=add.prompt_token_ids, params=add.params,
+                                 eos_token_ids=add.eos_token_ids, resume=True,
+                                 output_token_ids=list(request.output_token_ids), session_key=add.session_key)
+            out.append((self.scheduler_of(replica), resumed))
+        return out
+
+    # ------------------------------------------------------------------ the bus
+    def observe(self, topic: str, batch: EventBatch) -> None:
+        """One batch off the bus: a replica's KV-cache manager's (its cache and pool) or the
+        supervisor's (failures, restarts). Anything else, or a batch not under its own topic, is
+        ignored."""
+        if batch.actor != topic:
+            return
+        if topic == SUPERVISOR:
+            for event in batch.events:
+                if isinstance(event, (ActorFailed, ActorRestarted)):
+                    self._supervision(event)
+            return
+        name, replica = split_replica(topic)
+        if name != KV_CACHE_MANAGER or replica is None or replica >= self.num_replicas:
+            return
+        for event in batch.events:
+            if isinstance(event, ActorStarting):
+                self.router.pool_lost(replica)  # a fresh pool (a restart): nothing cached
+            else:
+                self.router.observe(replica, event)
+
+    def _supervision(self, event: ActorFailed | ActorRestarted) -> None:
+        _, replica = split_replica(event.actor)
+        if replica is None or replica >= self.num_replicas:
+            return
+        down = self._down[replica]
+        if isinstance(event, ActorFailed):
+            down.add(event.actor)
+        else:
+            down.discard(event.actor)
+        self.router.set_up(replica, not down)

@@ -1,0 +1,70 @@
+"""Deadline arithmetic on the cost model: a request's predicted remaining work (the ``lrs``
+policy's slack) and admission control (``reject_unmeetable``: a request whose predicted finish,
+the queue ahead of it plus its own work, misses its deadline is refused at arrival). No clock:
+``now`` is the request's arrival time as its sender stamped it (``AddRequest.arrival_time``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE as UNMEETABLE
+from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
+
+
+def remaining_prefill(request: ScheduledRequest) -> int:
+    return max(0, request.num_tokens - request.num_computed_tokens)
+
+
+def remaining_decodes(request: ScheduledRequest) -> int:
+    max_tokens = request.params.max_tokens
+    if max_tokens is None:
+        return 1
+    return max(0, max_tokens - len(request.output_token_ids))
+
+
+def remaining_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
+    """Predicted time left to finish it: its prefill in one step, then one step per token in a
+    batch of ``batch`` decoding sequences."""
+    decodes = remaining_decodes(request)
+    prefill = cost.step_seconds(remaining_prefill(request), batch) if remaining_prefill(request) else 0.0
+    return prefill + max(0, decodes - (1 if prefill else 0)) * cost.step_seconds(0, batch)
+
+
+def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num_running: int,
+                     cost: CostModel, budget: int, max_num_seqs: int) -> str | None:
+    """Why the request cannot meet its deadline, or None (no deadline, no arrival time, or met).
+    Its first token comes after every prefill token ahead of it and its own, ``budget`` tokens a
+    step; then one decode step per further token in the batch it will share."""
+    now = message.arrival_time
+    if now is None or (message.ttft_deadline is None and message.e2e_deadline is None):
+        return None
+    ahead = list(ahead)
+    prefill_tokens = sum(remaining_prefill(r) for r in ahead) + len(message.prompt_token_ids)
+    batch = min(max_num_seqs, num_running + 1)
+    steps = math.ceil(prefill_tokens / budget)
+    ttft = steps * cost.step_seconds(0, batch) + cost.step_seconds(prefill_tokens, 0) - cost.step_seconds(0, 0)
+    decodes = (message.params.max_tokens or 1) - 1
+    e2e = ttft + decodes * cost.step_seconds(0, batch)
+    for what, deadline, predicted in (("time to first token", message.ttft_deadline, ttft),
+                                      ("end-to-end", message.e2e_deadline, e2e)):
+        if deadline is not None and now + predicted > deadline:
+            return (f"{UNMEETABLE}: predicted {what} {predicted * 1000:.1f} ms, target "
+                    f"{(deadline - now) * 1000:.1f} ms ({len(ahead)} requests ahead)")
+    return None
+
+
+def earliest_deadline(message: AddRequest) -> float | None:
+    known = [d for d in (message.ttft_deadline, message.e2e_deadline) if d is not None]
+    return min(known) if known else None
+
+
+def observe_step(cost: CostModel, plan: StepPlan, result: StepResult) -> None:
+    """Teach the cost model one step: its prefill tokens (requests given more than one token) and
+    decodes (one token each), and the step's measured execution time (0: not measured)."""
+    if result.execute_seconds <= 0:
+        return
+    num_decodes = sum(1 for n in plan.num_tokens if n == 1)
+    cost.observe(sum(plan.num_tokens) - num_decodes, num_decodes, result.execute_seconds)

@@ -1,0 +1,17 @@
+"""``edf``: earliest absolute deadline (the earliest of a request's TTFT and end-to-end deadlines)
+first; requests without a deadline after those with one, in arrival order. The running request
+with the latest deadline is preempted first."""
+
+from __future__ import annotations
+
+from vllm_actors.actors.scheduler.policies.base import KeyedPolicy
+from vllm_actors.actors.scheduler.request import ScheduledRequest
+
+
+class EarliestDeadlineFirst(KeyedPolicy):
+    name = "edf"
+
+    def key(self, request: ScheduledRequest) -> tuple[float, ...]:
+        if request.deadline is None:
+            return (1, 0.0, request.arrival)
+        return (0, request.deadline, request.arrival)

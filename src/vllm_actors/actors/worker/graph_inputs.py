@@ -1,0 +1,152 @@
+"""The decode graphs' static inputs, packed in one device buffer filled by one copy per step.
+
+A decode step (one new token per sequence) replays a CUDA graph that reads its inputs from fixed
+device tensors. Copying each input on its own costs one ``copy_`` call per tensor on the host's
+critical path at batch 1 (six, then the sampler's per-row tensors). Here every static input is a
+typed view into one byte buffer on the device; the host fills the same layout in a pinned buffer
+(two in turn, so a step can be filled while the previous one's copy may still be queued) and one
+non-blocking copy moves the bytes the bucket needs. The block tables come last, so a small bucket
+copies only its own rows of them.
+
+The sampler's per-row inputs (inverse temperature, noise scale, Philox seed: ``GraphSampling``)
+travel in the same copy, for the graphs that draw the tokens inside the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm_actors.actors.worker.model_runner import BatchInput
+
+# (name, dtype, elements per row of the largest bucket): in buffer order, 8-byte fields first
+_LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
+    ("input_ids", torch.long, 1),
+    ("positions", torch.long, 1),
+    ("slot_mapping", torch.long, 1),
+    ("deferred", torch.long, 2),  # [2, largest]: flat index, source row
+    ("seeds", torch.long, 1),
+    ("inv_temperature", torch.float32, 1),
+    ("noise", torch.float32, 1),
+    ("seq_lens", torch.int32, 1),
+)
+
+
+@dataclass
+class GraphSampling:
+    """Per-row inputs of the fused sampling kernel for one decode step (``Sampler.graph_params``)."""
+
+    inv_temperature: list[float]
+    noise: list[float]
+    seeds: list[int]
+
+
+def _offsets(largest: int) -> tuple[dict[str, int], int]:
+    """Each field's byte offset (8-byte aligned), and where the block tables start."""
+    offsets: dict[str, int] = {}
+    offset = 0
+    for name, dtype, per_row in _LAYOUT:
+        offsets[name] = offset
+        offset += largest * per_row * torch.tensor([], dtype=dtype).element_size()
+        offset = (offset + 7) // 8 * 8
+    return offsets, offset
+
+
+def _views(buffer: torch.Tensor, largest: int, width: int) -> dict[str, torch.Tensor]:
+    offsets, tables = _offsets(largest)
+    views: dict[str, torch.Tensor] = {}
+    for name, dtype, per_row in _LAYOUT:
+        size = torch.tensor([], dtype=dtype).element_size()
+        flat = buffer[offsets[name] : offsets[name] + largest * per_row * size].view(dtype)
+        views[name] = flat.view(2, largest) if per_row == 2 else flat
+    views["block_tables"] = buffer[tables : tables + largest * width * 4].view(torch.int32).view(largest, width)
+    return views
+
+
+class GraphInputs:
+    """The static inputs of every decode graph (views of one device buffer) and their host side."""
+
+    def __init__(self, largest: int, width: int, block_size: int, device: torch.device) -> None:
+        self.largest = largest
+        self.width = width
+        self.block_size = block_size
+        _, tables_offset = _offsets(largest)
+        self._tables_offset = tables_offset
+        total = tables_offset + largest * width * 4
+        pin = device.type == "cuda"
+        self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.device = _views(self._device_bytes, largest, width)
+        self._host_bytes = [torch.zeros(total, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host = [_views(buffer, largest, width) for buffer in self._host_bytes]
+        self._turn = 0
+        # decode: every sequence's query starts one token after the previous one's, padded or not
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.device["slot_mapping"].fill_(-1)
+        self.device["seq_lens"].fill_(1)
+
+    def for_bucket(self, size: int) -> dict[str, torch.Tensor]:
+        """The graph inputs of a bucket of ``size`` rows (views: captured once, refilled per step)."""
+        views = self.device
+        return {
+            "input_ids": views["input_ids"][:size],
+            "positions": views["positions"][:size],
+            "slot_mapping": views["slot_mapping"][:size],
+            "query_start_loc": self.query_start_loc[: size + 1],
+            "seq_lens": views["seq_lens"][:size],
+            "block_tables": views["block_tables"][:size],
+            "inv_temperature": views["inv_temperature"][:size],
+            "noise": views["noise"][:size],
+            "seeds": views["seeds"][:size],
+        }
+
+    def upload(self, batch: BatchInput, bucket: int, sampling: GraphSampling | None) -> torch.Tensor | None:
+        """Fill the host buffer for a decode ``batch`` padded to ``bucket`` rows (padded rows: slot
+        -1, length 1, greedy), copy it to the device in one go; return the deferred pairs' device
+        view ([2, k]) when the batch has deferred inputs."""
+        num_seqs = len(batch.query_lens)
+        self._turn ^= 1
+        host = self._host[self._turn]
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        tables = batch.table_array()
+        blocks = tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64)
+
+        ids = host["input_ids"].numpy()
+        ids[:num_seqs] = batch.token_ids
+        ids[num_seqs:bucket] = 0
+        pos = host["positions"].numpy()
+        pos[:num_seqs] = positions
+        pos[num_seqs:bucket] = 0
+        slots = host["slot_mapping"].numpy()
+        slots[:num_seqs] = blocks * self.block_size + positions % self.block_size
+        slots[num_seqs:bucket] = -1
+        lens = host["seq_lens"].numpy()
+        lens[:num_seqs] = batch.seq_lens
+        lens[num_seqs:bucket] = 1
+        table_view = host["block_tables"].numpy()
+        used = min(tables.shape[1], self.width)
+        table_view[:num_seqs, :used] = tables[:, :used]
+        table_view[:num_seqs, used:] = 0
+        table_view[num_seqs:bucket] = 0
+        if sampling is not None:
+            inv = host["inv_temperature"].numpy()
+            inv[:num_seqs] = sampling.inv_temperature
+            inv[num_seqs:bucket] = 1.0
+            noise = host["noise"].numpy()
+            noise[:num_seqs] = sampling.noise
+            noise[num_seqs:bucket] = 0.0
+            seeds = host["seeds"].numpy()
+            seeds[:num_seqs] = sampling.seeds
+            seeds[num_seqs:bucket] = 0
+        count = 0
+        if batch.deferred is not None:
+            count = len(batch.deferred.flat_index)
+            pairs = host["deferred"].numpy()
+            pairs[0, :count] = batch.deferred.flat_index
+            pairs[1, :count] = batch.deferred.source_row
+        used_bytes = self._tables_offset + bucket * self.width * 4
+        self._device_bytes[:used_bytes].copy_(self._host_bytes[self._turn][:used_bytes], non_blocking=True)
+        return self.device["deferred"][:, :count] if count else None

@@ -1,0 +1,152 @@
+"""vLLM's logits controls, per row of a batch, on the logits' device, before the draw.
+
+vLLM v1's sampler order (``vllm/v1/sample/sampler.py``): logits to float32; the
+``allowed_token_ids`` whitelist; bad words (the last token of a word whose other tokens end the
+output); the processors that can change the argmax (min_tokens - done by the sampler after this,
+its -inf is absorbing so the order does not matter - and ``logit_bias``, here clamped to
+[-100, 100] as OpenAI's API); then the penalties: repetition over prompt and output tokens
+(positive logits divided by it, negative ones multiplied), frequency (times the count of each
+token in the output) and presence (once per token in the output) subtracted.
+
+Rows without any control cost nothing: ``apply_controls`` returns the logits untouched when no
+row has one. Token lists go to the device once per step, only for the rows that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_actors.actors.worker.sampler import SamplingRow
+
+_MASK = float("-inf")
+MAX_BIAS = 100.0
+
+
+def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The logits with every row's controls applied (a float32 copy), or ``logits`` itself when
+    no row has any."""
+    active = [index for index, row in enumerate(rows) if row.params.has_controls]
+    if not active:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    _allowed(logits, rows, active)
+    _bad_words(logits, rows, active)
+    _logit_bias(logits, rows, active)
+    _penalties(logits, rows, active)
+    return logits
+
+
+def _tensor(values: list[int] | list[float], logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+
+
+def _allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
+    vocab = logits.shape[1]
+    masked_rows, keep_rows, keep_ids = [], [], []
+    for index in active:
+        allowed = rows[index].params.allowed_token_ids
+        if allowed is None:
+            continue
+        masked_rows.append(index)
+        ids = [token_id for token_id in allowed if token_id < vocab]
+        keep_rows += [index] * len(ids)
+        keep_ids += ids
+    if not masked_rows:
+        return
+    drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    drop[_tensor(masked_rows, logits, torch.long)] = True
+    drop[_tensor(keep_rows, logits, torch.long), _tensor(keep_ids, logits, torch.long)] = False
+    logits.masked_fill_(drop, _MASK)
+
+
+def banned_by_bad_words(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of every word whose other tokens end ``output`` (vLLM's rule)."""
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:prefix]):
+            banned.append(word[-1])
+    return banned
+
+
+def _bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
+    vocab = logits.shape[1]
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for index in active:
+        row = rows[index]
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        ids = [t for t in banned_by_bad_words(words, row.output_token_ids()) if t < vocab]
+        ban_rows += [index] * len(ids)
+        ban_ids += ids
+    if ban_rows:
+        logits[_tensor(ban_rows, logits, torch.long), _tensor(ban_ids, logits, torch.long)] = _MASK
+
+
+def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
+    vocab = logits.shape[1]
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    biases: list[float] = []
+    for index in active:
+        for token_id, bias in (rows[index].params.logit_bias or {}).items():
+            if token_id < vocab:
+                bias_rows.append(index)
+                bias_ids.append(token_id)
+                biases.append(min(MAX_BIAS, max(-MAX_BIAS, float(bias))))
+    if bias_rows:
+        where = (_tensor(bias_rows, logits, torch.long), _tensor(bias_ids, logits, torch.long))
+        logits.index_put_(where, _tensor(biases, logits, torch.float32), accumulate=True)
+
+
+def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
+    penalised = [
+        index for index in active
+        if rows[index].params.presence_penalty or rows[index].params.frequency_penalty
+        or rows[index].params.repetition_penalty != 1.0
+    ]
+    if not penalised:
+        return
+    vocab = logits.shape[1]
+    prompts = [rows[index].prompt_token_ids() for index in penalised]
+    outputs = [rows[index].output_token_ids() for index in penalised]
+    prompt_seen = _counts(prompts, vocab, logits) > 0
+    output_counts = _counts(outputs, vocab, logits)
+    output_seen = output_counts > 0
+    params = [rows[index].params for index in penalised]
+    scalars = _tensor(
+        [p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
+        + [p.presence_penalty for p in params], logits, torch.float32,
+    ).view(3, len(penalised), 1)
+    index = _tensor(penalised, logits, torch.long)
+    sub = logits[index]
+    penalty = torch.where(prompt_seen | output_seen, scalars[0], 1.0)
+    sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    sub -= scalars[1] * output_counts
+    sub -= scalars[2] * output_seen
+    logits[index] = sub
+
+
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int, logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] float32 counts of each token in each list: one copy to the device and one
+    scatter there (ids outside the vocabulary, and the padding, land in a dropped last column)."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=logits.device)
+    if width == 0:
+        return counts[:, :vocab]
+    flat: list[int] = []
+    for tokens in token_lists:
+        flat += tokens
+        flat += [vocab] * (width - len(tokens))
+    ids = _tensor(flat, logits, torch.long).view(len(token_lists), width)
+    ids = torch.where((ids < 0) | (ids > vocab), vocab, ids)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]

@@ -1,0 +1,265 @@
+"""Tensor parallelism (Megatron-style): a rank's place in the group, its shard of each weight, and
+the collectives the sharded model runs.
+
+Each of ``size`` ranks holds:
+
+- ``q_proj`` and ``gate_proj``/``up_proj`` split by output rows (column-parallel): heads
+  ``[rank * H/size, (rank + 1) * H/size)`` and the same slice of the intermediate size;
+- ``k_proj``/``v_proj``: ``KV/size`` KV heads each, or, when there are fewer KV heads than ranks,
+  one KV head replicated on ``size/KV`` consecutive ranks (rank ``r`` holds head ``r // (size/KV)``:
+  the one its query heads use);
+- ``o_proj`` and ``down_proj`` split by input columns (row-parallel): each rank's partial sum is
+  all-reduced once per layer and projection (a bias is added on rank 0 only, so it counts once);
+- the embedding and the LM head split by vocabulary rows, ``ceil(V/size)`` per rank (the last one
+  padded with zero rows): a token outside a rank's range embeds to zeros there and one all-reduce
+  sums the ranks; the logits are all-gathered and cut back to V columns;
+- norms (and Qwen3's per-head q/k norms) replicated.
+
+``ShardLayout.slice_of`` names the slice of a checkpoint tensor a rank loads, so a loader can read
+just that (safetensors' ``get_slice``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from vllm_actors.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A rank of a tensor-parallel group (``size == 1``: no group, every collective a no-op)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
+    one_shot: OneShotAllReduce | None = None  # VLLM_ACTORS_TP_ALLREDUCE=symm_mem: small all-reduces
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks (in place through NCCL/gloo; a new tensor through the one-shot
+        all-reduce): use the returned tensor."""
+        if not self.enabled:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C] per rank -> [N, size * C], rank r's columns at ``[r*C, (r+1)*C)``."""
+        if not self.enabled:
+            return x
+        x = x.contiguous()
+        if x.device.type == "cuda":  # one buffer, graph-capturable
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            parts = list(out.unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place."""
+        if self.enabled:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` over the ranks."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+
+# Checkpoint names (suffixes) by how they are split: dim 0 (column-parallel) or dim 1 (row-parallel).
+_QUERY = ("self_attn.q_proj",)
+_KEY_VALUE = ("self_attn.k_proj", "self_attn.v_proj")
+_COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+_VOCAB = ("model.embed_tokens", "lm_head")
+
+
+class Part(NamedTuple):
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a tensor ``full`` long there."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank holds of a model (``check`` raises for shapes that cannot be split)."""
+
+    config: ModelConfig
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        c, size = self.config, self.size
+        if c.num_attention_heads % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide num_attention_heads "
+                             f"({c.num_attention_heads})")
+        kv = c.num_key_value_heads
+        if kv >= size and kv % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide num_key_value_heads ({kv})")
+        if kv < size and size % kv:
+            raise ValueError(f"num_key_value_heads ({kv}) must divide tensor_parallel_size {size} "
+                             "(fewer KV heads than ranks: each is replicated on size/KV ranks)")
+        if c.intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({c.intermediate_size})")
+        if not 0 <= self.rank < size:
+            raise ValueError(f"rank {self.rank} outside a group of {size}")
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(1, self.config.num_key_value_heads // self.size)
+
+    @property
+    def first_kv_head(self) -> int:
+        kv = self.config.num_key_value_heads
+        if kv >= self.size:
+            return self.rank * self.num_kv_heads
+        return self.rank // (self.size // kv)  # replicated: the head this rank's query heads read
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return math.ceil(self.config.vocab_size / self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the checkpoint's vocabulary this rank holds (the last rank may hold fewer)."""
+        return max(0, min(self.config.vocab_size, self.vocab_start + self.vocab_per_rank) - self.vocab_start)
+
+    def local_config(self) -> ModelConfig:
+        """The model config of this rank's modules (its heads, intermediate size and vocabulary)."""
+        if self.size == 1:
+            return self.config
+        return dataclasses.replace(
+            self.config,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_per_rank,
+        )
+
+    def slice_of(self, name: str) -> Part | None:
+        """The part of the checkpoint tensor ``name`` this rank loads; None: all of it (replicated,
+        or ``size == 1``). Row-parallel biases: None here, see ``rank0_only``."""
+        if self.size == 1:
+            return None
+        c, module, kind = self.config, *name.rpartition(".")[::2]
+        d = c.head_dim
+        if module.endswith(_QUERY):
+            return Part(0, self.rank * self.num_heads * d, (self.rank + 1) * self.num_heads * d, c.q_size)
+        if module.endswith(_KEY_VALUE):
+            return Part(0, self.first_kv_head * d, (self.first_kv_head + self.num_kv_heads) * d, c.kv_size)
+        inter = self.intermediate_size
+        if module.endswith(_COLUMN_MLP):
+            return Part(0, self.rank * inter, (self.rank + 1) * inter, c.intermediate_size)
+        if module.endswith(_ROW) and kind == "weight":
+            width, full = (self.num_heads * d, c.q_size) if module.endswith("o_proj") else (inter, c.intermediate_size)
+            return Part(1, self.rank * width, (self.rank + 1) * width, full)
+        if module in _VOCAB:
+            return Part(0, self.vocab_start, self.vocab_start + self.vocab_rows, c.vocab_size)
+        return None
+
+    def rank0_only(self, name: str) -> bool:
+        """A row-parallel bias: added once, by rank 0 (zeros elsewhere)."""
+        module, _, kind = name.rpartition(".")
+        return self.size > 1 and module.endswith(_ROW) and kind == "bias"
+
+
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor, weight: torch.Tensor, layout: ShardLayout, tp: TensorParallel
+) -> torch.Tensor:
+    """Embed with this rank's rows of the table; ids it does not hold give zeros; summed over ranks."""
+    if not tp.enabled:
+        return torch.nn.functional.embedding(input_ids, weight)
+    local = input_ids - layout.vocab_start
+    outside = (local < 0) | (local >= layout.vocab_per_rank)
+    x = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+    return tp.all_reduce(x)
+
+
+ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "nccl" (default) or "symm_mem" (GPUs: the one-shot below)
+ONE_SHOT_MAX_BYTES_ENV = "VLLM_ACTORS_TP_ONE_SHOT_MAX_BYTES"  # default 512 KiB
+
+
+class OneShotAllReduce:
+    """All-reduces of at most ``max_bytes`` through torch's symmetric memory: the input is copied
+    into a buffer every rank maps, and ``symm_mem.one_shot_all_reduce`` has each rank read its
+    peers' buffers over NVLink and sum them (no NVLink multicast). The buffer is allocated and
+    exchanged on first use (a collective: every rank reaches it with the same step). Opt-in, for
+    measuring against NCCL (``benchmarks/allreduce.py``)."""
+
+    def __init__(self, group: Any, max_bytes: int) -> None:
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        self.buffer: torch.Tensor | None = None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cuda" and x.numel() * x.element_size() <= self.max_bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self.buffer is None or self.buffer.dtype != x.dtype:
+            self.buffer = symm_mem.empty(self.max_bytes // x.element_size(), dtype=x.dtype, device=x.device)
+            symm_mem.rendezvous(self.buffer, self.group_name)
+        staged = self.buffer[: x.numel()]
+        staged.copy_(x.reshape(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+
+
+TP_TIMEOUT = timedelta(minutes=10)  # a collective that waits this long gives up (a rank is gone)
+
+
+def join_group(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
+    """Join the ``size`` ranks of a tensor-parallel group at ``init_method`` (a ``file://`` path in
+    the run directory or a ``tcp://`` address the supervisor handed out): NCCL where the engine runs
+    on CUDA (rank ``r`` on GPU ``r``), gloo on the CPU. ``size == 1``: no group."""
+    if size == 1:
+        return TensorParallel()
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    kwargs: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if on_cuda else {}
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=TP_TIMEOUT, **kwargs)
+    choice = os.environ.get(ALLREDUCE_ENV, "nccl")
+    if choice not in ("nccl", "symm_mem"):
+        raise ValueError(f"{ALLREDUCE_ENV} must be 'nccl' or 'symm_mem', got {choice!r}")
+    one_shot = None
+    if choice == "symm_mem" and on_cuda:
+        one_shot = OneShotAllReduce(dist.group.WORLD, int(os.environ.get(ONE_SHOT_MAX_BYTES_ENV, 512 << 10)))
+    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, one_shot=one_shot)
