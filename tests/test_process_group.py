@@ -149,16 +149,20 @@ def test_a_tap_joining_mid_run_sees_the_rest_without_gaps(llm: LLM) -> None:
                     for actor, seqs in late_seqs.items()}
 
         # The last batches (the worker's last step, the final FREEDs) may still be on their way to
-        # one recorder or another: wait until the two agree (60 s: a safety net), then check.
+        # one recorder or another: wait until the two agree (60 s: a safety net), then check that
+        # snapshot. Actors keep publishing (heartbeats) after the run, so a second look could catch
+        # a batch that has reached one recorder and not yet the other (it failed CI that way).
         deadline = time.monotonic() + 60
-        while not (worker_tap.batches and all(a == b for a, b in tails().values())) and time.monotonic() < deadline:
+        snapshot = tails()
+        while not (worker_tap.batches and all(a == b for a, b in snapshot.values())) and time.monotonic() < deadline:
             time.sleep(0.02)
+            snapshot = tails()
         assert all_tap.batches and worker_tap.batches
         check_sequences(all_tap.batches)  # no gap from the first batch each actor showed it
         check_sequences(worker_tap.batches)
         assert {b.actor for b in worker_tap.batches} == {"worker-0"}
         # For every actor, the late tap saw exactly the tail of what the early one saw.
-        for actor, (seen_late, seen_early) in tails().items():
+        for actor, (seen_late, seen_early) in snapshot.items():
             assert seen_late == seen_early, actor
     finally:
         for recorder in [everything, *late]:

@@ -53,8 +53,8 @@ def token_ids(outputs: list[Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3: Path) -> dict[str, list[list[int]]]:
-    """DP=1: the greedy outputs every replica set must reproduce."""
-    with LLM(str(tiny_qwen3), dtype="float32") as llm:
+    """DP=1 (one engine in this process): the greedy outputs every replica set must reproduce."""
+    with LLM(str(tiny_qwen3), executor="inprocess", dtype="float32") as llm:
         return {"short": token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
                 "long": token_ids(llm.generate(PROMPTS + MORE, LONG, use_tqdm=False))}
 

@@ -36,7 +36,9 @@ def prompts_for(vocab_size: int, seed: int) -> list[list[int]]:
 
 
 def _run(path: Path, tp_size: int, prompts: list[list[int]]) -> dict[str, Any]:
-    with LLM(str(path), tensor_parallel_size=tp_size, **ENGINE) as llm:  # type: ignore[arg-type]
+    """TP=1 (the reference) runs in this process: one engine, no group to start."""
+    executor = "inprocess" if tp_size == 1 else "group"
+    with LLM(str(path), executor=executor, tensor_parallel_size=tp_size, **ENGINE) as llm:  # type: ignore[arg-type]
         inputs = [{"prompt_token_ids": p} for p in prompts]
         # logprobs: every step is read back before the next; without: deferred (overlapped) steps
         with_logprobs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1,
@@ -44,7 +46,8 @@ def _run(path: Path, tp_size: int, prompts: list[list[int]]) -> dict[str, Any]:
         deferred = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                                 use_tqdm=False)
         metrics = settled_metrics(llm, lambda m: m.requests_finished == 2 * len(prompts) and m.kv_blocks_in_use == 0)
-        workers = {actor: pid for actor, pid in llm.group.pids().items() if actor.startswith("worker")}  # type: ignore[union-attr]
+        workers = {actor: pid for actor, pid in (llm.group.pids() if llm.group else {}).items()
+                   if actor.startswith("worker")}
     return {
         "tokens": [o.outputs[0].token_ids for o in with_logprobs],
         "logprobs": [[entry[token].logprob for entry, token in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids,
@@ -92,7 +95,7 @@ def test_sigkill_of_one_rank_restarts_the_unit_and_loses_nothing(tiny_qwen3_tp: 
     prompts = prompts_for(500, seed=7)[:6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(tiny_qwen3_tp), **ENGINE) as llm:  # type: ignore[arg-type]
+    with LLM(str(tiny_qwen3_tp), executor="inprocess", **ENGINE) as llm:  # type: ignore[arg-type]
         reference = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
     with LLM(str(tiny_qwen3_tp), tensor_parallel_size=2, **ENGINE) as llm:  # type: ignore[arg-type]
         group = llm.group

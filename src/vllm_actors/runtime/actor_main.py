@@ -58,6 +58,7 @@ from vllm_actors.runtime.process import (
 )
 from vllm_actors.runtime.security import GroupKeys, authenticating, keys_for
 from vllm_actors.runtime.transport import Actor
+from vllm_actors.runtime.worker_threads import worker_threads
 from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until_seen
 
 log = structlog.get_logger(__name__)
@@ -85,9 +86,11 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         from vllm_actors.actors.worker.worker import Worker
         from vllm_actors.models.parallel import join_group
 
-        threads = os.environ.get("VLLM_ACTORS_WORKER_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        device_type = "cuda" if spec.engine.device.startswith("cuda") or (
+            spec.engine.device == "auto" and torch.cuda.is_available()) else "cpu"
+        threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
+        if threads is not None:  # before the model loads: its load runs on these threads too
+            torch.set_num_threads(threads)
         tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
         runner = ModelRunner(spec.engine, tp)
         mc = runner.model_config
