@@ -1,6 +1,7 @@
 """The supervisor's children: one ``Child`` per actor process (its pipes, its log), the errors
-of starting and losing one, its status lines, and stopping them all (newest first: SIGTERM, then
-SIGKILL after the grace period) with the run directory."""
+of starting and losing one, its status lines, and stopping them all (the engine actors newest
+first, then the metrics store, then the bus: SIGTERM, then SIGKILL after the grace period) with the
+run directory."""
 
 from __future__ import annotations
 
@@ -88,21 +89,41 @@ def cleanup(children: list[Child], run_dir: Path, grace: float, stop: threading.
         done.set()
 
 
+# Stopped last, in this order, so that the engine actors' last events (STOPPED) still reach the
+# bus and the store; a publisher whose bus is gone would also hold its exit for its linger.
+STOP_LAST = ("metrics", "bus")
+LAST_PHASE_MIN_SECONDS = 1.0  # the bus and the store get at least this long, whatever came before
+
+
 def stop_all(children: list[Child], run_dir: Path, grace: float, stop: threading.Event,
               monitor: list[threading.Thread]) -> None:
+    """Stop the monitor, then every child: the engine actors (newest first), then the metrics
+    store, then the bus; each SIGTERMed, SIGKILLed if still there when the grace period is over."""
     stop.set()
     for thread in monitor:
         if thread is not threading.current_thread():
             thread.join(MONITOR_JOIN_SECONDS)
-    for child in reversed(children):
+    newest_first = list(reversed(children))
+    phases = [[c for c in newest_first if c.role not in STOP_LAST],
+              *([c for c in newest_first if c.role == role] for role in STOP_LAST)]
+    deadline = time.monotonic() + grace
+    for index, phase in enumerate(phases):
+        if index:
+            deadline = max(deadline, time.monotonic() + LAST_PHASE_MIN_SECONDS)
+        _stop_phase(phase, deadline)
+    children.clear()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _stop_phase(children: list[Child], deadline: float) -> None:
+    for child in children:
         if child.process.poll() is None:
             try:
                 child.process.send_signal(signal.SIGTERM)
                 child.process.send_signal(signal.SIGCONT)  # a stopped child can then handle it
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + grace
-    for child in reversed(children):
+    for child in children:
         remaining = max(deadline - time.monotonic(), 0.0)
         try:
             child.process.wait(timeout=remaining)
@@ -110,5 +131,3 @@ def stop_all(children: list[Child], run_dir: Path, grace: float, stop: threading
             child.process.kill()
             child.process.wait()
         child.close_pipes()
-    children.clear()
-    shutil.rmtree(run_dir, ignore_errors=True)
