@@ -188,13 +188,19 @@ class ProcessGroup(Recovery):
     # ------------------------------------------------------------------ start
     def start(self) -> ProcessGroup:
         try:
-            self._start_child("bus", "bus")
-            self._start_child("metrics", "metrics")
-            replicas = self.config.data_parallel_size
-            for replica in [None] if replicas == 1 else range(replicas):
-                self._start_replica(replica)
-            if replicas > 1:  # the clients' entry point, once every replica serves
-                self._start_child(CONTROLLER, CONTROLLER)
+            # Everything that waits on nothing starts at once: the bus, the metrics store and every
+            # replica's workers (the slowest: torch and the model); a worker reports READY only once
+            # the store has seen its events, so it may come up before them.
+            bus, metrics = self._spawn_child("bus", "bus"), self._spawn_child("metrics", "metrics")
+            replicas = [None] if self.config.data_parallel_size == 1 else list(range(self.config.data_parallel_size))
+            workers = {replica: self._spawn_workers(replica) for replica in replicas}
+            self._await_ready(bus)
+            self._await_ready(metrics)
+            pipelines = [self._spawn_pipeline(replica, self._workers_ready(workers[replica])) for replica in replicas]
+            for child in [child for pipeline in pipelines for child in pipeline]:
+                self._await_ready(child)
+            if len(replicas) > 1:  # the clients' entry point, once every replica serves
+                self._await_ready(self._spawn_child(CONTROLLER, CONTROLLER))
         except BaseException:
             self.shutdown()
             raise
@@ -208,20 +214,22 @@ class ProcessGroup(Recovery):
         log.info("group started", run_dir=str(self.run_dir), actors=[c.actor_id for c in self.children])
         return self
 
-    def _start_replica(self, replica: int | None) -> None:
-        """One replica's pipeline: its workers, its KV-cache manager, its scheduler (None: the
-        group's only one, under the bare names)."""
-        info = self._start_workers(replica)
+    def _spawn_pipeline(self, replica: int | None, info: dict[str, Any]) -> list[Child]:
+        """The rest of one replica's pipeline once its workers are READY (``info``: rank 0's
+        report): its KV-cache manager and its scheduler, started together (None: the group's only
+        replica, under the bare names)."""
         num_blocks = int(info["num_blocks"])
         scheduler_config = resolve_scheduler_config(
             self.config, int(info["max_position_embeddings"]), num_blocks, vocab_size=int(info["vocab_size"]),
         )
         if replica in (None, 0):
             self.worker_info, self.scheduler_config = info, scheduler_config
-        self._start_child("kv_cache_manager", replica_actor(KV_CACHE_MANAGER, replica), num_blocks=num_blocks,
-                          replica=replica)
-        self._start_child("scheduler", replica_actor(SCHEDULER, replica), scheduler=scheduler_config,
-                          num_blocks=num_blocks, replica=replica)
+        return [
+            self._spawn_child("kv_cache_manager", replica_actor(KV_CACHE_MANAGER, replica), num_blocks=num_blocks,
+                              replica=replica),
+            self._spawn_child("scheduler", replica_actor(SCHEDULER, replica), scheduler=scheduler_config,
+                              num_blocks=num_blocks, replica=replica),
+        ]
 
     @property
     def info(self) -> GroupInfo:
@@ -249,21 +257,23 @@ class ProcessGroup(Recovery):
             **spec_fields,
         )
 
-    def _start_child(self, role: str, actor_id: str, replica: int | None = None,
-                     **spec_fields: Any) -> dict[str, Any]:
+    def _spawn_child(self, role: str, actor_id: str, replica: int | None = None, **spec_fields: Any) -> Child:
         child = self._spawn(self._spec(role, actor_id, replica, **spec_fields))
         self.children.append(child)
-        return self._await_ready(child)
+        return child
 
-    def _start_workers(self, replica: int | None) -> dict[str, Any]:
-        """Start every rank of a replica at once (they meet in one rendezvous before any is READY),
-        wait for all; pin the pool each made (the same on every rank) so that a restart makes it
-        again. Returns rank 0's report."""
+    def _spawn_workers(self, replica: int | None) -> list[Child]:
+        """Start every rank of a replica at once (they meet in one rendezvous before any is READY)."""
         tp_init = self._tp_rendezvous()
         children = [self._spawn(self._spec(WORKER, replica_actor(worker_id(rank), replica), replica, rank=rank,
                                            tp_init=tp_init))
                     for rank in range(self.config.tensor_parallel_size)]
         self.children.extend(children)
+        return children
+
+    def _workers_ready(self, children: list[Child]) -> dict[str, Any]:
+        """Wait for every rank of a replica; pin the pool each made (the same on every rank) so
+        that a restart makes it again. Returns rank 0's report."""
         infos = [self._await_ready(child, children) for child in children]
         pools = {int(info["num_blocks"]) for info in infos}
         if len(pools) != 1:
