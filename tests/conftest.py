@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     # kernels are decorated, so it is set here, before any test module imports them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,18 @@ def default_gguf_path() -> str:
         return default_model_path()
     except RuntimeError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def hf_default_gguf_model(default_gguf_path: str) -> Any:
+    """transformers' model of the embedded GGUF (float32, eval): the reference, loaded once (its
+    dequantisation takes ~10 s on 2 cores)."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@ transformers loading the same GGUF, given the same prompt token ids."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,13 +33,9 @@ def test_default_model_is_the_embedded_gguf(llm: LLM, default_gguf_path: str) ->
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
 
 
-def test_greedy_chat_matches_transformers_on_the_gguf(llm: LLM, default_gguf_path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_chat_matches_transformers_on_the_gguf(llm: LLM, hf_default_gguf_model: Any) -> None:
     outputs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    path = Path(default_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model = hf_default_gguf_model
     with torch.no_grad():
         for output in outputs:
             prompt = output.prompt_token_ids

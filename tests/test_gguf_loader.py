@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,8 @@ CHAT_PROMPT = [
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(default_gguf_path: str) -> Any:
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path), dtype=torch.float32
-    ).eval()
+def hf_gguf_model(hf_default_gguf_model: Any) -> Any:
+    return hf_default_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -41,5 +41,8 @@ def run_rank(rank: int, tp_size: int, store: str, model_path: str, out: str) -> 
         results: Any = sharded_logits(model_path, tp_size, rank)
         if rank == 0:
             torch.save(results, out)
+        # Every rank is done before any tears its group down: a rank whose peer had already
+        # destroyed the gloo group aborted ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
