@@ -75,6 +75,13 @@ class ReplicaHost:
     def state(self) -> dict[str, str]:
         return self.group.state()
 
+    def watch(self) -> str:
+        """Returns once this host's process group has stopped (it failed: why); while the host's
+        process lives it never returns otherwise, and when the process or its node dies the call
+        fails. The launcher keeps one such call pending per host (``ray_launch.py``)."""
+        self.group.wait_stopped()
+        return self.group.failed or "stopped"
+
     def shutdown(self) -> None:
         self.group.shutdown()
 
@@ -122,6 +129,7 @@ class RayReplicaSet:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._group, placement_group_bundle_index=index),
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=max_restarts,
+                    max_concurrency=4,  # a pending watch() must not hold up info() or state()
                 ).remote(encoded, msgspec.json.encode(keys), start_timeout)
                 self.replicas.append(RayReplica(index=index, actor=actor, keys=keys, attach_dir=make_run_dir()))
             for replica in self.replicas:
