@@ -18,7 +18,8 @@ its keys.
 Failures: a replica whose host or node dies shows as down in ``states()`` (Ray's actor state); the
 host is a restartable Ray actor (``max_restarts``), so Ray starts it again when a node with room
 exists, and ``refresh()`` rewrites the attach directory with the new endpoints. Who re-routes the
-requests of a replica that is down is the replica-set controller's business, not this module's.
+requests of a replica that is down is the replica-set controller's business, not this module's
+(``ray_launch.py`` tells it, through the host's ``watch()``).
 """
 
 from __future__ import annotations
