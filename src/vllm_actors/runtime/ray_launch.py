@@ -12,19 +12,23 @@ One thread (``RayLauncher.start``) does three things, with nothing but its own s
   see a local replica's. The replica's own bus, metrics store and supervisor are not forwarded;
   a remote scheduler's restart (its supervisor's ``ACTOR_RESTARTED``) becomes ``RecoverPipeline``
   to the controller, as a local one's does;
-- watches each host: a ``watch`` call on the host returns or fails when the host's process group
-  stops or its process (or node) dies; the replica is then reported down (``state()`` names it,
-  ``ReplicaState(up=False)`` to the controller, which re-routes its open requests);
-- takes a restarted host back: Ray restarts the host (``max_restarts``); once it answers
-  ``info`` the attach directory is rewritten with its new endpoints (``RayReplicaSet._attach``),
-  the bus subscription moves there, and ``ReplicaState(up=True)`` tells the controller to connect
-  to it and route to it again. A host whose process group failed while the host lived is killed
-  so that Ray restarts it.
+- watches each host in Ray's control store (its actor record: state and restart count, every
+  ``CHECK_INTERVAL`` seconds): a host not ALIVE, or restarted since it was last seen up, means the
+  replica is down: ``state()`` names it, and ``ReplicaState(up=False)`` tells the controller, which
+  re-routes its open requests. (A pending call on the host is no death signal: Ray may hold it
+  over a restart and run it on the new instance.) A ``watch`` call kept on each host returns when
+  its process group gave up while the host lived: the host is then killed so that Ray restarts it;
+- takes a restarted host back: Ray restarts the host (``max_restarts``); once it is ALIVE again
+  (its constructor, which starts the new process group, has returned) and answers ``info``, the
+  attach directory is rewritten with its new endpoints (``RayReplicaSet._attach``), the bus
+  subscription moves there, and ``ReplicaState(up=True)`` tells the controller to connect to it
+  and route to it again. A host Ray gives up on (DEAD) leaves its replica "lost".
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -35,7 +39,7 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import ActorRestarted, EventBatch
 from vllm_actors.protocol.messages import RecoverPipeline, ReplicaState
-from vllm_actors.protocol.names import BUS, METRICS, SCHEDULER, SUPERVISOR, replica_actor
+from vllm_actors.protocol.names import BUS, CONTROLLER, METRICS, SCHEDULER, SUPERVISOR, replica_actor
 from vllm_actors.runtime.ray_replicas import RayReplica, RayReplicaSet, _ray
 from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo
 from vllm_actors.runtime.security import GroupKeys, connect
@@ -45,7 +49,7 @@ log = structlog.get_logger(__name__)
 
 READY, DOWN, RESTARTING_HOST, LOST = "ready", "down", "restarting", "lost"
 POLL_MS = 100
-MAX_INFO_ATTEMPTS = 3  # failed ``info`` calls on a restarting host before it counts as lost
+CHECK_INTERVAL = 0.25  # seconds between two looks at the hosts in Ray's control store
 NOT_FORWARDED = (BUS, METRICS, SUPERVISOR)
 
 
@@ -64,6 +68,7 @@ class RayLauncher:
         self._states = {replica.index: READY for replica in self.replica_set.replicas}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._controller_restarted = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -85,6 +90,12 @@ class RayLauncher:
         """Start the thread: ``addresses`` and ``keys`` are the launching group's (its bus, its controller)."""
         self._thread = threading.Thread(target=self._run, args=(addresses, keys), name="ray-replicas", daemon=True)
         self._thread.start()
+
+    def on_restart(self, actor_id: str) -> None:
+        """The supervisor restarted an actor (its ``on_restart`` listener): a new controller knows
+        nothing of the hosts that are down, so it is told again."""
+        if actor_id == CONTROLLER:
+            self._controller_restarted.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -121,7 +132,11 @@ class _Loop:
         self.publishers: dict[str, zmq.Socket] = {}
         self.subscribers: dict[int, zmq.Socket] = {}
         self.watches: dict[int, Any] = {}  # replica -> its host's pending watch() call
-        self.pending: dict[int, tuple[Any, int]] = {}  # replica -> (info() call on the restarting host, attempt)
+        self.pending: dict[int, Any] = {}  # replica -> the info() call on its restarted host
+        self.awaiting: set[int] = set()  # replicas down, waiting for their host to be ALIVE again
+        self.restarts = {replica.index: _host_record(self.ray, replica.actor)[1]
+                         for replica in launcher.replica_set.replicas}
+        self.next_check = 0.0
         for replica in launcher.replica_set.replicas:
             self._follow(replica)
 
@@ -131,6 +146,11 @@ class _Loop:
                 self._forward()
                 self._check_hosts()
                 self._check_restarts()
+                if self.launcher._controller_restarted.is_set():
+                    self.launcher._controller_restarted.clear()
+                    for index, state in self.launcher.states().items():
+                        if state != READY:
+                            self._tell(ReplicaState(replica=index, up=False, reason=f"still {state}"))
         finally:
             for socket in [self.controller, *self.publishers.values(), *self.subscribers.values()]:
                 socket.close()
@@ -201,50 +221,72 @@ class _Loop:
 
     # ------------------------------------------------------------------ hosts
     def _check_hosts(self) -> None:
-        if not self.watches:
+        """Each host as Ray's control store has it: a restart counted since we last saw it up,
+        or a state other than ALIVE, means the replica we knew is gone."""
+        now = time.monotonic()
+        if now < self.next_check:
             return
-        refs = list(self.watches.values())
-        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-        for index, ref in list(self.watches.items()):
-            if ref not in done:
-                continue
-            del self.watches[index]
-            replica = self._replica(index)
-            try:
-                reason = f"its process group stopped: {self.ray.get(ref)}"
-                self.ray.kill(replica.actor, no_restart=False)  # the host lives on without a group: restart it
-            except Exception as error:  # noqa: BLE001 - the host's process or its node died
-                reason = f"its host died: {type(error).__name__}"
-            log.warning("replica down", replica=index, reason=reason)
-            self.launcher._set_state(index, DOWN)
-            subscriber = self.subscribers.pop(index, None)
-            if subscriber is not None:
-                subscriber.close()
-            self._tell(ReplicaState(replica=index, up=False, reason=reason[:200]))
-            self.pending[index] = (replica.actor.info.remote(), 1)
+        self.next_check = now + CHECK_INTERVAL
+        for index, ref in list(self.watches.items()):  # a host whose process group stopped: restart it
+            done, _ = self.ray.wait([ref], timeout=0)
+            if done:
+                del self.watches[index]
+                try:
+                    reason = self.ray.get(ref)
+                except Exception:  # noqa: BLE001 - the host died: the control store says so below
+                    continue
+                log.warning("replica's process group stopped: restarting its host", replica=index, reason=reason)
+                self.ray.kill(self._replica(index).actor, no_restart=False)
+        for replica in self.launcher.replica_set.replicas:
+            index = replica.index
+            state, restarts = _host_record(self.ray, replica.actor)
+            if self.launcher.states()[index] == READY and (state != "ALIVE" or restarts > self.restarts[index]):
+                self._down(replica, f"its host is {state} (restarts {restarts})")
+            if state == "DEAD" and self.launcher.states()[index] != LOST:
+                log.error("replica lost: Ray does not restart its host", replica=index)
+                self.launcher._set_state(index, LOST)
+                self.pending.pop(index, None)
+            elif state == "ALIVE" and index in self.awaiting and index not in self.pending:
+                self.restarts[index] = restarts
+                self.pending[index] = replica.actor.info.remote()  # the new host, its constructor done
+
+    def _down(self, replica: RayReplica, reason: str) -> None:
+        index = replica.index
+        log.warning("replica down", replica=index, reason=reason)
+        self.launcher._set_state(index, DOWN)
+        subscriber = self.subscribers.pop(index, None)
+        if subscriber is not None:
+            subscriber.close()
+        self.watches.pop(index, None)
+        self.awaiting.add(index)
+        self._tell(ReplicaState(replica=index, up=False, reason=reason[:200]))
 
     def _check_restarts(self) -> None:
         if not self.pending:
             return
-        refs = [ref for ref, _ in self.pending.values()]
+        refs = list(self.pending.values())
         done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-        for index, (ref, attempt) in list(self.pending.items()):
+        for index, ref in list(self.pending.items()):
             if ref not in done:
                 continue
             del self.pending[index]
             replica = self._replica(index)
             try:
                 encoded = self.ray.get(ref)
-            except Exception as error:  # noqa: BLE001 - still dying, or out of restarts
-                if attempt >= MAX_INFO_ATTEMPTS:
-                    log.error("replica lost: its host does not come back", replica=index, error=repr(error))
-                    self.launcher._set_state(index, LOST)
-                    continue
-                self.launcher._set_state(index, RESTARTING_HOST)
-                self.pending[index] = (replica.actor.info.remote(), attempt + 1)
+            except Exception as error:  # noqa: BLE001 - it went again: the next check asks again
+                log.warning("a restarted host did not answer", replica=index, error=type(error).__name__)
                 continue
+            self.awaiting.discard(index)
             self.launcher.replica_set._attach(replica, encoded)  # its new endpoints, for every client here
             self._follow(replica)
             self.launcher._set_state(index, READY)
             log.info("replica back", replica=index)
             self._tell(ReplicaState(replica=index, up=True, reason="its host restarted"))
+
+
+def _host_record(ray: Any, actor: Any) -> tuple[str, int]:
+    """The host's state in Ray's control store (ALIVE, RESTARTING, DEAD, ...) and its restarts."""
+    from ray._private.state import actors
+
+    record = actors(actor_id=actor._actor_id.hex())
+    return str(record.get("State", "DEAD")), int(record.get("NumRestarts", 0))

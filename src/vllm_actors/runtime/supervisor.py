@@ -210,6 +210,7 @@ class ProcessGroup(Recovery):
             raise
         write_group_info(self.info)
         if self.ray_launcher is not None:
+            self.on_restart(self.ray_launcher.on_restart)
             self.ray_launcher.start(self.addresses, self.keys)
         for child in self.children:
             self.liveness.started(child.actor_id)
