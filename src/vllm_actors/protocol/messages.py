@@ -201,8 +201,8 @@ class RecoverPipeline(msgspec.Struct, tag="recover_pipeline", kw_only=True):
 
 
 class ReplicaState(msgspec.Struct, tag="replica_state", kw_only=True):
-    """From the launcher of a replica set whose replicas Ray placed (the supervisor, as
-    ``supervisor``) to the controller: replica ``replica``'s host went down (``up`` false: its node
+    """From the launcher of a replica set whose replicas Ray placed (``ray_launcher``,
+    runtime/ray_launch.py) to the controller: replica ``replica``'s host went down (``up`` false: its node
     or its process group is gone; its open requests go to the other replicas) or serves again
     (``up`` true: Ray restarted it; the controller reconnects to its new endpoints, read from the
     replica's attach directory, never from this message)."""

@@ -39,6 +39,7 @@ from vllm_actors.protocol.messages import (
 from vllm_actors.protocol.names import (
     CONTROLLER,
     KV_CACHE_MANAGER,
+    RAY_LAUNCHER,
     SCHEDULER,
     SUPERVISOR,
     replica_actor,
@@ -159,8 +160,8 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         controls: AcceptRules = {
             AddRequest: None,
             AbortRequests: None,
-            RecoverPipeline: frozenset({SUPERVISOR.encode()}),
-            ReplicaState: frozenset({SUPERVISOR.encode()}),
+            RecoverPipeline: frozenset({SUPERVISOR.encode(), RAY_LAUNCHER.encode()}),
+            ReplicaState: frozenset({RAY_LAUNCHER.encode()}),
         }
         return Controller(router), schedulers, controls, {}
     raise ValueError(f"unknown role {spec.role!r}")

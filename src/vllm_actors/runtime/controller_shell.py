@@ -21,7 +21,14 @@ import zmq
 from vllm_actors.actors.controller.controller import FromReplica
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.messages import ReplicaState, RequestUpdates
-from vllm_actors.protocol.names import KV_CACHE_MANAGER, REPLICA_SEPARATOR, SCHEDULER, SUPERVISOR, replica_actor
+from vllm_actors.protocol.names import (
+    KV_CACHE_MANAGER,
+    RAY_LAUNCHER,
+    REPLICA_SEPARATOR,
+    SCHEDULER,
+    SUPERVISOR,
+    replica_actor,
+)
 from vllm_actors.runtime.security import GroupKeys, attached_scheduler, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell
 
@@ -72,7 +79,7 @@ class ControllerShell(ActorShell):
         return None
 
     def receive(self, sender: bytes, message: Any) -> None:
-        if isinstance(message, ReplicaState) and message.up and sender == SUPERVISOR.encode():
+        if isinstance(message, ReplicaState) and message.up and sender == RAY_LAUNCHER.encode():
             self._reconnect(message.replica)
         super().receive(sender, message)
 

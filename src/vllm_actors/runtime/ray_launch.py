@@ -39,7 +39,7 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import ActorRestarted, EventBatch
 from vllm_actors.protocol.messages import RecoverPipeline, ReplicaState
-from vllm_actors.protocol.names import BUS, CONTROLLER, METRICS, SCHEDULER, SUPERVISOR, replica_actor
+from vllm_actors.protocol.names import BUS, CONTROLLER, METRICS, RAY_LAUNCHER, SCHEDULER, SUPERVISOR, replica_actor
 from vllm_actors.runtime.ray_replicas import RayReplica, RayReplicaSet, _ray
 from vllm_actors.runtime.run_dir import GroupAddresses, GroupInfo
 from vllm_actors.runtime.security import GroupKeys, connect
@@ -126,7 +126,7 @@ class _Loop:
         self.decoder = msgspec.msgpack.Decoder(EventBatch)
         self.encoder = msgspec.msgpack.Encoder()
         self.controller = self.context.socket(zmq.DEALER)
-        self.controller.setsockopt(zmq.IDENTITY, SUPERVISOR.encode())
+        self.controller.setsockopt(zmq.IDENTITY, RAY_LAUNCHER.encode())
         self.controller.setsockopt(zmq.LINGER, 0)
         connect(self.controller, addresses.scheduler, keys)
         self.publishers: dict[str, zmq.Socket] = {}
