@@ -133,3 +133,8 @@ def test_prefix_caching_and_policy_flags_reach_the_engine(command: str) -> None:
     assert (kwargs["enable_prefix_caching"], kwargs["scheduling_policy"]) == (False, "lpm")
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--scheduling-policy", "random"])
+    assert engine_kwargs(parser.parse_args(base))["distributed_executor_backend"] == "mp"
+    kwargs = engine_kwargs(parser.parse_args([*base, "-dp", "2", "--distributed-executor-backend", "ray"]))
+    assert (kwargs["data_parallel_size"], kwargs["distributed_executor_backend"]) == (2, "ray")
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--distributed-executor-backend", "slurm"])

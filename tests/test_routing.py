@@ -3,6 +3,7 @@ state machine, replica names on the bus and in the metrics store."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 import vllm_actors.actors.controller.controller as controller_module
@@ -27,7 +28,14 @@ from vllm_actors.protocol.events import (
     Queued,
     Routed,
 )
-from vllm_actors.protocol.messages import AbortRequests, AddRequest, RecoverPipeline, RequestUpdate, RequestUpdates
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    RecoverPipeline,
+    ReplicaState,
+    RequestUpdate,
+    RequestUpdates,
+)
 from vllm_actors.protocol.names import is_engine_actor, replica_actor, replica_of, split_replica
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.bus import topic_allowed
@@ -87,6 +95,11 @@ def test_config_checks_the_replica_arguments() -> None:
         EngineConfig(model="m", data_parallel_size=0)
     with pytest.raises(ValueError, match="routing_policy"):
         EngineConfig(model="m", routing_policy="random")
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        EngineConfig(model="m", data_parallel_size=2, distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        EngineConfig(model="m", distributed_executor_backend="ray")
+    assert EngineConfig(model="m", data_parallel_size=2, distributed_executor_backend="ray").data_parallel_size == 2
 
 
 # --------------------------------------------------------------------------- policies
@@ -203,6 +216,41 @@ def test_the_controller_routes_passes_updates_back_and_recovers_only_the_restart
     assert controller.handle(AbortRequests(request_ids=["a", "b"])) == [
         ("scheduler@1", AbortRequests(request_ids=["b"]))]
     assert not controller.requests
+
+
+def test_a_replica_whose_host_died_has_its_requests_rerouted_and_gets_new_ones_once_back() -> None:
+    controller = Controller(Router("round_robin", 2))
+    for request_id in ("a", "b", "c", "d"):  # a, c on replica 0; b, d on replica 1
+        controller.handle(add(request_id))
+    controller.handle(FromReplica(1, updates(RequestUpdate(request_id="b", new_token_ids=[5, 6]))))
+    # replica 1's host died (Ray's): b and d go to replica 0, resumed from the tokens forwarded
+    out = controller.handle(ReplicaState(replica=1, up=False, reason="its host died"))
+    sent = [(to, m) for to, m in out if isinstance(m, AddRequest)]
+    assert [(to, m.request_id, m.resume, m.output_token_ids) for to, m in sent] == [
+        ("scheduler@0", "b", True, [5, 6]), ("scheduler@0", "d", True, [])]
+    assert [m for _, m in out if isinstance(m, Routed)] == [
+        Routed(request_id=request_id, replica=0, reason="rerouted") for request_id in ("b", "d")]
+    assert controller.router.replicas[0].in_flight == 4 and controller.router.replicas[1].in_flight == 0
+    # while it is down it gets nothing new; its updates now come from replica 0
+    assert {to for to, _ in controller.handle(add("e")) + controller.handle(add("f"))} == {"scheduler@0", "bus"}
+    back = controller.handle(FromReplica(0, updates(RequestUpdate(request_id="b", new_token_ids=[7]))))
+    assert back == [("frontend", updates(RequestUpdate(request_id="b", new_token_ids=[7])))]
+    # back (Ray restarted the host): it takes requests again; nothing of the old copies is resent
+    assert controller.handle(ReplicaState(replica=1, up=True)) == []
+    assert {to for to, _ in controller.handle(add("g")) + controller.handle(add("h"))} >= {"scheduler@1"}
+
+
+def test_with_no_replica_left_up_the_requests_wait_for_their_host_to_come_back() -> None:
+    controller = Controller(Router("round_robin", 2))
+    controller.handle(add("a"))
+    controller.handle(add("b"))
+    assert controller.handle(ReplicaState(replica=0, up=False)) == [
+        ("scheduler@1", msgspec.structs.replace(add("a"), resume=True)),
+        ("bus", Routed(request_id="a", replica=1, reason="rerouted"))]
+    assert controller.handle(ReplicaState(replica=1, up=False)) == []  # nowhere to go: both stay on 1
+    resent = controller.handle(ReplicaState(replica=1, up=True))
+    assert [(to, m.request_id, m.resume) for to, m in resent] == [
+        ("scheduler@1", "a", True), ("scheduler@1", "b", True)]
 
 
 def test_after_a_controller_restart_a_request_still_running_somewhere_resumes_on_another_replica(

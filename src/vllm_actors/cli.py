@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_actors.protocol.config import SCHEDULING_POLICIES
+from vllm_actors.protocol.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas, each a full scheduler, KV-cache manager and workers, under one controller")
     parser.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "pull", "cache_aware"],
                         default="round_robin", help="how the controller spreads requests over the replicas")
+    parser.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default="mp",
+                        help="who places the replicas: mp (this host's supervisor) or ray (one process group per "
+                             "replica on the nodes of a Ray cluster, over TCP with CURVE keys)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of prompt prefixes already computed")
@@ -55,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
         "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
         "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
+        "distributed_executor_backend",
     )
     return {name: getattr(args, name) for name in names}
 

@@ -15,6 +15,10 @@ SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority", "edf", "lrs")
 # How a replica set's controller spreads requests over its replicas (actors/controller/routing.py).
 ROUTING_POLICIES = ("round_robin", "least_loaded", "pull", "cache_aware")
+# Who places a replica set's replicas (vLLM's --distributed-executor-backend): "mp", this host's
+# supervisor starts every process; "ray", Ray places each replica's process group on a node of its
+# cluster (runtime/ray_replicas.py) and the controller routes to them over TCP + CURVE.
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -51,6 +55,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # manager, workers) under one controller that routes each request by routing_policy.
     data_parallel_size: int = 1
     routing_policy: str = "round_robin"
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -73,6 +78,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.data_parallel_size == 1:
+            raise ValueError("distributed_executor_backend 'ray' places the replicas of a replica set: "
+                             "it needs data_parallel_size > 1 (one replica runs on this host with 'mp')")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):

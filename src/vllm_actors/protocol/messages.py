@@ -200,7 +200,19 @@ class RecoverPipeline(msgspec.Struct, tag="recover_pipeline", kw_only=True):
     reason: str
 
 
-Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline
+class ReplicaState(msgspec.Struct, tag="replica_state", kw_only=True):
+    """From the launcher of a replica set whose replicas Ray placed (``ray_launcher``,
+    runtime/ray_launch.py) to the controller: replica ``replica``'s host went down (``up`` false: its node
+    or its process group is gone; its open requests go to the other replicas) or serves again
+    (``up`` true: Ray restarted it; the controller reconnects to its new endpoints, read from the
+    replica's attach directory, never from this message)."""
+
+    replica: int
+    up: bool
+    reason: str = ""
+
+
+Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline | ReplicaState
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AddRequest,
@@ -209,4 +221,5 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     StepResult,
     RequestUpdates,
     RecoverPipeline,
+    ReplicaState,
 )

@@ -26,6 +26,10 @@ METRICS = "metrics"
 BUS = "bus"
 CLIENT = "client"
 SUPERVISOR = "supervisor"  # the process group's parent: publishes failures and restarts
+# The launcher of Ray-placed replicas (runtime/ray_launch.py): tells the controller of hosts down
+# and back, on a connection of its own (never the supervisor's identity: the controller's ROUTER
+# hands an identity over to the newest connection, and the supervisor's would lose its own).
+RAY_LAUNCHER = "ray_launcher"
 CONTROLLER = "controller"  # a replica set's router (data_parallel_size > 1): the clients' entry point
 
 CHILD_SEPARATOR = "#"  # n>1 children of request "r" are "r#0", "r#1", ...

@@ -33,12 +33,14 @@ from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
     RecoverPipeline,
+    ReplicaState,
     StepPlan,
     StepResult,
 )
 from vllm_actors.protocol.names import (
     CONTROLLER,
     KV_CACHE_MANAGER,
+    RAY_LAUNCHER,
     SCHEDULER,
     SUPERVISOR,
     replica_actor,
@@ -57,7 +59,7 @@ from vllm_actors.runtime.process import (
     set_busy_source,
     watch_parent,
 )
-from vllm_actors.runtime.security import GroupKeys, authenticating, keys_for
+from vllm_actors.runtime.security import GroupKeys, attached_scheduler, authenticating, keys_for
 from vllm_actors.runtime.transport import Actor
 from vllm_actors.runtime.worker_threads import worker_threads
 from vllm_actors.runtime.zmq_shell import ActorShell, EventPublisher, wait_until_seen
@@ -147,16 +149,20 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         from vllm_actors.actors.controller.routing import Router
 
         engine = spec.engine
-        router = Router(engine.routing_policy, len(addresses.replicas), block_size=engine.block_size,
+        # Ray-placed replicas: their schedulers' TCP endpoints, from their attach directories.
+        entries = [attached_scheduler(path)[0] for path in spec.remote_replicas] \
+            or [replica.scheduler for replica in addresses.replicas]
+        router = Router(engine.routing_policy, len(entries), block_size=engine.block_size,
                         capacity=engine.max_num_seqs)
-        schedulers = {replica_actor(SCHEDULER, index): [replica.scheduler]
-                      for index, replica in enumerate(addresses.replicas)}
-        # Clients submit and abort; only the supervisor reports a replica's scheduler restarted.
-        # The replicas' updates come back on the controller's own DEALERs (controller_shell.py).
+        schedulers = {replica_actor(SCHEDULER, index): [entry] for index, entry in enumerate(entries)}
+        # Clients submit and abort; only the supervisor reports a replica's scheduler restarted, or
+        # a Ray-placed replica's host down or up again. The replicas' updates come back on the
+        # controller's own DEALERs (controller_shell.py).
         controls: AcceptRules = {
             AddRequest: None,
             AbortRequests: None,
-            RecoverPipeline: frozenset({SUPERVISOR.encode()}),
+            RecoverPipeline: frozenset({SUPERVISOR.encode(), RAY_LAUNCHER.encode()}),
+            ReplicaState: frozenset({RAY_LAUNCHER.encode()}),
         }
         return Controller(router), schedulers, controls, {}
     raise ValueError(f"unknown role {spec.role!r}")
@@ -193,7 +199,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
     shell: ActorShell
     if spec.role == CONTROLLER:
         shell = ControllerShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, codec, keys=keys,
-                                bus_out=spec.addresses.bus_out)
+                                bus_out=spec.addresses.bus_out, remote_replicas=spec.remote_replicas)
     else:
         shell = ActorShell(context, actor, spec.actor_id, inbox, bus_in, peers, accepts, codec, keys=keys)
     shell.publisher.stamper = publisher_for_start.stamper  # one sequence per actor

@@ -20,9 +20,16 @@ import zmq
 
 from vllm_actors.actors.controller.controller import FromReplica
 from vllm_actors.protocol.events import EventBatch
-from vllm_actors.protocol.messages import RequestUpdates
-from vllm_actors.protocol.names import KV_CACHE_MANAGER, REPLICA_SEPARATOR, SCHEDULER, SUPERVISOR, replica_actor
-from vllm_actors.runtime.security import GroupKeys, connect
+from vllm_actors.protocol.messages import ReplicaState, RequestUpdates
+from vllm_actors.protocol.names import (
+    KV_CACHE_MANAGER,
+    RAY_LAUNCHER,
+    REPLICA_SEPARATOR,
+    SCHEDULER,
+    SUPERVISOR,
+    replica_actor,
+)
+from vllm_actors.runtime.security import GroupKeys, attached_scheduler, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell
 
 log = structlog.get_logger(__name__)
@@ -33,8 +40,13 @@ MAX_BATCHES_PER_TURN = 1_000
 class ControllerShell(ActorShell):
     def __init__(self, context: zmq.Context, actor: Any, actor_id: str, inbox: str, bus_in: str,
                  peers: Any, accepts: Any, codec: Any = None, *, keys: GroupKeys | None = None,
-                 bus_out: str | None = None) -> None:
-        super().__init__(context, actor, actor_id, inbox, bus_in, peers, accepts, codec, keys=keys)
+                 bus_out: str | None = None, remote_replicas: list[str] | None = None) -> None:
+        # Ray-placed replicas: each scheduler is reached with its own group's keys.
+        self.remote_replicas = list(remote_replicas or [])
+        peer_keys = {replica_actor(SCHEDULER, index): attached_scheduler(path)[1]
+                     for index, path in enumerate(self.remote_replicas)}
+        super().__init__(context, actor, actor_id, inbox, bus_in, peers, accepts, codec, keys=keys,
+                         peer_keys=peer_keys)
         self.events = context.socket(zmq.SUB)
         self.events.setsockopt(zmq.RCVHWM, EVENT_HWM)
         self.events.setsockopt(zmq.LINGER, 0)
@@ -65,6 +77,24 @@ class ControllerShell(ActorShell):
             self._take_events()  # what arrived meanwhile counts for this request too
             return self.endpoint.recv(timeout_ms=0)
         return None
+
+    def receive(self, sender: bytes, message: Any) -> None:
+        if isinstance(message, ReplicaState) and message.up and sender == RAY_LAUNCHER.encode():
+            self._reconnect(message.replica)
+        super().receive(sender, message)
+
+    def _reconnect(self, replica: int) -> None:
+        """A Ray-placed replica serves again (its host restarted, on new endpoints): a new DEALER
+        to its scheduler, from its attach directory, before the requests resent to it go out."""
+        if not 0 <= replica < len(self.remote_replicas):
+            return
+        address, keys = attached_scheduler(self.remote_replicas[replica])
+        old = self._replicas[replica]
+        self._poller.unregister(old)
+        dealer = self.endpoint.replace_peer(self._names[replica], address, keys)
+        self._replicas[replica] = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+        log.info("replica reconnected", replica=replica, address=address)
 
     def _take_events(self) -> None:
         for _ in range(MAX_BATCHES_PER_TURN):

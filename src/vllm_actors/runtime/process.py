@@ -55,6 +55,9 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     incarnation: int = 0  # how many times the supervisor restarted this actor before
     run_dir: str = ""  # the group's run directory: its CURVE keys (TCP), the metrics store's dumps
     replica: int | None = None  # the replica of a scheduler, KV-cache manager or worker (None: the only one)
+    # The controller of a set whose replicas Ray placed: each replica's attach directory (its
+    # group.json and curve.keys, private to this user), in replica order. Empty: local replicas.
+    remote_replicas: list[str] = []
 
 
 def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:

@@ -18,7 +18,8 @@ its keys.
 Failures: a replica whose host or node dies shows as down in ``states()`` (Ray's actor state); the
 host is a restartable Ray actor (``max_restarts``), so Ray starts it again when a node with room
 exists, and ``refresh()`` rewrites the attach directory with the new endpoints. Who re-routes the
-requests of a replica that is down is the replica-set controller's business, not this module's.
+requests of a replica that is down is the replica-set controller's business, not this module's
+(``ray_launch.py`` tells it, through the host's ``watch()``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ class ReplicaHost:
     def state(self) -> dict[str, str]:
         return self.group.state()
 
+    def watch(self) -> str:
+        """Returns once this host's process group has stopped (it failed: why); while the host's
+        process lives it never returns otherwise, and when the process or its node dies the call
+        fails. The launcher keeps one such call pending per host (``ray_launch.py``)."""
+        self.group.wait_stopped()
+        return self.group.failed or "stopped"
+
     def shutdown(self) -> None:
         self.group.shutdown()
 
@@ -122,6 +130,7 @@ class RayReplicaSet:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._group, placement_group_bundle_index=index),
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=max_restarts,
+                    max_concurrency=4,  # a pending watch() must not hold up info() or state()
                 ).remote(encoded, msgspec.json.encode(keys), start_timeout)
                 self.replicas.append(RayReplica(index=index, actor=actor, keys=keys, attach_dir=make_run_dir()))
             for replica in self.replicas:

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.auth.thread
 
-from vllm_actors.runtime.run_dir import GroupAddresses
+from vllm_actors.runtime.run_dir import GroupAddresses, read_group_info
 
 KEYS_FILE = "curve.keys"
 ZAP_DOMAIN = "vllm-actors"
@@ -96,6 +96,12 @@ def uses_tcp(addresses: GroupAddresses) -> bool:
 def keys_for(addresses: GroupAddresses, run_dir: str | Path) -> GroupKeys | None:
     """The group's keys when any of its endpoints is TCP (read from its run directory), else None."""
     return GroupKeys.load(run_dir) if uses_tcp(addresses) else None
+
+
+def attached_scheduler(attach_dir: str | Path) -> tuple[str, GroupKeys]:
+    """The entry point of a group attached from its directory (a Ray-placed replica's
+    ``attach_dir``: its ``group.json`` and ``curve.keys``): the scheduler's address and the keys."""
+    return read_group_info(attach_dir).addresses.scheduler, GroupKeys.load(attach_dir)
 
 
 def _need_keys(address: str, keys: GroupKeys | None) -> GroupKeys:

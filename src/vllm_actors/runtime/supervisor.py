@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -65,6 +65,9 @@ from vllm_actors.runtime.run_dir import (
     write_group_info,
 )
 from vllm_actors.runtime.security import GroupKeys
+
+if TYPE_CHECKING:
+    from vllm_actors.runtime.ray_launch import RayLauncher
 from vllm_actors.runtime.supervision import (
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_MAX_BUSY_SECONDS,
@@ -167,6 +170,10 @@ class ProcessGroup(Recovery):
         elif keys is not None:
             raise ValueError("keys are for TCP endpoints: pass tcp_host too")
         self.children: list[Child] = []
+        # distributed_executor_backend "ray": the replicas are Ray's (runtime/ray_launch.py); this
+        # group runs the bus, the metrics store and the controller.
+        self.ray_launcher: RayLauncher | None = None
+        self._remote_max_model_len = 0
         self.worker_info: dict[str, Any] = {}
         self.scheduler_config: SchedulerConfig | None = None
         self.failed: str | None = None  # why the group gave up (None while it serves or restarts)
@@ -192,19 +199,29 @@ class ProcessGroup(Recovery):
             # replica's workers (the slowest: torch and the model); a worker reports READY only once
             # the store has seen its events, so it may come up before them.
             bus, metrics = self._spawn_child("bus", "bus"), self._spawn_child("metrics", "metrics")
-            replicas = [None] if self.config.data_parallel_size == 1 else list(range(self.config.data_parallel_size))
-            workers = {replica: self._spawn_workers(replica) for replica in replicas}
-            self._await_ready(bus)
-            self._await_ready(metrics)
-            pipelines = [self._spawn_pipeline(replica, self._workers_ready(workers[replica])) for replica in replicas]
-            for child in [child for pipeline in pipelines for child in pipeline]:
-                self._await_ready(child)
-            if len(replicas) > 1:  # the clients' entry point, once every replica serves
-                self._await_ready(self._spawn_child(CONTROLLER, CONTROLLER))
+            if self.config.distributed_executor_backend == "ray":
+                self._await_ready(bus)
+                self._await_ready(metrics)
+                self._start_ray_replicas()
+            else:
+                size = self.config.data_parallel_size
+                replicas = [None] if size == 1 else list(range(size))
+                workers = {replica: self._spawn_workers(replica) for replica in replicas}
+                self._await_ready(bus)
+                self._await_ready(metrics)
+                pipelines = [self._spawn_pipeline(replica, self._workers_ready(workers[replica]))
+                             for replica in replicas]
+                for child in [child for pipeline in pipelines for child in pipeline]:
+                    self._await_ready(child)
+                if len(replicas) > 1:  # the clients' entry point, once every replica serves
+                    self._await_ready(self._spawn_child(CONTROLLER, CONTROLLER))
         except BaseException:
             self.shutdown()
             raise
         write_group_info(self.info)
+        if self.ray_launcher is not None:
+            self.on_restart(self.ray_launcher.on_restart)
+            self.ray_launcher.start(self.addresses, self.keys)
         for child in self.children:
             self.liveness.started(child.actor_id)
         monitor = threading.Thread(target=_monitor, args=(weakref.ref(self), self._stop),
@@ -213,6 +230,16 @@ class ProcessGroup(Recovery):
         monitor.start()
         log.info("group started", run_dir=str(self.run_dir), actors=[c.actor_id for c in self.children])
         return self
+
+    def _start_ray_replicas(self) -> None:
+        """The replicas placed by Ray, each a process group of its own on its node; then the
+        controller, connected to their schedulers over TCP with each one's keys."""
+        from vllm_actors.runtime.ray_launch import RayLauncher
+
+        self.ray_launcher = RayLauncher(self.config, start_timeout=self.start_timeout)
+        first = self.ray_launcher.first_info()
+        self.worker_info, self._remote_max_model_len = dict(first.worker), first.max_model_len
+        self._await_ready(self._spawn_child(CONTROLLER, CONTROLLER, remote_replicas=self.ray_launcher.attach_dirs))
 
     def _spawn_pipeline(self, replica: int | None, info: dict[str, Any]) -> list[Child]:
         """The rest of one replica's pipeline once its workers are READY (``info``: rank 0's
@@ -239,7 +266,7 @@ class ProcessGroup(Recovery):
             model=self.config.model,
             addresses=self.addresses,
             worker=self.worker_info,
-            max_model_len=self.scheduler_config.max_model_len if self.scheduler_config else 0,
+            max_model_len=self.scheduler_config.max_model_len if self.scheduler_config else self._remote_max_model_len,
             tokenizer=None if self.config.skip_tokenizer_init else (self.config.tokenizer or self.config.model),
             data_parallel_size=self.config.data_parallel_size,
         )
@@ -403,6 +430,12 @@ class ProcessGroup(Recovery):
             for actor, culprit in self._down_with.items():
                 if states.get(actor) == RESTARTING:
                     states[actor] = f"{RESTARTING} ({culprit} is down)"
+        if self.ray_launcher is not None:  # a Ray-placed replica's pipeline: as its host is
+            for replica, host in self.ray_launcher.states().items():
+                shown = READY if host == READY else f"{host} (replica {replica}'s Ray host)"
+                for name in (*(worker_id(rank) for rank in range(self.config.tensor_parallel_size)),
+                             KV_CACHE_MANAGER, SCHEDULER):
+                    states[replica_actor(name, replica)] = shown
         if self.stopped:
             return {actor: state if state == FAILED else STOPPED for actor, state in states.items()}
         return states
@@ -427,7 +460,10 @@ class ProcessGroup(Recovery):
 
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:
-        """Stop the monitor, then the children; idempotent, callable from a listener."""
+        """Stop the monitor, then the children (and the Ray-placed replicas); idempotent, callable
+        from a listener."""
+        if self.ray_launcher is not None:
+            self.ray_launcher.close()
         self._finalizer()
 
     @property

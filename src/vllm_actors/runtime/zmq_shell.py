@@ -100,9 +100,12 @@ class ZmqEndpoint:
         codec: MessageCodec | None = None,
         *,
         keys: GroupKeys | None = None,
+        peer_keys: Mapping[str, GroupKeys] | None = None,
     ) -> None:
         self.name = name
         self.keys = keys
+        # Peers of another group (a Ray-placed replica's scheduler): that group's keys, per peer.
+        self.peer_keys = dict(peer_keys or {})
         self.codec = codec or MessageCodec()
         self.num_dropped = 0
         self.last_sender = b""
@@ -118,14 +121,25 @@ class ZmqEndpoint:
         bind(self.router, inbox, keys)
         self.peers: dict[str, list[zmq.Socket]] = {}
         for peer, addresses in peers.items():
-            self.peers[peer] = [self._dealer(context, address) for address in addresses]
+            self.peers[peer] = [self._dealer(context, address, self.peer_keys.get(peer, keys)) for address in addresses]
 
-    def _dealer(self, context: zmq.Context, address: str) -> zmq.Socket:
+    def _dealer(self, context: zmq.Context, address: str, keys: GroupKeys | None) -> zmq.Socket:
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.name.encode())
         dealer.setsockopt(zmq.SNDHWM, COMMAND_HWM)
         dealer.setsockopt(zmq.LINGER, 0)
-        connect(dealer, address, self.keys)
+        connect(dealer, address, keys)
+        return dealer
+
+    def replace_peer(self, peer: str, address: str, keys: GroupKeys | None) -> zmq.Socket:
+        """A peer moved (a Ray-placed replica restarted elsewhere): close its DEALER, whose queue
+        waits for an endpoint that is gone, and connect a new one; returns it."""
+        for socket in self.peers.get(peer, []):
+            socket.close()
+        if keys is not None:
+            self.peer_keys[peer] = keys
+        dealer = self._dealer(self.router.context, address, self.peer_keys.get(peer, self.keys))
+        self.peers[peer] = [dealer]
         return dealer
 
     def send(self, destination: str | bytes, message: Any) -> None:
@@ -184,11 +198,12 @@ class ActorShell:
         codec: MessageCodec | None = None,
         *,
         keys: GroupKeys | None = None,
+        peer_keys: Mapping[str, GroupKeys] | None = None,
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
         self.accepts = accepts
-        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec, keys=keys)
+        self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec, keys=keys, peer_keys=peer_keys)
         self.publisher = EventPublisher(context, bus_in, actor_id, keys=keys)
         # Which client connection owns which request (the scheduler's clients): see owners.py.
         self.owners = RequestOwners()

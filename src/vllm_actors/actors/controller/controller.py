@@ -37,6 +37,8 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -50,6 +52,7 @@ from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
     RecoverPipeline,
+    ReplicaState,
     RequestUpdate,
     RequestUpdates,
 )
@@ -84,6 +87,12 @@ class _Open:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+def _resumed(request_id: str, request: _Open) -> AddRequest:
+    """The request as sent again after its copy was lost: resumed from the tokens forwarded so far."""
+    return msgspec.structs.replace(request.add, request_id=request_id, resume=True,
+                                   output_token_ids=list(request.output_token_ids))
+
+
 def session_key(key: str | None) -> str | None:
     if key is None or len(key) <= MAX_SESSION_KEY:
         return key
@@ -98,6 +107,8 @@ class Controller:
         self.num_replicas = len(router.replicas)
         self.requests: dict[str, _Open] = {}
         self._down: dict[int, set[str]] = defaultdict(set)  # replica -> its actors reported down
+        self.hosts_down: set[int] = set()  # replicas whose whole host is gone (Ray-placed replicas)
+        self.num_rerouted = 0  # requests moved off a replica whose host went down
         self.num_orphans = 0
         # requests a replica runs that nobody here routed (a restart of ours): id -> replica
         self.unclaimed: OrderedDict[str, int] = OrderedDict()
@@ -115,6 +126,8 @@ class Controller:
             return self._updates(message.replica, message.updates)
         if isinstance(message, RecoverPipeline):
             return self._recover(message)
+        if isinstance(message, ReplicaState):
+            return self._replica_state(message)
         raise TypeError(f"the controller does not take {type(message).__name__}")
 
     def _add(self, add: AddRequest) -> list[tuple[str, Any]]:
@@ -213,15 +226,43 @@ class Controller:
         name, replica = split_replica(message.actor)
         if name != SCHEDULER or replica is None or replica >= self.num_replicas:
             return []
+        return [(self.scheduler_of(replica), _resumed(request_id, request))
+                for request_id, request in self.requests.items() if request.replica == replica]
+
+    def _replica_state(self, message: ReplicaState) -> list[tuple[str, Any]]:
+        """A Ray-placed replica's host went down or came back (from the launcher).
+
+        Down: it gets no new request, and each of its open requests goes to the least loaded
+        replica still up, resumed from the tokens already forwarded (its old copy died with the
+        host). With no replica up they stay where they are. Up (a fresh process group, nothing of
+        the old one left): it takes requests again, and those that stayed on it are sent to it
+        again, resumed."""
+        replica = message.replica
+        if not 0 <= replica < self.num_replicas:
+            return []
+        if message.up:
+            self.hosts_down.discard(replica)
+            self.router.set_up(replica, not self._down[replica])
+            self.router.pool_lost(replica)
+            return self._recover(RecoverPipeline(actor=self.scheduler_of(replica), reason="host restarted"))
+        self.hosts_down.add(replica)
+        self.router.set_up(replica, False)
+        self.router.pool_lost(replica)
+        others = [r for r in range(self.num_replicas) if r not in self.hosts_down and r != replica]
+        if not others:
+            return []
         out: list[tuple[str, Any]] = []
-        for request_id, request in self.requests.items():
+        views = self.router.replicas
+        for request_id, request in list(self.requests.items()):
             if request.replica != replica:
                 continue
-            add = request.add
-            resumed = AddRequest(request_id=request_id, prompt_token_ids=add.prompt_token_ids, params=add.params,
-                                 eos_token_ids=add.eos_token_ids, resume=True,
-                                 output_token_ids=list(request.output_token_ids), session_key=add.session_key)
-            out.append((self.scheduler_of(replica), resumed))
+            target = min(others, key=lambda r: (views[r].in_flight, r))
+            views[replica].in_flight = max(views[replica].in_flight - 1, 0)
+            views[target].in_flight += 1
+            request.replica = target
+            self.num_rerouted += 1
+            out.append((self.scheduler_of(target), _resumed(request_id, request)))
+            out.append((BUS, Routed(request_id=request_id, replica=target, reason="rerouted", num_cached_blocks=0)))
         return out
 
     # ------------------------------------------------------------------ the bus
@@ -254,4 +295,4 @@ class Controller:
             down.add(event.actor)
         else:
             down.discard(event.actor)
-        self.router.set_up(replica, not down)
+        self.router.set_up(replica, not down and replica not in self.hosts_down)
