@@ -357,3 +357,21 @@ def test_past_the_budget_the_group_fails_tells_its_listeners_and_stops(tiny_qwen
     finally:
         recorder.close()
         group.shutdown()
+
+
+def test_run_dirs_of_dead_owners_are_swept_by_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor killed with SIGKILL leaves its run directory (sockets, logs, CURVE keys): the
+    next run directory made under the same root removes it; live owners' and unowned ones stay."""
+    from vllm_actors.runtime.run_dir import OWNER_FILE, make_run_dir
+
+    monkeypatch.setenv("VLLM_ACTORS_RUN_ROOT", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan, alive, unowned = make_run_dir(), make_run_dir(), tmp_path / "gbeing-made"
+    (orphan / OWNER_FILE).write_text(str(dead.pid))
+    (orphan / "curve.keys").write_text("secret")
+    unowned.mkdir()
+    assert (alive / OWNER_FILE).read_text() == str(os.getpid())
+    newest = make_run_dir()
+    assert not orphan.exists()
+    assert alive.is_dir() and unowned.is_dir() and newest.is_dir()

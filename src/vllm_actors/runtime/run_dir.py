@@ -5,6 +5,7 @@ to about 100 bytes), and holding ``group.json`` - the addresses a tap or a clien
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -81,10 +82,35 @@ def runs_root() -> Path:
     return root
 
 
+OWNER_FILE = "owner.pid"  # the pid of the process that made a run directory (and removes it)
+
+
 def make_run_dir() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="g", dir=runs_root()))
+    """A new private run directory, owned by this process (``OWNER_FILE``). Run directories left
+    by owners that died without cleaning up (a SIGKILLed supervisor, a Ray host killed by Ray)
+    are removed first: they hold sockets, logs and the group's CURVE keys."""
+    root = runs_root()
+    sweep_orphaned_run_dirs(root)
+    path = Path(tempfile.mkdtemp(prefix="g", dir=root))
     os.chmod(path, 0o700)
+    (path / OWNER_FILE).write_text(str(os.getpid()))
     return path
+
+
+def sweep_orphaned_run_dirs(root: Path) -> list[Path]:
+    """Remove the run directories under ``root`` whose owner process is gone; returns them.
+    A directory without an owner file (being made, or made by an older version) is kept, and so is
+    one whose pid is taken again by another process."""
+    removed = []
+    for owner_file in root.glob(f"g*/{OWNER_FILE}"):
+        try:
+            pid = int(owner_file.read_text().strip() or "0")
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not pid_alive(pid):
+            shutil.rmtree(owner_file.parent, ignore_errors=True)
+            removed.append(owner_file.parent)
+    return removed
 
 
 def _free_tcp_port(host: str) -> int:
