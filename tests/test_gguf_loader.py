@@ -25,11 +25,6 @@ CHAT_PROMPT = [
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(hf_default_gguf_model: Any) -> Any:
-    return hf_default_gguf_model
-
-
-@pytest.fixture(scope="module")
 def our_model(default_gguf_path: str) -> CausalLM:
     model, _ = load_model(default_gguf_path, torch.float32, torch.device("cpu"))
     return model
@@ -87,9 +82,9 @@ def test_unpermute_qk_inverts_llama_cpp_order() -> None:
     assert torch.equal(unpermute_qk(stored[:, 0], heads), w[:, 0])  # biases too
 
 
-def test_weights_equal_transformers(default_gguf_path: str, hf_gguf_model: Any, our_model: CausalLM) -> None:
+def test_weights_equal_transformers(default_gguf_path: str, hf_default_gguf_model: Any, our_model: CausalLM) -> None:
     ours = load_gguf_state_dict(default_gguf_path)
-    theirs = hf_gguf_model.state_dict()
+    theirs = hf_default_gguf_model.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in (0, 17, 29):
@@ -107,9 +102,9 @@ def test_weights_equal_transformers(default_gguf_path: str, hf_gguf_model: Any, 
     assert our_model.lm_head.weight is our_model.model.embed_tokens.weight
 
 
-def test_logits_match_transformers(hf_gguf_model: Any, our_model: CausalLM) -> None:
+def test_logits_match_transformers(hf_default_gguf_model: Any, our_model: CausalLM) -> None:
     with torch.no_grad():
-        expected = hf_gguf_model(torch.tensor([CHAT_PROMPT])).logits[0].float()
+        expected = hf_default_gguf_model(torch.tensor([CHAT_PROMPT])).logits[0].float()
     runner = PagedRunner(our_model, block_size=16, num_blocks=16, seed=0)
     got = torch.cat(
         [runner.step({0: CHAT_PROMPT[:20]})[0], runner.step({0: CHAT_PROMPT[20:]})[0]]
@@ -119,7 +114,7 @@ def test_logits_match_transformers(hf_gguf_model: Any, our_model: CausalLM) -> N
     assert (got - expected).abs().max() / scale < 1e-3
 
 
-def test_greedy_answer(default_gguf_path: str, hf_gguf_model: Any, our_model: CausalLM) -> None:
+def test_greedy_answer(default_gguf_path: str, hf_default_gguf_model: Any, our_model: CausalLM) -> None:
     steps = 8
     runner = PagedRunner(our_model, block_size=16, num_blocks=16, seed=1)
     logits = runner.step({0: CHAT_PROMPT})[0]
@@ -129,7 +124,7 @@ def test_greedy_answer(default_gguf_path: str, hf_gguf_model: Any, our_model: Ca
         logits = runner.step({0: generated[-1:]})[0]
     # transformers, teacher-forced on our continuation, picks the same greedy tokens
     with torch.no_grad():
-        ref_logits = hf_gguf_model(torch.tensor([CHAT_PROMPT + generated])).logits[0]
+        ref_logits = hf_default_gguf_model(torch.tensor([CHAT_PROMPT + generated])).logits[0]
     assert ref_logits[len(CHAT_PROMPT) - 1 : -1].argmax(-1).tolist() == generated
     vocab = read_gguf_header(default_gguf_path).metadata["tokenizer.ggml.tokens"]
     text = "".join(vocab[t] for t in generated).replace("\u0120", " ")

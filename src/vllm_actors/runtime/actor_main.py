@@ -84,13 +84,12 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
 
         from vllm_actors.actors.worker.deferred import defer_steps
         from vllm_actors.actors.worker.grammar import worker_grammars
-        from vllm_actors.actors.worker.model_runner import ModelRunner
+        from vllm_actors.actors.worker.model_runner import ModelRunner, resolve_device
         from vllm_actors.actors.worker.sampler import Sampler
         from vllm_actors.actors.worker.worker import Worker
         from vllm_actors.models.parallel import join_group
 
-        device_type = "cuda" if spec.engine.device.startswith("cuda") or (
-            spec.engine.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device_type = resolve_device(spec.engine.device).type
         threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
         if threads is not None:  # before the model loads: its load runs on these threads too
             torch.set_num_threads(threads)
