@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--engines", nargs="+", choices=("ours", "vllm"), default=["ours"],
                         help="servers to start, in this order (each stopped before the next starts)")
     target.add_argument("--url", default=None, help="drive this running server instead (e.g. http://host:8000)")
-    target.add_argument("--label", default=None, help="the --url server's name in the report")
+    target.add_argument("--label", default=None,
+                        help="the --url server's name in the report; with started servers, added to each "
+                        "one's name (e.g. 'dp2' when --server-args '-dp 2')")
     target.add_argument("--model", default=None, help="model directory (default: random Qwen3-0.6B shape)")
     target.add_argument("--load-format", default=None, help="default: dummy without --model, auto with it")
     target.add_argument("--dtype", default="bfloat16")
@@ -316,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://127.0.0.1:{args.port}"
         started = servers(args)
         for engine, policy in started:
-            name = server_name(engine, policy)
+            name = server_name(engine, policy) + (f" {args.label}" if args.label else "")
             record = {"name": name, "engine": engine, "loads": [], **({"policy": policy} if policy else {})}
             _RECORDS.append(record)
             command = server_command(engine, args, model, load_format) + policy_arguments(policy)
