@@ -122,3 +122,35 @@ def test_deferred_engine_is_token_identical_to_the_reference(
         output = finished[str(index)]
         assert output.outputs[0].token_ids == runner.reference(prompt, p.max_tokens or 0), index  # type: ignore[attr-defined]
     assert runner.num_deferred > 0  # the path under test was taken
+
+
+def test_penalised_rows_are_deferred_and_match_the_penalty_formulas(
+    monkeypatch: pytest.MonkeyPatch, busy_device: None
+) -> None:
+    """Penalties read the device's counts (PenaltyPool), not the lagging token lists: steps with
+    penalised rows are launched before the previous one is read back, and every greedy output is
+    the one vLLM's formulas give over the whole history (including requests preempted and resumed)."""
+    from test_sampling_controls import reference
+
+    monkeypatch.setenv("VLLM_ACTORS_DEFER_STEPS", "1")
+    engine, _ = make_engine(num_blocks=40, budget=16, serialize=False)
+    runner = DeferringFakeRunner(num_blocks=40, block_size=4)
+    engine.worker.runner = runner
+    engine.worker.defer = True
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(3, 30))] for _ in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(10, 40), ignore_eos=True,
+                             frequency_penalty=rng.choice([0.0, 2.0, -2.0]), presence_penalty=rng.choice([0.0, -2.0]),
+                             repetition_penalty=rng.choice([1.0, 20.0]))
+              for _ in prompts]
+    finished = run(engine, prompts, params)
+    changed = 0
+    for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        generated: list[int] = []
+        for _ in range(p.max_tokens or 0):
+            logits = torch.zeros(runner.vocab_size)
+            logits[runner.next_token(prompt + generated)] = 10.0
+            generated.append(int(reference(logits, p, prompt, generated).argmax()))
+        assert finished[str(index)].outputs[0].token_ids == generated, index  # type: ignore[attr-defined]
+        changed += generated != runner.reference(prompt, p.max_tokens or 0)
+    assert runner.num_deferred > 0 and changed  # deferred, and the penalties changed some outputs

@@ -176,13 +176,42 @@ def test_controls_end_to_end_through_llm(llm: LLM) -> None:
     assert outputs[4].outputs[0].token_ids == plain.token_ids  # the plain row in the same batch: unchanged
 
 
-def test_rows_whose_controls_read_the_history_are_not_deferred() -> None:
-    """Penalties and bad words read the tokens so far: such a step waits for the previous one's
-    tokens on the host; logit_bias and allowed_token_ids do not."""
-    assert Sampler.needs_host(SamplingParams(presence_penalty=0.5))
-    assert Sampler.needs_host(SamplingParams(repetition_penalty=1.1))
+def test_only_bad_words_keep_a_step_from_being_deferred() -> None:
+    """Bad words read the tokens so far on the host: such a step waits for the previous one's
+    tokens. Penalties read the device's counts (PenaltyPool), logit_bias and allowed_token_ids
+    nothing: those steps are launched before the previous one is read back."""
     assert Sampler.needs_host(SamplingParams(bad_words_token_ids=[[3]]))
+    assert not Sampler.needs_host(SamplingParams(presence_penalty=0.5))
+    assert not Sampler.needs_host(SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3))
     assert not Sampler.needs_host(SamplingParams(logit_bias={1: 2.0}, allowed_token_ids=[1]))
+
+
+def test_pooled_penalties_follow_the_draws_like_the_token_lists(model_logits: torch.Tensor) -> None:
+    """Rows with a PenaltyPool slot (written once from the prompt and a resumed request's outputs,
+    then counted on the device after each draw) get the same logits as the float64 reference over
+    their whole history, step after step; a slot freed and reused starts clean."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    pool = sampler.penalties
+    penalised = [p for p in MIXED if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+    outputs = [list(OUTPUT) if index % 2 else [] for index in range(len(penalised))]  # some resumed
+    slots = [pool.add(f"r{index}", PROMPT, outputs[index]) for index in range(len(penalised))]
+    pool.remove("r0")  # dropped, then re-admitted into the freed slot with a history of its own
+    outputs[0] = [250, 250]
+    slots[0] = pool.add("r0", PROMPT, outputs[0])
+    for step in range(6):
+        logits = model_logits[: len(penalised)].roll(step, dims=1).contiguous()
+        rows = [SamplingRow(p, len(outputs[i]), [], (), len(PROMPT), slots[i]) for i, p in enumerate(penalised)]
+        processed = apply_controls(logits, rows, pool)
+        for index, params in enumerate(penalised):
+            expected = reference(logits[index], params, PROMPT, outputs[index])
+            finite = torch.isfinite(expected)
+            torch.testing.assert_close(processed[index].double()[finite], expected[finite], rtol=1e-6, atol=1e-4)
+        chosen = sampler.draw(logits, rows)
+        for index, token in enumerate(chosen.tolist()):
+            outputs[index].append(token)
+    assert len(pool) == len(penalised)
+    pool.clear()
+    assert len(pool) == 0
 
 
 def test_bad_word_strings_never_appear(llm: LLM, tiny_qwen3: Path) -> None:
@@ -207,3 +236,25 @@ def test_out_of_vocabulary_ids_are_refused(llm: LLM) -> None:
                           ({"allowed_token_ids": [10**6]}, "allowed_token_ids")):
         with pytest.raises(ValueError, match=field):
             llm.generate(["hi"], SamplingParams(max_tokens=1, **kwargs))
+
+
+def test_greedy_penalised_generation_matches_the_reference_step_by_step(llm: LLM, tiny_qwen3: Path) -> None:
+    """Through the engine (async scheduling on: penalised steps are deferred, their counts kept on
+    the device), greedy outputs equal a loop over transformers' float32 logits with vLLM's penalty
+    formulas applied to the whole history."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32)
+    model.eval()
+    cases = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8,
+                            presence_penalty=0.9, frequency_penalty=0.6),
+             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=0.2,
+                            frequency_penalty=-1.5)]
+    outputs = llm.generate([{"prompt_token_ids": PROMPT}] * len(cases), cases)
+    for params, output in zip(cases, outputs, strict=True):
+        generated: list[int] = []
+        with torch.no_grad():
+            for _ in range(params.max_tokens or 0):
+                logits = model(torch.tensor([PROMPT + generated])).logits[0, -1].float()
+                generated.append(int(reference(logits, params, PROMPT, generated).argmax()))
+        assert output.outputs[0].token_ids == generated

@@ -19,6 +19,7 @@ from vllm_actors.actors.frontend.structured import check_structured_outputs
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 from vllm_actors.actors.worker.grammar import Grammars, apply_bitmask, llguidance_tokenizer
 from vllm_actors.actors.worker.sampler import Sampler
+from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.sampling import StructuredOutputs
 
 PERSON = {
@@ -63,10 +64,11 @@ def test_the_bitmask_masks_exactly_the_disallowed_tokens_of_the_constrained_rows
     assert torch.equal(masked[untouched], logits[untouched])  # the unconstrained rows: bit for bit
 
 
-def test_constrained_rows_are_not_deferred() -> None:
-    """The matcher takes each token before the next mask: such a step waits for the previous one's
-    tokens on the host, as penalty rows do."""
-    assert Sampler.needs_host(SamplingParams(structured_outputs=StructuredOutputs(regex="a+")))
+def test_constrained_rows_are_deferred() -> None:
+    """A constrained row does not keep its step from being launched before the previous one is read
+    back: the worker feeds the previous step's tokens to the matchers after the forward pass is
+    launched (test_constrained_outputs_stay_valid_while_the_previous_step_is_pending)."""
+    assert not Sampler.needs_host(SamplingParams(structured_outputs=StructuredOutputs(regex="a+")))
     assert not Sampler.needs_host(SamplingParams())
 
 
@@ -225,3 +227,36 @@ def test_the_worker_grammars_tokenizer_spans_the_models_vocabulary(default_gguf_
     tokenizer = load_tokenizer(default_gguf_path)
     ll = llguidance_tokenizer(default_gguf_path, tokenizer.vocab_size + 64, [tokenizer.eos_token_id or 0])
     assert ll.vocab_size == tokenizer.vocab_size + 64  # padded logits: the extra ids are never allowed
+
+
+def test_constrained_outputs_stay_valid_while_the_previous_step_is_pending(
+    default_gguf_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a busy GPU (a launched step never looks done), every step is launched before the
+    previous one is read back: its masks must still follow every token drawn, so seeded JSON and
+    regex samples validate, and plain rows beside them keep their greedy tokens."""
+    from vllm_actors.actors.worker.deferred import PendingStep
+
+    monkeypatch.setenv("VLLM_ACTORS_DEFER_STEPS", "1")
+    monkeypatch.setattr(PendingStep, "ready", lambda self: False)
+    launched: list[bool] = []
+    feed = Worker._feed_grammars
+
+    def watched(pending: PendingStep | None) -> None:
+        launched.append(pending is not None and not pending.grammars_fed)
+        feed(pending)
+
+    monkeypatch.setattr(Worker, "_feed_grammars", staticmethod(watched))
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(default_gguf_path, seed=0, executor="inprocess") as llm:
+        alone = llm.generate(["Once upon a time"], plain, use_tqdm=False)[0].outputs[0].token_ids
+        params = ([constrained(seed=s, json=json.dumps(PERSON), max_tokens=120) for s in range(6)]
+                  + [constrained(seed=s, regex=phone) for s in range(3)] + [plain])
+        outputs = llm.generate([PROMPT] * 9 + ["Once upon a time"], params, use_tqdm=False)
+    for output in outputs[:6]:
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+    for output in outputs[6:9]:
+        assert re.fullmatch(phone, output.outputs[0].text), output.outputs[0].text
+    assert outputs[9].outputs[0].token_ids == alone
+    assert any(launched)  # masks were filled while a step was still pending

@@ -62,6 +62,7 @@ class PendingStep:
     done: torch.cuda.Event | None
     num_batched_tokens: int
     row_of: dict[str, int] = field(default_factory=dict)  # request id -> row in ``chosen``
+    grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

@@ -9,7 +9,9 @@ its -inf is absorbing so the order does not matter - and ``logit_bias``, here cl
 token in the output) and presence (once per token in the output) subtracted.
 
 Rows without any control cost nothing: ``apply_controls`` returns the logits untouched when no
-row has one. Token lists go to the device once per step, only for the rows that need them.
+row has one. A penalised row with a slot in a ``PenaltyPool`` (the worker's rows) reads its prompt's
+tokens and output counts from there, on the device; one without (the sampler alone, in tests) has
+its token lists sent to the device for this step.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from vllm_actors.actors.worker.penalty_pool import PenaltyPool
     from vllm_actors.actors.worker.sampler import SamplingRow
 
 _MASK = float("-inf")
 MAX_BIAS = 100.0
 
 
-def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], pool: PenaltyPool | None = None) -> torch.Tensor:
     """The logits with every row's controls applied (a float32 copy), or ``logits`` itself when
-    no row has any."""
+    no row has any. ``pool``: where the rows with a ``penalty_slot`` keep their token counts."""
     active = [index for index, row in enumerate(rows) if row.params.has_controls]
     if not active:
         return logits
@@ -36,8 +39,13 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     _allowed(logits, rows, active)
     _bad_words(logits, rows, active)
     _logit_bias(logits, rows, active)
-    _penalties(logits, rows, active)
+    _penalties(logits, rows, active, pool)
     return logits
+
+
+def has_penalties(row: SamplingRow) -> bool:
+    params = row.params
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 
 def _tensor(values: list[int] | list[float], logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,19 +115,25 @@ def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[
         logits.index_put_(where, _tensor(biases, logits, torch.float32), accumulate=True)
 
 
-def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
-    penalised = [
-        index for index in active
-        if rows[index].params.presence_penalty or rows[index].params.frequency_penalty
-        or rows[index].params.repetition_penalty != 1.0
-    ]
-    if not penalised:
-        return
+def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int], pool: PenaltyPool | None) -> None:
+    penalised = [index for index in active if has_penalties(rows[index])]
+    pooled = [index for index in penalised if pool is not None and rows[index].penalty_slot >= 0]
+    listed = [index for index in penalised if pool is None or rows[index].penalty_slot < 0]
     vocab = logits.shape[1]
-    prompts = [rows[index].prompt_token_ids() for index in penalised]
-    outputs = [rows[index].output_token_ids() for index in penalised]
-    prompt_seen = _counts(prompts, vocab, logits) > 0
-    output_counts = _counts(outputs, vocab, logits)
+    if pooled:
+        assert pool is not None
+        prompt_seen, output_counts = pool.rows([rows[index].penalty_slot for index in pooled], vocab)
+        _penalise(logits, rows, pooled, prompt_seen, output_counts)
+    if listed:
+        prompts = [rows[index].prompt_token_ids() for index in listed]
+        outputs = [rows[index].output_token_ids() for index in listed]
+        _penalise(logits, rows, listed, _counts(prompts, vocab, logits) > 0, _counts(outputs, vocab, logits))
+
+
+def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int], prompt_seen: torch.Tensor,
+              output_counts: torch.Tensor) -> None:
+    """vLLM's repetition, frequency and presence penalties on these rows ([len(penalised), vocab]
+    inputs)."""
     output_seen = output_counts > 0
     params = [rows[index].params for index in penalised]
     scalars = _tensor(

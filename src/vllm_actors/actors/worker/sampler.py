@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_actors.actors.worker.graph_inputs import GraphSampling
-from vllm_actors.actors.worker.penalties import apply_controls
+from vllm_actors.actors.worker.penalties import apply_controls, has_penalties
+from vllm_actors.actors.worker.penalty_pool import PenaltyPool
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.protocol.messages import Logprobs
 from vllm_actors.protocol.sampling import SamplingParams
@@ -50,6 +51,7 @@ class SamplingRow:
     min_tokens_stop_ids: list[int]  # ids masked while num_output_tokens < min_tokens
     token_ids: Sequence[int] = ()  # prompt then outputs so far: penalties and bad words read them
     num_prompt_tokens: int = 0
+    penalty_slot: int = -1  # its slot in the sampler's PenaltyPool (penalties read that, not token_ids)
 
     def prompt_token_ids(self) -> Sequence[int]:
         return self.token_ids[: self.num_prompt_tokens]
@@ -121,6 +123,8 @@ class Sampler:
         self.fused = fused_sampler_enabled(device)
         self._seed = seed
         self._draws = 0  # fused draws so far: keys the unseeded rows' noise of each step
+        # The penalised rows' token counts on the device: the worker gives each such request a slot.
+        self.penalties = PenaltyPool(device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """``logits`` is [N, V] (float32, or the model's half type on a GPU), one row per request
@@ -151,7 +155,7 @@ class Sampler:
         rows and the fused kernel read half-precision logits as they are (exactly: the argmax of a
         bfloat16 row is that of its float32 copy); the torch sampling path works in float32."""
         num_rows = logits.shape[0]
-        logits = apply_controls(logits, rows)  # penalties, logit_bias, allowed ids, bad words
+        logits = apply_controls(logits, rows, self.penalties)  # penalties, logit_bias, allowed ids, bad words
         logits = self._mask_min_tokens(logits, rows)
         chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         greedy = [index for index, row in enumerate(rows) if row.params.greedy]
@@ -167,7 +171,16 @@ class Sampler:
             chosen[index] = logits[index].argmax(dim=-1)
             index = torch.tensor(random, device=logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
+        self._count_penalised(chosen, rows)
         return chosen
+
+    def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Each pooled penalised row's drawn token counted on the device, before the next step."""
+        pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0 and has_penalties(row)]
+        if not pooled:
+            return
+        picked = chosen if len(pooled) == len(rows) else chosen[torch.tensor(pooled, device=chosen.device)]
+        self.penalties.record([rows[index].penalty_slot for index in pooled], picked)
 
     def graph_params(self, rows: list[SamplingRow]) -> GraphSampling | None:
         """The fused kernel's per-row inputs when ``draw`` would be that kernel alone (or a plain
@@ -209,10 +222,11 @@ class Sampler:
     def needs_host(params: SamplingParams) -> bool:
         """Whether a row's draw needs more than ``draw`` (logprobs, read back with the tokens):
         such a step cannot be launched before the previous step's tokens are on the host; nor can
-        one whose penalties or bad words read the tokens generated so far, nor one constrained by
-        structured outputs (its matcher takes each token before the next mask)."""
-        return (params.logprobs is not None or params.prompt_logprobs is not None or params.needs_history
-                or params.structured_outputs is not None)
+        one whose bad words read the tokens generated so far. Penalties do not (the worker's rows
+        keep their counts on the device, ``PenaltyPool``), nor structured outputs (the worker
+        launches the forward pass, then feeds the previous step's tokens to the matchers and fills
+        the masks while it runs)."""
+        return params.logprobs is not None or params.prompt_logprobs is not None or bool(params.bad_words_token_ids)
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -77,6 +77,7 @@ class WorkerRequest:
     row: int = -1  # its row in the worker's BlockTableArray
     num_pending: int = 0  # tokens sampled by launched steps, not read back yet
     grammar: RowGrammar | None = None  # its structured-output matcher, when constrained
+    penalty_slot: int = -1  # its slot in the sampler's PenaltyPool, when it sets penalties
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -180,6 +181,7 @@ class Worker:
         pending, self._pending = self._pending, None
         if pending is None:
             return []
+        self._feed_grammars(pending)
         token_ids = pending.token_ids()
         for request, token_id in zip(pending.samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
@@ -192,6 +194,20 @@ class Worker:
             execute_seconds=self.clock() - pending.started_at,
         )
         return self._outputs(pending.started, result)
+
+    @staticmethod
+    def _feed_grammars(pending: PendingStep | None) -> None:
+        """The pending step's tokens to its constrained requests' matchers, once (waits for them
+        on the host: a deferred step with a constrained row does so after its forward pass is
+        launched, so the GPU runs it while the host reads the tokens and fills the masks)."""
+        if pending is None or pending.grammars_fed:
+            return
+        pending.grammars_fed = True
+        if not any(request.grammar is not None for request in pending.samplers):
+            return
+        for request, token_id in zip(pending.samplers, pending.token_ids(), strict=True):
+            if request.grammar is not None:
+                request.grammar.consume(token_id)
 
     def _deferrable(self, plan: StepPlan) -> bool:
         """Whether every row's draw is all the step needs (no logprobs to read back)."""
@@ -215,8 +231,8 @@ class Worker:
         if not batch.token_ids:
             empty = torch.empty(0, dtype=torch.long)
             return PendingStep(plan.step_id, started_at, started, [], empty, empty, None, 0)
-        rows = [SamplingRow(r.params, r.num_output_tokens, r.min_tokens_stop_ids, r.token_ids, r.num_prompt_tokens)
-                for r in samplers]
+        rows = [SamplingRow(r.params, r.num_output_tokens, r.min_tokens_stop_ids, r.token_ids, r.num_prompt_tokens,
+                            r.penalty_slot) for r in samplers]
         in_graph = getattr(self.runner, "samples_in_graph", None)
         sampling = None
         if in_graph is not None and not self.tp.enabled and in_graph(batch):
@@ -227,6 +243,10 @@ class Worker:
             logits = self.runner.execute(batch)
             if sample_rows != list(range(logits.shape[0])):
                 logits = logits[sample_rows]
+            constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
+            if constrained and self.grammars is not None and self.tp.rank == 0:
+                self._feed_grammars(pending)  # the masks follow every token drawn so far
+                self.grammars.mask(logits, [samplers[i].grammar for i in constrained], constrained)
             chosen = self._draw(logits, rows)
         host, done = self._copies.start(chosen)
         for request in samplers:
@@ -281,6 +301,8 @@ class Worker:
         request = self.requests.pop(request_id, None)
         if request is not None and self.tables is not None:
             self.tables.remove(request.row)
+        if request is not None and request.penalty_slot >= 0:
+            self.sampler.penalties.remove(request_id)
 
     def _admit(self, new: NewRequest) -> None:
         self._drop(new.request_id)
@@ -289,7 +311,13 @@ class Worker:
         if new.params.structured_outputs is not None and self.grammars is not None:
             # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
             grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
+        penalty_slot = -1
+        params = new.params
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            penalty_slot = self.sampler.penalties.add(
+                new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
         self.requests[new.request_id] = WorkerRequest(
+            penalty_slot=penalty_slot,
             request_id=new.request_id,
             token_ids=token_ids,
             grammar=grammar,
@@ -305,6 +333,7 @@ class Worker:
         """Drop every request and block-table row (a reset plan: the pipeline starts over; the
         KV tensors are left as they are, nothing will read them before it writes them)."""
         self.requests.clear()
+        self.sampler.penalties.clear()
         if self.tables is not None:
             self.tables = BlockTableArray(self.tables.width)
 
@@ -382,7 +411,7 @@ class Worker:
         prompt_logprobs = [self._prompt_logprobs(span, logits) for span in spans]
         rows = [
             SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids,
-                        request.token_ids, request.num_prompt_tokens)
+                        request.token_ids, request.num_prompt_tokens, request.penalty_slot)
             for request in samplers
         ]
         if samplers and sample_rows != list(range(logits.shape[0])):
