@@ -11,8 +11,12 @@ then returns the previous step's result, and the shell calls ``flush`` when no p
 
 Structured outputs (``grammar.py``, injected as ``grammars``): a constrained request gets a matcher
 when admitted (a resumed one replays its outputs into it); before the draw its row's logits are
-masked to what the grammar allows, and each token it samples goes to its matcher at once. Such a
-row needs its previous token before its next mask, so its steps are not deferred.
+masked to what the grammar allows, and each token it samples goes to its matcher before the next
+mask. In a deferred step the matchers take the pending step's tokens after the forward pass is
+launched (``_feed_grammars``), so the host reads them and fills the masks while the GPU runs.
+
+Penalties read per-request counts kept on the device (the sampler's ``PenaltyPool``): a penalised
+request gets a slot when admitted and gives it back when dropped.
 
 Under tensor parallelism every rank's worker gets every plan and keeps the same requests and
 block tables; each runs its shard of the forward pass (the collectives are inside the model), only
