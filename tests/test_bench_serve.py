@@ -208,3 +208,20 @@ def test_vllm_peer_runs_in_its_own_process(tmp_path: Path) -> None:
     (site / "__init__.py").write_text("raise ImportError('no vllm here')")
     failed = run_vllm_peer(args, str(tmp_path), "dummy", workload, tmp_path / "out", 151936)
     assert failed["error"].startswith("exit 1") and "no vllm here" in failed["error"]
+
+
+def test_server_delays_are_the_loads_difference_with_bucket_bounds() -> None:
+    """bench/serve_delays.py: a load's samples are after minus before; its quantiles are the upper
+    bounds of the buckets that reach the share."""
+    from vllm_actors.bench.serve_delays import describe, difference
+
+    before = {"transit": {"buckets": {0.001: 10.0, 0.01: 10.0, float("inf"): 10.0}, "count": 10.0, "sum": 0.005}}
+    after = {"transit": {"buckets": {0.001: 10.0, 0.01: 108.0, float("inf"): 110.0}, "count": 110.0, "sum": 0.6},
+             "stream_wait": {"buckets": {0.001: 0.0, float("inf"): 0.0}, "count": 0.0, "sum": 0.0}}
+    delays = difference(before, after)
+    assert set(delays) == {"transit"}  # nothing new in stream_wait
+    row = delays["transit"]
+    assert row["count"] == 100 and abs(row["mean"] - 0.00595) < 1e-12
+    assert (row["p50"], row["p90"], row["p99"]) == (0.01, 0.01, float("inf"))  # 98 of 100 within 10 ms
+    assert "transit mean 5.95 ms" in describe(delays)
+    assert difference(before, None) == {}

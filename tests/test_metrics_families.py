@@ -265,3 +265,29 @@ def test_continuous_usage_stats_on_every_chunk_count_the_chunks_choice(served: S
     if endpoint.startswith("chat"):
         assert with_choices[0]["choices"][0]["delta"]["role"] == "assistant"
         assert with_choices[0]["usage"]["completion_tokens"] == 0
+
+
+def test_where_a_tokens_way_to_the_client_is_spent(served: Served) -> None:
+    """This engine's own histograms: vllm_actors:output_transit_seconds (a step's result leaving
+    the worker to its outputs reaching the server, one sample per frame: every step of a streamed
+    request brings one) and vllm_actors:stream_wait_seconds (an output waiting in the server before
+    its response took it). The stamps share the host's monotonic clock, so the times are small and
+    positive."""
+    before = scrape(served)
+    body = {"model": MODEL, "prompt": list(range(40, 52)), "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        chunks = [line for line in reply.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 1
+    after = scrape(served)
+
+    def grew(name: str) -> float:
+        return after[sample(name)] - before.get(sample(name), 0.0)
+
+    frames = grew("vllm_actors:output_transit_seconds_count")
+    assert frames >= 6  # one frame per step that gave this request a token
+    assert 0 < grew("vllm_actors:output_transit_seconds_sum") < 60 * frames
+    waits = grew("vllm_actors:stream_wait_seconds_count")
+    assert 1 <= waits <= 6 + 1  # one per output taken (outputs coalesce when the response lags)
+    assert 0 <= grew("vllm_actors:stream_wait_seconds_sum") < 60 * waits

@@ -8,6 +8,7 @@ tiny model."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,10 @@ def test_ownership_add_abort_and_updates() -> None:
     assert owners.screen(A, AbortRequests(request_ids=["r", "gone"])) == (AbortRequests(request_ids=["r"]), None)
     # updates go to their owner; a finished request is forgotten
     split = owners.split(RequestUpdates(step_id=1, updates=[RequestUpdate(request_id="r", new_token_ids=[1]),
-                                                            RequestUpdate(request_id="s", finish_reason="stop")]))
+                                                            RequestUpdate(request_id="s", finish_reason="stop")],
+                                        step_finished_at=5.0, sent_at=6.0))
     assert {owner: [u.request_id for u in m.updates] for owner, m in split.items()} == {A: ["r"], B: ["s"]}
+    assert all((m.step_finished_at, m.sent_at) == (5.0, 6.0) for m in split.values())  # the stamps go along
     assert owners.owner("s") is None and owners.owner("r") == A
 
 
@@ -387,3 +390,21 @@ async def test_long_or_malformed_ids_from_the_socket_are_refused(client: AsyncEn
         assert error.startswith("request_id") and len(error) < 300, error
     outputs = [o async for o in client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=2))]
     assert outputs[-1].finished
+
+
+def test_the_shells_stamp_departures_once() -> None:
+    """A worker's result and a scheduler's updates get the sending shell's monotonic time; a
+    controller forwarding a replica's updates keeps the replica's stamp."""
+    from vllm_actors.protocol.messages import StepResult
+    from vllm_actors.runtime.zmq_shell import stamp_departure
+
+    result = StepResult(step_id=0, req_ids=[], token_ids=[])
+    before = time.monotonic()
+    stamp_departure(result)
+    assert before <= result.finished_at <= time.monotonic()
+    updates = RequestUpdates(step_id=0, updates=[], step_finished_at=result.finished_at)
+    stamp_departure(updates)
+    sent = updates.sent_at
+    assert sent >= result.finished_at
+    stamp_departure(updates)  # forwarded: unchanged
+    assert updates.sent_at == sent

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_actors.bench import serve_delays
 from vllm_actors.bench.serve_client import (
     INPUT_LEN_RANGE,
     OUTPUT_LEN_RANGE,
@@ -162,9 +163,13 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
         concurrency = int(value) if kind == "concurrency" else 0
         shards = split_load(completions_url(url), model, requests, args.num_clients, temperature=args.temperature,
                             timeout=args.request_timeout, concurrency=concurrency, duration=args.duration)
+        delays_before = serve_delays.scrape(url)
         results, start = run_load(shards)
+        delays = serve_delays.difference(delays_before, serve_delays.scrape(url))
         summary = summarize(results, start, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
         summary.update({"kind": kind, "value": value, "sent": len(results), "client_processes": len(shards)})
+        if delays:  # this engine's servers: where the tokens' way to the client was spent
+            summary["server_delays"] = delays
         if args.workload == "mixed":
             summary["slo"] = slo_summary(args, results, requests, start)
         klass = {request.index: getattr(request, "klass", None) for request in requests}
@@ -176,6 +181,8 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
         ]
         record["loads"].append(summary)
         print(format_row(name, summary), flush=True)
+        if delays:
+            print(f"{name} {_load_label(summary)}: {serve_delays.describe(delays)}", flush=True)
         if "slo" in summary:
             print(slo_row(name, summary, None), flush=True)
         write_outputs(out, args, None)

@@ -264,7 +264,7 @@ class AsyncEngineClient(ClientCore):
         """Send a prepared request to the scheduler; its outputs arrive on the returned stream."""
         self._check_alive()
         self._ensure_tasks()
-        stream = RequestStream(self, prepared)
+        stream = RequestStream(self, prepared, on_wait=self.latency.on_stream_wait)
         self._submit(prepared)
         self._streams[prepared.request_id] = stream
         params = prepared.params
@@ -374,7 +374,11 @@ class AsyncEngineClient(ClientCore):
             payload = await self._dealer.recv()
             now = time.monotonic()
             try:
-                outputs = self._receive_frame(payload)
+                message = self._decode_frame(payload)
+                if message is None:
+                    continue
+                self.latency.on_transit(message, now)
+                outputs = self._receive(message)
             except Exception:  # a bug here must not silence every other request
                 log.exception("updates not handled", actor=self.identity)
                 continue

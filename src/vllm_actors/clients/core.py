@@ -193,15 +193,19 @@ class ClientCore:
 
     def _receive_frame(self, payload: bytes) -> list[RequestOutput]:
         """``_receive`` for a wire frame; a frame that is not ``RequestUpdates`` is dropped."""
+        message = self._decode_frame(payload)
+        return [] if message is None else self._receive(message)
+
+    def _decode_frame(self, payload: bytes) -> RequestUpdates | None:
         try:
             message = self._codec.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             log.warning("frame dropped", actor=self.name, why="undecodable", error=str(error))
-            return []
+            return None
         if not isinstance(message, RequestUpdates):
             log.warning("frame dropped", actor=self.name, why="unexpected type", type=type(message).__name__)
-            return []
-        return self._receive(message)
+            return None
+        return message
 
 
 class SyncClient(ClientCore, ABC):

@@ -16,6 +16,7 @@ import structlog
 
 from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.events import EventBatch, Queued, Scheduled
+from vllm_actors.protocol.messages import RequestUpdates
 from vllm_actors.protocol.names import CHILD_SEPARATOR, parent_request_id
 
 log = structlog.get_logger(__name__)
@@ -148,6 +149,19 @@ class LatencyTracker:
     def wants_scheduler_events(self) -> bool:
         """Whether scheduler events are worth decoding: listeners, and requests being timed."""
         return bool(self.listeners and self._timings)
+
+    def on_transit(self, updates: RequestUpdates, now: float) -> None:
+        """A frame of the scheduler's updates reached the client at ``now`` (``time.monotonic``):
+        ``"transit"``, from the worker's result leaving it (its shell's stamp) to here, once per
+        frame; 0-stamped frames (another host's clock, or none) are not observed."""
+        if self.listeners and updates.step_finished_at and updates.step_finished_at <= now:
+            self._emit("transit", now - updates.step_finished_at)
+
+    def on_stream_wait(self, seconds: float) -> None:
+        """``"stream_wait"``: how long an output waited in its stream before the consumer (an SSE
+        response, a ``generate`` loop) took it: this process's event loop falling behind."""
+        if self.listeners:
+            self._emit("stream_wait", seconds)
 
     def _emit(self, metric: str, seconds: float) -> None:
         for listener in self.listeners:

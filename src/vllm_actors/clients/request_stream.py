@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
@@ -20,8 +22,13 @@ class RequestStream:
     newest one: each ``__anext__`` returns the latest output not yet returned. The iteration ends
     after the finished output (finish reasons "stop", "length", "abort" or "error")."""
 
-    def __init__(self, client: _Aborter, prepared: PreparedRequest) -> None:
+    def __init__(self, client: _Aborter, prepared: PreparedRequest,
+                 on_wait: Callable[[float], None] | None = None) -> None:
+        """``on_wait(seconds)``: how long each output taken waited here (from the first output put
+        since the last take), for the client's ``stream_wait`` samples."""
         self.client = client
+        self._on_wait = on_wait
+        self._waiting_since: float | None = None
         self.request_id = prepared.request_id
         self.prepared = prepared
         self.finished = False  # the finished output has been received
@@ -32,6 +39,8 @@ class RequestStream:
         self._error: BaseException | None = None
 
     def _put(self, output: RequestOutput) -> None:
+        if self._waiting_since is None and self._on_wait is not None:
+            self._waiting_since = time.monotonic()
         self._latest = output
         self._last = output
         self.finished = self.finished or output.finished
@@ -100,6 +109,9 @@ class RequestStream:
             output, self._latest = self._latest, None
             if output is None:
                 continue
+            if self._waiting_since is not None and self._on_wait is not None:
+                self._on_wait(time.monotonic() - self._waiting_since)
+                self._waiting_since = None
             if output.finished:
                 self._returned_final = True
             return output

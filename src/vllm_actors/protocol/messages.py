@@ -168,6 +168,9 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     prompt_logprobs: list[PromptLogprobs] = []
     num_batched_tokens: int = 0
     execute_seconds: float = 0.0
+    # time.monotonic() (one clock for every process of a host) when the worker's shell sent it;
+    # 0: not stamped. The scheduler passes it on in its RequestUpdates (their transit time).
+    finished_at: float = 0.0
 
 
 class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -188,6 +191,11 @@ class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
 class RequestUpdates(msgspec.Struct, tag="request_updates", kw_only=True):
     step_id: int
     updates: list[RequestUpdate]
+    # time.monotonic() when the step's result left the worker and when these updates left the
+    # scheduler (stamped by the shells; 0: unknown): a client on the same host measures how long
+    # its outputs spent on the way (vllm_actors:output_transit_seconds).
+    step_finished_at: float = 0.0
+    sent_at: float = 0.0
 
 
 class RecoverPipeline(msgspec.Struct, tag="recover_pipeline", kw_only=True):

@@ -28,7 +28,7 @@ from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import DISABLE_EVENTS_ENV, WORK_EVENTS, ActorCrashed, EventBatch, Rejected
-from vllm_actors.protocol.messages import RequestUpdates
+from vllm_actors.protocol.messages import RequestUpdates, StepResult
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.runtime.security import GroupKeys, bind, connect
 from vllm_actors.runtime.transport import Actor, EventStamper, split_events
@@ -296,6 +296,7 @@ class ActorShell:
     def dispatch(self, outputs: list[tuple[str, Any]]) -> None:
         messages, events = split_events(outputs)
         for destination, message in messages:
+            stamp_departure(message)
             if destination == FRONTEND and isinstance(message, RequestUpdates):
                 for owner, updates in self.owners.split(message).items():
                     self.endpoint.send(owner, updates)
@@ -309,6 +310,15 @@ class ActorShell:
     def close(self) -> None:
         self.endpoint.close()
         self.publisher.close()
+
+
+def stamp_departure(message: Any) -> None:
+    """A step result's and a scheduler's updates' departure time, once (a controller forwarding a
+    replica's updates keeps the replica's): the edge stamps, the state machines hold no clock."""
+    if isinstance(message, StepResult) and not message.finished_at:
+        message.finished_at = time.monotonic()
+    elif isinstance(message, RequestUpdates) and not message.sent_at:
+        message.sent_at = time.monotonic()
 
 
 def _request_of(message: Any) -> dict[str, object]:

@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's vllm:request_params_n
+DELAY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
@@ -70,6 +71,12 @@ HISTOGRAMS: dict[str, tuple[tuple[str, str, tuple[float, ...] | str], ...]] = {
     "params_n": (("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),),
     "params_max_tokens": (("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
                            TOKENS),),
+    # This engine's own (no vLLM counterpart): where a token's way to the client is spent.
+    "transit": (("vllm_actors:output_transit_seconds", "Histogram of the time from a step's result leaving the "
+                 "worker to its outputs reaching this server (scheduler, controller and sockets), per frame.",
+                 DELAY_BUCKETS),),
+    "stream_wait": (("vllm_actors:stream_wait_seconds", "Histogram of the time an output waited in this server "
+                     "before its response took it (the server's event loop behind).", DELAY_BUCKETS),),
 }
 
 

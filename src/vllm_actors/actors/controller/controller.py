@@ -208,7 +208,9 @@ class Controller:
                 del self.requests[update.request_id]
                 out.extend(self._released(replica))
         if passed:
-            out.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed)))
+            out.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed,
+                                                    step_finished_at=updates.step_finished_at,
+                                                    sent_at=updates.sent_at)))
         if orphans:
             self.num_orphans += len(orphans)
             out.append((self.scheduler_of(replica), AbortRequests(request_ids=orphans, reason="rerouted")))

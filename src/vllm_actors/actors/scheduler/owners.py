@@ -122,4 +122,6 @@ class RequestOwners:
             grouped[owner].append(update)
             if update.finish_reason is not None:
                 del self._owner[update.request_id]
-        return {owner: RequestUpdates(step_id=updates.step_id, updates=batch) for owner, batch in grouped.items()}
+        return {owner: RequestUpdates(step_id=updates.step_id, updates=batch, step_finished_at=updates.step_finished_at,
+                                      sent_at=updates.sent_at)
+                for owner, batch in grouped.items()}

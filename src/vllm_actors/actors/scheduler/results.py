@@ -99,4 +99,4 @@ def on_step_result(scheduler: Scheduler, result: StepResult) -> list[tuple[str, 
             )
     if not updates:
         return []
-    return [(FRONTEND, RequestUpdates(step_id=result.step_id, updates=updates))]
+    return [(FRONTEND, RequestUpdates(step_id=result.step_id, updates=updates, step_finished_at=result.finished_at))]
