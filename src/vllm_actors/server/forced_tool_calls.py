@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Callable
 
-from vllm_actors.server.tool_parser import CallDelta, JsonValueScanner, ParsedDelta, new_tool_call_id
+from vllm_actors.server.tool_parser import CallDelta, JsonStrings, JsonValueScanner, ParsedDelta, new_tool_call_id
 
 _PARAMETERS_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:', re.DOTALL)
 
@@ -48,8 +48,7 @@ class RequiredCallsParser:
         self._make_id = make_id
         self._text = ""
         self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._strings = JsonStrings()
         self._element_start = -1  # where the open element of the array starts in _text
         self._header = False
         self._scanner = JsonValueScanner()
@@ -61,17 +60,9 @@ class RequiredCallsParser:
         base = len(self._text)
         self._text += text
         for offset, char in enumerate(text):
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif char == "\\":
-                    self._escape = True
-                elif char == '"':
-                    self._in_string = False
+            if self._strings.quoted(char):
                 continue
-            if char == '"':
-                self._in_string = True
-            elif char in "{[":
+            if char in "{[":
                 self._depth += 1
                 if self._depth == 2 and char == "{":
                     self._element_start = base + offset

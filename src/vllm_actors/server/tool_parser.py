@@ -94,6 +94,31 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+class JsonStrings:
+    """Whether each character of a JSON text, fed in order, belongs to a string (escapes followed)."""
+
+    __slots__ = ("inside", "_escape")
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._escape = False
+
+    def quoted(self, char: str) -> bool:
+        """True when ``char`` is part of a string, its quotes included."""
+        if self.inside:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self.inside = False
+            return True
+        if char == '"':
+            self.inside = True
+            return True
+        return False
+
+
 class JsonValueScanner:
     """Follows one JSON object or array character by character: where it ends."""
 
@@ -101,8 +126,7 @@ class JsonValueScanner:
         self.depth = 0
         self.started = False
         self.done = False
-        self._in_string = False
-        self._escape = False
+        self._strings = JsonStrings()
 
     def take(self, text: str) -> tuple[str, int]:
         """(the value's characters in ``text``, how many characters of ``text`` were used)."""
@@ -120,25 +144,19 @@ class JsonValueScanner:
                     used -= 1
                     break
                 self.started = True
-            elif self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif char == "\\":
-                    self._escape = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char == "<":  # markup where JSON should go on: the value was cut short
-                self.done = True
-                used -= 1
-                break
-            if char in "{[" and not self._in_string:
+                quoted = False
+            else:
+                quoted = self._strings.quoted(char)
+                if not quoted and char == "<":  # markup where JSON should go on: the value was cut short
+                    self.done = True
+                    used -= 1
+                    break
+            if not quoted and char in "{[":
                 self.depth += 1
-            elif char in "}]" and not self._in_string:
+            elif not quoted and char in "}]":
                 self.depth -= 1
             out.append(char)
-            if self.started and self.depth == 0 and not self._in_string:
+            if self.started and self.depth == 0 and not self._strings.inside:
                 self.done = True
         return "".join(out), used
 
