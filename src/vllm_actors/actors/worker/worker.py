@@ -42,11 +42,12 @@ import torch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.deferred import DeferredInputs, HostCopies, PendingStep
 from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.actors.worker.plan_checks import check_plan
+from vllm_actors.actors.worker.prompt_logprobs import PromptSpan, prompt_logprobs_of
 from vllm_actors.actors.worker.ranks import Ranks, SingleRank
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, top_logprobs
-from vllm_actors.protocol.errors import MessageRejected
+from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
 from vllm_actors.protocol.events import StepFinished, StepStarted
-from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
+from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import BUS, SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs
 
@@ -94,14 +95,6 @@ class WorkerRequest:
             return []
         eos = [] if self.params.ignore_eos else self.eos_token_ids
         return [*eos, *self.params.stop_token_ids]
-
-
-@dataclass
-class _PromptSpan:
-    request: WorkerRequest
-    first_row: int  # first row of this span in the logits
-    first_target: int  # prompt position whose logprob the first row gives
-    count: int
 
 
 class Worker:
@@ -270,36 +263,10 @@ class Worker:
 
     def validate(self, plan: StepPlan) -> None:
         """Reject a plan that names unknown requests or asks for tokens that do not exist
-        (``MessageRejected``), before any state changes."""
-        if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
-            raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
-        held_requests = {} if plan.reset else self.requests  # a reset plan starts from nothing
-        computed = {
-            request_id: (request.num_computed_tokens, len(request.token_ids) + request.num_pending)
-            for request_id, request in held_requests.items()
-            if request_id not in plan.finished_ids
-        }
-        for new in plan.new_requests:
-            if len(new.token_ids) % 4:
-                raise MessageRejected(f"new request {new.request_id!r}: packed token ids take 4 bytes each")
-            if new.params.structured_outputs is not None and self.grammars is None:
-                raise MessageRejected(f"new request {new.request_id!r}: structured outputs need grammars")
-        computed.update({new.request_id: (new.num_cached_tokens, new.num_tokens) for new in plan.new_requests})
-        num_blocks = getattr(self.runner, "num_blocks", None)
-        for request_id, num_new, blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
-            if request_id not in computed:
-                raise MessageRejected(f"plan schedules unknown request {request_id!r}")
-            done, known = computed[request_id]
-            if not 1 <= num_new <= known - done:
-                raise MessageRejected(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
-            if num_blocks is not None and any(not 0 <= block < num_blocks for block in blocks):
-                raise MessageRejected(f"plan gives {request_id!r} a block outside the pool")
-            fresh = request_id in plan.finished_ids or request_id not in held_requests or any(
-                new.request_id == request_id for new in plan.new_requests
-            )
-            held = 0 if fresh else len(held_requests[request_id].block_table)
-            if self.tables is not None and held + len(blocks) > self.tables.width:
-                raise MessageRejected(f"plan gives {request_id!r} more blocks than a sequence may hold")
+        (``MessageRejected``), before any state changes (``plan_checks.check_plan``)."""
+        check_plan(plan, self.requests, has_grammars=self.grammars is not None,
+                   num_blocks=getattr(self.runner, "num_blocks", None),
+                   table_width=self.tables.width if self.tables is not None else None)
 
     def _drop(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -352,13 +319,13 @@ class Worker:
 
     def _build_batch(
         self, plan: StepPlan, pending: PendingStep | None = None
-    ) -> tuple[BatchInput, list[WorkerRequest], list[int], list[_PromptSpan]]:
+    ) -> tuple[BatchInput, list[WorkerRequest], list[int], list[PromptSpan]]:
         """The step's flattened inputs; a token the pending step sampled becomes a placeholder
         filled on the device from that step's sampled ids."""
         batch = BatchInput([], [], [], [], [], [])
         samplers: list[WorkerRequest] = []
         sample_rows: list[int] = []  # rows of the logits that are sampled
-        spans: list[_PromptSpan] = []
+        spans: list[PromptSpan] = []
         deferred_index: list[int] = []
         deferred_row: list[int] = []
         for request_id, num_new, new_blocks in zip(
@@ -387,7 +354,7 @@ class Worker:
             batch.block_tables.append(request.block_table)
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 last = min(end, request.num_prompt_tokens - 1)
-                spans.append(_PromptSpan(request, len(batch.logits_indices), start + 1, last - start))
+                spans.append(PromptSpan(request, len(batch.logits_indices), start + 1, last - start))
                 batch.logits_indices.extend(range(flat_start, flat_start + last - start))
             request.num_computed_tokens = end
             if end == known + request.num_pending:
@@ -412,7 +379,7 @@ class Worker:
         if self.tp.rank != 0:
             return self._follow(plan, batch, samplers, logits)
 
-        prompt_logprobs = [self._prompt_logprobs(span, logits) for span in spans]
+        prompt_logprobs = [prompt_logprobs_of(span, logits) for span in spans]
         rows = [
             SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids,
                         request.token_ids, request.num_prompt_tokens, request.penalty_slot)
@@ -458,15 +425,3 @@ class Worker:
             request.num_output_tokens += 1
         return StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[r.request_id for r in samplers],
                           token_ids=token_ids, num_batched_tokens=len(batch.token_ids))
-
-    @staticmethod
-    def _prompt_logprobs(span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobs:
-        request = span.request
-        rows = logits[span.first_row : span.first_row + span.count]
-        targets = torch.tensor(
-            request.token_ids[span.first_target : span.first_target + span.count],
-            dtype=torch.long,
-            device=rows.device,
-        )
-        entries = top_logprobs(torch.log_softmax(rows.float(), dim=-1), targets, request.params.prompt_logprobs or 0)
-        return PromptLogprobs(request_id=request.request_id, start=span.first_target, entries=entries)
