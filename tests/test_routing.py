@@ -3,6 +3,8 @@ state machine, replica names on the bus and in the metrics store."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -369,3 +371,45 @@ def test_a_tap_filters_by_replica() -> None:
     assert only_one.matches("controller", routed)
     assert not only_one.matches("controller", Routed(request_id="a", replica=0, reason="x"))
     assert TapFilter(replicas={0}).matches("scheduler", Queued(request_id="a", num_waiting=0))
+
+
+def test_after_a_controller_restart_a_resubmission_routed_to_its_own_replica_loses_no_token() -> None:
+    """The known gap, closed: the client re-sends "b" (it has [1]) before any update of b reaches the
+    new controller, and the route picks the replica that still runs it. That replica's scheduler
+    answers with the tokens the client lacks from where its own end (catch_up), and the controller
+    passes each token once by its position, whichever of the catch-up and the replica's next update
+    comes first."""
+    from vllm_actors.actors.scheduler.request import ScheduledRequest
+    from vllm_actors.actors.scheduler.scheduler import catch_up
+
+    held = ScheduledRequest(request_id="b", prompt_token_ids=[3, 4], params=add("b").params, eos_token_ids=[0],
+                            packed_prompt=b"", output_token_ids=[1, 2, 3])  # 2, 3 went to the dead controller
+    resent = add("b", resume=True, output_token_ids=[1])
+    [(to, reply)] = catch_up(held, resent)
+    assert to == "frontend" and reply.updates[0].new_token_ids == [2, 3] and reply.updates[0].output_index == 1
+    assert catch_up(held, add("b", resume=True, output_token_ids=[1, 2, 3])) == []  # nothing missing
+    assert catch_up(held, add("b", resume=True, output_token_ids=[7])) == []  # not this copy's history
+
+    def fresh() -> Controller:
+        controller = Controller(Router("round_robin", 2))  # a new incarnation: knows nothing
+        assert controller.handle(resent)[0] == ("scheduler@0", resent)  # to its own replica, by chance
+        return controller
+
+    def passed(out: list[tuple[str, Any]]) -> list[int]:
+        return [t for _, m in out if isinstance(m, RequestUpdates) for u in m.updates for t in u.new_token_ids]
+
+    next_update = updates(RequestUpdate(request_id="b", new_token_ids=[4], output_index=3))
+    # the catch-up first, then the next token
+    controller = fresh()
+    tokens = passed(controller.handle(FromReplica(0, reply))) + passed(controller.handle(FromReplica(0, next_update)))
+    assert tokens == [2, 3, 4] and controller.requests["b"].output_token_ids == [1, 2, 3, 4]
+    # the replica's next update crossed the resubmission: held back (past what was forwarded),
+    # then the catch-up brings everything once
+    controller = fresh()
+    assert passed(controller.handle(FromReplica(0, next_update))) == [] and controller.num_gapped == 1
+    caught_up = updates(RequestUpdate(request_id="b", new_token_ids=[2, 3, 4], output_index=1))
+    assert passed(controller.handle(FromReplica(0, caught_up))) == [2, 3, 4]
+    # an update overlapping what was forwarded passes only its new tokens
+    assert passed(controller.handle(FromReplica(0, updates(
+        RequestUpdate(request_id="b", new_token_ids=[4, 5], output_index=3))))) == [5]
+    assert controller.requests["b"].output_token_ids == [1, 2, 3, 4, 5]

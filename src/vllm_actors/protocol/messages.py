@@ -176,6 +176,10 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
 class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int] = []
+    # Where new_token_ids[0] sits in the request's output (-1: right after what came before). A
+    # replica set's controller uses it to pass each token once: after a restart of its own, a
+    # replica's catch-up (the tokens its client missed) and its next updates may cross.
+    output_index: int = -1
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     prompt_logprobs_start: int = 0  # prompt position of prompt_logprobs[0]

@@ -22,9 +22,11 @@ A replica still running one has sent its updates to the dead controller (lost); 
 updates reaches the new controller, the request is known to run there ("unclaimed"), and its
 re-sent copy goes to another replica, resuming from the client's tokens, while the old copy is
 aborted (never aborted and re-added on one replica: a scheduler must not see an id leave and come
-back while a step of it is in flight). Known gap: a request re-sent before its replica's next
-update arrives is routed as new; if that is its own replica, the replica ignores it as a
-resubmission and the tokens made while no controller listened are lost to the client.
+back while a step of it is in flight). A request re-sent before its replica's next update arrives
+is routed as new; if that is its own replica, its scheduler answers with the tokens the client
+lacks, from where the client's end (``scheduler.catch_up``), and the controller passes each token
+once by its position (``RequestUpdate.output_index``, ``in_place``): an update that starts past
+what it forwarded is held back, the catch-up brings its tokens.
 
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
@@ -87,6 +89,21 @@ class _Open:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+def in_place(update: RequestUpdate, forwarded: int) -> RequestUpdate | None:
+    """The update with the tokens already forwarded (``forwarded`` of them) left out, by its
+    ``output_index``; None when it starts past them (a gap: after a restart of ours, the replica's
+    catch-up for the client's resubmission is still on its way and brings these tokens too; its
+    finish, if any, comes again with the resumed copy). Unpositioned updates pass as they are."""
+    index = update.output_index
+    if index < 0 or index == forwarded:
+        return update
+    if index > forwarded:
+        return None
+    skip = forwarded - index
+    return msgspec.structs.replace(update, new_token_ids=update.new_token_ids[skip:], output_index=forwarded,
+                                   logprobs=update.logprobs[skip:] if update.logprobs else update.logprobs)
+
+
 def _resumed(request_id: str, request: _Open) -> AddRequest:
     """The request as sent again after its copy was lost: resumed from the tokens forwarded so far."""
     return msgspec.structs.replace(request.add, request_id=request_id, resume=True,
@@ -110,6 +127,7 @@ class Controller:
         self.hosts_down: set[int] = set()  # replicas whose whole host is gone (Ray-placed replicas)
         self.num_rerouted = 0  # requests moved off a replica whose host went down
         self.num_orphans = 0
+        self.num_gapped = 0  # updates held back: they started past the tokens forwarded (in_place)
         # requests a replica runs that nobody here routed (a restart of ours): id -> replica
         self.unclaimed: OrderedDict[str, int] = OrderedDict()
 
@@ -202,10 +220,14 @@ class Controller:
                 if update.finish_reason is None:
                     orphans.append(update.request_id)
                 continue
-            passed.append(update)
-            request.output_token_ids.extend(update.new_token_ids)
-            if update.finish_reason is not None:
-                del self.requests[update.request_id]
+            placed = in_place(update, len(request.output_token_ids))
+            if placed is None:
+                self.num_gapped += 1
+                continue
+            passed.append(placed)
+            request.output_token_ids.extend(placed.new_token_ids)
+            if placed.finish_reason is not None:
+                del self.requests[placed.request_id]
                 out.extend(self._released(replica))
         if passed:
             out.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed,

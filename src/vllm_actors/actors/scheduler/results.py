@@ -62,6 +62,7 @@ def on_step_result(scheduler: Scheduler, result: StepResult) -> list[tuple[str, 
         update = RequestUpdate(
             request_id=request_id,
             new_token_ids=[token_id],
+            output_index=len(request.output_token_ids) - 1,
             logprobs=[logprobs] if logprobs else None,
             prompt_logprobs=chunk.entries if chunk else None,
             prompt_logprobs_start=chunk.start if chunk else 0,

@@ -79,6 +79,20 @@ class SchedulerStats:
     num_stale_results: int = 0  # step results of plans sent before a reset, ignored
 
 
+
+def catch_up(request: ScheduledRequest, resubmission: AddRequest) -> list[tuple[str, Message]]:
+    """A resubmission of a request this scheduler runs (its sender restarted, a replica set's
+    controller say): the tokens its sender lacks, from where its own tokens end, when they are a
+    prefix of this copy's; nothing otherwise (the original is here already)."""
+    have = list(resubmission.output_token_ids)
+    ours = request.output_token_ids
+    if len(have) >= len(ours) or ours[: len(have)] != have:
+        return []
+    update = RequestUpdate(request_id=request.request_id, new_token_ids=ours[len(have):], output_index=len(have),
+                           num_prompt_tokens=len(request.prompt_token_ids))
+    return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
+
+
 class Scheduler:
     name = "scheduler"
 
@@ -141,7 +155,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
         if message.resume and message.request_id in self.requests:
-            return []  # the original (or an earlier resubmission) is here already
+            return catch_up(self.requests[message.request_id], message)
         error = identity_error(message, self.requests)
         if error is None:
             error = admission_error(message, self.config)
