@@ -393,11 +393,16 @@ def test_a_resubmission_resumes_with_its_outputs_counted_for_seeded_sampling() -
     assert s.requests["a"].output_token_ids == [7, 8, 9]
 
 
-def test_a_duplicate_resubmission_is_ignored_silently() -> None:
+def test_a_duplicate_resubmission_is_ignored_silently_and_one_lacking_tokens_gets_them() -> None:
+    """A resubmission of a request the scheduler holds: with the tokens it has, nothing to say;
+    with fewer (its sender missed some: a replica set's new controller), the missing ones from where
+    the sender's end (``catch_up``), the request itself unchanged."""
     s = scheduler()
     (plan,) = plans_of(s.handle(add("a", [1, 2, 3], outputs=[4])))
-    assert ignored(s.handle(add("a", [1, 2, 3], outputs=[4])))
-    assert ignored(s.handle(add("a", [1, 2, 3], resume=True)))
+    assert ignored(s.handle(add("a", [1, 2, 3], outputs=[4], resume=True)))
+    (update,) = updates_of(s.handle(add("a", [1, 2, 3], resume=True)))
+    assert (update.new_token_ids, update.output_index, update.finish_reason) == ([4], 0, None)
+    assert ignored(s.handle(add("a", [1, 2, 3], outputs=[9], resume=True)))  # not this copy's history
     assert s.requests["a"].output_token_ids == [4]
     # A plain AddRequest for an id in use is still an error.
     (update,) = updates_of(s.handle(add("a", [1, 2, 3])))
