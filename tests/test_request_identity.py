@@ -85,6 +85,19 @@ def test_the_frontend_refuses_bad_ids_before_anything_is_queued() -> None:
     assert front.num_unfinished == 0
 
 
+def test_the_frontend_takes_each_token_once_by_its_position() -> None:
+    """Updates that carry their output position (``output_index``): a catch-up overlapping the
+    tokens a request has already gives only the new ones."""
+    front = frontend()
+    front.submit(front.prepare("p", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=8)))
+    for tokens, index in (([5, 6], 0), ([6, 7], 1), ([5, 6, 7, 8], 0), ([9], -1)):
+        front.handle(RequestUpdates(step_id=0, updates=[
+            RequestUpdate(request_id="p", new_token_ids=tokens, output_index=index)]))
+    (output,) = [o for _, o in front.handle(RequestUpdates(step_id=0, updates=[
+        RequestUpdate(request_id="p", new_token_ids=[10], output_index=5, finish_reason="length")]))]
+    assert output.outputs[0].token_ids == [5, 6, 7, 8, 9, 10]
+
+
 def test_a_child_id_is_never_taken_by_another_request() -> None:
     """The finding: ``y#1`` while ``y`` with n=2 runs took over y's second child, which then hung."""
     front = frontend()

@@ -347,8 +347,11 @@ class Frontend:
                 request.num_cached_tokens = update.num_cached_tokens
             if update.prompt_logprobs is not None and child.index == 0:
                 self._add_prompt_logprobs(request, update.prompt_logprobs_start, update.prompt_logprobs)
-            if update.new_token_ids:
-                new_ids = list(update.new_token_ids)
+            # Tokens this child has already (a catch-up overlapping what came before) are left out.
+            skip = len(child.token_ids) - update.output_index if update.output_index >= 0 else 0
+            if update.new_token_ids and skip < len(update.new_token_ids):
+                new_ids = list(update.new_token_ids[max(skip, 0):])
+                entries = update.logprobs[max(skip, 0):] if update.logprobs is not None else None
                 stopped = None
                 if child.detokenizer is not None:
                     step = child.detokenizer.add_tokens(new_ids)
@@ -357,8 +360,8 @@ class Frontend:
                         stopped = step
                         new_ids = new_ids[: step.num_tokens]  # nothing after the stop string
                 child.token_ids.extend(new_ids)
-                if update.logprobs is not None and child.logprobs is not None:
-                    for entry in update.logprobs[: len(new_ids)]:
+                if entries is not None and child.logprobs is not None:
+                    for entry in entries[: len(new_ids)]:
                         child.logprobs.append(self._position_logprobs(entry))
                         child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry.logprobs[0]
                 if stopped is not None:
