@@ -9,6 +9,7 @@ engine requests (children): each child's samples are its own, and ``params_n`` a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +54,7 @@ class _Timing:
     n: int = 1
     max_tokens: int | None = None
     children: dict[int, _Child] = field(default_factory=dict)
+    num_queue_samples: int = 0  # QUEUED -> SCHEDULED pairs seen (one per child, a preempted one again)
     queued: dict[str, float] = field(default_factory=dict)  # engine id -> QUEUED (scheduler mono)
 
     def child(self, index: int) -> _Child:
@@ -68,19 +70,27 @@ def _child_index(engine_id: str) -> int:
     return int(index) if separator and index.isdigit() else 0
 
 
+MAX_AWAITING_QUEUE = 4096  # finished requests whose queue time may still come on the bus
+
+
 class LatencyTracker:
     def __init__(self) -> None:
         self.listeners: list[StatsListener] = []
         self._timings: dict[str, _Timing] = {}
+        # Finished requests some of whose children's SCHEDULED event has not come yet: the bus is a
+        # hop longer than the updates, so a short request can finish before it (oldest dropped).
+        self._awaiting_queue: OrderedDict[str, _Timing] = OrderedDict()
 
     def start(self, request_id: str, now: float, n: int = 1, max_tokens: int | None = None) -> None:
         self._timings[request_id] = _Timing(arrival=now, n=n, max_tokens=max_tokens)
 
     def forget(self, request_id: str) -> None:
         self._timings.pop(request_id, None)
+        self._awaiting_queue.pop(request_id, None)
 
     def clear(self) -> None:
         self._timings.clear()
+        self._awaiting_queue.clear()
 
     def on_output(self, output: RequestOutput, now: float) -> None:
         """An output reached the client at ``now``; a finished one ends the request's timing."""
@@ -93,7 +103,11 @@ class LatencyTracker:
                 self._emit("max_num_generation_tokens",
                            max((child.num_tokens for child in timing.children.values()), default=0))
         if output.finished:
-            self._timings.pop(output.request_id, None)
+            timing = self._timings.pop(output.request_id, None)
+            if timing is not None and self.listeners and timing.num_queue_samples < timing.n:
+                self._awaiting_queue[output.request_id] = timing
+                if len(self._awaiting_queue) > MAX_AWAITING_QUEUE:
+                    self._awaiting_queue.popitem(last=False)
 
     def _observe_child(self, timing: _Timing, output: RequestOutput, completion: CompletionOutput,
                        now: float) -> None:
@@ -133,7 +147,8 @@ class LatencyTracker:
     def on_scheduler_events(self, batch: EventBatch) -> None:
         for event in batch.events:
             if isinstance(event, Queued | Scheduled):
-                timing = self._timings.get(parent_request_id(event.request_id))
+                parent = parent_request_id(event.request_id)
+                timing = self._timings.get(parent) or self._awaiting_queue.get(parent)
                 if timing is None:
                     continue
                 if isinstance(event, Queued):
@@ -143,12 +158,15 @@ class LatencyTracker:
                     child = timing.child(_child_index(event.request_id))
                     if not child.queue_seconds:
                         child.queue_seconds = seconds
+                    timing.num_queue_samples += 1
                     self._emit("queue", seconds)
+                    if timing.num_queue_samples >= timing.n:
+                        self._awaiting_queue.pop(parent, None)
 
     @property
     def wants_scheduler_events(self) -> bool:
         """Whether scheduler events are worth decoding: listeners, and requests being timed."""
-        return bool(self.listeners and self._timings)
+        return bool(self.listeners and (self._timings or self._awaiting_queue))
 
     def on_transit(self, updates: RequestUpdates, now: float) -> None:
         """A frame of the scheduler's updates reached the client at ``now`` (``time.monotonic``):
