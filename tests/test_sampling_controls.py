@@ -192,7 +192,7 @@ def test_pooled_penalties_follow_the_draws_like_the_token_lists(model_logits: to
     their whole history, step after step; a slot freed and reused starts clean."""
     sampler = Sampler(torch.device("cpu"), seed=0)
     pool = sampler.penalties
-    penalised = [p for p in MIXED if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+    penalised = [p for p in MIXED if p.has_penalties]
     outputs = [list(OUTPUT) if index % 2 else [] for index in range(len(penalised))]  # some resumed
     slots = [pool.add(f"r{index}", PROMPT, outputs[index]) for index in range(len(penalised))]
     pool.remove("r0")  # dropped, then re-admitted into the freed slot with a history of its own

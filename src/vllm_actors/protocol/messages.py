@@ -192,6 +192,17 @@ class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
 
 
+def without_delivered(update: RequestUpdate, delivered: int) -> RequestUpdate:
+    """The update less the tokens (and their logprobs) its receiver has already, ``delivered`` of
+    them, by its ``output_index``; unpositioned updates and those starting at or past
+    ``delivered`` as they are."""
+    skip = delivered - update.output_index
+    if update.output_index < 0 or skip <= 0:
+        return update
+    return msgspec.structs.replace(update, new_token_ids=update.new_token_ids[skip:], output_index=delivered,
+                                   logprobs=update.logprobs[skip:] if update.logprobs else update.logprobs)
+
+
 class RequestUpdates(msgspec.Struct, tag="request_updates", kw_only=True):
     step_id: int
     updates: list[RequestUpdate]

@@ -163,17 +163,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether any of vLLM's logits controls is set (penalties, logit_bias, allowed_token_ids,
         bad words): rows without them skip that step of the sampler."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+            self.has_penalties or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
         )
 
     @property
-    def needs_history(self) -> bool:
-        """Whether the controls read the tokens generated so far (penalties, bad words)."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.bad_words_token_ids
-        )
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is set (they read the prompt and the
+        tokens generated so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -57,6 +57,7 @@ from vllm_actors.protocol.messages import (
     ReplicaState,
     RequestUpdate,
     RequestUpdates,
+    without_delivered,
 )
 from vllm_actors.protocol.names import (
     BUS,
@@ -94,14 +95,9 @@ def in_place(update: RequestUpdate, forwarded: int) -> RequestUpdate | None:
     ``output_index``; None when it starts past them (a gap: after a restart of ours, the replica's
     catch-up for the client's resubmission is still on its way and brings these tokens too; its
     finish, if any, comes again with the resumed copy). Unpositioned updates pass as they are."""
-    index = update.output_index
-    if index < 0 or index == forwarded:
-        return update
-    if index > forwarded:
+    if update.output_index > forwarded:
         return None
-    skip = forwarded - index
-    return msgspec.structs.replace(update, new_token_ids=update.new_token_ids[skip:], output_index=forwarded,
-                                   logprobs=update.logprobs[skip:] if update.logprobs else update.logprobs)
+    return without_delivered(update, forwarded)
 
 
 def _resumed(request_id: str, request: _Open) -> AddRequest:

@@ -19,7 +19,14 @@ from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, Posit
 from vllm_actors.actors.frontend.structured import check_structured_outputs
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
 from vllm_actors.protocol.events import Arrived, Event, Finished
-from vllm_actors.protocol.messages import AbortRequests, AddRequest, Logprobs, Message, RequestUpdates
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    Logprobs,
+    Message,
+    RequestUpdates,
+    without_delivered,
+)
 from vllm_actors.protocol.names import (
     BUS,
     CLIENT,
@@ -348,10 +355,9 @@ class Frontend:
             if update.prompt_logprobs is not None and child.index == 0:
                 self._add_prompt_logprobs(request, update.prompt_logprobs_start, update.prompt_logprobs)
             # Tokens this child has already (a catch-up overlapping what came before) are left out.
-            skip = len(child.token_ids) - update.output_index if update.output_index >= 0 else 0
-            if update.new_token_ids and skip < len(update.new_token_ids):
-                new_ids = list(update.new_token_ids[max(skip, 0):])
-                entries = update.logprobs[max(skip, 0):] if update.logprobs is not None else None
+            update = without_delivered(update, len(child.token_ids))
+            if update.new_token_ids:
+                new_ids = list(update.new_token_ids)
                 stopped = None
                 if child.detokenizer is not None:
                     step = child.detokenizer.add_tokens(new_ids)
@@ -360,8 +366,8 @@ class Frontend:
                         stopped = step
                         new_ids = new_ids[: step.num_tokens]  # nothing after the stop string
                 child.token_ids.extend(new_ids)
-                if entries is not None and child.logprobs is not None:
-                    for entry in entries[: len(new_ids)]:
+                if update.logprobs is not None and child.logprobs is not None:
+                    for entry in update.logprobs[: len(new_ids)]:
                         child.logprobs.append(self._position_logprobs(entry))
                         child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry.logprobs[0]
                 if stopped is not None:

@@ -43,11 +43,6 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], pool: Pena
     return logits
 
 
-def has_penalties(row: SamplingRow) -> bool:
-    params = row.params
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
-
-
 def _tensor(values: list[int] | list[float], logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
 
@@ -116,7 +111,7 @@ def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[
 
 
 def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int], pool: PenaltyPool | None) -> None:
-    penalised = [index for index in active if has_penalties(rows[index])]
+    penalised = [index for index in active if rows[index].params.has_penalties]
     pooled = [index for index in penalised if pool is not None and rows[index].penalty_slot >= 0]
     listed = [index for index in penalised if pool is None or rows[index].penalty_slot < 0]
     vocab = logits.shape[1]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_actors.actors.worker.graph_inputs import GraphSampling
-from vllm_actors.actors.worker.penalties import apply_controls, has_penalties
+from vllm_actors.actors.worker.penalties import apply_controls
 from vllm_actors.actors.worker.penalty_pool import PenaltyPool
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.protocol.messages import Logprobs
@@ -175,8 +175,9 @@ class Sampler:
         return chosen
 
     def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Each pooled penalised row's drawn token counted on the device, before the next step."""
-        pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0 and has_penalties(row)]
+        """Each pooled penalised row's drawn token counted on the device, before the next step (only
+        penalised requests get a slot)."""
+        pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0]
         if not pooled:
             return
         picked = chosen if len(pooled) == len(rows) else chosen[torch.tensor(pooled, device=chosen.device)]

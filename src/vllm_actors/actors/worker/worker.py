@@ -96,6 +96,11 @@ class WorkerRequest:
         eos = [] if self.params.ignore_eos else self.eos_token_ids
         return [*eos, *self.params.stop_token_ids]
 
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler reads of it for the token being drawn."""
+        return SamplingRow(self.params, self.num_output_tokens, self.min_tokens_stop_ids, self.token_ids,
+                           self.num_prompt_tokens, self.penalty_slot)
+
 
 class Worker:
     name = "worker"
@@ -228,8 +233,7 @@ class Worker:
         if not batch.token_ids:
             empty = torch.empty(0, dtype=torch.long)
             return PendingStep(plan.step_id, started_at, started, [], empty, empty, None, 0)
-        rows = [SamplingRow(r.params, r.num_output_tokens, r.min_tokens_stop_ids, r.token_ids, r.num_prompt_tokens,
-                            r.penalty_slot) for r in samplers]
+        rows = [request.sampling_row() for request in samplers]
         in_graph = getattr(self.runner, "samples_in_graph", None)
         sampling = None
         if in_graph is not None and not self.tp.enabled and in_graph(batch):
@@ -283,8 +287,7 @@ class Worker:
             # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
             grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
         penalty_slot = -1
-        params = new.params
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        if new.params.has_penalties:
             penalty_slot = self.sampler.penalties.add(
                 new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
         self.requests[new.request_id] = WorkerRequest(
@@ -380,11 +383,7 @@ class Worker:
             return self._follow(plan, batch, samplers, logits)
 
         prompt_logprobs = [prompt_logprobs_of(span, logits) for span in spans]
-        rows = [
-            SamplingRow(request.params, request.num_output_tokens, request.min_tokens_stop_ids,
-                        request.token_ids, request.num_prompt_tokens, request.penalty_slot)
-            for request in samplers
-        ]
+        rows = [request.sampling_row() for request in samplers]
         if samplers and sample_rows != list(range(logits.shape[0])):
             logits = logits[sample_rows]  # not when every row samples (decode): no copy of batch x vocab
         constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
