@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from vllm_actors.protocol.names import (
     replica_actor,
     worker_id,
 )
+from vllm_actors.runtime.ports import PortReservation
 
 GROUP_FILE = "group.json"
 
@@ -113,17 +113,12 @@ def sweep_orphaned_run_dirs(root: Path) -> list[Path]:
     return removed
 
 
-def _free_tcp_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
 def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None,
-                   num_replicas: int = 1) -> GroupAddresses:
-    """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given. With
-    ``num_replicas > 1``: a controller at ``scheduler`` and one pipeline per replica, whose
-    actors are named ``<name>@<replica>`` (``names.replica_actor``)."""
+                   num_replicas: int = 1, ports: PortReservation | None = None) -> GroupAddresses:
+    """IPC endpoints in the run directory, or TCP endpoints on ``tcp_host`` when given, on ports
+    taken from ``ports`` (a reservation the caller holds while the group runs; without one, ports
+    free now and nothing more). With ``num_replicas > 1``: a controller at ``scheduler`` and one
+    pipeline per replica, whose actors are named ``<name>@<replica>`` (``names.replica_actor``)."""
     indices: list[int | None] = [None] if num_replicas == 1 else list(range(num_replicas))
 
     def pipeline(replica: int | None) -> list[str]:
@@ -137,7 +132,12 @@ def make_addresses(run_dir: Path, num_workers: int, tcp_host: str | None = None,
     if tcp_host is None:
         endpoints = {name: f"ipc://{run_dir}/{name}" for name in names}
     else:
-        endpoints = {name: f"tcp://{tcp_host}:{_free_tcp_port(tcp_host)}" for name in names}
+        held = ports or PortReservation(tcp_host)
+        if held.host != tcp_host:
+            raise ValueError(f"the reservation holds ports on {held.host}, not on {tcp_host}")
+        endpoints = {name: f"tcp://{tcp_host}:{port}" for name, port in zip(names, held.take(len(names)), strict=True)}
+        if ports is None:
+            held.close()
     replicas = [ReplicaAddresses(
         scheduler=endpoints[replica_actor(SCHEDULER, replica)],
         kv_cache_manager=endpoints[replica_actor(KV_CACHE_MANAGER, replica)],

@@ -55,6 +55,7 @@ from vllm_actors.runtime.children import (
     status_line,
 )
 from vllm_actors.runtime.monitor import SupervisorLink
+from vllm_actors.runtime.ports import PortReservation
 from vllm_actors.runtime.process import ActorSpec
 from vllm_actors.runtime.recovery import POLL_INTERVAL, RESTARTING, Recovery
 from vllm_actors.runtime.run_dir import (
@@ -159,8 +160,11 @@ class ProcessGroup(Recovery):
         self.liveness = Liveness(liveness_timeout, max_busy_seconds, time.monotonic)
         self.run_dir = make_run_dir()
         self.log_dir = Path(log_dir) if log_dir else self.run_dir
+        # TCP: the group's ports stay held (runtime/ports.py) until it stops, so that no one
+        # takes one before its actor binds it or while the actor restarts.
+        self._ports = PortReservation(tcp_host) if tcp_host is not None else None
         self.addresses: GroupAddresses = make_addresses(self.run_dir, config.tensor_parallel_size, tcp_host,
-                                                        num_replicas=config.data_parallel_size)
+                                                        num_replicas=config.data_parallel_size, ports=self._ports)
         # TCP: CURVE keys made for this group (or handed to it by a launcher: ``keys``), in its run
         # directory (0600) for actors and clients.
         self.keys: GroupKeys | None = None
@@ -465,6 +469,8 @@ class ProcessGroup(Recovery):
         if self.ray_launcher is not None:
             self.ray_launcher.close()
         self._finalizer()
+        if self._ports is not None:
+            self._ports.close()
 
     @property
     def stopped(self) -> bool:
