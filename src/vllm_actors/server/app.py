@@ -56,6 +56,7 @@ def build_app(
     api_key: str | Sequence[str] | None = None,
     limits: RequestLimits | None = None,
     options: ServerOptions | None = None,
+    cache_config: dict[str, str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
     beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
@@ -63,9 +64,10 @@ def build_app(
     ``/health`` then wants ``Authorization: Bearer <key>`` and answers 401 without it. ``limits``:
     the body and prompt sizes taken (default: ``RequestLimits.for_model(max_model_len)``).
     ``options``: vLLM's flags for request fields (--max-logprobs, --return-tokens-as-token-ids,
-    --trust-request-chat-template)."""
+    --trust-request-chat-template). ``cache_config``: ``vllm:cache_config_info``'s labels (default:
+    from the client's group)."""
     names = list(served_model_names or [client.model])
-    metrics = ServerMetrics(names[0], client.max_model_len or 4096, cache_config_labels(client))
+    metrics = ServerMetrics(names[0], client.max_model_len or 4096, cache_config or cache_config_labels(client))
     client.add_stats_listener(metrics)
     state = ServerState(
         client=client,

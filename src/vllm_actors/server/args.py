@@ -14,6 +14,9 @@ TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser: the Hermes/Qwen <tool_cal
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="API processes serving HTTP on the one port (vLLM's flag): each tokenises, "
+                             "detokenises and streams for its share of the connections (default 1)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use; the first is reported (default: the model path)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,

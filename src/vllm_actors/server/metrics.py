@@ -10,7 +10,11 @@ an ``n`` > 1 request), plus the queue time (QUEUED to SCHEDULED) from the schedu
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+import os
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from vllm_actors.protocol.metrics import SummaryReply
 from vllm_actors.server.metrics_summary import ENGINE, LABELS, SummaryCollector
@@ -80,26 +84,44 @@ HISTOGRAMS: dict[str, tuple[tuple[str, str, tuple[float, ...] | str], ...]] = {
 }
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def share_histograms(directory: str | Path) -> None:
+    """Prometheus's multiprocess mode for this process (``--api-server-count`` above 1): every
+    histogram made from now on is kept in a file of ``directory``, and each server's ``/metrics``
+    sums those of all the API processes. Must come before the first ``ServerMetrics``; an API
+    process calls it first thing, the serving parent once the group is up."""
+    Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ[MULTIPROC_ENV] = str(directory)
+    values.ValueClass = values.get_value_class()  # prometheus_client picks it once, at import
+
+
 class ServerMetrics:
     """The server's Prometheus registry: histograms observed live, the rest at scrape time."""
 
     def __init__(self, model_name: str, max_model_len: int = 4096,
                  cache_config: dict[str, str] | None = None) -> None:
-        """``cache_config``: ``vllm:cache_config_info``'s labels (block size, blocks, caching...)."""
+        """``cache_config``: ``vllm:cache_config_info``'s labels (block size, blocks, caching...).
+        Under ``share_histograms`` the histograms are every API process's, summed at scrape time."""
         self.registry = CollectorRegistry()
         self._summary = SummaryCollector(model_name)
         self.registry.register(self._summary)
+        shared = os.environ.get(MULTIPROC_ENV)
+        own = None if shared else self.registry  # shared: the files are read instead of this process's values
+        if shared:
+            MultiProcessCollector(self.registry, shared)
         tokens = build_1_2_5_buckets(max_model_len)
         self._histograms: dict[str, list[Histogram]] = {}
         for metric, families in HISTOGRAMS.items():
             for name, documentation, buckets in families:
                 histogram = Histogram(name, documentation, LABELS, buckets=tokens if buckets == TOKENS else buckets,
-                                      registry=self.registry)
+                                      registry=own)
                 self._histograms.setdefault(metric, []).append(histogram.labels(model_name, ENGINE))
         if cache_config is not None:
             labels = {**cache_config, "engine": ENGINE}
             info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(labels),
-                         registry=self.registry)
+                         registry=own, multiprocess_mode="max")
             info.labels(**labels).set(1)
 
     def observe(self, metric: str, seconds: float) -> None:

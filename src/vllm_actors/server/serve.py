@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -28,14 +30,14 @@ import uvicorn
 
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.core import load_group_tokenizer
-from vllm_actors.runtime.log_setup import log_rate
-from vllm_actors.runtime.stdlib_log_limits import install as install_log_limits
-from vllm_actors.server.app import build_app, server_state
+from vllm_actors.server.api_pool import KILL_GRACE_SECONDS, ApiServerPool
+from vllm_actors.server.app import cache_config_labels, server_state
+from vllm_actors.server.app_settings import AppSettings
 from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.auth import api_keys_from
-from vllm_actors.server.limits import RequestLimits
-from vllm_actors.server.serving import ServerOptions, ServerState
-from vllm_actors.server.targets import Targets, parse_default_targets
+from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
+from vllm_actors.server.metrics import share_histograms
+from vllm_actors.server.targets import parse_default_targets
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +70,8 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of milliseconds, got {value}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     api_keys = api_keys_from(args.api_key)  # an empty key fails here, before the group starts
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -92,69 +96,39 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
     """Serve until stopped; returns why the group failed, if it did."""
     tokenizer = await asyncio.to_thread(load_group_tokenizer, group.info)
     client = AsyncEngineClient(group.info, tokenizer, group=group, load_tokenizer=False)
+    pool: ApiServerPool | None = None
+    listener: socket.socket | None = None
     try:
         await client.connect()
-        app = build_app(
-            client,
-            served_model_names=args.served_model_name,
-            max_num_seqs=group.config.max_num_seqs * group.config.data_parallel_size,  # every replica's
-            max_waiting_requests=args.max_waiting_requests if args.max_waiting_requests >= 0 else None,
-            api_key=api_keys,
-            limits=RequestLimits.for_model(client.max_model_len, max_prompt_bytes=args.max_prompt_bytes,
-                                           max_body_bytes=args.max_request_body_bytes),
-            options=ServerOptions(max_logprobs=args.max_logprobs,
-                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                                  trust_request_chat_template=args.trust_request_chat_template,
-                                  prompt_tokens_details=args.enable_prompt_tokens_details,
-                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                  tool_call_parser=args.tool_call_parser,
-                                  default_targets=Targets(args.default_ttft_target_ms, args.default_e2e_target_ms),
-                                  endpoint_targets=parse_default_targets(args.default_targets)),
-        )
+        count = args.api_server_count
+        settings = AppSettings.from_args(args, group.config.max_num_seqs * group.config.data_parallel_size,
+                                         api_keys, processes=count)  # every replica's, shared out
+        settings.cache_config = cache_config_labels(client)
+        metrics_dir = str(Path(group.run_dir) / "prometheus")
+        if count > 1:
+            share_histograms(metrics_dir)
+        app = settings.build(client)
         state = server_state(app)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            lifespan="off",
-        )
-        # uvicorn logs through the standard library: the same bounds as our own lines (an access
-        # line per request is allowed ten times the rate of any other line).
-        rate = log_rate()
-        debug = os.environ.get("VLLM_ACTORS_LOG_LEVEL", "").upper() == "DEBUG"
-        install_log_limits(["uvicorn.error"], rate, debug=debug)
-        install_log_limits(["uvicorn.access"], 10 * rate, debug=debug)
-        server = _DrainingServer(config, state)
+        config = uvicorn.Config(app, host=args.host, port=args.port, **settings.uvicorn_kwargs())
+        listener = config.bind_socket()
+        limit_uvicorn_logs()
+        server = DrainingServer(config, state)
         client.add_failure_listener(server.on_group_failed)
+        if count > 1:
+            pool = ApiServerPool(settings, group.info.run_dir, listener, count, metrics_dir)
+            server.drain_listeners.append(pool.drain)
+            await asyncio.to_thread(pool.start)
         if stop.requested or client.failed is not None:
             return client.failed
         log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir,
-                 api_key=bool(api_keys))
-        await server.serve()
+                 api_key=bool(api_keys), api_servers=count)
+        await server.serve(sockets=[listener])
         if state.client.num_unfinished:
             log.warning("aborting requests still running after the grace period", count=state.client.num_unfinished)
         return client.failed
     finally:
+        if pool is not None:
+            await asyncio.to_thread(pool.stop, args.shutdown_timeout + KILL_GRACE_SECONDS)
+        if listener is not None:
+            listener.close()
         await client.shutdown(reason="shutdown")
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's Server, marking the app as draining the moment a stop signal arrives."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.state = state
-
-    def on_group_failed(self, reason: str) -> None:
-        """The group gave up (its open requests have ended with an error): stop serving."""
-        log.error("the process group failed: stopping the server", reason=reason)
-        self.should_exit = True
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.state.draining:
-            log.info("draining", signal=signal.Signals(sig).name)
-        self.state.draining = True
-        super().handle_exit(sig, frame)

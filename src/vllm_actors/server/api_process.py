@@ -1,0 +1,104 @@
+"""One more API process of ``vllm-actors serve --api-server-count N`` (vLLM's flag): HTTP,
+tokenising, detokenising and streaming for its share of the connections, on the listening socket
+the serving parent made, as a client attached to the parent's group (``AsyncEngineClient.attach``).
+
+The contract with the parent (``server/api_pool.py``), as an actor's with its supervisor:
+- the spec: one JSON-encoded ``ApiProcessSpec`` on the command line; the listening socket is the
+  inherited descriptor ``listen_fd``;
+- stdin is a pipe from the parent: EOF on it (the parent died, even by SIGKILL) drains and exits;
+- stdout carries one line, ``ready``, once the server serves; everything else (logs, uvicorn's
+  access lines) goes to stderr;
+- SIGTERM drains (uvicorn's graceful shutdown, up to ``--shutdown-timeout``), a second one ends it
+  at once. The process runs in its own session: a terminal's Ctrl-C reaches the parent, which
+  drains the processes itself.
+Exit status 0 after a drain, 1 when the group failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+import msgspec
+import structlog
+import uvicorn
+
+from vllm_actors.server.app_settings import AppSettings
+
+log = structlog.get_logger(__name__)
+
+
+class ApiProcessSpec(msgspec.Struct, kw_only=True):
+    index: int  # 1..N-1 (the parent serves as 0)
+    run_dir: str  # the group's, to attach to
+    listen_fd: int
+    metrics_dir: str  # Prometheus's multiprocess directory, shared by every API process
+    settings: AppSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = msgspec.json.decode((argv or sys.argv[1:])[0], type=ApiProcessSpec)
+    from vllm_actors.server.metrics import share_histograms
+
+    share_histograms(spec.metrics_dir)  # before the app makes its histograms
+    report_fd = os.dup(1)
+    os.dup2(2, 1)  # stdout is the parent's report pipe alone
+    from vllm_actors.runtime.log_setup import configure_logging
+
+    configure_logging()
+    structlog.contextvars.bind_contextvars(api_server=spec.index)
+    return asyncio.run(_serve(spec, report_fd))
+
+
+async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
+    from vllm_actors.clients.async_client import AsyncEngineClient
+    from vllm_actors.server.app import server_state
+    from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
+
+    listener = socket.socket(fileno=spec.listen_fd)
+    client = await AsyncEngineClient.attach(spec.run_dir)
+    try:
+        app = spec.settings.build(client)
+        server = DrainingServer(uvicorn.Config(app, **spec.settings.uvicorn_kwargs()), server_state(app))
+        limit_uvicorn_logs()
+        client.add_failure_listener(server.on_group_failed)
+        loop = asyncio.get_running_loop()
+        _watch_parent(lambda: loop.call_soon_threadsafe(server.drain))
+        ready = asyncio.create_task(_report_ready(server, report_fd))
+        try:
+            await server.serve(sockets=[listener])
+        finally:
+            ready.cancel()
+        return 1 if client.failed is not None else 0
+    finally:
+        await client.shutdown(reason="shutdown")
+
+
+async def _report_ready(server: uvicorn.Server, report_fd: int) -> None:
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        os.write(report_fd, b"ready\n")
+    finally:
+        os.close(report_fd)
+
+
+def _watch_parent(on_gone: Callable[[], object]) -> None:
+    def watch() -> None:
+        try:
+            while os.read(0, 1024):
+                pass
+        except OSError:
+            pass
+        log.warning("the serving parent is gone: draining")
+        on_gone()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
