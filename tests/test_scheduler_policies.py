@@ -9,7 +9,7 @@ from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostMo
 from vllm_actors.actors.scheduler.policies import AGING_STEPS
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.events import Preempted, Queued
+from vllm_actors.protocol.events import Finished, Preempted, Queued
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import BUS, KV_CACHE_MANAGER
 from vllm_actors.protocol.sampling import SamplingParams
@@ -63,7 +63,8 @@ def admission_order(policy: str, requests: list[AddRequest],
     arriving = dict(arriving or {})
     while pending:
         plan = pending.pop(0)
-        order.extend(rid for rid in [r.request_id for r in plan.new_requests] if rid != "blocker")
+        order.extend(rid for rid in [r.request_id for r in plan.new_requests]
+                     if rid != "blocker" and rid not in order)  # first admissions (edf, lrs preempt for slots)
         out = finish_step(scheduler, plan)
         late = arriving.pop(scheduler.stats.num_steps, None)
         if late is not None:
@@ -119,6 +120,66 @@ def test_priority_preempts_the_lowest_priority_running_request() -> None:
 
 def test_fcfs_preempts_the_latest_arrival() -> None:
     assert preempted_when_short("fcfs") == ["late-mid"]
+
+
+def run_to_end(scheduler: Scheduler, out: list[tuple[str, object]], arriving: dict[int, AddRequest]) -> list[object]:
+    """Step until every request finished (``arriving[k]`` comes once k steps are done): the events."""
+    seen: list[object] = events(out)
+    pending = plans(out)
+    while pending:
+        plan = pending.pop(0)
+        out = finish_step(scheduler, plan)
+        late = arriving.pop(scheduler.stats.num_steps, None)
+        if late is not None:
+            out += scheduler.handle(late)
+        seen += events(out)
+        pending.extend(plans(out))
+    return seen
+
+
+def slot_story(policy: str, urgent: AddRequest) -> tuple[list[str], list[str]]:
+    """Every sequence slot (one) held by a long relaxed request; ``urgent`` arrives after 3 steps:
+    who is preempted, and the order of first tokens."""
+    scheduler = make(policy, max_num_seqs=1)
+    out = scheduler.handle(add("relaxed", max_tokens=20, priority=5, e2e_deadline=100.0))
+    seen = run_to_end(scheduler, out, {3: urgent})
+    preempted = [e.request_id for e in seen if isinstance(e, Preempted)]
+    finished = [e for e in seen if isinstance(e, Finished)]
+    assert {e.request_id: e.num_output_tokens for e in finished} == {"relaxed": 20, urgent.request_id: 2}
+    return preempted, [e.request_id for e in finished]
+
+
+@pytest.mark.parametrize("policy", ["edf", "lrs"])
+def test_deadline_policies_take_a_slot_from_a_less_urgent_running_request(policy: str) -> None:
+    preempted, finished = slot_story(policy, add("urgent", max_tokens=2, priority=0, e2e_deadline=1.0))
+    assert preempted == ["relaxed"]
+    assert finished == ["urgent", "relaxed"]  # the relaxed one resumes and completes after
+
+
+@pytest.mark.parametrize("policy", ["edf", "lrs"])
+def test_a_less_urgent_arrival_waits_for_a_free_slot(policy: str) -> None:
+    preempted, finished = slot_story(policy, add("later", max_tokens=2, priority=0, e2e_deadline=500.0))
+    assert preempted == []
+    assert finished == ["relaxed", "later"]
+
+
+def test_lrs_weighs_a_ttft_deadline_against_the_prefill_only() -> None:
+    """A stream with its end-to-end deadline 1.3 s away (17 tokens of 100 ms left at 3.0 s) keeps
+    its slot against a long arrival whose first token is due in 10 s: that one's slack is 9.9 s
+    (its prefill), not 0 (all its 100 tokens against its TTFT deadline)."""
+    scheduler = make("lrs", max_num_seqs=1)
+    out = scheduler.handle(add("stream", max_tokens=20, ttft_deadline=0.5, e2e_deadline=3.0))
+    seen = run_to_end(scheduler, out, {3: add("long", max_tokens=100, ttft_deadline=10.0, e2e_deadline=120.0)})
+    assert [e.request_id for e in seen if isinstance(e, Preempted)] == []
+    assert [e.request_id for e in seen if isinstance(e, Finished)] == ["stream", "long"]
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_and_fcfs_never_preempt_for_a_slot(policy: str) -> None:
+    """vLLM's rule: a priority (or any fcfs) request preempts only when KV blocks run short."""
+    preempted, finished = slot_story(policy, add("urgent", max_tokens=2, priority=0, e2e_deadline=1.0))
+    assert preempted == []
+    assert finished == ["relaxed", "urgent"]
 
 
 def test_lrs_admits_least_slack_first_where_edf_admits_earliest_deadline() -> None:

@@ -225,6 +225,10 @@ def _bench(args: argparse.Namespace) -> int:
         from vllm_actors.bench.prefix import main as prefix_main
 
         return prefix_main(args.rest)
+    if args.which == "simulate":
+        from vllm_actors.bench.policy_sim import main as simulate_main
+
+        return simulate_main(args.rest)
     from vllm_actors.bench.throughput import main as throughput_main
 
     return throughput_main(args.rest)
@@ -297,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
 
     bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("which", choices=["throughput", "prefix", "serve"])
+    bench.add_argument("which", choices=["throughput", "prefix", "serve", "simulate"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
 

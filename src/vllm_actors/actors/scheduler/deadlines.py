@@ -25,6 +25,13 @@ def remaining_decodes(request: ScheduledRequest) -> int:
     return max(0, max_tokens - len(request.output_token_ids))
 
 
+def first_token_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
+    """Predicted time to its first token: its prefill in one step (0 once it has a token)."""
+    if request.output_token_ids or not remaining_prefill(request):
+        return 0.0
+    return cost.step_seconds(remaining_prefill(request), batch)
+
+
 def remaining_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
     """Predicted time left to finish it: its prefill in one step, then one step per token in a
     batch of ``batch`` decoding sequences."""

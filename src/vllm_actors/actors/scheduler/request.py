@@ -32,9 +32,21 @@ class ScheduledRequest:
     # ledger nothing (most decode steps complete no block).
     cache_check_at: int = 0
     priority: int = 0  # lower runs first under the "priority" policy (vLLM's)
-    deadline: float | None = None  # the earliest of its absolute TTFT / end-to-end deadlines
+    ttft_deadline: float | None = None  # absolute (the sender's clock), None: no target
+    e2e_deadline: float | None = None
     arrival: int = 0  # arrival sequence number: the tie-break of every policy's order
     queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue (aging)
+
+    @property
+    def deadline(self) -> float | None:
+        """The deadline it is working to now: the earliest of its TTFT and end-to-end deadlines
+        until its first token, then the end-to-end one (a TTFT deadline is met or missed once the
+        first token is out: holding on to it would make a request that has streamed for seconds
+        look as urgent as one still waiting for its first token)."""
+        if self.output_token_ids:
+            return self.e2e_deadline
+        known = [d for d in (self.ttft_deadline, self.e2e_deadline) if d is not None]
+        return min(known) if known else None
 
     @property
     def num_tokens(self) -> int:

@@ -33,8 +33,8 @@ from typing import Any
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
-from vllm_actors.actors.scheduler.deadlines import earliest_deadline, unmeetable_error
-from vllm_actors.actors.scheduler.policies import LeastRemainingSlack, make_policy, queue_ahead
+from vllm_actors.actors.scheduler.deadlines import unmeetable_error
+from vllm_actors.actors.scheduler.policies import LeastRemainingSlack, make_policy, queue_ahead, slot_victims
 from vllm_actors.actors.scheduler.queue_policy import (
     admission_error,
     admit,
@@ -179,7 +179,8 @@ class Scheduler:
             # A resubmission with outputs resumes as after a preemption (RESUMED, recompute).
             num_preemptions=1 if message.output_token_ids else 0,
             priority=message.priority,
-            deadline=earliest_deadline(message),
+            ttft_deadline=message.ttft_deadline,
+            e2e_deadline=message.e2e_deadline,
             arrival=self._num_arrivals,
             queued_at_step=self.stats.num_steps,
         )
@@ -262,6 +263,10 @@ class Scheduler:
         if isinstance(self.policy, LeastRemainingSlack):
             self.policy.batch = max(1, len(self.running))
         self.policy.order_running(self.running)  # most urgent first: the last one is preempted
+        if len(self.running) >= self.config.max_num_seqs and self.waiting:
+            self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
+            for victim in slot_victims(self.policy, self.waiting, self.running, self.config.max_num_seqs, budget):
+                self._preempt(victim)  # a more urgent waiting request takes its slot below
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

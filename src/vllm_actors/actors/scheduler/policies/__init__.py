@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from vllm_actors.actors.scheduler.cost_model import CostModel
-from vllm_actors.actors.scheduler.deadlines import earliest_deadline
-from vllm_actors.actors.scheduler.policies.base import KeyedPolicy, QueuePolicy
+from vllm_actors.actors.scheduler.policies.base import KeyedPolicy, QueuePolicy, slot_victims
 from vllm_actors.actors.scheduler.policies.edf import EarliestDeadlineFirst
 from vllm_actors.actors.scheduler.policies.fcfs import FirstComeFirstServed
 from vllm_actors.actors.scheduler.policies.lpm import LongestPrefixMatch
@@ -25,7 +24,7 @@ POLICIES: dict[str, type[QueuePolicy]] = {
 }
 
 __all__ = ["AGING_STEPS", "POLICIES", "KeyedPolicy", "LeastRemainingSlack", "QueuePolicy", "make_policy",
-           "queue_ahead"]
+           "queue_ahead", "slot_victims"]
 
 
 def make_policy(name: str, cost: CostModel) -> QueuePolicy:
@@ -40,6 +39,7 @@ def queue_ahead(policy: QueuePolicy, waiting: deque[ScheduledRequest], message: 
         return list(waiting)
     arriving = ScheduledRequest(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                                 params=message.params, eos_token_ids=message.eos_token_ids,
-                                priority=message.priority, deadline=earliest_deadline(message), arrival=arrival)
+                                priority=message.priority, ttft_deadline=message.ttft_deadline,
+                                e2e_deadline=message.e2e_deadline, arrival=arrival)
     key = policy.key(arriving)
     return [request for request in waiting if policy.key(request) <= key]

@@ -1,6 +1,7 @@
 """``edf``: earliest absolute deadline (the earliest of a request's TTFT and end-to-end deadlines)
 first; requests without a deadline after those with one, in arrival order. The running request
-with the latest deadline is preempted first."""
+with the latest deadline is preempted first: when KV blocks run short, and when every sequence
+slot is taken and a waiting request's deadline is earlier than its own (``base.slot_victims``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from vllm_actors.actors.scheduler.request import ScheduledRequest
 
 class EarliestDeadlineFirst(KeyedPolicy):
     name = "edf"
+    preempts_for_slots = True
 
     def key(self, request: ScheduledRequest) -> tuple[float, ...]:
         if request.deadline is None:
