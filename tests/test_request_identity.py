@@ -242,6 +242,20 @@ def test_ownership_is_taken_again_by_the_resubmission_after_a_restart() -> None:
     assert owners.screen(B, AbortRequests(request_ids=["r"]))[0] is None
 
 
+def test_an_abort_of_all_of_the_senders_requests_takes_its_own_only() -> None:
+    """A client restarted under a dead one's routing id drops what that one left (an API process
+    of --api-server-count): every id the connection owns, none of another's."""
+    owners = RequestOwners()
+    for sender, request_id in ((A, "a1"), (A, "a2"), (B, "b1")):
+        owners.observe(sender, owners.screen(sender, add(request_id, [1]))[0])
+    message, refusal = owners.screen(A, AbortRequests(request_ids=[], reason="client restarted", all_of_sender=True))
+    assert refusal is None
+    assert message == AbortRequests(request_ids=["a1", "a2"], reason="client restarted")
+    owners.observe(A, message)
+    assert owners.owner("a1") is None and owners.owner("b1") == B
+    assert owners.screen(A, AbortRequests(request_ids=[], all_of_sender=True)) == (None, None)  # nothing left
+
+
 # --------------------------------------------------------------------------- over real sockets
 pytestmark_sockets = pytest.mark.asyncio(loop_scope="module")
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -61,6 +61,7 @@ from vllm_actors.clients.supervision import (
     group_states,
     listen,
 )
+from vllm_actors.protocol.messages import AbortRequests
 from vllm_actors.protocol.metrics import (
     MetricsQuery,
     MetricsReply,
@@ -84,6 +85,7 @@ __all__ = ["AsyncEngineClient", "EngineDeadError", "RequestStream", "StatsListen
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = 30.0
+RESTARTED_CLIENT = "client restarted"  # the abort reason of what a dead client under the same identity left
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
 
 
@@ -102,12 +104,16 @@ class AsyncEngineClient(ClientCore):
         *,
         group: ProcessGroup | None = None,
         load_tokenizer: bool = True,
+        identity: str | None = None,
     ) -> None:
+        """``identity``: the routing id of this client's connection to the scheduler (default: a
+        new one); a client that takes over a dead one's (``attach(..., identity=...)``) drops
+        what that one left running."""
         self.info = info
         self.group = group  # owned: shut down with the client
         if tokenizer is None and load_tokenizer:
             tokenizer = load_group_tokenizer(info)
-        self.identity = f"client-{os.getpid()}-{secrets.token_hex(4)}"
+        self.identity = identity or f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.actor_id = self.identity.replace("client", "frontend", 1)
         self.keys = keys_for(info.addresses, info.run_dir)  # TCP: the group's CURVE keys
         self._context = zmq.asyncio.Context()
@@ -163,9 +169,12 @@ class AsyncEngineClient(ClientCore):
         return client
 
     @classmethod
-    async def attach(cls, target: str | os.PathLike[str] | GroupInfo | None = None) -> AsyncEngineClient:
+    async def attach(cls, target: str | os.PathLike[str] | GroupInfo | None = None, *,
+                     identity: str | None = None) -> AsyncEngineClient:
         """Attach to a running group: its run directory, its ``GroupInfo``, or (None) the newest
-        running group. The group keeps running after ``shutdown()``."""
+        running group. The group keeps running after ``shutdown()``. ``identity``: take over the
+        connection of a client that died under that routing id, aborting every request it left
+        (reason "client restarted"): nobody reads their tokens any more."""
         if isinstance(target, GroupInfo):
             info = target
         elif target is None:
@@ -173,8 +182,11 @@ class AsyncEngineClient(ClientCore):
         else:
             info = read_group_info(Path(target))
         tokenizer = await asyncio.to_thread(load_group_tokenizer, info)
-        client = cls(info, tokenizer, load_tokenizer=False)
+        client = cls(info, tokenizer, load_tokenizer=False, identity=identity)
         try:
+            if identity is not None:
+                client.transport.send(SCHEDULER, AbortRequests(request_ids=[], reason=RESTARTED_CLIENT,
+                                                               all_of_sender=True))
             await client.connect()
         except BaseException:
             await client.shutdown()

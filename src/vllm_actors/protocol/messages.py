@@ -65,6 +65,10 @@ class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
     request_ids: list[str]
     # "abort" (client asked), "stop" (the detokenizer met a stop string), "disconnect", ...
     reason: str = "abort"
+    # Every request the sending connection owns besides: a client that came back under the routing
+    # id of one that died (an API process restarted) drops what its predecessor left running. The
+    # client-facing shell expands it into ids (``owners.RequestOwners.screen``).
+    all_of_sender: bool = False
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:

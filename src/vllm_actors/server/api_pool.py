@@ -5,13 +5,15 @@ the parent, killed at interpreter exit whatever happened (``weakref.finalize``).
 
 Connections are shared out by the kernel: every process accepts on the one listening socket, so
 a process whose event loop is busy takes fewer. A process that dies loses its open connections (as
-a vLLM API server does); the engine runs its requests on to their end (``max_tokens``), as nothing
-tells the scheduler that their client is gone.
+a vLLM API server does). Its requests stop in the engine when its replacement comes up: each index
+keeps one routing id at the scheduler, and a process that takes it over aborts what the dead one
+left ("client restarted"). If the restart budget is spent they run on to their limits.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -69,6 +71,8 @@ class ApiServerPool:
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _kill_all, self._slots)
+        self._identities = {index: f"client-api{index}-{os.getpid()}-{secrets.token_hex(4)}"
+                            for index in range(1, count)}
 
     # ------------------------------------------------------------------ start
     def start(self) -> ApiServerPool:
@@ -88,7 +92,7 @@ class ApiServerPool:
 
     def _spawn(self, index: int) -> _Slot:
         spec = ApiProcessSpec(index=index, run_dir=self.run_dir, listen_fd=self.listener.fileno(),
-                              metrics_dir=self.metrics_dir, settings=self.settings)
+                              metrics_dir=self.metrics_dir, identity=self._identities[index], settings=self.settings)
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.server.api_process", msgspec.json.encode(spec).decode()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self.listener.fileno()],

@@ -37,6 +37,9 @@ class ApiProcessSpec(msgspec.Struct, kw_only=True):
     run_dir: str  # the group's, to attach to
     listen_fd: int
     metrics_dir: str  # Prometheus's multiprocess directory, shared by every API process
+    # Its connection's routing id at the scheduler, the same for every start of this index: a
+    # restarted process takes over its dead predecessor's connection and aborts what it left.
+    identity: str
     settings: AppSettings
 
 
@@ -60,7 +63,7 @@ async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
     from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
 
     listener = socket.socket(fileno=spec.listen_fd)
-    client = await AsyncEngineClient.attach(spec.run_dir)
+    client = await AsyncEngineClient.attach(spec.run_dir, identity=spec.identity)
     try:
         app = spec.settings.build(client)
         server = DrainingServer(uvicorn.Config(app, **spec.settings.uvicorn_kwargs()), server_state(app))

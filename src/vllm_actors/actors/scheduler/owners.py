@@ -10,7 +10,8 @@ can cause is made within its own connection's ids:
   request, its updates and its timeline are untouched. So is a plain (not ``resume``) duplicate
   from the holder itself: a client cannot restart or extend a request by re-sending its id;
 * an ``AbortRequests`` aborts only the sender's own ids; the others are left out (logged,
-  ``REJECTED``), so no client can end another's request;
+  ``REJECTED``), so no client can end another's request; ``all_of_sender`` aborts every request
+  the sender's connection owns (a client restarted under the routing id of its dead predecessor);
 * updates go to the owning connection only (``split``).
 
 Why ownership over one id space rather than per-connection id spaces (``(connection, id)`` keys
@@ -77,6 +78,9 @@ class RequestOwners:
             if error is None:
                 return message, None
             return None, Refusal(error, refused_request(message.request_id, error))
+        if isinstance(message, AbortRequests) and message.all_of_sender:
+            held = [request_id for request_id, owner in self._owner.items() if owner == sender]
+            return (AbortRequests(request_ids=held, reason=message.reason) if held else None), None
         if isinstance(message, AbortRequests):
             own = [request_id for request_id in message.request_ids if self._owner.get(request_id) == sender]
             # Unknown ids are normal (the request finished while the abort was on its way) and
