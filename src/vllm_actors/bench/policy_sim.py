@@ -4,20 +4,23 @@ step cost model gives (``a + b * prefill tokens + c * decoding sequences``); the
 ``bench serve --workload mixed`` arrives on that clock; a token reaches its client ``transit``
 seconds after its step. No processes, no model, no clock: the same figures on any machine.
 
-What it answers: given a GPU's step costs (fit them from a real run's trace, or read the
-scheduler's online cost model), which policy meets the deadlines at which rate, and whether a
-miss is the scheduler's doing. The default costs are the H100 run of 2026-11-25 at 80/s (Qwen3-0.6B
+What it answers: given a GPU's step costs (``--cost A B C``, or ``--fit-trace`` to fit them to a
+real run's Chrome trace), which policy meets the deadlines at which rate, and whether a miss is
+the scheduler's doing. The default costs are the H100 run of 2026-11-25 at 80/s (Qwen3-0.6B
 shape, bf16): steps p50 9 ms / p99 26 ms as that run's trace showed 8 / 26.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -115,6 +118,28 @@ def simulate(workload: MixedWorkload, config: SimConfig) -> SimResult:
                      max_running=max_running, preemptions=scheduler.stats.num_preemptions)
 
 
+def fit_costs(trace_path: Path) -> tuple[FixedCostModel, int]:
+    """The step cost model that fits a Chrome trace's worker steps (``stats --trace``, ``bench serve
+    --trace``) by least squares: each ``step N`` slice's ``execute_ms`` against its prefill tokens
+    (its tokens less its decodes) and decodes (its sequences less its prefill sequences).
+    Returns the model and the number of steps it was fitted on."""
+    raw = trace_path.read_bytes()
+    document = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    events = document["traceEvents"] if isinstance(document, dict) else document
+    rows, seconds = [], []
+    for event in events:
+        args = event.get("args") or {}
+        if event.get("ph") != "X" or not str(event.get("name", "")).startswith("step ") or "execute_ms" not in args:
+            continue
+        decodes = max(int(args["num_seqs"]) - int(args.get("num_prefill_seqs", 0)), 0)
+        rows.append([1.0, max(int(args["num_tokens"]) - decodes, 0), decodes])
+        seconds.append(float(args["execute_ms"]) / 1e3)
+    if len(rows) < 3:
+        raise ValueError(f"{trace_path}: {len(rows)} worker steps with execute_ms, at least 3 needed to fit")
+    (a, b, c), *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)
+    return FixedCostModel(a=max(float(a), 0.0), b=max(float(b), 0.0), c=max(float(c), 0.0)), len(rows)
+
+
 def format_table(rate: float, results: list[SimResult]) -> str:
     rows = ["| policy | interactive met (in bursts) | batch met | interactive TTFT p99 (ms) | "
             "batch tok/s | steps p50 / p99 (ms) | max running | preemptions |",
@@ -139,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cost", type=float, nargs=3, metavar=("A", "B", "C"),
                         default=[H100_QWEN3_06B.a, H100_QWEN3_06B.b, H100_QWEN3_06B.c],
                         help="step seconds = A + B x prefill tokens + C x decoding sequences")
+    parser.add_argument("--fit-trace", type=Path, default=None, metavar="TRACE",
+                        help="fit the cost model to this Chrome trace's worker steps instead (.json or .json.gz)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--transit-ms", type=float, default=1.0)
@@ -149,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cost = FixedCostModel(*args.cost)
-    record: dict[str, Any] = {"cost": list(args.cost), "duration": args.duration, "seed": args.seed, "rates": {}}
+    if args.fit_trace is not None:
+        cost, num_steps = fit_costs(args.fit_trace)
+        print(f"cost model fitted to {num_steps} steps of {args.fit_trace}: a = {cost.a * 1e3:.3f} ms, "
+              f"b = {cost.b * 1e6:.3f} us per prefill token, c = {cost.c * 1e6:.3f} us per decode", flush=True)
+    record: dict[str, Any] = {"cost": [cost.a, cost.b, cost.c], "duration": args.duration, "seed": args.seed,
+                              "rates": {}}
     tables = []
     for rate in args.rates:
         workload = MixedWorkload(rate=rate, duration=args.duration, seed=args.seed)
