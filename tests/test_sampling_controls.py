@@ -14,6 +14,7 @@ from vllm_actors.actors.frontend.controls import bad_words_token_ids
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 from vllm_actors.actors.worker.penalties import apply_controls, banned_by_bad_words
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.kernels import penalties as penalty_kernel
 from vllm_actors.kernels import sampling as fused_sampling
 
 PROMPT = [5, 17, 17, 99, 3, 42]
@@ -186,10 +187,16 @@ def test_only_bad_words_keep_a_step_from_being_deferred() -> None:
     assert not Sampler.needs_host(SamplingParams(logit_bias={1: 2.0}, allowed_token_ids=[1]))
 
 
-def test_pooled_penalties_follow_the_draws_like_the_token_lists(model_logits: torch.Tensor) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pooled_penalties_follow_the_draws_like_the_token_lists(model_logits: torch.Tensor, backend: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with a PenaltyPool slot (written once from the prompt and a resumed request's outputs,
     then counted on the device after each draw) get the same logits as the float64 reference over
-    their whole history, step after step; a slot freed and reused starts clean."""
+    their whole history, step after step; a slot freed and reused starts clean. ``triton``: the
+    one-pass kernel (``kernels/penalties.py``, interpreted on the CPU)."""
+    if backend == "triton" and not penalty_kernel.HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("VLLM_ACTORS_PENALTIES", backend)
     sampler = Sampler(torch.device("cpu"), seed=0)
     pool = sampler.penalties
     penalised = [p for p in MIXED if p.has_penalties]
@@ -212,6 +219,33 @@ def test_pooled_penalties_follow_the_draws_like_the_token_lists(model_logits: to
     assert len(pool) == len(penalised)
     pool.clear()
     assert len(pool) == 0
+
+
+@pytest.mark.skipif(not penalty_kernel.HAVE_TRITON, reason="triton is not installed")
+def test_the_penalties_kernel_against_torch_in_float64() -> None:
+    """Scattered rows and slots, logits of both signs, counts and prompt flags of every kind: the
+    kernel's float32 result against the formula in float64."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, num_slots = 5000, 7  # vocabulary not a multiple of the kernel's block
+    logits = torch.randn((9, vocab), generator=generator) * 5
+    prompt_seen = torch.rand((num_slots, vocab), generator=generator) < 0.1
+    output_counts = (torch.rand((num_slots, vocab), generator=generator) < 0.05).float() * torch.randint(
+        1, 4, (num_slots, vocab), generator=generator)
+    rows, slots = torch.tensor([8, 0, 3, 5]), torch.tensor([2, 6, 0, 2])
+    scalars = torch.tensor([[1.3, 0.7, 1.0, 2.0], [0.5, -0.4, 0.0, 1.0], [0.25, 1.5, -1.0, 0.0]])
+    expected = logits.double().clone()
+    for i, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist(), strict=True)):
+        x, counts = expected[row], output_counts[slot].double()
+        generated = counts > 0
+        penalty = torch.where(prompt_seen[slot] | generated, scalars[0, i].double(), torch.tensor(1.0).double())
+        x = torch.where(x > 0, x / penalty, x * penalty)
+        expected[row] = x - scalars[1, i].double() * counts - scalars[2, i].double() * generated.double()
+    for apply in (penalty_kernel.apply_penalties, penalty_kernel.apply_penalties_torch):
+        result = logits.clone()
+        apply(result, rows, slots, prompt_seen, output_counts, scalars)
+        torch.testing.assert_close(result.double(), expected, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        penalty_kernel.apply_penalties(logits.double(), rows, slots, prompt_seen, output_counts, scalars)
 
 
 def test_bad_word_strings_never_appear(llm: LLM, tiny_qwen3: Path) -> None:

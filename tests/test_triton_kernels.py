@@ -459,3 +459,24 @@ def test_gpu_decode_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close(static_out.clone(), case, dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_penalties_kernel_at_full_size() -> None:
+    """kernels/penalties.py on the GPU at Qwen3's vocabulary and 230 penalised rows of 256, with the
+    pool's slots scattered: equal to the torch path (both float32, same formula)."""
+    from vllm_actors.kernels import penalties
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    vocab, num_slots = 151936, 300
+    logits = torch.randn((256, vocab), device=DEVICE, generator=generator) * 5
+    prompt_seen = torch.rand((num_slots, vocab), device=DEVICE, generator=generator) < 0.01
+    output_counts = (torch.rand((num_slots, vocab), device=DEVICE, generator=generator) < 0.005).float() * 3
+    rows = torch.randperm(256, device=DEVICE, generator=generator)[:230]
+    slots = torch.randperm(num_slots, device=DEVICE, generator=generator)[:230]
+    scalars = torch.rand((3, 230), device=DEVICE, generator=generator) + 0.5
+    expected, result = logits.clone(), logits.clone()
+    penalties.apply_penalties_torch(expected, rows, slots, prompt_seen, output_counts, scalars)
+    penalties.apply_penalties(result, rows, slots, prompt_seen, output_counts, scalars)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-5)

@@ -1,5 +1,7 @@
 """The kernel microbenchmark's fused elementwise cases (``vllm_actors.bench.kernels``): add + RMSNorm,
-SiLU-and-mul and the rotary embedding of q and k, Triton against unfused torch code."""
+SiLU-and-mul and the rotary embedding of q and k, Triton against unfused torch code; and the
+sampler's penalties (``kernels/penalties.py``) on min(tokens, 256) rows of Qwen3's vocabulary,
+against the torch path the worker used before."""
 
 from __future__ import annotations
 
@@ -88,12 +90,42 @@ def _cases(
 
     half_cos, half_sin = cos[:, : args.head_dim // 2].float(), sin[:, : args.head_dim // 2].float()
     gate_up = torch.cat((gate, up), dim=-1)
+    penalise_kernel, penalise_torch = _penalty_case(device, min(tokens, PENALTY_ROWS))
     return [
         ("add+rms_norm", lambda: fused_ops.rms_norm(x, weight, eps, r), lambda: norm(x + r)),
         ("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), lambda: F.silu(gate) * up),
         ("rotary_qk", lambda: fused_ops.qk_norm_rope(q.clone(), k.clone(), half_cos, half_sin, None, None, eps),
          torch_rotary),
+        ("penalties", penalise_kernel, penalise_torch),
     ]
+
+
+PENALTY_ROWS, PENALTY_VOCAB = 256, 151936  # a full batch of Qwen3's vocabulary
+
+
+def _penalty_case(device: torch.device, rows: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The penalties of ``rows`` rows, their pool slots scattered over twice as many: the Triton pass
+    and the torch path, each on its own copy of the same logits (in place, as the sampler does)."""
+    from vllm_actors.kernels import penalties
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn((rows, PENALTY_VOCAB), device=device, generator=generator) * 5
+    seen = torch.rand((2 * rows, PENALTY_VOCAB), device=device, generator=generator) < 0.01
+    counts = (torch.rand((2 * rows, PENALTY_VOCAB), device=device, generator=generator) < 0.005).float() * 2
+    index = torch.arange(rows, device=device)
+    slots = torch.randperm(2 * rows, device=device, generator=generator)[:rows]
+    scalars = torch.tensor([1.1, 0.5, 0.5], device=device).repeat_interleave(rows).view(3, rows)
+    mine, theirs = logits.clone(), logits.clone()
+
+    def kernel() -> torch.Tensor:
+        penalties.apply_penalties(mine, index, slots, seen, counts, scalars)
+        return mine
+
+    def reference() -> torch.Tensor:
+        penalties.apply_penalties_torch(theirs, index, slots, seen, counts, scalars)
+        return theirs
+
+    return kernel, reference
 
 
 def format_fused(rows: list[FusedRow]) -> str:

@@ -10,8 +10,9 @@ token in the output) and presence (once per token in the output) subtracted.
 
 Rows without any control cost nothing: ``apply_controls`` returns the logits untouched when no
 row has one. A penalised row with a slot in a ``PenaltyPool`` (the worker's rows) reads its prompt's
-tokens and output counts from there, on the device; one without (the sampler alone, in tests) has
-its token lists sent to the device for this step.
+tokens and output counts from there, on the device, in one Triton pass on a GPU
+(``kernels/penalties.py``); one without (the sampler alone, in tests) has its token lists sent to
+the device for this step.
 """
 
 from __future__ import annotations
@@ -117,8 +118,7 @@ def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
     vocab = logits.shape[1]
     if pooled:
         assert pool is not None
-        prompt_seen, output_counts = pool.rows([rows[index].penalty_slot for index in pooled], vocab)
-        _penalise(logits, rows, pooled, prompt_seen, output_counts)
+        pool.penalise(logits, pooled, [rows[index].penalty_slot for index in pooled], _scalars(rows, pooled, logits))
     if listed:
         prompts = [rows[index].prompt_token_ids() for index in listed]
         outputs = [rows[index].output_token_ids() for index in listed]
@@ -130,11 +130,7 @@ def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list
     """vLLM's repetition, frequency and presence penalties on these rows ([len(penalised), vocab]
     inputs)."""
     output_seen = output_counts > 0
-    params = [rows[index].params for index in penalised]
-    scalars = _tensor(
-        [p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
-        + [p.presence_penalty for p in params], logits, torch.float32,
-    ).view(3, len(penalised), 1)
+    scalars = _scalars(rows, penalised, logits).view(3, len(penalised), 1)
     index = _tensor(penalised, logits, torch.long)
     sub = logits[index]
     penalty = torch.where(prompt_seen | output_seen, scalars[0], 1.0)
@@ -142,6 +138,13 @@ def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list
     sub -= scalars[1] * output_counts
     sub -= scalars[2] * output_seen
     logits[index] = sub
+
+
+def _scalars(rows: Sequence[SamplingRow], penalised: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """[3, n] float32 on the logits' device: repetition, frequency and presence of each row."""
+    params = [rows[index].params for index in penalised]
+    return _tensor([p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
+                   + [p.presence_penalty for p in params], logits, torch.float32).view(3, len(penalised))
 
 
 def _counts(token_lists: Sequence[Sequence[int]], vocab: int, logits: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,23 @@ vocabulary is that of the first logits seen. Slots are reused once their request
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
+
+from vllm_actors.kernels import penalties as kernel
+
+
+def penalty_kernel_enabled(device: torch.device) -> bool:
+    """The Triton penalties kernel on CUDA devices (``VLLM_ACTORS_PENALTIES=torch``: never;
+    ``=triton``: also elsewhere, e.g. the CPU under ``TRITON_INTERPRET=1``)."""
+    choice = os.environ.get("VLLM_ACTORS_PENALTIES", "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"VLLM_ACTORS_PENALTIES must be 'torch' or 'triton', got {choice!r}")
+    if not kernel.HAVE_TRITON or choice == "torch":
+        return False
+    return choice == "triton" or device.type == "cuda"
 
 
 class PenaltyPool:
@@ -59,11 +73,16 @@ class PenaltyPool:
         self._free.clear()
         self._next = 0
 
-    def rows(self, slots: Sequence[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([n, vocab] prompt-seen bool, [n, vocab] float32 output counts) of these slots (copies)."""
-        self._prepare(vocab)
-        index = torch.tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
-        return self.prompt_seen.index_select(0, index), self.output_counts.index_select(0, index)
+    def penalise(self, logits: torch.Tensor, rows: Sequence[int], slots: Sequence[int], scalars: torch.Tensor) -> None:
+        """vLLM's repetition, frequency and presence penalties on ``logits`` (float32 [N, V], in
+        place): row ``rows[i]`` reads slot ``slots[i]``; ``scalars`` [3, n] float32 on the device.
+        One Triton pass over those rows where the kernel runs (a GPU, or ``VLLM_ACTORS_PENALTIES=
+        triton``), else the same in torch."""
+        self._prepare(logits.shape[1])
+        row_index = torch.tensor(list(rows), dtype=torch.long).to(self.device, non_blocking=True)
+        slot_index = torch.tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
+        apply = kernel.apply_penalties if penalty_kernel_enabled(self.device) else kernel.apply_penalties_torch
+        apply(logits, row_index, slot_index, self.prompt_seen, self.output_counts, scalars)
 
     def record(self, slots: Sequence[int], chosen: torch.Tensor) -> None:
         """Count each slot's drawn token (``chosen``: one id per slot, on the device)."""
