@@ -17,23 +17,17 @@ vocabulary is that of the first logits seen. Slots are reused once their request
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
+from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.kernels import penalties as kernel
 
 
 def penalty_kernel_enabled(device: torch.device) -> bool:
-    """The Triton penalties kernel on CUDA devices (``VLLM_ACTORS_PENALTIES=torch``: never;
-    ``=triton``: also elsewhere, e.g. the CPU under ``TRITON_INTERPRET=1``)."""
-    choice = os.environ.get("VLLM_ACTORS_PENALTIES", "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise ValueError(f"VLLM_ACTORS_PENALTIES must be 'torch' or 'triton', got {choice!r}")
-    if not kernel.HAVE_TRITON or choice == "torch":
-        return False
-    return choice == "triton" or device.type == "cuda"
+    """The Triton penalties kernel (``VLLM_ACTORS_PENALTIES``: ``torch`` or ``triton``)."""
+    return use_triton("VLLM_ACTORS_PENALTIES", kernel.HAVE_TRITON, device)
 
 
 class PenaltyPool:

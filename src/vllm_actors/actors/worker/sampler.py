@@ -21,13 +21,13 @@ bad words, logit_bias, repetition/frequency/presence penalties) to the rows that
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vllm_actors.actors.worker.graph_inputs import GraphSampling
+from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.actors.worker.penalties import apply_controls
 from vllm_actors.actors.worker.penalty_pool import PenaltyPool
 from vllm_actors.kernels import sampling as fused_sampling
@@ -102,12 +102,8 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> 
 
 
 def fused_sampler_enabled(device: torch.device) -> bool:
-    choice = os.environ.get("VLLM_ACTORS_SAMPLER", "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise ValueError(f"VLLM_ACTORS_SAMPLER must be 'torch' or 'triton', got {choice!r}")
-    if not fused_sampling.HAVE_TRITON or choice == "torch":
-        return False
-    return choice == "triton" or device.type == "cuda"
+    """The fused sampling kernel (``VLLM_ACTORS_SAMPLER``: ``torch`` or ``triton``)."""
+    return use_triton("VLLM_ACTORS_SAMPLER", fused_sampling.HAVE_TRITON, device)
 
 
 def row_seed(seed: int, output_index: int) -> int:
