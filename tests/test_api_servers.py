@@ -15,10 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server_helpers import child_pids, free_port, gone, start_server, stop_process, tail, wait_healthy
 
 PROMPT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0.0}
+KEY = "sk-api-servers-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 ARGS = ("--api-server-count", "2", "--served-model-name", "tiny", "--max-model-len", "256",
         "--num-gpu-blocks-override", "256", "--liveness-timeout", "120", "--shutdown-timeout", "10",
         "--uvicorn-log-level", "info")
@@ -53,7 +56,7 @@ def parent_stopped(parent: int) -> Iterator[None]:
 
 
 def complete(base_url: str) -> str:
-    response = httpx.post(f"{base_url}/v1/completions", json=PROMPT, timeout=120.0)
+    response = httpx.post(f"{base_url}/v1/completions", json=PROMPT, headers=AUTH, timeout=120.0)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
 
@@ -62,7 +65,9 @@ def started(log_path: Path, pid: int) -> bool:
     return f"Started server process [{pid}]" in log_path.read_text(errors="replace")
 
 
-def test_a_second_api_process_serves_restarts_and_stops_with_the_parent(tiny_qwen3: Path, tmp_path: Path) -> None:
+def test_a_second_api_process_serves_restarts_and_stops_with_the_parent(tiny_qwen3: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", KEY)  # the spec carries it: stdin, never a command line
     port, log_path = free_port(), tmp_path / "server.log"
     server = start_server(tiny_qwen3, port, log_path, tmp_path / "runs", *ARGS)
     base_url = f"http://127.0.0.1:{port}"
@@ -70,10 +75,11 @@ def test_a_second_api_process_serves_restarts_and_stops_with_the_parent(tiny_qwe
         wait_healthy(base_url, server, log_path)
         (first,) = wait_for(lambda: api_processes(server.pid), "the second API process", log_path)
         wait_for(lambda: started(log_path, first), "the second API process serving", log_path)
+        assert KEY.encode() not in Path(f"/proc/{first}/cmdline").read_bytes()
         expected = complete(base_url)
         with parent_stopped(server.pid):
             assert complete(base_url) == expected  # the second process answered alone
-        metrics = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+        metrics = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=30.0).text
         counts = re.findall(r"^vllm:e2e_request_latency_seconds_count\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
         assert counts == ["2.0"], counts  # both processes' requests, whichever process answers
 

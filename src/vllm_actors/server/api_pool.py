@@ -94,10 +94,16 @@ class ApiServerPool:
         spec = ApiProcessSpec(index=index, run_dir=self.run_dir, listen_fd=self.listener.fileno(),
                               metrics_dir=self.metrics_dir, identity=self._identities[index], settings=self.settings)
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm_actors.server.api_process", msgspec.json.encode(spec).decode()],
+            [sys.executable, "-m", "vllm_actors.server.api_process", f"--index={index}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self.listener.fileno()],
             start_new_session=True,
         )
+        assert process.stdin is not None
+        try:
+            process.stdin.write(msgspec.json.encode(spec) + b"\n")  # the spec holds the API keys: not in argv
+            process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died at once: _await_ready reports its exit status
         return _Slot(index, process)
 
     def _await_ready(self, slot: _Slot) -> None:

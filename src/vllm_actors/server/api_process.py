@@ -3,9 +3,10 @@ tokenising, detokenising and streaming for its share of the connections, on the 
 the serving parent made, as a client attached to the parent's group (``AsyncEngineClient.attach``).
 
 The contract with the parent (``server/api_pool.py``), as an actor's with its supervisor:
-- the spec: one JSON-encoded ``ApiProcessSpec`` on the command line; the listening socket is the
-  inherited descriptor ``listen_fd``;
-- stdin is a pipe from the parent: EOF on it (the parent died, even by SIGKILL) drains and exits;
+- the spec: one JSON-encoded ``ApiProcessSpec``, the first line on stdin (not the command line,
+  where ``ps`` would show the API keys it holds); the listening socket is the inherited descriptor
+  ``listen_fd``;
+- stdin stays a pipe from the parent: EOF on it (the parent died, even by SIGKILL) drains and exits;
 - stdout carries one line, ``ready``, once the server serves; everything else (logs, uvicorn's
   access lines) goes to stderr;
 - SIGTERM drains (uvicorn's graceful shutdown, up to ``--shutdown-timeout``), a second one ends it
@@ -43,8 +44,20 @@ class ApiProcessSpec(msgspec.Struct, kw_only=True):
     settings: AppSettings
 
 
-def main(argv: list[str] | None = None) -> int:
-    spec = msgspec.json.decode((argv or sys.argv[1:])[0], type=ApiProcessSpec)
+def read_spec(fd: int = 0) -> ApiProcessSpec:
+    """The first line of ``fd``, byte by byte: nothing after it is consumed (the parent watch reads
+    the rest, until EOF)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise SystemExit("the serving parent closed stdin before sending the spec")
+        line += byte
+    return msgspec.json.decode(bytes(line), type=ApiProcessSpec)
+
+
+def main() -> int:
+    spec = read_spec()
     from vllm_actors.server.metrics import share_histograms
 
     share_histograms(spec.metrics_dir)  # before the app makes its histograms
