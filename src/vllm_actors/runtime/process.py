@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
+from vllm_actors.runtime.gc_tuning import freeze_startup_heap
 from vllm_actors.runtime.run_dir import GroupAddresses
 
 HARD_EXIT_SECONDS = 3.0
@@ -73,7 +74,10 @@ def _write_line(fields: dict[str, Any], *, skip_if_full: bool = False) -> None:
 
 
 def report(status: str, **fields: Any) -> None:
-    """One status line for the supervisor; READY also starts the liveness pings."""
+    """One status line for the supervisor; READY also starts the liveness pings and freezes the
+    start-up heap out of the garbage collector's way (``gc_tuning``)."""
+    if status == "ready":
+        freeze_startup_heap()
     _write_line({"status": status, **fields})
     if status == "ready":
         start_pings()

@@ -72,6 +72,7 @@ def main() -> int:
 
 async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
     from vllm_actors.clients.async_client import AsyncEngineClient
+    from vllm_actors.runtime.gc_tuning import freeze_startup_heap
     from vllm_actors.server.app import server_state
     from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
 
@@ -84,6 +85,7 @@ async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
         client.add_failure_listener(server.on_group_failed)
         loop = asyncio.get_running_loop()
         _watch_parent(lambda: loop.call_soon_threadsafe(server.drain))
+        freeze_startup_heap()
         ready = asyncio.create_task(_report_ready(server, report_fd))
         try:
             await server.serve(sockets=[listener])

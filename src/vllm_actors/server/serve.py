@@ -30,6 +30,7 @@ import uvicorn
 
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.core import load_group_tokenizer
+from vllm_actors.runtime.gc_tuning import freeze_startup_heap
 from vllm_actors.server.api_pool import KILL_GRACE_SECONDS, ApiServerPool
 from vllm_actors.server.app import cache_config_labels, server_state
 from vllm_actors.server.app_settings import AppSettings
@@ -122,6 +123,7 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
             return client.failed
         log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir,
                  api_key=bool(api_keys), api_servers=count)
+        freeze_startup_heap()
         await server.serve(sockets=[listener])
         if state.client.num_unfinished:
             log.warning("aborting requests still running after the grace period", count=state.client.num_unfinished)
