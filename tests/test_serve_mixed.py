@@ -155,6 +155,9 @@ def test_mixed_run_against_a_tiny_model_once_per_policy(tmp_path: Path) -> None:
             assert entry["completed"] + entry["rejected"] == entry["requests"]  # nothing failed otherwise
             assert 0.0 <= entry["attainment"] <= 1.0 and entry["met"] <= entry["completed"]
         assert {row["class"] for row in load["per_request"]} <= {"interactive", "batch"}
+        cpu = load["server_cpu"]  # cores each role of the started server used over the load
+        assert {"api", "scheduler", "worker", "kv_cache_manager", "bus", "metrics"} <= set(cpu), cpu
+        assert all(cores >= 0.0 for cores in cpu.values()) and cpu["worker"] > 0.0
     assert "trace" not in servers[0] and servers[1]["trace"]["path"] == str(out / "trace-lpm.json.gz")
     import gzip
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_actors.bench import serve_delays
+from vllm_actors.bench import procfs, serve_delays
 from vllm_actors.bench.serve_client import (
     INPUT_LEN_RANGE,
     OUTPUT_LEN_RANGE,
@@ -156,7 +156,10 @@ def completions_url(url: str) -> str:
     return f"{url.rstrip('/')}/v1/completions"
 
 
-def measure(args: argparse.Namespace, url: str, model: str, name: str, record: dict[str, Any], out: Path) -> None:
+def measure(args: argparse.Namespace, url: str, model: str, name: str, record: dict[str, Any], out: Path,
+            server_pid: int | None = None) -> None:
+    """Every load against ``url``; with ``server_pid`` (a server this benchmark started), also the
+    CPU each of its roles used over the load (``server_cpu``: cores, 1.0 a core busy all along)."""
     record["warmup_s"] = warm_up(args, url, model)
     for index, (kind, value) in enumerate(loads(args)):
         requests = load_requests(args, kind, value, args.seed + 1000 * (index + 1))
@@ -164,12 +167,17 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
         shards = split_load(completions_url(url), model, requests, args.num_clients, temperature=args.temperature,
                             timeout=args.request_timeout, concurrency=concurrency, duration=args.duration)
         delays_before = serve_delays.scrape(url)
+        cpu_before, wall_before = (procfs.cpu_by_role(server_pid), time.monotonic()) if server_pid else ({}, 0.0)
         results, start = run_load(shards)
+        cpu = procfs.cpu_shares(cpu_before, procfs.cpu_by_role(server_pid), time.monotonic() - wall_before) \
+            if server_pid else {}
         delays = serve_delays.difference(delays_before, serve_delays.scrape(url))
         summary = summarize(results, start, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
         summary.update({"kind": kind, "value": value, "sent": len(results), "client_processes": len(shards)})
         if delays:  # this engine's servers: where the tokens' way to the client was spent
             summary["server_delays"] = delays
+        if cpu:
+            summary["server_cpu"] = cpu
         if args.workload == "mixed":
             summary["slo"] = slo_summary(args, results, requests, start)
         klass = {request.index: getattr(request, "klass", None) for request in requests}
@@ -183,6 +191,9 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
         print(format_row(name, summary), flush=True)
         if delays:
             print(f"{name} {_load_label(summary)}: {serve_delays.describe(delays)}", flush=True)
+        if cpu:
+            shares = ", ".join(f"{role} {cores:.2f}" for role, cores in cpu.items())
+            print(f"{name} {_load_label(summary)}: server CPU in cores: {shares}", flush=True)
         if "slo" in summary:
             print(slo_row(name, summary, None), flush=True)
         write_outputs(out, args, None)
@@ -339,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
                 record["startup_s"] = server.startup_s
                 record["version"] = _version(url)
                 print(f"{name} up after {server.startup_s:.1f} s", flush=True)
-                measure(args, url, served, name, record, out)
+                measure(args, url, served, name, record, out, server_pid=server.process.pid)
                 if traced is not None:
                     record["trace"] = save_trace(server.process.pid, traced, args.trace_max_mb)
                     print(f"{name} trace: {record['trace']}", flush=True)
