@@ -36,6 +36,25 @@ def test_llm_generate_priority_orders_admission(tiny_qwen3: Path, policy: str) -
     assert order == ([0, 2, 3, 1] if policy == "priority" else [0, 1, 2, 3])
 
 
+@pytest.mark.parametrize("policy", ["edf", "lrs"])
+def test_slot_preemption_under_deadline_policies_keeps_every_output_exact(tiny_qwen3: Path, policy: str) -> None:
+    """Two sequence slots, six requests whose deadlines come earlier the later they arrive: the
+    deadline policies preempt running requests for the slots (recomputing them later), and every
+    output is still the greedy one of an FCFS run."""
+    prompts = ["a b", "c d e", "f g", "h i j k", "l m", "n o p"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = {"executor": "inprocess", "dtype": "float32", "max_num_seqs": 2, "max_model_len": 128,
+              "num_gpu_blocks_override": 64}
+    with LLM(str(tiny_qwen3), scheduling_policy="fcfs", **kwargs) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(tiny_qwen3), scheduling_policy=policy, **kwargs) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False,
+                               e2e_target_ms=[600_000.0 - 100_000.0 * index for index in range(len(prompts))])
+        preempted = [e for o in outputs for e in llm.get_timeline(o.request_id).events if e.type == "PREEMPTED"]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert preempted, "no request was preempted for a slot: the test did not exercise it"
+
+
 def test_llm_generate_rejects_an_unmeetable_target(tiny_qwen3: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     with LLM(str(tiny_qwen3), executor="inprocess", dtype="float32", max_model_len=128,
