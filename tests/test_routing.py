@@ -379,8 +379,8 @@ def test_after_a_controller_restart_a_resubmission_routed_to_its_own_replica_los
     answers with the tokens the client lacks from where its own end (catch_up), and the controller
     passes each token once by its position, whichever of the catch-up and the replica's next update
     comes first."""
+    from vllm_actors.actors.scheduler.recovery import catch_up
     from vllm_actors.actors.scheduler.request import ScheduledRequest
-    from vllm_actors.actors.scheduler.scheduler import catch_up
 
     held = ScheduledRequest(request_id="b", prompt_token_ids=[3, 4], params=add("b").params, eos_token_ids=[0],
                             packed_prompt=b"", output_token_ids=[1, 2, 3])  # 2, 3 went to the dead controller

@@ -24,7 +24,7 @@ re-sent copy goes to another replica, resuming from the client's tokens, while t
 aborted (never aborted and re-added on one replica: a scheduler must not see an id leave and come
 back while a step of it is in flight). A request re-sent before its replica's next update arrives
 is routed as new; if that is its own replica, its scheduler answers with the tokens the client
-lacks, from where the client's end (``scheduler.catch_up``), and the controller passes each token
+lacks, from where the client's end (``recovery.catch_up``), and the controller passes each token
 once by its position (``RequestUpdate.output_index``, ``in_place``): an update that starts past
 what it forwarded is held back, the catch-up brings its tokens.
 

@@ -11,7 +11,7 @@ its first plan is a reset, and its step ids start above its predecessors' (``fir
 by the supervisor), so a dead scheduler's plan still in the pipeline never passes for its own.
 After a scheduler restart the clients resubmit their unfinished requests (``AddRequest.resume``)
 with the outputs they received: such a request enters as a preempted one; a resubmission of an id
-already held is ignored.
+already held is answered with the tokens its sender lacks (``catch_up``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
-from vllm_actors.actors.scheduler.request import Status
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.protocol.events import PipelineReset, Preempted
+from vllm_actors.protocol.messages import AddRequest, Message, RequestUpdate, RequestUpdates
+from vllm_actors.protocol.names import FRONTEND
 
 if TYPE_CHECKING:
     from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -54,3 +56,16 @@ def reset_pipeline(scheduler: Scheduler, reason: str) -> None:
     scheduler._reset_step = None
     scheduler.stats.num_resets += 1
     scheduler._events.append(PipelineReset(reason=reason, num_preempted=len(running)))
+
+
+def catch_up(request: ScheduledRequest, resubmission: AddRequest) -> list[tuple[str, Message]]:
+    """A resubmission of a request this scheduler runs (its sender restarted, a replica set's
+    controller say): the tokens its sender lacks, from where its own tokens end, when they are a
+    prefix of this copy's; nothing otherwise (the original is here already)."""
+    have = list(resubmission.output_token_ids)
+    ours = request.output_token_ids
+    if len(have) >= len(ours) or ours[: len(have)] != have:
+        return []
+    update = RequestUpdate(request_id=request.request_id, new_token_ids=ours[len(have):], output_index=len(have),
+                           num_prompt_tokens=len(request.prompt_token_ids))
+    return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]

@@ -40,7 +40,7 @@ from vllm_actors.actors.scheduler.queue_policy import (
     admit,
     identity_error,
 )
-from vllm_actors.actors.scheduler.recovery import reset_pipeline
+from vllm_actors.actors.scheduler.recovery import catch_up, reset_pipeline
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
 from vllm_actors.actors.scheduler.results import on_step_result
 from vllm_actors.protocol.config import SchedulerConfig
@@ -78,19 +78,6 @@ class SchedulerStats:
     num_resets: int = 0  # pipeline resets (RecoverPipeline)
     num_stale_results: int = 0  # step results of plans sent before a reset, ignored
 
-
-
-def catch_up(request: ScheduledRequest, resubmission: AddRequest) -> list[tuple[str, Message]]:
-    """A resubmission of a request this scheduler runs (its sender restarted, a replica set's
-    controller say): the tokens its sender lacks, from where its own tokens end, when they are a
-    prefix of this copy's; nothing otherwise (the original is here already)."""
-    have = list(resubmission.output_token_ids)
-    ours = request.output_token_ids
-    if len(have) >= len(ours) or ours[: len(have)] != have:
-        return []
-    update = RequestUpdate(request_id=request.request_id, new_token_ids=ours[len(have):], output_index=len(have),
-                           num_prompt_tokens=len(request.prompt_token_ids))
-    return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
 
 
 class Scheduler:
