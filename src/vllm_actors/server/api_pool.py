@@ -43,6 +43,15 @@ class _Slot:
     process: subprocess.Popen[bytes]
 
 
+def _close_pipes(process: subprocess.Popen[bytes]) -> None:
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass  # stdin of a dead process: its buffered bytes have nowhere to go
+
+
 def _kill_all(slots: list[_Slot]) -> None:
     for slot in slots:
         if slot.process.poll() is None:
@@ -52,8 +61,7 @@ def _kill_all(slots: list[_Slot]) -> None:
             slot.process.wait(KILL_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        if slot.process.stdin is not None:
-            slot.process.stdin.close()
+        _close_pipes(slot.process)
 
 
 class ApiServerPool:
@@ -141,8 +149,10 @@ class ApiServerPool:
                       status=status, max_restarts=self.budget.max_restarts, window=self.budget.window)
             with self._lock:
                 self._slots.remove(slot)
+            _close_pipes(slot.process)
             return
         log.error("API process died: restarting it", index=slot.index, status=status)
+        _close_pipes(slot.process)
         try:
             replacement = self._spawn(slot.index)
             with self._lock:
