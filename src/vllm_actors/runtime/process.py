@@ -108,8 +108,9 @@ def start_pings(interval: float = PING_INTERVAL) -> None:
     _pinger.start()
 
 
-def watch_parent(stop: threading.Event) -> None:
-    """Exit when the supervisor's end of our stdin closes (it died or let us go)."""
+def on_stdin_closed(callback: Callable[[], object]) -> None:
+    """Call ``callback`` from a daemon thread once the parent's end of our stdin closes (it died,
+    even by SIGKILL, or let us go)."""
 
     def watch() -> None:
         # os.read, not sys.stdin: a daemon thread blocked inside a buffered stream holds its lock,
@@ -119,12 +120,22 @@ def watch_parent(stop: threading.Event) -> None:
                 pass
         except (OSError, ValueError):
             pass
+        callback()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def watch_parent(stop: threading.Event) -> None:
+    """Exit when the supervisor's end of our stdin closes: ``stop``, then a hard exit after
+    ``HARD_EXIT_SECONDS``."""
+
+    def gone() -> None:
         stop.set()
         timer = threading.Timer(HARD_EXIT_SECONDS, os._exit, args=(3,))
         timer.daemon = True
         timer.start()
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    on_stdin_closed(gone)
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

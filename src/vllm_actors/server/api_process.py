@@ -21,8 +21,6 @@ import asyncio
 import os
 import socket
 import sys
-import threading
-from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -73,6 +71,7 @@ def main() -> int:
 async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
     from vllm_actors.clients.async_client import AsyncEngineClient
     from vllm_actors.runtime.gc_tuning import freeze_startup_heap
+    from vllm_actors.runtime.process import on_stdin_closed
     from vllm_actors.server.app import server_state
     from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
 
@@ -84,7 +83,12 @@ async def _serve(spec: ApiProcessSpec, report_fd: int) -> int:
         limit_uvicorn_logs()
         client.add_failure_listener(server.on_group_failed)
         loop = asyncio.get_running_loop()
-        _watch_parent(lambda: loop.call_soon_threadsafe(server.drain))
+
+        def parent_gone() -> None:
+            log.warning("the serving parent is gone: draining")
+            loop.call_soon_threadsafe(server.drain)
+
+        on_stdin_closed(parent_gone)
         freeze_startup_heap()
         ready = asyncio.create_task(_report_ready(server, report_fd))
         try:
@@ -103,19 +107,6 @@ async def _report_ready(server: uvicorn.Server, report_fd: int) -> None:
         os.write(report_fd, b"ready\n")
     finally:
         os.close(report_fd)
-
-
-def _watch_parent(on_gone: Callable[[], object]) -> None:
-    def watch() -> None:
-        try:
-            while os.read(0, 1024):
-                pass
-        except OSError:
-            pass
-        log.warning("the serving parent is gone: draining")
-        on_gone()
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -27,9 +27,8 @@ def remaining_decodes(request: ScheduledRequest) -> int:
 
 def first_token_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
     """Predicted time to its first token: its prefill in one step (0 once it has a token)."""
-    if request.output_token_ids or not remaining_prefill(request):
-        return 0.0
-    return cost.step_seconds(remaining_prefill(request), batch)
+    prefill = remaining_prefill(request)
+    return cost.step_seconds(prefill, batch) if prefill and not request.output_token_ids else 0.0
 
 
 def remaining_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
@@ -61,11 +60,6 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
             return (f"{UNMEETABLE}: predicted {what} {predicted * 1000:.1f} ms, target "
                     f"{(deadline - now) * 1000:.1f} ms ({len(ahead)} requests ahead)")
     return None
-
-
-def earliest_deadline(message: AddRequest) -> float | None:
-    known = [d for d in (message.ttft_deadline, message.e2e_deadline) if d is not None]
-    return min(known) if known else None
 
 
 def observe_step(cost: CostModel, plan: StepPlan, result: StepResult) -> None:

@@ -79,7 +79,6 @@ class SchedulerStats:
     num_stale_results: int = 0  # step results of plans sent before a reset, ignored
 
 
-
 class Scheduler:
     name = "scheduler"
 

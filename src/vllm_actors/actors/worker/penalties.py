@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_actors.kernels import penalties as kernel
+
 if TYPE_CHECKING:
     from vllm_actors.actors.worker.penalty_pool import PenaltyPool
     from vllm_actors.actors.worker.sampler import SamplingRow
@@ -119,25 +121,13 @@ def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
     if pooled:
         assert pool is not None
         pool.penalise(logits, pooled, [rows[index].penalty_slot for index in pooled], _scalars(rows, pooled, logits))
-    if listed:
+    if listed:  # their counts built for this step, one row each, in the pool's layout
         prompts = [rows[index].prompt_token_ids() for index in listed]
         outputs = [rows[index].output_token_ids() for index in listed]
-        _penalise(logits, rows, listed, _counts(prompts, vocab, logits) > 0, _counts(outputs, vocab, logits))
-
-
-def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int], prompt_seen: torch.Tensor,
-              output_counts: torch.Tensor) -> None:
-    """vLLM's repetition, frequency and presence penalties on these rows ([len(penalised), vocab]
-    inputs)."""
-    output_seen = output_counts > 0
-    scalars = _scalars(rows, penalised, logits).view(3, len(penalised), 1)
-    index = _tensor(penalised, logits, torch.long)
-    sub = logits[index]
-    penalty = torch.where(prompt_seen | output_seen, scalars[0], 1.0)
-    sub = torch.where(sub > 0, sub / penalty, sub * penalty)
-    sub -= scalars[1] * output_counts
-    sub -= scalars[2] * output_seen
-    logits[index] = sub
+        kernel.apply_penalties_torch(logits, _tensor(listed, logits, torch.long),
+                                     torch.arange(len(listed), device=logits.device),
+                                     _counts(prompts, vocab, logits) > 0, _counts(outputs, vocab, logits),
+                                     _scalars(rows, listed, logits))
 
 
 def _scalars(rows: Sequence[SamplingRow], penalised: list[int], logits: torch.Tensor) -> torch.Tensor:
