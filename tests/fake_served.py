@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI
 
 from test_client_recovery import Env, env, tokenizer, wait_until_async
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server import build_app
 
-__all__ = ["Env", "asgi", "env", "served_app", "tokenizer", "wait_until_async"]
+__all__ = ["Env", "asgi", "env", "served_app", "tokenizer", "uvicorn_serving", "wait_until_async"]
 
 
 def asgi(app: FastAPI) -> httpx.AsyncClient:
@@ -41,3 +44,24 @@ async def served_app(env: Env, monkeypatch: pytest.MonkeyPatch,
         yield client, build_app(client, served_model_names=["fake"], **app_kwargs)
     finally:
         await client.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_serving(app: FastAPI) -> AsyncIterator[int]:
+    """The app under a real uvicorn server in this event loop, on a loopback port bound here and
+    handed over (no window in which another process could take it); yields the port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[listener]))
+    try:
+        while not server.started:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+        listener.close()

@@ -249,7 +249,8 @@ class _Running:
 class FakeScheduler:
     """A scheduler on a real ROUTER socket: one token per request per tick, ``length`` at max_tokens.
     ``crash()`` drops every request and everything that arrives until ``restart()`` (a fresh
-    scheduler then knows nothing); a resubmission of a request it holds is ignored."""
+    scheduler then knows nothing); a resubmission of a request it holds is ignored. After
+    ``pace()`` it steps only when the test ``allow``s it, one step per permit."""
 
     TICK = 0.005
 
@@ -259,6 +260,7 @@ class FakeScheduler:
         self.requests: dict[str, _Running] = {}
         self.received: list[AddRequest] = []
         self.down = False
+        self._permits: int | None = None  # None: a step every tick
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -273,6 +275,14 @@ class FakeScheduler:
     def resumed(self) -> dict[str, list[int]]:
         with self.lock:
             return {a.request_id: a.output_token_ids for a in self.received if a.resume}
+
+    def pace(self) -> None:
+        with self.lock:
+            self._permits = 0
+
+    def allow(self, steps: int = 1) -> None:
+        with self.lock:
+            self._permits = (self._permits or 0) + steps
 
     def crash(self) -> None:
         with self.lock:
@@ -325,8 +335,10 @@ class FakeScheduler:
     def _step(self) -> dict[bytes, list[RequestUpdate]]:
         out: dict[bytes, list[RequestUpdate]] = defaultdict(list)
         with self.lock:
-            if self.down:
+            if self.down or not self.requests or self._permits == 0:
                 return out
+            if self._permits is not None:
+                self._permits -= 1
             for request_id, running in list(self.requests.items()):
                 token = token_at(running.add.prompt_token_ids, len(running.outputs))
                 running.outputs.append(token)

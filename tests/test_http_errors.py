@@ -5,19 +5,15 @@ A real uvicorn server in this event loop over the fake scheduler (fake_served.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from starlette.requests import Request
 
-from fake_served import Env, env, served_app, tokenizer  # noqa: F401
-from server_helpers import free_port
+from fake_served import Env, env, served_app, tokenizer, uvicorn_serving  # noqa: F401
 from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.server.errors import edge_context
@@ -44,22 +40,6 @@ def _fail_adds(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         send(destination, message)
 
     monkeypatch.setattr(client.transport, "send", failing)
-
-
-@contextlib.asynccontextmanager
-async def uvicorn_serving(app: FastAPI) -> AsyncIterator[int]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
-                                           access_log=False))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: dict[str, Any],
