@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_actors.actors.frontend.structured import cache_key, grammar_text
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.sampling import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         if list(rows) == list(range(num_rows)):
             logits.masked_fill_(disallowed, _MASK)
             return
-        index = torch.tensor(list(rows), dtype=torch.long).to(device, non_blocking=True)
+        index = upload(rows, device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(disallowed, _MASK))
 
 
@@ -171,7 +172,7 @@ def _powers(device: torch.device) -> torch.Tensor:
     powers = _POWERS.get(device)
     if powers is None:
         values = [1 << i for i in range(31)] + [-(2**31)]
-        powers = _POWERS[device] = torch.tensor(values, dtype=torch.int32).to(device)
+        powers = _POWERS[device] = upload(values, device, torch.int32)
     return powers
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels import penalties as kernel
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], pool: Pena
 
 
 def _tensor(values: list[int] | list[float], logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+    return upload(values, logits.device, dtype)
 
 
 def _allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:

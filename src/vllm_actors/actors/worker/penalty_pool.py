@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_actors.actors.worker.kernel_choice import use_triton
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels import penalties as kernel
 
 
@@ -73,8 +74,8 @@ class PenaltyPool:
         One Triton pass over those rows where the kernel runs (a GPU, or ``VLLM_ACTORS_PENALTIES=
         triton``), else the same in torch."""
         self._prepare(logits.shape[1])
-        row_index = torch.tensor(list(rows), dtype=torch.long).to(self.device, non_blocking=True)
-        slot_index = torch.tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
+        row_index = upload(rows, self.device)
+        slot_index = upload(slots, self.device)
         apply = kernel.apply_penalties if penalty_kernel_enabled(self.device) else kernel.apply_penalties_torch
         apply(logits, row_index, slot_index, self.prompt_seen, self.output_counts, scalars)
 
@@ -82,7 +83,7 @@ class PenaltyPool:
         """Count each slot's drawn token (``chosen``: one id per slot, on the device)."""
         if not slots:
             return
-        index = torch.tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
+        index = upload(slots, self.device)
         ones = torch.ones(len(slots), dtype=torch.float32, device=self.device)
         self.output_counts.index_put_((index, chosen.to(torch.long)), ones, accumulate=True)
 
@@ -113,7 +114,7 @@ class PenaltyPool:
         left out, as the draw can never produce them)."""
         vocab = self._vocab
         slots = list(self._pending)
-        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        index = upload(slots, self.device)
         self.prompt_seen.index_fill_(0, index, False)
         self.output_counts.index_fill_(0, index, 0.0)
         prompt_rows: list[int] = []
@@ -129,13 +130,10 @@ class PenaltyPool:
             output_ids += kept
         self._pending.clear()
         if prompt_ids:
-            where = (_ids(prompt_rows, self.device), _ids(prompt_ids, self.device))
+            where = (upload(prompt_rows, self.device), upload(prompt_ids, self.device))
             self.prompt_seen.index_put_(where, torch.ones(len(prompt_ids), dtype=torch.bool, device=self.device))
         if output_ids:
-            where = (_ids(output_rows, self.device), _ids(output_ids, self.device))
+            where = (upload(output_rows, self.device), upload(output_ids, self.device))
             ones = torch.ones(len(output_ids), dtype=torch.float32, device=self.device)
             self.output_counts.index_put_(where, ones, accumulate=True)
 
-
-def _ids(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

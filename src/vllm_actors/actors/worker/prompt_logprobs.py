@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_actors.actors.worker.sampler import top_logprobs
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.messages import PromptLogprobs
 
 if TYPE_CHECKING:
@@ -27,10 +28,6 @@ def prompt_logprobs_of(span: PromptSpan, logits: torch.Tensor) -> PromptLogprobs
     """The span's entries: each target token's logprob and rank, then the top ``prompt_logprobs``."""
     request = span.request
     rows = logits[span.first_row : span.first_row + span.count]
-    targets = torch.tensor(
-        request.token_ids[span.first_target : span.first_target + span.count],
-        dtype=torch.long,
-        device=rows.device,
-    )
+    targets = upload(request.token_ids[span.first_target : span.first_target + span.count], rows.device)
     entries = top_logprobs(torch.log_softmax(rows.float(), dim=-1), targets, request.params.prompt_logprobs or 0)
     return PromptLogprobs(request_id=request.request_id, start=span.first_target, entries=entries)

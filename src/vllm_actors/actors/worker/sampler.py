@@ -30,6 +30,7 @@ from vllm_actors.actors.worker.graph_inputs import GraphSampling
 from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.actors.worker.penalties import apply_controls
 from vllm_actors.actors.worker.penalty_pool import PenaltyPool
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.protocol.messages import Logprobs
 from vllm_actors.protocol.sampling import SamplingParams
@@ -136,7 +137,7 @@ class Sampler:
             asking = [index for index, wants in enumerate(wants_logprobs) if wants]
             vocab = raw_logprobs.shape[1]
             wants = [vocab if (rows[i].params.logprobs or 0) < 0 else rows[i].params.logprobs or 0 for i in asking]
-            index = torch.tensor(asking, device=logits.device)
+            index = upload(asking, logits.device)
             entries = top_logprobs(raw_logprobs[index], chosen[index], max(wants))
             for row_index, entry, wanted in zip(asking, entries, wants, strict=True):
                 logprobs[row_index] = Logprobs(
@@ -163,9 +164,9 @@ class Sampler:
         elif not greedy:  # all sampled
             chosen = self._sample(logits, rows)
         else:
-            index = torch.tensor(greedy, device=logits.device)
+            index = upload(greedy, logits.device)
             chosen[index] = logits[index].argmax(dim=-1)
-            index = torch.tensor(random, device=logits.device)
+            index = upload(random, logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
         self._count_penalised(chosen, rows)
         return chosen
@@ -176,7 +177,7 @@ class Sampler:
         pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0]
         if not pooled:
             return
-        picked = chosen if len(pooled) == len(rows) else chosen[torch.tensor(pooled, device=chosen.device)]
+        picked = chosen if len(pooled) == len(rows) else chosen[upload(pooled, chosen.device)]
         self.penalties.record([rows[index].penalty_slot for index in pooled], picked)
 
     def graph_params(self, rows: list[SamplingRow]) -> GraphSampling | None:
@@ -227,14 +228,18 @@ class Sampler:
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        masked = None
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
         for index, row in enumerate(rows):
             if row.num_output_tokens < row.params.min_tokens and row.min_tokens_stop_ids:
-                if masked is None:
-                    masked = logits.clone()
                 ids = [i for i in row.min_tokens_stop_ids if i < logits.shape[1]]
-                masked[index, ids] = _MASK
-        return logits if masked is None else masked
+                mask_rows += [index] * len(ids)
+                mask_ids += ids
+        if not mask_rows:
+            return logits
+        masked = logits.clone()
+        masked[upload(mask_rows, logits.device), upload(mask_ids, logits.device)] = _MASK
+        return masked
 
     def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Every row (greedy ones too) in one kernel launch."""
@@ -249,8 +254,8 @@ class Sampler:
                 seeds = (torch.arange(num_rows, device=device) * _ROW_MIX + step_key) & fused_sampling.SEED_MASK
                 return fused_sampling.gumbel_argmax(logits, inv_temperature, noise, seeds)
         inputs = self._row_inputs(rows, step_key)
-        scales = torch.tensor([inputs.inv_temperature, inputs.noise], dtype=torch.float32).to(device, non_blocking=True)
-        seeds = torch.tensor(inputs.seeds, dtype=torch.long).to(device, non_blocking=True)
+        scales = upload([*inputs.inv_temperature, *inputs.noise], device, torch.float32).view(2, num_rows)
+        seeds = upload(inputs.seeds, device)
         return fused_sampling.gumbel_argmax(logits, scales[0], scales[1], seeds)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -260,20 +265,20 @@ class Sampler:
         if len(temperatures) == 1:  # one value for the batch (the common case): no tensor to build
             logits = logits / temperatures.pop()
         else:
-            temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+            temperature = upload([row.params.temperature for row in rows], device, torch.float32)
             logits = logits / temperature.unsqueeze(1)
 
         top_k = [row.params.top_k for row in rows]
         if any(k > 0 for k in top_k):
             vocab = logits.shape[1]
-            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
+            k = upload([min(k, vocab) if k > 0 else vocab for k in top_k], device)
             sorted_desc = logits.sort(dim=-1, descending=True).values
             kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, _MASK)
 
         top_p = [row.params.top_p for row in rows]
         if any(p < 1.0 for p in top_p):
-            p = torch.tensor(top_p, device=device)
+            p = upload(top_p, device, torch.float32)
             sorted_logits, order = logits.sort(dim=-1, descending=False)
             cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop_sorted = cumulative <= (1.0 - p).unsqueeze(1)
@@ -284,7 +289,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         min_p = [row.params.min_p for row in rows]
         if any(m > 0.0 for m in min_p):
-            m = torch.tensor(min_p, device=device).unsqueeze(1)
+            m = upload(min_p, device, torch.float32).unsqueeze(1)
             threshold = probs.max(dim=-1, keepdim=True).values * m
             probs = probs.masked_fill(probs < threshold, 0.0)
 
@@ -293,7 +298,7 @@ class Sampler:
         if len(unseeded) == len(rows):  # one draw for the whole batch
             noise.exponential_(generator=self.generator)
         elif unseeded:
-            noise[unseeded] = torch.empty(
+            noise[upload(unseeded, device)] = torch.empty(
                 (len(unseeded), probs.shape[1]), device=device
             ).exponential_(generator=self.generator)
         for index, row in enumerate(rows):

@@ -46,6 +46,7 @@ from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.prompt_logprobs import PromptSpan, prompt_logprobs_of
 from vllm_actors.actors.worker.ranks import Ranks, SingleRank
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import BUS, SCHEDULER
@@ -243,7 +244,7 @@ class Worker:
         else:
             logits = self.runner.execute(batch)
             if sample_rows != list(range(logits.shape[0])):
-                logits = logits[sample_rows]
+                logits = logits.index_select(0, upload(sample_rows, logits.device))
             constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
             if constrained and self.grammars is not None and self.tp.rank == 0:
                 self._feed_grammars(pending)  # the masks follow every token drawn so far
@@ -385,14 +386,15 @@ class Worker:
         prompt_logprobs = [prompt_logprobs_of(span, logits) for span in spans]
         rows = [request.sampling_row() for request in samplers]
         if samplers and sample_rows != list(range(logits.shape[0])):
-            logits = logits[sample_rows]  # not when every row samples (decode): no copy of batch x vocab
+            # not when every row samples (decode): no copy of batch x vocab
+            logits = logits.index_select(0, upload(sample_rows, logits.device))
         constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
         if constrained and self.grammars is not None:  # structured outputs: disallowed tokens to -inf
             self.grammars.mask(logits, [samplers[i].grammar for i in constrained], constrained)
         sampled = self.sampler(logits, rows) if samplers else None
         token_ids = sampled.token_ids if sampled else []
         if self.tp.enabled and samplers:  # the other ranks take their next inputs from these
-            self.tp.broadcast(torch.tensor(token_ids, dtype=torch.long, device=logits.device))
+            self.tp.broadcast(upload(token_ids, logits.device))
         for request, token_id in zip(samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
             request.num_output_tokens += 1

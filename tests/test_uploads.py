@@ -1,0 +1,96 @@
+"""The worker never makes the host wait for the GPU while it prepares and launches a step.
+
+A blocking host-to-device copy (``torch.tensor(values, device=...)``, a CUDA tensor indexed with a
+Python list) waits for everything queued on the stream: in the launch path that is the step just
+launched, and the host's work on the next step stops overlapping the GPU's. The sampler did that in
+every step of a batch whose penalised rows were not all of its rows (``_count_penalised``), which
+is the json-penalties mix of issue 15. On the CPU the rule is checked in the source; on a GPU,
+under ``torch.cuda.set_sync_debug_mode("error")``, on the sampler itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.protocol.sampling import SamplingParams
+
+WORKER = Path(__file__).resolve().parents[1] / "src" / "vllm_actors" / "actors" / "worker"
+
+
+def _blocking_uploads(tree: ast.AST) -> list[int]:
+    """Lines of ``torch.tensor(...)`` / ``torch.as_tensor(...)`` calls given a ``device``, and of
+    ``.to(...)`` calls to a device without ``non_blocking=True``."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+        if node.func.attr in ("tensor", "as_tensor") and "device" in keywords:
+            lines.append(node.lineno)
+        elif node.func.attr == "to" and node.args and isinstance(node.args[0], ast.Name) \
+                and "device" in node.args[0].id:
+            flag = keywords.get("non_blocking")
+            if not (isinstance(flag, ast.Constant) and flag.value is True):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_worker_module_copies_to_the_device_with_a_blocking_copy() -> None:
+    found = {}
+    for path in sorted(WORKER.glob("*.py")):
+        if path.name == "uploads.py":
+            continue
+        lines = _blocking_uploads(ast.parse(path.read_text()))
+        if lines:
+            found[path.name] = lines
+    assert not found, f"blocking host-to-device copies (use uploads.upload): {found}"
+
+
+def test_the_rule_finds_what_it_looks_for() -> None:
+    source = ("a = torch.tensor([1], device=d)\nb = x.to(device)\nc = x.to(device, non_blocking=True)\n"
+              "e = torch.tensor([1]).to(self.device)\nf = x.to(torch.float32)\n")
+    assert _blocking_uploads(ast.parse(source)) == [1, 2]  # self.device: an attribute, not a name
+
+
+def test_upload_gives_the_values_in_the_dtype() -> None:
+    assert torch.equal(upload([3, 1, 2], torch.device("cpu")), torch.tensor([3, 1, 2]))
+    floats = upload([0.5, 2.0], torch.device("cpu"), torch.float32)
+    assert floats.dtype == torch.float32 and floats.tolist() == [0.5, 2.0]
+
+
+def _mixed_rows(sampler: Sampler, tag: str) -> list[SamplingRow]:
+    """Penalised rows with pool slots beside plain ones, greedy beside sampled, a seeded row, a
+    min_tokens row and a top-k row: every path of ``draw`` that takes per-row lists."""
+    rows = []
+    for index in range(12):
+        params = SamplingParams(temperature=0.0 if index % 3 == 0 else 0.8, max_tokens=16,
+                                seed=7 if index == 4 else None, top_k=5 if index == 5 else 0,
+                                min_tokens=4 if index == 6 else 0, presence_penalty=0.5 if index % 2 else 0.0,
+                                repetition_penalty=1.1 if index % 2 else 1.0)
+        slot = sampler.penalties.add(f"{tag}{index}", [1, 2, 3], [4]) if params.has_penalties else -1
+        rows.append(SamplingRow(params, num_output_tokens=1, min_tokens_stop_ids=[0, 1] if index == 6 else [],
+                                token_ids=[1, 2, 3, 4], num_prompt_tokens=3, penalty_slot=slot))
+    return rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_drawing_a_mixed_batch_never_synchronises_on_a_gpu() -> None:
+    device = torch.device("cuda")
+    sampler = Sampler(device)
+    vocab = 4096
+    logits = torch.randn(12, vocab, device=device, dtype=torch.bfloat16)
+    sampler.draw(logits, _mixed_rows(sampler, "warm"))  # compiles the kernels, grows the pool
+    torch.cuda.synchronize()
+    rows = _mixed_rows(sampler, "checked")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chosen = sampler.draw(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert chosen.shape == (12,) and int(chosen.max()) < vocab
