@@ -56,7 +56,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage"
   case "$stage" in
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py
-             timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py
+             timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py tests/test_uploads.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/test_gpu_tensor_parallel.py \
                2>&1 | tee "$out/tptests.log" | tail -40 ;;

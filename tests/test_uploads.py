@@ -16,8 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_actors.actors.worker.deferred import PendingStep
+from vllm_actors.actors.worker.model_runner import ModelRunner
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
 from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.actors.worker.worker import Worker
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.events import StepStarted
+from vllm_actors.protocol.messages import NewRequest, StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 
 WORKER = Path(__file__).resolve().parents[1] / "src" / "vllm_actors" / "actors" / "worker"
@@ -79,6 +85,7 @@ def _mixed_rows(sampler: Sampler, tag: str) -> list[SamplingRow]:
     return rows
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_drawing_a_mixed_batch_never_synchronises_on_a_gpu() -> None:
     device = torch.device("cuda")
@@ -94,3 +101,77 @@ def test_drawing_a_mixed_batch_never_synchronises_on_a_gpu() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert chosen.shape == (12,) and int(chosen.max()) < vocab
+
+
+def _new(request_id: str, prompt: list[int], params: SamplingParams) -> NewRequest:
+    return NewRequest(request_id=request_id, token_ids=pack_token_ids(prompt), num_prompt_tokens=len(prompt),
+                      num_output_tokens=0, params=params, eos_token_ids=[])
+
+
+def _round(worker: Worker, tag: str, params: list[SamplingParams], first_step: int, first_block: int) -> int:
+    """Prefill one request per ``params``, then three decode steps, each launched while the
+    previous one is still pending; returns the next step id."""
+    ids = [f"{tag}{index}" for index in range(len(params))]
+    news = [_new(request_id, [3 + index, 5, 7, 11, 13], p) for index, (request_id, p) in enumerate(zip(ids, params))]
+    plans = [StepPlan(step_id=first_step, new_requests=news, req_ids=ids, num_tokens=[5] * len(ids),
+                      num_blocks=[1] * len(ids), new_block_ids=[[first_block + i] for i in range(len(ids))])]
+    for step in range(1, 4):
+        plans.append(StepPlan(step_id=first_step + step, req_ids=ids, num_tokens=[1] * len(ids),
+                              num_blocks=[1] * len(ids), new_block_ids=[[] for _ in ids]))
+    results = []
+    for plan in plans:
+        results += [m for _, m in worker.handle(plan) if isinstance(m, StepResult)]
+    results += [m for _, m in worker.flush() if isinstance(m, StepResult)]
+    assert [r.step_id for r in results] == [plan.step_id for plan in plans]
+    assert all(len(r.token_ids) == len(ids) for r in results)
+    finished = StepPlan(step_id=first_step + 4, finished_ids=ids, req_ids=[], num_tokens=[], num_blocks=[],
+                        new_block_ids=[])
+    worker.handle(finished)
+    worker.flush()  # the finishing plan's (empty) result
+    return first_step + 5
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """As the json-penalties mix, without the grammar (its mask waits for the previous step's
+    tokens by design): penalised rows beside plain ones, greedy, seeded, top-k and min_tokens."""
+    return [SamplingParams(temperature=0.0 if index % 4 == 0 else 0.6, max_tokens=8, ignore_eos=True,
+                           seed=3 if index == 5 else None, top_k=4 if index == 6 else 0,
+                           min_tokens=2 if index == 7 else 0, presence_penalty=0.5 if index % 2 else 0.0,
+                           frequency_penalty=0.5 if index % 2 else 0.0, repetition_penalty=1.1 if index % 2 else 1.0)
+            for index in range(8)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_worker_launches_a_step_without_waiting_for_the_gpu(
+        device: str, tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU this runs the same steps unchecked (so the harness is known good before a GPU
+    runs it); on a GPU every launch runs under set_sync_debug_mode("error")."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    config = EngineConfig(model=str(tiny_qwen3), dtype="bfloat16" if device == "cuda" else "float32", device=device,
+                          block_size=16, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=64,
+                          num_gpu_blocks_override=64)
+    runner = ModelRunner(config)
+    worker = Worker(runner, Sampler(runner.device), clock=lambda: 0.0, defer=True)
+    if device == "cpu":
+        monkeypatch.setattr(PendingStep, "ready", lambda self: False)  # as a busy GPU: launch before read back
+    plain = [SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True) for _ in range(8)]
+    step = _round(worker, "warm-plain", plain, 0, 0)  # compiles, captures, grows the penalty pool
+    step = _round(worker, "warm-mixed", _mixed_params(), step, 8)
+    launch = worker._launch
+    launches = []
+
+    def checked(plan: StepPlan, started: StepStarted) -> PendingStep:
+        launches.append(plan.step_id)
+        if device != "cuda":
+            return launch(plan, started)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan, started)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(worker, "_launch", checked)
+    step = _round(worker, "plain", plain, step, 16)
+    _round(worker, "mixed", _mixed_params(), step, 24)
+    assert len(launches) == 10  # every plan of both rounds (5 each) went through the launch path
