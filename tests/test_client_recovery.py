@@ -280,6 +280,11 @@ class FakeScheduler:
         with self.lock:
             self._permits = 0
 
+    def idle(self) -> bool:
+        """Paced, and every step allowed has been made."""
+        with self.lock:
+            return self._permits == 0
+
     def allow(self, steps: int = 1) -> None:
         with self.lock:
             self._permits = (self._permits or 0) + steps
@@ -580,13 +585,24 @@ async def test_async_client_resubmits_and_fails_with_its_owned_group(env: Env) -
         assert set(env.scheduler.resumed()) == {"a0", "a1", "a2"}
 
         # The group fails: every open stream ends with an error output, new requests are refused.
+        # The scheduler steps only when allowed, one step per poll until the client itself has
+        # taken in two tokens of each (the scheduler having sent them is not enough: on a busy
+        # machine they may still be in the socket), so no stream can finish first however slow.
+        env.scheduler.pace()
         streams = [client.add_request(f"b{i}", {"prompt_token_ids": p}, params.clone(max_tokens=200))
                    for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(collect(stream)) for stream in streams]
-        # Wait until the client itself has taken in two tokens of each (the scheduler having sent
-        # them is not enough: on a busy machine they may still be in the socket).
-        await wait_until_async(lambda: all(stream._last is not None and len(stream._last.outputs[0].token_ids) >= 2
-                                           for stream in streams))
+
+        def two_tokens_each() -> bool:
+            received = [len(s._last.outputs[0].token_ids) if s._last is not None else 0 for s in streams]
+            if all(count >= 2 for count in received):
+                return True
+            if env.scheduler.idle() and all(count >= env.scheduler.progress(stream.request_id)
+                                            for count, stream in zip(received, streams, strict=True)):
+                env.scheduler.allow()  # the next step only once the client has every token made
+            return False
+
+        await wait_until_async(two_tokens_each)
         await asyncio.to_thread(env.group.fail, "restart budget spent")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
         for outputs in results:
