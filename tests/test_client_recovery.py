@@ -250,7 +250,9 @@ class FakeScheduler:
     """A scheduler on a real ROUTER socket: one token per request per tick, ``length`` at max_tokens.
     ``crash()`` drops every request and everything that arrives until ``restart()`` (a fresh
     scheduler then knows nothing); a resubmission of a request it holds is ignored. After
-    ``pace()`` it steps only when the test ``allow``s it, one step per permit."""
+    ``pace()`` it steps only when the test ``allow``s it, one step per permit; after ``hold_at(n)``
+    no request goes past n outputs until ``release()`` (so a test that acts mid-generation never
+    races the generation, however slow the machine)."""
 
     TICK = 0.005
 
@@ -261,6 +263,7 @@ class FakeScheduler:
         self.received: list[AddRequest] = []
         self.down = False
         self._permits: int | None = None  # None: a step every tick
+        self._hold: int | None = None  # no request makes more outputs than this
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -280,10 +283,13 @@ class FakeScheduler:
         with self.lock:
             self._permits = 0
 
-    def idle(self) -> bool:
-        """Paced, and every step allowed has been made."""
+    def hold_at(self, outputs: int) -> None:
         with self.lock:
-            return self._permits == 0
+            self._hold = outputs
+
+    def release(self) -> None:
+        with self.lock:
+            self._hold = None
 
     def allow(self, steps: int = 1) -> None:
         with self.lock:
@@ -345,6 +351,8 @@ class FakeScheduler:
             if self._permits is not None:
                 self._permits -= 1
             for request_id, running in list(self.requests.items()):
+                if self._hold is not None and len(running.outputs) >= self._hold:
+                    continue
                 token = token_at(running.add.prompt_token_ids, len(running.outputs))
                 running.outputs.append(token)
                 done = len(running.outputs) >= (running.add.params.max_tokens or 0)
@@ -445,6 +453,7 @@ PROMPTS = [[310 + i, 320, 330 + i] for i in range(3)]
 def test_sync_client_resubmits_after_a_scheduler_restart(env: Env) -> None:
     client = EngineClient(env.info, env.tokenizer, group=env.group)
     params = SamplingParams(temperature=0.0, max_tokens=60)
+    env.scheduler.hold_at(5)
     try:
         for i, prompt in enumerate(PROMPTS):
             client.submit(client.prepare(f"s{i}", {"prompt_token_ids": prompt}, params))
@@ -469,6 +478,7 @@ def test_sync_client_resubmits_after_a_scheduler_restart(env: Env) -> None:
         env.group.restart("kv_cache_manager")  # another actor: nothing for the clients to do
         collect()
         assert env.scheduler.resumed() == {}
+        env.scheduler.release()
         env.scheduler.restart()
         env.group.restart(SCHEDULER)  # READY again: the listener fires on the supervisor's thread
         wait_until(collected(lambda: len(finals) == 4))
@@ -501,11 +511,13 @@ def test_llm_generate_returns_complete_outputs_across_a_scheduler_restart(env: E
     client = EngineClient(env.info, env.tokenizer, group=env.group)
     llm = offline_llm(client, env.group)
     prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
+    env.scheduler.hold_at(5)
 
     def chaos() -> None:
         wait_until(lambda: all(env.scheduler.progress(str(i)) >= 5 for i in range(3)))
         env.scheduler.crash()
         time.sleep(0.1)
+        env.scheduler.release()
         env.scheduler.restart()
         env.group.restart(SCHEDULER)
 
@@ -523,6 +535,8 @@ def test_llm_generate_returns_complete_outputs_across_a_scheduler_restart(env: E
 def test_llm_raises_the_groups_failure_at_once(env: Env) -> None:
     client = EngineClient(env.info, env.tokenizer, group=env.group)
     llm = offline_llm(client, env.group)
+
+    env.scheduler.hold_at(3)
 
     def chaos() -> None:
         wait_until(lambda: env.scheduler.progress("0") >= 3)
@@ -547,6 +561,7 @@ def test_llm_raises_the_groups_failure_at_once(env: Env) -> None:
 def test_sync_client_failure_ends_open_requests_with_an_error(env: Env) -> None:
     client = EngineClient(env.info, env.tokenizer, group=env.group)
     try:
+        env.scheduler.hold_at(2)
         client.submit(client.prepare("f", {"prompt_token_ids": [300]}, SamplingParams(max_tokens=200)))
         wait_until(lambda: bool(client.poll(5)) and env.scheduler.progress("f") >= 2)
         env.group.fail("the model no longer loads")
@@ -572,11 +587,13 @@ async def test_async_client_resubmits_and_fails_with_its_owned_group(env: Env) -
     client.add_failure_listener(failures.append)
     params = SamplingParams(temperature=0.0, max_tokens=60)
     try:
+        env.scheduler.hold_at(5)
         streams = [client.add_request(f"a{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(collect(stream)) for stream in streams]
         await wait_until_async(lambda: all(env.scheduler.progress(f"a{i}") >= 5 for i in range(3)))
         env.scheduler.crash()
         await asyncio.sleep(0.05)
+        env.scheduler.release()
         env.scheduler.restart()
         await asyncio.to_thread(env.group.restart, SCHEDULER)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
@@ -585,24 +602,14 @@ async def test_async_client_resubmits_and_fails_with_its_owned_group(env: Env) -
         assert set(env.scheduler.resumed()) == {"a0", "a1", "a2"}
 
         # The group fails: every open stream ends with an error output, new requests are refused.
-        # The scheduler steps only when allowed, one step per poll until the client itself has
-        # taken in two tokens of each (the scheduler having sent them is not enough: on a busy
-        # machine they may still be in the socket), so no stream can finish first however slow.
-        env.scheduler.pace()
+        env.scheduler.hold_at(2)  # no stream can finish first, however slow this machine
         streams = [client.add_request(f"b{i}", {"prompt_token_ids": p}, params.clone(max_tokens=200))
                    for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(collect(stream)) for stream in streams]
-
-        def two_tokens_each() -> bool:
-            received = [len(s._last.outputs[0].token_ids) if s._last is not None else 0 for s in streams]
-            if all(count >= 2 for count in received):
-                return True
-            if env.scheduler.idle() and all(count >= env.scheduler.progress(stream.request_id)
-                                            for count, stream in zip(received, streams, strict=True)):
-                env.scheduler.allow()  # the next step only once the client has every token made
-            return False
-
-        await wait_until_async(two_tokens_each)
+        # Wait until the client itself has taken in two tokens of each (the scheduler having sent
+        # them is not enough: on a busy machine they may still be in the socket).
+        await wait_until_async(lambda: all(stream._last is not None and len(stream._last.outputs[0].token_ids) >= 2
+                                           for stream in streams))
         await asyncio.to_thread(env.group.fail, "restart budget spent")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
         for outputs in results:
@@ -652,6 +659,7 @@ async def test_attached_client_follows_the_supervisors_events_only(env: Env) -> 
         bus.publish(SUPERVISOR, [ActorRestarted(actor="metrics", pid=1, attempt=1, seconds=0.5)])
         await wait_until_async(lambda: "metrics" not in view.down)
 
+        env.scheduler.hold_at(5)
         streams = [client.add_request(f"t{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(collect(stream)) for stream in streams]
         await wait_until_async(lambda: all(env.scheduler.progress(f"t{i}") >= 5 for i in range(3)))
@@ -664,6 +672,7 @@ async def test_attached_client_follows_the_supervisors_events_only(env: Env) -> 
         await wait_until_async(lambda: SCHEDULER in view.down)
         assert client.failure is None and env.scheduler.resumed() == {}
         assert (await client.health(timeout=0.2)).unhealthy[SCHEDULER].startswith("restarting")
+        env.scheduler.release()
         env.scheduler.restart()
         bus.publish(SUPERVISOR, [ActorRestarted(actor=SCHEDULER, pid=2, attempt=1, seconds=1.0)])
         results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
@@ -671,6 +680,7 @@ async def test_attached_client_follows_the_supervisors_events_only(env: Env) -> 
             assert outputs[-1].outputs[0].token_ids == expected_tokens(prompt, 60)
         assert set(env.scheduler.resumed()) == {"t0", "t1", "t2"}
 
+        env.scheduler.hold_at(2)
         stream = client.add_request("u", {"prompt_token_ids": [300]}, params.clone(max_tokens=200))
         task = asyncio.create_task(collect(stream))
         await wait_until_async(lambda: env.scheduler.progress("u") >= 2)
