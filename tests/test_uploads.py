@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_deferred_steps import _new
 from vllm_actors.actors.worker.deferred import PendingStep
 from vllm_actors.actors.worker.model_runner import ModelRunner
 from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
@@ -23,7 +24,7 @@ from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import StepStarted
-from vllm_actors.protocol.messages import NewRequest, StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import StepPlan, StepResult
 from vllm_actors.protocol.sampling import SamplingParams
 
 WORKER = Path(__file__).resolve().parents[1] / "src" / "vllm_actors" / "actors" / "worker"
@@ -101,11 +102,6 @@ def test_drawing_a_mixed_batch_never_synchronises_on_a_gpu() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert chosen.shape == (12,) and int(chosen.max()) < vocab
-
-
-def _new(request_id: str, prompt: list[int], params: SamplingParams) -> NewRequest:
-    return NewRequest(request_id=request_id, token_ids=pack_token_ids(prompt), num_prompt_tokens=len(prompt),
-                      num_output_tokens=0, params=params, eos_token_ids=[])
 
 
 def _round(worker: Worker, tag: str, params: list[SamplingParams], first_step: int, first_block: int) -> int:

@@ -47,10 +47,6 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], pool: Pena
     return logits
 
 
-def _tensor(values: list[int] | list[float], logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return upload(values, logits.device, dtype)
-
-
 def _allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
     vocab = logits.shape[1]
     masked_rows, keep_rows, keep_ids = [], [], []
@@ -65,8 +61,8 @@ def _allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int
     if not masked_rows:
         return
     drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    drop[_tensor(masked_rows, logits, torch.long)] = True
-    drop[_tensor(keep_rows, logits, torch.long), _tensor(keep_ids, logits, torch.long)] = False
+    drop[upload(masked_rows, logits.device, torch.long)] = True
+    drop[upload(keep_rows, logits.device, torch.long), upload(keep_ids, logits.device, torch.long)] = False
     logits.masked_fill_(drop, _MASK)
 
 
@@ -95,7 +91,7 @@ def _bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
         ban_rows += [index] * len(ids)
         ban_ids += ids
     if ban_rows:
-        logits[_tensor(ban_rows, logits, torch.long), _tensor(ban_ids, logits, torch.long)] = _MASK
+        logits[upload(ban_rows, logits.device, torch.long), upload(ban_ids, logits.device, torch.long)] = _MASK
 
 
 def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:
@@ -110,8 +106,8 @@ def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[
                 bias_ids.append(token_id)
                 biases.append(min(MAX_BIAS, max(-MAX_BIAS, float(bias))))
     if bias_rows:
-        where = (_tensor(bias_rows, logits, torch.long), _tensor(bias_ids, logits, torch.long))
-        logits.index_put_(where, _tensor(biases, logits, torch.float32), accumulate=True)
+        where = (upload(bias_rows, logits.device, torch.long), upload(bias_ids, logits.device, torch.long))
+        logits.index_put_(where, upload(biases, logits.device, torch.float32), accumulate=True)
 
 
 def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int], pool: PenaltyPool | None) -> None:
@@ -125,7 +121,7 @@ def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
     if listed:  # their counts built for this step, one row each, in the pool's layout
         prompts = [rows[index].prompt_token_ids() for index in listed]
         outputs = [rows[index].output_token_ids() for index in listed]
-        kernel.apply_penalties_torch(logits, _tensor(listed, logits, torch.long),
+        kernel.apply_penalties_torch(logits, upload(listed, logits.device, torch.long),
                                      torch.arange(len(listed), device=logits.device),
                                      _counts(prompts, vocab, logits) > 0, _counts(outputs, vocab, logits),
                                      _scalars(rows, listed, logits))
@@ -134,8 +130,8 @@ def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
 def _scalars(rows: Sequence[SamplingRow], penalised: list[int], logits: torch.Tensor) -> torch.Tensor:
     """[3, n] float32 on the logits' device: repetition, frequency and presence of each row."""
     params = [rows[index].params for index in penalised]
-    return _tensor([p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
-                   + [p.presence_penalty for p in params], logits, torch.float32).view(3, len(penalised))
+    return upload([p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
+                  + [p.presence_penalty for p in params], logits.device, torch.float32).view(3, len(penalised))
 
 
 def _counts(token_lists: Sequence[Sequence[int]], vocab: int, logits: torch.Tensor) -> torch.Tensor:
@@ -149,7 +145,7 @@ def _counts(token_lists: Sequence[Sequence[int]], vocab: int, logits: torch.Tens
     for tokens in token_lists:
         flat += tokens
         flat += [vocab] * (width - len(tokens))
-    ids = _tensor(flat, logits, torch.long).view(len(token_lists), width)
+    ids = upload(flat, logits.device, torch.long).view(len(token_lists), width)
     ids = torch.where((ids < 0) | (ids > vocab), vocab, ids)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]
