@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from test_client_recovery import Env, env, tokenizer, wait_until_async
+from fake_scheduler import Env, wait_until_async
+from test_client_recovery import env, tokenizer
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server import build_app
 

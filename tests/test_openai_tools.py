@@ -21,9 +21,9 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 
+from fake_scheduler import MAX_MODEL_LEN, Env, FakeGroup, FakeScheduler
 from fake_served import asgi, served_app, tokenizer  # noqa: F401
 from server_helpers import free_port, start_server, stop_process, wait_healthy
-from test_client_recovery import MAX_MODEL_LEN, Env, FakeGroup, FakeScheduler
 from vllm_actors.actors.frontend.tokenizer import Tokenizer
 from vllm_actors.protocol.messages import AddRequest, RequestUpdate
 from vllm_actors.runtime.run_dir import GroupInfo, make_addresses

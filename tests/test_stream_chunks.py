@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from fake_scheduler import expected_tokens
 from fake_served import Env, env, served_app, tokenizer, uvicorn_serving  # noqa: F401
-from test_client_recovery import expected_tokens
 
 STEPS = 6
 
