@@ -277,6 +277,11 @@ def test_the_json_penalties_mix_is_one_request_in_ten_constrained() -> None:
     assert constrained == list(range(0, 256, 10)) and json.loads(fields[0]["json"]) == MIX_SCHEMA
     assert all(entry == PENALTIES for entry in fields if "json" not in entry)
     assert mix_fields("none", 3) == [{}, {}, {}]
+    alone = mix_fields("json", 30)  # the grammar's cost on its own: the same tenth, the rest plain
+    assert [index for index, entry in enumerate(alone) if entry] == [0, 10, 20] and "json" in alone[10]
+    assert mix_fields("penalties", 3) == [PENALTIES] * 3
+    with pytest.raises(ValueError, match="mix must be one of"):
+        mix_fields("jsonish", 3)
     params = our_params(fields[0], 8)
     assert params.structured_outputs is not None and params.ignore_eos and params.max_tokens == 8
     assert our_params(fields[1], 8).repetition_penalty == PENALTIES["repetition_penalty"]

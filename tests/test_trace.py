@@ -318,5 +318,9 @@ def test_the_summary_says_where_a_late_request_spent_its_time(tmp_path: Path) ->
         "steps of up to 42 tokens (step 3); longest decode step 10.0 ms (step 2, 1 tokens)",
     ]
     assert summary_text(chrome_trace(_story())).splitlines()[1] == "1 slowest to their first token:"
+    # a trace merged into runs names no step (it once said "longest decode step 3745.4 ms (step -1, 0 tokens)")
+    merged = summary_text(chrome_trace(rows, TraceOptions(detail="runs")))  # type: ignore[arg-type]
+    assert merged.splitlines()[-1].endswith("decoded in 1 run(s) of 1 steps in all, the slowest 10.0 ms per step")
+    assert "step -1" not in merged
     write_trace(rows, tmp_path / "t.json.gz", max_bytes=None)  # type: ignore[arg-type]
     assert main([str(tmp_path / "t.json.gz"), "--top", "1"]) == 0

@@ -30,11 +30,25 @@ from vllm_actors.protocol.sampling import SamplingParams
 WORKER = Path(__file__).resolve().parents[1] / "src" / "vllm_actors" / "actors" / "worker"
 
 
+def _is_number(node: ast.expr) -> bool:
+    """A literal, a negated one, or a module constant such as ``_MASK``."""
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    return isinstance(node, ast.Constant) or (isinstance(node, ast.Name) and node.id.lstrip("_").isupper())
+
+
 def _blocking_uploads(tree: ast.AST) -> list[int]:
-    """Lines of ``torch.tensor(...)`` / ``torch.as_tensor(...)`` calls given a ``device``, and of
-    ``.to(...)`` calls to a device without ``non_blocking=True``."""
+    """Lines of ``torch.tensor(...)`` / ``torch.as_tensor(...)`` calls given a ``device``, of
+    ``.to(...)`` calls to a device without ``non_blocking=True``, and of a number assigned through
+    uploaded indices (``x[upload(...)] = 0.0``: index_put_ copies the number with a blocking copy)."""
     lines = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_number(node.value):
+            for target in node.targets:
+                if isinstance(target, ast.Subscript) and any(
+                        isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and inner.func.id == "upload"
+                        for inner in ast.walk(target.slice)):
+                    lines.append(node.lineno)
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         keywords = {keyword.arg: keyword.value for keyword in node.keywords}
@@ -61,8 +75,9 @@ def test_no_worker_module_copies_to_the_device_with_a_blocking_copy() -> None:
 
 def test_the_rule_finds_what_it_looks_for() -> None:
     source = ("a = torch.tensor([1], device=d)\nb = x.to(device)\nc = x.to(device, non_blocking=True)\n"
-              "e = torch.tensor([1]).to(self.device)\nf = x.to(torch.float32)\n")
-    assert _blocking_uploads(ast.parse(source)) == [1, 2]  # self.device: an attribute, not a name
+              "e = torch.tensor([1]).to(self.device)\nf = x.to(torch.float32)\n"
+              "x[upload(r, d), upload(c, d)] = _MASK\nx[upload(r, d)] = -1.0\nx[upload(r, d)] = y\nx[:n] = 0\n")
+    assert sorted(_blocking_uploads(ast.parse(source))) == [1, 2, 6, 7]  # self.device: an attribute, not a name
 
 
 def test_upload_gives_the_values_in_the_dtype() -> None:
@@ -73,13 +88,18 @@ def test_upload_gives_the_values_in_the_dtype() -> None:
 
 def _mixed_rows(sampler: Sampler, tag: str) -> list[SamplingRow]:
     """Penalised rows with pool slots beside plain ones, greedy beside sampled, a seeded row, a
-    min_tokens row and a top-k row: every path of ``draw`` that takes per-row lists."""
+    min_tokens row, top-k, top-p and min-p rows, allowed ids, bad words and a logit bias: every
+    path of ``draw`` that takes per-row lists."""
     rows = []
     for index in range(12):
         params = SamplingParams(temperature=0.0 if index % 3 == 0 else 0.8, max_tokens=16,
                                 seed=7 if index == 4 else None, top_k=5 if index == 5 else 0,
                                 min_tokens=4 if index == 6 else 0, presence_penalty=0.5 if index % 2 else 0.0,
-                                repetition_penalty=1.1 if index % 2 else 1.0)
+                                repetition_penalty=1.1 if index % 2 else 1.0,
+                                top_p=0.9 if index == 10 else 1.0, min_p=0.05 if index == 11 else 0.0,
+                                allowed_token_ids=[5, 9, 11] if index == 7 else None,
+                                bad_words_token_ids=[[4, 7], [9]] if index == 8 else [],
+                                logit_bias={3: 5.0} if index == 9 else None)
         slot = sampler.penalties.add(f"{tag}{index}", [1, 2, 3], [4]) if params.has_penalties else -1
         rows.append(SamplingRow(params, num_output_tokens=1, min_tokens_stop_ids=[0, 1] if index == 6 else [],
                                 token_ids=[1, 2, 3, 4], num_prompt_tokens=3, penalty_slot=slot))

@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--runs", type=int, default=1,
                           help="timed runs of the workload per engine; the best counts (the event-log metrics "
                                "are the last run's)")
-    workload.add_argument("--mix", choices=("none", "json-penalties"), default="none",
-                          help="10%% JSON schema, the rest penalties, vs plain on one engine (throughput_mix.py)")
+    workload.add_argument("--mix", choices=throughput_mix.MIXES, default="none",
+                          help="json-penalties: 10%% JSON schema, the rest penalties; json: the 10%% alone; "
+                               "penalties: all; each against plain on one engine (throughput_mix.py)")
     workload.add_argument("--no-events", action="store_true",
                           help="engine actors publish no work events (VLLM_ACTORS_DISABLE_EVENTS=1): measures "
                                "what events cost; no event-log metrics, batch-1 by the client's clock only")

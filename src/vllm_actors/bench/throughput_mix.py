@@ -1,6 +1,7 @@
 """``vllm-actors bench throughput --mix json-penalties``: nano-vllm's workload with every tenth
 request held to a JSON schema (structured outputs) and the others carrying penalties (presence,
-frequency, repetition), against the plain workload on the same engine in the same call; with
+frequency, repetition), against the plain workload on the same engine in the same call (``--mix
+json``: the schema's tenth alone, the rest plain; ``--mix penalties``: every request penalised); with
 ``--peer vllm`` the same two runs on vLLM (``peer_vllm.py`` reads the mix from the workload file).
 
 Structured outputs need a tokenizer: with the default random-weights model the model directory
@@ -27,7 +28,7 @@ from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG, TEMPERATURE
 
 log = structlog.get_logger(__name__)
 
-MIXES = ("none", "json-penalties")
+MIXES = ("none", "json-penalties", "json", "penalties")  # "json": the 10% alone, "penalties": every request
 JSON_EVERY = 10  # request i carries the schema when i % 10 == 0: 10% of the workload
 MIX_SCHEMA: dict[str, Any] = {
     "type": "array",
@@ -51,10 +52,12 @@ def mix_fields(mix: str, count: int) -> list[dict[str, Any]]:
     """Per request: ``{"json": schema text}`` or the penalties (``{}`` for the plain workload)."""
     if mix == "none":
         return [{} for _ in range(count)]
-    if mix != "json-penalties":
+    if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     schema = json.dumps(MIX_SCHEMA)
-    return [{"json": schema} if index % JSON_EVERY == 0 else dict(PENALTIES) for index in range(count)]
+    rest: dict[str, float] = {} if mix == "json" else PENALTIES
+    return [{"json": schema} if index % JSON_EVERY == 0 and mix != "penalties" else dict(rest)
+            for index in range(count)]
 
 
 def our_params(fields: dict[str, Any], max_tokens: int) -> Any:

@@ -33,6 +33,7 @@ class RequestStory:
     preemptions: int = 0
     chunks: list[tuple[float, int, int]] = field(default_factory=list)  # (ms, step, the step's tokens)
     stall: tuple[float, int, int] | None = None  # the longest decode slice: (ms, step, step tokens)
+    runs: list[tuple[float, int]] = field(default_factory=list)  # detail="runs" traces: (ms, steps) per run
 
     @property
     def late_ms(self) -> float:
@@ -50,6 +51,11 @@ class RequestStory:
                          f"steps of up to {widest[2]} tokens (step {widest[1]})")
         if self.stall is not None:
             parts.append(f"longest decode step {self.stall[0]:.1f} ms (step {self.stall[1]}, {self.stall[2]} tokens)")
+        if self.runs:  # a trace merged into runs of steps has no single steps to name
+            steps = sum(run[1] for run in self.runs)
+            slowest = max(ms / max(1, count) for ms, count in self.runs)
+            parts.append(f"decoded in {len(self.runs)} run(s) of {steps} steps in all, the slowest "
+                         f"{slowest:.1f} ms per step")
         return "; ".join(parts)
 
 
@@ -77,6 +83,8 @@ def stories(trace: dict[str, Any]) -> list[RequestStory]:
                 story.preemptions += 1
             elif name == "prefill":
                 story.chunks.append((ms, step, tokens))
+            elif name == "decode" and "first_step" in event["args"]:
+                story.runs.append((ms, int(event["args"].get("steps", 1))))
             elif name == "decode" and (story.stall is None or ms > story.stall[0]):
                 story.stall = (ms, step, tokens)
             elif name == "ttft deadline":

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.actors.worker.uploads import fill_at, upload
 from vllm_actors.kernels import penalties as kernel
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ def _allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int
     if not masked_rows:
         return
     drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    drop[upload(masked_rows, logits.device, torch.long)] = True
-    drop[upload(keep_rows, logits.device, torch.long), upload(keep_ids, logits.device, torch.long)] = False
+    fill_at(drop, (upload(masked_rows, logits.device, torch.long),), True)
+    fill_at(drop, (upload(keep_rows, logits.device, torch.long), upload(keep_ids, logits.device, torch.long)), False)
     logits.masked_fill_(drop, _MASK)
 
 
@@ -91,7 +91,8 @@ def _bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
         ban_rows += [index] * len(ids)
         ban_ids += ids
     if ban_rows:
-        logits[upload(ban_rows, logits.device, torch.long), upload(ban_ids, logits.device, torch.long)] = _MASK
+        where = (upload(ban_rows, logits.device, torch.long), upload(ban_ids, logits.device, torch.long))
+        fill_at(logits, where, _MASK)
 
 
 def _logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[int]) -> None:

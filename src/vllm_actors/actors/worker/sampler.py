@@ -30,7 +30,7 @@ from vllm_actors.actors.worker.graph_inputs import GraphSampling
 from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.actors.worker.penalties import apply_controls
 from vllm_actors.actors.worker.penalty_pool import PenaltyPool
-from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.actors.worker.uploads import fill_at, upload
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.protocol.messages import Logprobs
 from vllm_actors.protocol.sampling import SamplingParams
@@ -238,7 +238,7 @@ class Sampler:
         if not mask_rows:
             return logits
         masked = logits.clone()
-        masked[upload(mask_rows, logits.device), upload(mask_ids, logits.device)] = _MASK
+        fill_at(masked, (upload(mask_rows, logits.device), upload(mask_ids, logits.device)), _MASK)
         return masked
 
     def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -7,6 +7,10 @@ the GPU's. ``upload`` stages the values in pinned memory (PyTorch's caching host
 keeps a buffer until its copy is done) and copies asynchronously, ordered on the current stream, as
 vLLM's ``async_tensor_h2d`` does. The worker's modules use it for every list they send to the
 device (a test in tests/test_uploads.py holds them to it).
+
+Assigning a Python number through index tensors (``logits[rows, ids] = -inf``) blocks too:
+``index_put_`` copies the number, made a CPU scalar tensor, to the device with a blocking copy.
+``fill_at`` hands it a scalar made on the device instead.
 """
 
 from __future__ import annotations
@@ -22,3 +26,8 @@ def upload(values: Sequence[int] | Sequence[float], device: torch.device,
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def fill_at(tensor: torch.Tensor, indices: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    """``tensor[indices] = value`` in place, without waiting for the device."""
+    tensor.index_put_(indices, torch.full((), value, dtype=tensor.dtype, device=tensor.device))
