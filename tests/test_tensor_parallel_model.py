@@ -88,3 +88,24 @@ def test_sharded_logits_from_quantized_gguf(default_gguf_path: str, tmp_path: Pa
     """SmolLM2-135M in Q4_1 (9 heads, 3 KV heads, intermediate 1536) over 3 ranks: each reads its
     quantized rows (q/k/v, gate/up, vocabulary) or whole rows cut to its columns (o/down)."""
     _assert_close(_spawned_logits(default_gguf_path, 3, tmp_path), sharded_logits(default_gguf_path, 1))
+
+
+def test_the_all_reduce_is_chosen_from_the_environment() -> None:
+    """``VLLM_ACTORS_TP_ALLREDUCE``: NCCL (or gloo) by default and on the CPU; the symmetric-memory
+    all-reduce, two-shot or one-shot, on GPUs up to ``VLLM_ACTORS_TP_SYMM_MAX_BYTES``; anything
+    else a clear error."""
+    from types import SimpleNamespace
+
+    from vllm_actors.models.parallel import SymmMemAllReduce, symm_all_reduce_from_env
+
+    group = SimpleNamespace(group_name="0")
+    assert symm_all_reduce_from_env({}, group, on_cuda=True) is None
+    assert symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem"}, group, on_cuda=False) is None
+    two = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem"}, group, on_cuda=True)
+    assert isinstance(two, SymmMemAllReduce) and two.method == "two_shot" and two.max_bytes == 8 << 20
+    one = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem_one_shot",
+                                    "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "524288"}, group, on_cuda=True)
+    assert one is not None and one.method == "one_shot" and one.max_bytes == 512 << 10
+    assert not one.fits(torch.zeros(4))  # a CPU tensor never goes through symmetric memory
+    with pytest.raises(ValueError, match="VLLM_ACTORS_TP_ALLREDUCE must be one of nccl, symm_mem"):
+        symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "custom"}, group, on_cuda=True)

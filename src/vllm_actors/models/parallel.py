@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -41,19 +42,19 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
-    one_shot: OneShotAllReduce | None = None  # VLLM_ACTORS_TP_ALLREDUCE=symm_mem: small all-reduces
+    symm: SymmMemAllReduce | None = None  # VLLM_ACTORS_TP_ALLREDUCE=symm_mem: all-reduces up to a size
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks (in place through NCCL/gloo; a new tensor through the one-shot
-        all-reduce): use the returned tensor."""
+        """Sum ``x`` over the ranks (in place through NCCL, gloo and the two-shot all-reduce; a new
+        tensor through the one-shot one): use the returned tensor."""
         if not self.enabled:
             return x
-        if self.one_shot is not None and self.one_shot.fits(x):
-            return self.one_shot(x)
+        if self.symm is not None and self.symm.fits(x):
+            return self.symm(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -211,20 +212,28 @@ def vocab_parallel_embedding(
     return tp.all_reduce(x)
 
 
-ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "nccl" (default) or "symm_mem" (GPUs: the one-shot below)
-ONE_SHOT_MAX_BYTES_ENV = "VLLM_ACTORS_TP_ONE_SHOT_MAX_BYTES"  # default 512 KiB
+ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "nccl" (default), "symm_mem" (two-shot) or "symm_mem_one_shot"
+SYMM_MAX_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MAX_BYTES"  # all-reduces above it go through NCCL; default 8 MiB
+ALLREDUCE_CHOICES = ("nccl", "symm_mem", "symm_mem_one_shot")
 
 
-class OneShotAllReduce:
-    """All-reduces of at most ``max_bytes`` through torch's symmetric memory: the input is copied
-    into a buffer every rank maps, and ``symm_mem.one_shot_all_reduce`` has each rank read its
-    peers' buffers over NVLink and sum them (no NVLink multicast). The buffer is allocated and
-    exchanged on first use (a collective: every rank reaches it with the same step). Opt-in, for
-    measuring against NCCL (``benchmarks/allreduce.py``)."""
+class SymmMemAllReduce:
+    """All-reduces of at most ``max_bytes`` through torch's symmetric memory, over NVLink without
+    multicast. The input is copied into a buffer every rank maps (allocated and exchanged on first
+    use: a collective, which every rank reaches with the same step), then either
+    - ``two_shot`` (``symm_mem.two_shot_all_reduce_``): each rank sums its 1/N of the buffer from
+      its peers' copies, then gathers the others' sums, in place; the result is copied back into
+      the input, since the next all-reduce reuses the buffer; or
+    - ``one_shot`` (``symm_mem.one_shot_all_reduce``): each rank reads every peer's whole buffer.
+    On two H100s, in CUDA graphs (``benchmarks/allreduce.py``), two-shot took 8.6-15.7 us from 8 KiB
+    to 2 MiB, one-shot 9.5-22.1 and NCCL 12.1-33.9."""
 
-    def __init__(self, group: Any, max_bytes: int) -> None:
+    def __init__(self, group: Any, max_bytes: int, method: str = "two_shot") -> None:
+        if method not in ("two_shot", "one_shot"):
+            raise ValueError(f"method must be 'two_shot' or 'one_shot', got {method!r}")
         self.group_name = group.group_name
         self.max_bytes = max_bytes
+        self.method = method
         self.buffer: torch.Tensor | None = None
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -238,7 +247,21 @@ class OneShotAllReduce:
             symm_mem.rendezvous(self.buffer, self.group_name)
         staged = self.buffer[: x.numel()]
         staged.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+        if self.method == "one_shot":
+            return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+        return x.copy_(staged.view(x.shape))
+
+
+def symm_all_reduce_from_env(environ: Mapping[str, str], group: Any, on_cuda: bool) -> SymmMemAllReduce | None:
+    """The all-reduce ``VLLM_ACTORS_TP_ALLREDUCE`` asks for (None: NCCL or gloo for every size)."""
+    choice = environ.get(ALLREDUCE_ENV, "nccl")
+    if choice not in ALLREDUCE_CHOICES:
+        raise ValueError(f"{ALLREDUCE_ENV} must be one of {', '.join(ALLREDUCE_CHOICES)}, got {choice!r}")
+    if choice == "nccl" or not on_cuda:
+        return None
+    max_bytes = int(environ.get(SYMM_MAX_BYTES_ENV, 8 << 20))
+    return SymmMemAllReduce(group, max_bytes, "one_shot" if choice == "symm_mem_one_shot" else "two_shot")
 
 
 TP_TIMEOUT = timedelta(minutes=10)  # a collective that waits this long gives up (a rank is gone)
@@ -256,10 +279,5 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
     kwargs: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if on_cuda else {}
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=TP_TIMEOUT, **kwargs)
-    choice = os.environ.get(ALLREDUCE_ENV, "nccl")
-    if choice not in ("nccl", "symm_mem"):
-        raise ValueError(f"{ALLREDUCE_ENV} must be 'nccl' or 'symm_mem', got {choice!r}")
-    one_shot = None
-    if choice == "symm_mem" and on_cuda:
-        one_shot = OneShotAllReduce(dist.group.WORLD, int(os.environ.get(ONE_SHOT_MAX_BYTES_ENV, 512 << 10)))
-    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, one_shot=one_shot)
+    symm = symm_all_reduce_from_env(os.environ, dist.group.WORLD, on_cuda)
+    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm)
