@@ -31,15 +31,19 @@ def test_a_held_port_is_refused_to_others_but_its_actor_binds_it_and_rebinds_aft
     try:
         assert not _bindable(port)
         assert port not in other.take(64)
-        context = zmq.Context()
-        try:
-            for _ in range(2):  # the actor, then the actor restarted on the same address
-                router = context.socket(zmq.ROUTER)
+        for _ in range(2):  # the actor, then the actor restarted (a new process: a new context)
+            # A context per life: ``close`` only asks ZMQ's I/O thread to close the socket, and a
+            # bind right after it in the same context could find the port still in use; ``term``
+            # returns once every socket is closed. (Once, the second bind failed that way and the
+            # unclosed socket then held ``term`` until the suite's timeout.)
+            context = zmq.Context()
+            router = context.socket(zmq.ROUTER)
+            try:
                 router.bind(f"tcp://{HOST}:{port}")
                 assert not _bindable(port)
+            finally:
                 router.close(linger=0)
-        finally:
-            context.term()
+                context.term()
         assert not _bindable(port)  # still held between the actor's lives
     finally:
         held.close()

@@ -88,6 +88,7 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         from vllm_actors.actors.worker.sampler import Sampler
         from vllm_actors.actors.worker.worker import Worker
         from vllm_actors.models.parallel import join_group
+        from vllm_actors.runtime.step_profiler import profiled
 
         device_type = resolve_device(spec.engine.device).type
         threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
@@ -101,6 +102,7 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
             runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter, defer=defer_steps(),
             grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
         )
+        profiled_worker = profiled(worker, os.environ, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS
         info = {
             "num_blocks": runner.num_blocks,
             "max_position_embeddings": mc.max_position_embeddings,
@@ -111,7 +113,8 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
             "rank": tp.rank,
             "tensor_parallel_size": tp.size,
         }
-        return worker, {"scheduler": [addresses.scheduler]}, {StepPlan: frozenset({own(KV_CACHE_MANAGER)})}, info
+        from_kv: AcceptRules = {StepPlan: frozenset({own(KV_CACHE_MANAGER)})}
+        return profiled_worker, {"scheduler": [addresses.scheduler]}, from_kv, info
     if spec.role == "kv_cache_manager":
         from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
