@@ -257,7 +257,9 @@ def test_a_recovery_with_nothing_running_resets_the_idle_pipeline() -> None:
     prompt = list(range(1, 30))
     expected, _ = run(engine, [Job("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
     num_cached = len(engine.kv_cache_manager.cached)
-    assert num_cached == 8  # 32 computed tokens (29 + 4 - 1) stay cached, idle
+    # 32 computed tokens (29 + 4 - 1), 8 full blocks: 7 stay cached, idle. The last block's last
+    # token is the third output, known only after the last step was planned (two in flight).
+    assert num_cached == 7
     engine.replace_actor(Worker(runner, Sampler(runner.device, 0), clock=time.perf_counter))
     recover(engine, WORKER, first=False)
     engine.run_until_idle()
@@ -312,10 +314,10 @@ def result_of(plan: StepPlan, token: int = 5) -> StepResult:
 
 def test_a_new_schedulers_first_plan_resets_the_pipeline_and_only_that_one() -> None:
     s = scheduler()
-    first = plans_of(s.handle(add("a", [1, 2, 3])))
-    assert len(first) == 1 and first[0].reset
-    second = plans_of(s.handle(result_of(first[0])))
-    assert second and not second[0].reset
+    first, second = plans_of(s.handle(add("a", [1, 2, 3])))  # the prefill, then the next decode
+    assert first.reset and not second.reset
+    (third,) = plans_of(s.handle(result_of(first)))
+    assert not third.reset
 
 
 def test_recover_pipeline_preempts_running_requests_in_order_and_keeps_waiting_ones() -> None:
@@ -349,15 +351,16 @@ def test_recover_pipeline_preempts_running_requests_in_order_and_keeps_waiting_o
 
 def test_a_request_whose_token_is_in_flight_at_the_reset_samples_it_again() -> None:
     s = scheduler(max_steps_in_flight=2)
-    (plan0,) = plans_of(s.handle(add("a", [1, 2, 3, 4, 5])))
-    (plan1,) = plans_of(s.handle(result_of(plan0)))  # plan 1 samples its second token
-    assert s.requests["a"].num_pending == 1
-    (plan2,) = plans_of(s.handle(RecoverPipeline(actor=KV_CACHE_MANAGER, reason="exited")))
+    plan0, plan1 = plans_of(s.handle(add("a", [1, 2, 3, 4, 5])))  # plan 1 samples its second token
+    (plan2,) = plans_of(s.handle(result_of(plan0)))  # and plan 2 its third
+    assert s.requests["a"].num_pending == 2 and s.requests["a"].output_token_ids == [5]
+    plan3, plan4 = plans_of(s.handle(RecoverPipeline(actor=KV_CACHE_MANAGER, reason="exited")))
     request = s.requests["a"]
-    assert request.num_pending == 1 and request.output_token_ids == [5]  # plan 2's, not plan 1's
-    assert plan2.new_requests[0].token_list() == [1, 2, 3, 4, 5, 5]  # the lost token is not there
-    assert ignored(s.handle(result_of(plan1)))
-    out = s.handle(result_of(plan2, token=9))
+    assert plan3.reset and not plan4.reset and plan4.req_ids == ["a"] and not plan4.new_requests
+    assert request.num_pending == 2 and request.output_token_ids == [5]  # plans 3 and 4, not 1 and 2
+    assert plan3.new_requests[0].token_list() == [1, 2, 3, 4, 5, 5]  # the lost tokens are not there
+    assert ignored(s.handle(result_of(plan1))) and ignored(s.handle(result_of(plan2)))
+    out = s.handle(result_of(plan3, token=9))
     assert [u.new_token_ids for u in updates_of(out)] == [[9]] and request.output_token_ids == [5, 9]
 
 
@@ -383,7 +386,7 @@ def test_n2_children_are_preempted_and_resumed_each_on_its_own() -> None:
 def test_a_resubmission_resumes_with_its_outputs_counted_for_seeded_sampling() -> None:
     s = scheduler()
     out = s.handle(add("a", [1, 2, 3], outputs=[7, 8], seed=3, temperature=1.0))
-    (plan,) = plans_of(out)
+    plan = plans_of(out)[0]
     new: NewRequest = plan.new_requests[0]
     assert plan.reset and new.token_list() == [1, 2, 3, 7, 8]
     assert (new.num_prompt_tokens, new.num_output_tokens) == (3, 2)
@@ -398,7 +401,7 @@ def test_a_duplicate_resubmission_is_ignored_silently_and_one_lacking_tokens_get
     with fewer (its sender missed some: a replica set's new controller), the missing ones from where
     the sender's end (``catch_up``), the request itself unchanged."""
     s = scheduler()
-    (plan,) = plans_of(s.handle(add("a", [1, 2, 3], outputs=[4])))
+    plans_of(s.handle(add("a", [1, 2, 3], outputs=[4])))
     assert ignored(s.handle(add("a", [1, 2, 3], outputs=[4], resume=True)))
     (update,) = updates_of(s.handle(add("a", [1, 2, 3], resume=True)))
     assert (update.new_token_ids, update.output_index, update.finish_reason) == ([4], 0, None)
@@ -496,8 +499,8 @@ def test_results_below_the_last_reset_stay_ignored_once_the_pipeline_runs_again(
 def test_a_second_reset_while_the_first_reset_plan_is_in_flight() -> None:
     s = scheduler()
     s.handle(add("a", [1, 2, 3]))
-    (first,) = plans_of(s.handle(RecoverPipeline(actor=WORKER, reason="exited")))
-    (second,) = plans_of(s.handle(RecoverPipeline(actor=KV_CACHE_MANAGER, reason="hung")))
+    first = plans_of(s.handle(RecoverPipeline(actor=WORKER, reason="exited")))[0]
+    second = plans_of(s.handle(RecoverPipeline(actor=KV_CACHE_MANAGER, reason="hung")))[0]
     assert first.reset and second.reset and second.step_id > first.step_id
     assert ignored(s.handle(result_of(first)))  # a reset result, but of the older reset plan
     assert [u.new_token_ids for u in updates_of(s.handle(result_of(second)))] == [[5]]

@@ -251,8 +251,11 @@ class InProcessEngine(SyncClient):
         if self._resetting():  # the manager still holds what the reset plan will drop
             manager.check_invariants()
             return
+        queued = [m for m in self._network._inboxes[manager.name] if isinstance(m, StepPlan)]
+        for plan in queued:  # made but not applied yet: they free what they name
+            pending.update(plan.finished_ids)
         manager.check_invariants(live | pending)
-        if not pending:  # every plan is delivered in process: the KV manager has applied them all
+        if not pending and not queued:  # the KV manager has applied every plan made so far
             ours = (ledger.num_free, ledger.num_cached, ledger.cache.num_evictable if ledger.cache else 0)
             theirs = (manager.num_free_blocks, len(manager.cached), manager.num_idle_cached_blocks)
             if ours != theirs:

@@ -108,7 +108,10 @@ class _Builder:
 
     # ------------------------------------------------------------------ the two passes
     def build(self, rows: list[TraceRow]) -> dict[str, Any]:
-        self.t0 = min((row[3] for row in rows), default=0.0)
+        # From the earliest instant shown: a step's slice starts its execute time before its
+        # STEP_FINISHED, which can be before the first event logged (a step launched while the
+        # scheduler's events of the same turn were still unpublished).
+        self.t0 = min((row[3] - step_seconds(row[4]) for row in rows), default=0.0)
         for actor, seq, _, wall, event in rows:  # the workers' steps first: request slices are placed on them
             kind = event_type(event)
             if kind in ("STEP_STARTED", "STEP_FINISHED"):
@@ -138,7 +141,7 @@ class _Builder:
         step.args.update(event_args(event))
         if event_type(event) == "STEP_FINISHED":
             step.end = ts
-            step.start = ts - max(float(event.execute_ms), 0.0) * 1e3
+            step.start = max(ts - max(float(event.execute_ms), 0.0) * 1e3, 0.0)  # t0 is at most this: 0 less rounding
 
     def add(self, actor: str, key: str, ts: float, event: Event) -> None:
         kind = event_type(event)
@@ -333,6 +336,11 @@ class _Builder:
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "ts": 0,
                            "args": {"sort_index": tid}})
         return events
+
+
+def step_seconds(event: Any) -> float:
+    """How long before its own time a STEP_FINISHED's slice starts (0 for any other event)."""
+    return max(float(event.execute_ms), 0.0) / 1e3 if event_type(event) == "STEP_FINISHED" else 0.0
 
 
 def replica_key(actor: str) -> str:

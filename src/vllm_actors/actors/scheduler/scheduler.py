@@ -132,8 +132,10 @@ class Scheduler:
             reset_pipeline(self, f"{message.actor}: {message.reason}")
         else:
             raise TypeError(f"the scheduler does not take {type(message).__name__}")
-        plan = self._maybe_schedule()
-        if plan is not None:
+        # Fill the pipeline, not just one slot: with one plan per message a lone request's
+        # decode never got a second step in flight (each result released exactly one plan), so
+        # at batch 1 the GPU idled for a whole control-loop round trip between tokens.
+        while (plan := self._maybe_schedule()) is not None:
             out.append((KV_CACHE_MANAGER, plan))
         out.extend((BUS, event) for event in self._events)
         return out
