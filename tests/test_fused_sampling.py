@@ -103,3 +103,39 @@ def test_sampler_choice_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ACTORS_SAMPLER", "fast")
     with pytest.raises(ValueError, match="VLLM_ACTORS_SAMPLER"):
         Sampler(torch.device("cpu"))
+
+
+def test_a_rank_that_follows_rank_0s_draws_keeps_the_same_graph_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TP every rank draws a sampling decode graph's tokens itself, so their Philox keys must
+    agree; rank 0 also draws eager steps (filters, controls) that the others only follow."""
+    monkeypatch.setenv("VLLM_ACTORS_SAMPLER", "triton")
+    leader, follower = Sampler(torch.device("cpu"), seed=3), Sampler(torch.device("cpu"), seed=3)
+    plain, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    steps = [
+        ("graph", [plain, greedy]),
+        ("eager", [plain, SamplingParams(temperature=0.9, top_p=0.5)]),  # torch path: no key
+        ("eager", [plain, SamplingParams(temperature=0.7, presence_penalty=0.5)]),  # fused draw: a key
+        ("eager", [greedy]),  # all greedy: no key
+        ("graph", [plain, plain]),
+        ("graph", [greedy]),
+        ("eager", [SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[1])]),  # fused: a key
+        ("graph", [plain]),
+    ]
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    graph_keys = []
+    for kind, params in steps:
+        rows = [SamplingRow(p, 0, [1]) for p in params]
+        if kind == "graph":
+            ours, theirs = leader.graph_params(rows), follower.graph_params(rows)
+            assert ours is not None and theirs is not None and ours.seeds == theirs.seeds
+            graph_keys.append(ours.seeds)
+        else:
+            leader(logits[: len(rows)], rows)
+            follower.follow_draw(rows)
+    assert len({tuple(keys) for keys in graph_keys if any(keys)}) == 3  # every sampled draw a new key
+    lagging = Sampler(torch.device("cpu"), seed=3)  # one that skips the eager draws drifts apart
+    for kind, params in steps:
+        rows = [SamplingRow(p, 0, [1]) for p in params]
+        if kind == "graph":
+            lagging.graph_params(rows)
+    assert lagging._draws != leader._draws

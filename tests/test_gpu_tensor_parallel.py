@@ -64,3 +64,26 @@ def test_tp2_with_the_one_shot_all_reduce_equals_tp1(tiny_llama_tp: Path, monkey
     got, (_, logprobs) = _generate(tiny_llama_tp, 2, prompts, **engine)
     assert got == want
     assert all(len(row) == MAX_TOKENS for row in logprobs)
+
+
+def test_tp2_ranks_draw_the_same_sampled_tokens_in_their_graphs(tiny_qwen3_tp: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank draws a sampling decode graph's tokens itself (no broadcast): with temperature,
+    seeded and unseeded rows, the tokens equal those of rank 0 drawing alone and broadcasting
+    (``VLLM_ACTORS_TP_GRAPH_SAMPLER=0``). A rank that drew other ids would feed its shard other
+    inputs from then on, and the outputs would part."""
+    prompts = _prompts(500, count=16)
+    engine = dict(num_gpu_blocks_override=64, max_num_batched_tokens=256)
+    params = [SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i if i % 2 else None)
+              for i in range(len(prompts))]
+
+    def run() -> list[list[int]]:
+        with LLM(str(tiny_qwen3_tp), dtype="float32", tensor_parallel_size=2, seed=0, **engine) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    each_rank = run()
+    monkeypatch.setenv("VLLM_ACTORS_TP_GRAPH_SAMPLER", "0")
+    broadcast = run()
+    assert each_rank == broadcast
+    assert len({tuple(tokens) for tokens in each_rank}) == len(prompts)

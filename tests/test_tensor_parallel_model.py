@@ -5,6 +5,7 @@ heads split; untied LM head), from safetensors and from GGUF; and the shard layo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,5 +108,15 @@ def test_the_all_reduce_is_chosen_from_the_environment() -> None:
                                     "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "524288"}, group, on_cuda=True)
     assert one is not None and one.method == "one_shot" and one.max_bytes == 512 << 10
     assert not one.fits(torch.zeros(4))  # a CPU tensor never goes through symmetric memory
+    banded = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem",
+                                       "VLLM_ACTORS_TP_SYMM_MIN_BYTES": "65536"}, group, on_cuda=True)
+    assert banded is not None and (banded.min_bytes, two.min_bytes) == (64 << 10, 0)
+
+    def on_gpu(numel: int) -> Any:  # what ``fits`` reads of a bf16 CUDA tensor
+        return SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: numel, element_size=lambda: 2)
+
+    # batch 1 of hidden 4,096 (8 KiB) stays on NCCL; batch 8 (64 KiB) up to 8 MiB go through it
+    assert [banded.fits(on_gpu(n)) for n in (4096, 8 * 4096, 4 << 20, (4 << 20) + 1)] == [False, True, True, False]
+    assert two.fits(on_gpu(4096))
     with pytest.raises(ValueError, match="VLLM_ACTORS_TP_ALLREDUCE must be one of nccl, symm_mem"):
         symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "custom"}, group, on_cuda=True)

@@ -21,7 +21,7 @@ from vllm_actors.actors.frontend.frontend import Frontend
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.actors.worker.deferred import defer_steps
+from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
 from vllm_actors.actors.worker.grammar import worker_grammars
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
@@ -101,6 +101,7 @@ class InProcessEngine(SyncClient):
         mc = self.model_config
         self.worker = Worker(
             runner, Sampler(runner.device, config.seed), clock=time.perf_counter, defer=defer_steps(),
+            tp_graph_draws=tp_graph_draws(),
             grammars=worker_grammars(config.tokenizer or config.model, mc.vocab_size, mc.eos_token_ids),
         )
         self._network = InMemoryNetwork(serialize=serialize)

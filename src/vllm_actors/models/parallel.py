@@ -214,6 +214,7 @@ def vocab_parallel_embedding(
 
 ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "nccl" (default), "symm_mem" (two-shot) or "symm_mem_one_shot"
 SYMM_MAX_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MAX_BYTES"  # all-reduces above it go through NCCL; default 8 MiB
+SYMM_MIN_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MIN_BYTES"  # and those below it; default 0
 ALLREDUCE_CHOICES = ("nccl", "symm_mem", "symm_mem_one_shot")
 
 
@@ -228,16 +229,17 @@ class SymmMemAllReduce:
     On two H100s, in CUDA graphs (``benchmarks/allreduce.py``), two-shot took 8.6-15.7 us from 8 KiB
     to 2 MiB, one-shot 9.5-22.1 and NCCL 12.1-33.9."""
 
-    def __init__(self, group: Any, max_bytes: int, method: str = "two_shot") -> None:
+    def __init__(self, group: Any, max_bytes: int, method: str = "two_shot", min_bytes: int = 0) -> None:
         if method not in ("two_shot", "one_shot"):
             raise ValueError(f"method must be 'two_shot' or 'one_shot', got {method!r}")
         self.group_name = group.group_name
         self.max_bytes = max_bytes
+        self.min_bytes = min_bytes  # below it NCCL's single kernel beats the copy in, the two shots and the copy out
         self.method = method
         self.buffer: torch.Tensor | None = None
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cuda" and x.numel() * x.element_size() <= self.max_bytes
+        return x.device.type == "cuda" and self.min_bytes <= x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed._symmetric_memory as symm_mem
@@ -261,7 +263,8 @@ def symm_all_reduce_from_env(environ: Mapping[str, str], group: Any, on_cuda: bo
     if choice == "nccl" or not on_cuda:
         return None
     max_bytes = int(environ.get(SYMM_MAX_BYTES_ENV, 8 << 20))
-    return SymmMemAllReduce(group, max_bytes, "one_shot" if choice == "symm_mem_one_shot" else "two_shot")
+    min_bytes = int(environ.get(SYMM_MIN_BYTES_ENV, 0))
+    return SymmMemAllReduce(group, max_bytes, "one_shot" if choice == "symm_mem_one_shot" else "two_shot", min_bytes)
 
 
 TP_TIMEOUT = timedelta(minutes=10)  # a collective that waits this long gives up (a rank is gone)

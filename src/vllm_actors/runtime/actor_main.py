@@ -82,7 +82,7 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
     if spec.role == "worker":
         import torch
 
-        from vllm_actors.actors.worker.deferred import defer_steps
+        from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
         from vllm_actors.actors.worker.grammar import worker_grammars
         from vllm_actors.actors.worker.model_runner import ModelRunner, resolve_device
         from vllm_actors.actors.worker.sampler import Sampler
@@ -100,6 +100,7 @@ def build_actor(spec: ActorSpec) -> tuple[Actor, dict[str, list[str]], AcceptRul
         grammars = worker_grammars(spec.engine.tokenizer or spec.engine.model, mc.vocab_size, mc.eos_token_ids)
         worker = Worker(
             runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter, defer=defer_steps(),
+            tp_graph_draws=tp_graph_draws(),
             grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
         )
         profiled_worker = profiled(worker, os.environ, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS

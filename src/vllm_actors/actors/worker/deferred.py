@@ -33,6 +33,12 @@ def defer_steps() -> bool:
     return os.environ.get("VLLM_ACTORS_DEFER_STEPS", "1") != "0"
 
 
+def tp_graph_draws() -> bool:
+    """VLLM_ACTORS_TP_GRAPH_SAMPLER=0: under tensor parallelism rank 0 draws every step eagerly and
+    broadcasts the ids (the other ranks never draw), as before decode graphs drew on every rank."""
+    return os.environ.get("VLLM_ACTORS_TP_GRAPH_SAMPLER", "1") != "0"
+
+
 @dataclass
 class DeferredInputs:
     """Input ids still on the device: token ``flat_index[i]`` of the batch is ``source[source_row[i]]``

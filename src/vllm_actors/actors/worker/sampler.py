@@ -195,6 +195,13 @@ class Sampler:
         step_key = 0 if all(row.params.greedy for row in rows) else self._next_step_key()
         return self._row_inputs(rows, step_key)
 
+    def follow_draw(self, rows: list[SamplingRow]) -> None:
+        """Advance the step key as ``draw`` of these rows does, without drawing: a tensor-parallel
+        rank above 0 does this where rank 0 draws and broadcasts, so that every rank's keys stay
+        equal for the steps that each rank draws in its own decode graph."""
+        if self.fused and any(not row.params.greedy for row in rows) and not any(_filters(row.params) for row in rows):
+            self._next_step_key()
+
     def _next_step_key(self) -> int:
         """The Philox key of this draw's unseeded rows (one per fused draw)."""
         self._draws += 1

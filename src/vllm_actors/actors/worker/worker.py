@@ -108,14 +108,17 @@ class Worker:
 
     def __init__(
         self, runner: Runner, sampler: Sampler, clock: Callable[[], float], defer: bool = False,
-        grammars: GrammarSource | None = None, await_reset: bool = False,
+        grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
         input ids from the device (``supports_deferred_inputs``). ``grammars``: structured outputs
         (without, a constrained request is rejected). ``await_reset``: drop every plan until a
         reset plan (a restarted tensor-parallel rank: a plan queued for its predecessor may reach
-        it and not its peers, and a step run by one rank alone would hang the group)."""
+        it and not its peers, and a step run by one rank alone would hang the group).
+        ``tp_graph_draws``: under tensor parallelism, every rank draws a sampling decode graph's
+        tokens itself (False: rank 0 draws every step and broadcasts)."""
+        self.graph_draws_under_tp = tp_graph_draws
         self.grammars = grammars
         self._await_reset = await_reset
         self.defer = defer and bool(getattr(runner, "supports_deferred_inputs", False))
@@ -237,7 +240,9 @@ class Worker:
         rows = [request.sampling_row() for request in samplers]
         in_graph = getattr(self.runner, "samples_in_graph", None)
         sampling = None
-        if in_graph is not None and not self.tp.enabled and in_graph(batch):
+        if in_graph is not None and (self.graph_draws_under_tp or not self.tp.enabled) and in_graph(batch):
+            # Under TP every rank draws in its own graph from the same all-gathered logits with
+            # the same keys: the same ids everywhere, no broadcast and no eager sampler on rank 0.
             sampling = self.sampler.graph_params(rows)
         if sampling is not None:  # one replay runs the step and draws its tokens
             chosen = self.runner.execute_sampled(batch, sampling)  # type: ignore[attr-defined]
@@ -262,6 +267,7 @@ class Worker:
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The chosen ids on the device: drawn by rank 0, broadcast to the others."""
         if self.tp.rank != 0:
+            self.sampler.follow_draw(rows)
             return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device))
         chosen = self.sampler.draw(logits, rows).long()
         return self.tp.broadcast(chosen)
@@ -419,6 +425,7 @@ class Worker:
         """A rank above 0: take the ids rank 0 drew; no sampling, no logprobs."""
         token_ids: list[int] = []
         if samplers:
+            self.sampler.follow_draw([request.sampling_row() for request in samplers])
             received = torch.empty(len(samplers), dtype=torch.long, device=logits.device)
             token_ids = self.tp.broadcast(received).tolist()
         for request, token_id in zip(samplers, token_ids, strict=True):
