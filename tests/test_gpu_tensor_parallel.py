@@ -82,6 +82,7 @@ def test_tp2_ranks_draw_the_same_sampled_tokens_in_their_graphs(tiny_qwen3_tp: P
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs]
 
+    monkeypatch.setenv("VLLM_ACTORS_TP_GRAPH_SAMPLER", "1")
     each_rank = run()
     monkeypatch.setenv("VLLM_ACTORS_TP_GRAPH_SAMPLER", "0")
     broadcast = run()
