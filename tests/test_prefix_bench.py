@@ -120,14 +120,14 @@ def test_main_end_to_end_on_cpu(tiny_qwen3: Path, tmp_path: Path, capsys: pytest
         "--model", str(tiny_qwen3), "--dtype", "float32", "--device", "cpu",
         "--num-requests", "4", "--system-tokens", "64",
         "--conversations", "2", "--turns", "2", "--concurrency", "2",
-        "--max-tokens", "4", "--warmup-requests", "1",
+        "--max-tokens", "4", "--warmup-requests", "1", "--workloads", "chat",  # shared: the unit tests above
         "--out", str(out), "--log-level", "WARNING",
     ])
     results = json.loads((out / "results.json").read_text())
     assert status == 0, results["errors"]
     assert results["errors"] == {}
-    assert set(results["workloads"]) == {"shared", "chat"}
-    sent = {"shared": 4, "chat": 2 * 2}
+    assert set(results["workloads"]) == {"chat"}
+    sent = {"chat": 2 * 2}
     for name, workload in results["workloads"].items():
         for key in ("on", "off"):
             run = workload[key]
@@ -144,12 +144,10 @@ def test_main_end_to_end_on_cpu(tiny_qwen3: Path, tmp_path: Path, capsys: pytest
             assert not workload["off"]["prefix_cache_hits"]
         assert all(value is None or value > 0 for value in workload["ratios"].values())
     vocab_size = json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"]
-    shared = make_shared_workload(4, 64, 4, vocab_size)
     chat = make_chat_workload(2, 2, 2, 4, vocab_size)
     # turn 2 resends turn 1's prompt and its 4 generated tokens
     chat_prompt_tokens = sum(2 * len(first) + 4 + len(second) for first, second in chat.user_turns)
     for key in ("on", "off"):
-        assert results["workloads"]["shared"][key]["prompt_tokens"] == sum(map(len, shared.prompts))
         assert results["workloads"]["chat"][key]["prompt_tokens"] == chat_prompt_tokens
     table = capsys.readouterr().out
-    assert "TTFT p50 off/on" in table and "shared" in table and "chat" in table
+    assert "TTFT p50 off/on" in table and "chat" in table
