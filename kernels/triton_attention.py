@@ -527,12 +527,26 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
+DECODE_WAVES_ENV = "VLLM_ACTORS_DECODE_WAVES"
+
+
+def decode_waves() -> int:
+    """``VLLM_ACTORS_DECODE_WAVES`` (default 2): how many programs per SM the decode kernel's split
+    aims at. More splits each context into shorter, more even pieces, which may matter where few
+    KV heads per rank (TP) leave few programs and their contexts differ in length; read where the
+    split is chosen, so at graph capture for CUDA graphs."""
+    text = os.environ.get(DECODE_WAVES_ENV, "2")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{DECODE_WAVES_ENV} must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about two waves on the
-    GPU, but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a power of two (bounds
-    the reduce kernel's compiled variants)."""
+    GPU (``decode_waves``), but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a
+    power of two (bounds the reduce kernel's compiled variants)."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = math.ceil(2 * _sm_count(device) / programs)
+    wanted = math.ceil(decode_waves() * _sm_count(device) / programs)
     useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)

@@ -298,8 +298,14 @@ def test_decode_skips_sequences_without_a_query(num_splits: int) -> None:
     assert rel < 1e-4
 
 
-def test_choose_decode_splits() -> None:
+def test_choose_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda_like = torch.device("cpu")  # 4 "SMs" on CPU
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_WAVES", "16")  # TP=2 at batch 256 (1,024 programs on 132 SMs): 2 splits
+    assert ta.choose_decode_splits(8, 4, 4096, cuda_like) == 2 and ta.choose_decode_splits(1, 1, 4096, cuda_like) == 32
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_WAVES", "0")
+    with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_WAVES must be a positive integer"):
+        ta.choose_decode_splits(1, 1, 4096, cuda_like)
+    monkeypatch.delenv("VLLM_ACTORS_DECODE_WAVES")
     assert ta.choose_decode_splits(1, 1, 100, cuda_like) == 1  # too short to split
     assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 8  # 2 waves of 4 "SMs"
     assert ta.choose_decode_splits(64, 8, 4096, cuda_like) == 1  # enough programs already
