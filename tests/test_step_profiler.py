@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts
 from vllm_actors.runtime.step_profiler import ProfiledWorker, Profiler, ProfileWindow, profiled
 
 
@@ -103,6 +104,27 @@ def test_the_profiler_writes_a_chrome_trace_and_a_table(tmp_path: Path) -> None:
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert any(event.get("name") == "aten::mm" for event in events)
     assert "aten::mm" in table.read_text()
+    assert table.read_text().startswith("device timeline: no device events (CPU profile)")
+
+
+def test_the_device_timeline_splits_bursts_at_idle_gaps() -> None:
+    """Two steps of three kernels each with 0.5 ms of idle between them (the batch-1 pipeline that
+    kept one step in flight), host events ignored; then the same steps back to back."""
+    def kernel(ts: float, dur: float) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}
+
+    host = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 50.0, "dur": 5000.0}
+    step = [(0.0, 1000.0), (1001.0, 2000.0), (3002.0, 998.0)]  # 4 ms span, 3.998 ms of kernels
+    idle = [kernel(1e6 + ts, dur) for ts, dur in step] + [kernel(1e6 + 4500 + ts, dur) for ts, dur in step] + [host]
+    first, second = device_bursts(idle)
+    assert (first.span_us, first.busy_us, first.num_events, first.idle_before_us) == (4000.0, 3998.0, 3, 0.0)
+    assert (second.start_us, second.idle_before_us) == (4500.0, 500.0)
+    text = format_bursts([first, second])
+    assert "idle between bursts 0.500 ms (5.9%)" in text and "gaps inside bursts 0.004 ms" in text
+    back_to_back = [kernel(ts, dur) for ts, dur in step] + [kernel(4001.0 + ts, dur) for ts, dur in step]
+    (only,) = device_bursts(back_to_back)
+    assert only.num_events == 6 and only.idle_before_us == 0.0
+    assert device_bursts([host]) == []
 
 
 def test_every_rank_of_a_group_profiles_the_same_steps(tiny_qwen3_tp: Path, tmp_path: Path,

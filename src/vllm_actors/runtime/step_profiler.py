@@ -6,15 +6,18 @@ and each replica its own file, so a slow rank or a collective that waits shows s
     VLLM_ACTORS_PROFILE_DIR=DIR             where (default ``vllm-actors-profiles``)
 
 Each worker writes ``DIR/<actor>-steps-<first>-<last>.json.gz`` (a Chrome trace: open it in
-ui.perfetto.dev) and ``...-top.txt`` (torch's table of operators and kernels by device time, or by
-CPU time without a GPU). The wrapper sits in the shell, around the worker: the worker itself stays
-free of clocks and files. vLLM's equivalent is ``VLLM_TORCH_PROFILER_DIR`` with
+ui.perfetto.dev) and ``...-top.txt``: the device timeline (``profile_timeline``: steps back to
+back, or the GPU idle between them), then torch's table of operators and kernels by device time
+(by CPU time without a GPU). The wrapper sits in the shell, around the worker: the worker itself
+stays free of clocks and files. vLLM's equivalent is ``VLLM_TORCH_PROFILER_DIR`` with
 ``start_profile``/``stop_profile``; a window of step ids needs no call from the client and lands on
 the same steps in every rank.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from typing import Any
 import structlog
 
 from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +79,10 @@ class Profiler:
         self.profile.export_chrome_trace(str(trace))
         table = stem.with_name(stem.name + "-top.txt")
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        table.write_text(self.profile.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+        with gzip.open(trace, "rt") as file:  # the device timeline: steps back to back, or idle between them
+            events = json.load(file).get("traceEvents", [])
+        table.write_text(format_bursts(device_bursts(events)) + "\n"
+                         + self.profile.key_averages().table(sort_by=sort, row_limit=40) + "\n")
         return [trace, table]
 
 
