@@ -205,7 +205,7 @@ def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: 
         "--model", str(tiny_qwen3_config_dir), "--load-format", "dummy",
         "--num-requests", "4", "--max-input-len", "32", "--max-output-len", "8", "--warmup-requests", "1",
         "--no-floor", "--no-peer", "--bandwidth", "3e12", "--matmul-rate", "790e12",
-        "--batch1-input-len", "16", "--batch1-output-len", "4",
+        "--batch1-input-len", "16", "--batch1-output-len", "4", "--batch1-same-engine-only",
         "--out", str(out), "--log-level", "WARNING", "--keep-events", "--trace", str(out / "trace.json"),
     ])
     results = json.loads((out / "results.json").read_text())
@@ -224,12 +224,12 @@ def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: 
     assert metrics["idle"] is None or 0.0 <= metrics["idle"]["share"] <= 1.0
     assert results["floor"]["output_tokens"] == 32 and results["fraction_of_floor"] > 0
     assert results["ceilings"] is None and results["peer"] is None
-    assert set(results["batch1"]) == {"graphs_on", "graphs_off"}
+    assert set(results["batch1"]) == {"graphs_on"}  # --batch1-same-engine-only: no second engine
     for batch1 in results["batch1"].values():
         assert batch1["output_tokens"] == 4 and batch1["ms_per_token"] > 0
     assert len(results["steps"]) == metrics["num_steps"]
     table = capsys.readouterr().out
-    assert "ours: output tok/s" in table and "batch-1 decode, CUDA graphs off" in table
+    assert "ours: output tok/s" in table and "batch-1 decode, CUDA graphs on" in table
     # --trace: the run's event log (the one --keep-events keeps) as a Chrome trace, every event in it
     with gzip.open(out / "events.jsonl.gz", "rb") as handle:
         rows = [parse_event_json_line(line) for line in handle if line.strip()]

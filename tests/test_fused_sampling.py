@@ -47,9 +47,9 @@ def test_draws_follow_softmax_of_logits_over_temperature() -> None:
     temperature = 0.7
     rows = 600
     seeds = torch.arange(rows, dtype=torch.long) * 7919 + 3
-    chosen = sampling.gumbel_argmax(
-        logits.repeat(rows, 1), torch.full((rows,), 1 / temperature), torch.ones(rows), seeds
-    )
+    # The torch reference draws what the kernel draws (the float64 test above): it tests the noise's
+    # distribution in 0.1 s where 600 rows through the Triton interpreter took 8 s of CI.
+    chosen = _reference(logits.repeat(rows, 1), torch.full((rows,), 1 / temperature), torch.ones(rows), seeds)
     counts = torch.bincount(chosen, minlength=6).double()
     expected = torch.softmax(logits.double() / temperature, dim=0) * rows
     chi_square = ((counts - expected) ** 2 / expected).sum().item()
