@@ -141,7 +141,7 @@ class _Builder:
         step.args.update(event_args(event))
         if event_type(event) == "STEP_FINISHED":
             step.end = ts
-            step.start = max(ts - max(float(event.execute_ms), 0.0) * 1e3, 0.0)  # t0 is at most this: 0 less rounding
+            step.start = max(ts - step_seconds(event) * 1e6, 0.0)  # t0 is at most this: 0 less rounding
 
     def add(self, actor: str, key: str, ts: float, event: Event) -> None:
         kind = event_type(event)

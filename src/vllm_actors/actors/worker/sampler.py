@@ -159,7 +159,7 @@ class Sampler:
         random = [index for index, row in enumerate(rows) if not row.params.greedy]
         if not random:  # all greedy: no copies of the logits
             chosen = logits.argmax(dim=-1)
-        elif self.fused and not any(_filters(row.params) for row in rows):
+        elif self._fused_draw(rows):
             chosen = self._sample_fused(logits, rows)
         elif not greedy:  # all sampled
             chosen = self._sample(logits, rows)
@@ -199,8 +199,13 @@ class Sampler:
         """Advance the step key as ``draw`` of these rows does, without drawing: a tensor-parallel
         rank above 0 does this where rank 0 draws and broadcasts, so that every rank's keys stay
         equal for the steps that each rank draws in its own decode graph."""
-        if self.fused and any(not row.params.greedy for row in rows) and not any(_filters(row.params) for row in rows):
+        if any(not row.params.greedy for row in rows) and self._fused_draw(rows):
             self._next_step_key()
+
+    def _fused_draw(self, rows: list[SamplingRow]) -> bool:
+        """Whether ``draw`` takes these rows (some not greedy) through the fused kernel, which uses
+        one step key; ``follow_draw`` asks the same question, so the two cannot drift apart."""
+        return self.fused and not any(_filters(row.params) for row in rows)
 
     def _next_step_key(self) -> int:
         """The Philox key of this draw's unseeded rows (one per fused draw)."""
