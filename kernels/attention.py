@@ -29,6 +29,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]  # host copies, used by the torch reference
     seq_lens_cpu: list[int]
+    # [B] int64, longest context first: the order in which a decode kernel takes the sequences.
+    # Filled by the first layer's attention of a step (inside a CUDA graph when captured in one).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -77,6 +80,11 @@ def build_attention_metadata(
 
 
 class AttentionBackend(Protocol):
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Per-step work every layer shares (e.g. the decode order), done once before the first
+        layer; inside the step's CUDA graph when it is captured in one."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,
@@ -86,8 +94,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping, then return attention output [T, num_heads, head_dim]."""
+        """Write k/v at meta.slot_mapping (unless the caller did: kv_written), then return the
+        attention output [T, num_heads, head_dim]."""
         ...
 
 
@@ -106,9 +116,7 @@ def write_kv_cache(
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Contiguous [seq_len, num_kv_heads, head_dim] context of one sequence read through its block table."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
@@ -119,6 +127,9 @@ def gather_kv(
 class TorchPagedAttention:
     """Reference backend: a Python loop over sequences with an explicit causal-with-offset mask."""
 
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta
+
     def forward(
         self,
         q: torch.Tensor,
@@ -128,8 +139,10 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_heads = q.shape[1]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads

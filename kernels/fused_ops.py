@@ -5,8 +5,9 @@ element-wise ops of RMSNorm and rotary embedding. These fuse each group into one
 
 - ``rms_norm(x, weight, eps, residual)``: optional residual add, then RMSNorm (one read, one or
   two writes); returns (normalised, new residual).
-- ``qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)``: per-head RMSNorm of q and k (Qwen3)
-  and rotary embedding (the "rotate half" layout), in place.
+- ``qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)``: per-head RMSNorm of q and
+  k (Qwen3) and rotary embedding (the "rotate half" layout), in place, in one launch for q and k;
+  with ``kv_write`` it also stores k and v in the paged KV cache (one launch fewer per layer).
 - ``silu_and_mul(gate_up)``: SiLU(gate) * up for the merged gate/up projection's output.
 
 The torch versions are the reference and the CPU path; tests compare the two.
@@ -35,6 +36,10 @@ def use_triton(x: torch.Tensor) -> bool:
     if not HAVE_TRITON or choice == "torch":
         return False
     return x.is_cuda or choice == "triton"
+
+
+# (v [T, Hk, D], k_cache, v_cache [num_blocks, block_size, Hk, D], slot_mapping [T] int64)
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------ references
@@ -81,9 +86,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, residual_ptr, out_ptr, residual_out_ptr, weight_ptr,
-        n_cols, stride_x, stride_r, stride_o, stride_ro, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr,
+        residual_ptr,
+        out_ptr,
+        residual_out_ptr,
+        weight_ptr,
+        n_cols,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -101,16 +116,10 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * stride_o + cols, weight * normed, mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_kernel(
-        x_ptr, cos_ptr, sin_ptr, weight_ptr,
-        num_heads, stride_t, stride_h, stride_cos, eps,
-        HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ):
-        token = tl.program_id(0)
-        head = tl.program_id(1)
+    def _norm_rope_head(base, cos_ptr, sin_ptr, weight_ptr, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One head's RMSNorm (HAS_NORM) and rotary, stored in place; returns the two halves."""
         half: tl.constexpr = HEAD_DIM // 2
         offsets = tl.arange(0, half)
-        base = x_ptr + token * stride_t + head * stride_h
         x1 = tl.load(base + offsets).to(tl.float32)
         x2 = tl.load(base + half + offsets).to(tl.float32)
         if HAS_NORM:
@@ -120,10 +129,70 @@ if HAVE_TRITON:
             w2 = tl.load(weight_ptr + half + offsets)
             x1 = (w1 * (x1 * scale).to(w1.dtype)).to(tl.float32)
             x2 = (w2 * (x2 * scale).to(w2.dtype)).to(tl.float32)
-        c = tl.load(cos_ptr + token * stride_cos + offsets)
-        s = tl.load(sin_ptr + token * stride_cos + offsets)
-        tl.store(base + offsets, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty))
-        tl.store(base + half + offsets, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty))
+        c = tl.load(cos_ptr + offsets)
+        s = tl.load(sin_ptr + offsets)
+        y1 = (x1 * c - x2 * s).to(base.dtype.element_ty)
+        y2 = (x2 * c + x1 * s).to(base.dtype.element_ty)
+        tl.store(base + offsets, y1)
+        tl.store(base + half + offsets, y2)
+        return y1, y2
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_weight_ptr,
+        k_weight_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        num_q_heads,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cos,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        eps,
+        HAS_NORM: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        WRITE_CACHE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        """Program (token, head) over the q heads then the k heads; a k head's program also stores
+        the rotated k and the token's v at its cache slot (WRITE_CACHE; a negative slot writes
+        nothing), which saves the KV-write kernel."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        cos_row = cos_ptr + token * stride_cos
+        sin_row = sin_ptr + token * stride_cos
+        if head < num_q_heads:
+            _norm_rope_head(
+                q_ptr + token * stride_qt + head * stride_qh, cos_row, sin_row, q_weight_ptr, eps, HAS_NORM, HEAD_DIM
+            )
+        else:
+            kv_head = head - num_q_heads
+            y1, y2 = _norm_rope_head(
+                k_ptr + token * stride_kt + kv_head * stride_kh, cos_row, sin_row, k_weight_ptr, eps, HAS_NORM, HEAD_DIM
+            )
+            if WRITE_CACHE:
+                slot = tl.load(slot_ptr + token).to(tl.int64)
+                if slot >= 0:
+                    half: tl.constexpr = HEAD_DIM // 2
+                    offsets = tl.arange(0, half)
+                    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+                    tl.store(k_cache_ptr + dst + offsets, y1.to(k_cache_ptr.dtype.element_ty))
+                    tl.store(k_cache_ptr + dst + half + offsets, y2.to(k_cache_ptr.dtype.element_ty))
+                    dims = tl.arange(0, HEAD_DIM)
+                    v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims)
+                    tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty))
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -148,10 +217,20 @@ def rms_norm(
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, out, residual_out, weight,
-        cols, x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-        residual_out.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4,
+        x,
+        residual if residual is not None else x,
+        out,
+        residual_out,
+        weight,
+        cols,
+        x.stride(0),
+        (residual if residual is not None else x).stride(0),
+        out.stride(0),
+        residual_out.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(cols),
+        num_warps=4,
     )
     return out, residual_out
 
@@ -164,19 +243,45 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    kv_write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (when weights are given) then rotary, on q [T, Hq, D] and k [T, Hk, D]
-    (views into the fused QKV output: their last dimension must be contiguous)."""
+    (views into the fused QKV output: their last dimension must be contiguous), in one launch.
+
+    With ``kv_write`` (Triton path only: check ``fuses_kv_write`` first) the same launch stores
+    the rotated k and the given v at each token's cache slot, as `write_kv_cache_triton` does."""
     if not use_triton(q) or q.shape[0] == 0:
+        if kv_write is not None:
+            raise ValueError("qk_norm_rope writes the KV cache only on its Triton path (see fuses_kv_write)")
         return qk_norm_rope_torch(q, k, cos, sin, q_weight, k_weight, eps)
-    tokens, _, head_dim = q.shape
-    for x, weight in ((q, q_weight), (k, k_weight)):
-        _qk_norm_rope_kernel[(tokens, x.shape[1])](
-            x, cos, sin, weight if weight is not None else cos,
-            x.shape[1], x.stride(0), x.stride(1), cos.stride(0), eps,
-            HAS_NORM=weight is not None, HEAD_DIM=head_dim, num_warps=1,
-        )
+    tokens, num_q_heads, head_dim = q.shape
+    if kv_write is not None:
+        v, k_cache, v_cache, slots = kv_write
+        if k_cache.shape[2:] != k.shape[1:] or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+            raise ValueError("the caches must be [num_blocks, block_size, num_kv_heads, head_dim] like k")
+        if v.shape != k.shape or v.stride(-1) != 1:
+            raise ValueError("v must match k's shape with a unit last stride")
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        block_size = k_cache.shape[1]
+    else:
+        v, k_cache, v_cache, slots = k, k, k, cos  # never read
+        cache_strides, block_size = (0, 0, 0), 1
+    _qk_norm_rope_kernel[(tokens, num_q_heads + k.shape[1])](
+        q, k, v, cos, sin,
+        q_weight if q_weight is not None else cos, k_weight if k_weight is not None else cos,
+        k_cache, v_cache, slots,
+        num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        *cache_strides, eps,
+        HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
+        num_warps=1,
+    )  # fmt: skip
     return q, k
+
+
+def fuses_kv_write(q: torch.Tensor) -> bool:
+    """Whether ``qk_norm_rope`` can store k and v in the KV cache for tensors like q (its Triton
+    path); VLLM_ACTORS_FUSED_KV_WRITE=0 keeps the write in the attention backend."""
+    return use_triton(q) and os.environ.get("VLLM_ACTORS_FUSED_KV_WRITE", "1") != "0"
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

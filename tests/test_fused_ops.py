@@ -61,6 +61,50 @@ def test_qk_norm_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_stores_k_and_v_in_the_cache_in_the_same_launch(dtype: torch.dtype) -> None:
+    """The fused KV write: the rotated k and v land at each token's slot, exactly as the separate
+    rope and KV-write kernels put them; a negative slot (a graph's padding row) writes nothing."""
+    from vllm_actors.kernels.attention import write_kv_cache
+
+    generator = torch.Generator().manual_seed(3)
+    tokens, q_heads, kv_heads, dim, block_size, blocks = 5, 4, 2, 32, 4, 6
+    qkv = torch.randn((tokens, (q_heads + 2 * kv_heads) * dim), generator=generator).to(dtype).to(DEVICE)
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    angles = torch.rand((tokens, dim // 2), generator=generator).to(DEVICE) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    q_weight, k_weight = [(1 + 0.1 * torch.randn(dim, generator=generator)).to(dtype).to(DEVICE) for _ in range(2)]
+    slots = torch.tensor([5, 0, -1, 23, 9], dtype=torch.int64, device=DEVICE)
+    shape = (blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_q, want_k = fused_ops.qk_norm_rope(q.clone(), k.clone(), cos, sin, q_weight, k_weight, 1e-6)
+    keep = slots >= 0
+    write_kv_cache(want_k[keep], v[keep], want_k_cache, want_v_cache, slots[keep])
+
+    got_q, got_k = fused_ops.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, 1e-6, (v, k_cache, v_cache, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    with pytest.raises(ValueError, match="caches must be"):
+        fused_ops.qk_norm_rope(q, k, cos, sin, None, None, 1e-6, (v, k_cache[:, :, :1], v_cache[:, :, :1], slots))
+
+
+def test_the_kv_write_is_fused_only_on_the_triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.zeros(1, 2, 32, device=DEVICE)
+    assert fused_ops.fuses_kv_write(x)
+    monkeypatch.setenv("VLLM_ACTORS_FUSED_KV_WRITE", "0")
+    assert not fused_ops.fuses_kv_write(x)
+    monkeypatch.setenv("VLLM_ACTORS_FUSED_KV_WRITE", "1")
+    monkeypatch.setenv("VLLM_ACTORS_FUSED_OPS", "torch")
+    assert not fused_ops.fuses_kv_write(x)
+    cos = torch.ones(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="only on its Triton path"):
+        fused_ops.qk_norm_rope(x, x, cos, cos, None, None, 1e-6, (x, x, x, torch.zeros(1, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     gate_up = torch.randn((3, 2 * 1500), generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     want = fused_ops.silu_and_mul_torch(gate_up)

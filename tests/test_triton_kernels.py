@@ -156,13 +156,13 @@ def run_varlen(case: Case) -> torch.Tensor:
     return out
 
 
-def run_decode(case: Case, num_splits: int | None = None) -> torch.Tensor:
+def run_decode(case: Case, num_splits: int | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     write_new_tokens(case)
     out = poisoned_like(case.q)
     m = case.meta
     ta.paged_attention_decode(
         case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-        m.max_seq_len, case.scale, out=out, num_splits=num_splits,
+        m.max_seq_len, case.scale, out=out, num_splits=num_splits, order=order,
     )  # fmt: skip
     return out
 
@@ -298,6 +298,35 @@ def test_decode_skips_sequences_without_a_query(num_splits: int) -> None:
     assert rel < 1e-4
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_in_longest_first_order_is_the_same_attention(num_splits: int) -> None:
+    """Programs taking the sequences in another order (the backend's longest-first `decode_order`)
+    still write each sequence's own row, also around a sequence without a query this step."""
+    case = make_case([(20, 1), (300, 1), (33, 0), (0, 1), (130, 1)], 16, 4, 2, 32, torch.float32, seed=8)
+    plain = run_decode(case, num_splits)
+    order = torch.argsort(case.meta.seq_lens, descending=True)
+    assert order.tolist()[0] == 1 and order.tolist() != list(range(5))
+    ordered = run_decode(case, num_splits, order=order)
+    assert_close(ordered, case, torch.float32)
+    rows = case.meta.query_start_loc[-1].item()
+    assert torch.equal(ordered[:rows], plain[:rows])
+
+
+def test_backend_prepare_orders_decode_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    decode = make_case([(20, 1), (300, 1), (7, 1)], 16, 4, 2, 32, torch.float32, seed=9).meta
+    prepared = ta.TritonPagedAttention(ordered=True).prepare(decode)
+    assert prepared is not decode and decode.decode_order is None  # the caller's metadata is left as it was
+    assert prepared.decode_order is not None and prepared.decode_order.tolist() == [1, 0, 2]
+    assert ta.TritonPagedAttention(ordered=False).prepare(decode) is decode
+    mixed = make_case([(20, 1), (0, 12)], 16, 4, 2, 32, torch.float32, seed=9).meta
+    assert ta.TritonPagedAttention(ordered=True).prepare(mixed) is mixed
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_ORDER", "0")
+    assert not ta.TritonPagedAttention().ordered
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_ORDER", "yes")
+    with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_ORDER must be 0 or 1"):
+        ta.TritonPagedAttention()
+
+
 def test_choose_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda_like = torch.device("cpu")  # 4 "SMs" on CPU
     monkeypatch.setenv("VLLM_ACTORS_DECODE_WAVES", "16")  # TP=2 at batch 256 (1,024 programs on 132 SMs): 2 splits
@@ -327,9 +356,7 @@ def test_backend_forward_writes_cache_and_attends(kind: str) -> None:
     case = make_case(specs, 16, 6, 3, 32, torch.bfloat16, seed=21)
     expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
     write_kv_cache(case.k, case.v, expected_k, expected_v, case.meta.slot_mapping)
-    out = ta.TritonPagedAttention().forward(
-        case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale
-    )
+    out = ta.TritonPagedAttention().forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
     assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, case, torch.bfloat16)

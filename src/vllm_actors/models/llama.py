@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
+from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
 
@@ -102,8 +102,11 @@ class Attention(nn.Module):
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)  # in place on the GPU
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        # in place on the GPU, where the same launch also stores k and v in the cache
+        fused = fuses_kv_write(q)
+        kv_write = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if fused else None
+        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
@@ -195,6 +198,7 @@ class CausalLM(nn.Module):
         inv_freq = self._rope_inv_freq(positions.device)
         angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2], float32
         cos, sin = angles.cos(), angles.sin()
+        meta = self.attn_backend.prepare(meta)
         x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout, self.tp)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
