@@ -55,12 +55,16 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(checkpoint: str, enforce_eager: bool,
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
 
 
-def test_tp2_with_the_one_shot_all_reduce_equals_tp1(tiny_llama_tp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_ACTORS_TP_ALLREDUCE=symm_mem: decode-sized all-reduces through symmetric memory."""
+@pytest.mark.parametrize("method", ["symm_mem", "nccl"])
+def test_tp2_with_each_all_reduce_equals_tp1(tiny_llama_tp: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """VLLM_ACTORS_TP_ALLREDUCE=symm_mem with no lower bound: every all-reduce of the tiny model
+    through the two-shot over symmetric memory (by default only those of 64 KiB and more); =nccl:
+    none of them."""
     prompts = _prompts(500)
     engine = dict(num_gpu_blocks_override=64, max_num_batched_tokens=256)
     want, _ = _generate(tiny_llama_tp, 1, prompts, **engine)
-    monkeypatch.setenv("VLLM_ACTORS_TP_ALLREDUCE", "symm_mem")
+    monkeypatch.setenv("VLLM_ACTORS_TP_ALLREDUCE", method)
+    monkeypatch.setenv("VLLM_ACTORS_TP_SYMM_MIN_BYTES", "0")
     got, (_, logprobs) = _generate(tiny_llama_tp, 2, prompts, **engine)
     assert got == want
     assert all(len(row) == MAX_TOKENS for row in logprobs)

@@ -92,17 +92,21 @@ def test_sharded_logits_from_quantized_gguf(default_gguf_path: str, tmp_path: Pa
 
 
 def test_the_all_reduce_is_chosen_from_the_environment() -> None:
-    """``VLLM_ACTORS_TP_ALLREDUCE``: NCCL (or gloo) by default and on the CPU; the symmetric-memory
-    all-reduce, two-shot or one-shot, on GPUs up to ``VLLM_ACTORS_TP_SYMM_MAX_BYTES``; anything
-    else a clear error."""
+    """``VLLM_ACTORS_TP_ALLREDUCE``: on GPUs by default the two-shot symmetric-memory all-reduce from
+    64 KiB up to ``VLLM_ACTORS_TP_SYMM_MAX_BYTES`` (NCCL outside that band), or the one-shot, or
+    NCCL alone; gloo on the CPU; anything else a clear error."""
     from types import SimpleNamespace
 
     from vllm_actors.models.parallel import SymmMemAllReduce, symm_all_reduce_from_env
 
     group = SimpleNamespace(group_name="0")
-    assert symm_all_reduce_from_env({}, group, on_cuda=True) is None
-    assert symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem"}, group, on_cuda=False) is None
-    two = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem"}, group, on_cuda=True)
+    assert symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl"}, group, on_cuda=True) is None
+    assert symm_all_reduce_from_env({}, group, on_cuda=False) is None
+    default = symm_all_reduce_from_env({}, group, on_cuda=True)
+    assert isinstance(default, SymmMemAllReduce) and default.method == "two_shot"
+    assert (default.min_bytes, default.max_bytes) == (64 << 10, 8 << 20)
+    two = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem", "VLLM_ACTORS_TP_SYMM_MIN_BYTES": "0"},
+                                   group, on_cuda=True)
     assert isinstance(two, SymmMemAllReduce) and two.method == "two_shot" and two.max_bytes == 8 << 20
     one = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem_one_shot",
                                     "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "524288"}, group, on_cuda=True)

@@ -212,9 +212,11 @@ def vocab_parallel_embedding(
     return tp.all_reduce(x)
 
 
-ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "nccl" (default), "symm_mem" (two-shot) or "symm_mem_one_shot"
+ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "symm_mem" (two-shot, default), "nccl" or "symm_mem_one_shot"
 SYMM_MAX_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MAX_BYTES"  # all-reduces above it go through NCCL; default 8 MiB
-SYMM_MIN_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MIN_BYTES"  # and those below it; default 0
+SYMM_MIN_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MIN_BYTES"  # and those below it; default 64 KiB
+SYMM_MIN_BYTES_DEFAULT = 64 << 10  # batch-1 steps stay on NCCL: the two-shot was no faster there
+NO_MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # the two-shot needs no NVLink multicast: kept off
 ALLREDUCE_CHOICES = ("nccl", "symm_mem", "symm_mem_one_shot")
 
 
@@ -256,14 +258,18 @@ class SymmMemAllReduce:
 
 
 def symm_all_reduce_from_env(environ: Mapping[str, str], group: Any, on_cuda: bool) -> SymmMemAllReduce | None:
-    """The all-reduce ``VLLM_ACTORS_TP_ALLREDUCE`` asks for (None: NCCL or gloo for every size)."""
-    choice = environ.get(ALLREDUCE_ENV, "nccl")
+    """The all-reduce ``VLLM_ACTORS_TP_ALLREDUCE`` asks for (None: NCCL or gloo for every size).
+
+    The default, ``symm_mem``: the two-shot all-reduce over symmetric memory for all-reduces of
+    64 KiB to 8 MiB (every batched decode step), NCCL for the rest. On two H100s at the Qwen3-8B
+    shape it gave 2.3%, 3.2% (two H200s) and 2.3% more throughput than NCCL alone in three calls."""
+    choice = environ.get(ALLREDUCE_ENV, "symm_mem")
     if choice not in ALLREDUCE_CHOICES:
         raise ValueError(f"{ALLREDUCE_ENV} must be one of {', '.join(ALLREDUCE_CHOICES)}, got {choice!r}")
     if choice == "nccl" or not on_cuda:
         return None
     max_bytes = int(environ.get(SYMM_MAX_BYTES_ENV, 8 << 20))
-    min_bytes = int(environ.get(SYMM_MIN_BYTES_ENV, 0))
+    min_bytes = int(environ.get(SYMM_MIN_BYTES_ENV, SYMM_MIN_BYTES_DEFAULT))
     return SymmMemAllReduce(group, max_bytes, "one_shot" if choice == "symm_mem_one_shot" else "two_shot", min_bytes)
 
 
@@ -283,4 +289,6 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=TP_TIMEOUT, **kwargs)
     symm = symm_all_reduce_from_env(os.environ, dist.group.WORLD, on_cuda)
+    if symm is not None:
+        os.environ.setdefault(NO_MULTICAST_ENV, "1")  # read when the first symmetric buffer is allocated
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm)
