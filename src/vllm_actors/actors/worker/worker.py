@@ -108,7 +108,7 @@ class Worker:
 
     def __init__(
         self, runner: Runner, sampler: Sampler, clock: Callable[[], float], defer: bool = False,
-        grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = False,
+        grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
