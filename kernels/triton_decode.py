@@ -1,0 +1,309 @@
+"""Decode paged attention (one query per sequence, the context split across programs):
+`paged_attention_decode`, its tile config, split rule and program order; see `triton_attention`'s
+docstring for the contract."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_actors.kernels.triton_paged import (
+    _LOG2E,
+    _MIN_DOT_ROWS,
+    INTERPRET,
+    TileConfig,
+    _attend_tile,
+    _check_cache_pair,
+    _check_shapes,
+    _last_dim_contiguous,
+)
+
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 128
+
+
+DECODE_BLOCK_N_ENV = "VLLM_ACTORS_DECODE_BLOCK_N"
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    """Default decode tiles: 128 keys a step (``VLLM_ACTORS_DECODE_BLOCK_N`` overrides), 4 warps,
+    3 stages; 32 keys above head_dim 128.
+
+    Swept on an H100 over the decode batches of nano-vllm's workload (`bench/decode_sweep.py`,
+    2026-11-26): 128-key tiles took 3.6% less time than 64-key tiles at Qwen3-0.6B's shape (16/8
+    heads) and 5% less at Qwen3-8B's per-rank shape under TP=2 (16/4 heads); 8 warps, or 2 or 4
+    stages, did not help. The offline run went from 18,965 to 19,545 tok/s.
+    """
+    text = os.environ.get(DECODE_BLOCK_N_ENV, "128")
+    if text not in ("16", "32", "64", "128", "256"):
+        raise ValueError(f"{DECODE_BLOCK_N_ENV} must be a power of two in 16..256, got {text!r}")
+    block_n = int(text) if head_dim <= 128 else 32
+    return TileConfig(block_m=_MIN_DOT_ROWS, block_n=block_n, num_warps=4, num_stages=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: one query per sequence, split along the context
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    order_ptr,
+    num_heads,
+    num_splits,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    if ORDERED:  # longest context first: the GPU starts the longest programs first (less tail)
+        seq = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
+    else:
+        seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_ptr + seq)
+    has_query = tl.load(query_start_ptr + seq + 1) > q_row
+    seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUP
+    row_out = rows < tl.where(has_query, GROUP, 0)
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_out[:, None],
+        other=0.0,
+    )
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_offset = kv_head.to(tl.int64) * stride_ch
+    for tile in range(tile_begin, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
+            seq_len, rows, qk_scale, stride_cb, stride_cs,
+            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP,
+        )  # fmt: skip
+    # an empty range (short sequence, late split, or no query) leaves l_i == 0: write zeros
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
+    else:
+        tl.store(
+            out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_out[:, None],
+        )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_start_ptr,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) <= q_row:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
+    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
+    weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+DECODE_WAVES_ENV = "VLLM_ACTORS_DECODE_WAVES"
+
+
+def decode_waves() -> int:
+    """``VLLM_ACTORS_DECODE_WAVES`` (default 2): how many programs per SM the decode kernel's split
+    aims at. More splits each context into shorter, more even pieces, which may matter where few
+    KV heads per rank (TP) leave few programs and their contexts differ in length; read where the
+    split is chosen, so at graph capture for CUDA graphs."""
+    text = os.environ.get(DECODE_WAVES_ENV, "2")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{DECODE_WAVES_ENV} must be a positive integer, got {text!r}")
+    return int(text)
+
+
+DECODE_ORDER_ENV = "VLLM_ACTORS_DECODE_ORDER"
+
+
+def decode_ordered() -> bool:
+    """``VLLM_ACTORS_DECODE_ORDER`` (default 1): the decode kernel takes the batch's sequences
+    longest context first (one argsort a step), so that the last programs to start are short and
+    the GPU's last wave ends evenly; 0 takes them in batch order."""
+    text = os.environ.get(DECODE_ORDER_ENV, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{DECODE_ORDER_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits of the context per (sequence, KV head): enough programs for about two waves on the
+    GPU (``decode_waves``), but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a
+    power of two (bounds the reduce kernel's compiled variants)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = math.ceil(decode_waves() * _sm_count(device) / programs)
+    useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
+    splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: TileConfig | None = None,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence (query_len <= 1) over its paged context.
+
+    Sequence i's query is row query_start_loc[i] of q (it has none when query_start_loc[i+1] equals
+    it). max_seq_len is a host upper bound of seq_lens used only to pick the split count (pass the
+    capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
+    permutation of the sequences (`decode_order`), is the order in which programs take them.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _check_cache_pair(k_cache, v_cache)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_shapes(q, k_cache, out)
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    rows = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
+    if num_splits is None:
+        num_splits = choose_decode_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    cfg = config or decode_config(head_dim)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_max = part_sum = out  # never touched
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        seq_lens if order is None else order,  # never read when not ORDERED
+        num_heads,
+        num_splits,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        ROWS=rows,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        SPLIT=split,
+        ORDERED=order is not None,
+        IEEE=q.dtype == torch.float32,
+        INTERP=INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            query_start_loc,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+        )
+    return out

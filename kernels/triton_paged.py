@@ -1,0 +1,218 @@
+"""What the paged-attention Triton kernels share (`triton_varlen`, `triton_decode`): the KV write,
+the online-softmax step over one tile of keys read through a block table, the tile config, and the
+host-side shape checks. The layout and contracts are in `triton_attention`'s docstring."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when this module is imported.
+# The interpreter's tl.dot mishandles bfloat16 (it multiplies the raw uint16 bits), so under it
+# the operands are widened to float32 first; products of bf16/fp16 values are exact in float32,
+# so the result matches the GPU's fp32-accumulating tensor-core dot.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """acc + a @ b in float32; IEEE keeps float32 inputs out of TF32."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV write
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = heads[:, None] < tl.where(slot >= 0, num_kv_heads, 0)  # a negative slot writes nothing
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v ([T, num_kv_heads, head_dim]) at the flat cache slots of slot_mapping ([T] int64);
+    rows whose slot is negative are skipped."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _check_cache_pair(k_cache, v_cache)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _check_head_dim(head_dim)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _kv_write_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=block_size,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        num_warps=1 if head_dim * num_kv_heads <= 512 else 4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# One online-softmax step over a tile of keys
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    kv_head_offset,
+    key_start,
+    seq_len,
+    q_pos,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One online-softmax step over keys [key_start, key_start + BLOCK_N) of one sequence.
+
+    q [BLOCK_M, D]; acc [BLOCK_M, D], m_i, l_i [BLOCK_M] in float32 (m_i in the log2 domain).
+    MASKED drops keys at or past seq_len; CAUSAL (with MASKED) also keys past each row's absolute
+    position q_pos [BLOCK_M].
+    """
+    keys = key_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        key_ok = keys < seq_len
+        block = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        block = tl.load(table_row_ptr + keys // BLOCK_SIZE)
+    key_offset = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head_offset
+    if MASKED:
+        k_t = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+    else:
+        k_t = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None])
+        v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :])
+    scores = _dot(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERP) * qk_scale
+    if MASKED:
+        if CAUSAL:
+            visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        else:
+            visible = key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERP)
+    return acc, m_new, l_i
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of an attention kernel. block_m: rows of a varlen program (query
+    positions x padded group heads; ignored by decode); block_n: keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (host shapes only)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton kernels need a power-of-two head_dim >= 16, got {head_dim}")
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share shape and strides")
+    if k_cache.dim() != 4 or k_cache.stride(3) != 1:
+        raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] with unit last stride")
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} with a unit last stride, got {tuple(out.shape)}")
+    if head_dim != k_cache.shape[3]:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    _check_head_dim(head_dim)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
