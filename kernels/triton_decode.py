@@ -18,9 +18,7 @@ from vllm_actors.kernels.triton_paged import (
     INTERPRET,
     TileConfig,
     _attend_tile,
-    _check_cache_pair,
-    _check_shapes,
-    _last_dim_contiguous,
+    checked_inputs,
 )
 
 _MAX_SPLITS = 64
@@ -234,13 +232,9 @@ def paged_attention_decode(
     capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
     permutation of the sequences (`decode_order`), is the order in which programs take them.
     """
+    q, out = checked_inputs(q, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = q.shape
-    _check_cache_pair(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_shapes(q, k_cache, out)
-    q = _last_dim_contiguous(q)
-    if out is None:
-        out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -216,3 +216,14 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | No
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def checked_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention call's q (with a unit last stride) and out (like q when None), once the
+    shapes of q, the caches and out are checked."""
+    _check_cache_pair(k_cache, v_cache)
+    _check_shapes(q, k_cache, out)
+    q = _last_dim_contiguous(q)
+    return q, torch.empty_like(q) if out is None else out

@@ -13,9 +13,7 @@ from vllm_actors.kernels.triton_paged import (
     INTERPRET,
     TileConfig,
     _attend_tile,
-    _check_cache_pair,
-    _check_shapes,
-    _last_dim_contiguous,
+    checked_inputs,
 )
 
 
@@ -149,13 +147,9 @@ def paged_attention_varlen(
     block_tables [B, max_blocks] int32; max_query_len: a host upper bound of the query lengths
     (only picks tile sizes, unless config gives them).
     """
+    q, out = checked_inputs(q, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = q.shape
-    _check_cache_pair(k_cache, v_cache)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_shapes(q, k_cache, out)
-    q = _last_dim_contiguous(q)
-    if out is None:
-        out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
