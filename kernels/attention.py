@@ -30,7 +30,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies, used by the torch reference
     seq_lens_cpu: list[int]
     # [B] int64, longest context first: the order in which a decode kernel takes the sequences.
-    # Filled by the first layer's attention of a step (inside a CUDA graph when captured in one).
+    # Filled by the backend's `prepare`, once a step before the first layer (inside a CUDA graph
+    # when the step is captured in one).
     decode_order: torch.Tensor | None = None
 
     @property

@@ -83,6 +83,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ kernels
 if HAVE_TRITON:
+    from vllm_actors.kernels.triton_paged import _check_cache_pair
 
     @triton.jit
     def _rms_norm_kernel(
@@ -257,7 +258,8 @@ def qk_norm_rope(
     tokens, num_q_heads, head_dim = q.shape
     if kv_write is not None:
         v, k_cache, v_cache, slots = kv_write
-        if k_cache.shape[2:] != k.shape[1:] or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        _check_cache_pair(k_cache, v_cache)
+        if k_cache.shape[2:] != k.shape[1:]:
             raise ValueError("the caches must be [num_blocks, block_size, num_kv_heads, head_dim] like k")
         if v.shape != k.shape or v.stride(-1) != 1:
             raise ValueError("v must match k's shape with a unit last stride")

@@ -76,9 +76,9 @@ log = structlog.get_logger(__name__)
 
 
 class TritonPagedAttention:
-    """`AttentionBackend` on the Triton kernels: KV write, then decode (every query_len <= 1,
-    judged from the host field `meta.max_query_len`) or varlen attention (anything else, decode
-    rows mixed in included).
+    """`AttentionBackend` on the Triton kernels: KV write (unless the caller's rotary launch did
+    it: `kv_written`), then decode (every query_len <= 1, judged from the host field
+    `meta.max_query_len`) or varlen attention (anything else, decode rows mixed in included).
 
     decode_splits forces the decode split count (None: chosen per call from host integers).
     """
