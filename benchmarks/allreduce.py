@@ -13,7 +13,9 @@ replays; eager NCCL (no graph) for reference. Each method's result is checked ag
 Methods: ``nccl`` (dist.all_reduce), ``nccl-eager``, ``symm-one-shot``
 (torch.ops.symm_mem.one_shot_all_reduce on a symmetric buffer, the input copied in first, as an
 engine would) and ``symm-two-shot`` (two_shot_all_reduce_, in place: reduce-scatter then
-all-gather over peer loads). Multicast stays off: NCCL_NVLS_ENABLE=0 and
+all-gather over peer loads); and what a decoder runs after a row-parallel projection, the
+all-reduce then the residual add and RMSNorm: ``nccl+norm``, ``two-shot+norm`` and ``fused-norm``
+(`kernels/allreduce_norm.py`: both in one kernel). Multicast stays off: NCCL_NVLS_ENABLE=0 and
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before torch starts, and the script refuses to run if
 either is set otherwise; no multimem operation is called.
 """
@@ -95,6 +97,11 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     group = dist.group.WORLD
     assert group is not None
     dtype = getattr(torch, args.dtype)
+    from vllm_actors.kernels.fused_ops import rms_norm
+    from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm
+
+    fused = FusedAllReduceNorm(group, device, max(args.batches) * args.hidden * torch.finfo(dtype).bits // 8)
+    weight = torch.ones(args.hidden, dtype=dtype, device=device)
     results: list[dict[str, Any]] = []
     for batch in args.batches:
         n = batch * args.hidden
@@ -118,16 +125,35 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
             torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group.group_name)
             return symm
 
-        checks = {"symm-one-shot": one_shot, "symm-two-shot": two_shot}
+        rows = x.view(batch, args.hidden)
+        residual = torch.zeros_like(rows)
+
+        def nccl_norm(work: torch.Tensor = work, residual: torch.Tensor = residual) -> torch.Tensor:
+            dist.all_reduce(work, group=group)
+            return rms_norm(work.view(residual.shape), weight, 1e-6, residual)[1]
+
+        def two_shot_norm(residual: torch.Tensor = residual) -> torch.Tensor:
+            return rms_norm(two_shot().view(residual.shape), weight, 1e-6, residual)[1]
+
+        calls = [0]  # consecutive calls alternate buffer slots, as the decoder's call sites do
+
+        def fused_norm(rows: torch.Tensor = rows, residual: torch.Tensor = residual, calls: list[int] = calls
+                       ) -> torch.Tensor:
+            calls[0] += 1
+            return fused(rows, weight, 1e-6, residual, slot=calls[0] % 2)[1]
+
+        checks = {"symm-one-shot": one_shot, "symm-two-shot": two_shot, "fused-norm": fused_norm}
         for name, fn in checks.items():
             try:
                 got = fn().clone()
                 torch.cuda.synchronize()
-                row[f"{name}_max_error"] = float((got.float() - reference.float()).abs().max())
+                row[f"{name}_max_error"] = float((got.float().reshape(-1) - reference.float()).abs().max())
             except Exception as error:  # an op this build lacks: reported, the others still run
                 row[f"{name}_error"] = f"{type(error).__name__}: {error}"
         methods: dict[str, Any] = {"nccl": (_time_graph, nccl), "nccl-eager": (_time_eager, nccl),
-                                   "symm-one-shot": (_time_graph, one_shot), "symm-two-shot": (_time_graph, two_shot)}
+                                   "symm-one-shot": (_time_graph, one_shot), "symm-two-shot": (_time_graph, two_shot),
+                                   "nccl+norm": (_time_graph, nccl_norm), "two-shot+norm": (_time_graph, two_shot_norm),
+                                   "fused-norm": (_time_graph, fused_norm)}
         for name, (timer, fn) in methods.items():
             if f"{name}_error" in row:
                 continue

@@ -21,6 +21,7 @@ from torch import nn
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, rms_norm, silu_and_mul
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         kv_write = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if fused else None
         q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # this rank's partial sum
 
 
 class MLP(nn.Module):
@@ -120,12 +121,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # this rank's partial sum
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.self_attn = Attention(config, tp)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -141,11 +143,16 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Takes the previous layer's output and the residual stream before it; returns this
-        layer's MLP output and the residual stream before that (adds fused into the norms)."""
-        h, residual = self.input_layernorm(x, residual)
+        """Takes the previous layer's MLP output (the embedding in the first layer: ``residual`` is
+        None) and the residual stream before it; returns this layer's MLP output and the residual
+        stream before that. Outputs are this rank's partial sums: each norm all-reduces its input
+        and adds the residual first (one kernel on GPUs, `models/fused_all_reduce.py`)."""
+        slot = SLOT_EMBED if residual is None else SLOT_MLP
+        norm = self.input_layernorm
+        h, residual = self.tp.all_reduce_rms_norm(x, norm.weight, norm.eps, residual, slot)
         h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
+        norm = self.post_attention_layernorm
+        h, residual = self.tp.all_reduce_rms_norm(h, norm.weight, norm.eps, residual, SLOT_ATTN)
         return self.mlp(h), residual
 
 
@@ -199,11 +206,12 @@ class CausalLM(nn.Module):
         angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2], float32
         cos, sin = angles.cos(), angles.sin()
         meta = self.attn_backend.prepare(meta)
-        x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout, self.tp)
+        x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
-        return self.model.norm(x, residual)[0]
+        norm = self.model.norm
+        return self.tp.all_reduce_rms_norm(x, norm.weight, norm.eps, residual, SLOT_MLP)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it

@@ -32,7 +32,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from vllm_actors.kernels.fused_ops import rms_norm
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm, fused_from_env
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
     symm: SymmMemAllReduce | None = None  # VLLM_ACTORS_TP_ALLREDUCE=symm_mem: all-reduces up to a size
+    fused: FusedAllReduceNorm | None = None  # all-reduce + add + RMSNorm in one kernel (GPUs)
 
     @property
     def enabled(self) -> bool:
@@ -57,6 +60,16 @@ class TensorParallel:
             return self.symm(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, slot: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: this rank's partial sum; returns (RMSNorm(sum + residual) * weight, sum + residual),
+        in one kernel where ``fused`` takes it (``slot``: the call site's, see `fused_all_reduce.py`),
+        else the all-reduce then the fused add + norm."""
+        if self.fused is not None and self.fused.fits(x):
+            return self.fused(x, weight, eps, residual, slot)
+        return rms_norm(self.all_reduce(x), weight, eps, residual)
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C] per rank -> [N, size * C], rank r's columns at ``[r*C, (r+1)*C)``."""
@@ -199,17 +212,15 @@ class ShardLayout:
         return self.size > 1 and module.endswith(_ROW) and kind == "bias"
 
 
-def vocab_parallel_embedding(
-    input_ids: torch.Tensor, weight: torch.Tensor, layout: ShardLayout, tp: TensorParallel
-) -> torch.Tensor:
-    """Embed with this rank's rows of the table; ids it does not hold give zeros; summed over ranks."""
-    if not tp.enabled:
+def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """Embed with this rank's rows of the table; ids it does not hold give zeros. This is the rank's
+    partial sum: the caller all-reduces it (with the first norm, ``all_reduce_rms_norm``)."""
+    if layout.size == 1:
         return torch.nn.functional.embedding(input_ids, weight)
     local = input_ids - layout.vocab_start
     outside = (local < 0) | (local >= layout.vocab_per_rank)
     x = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-    x = x.masked_fill(outside.unsqueeze(-1), 0.0)
-    return tp.all_reduce(x)
+    return x.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "symm_mem" (two-shot, default), "nccl" or "symm_mem_one_shot"
@@ -288,7 +299,8 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
     kwargs: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if on_cuda else {}
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=TP_TIMEOUT, **kwargs)
-    symm = symm_all_reduce_from_env(os.environ, dist.group.WORLD, on_cuda)
-    if symm is not None:
+    if on_cuda:
         os.environ.setdefault(NO_MULTICAST_ENV, "1")  # read when the first symmetric buffer is allocated
-    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm)
+    symm = symm_all_reduce_from_env(os.environ, dist.group.WORLD, on_cuda)
+    fused = fused_from_env(os.environ, dist.group.WORLD, torch.device("cuda", rank) if on_cuda else None)
+    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm, fused=fused)

@@ -1,0 +1,68 @@
+"""The symmetric buffers of the fused all-reduce + add + RMSNorm (`kernels/allreduce_norm.py`).
+
+One object per rank owns one allocation of torch's symmetric memory, mapped by every rank of the
+group, cut into ``SLOTS`` slots of ``max_bytes``: one per call site, so that consecutive calls never
+write the buffer a peer may still be reading (see the kernel's docstring). The call sites of the
+decoder, in the order a forward pass runs them, are the embedding's all-reduce (before the first
+norm), each layer's attention output (before ``post_attention_layernorm``) and MLP output (before
+the next layer's ``input_layernorm``, or the final norm): EMBED, ATTN, MLP, ATTN, MLP, ..., MLP,
+then EMBED again for the next step. No slot is used twice without another call between.
+
+``VLLM_ACTORS_TP_FUSED_NORM=0`` turns it off (NCCL or the two-shot all-reduce, then the norm kernel);
+``VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES`` (default 8 MiB) bounds the all-reduces it takes, larger
+ones (long prefill chunks) go the unfused way. ``VLLM_ACTORS_TP_ALLREDUCE=nccl`` turns it off too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+SLOT_EMBED, SLOT_ATTN, SLOT_MLP = 2, 0, 1
+SLOTS = 3
+FUSED_ENV = "VLLM_ACTORS_TP_FUSED_NORM"
+FUSED_MAX_BYTES_ENV = "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES"
+FUSED_MAX_BYTES_DEFAULT = 8 << 20
+MAX_COLUMNS = 16384  # one row is one block of the kernel's registers
+
+
+class FusedAllReduceNorm:
+    """This rank's slots of the symmetric buffer and the pointer tables the kernel reads."""
+
+    def __init__(self, group: Any, device: torch.device, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from vllm_actors.kernels.allreduce_norm import MAX_PROGRAMS
+
+        self.max_bytes = max_bytes
+        self.buffer = symm_mem.empty(SLOTS * max_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)  # a collective: every rank allocates
+        self.rank, self.world = handle.rank, handle.world_size
+        pad_bytes = symm_mem.get_signal_pad_size()
+        if pad_bytes < MAX_PROGRAMS * self.world * 4:
+            raise RuntimeError(f"the symmetric memory signal pad ({pad_bytes} bytes) is too small for "
+                               f"{MAX_PROGRAMS} programs of {self.world} ranks")
+        self.buffer_ptrs = [torch.tensor([base + slot * max_bytes for base in handle.buffer_ptrs],
+                                         dtype=torch.int64, device=device) for slot in range(SLOTS)]
+        self.pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.handle = handle  # keeps the peers' mappings alive as long as the tables point at them
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= MAX_COLUMNS
+                and x.numel() * x.element_size() <= self.max_bytes)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, slot: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from vllm_actors.kernels.allreduce_norm import all_reduce_rms_norm
+
+        return all_reduce_rms_norm(x, self.buffer_ptrs[slot], self.pad_ptrs, self.rank, weight, eps, residual)
+
+
+def fused_from_env(environ: Mapping[str, str], group: Any, device: torch.device | None) -> FusedAllReduceNorm | None:
+    """The fused all-reduce + norm unless turned off or off the GPU (``device`` None: gloo)."""
+    if device is None or environ.get(FUSED_ENV, "1") == "0" or environ.get("VLLM_ACTORS_TP_ALLREDUCE") == "nccl":
+        return None
+    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)))

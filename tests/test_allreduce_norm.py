@@ -1,0 +1,106 @@
+"""The fused all-reduce + add + RMSNorm kernel against torch, in one process (Triton's interpreter on
+the CPU, or one GPU): the peers' buffers are local tensors already holding their partial sums, and
+their flags are already set in this rank's signal pad, so the barrier passes at once. The kernel on
+two real GPUs, racing its peer: `test_gpu_allreduce_norm.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_actors.kernels import allreduce_norm  # conftest.py sets TRITON_INTERPRET=1 without CUDA
+from vllm_actors.models.fused_all_reduce import FUSED_ENV, FUSED_MAX_BYTES_ENV, fused_from_env
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HALF = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # the interpreter has no bfloat16
+pytestmark = pytest.mark.skipif(not allreduce_norm.HAVE_TRITON, reason="needs triton")
+
+
+class Peers:
+    """Every rank's buffer and signal pad, as one process holds them for rank ``rank``."""
+
+    def __init__(self, partials: list[torch.Tensor], rank: int) -> None:
+        self.world = len(partials)
+        rows, cols = partials[0].shape
+        self.programs = allreduce_norm.programs_for(rows)
+        self.buffers = [torch.zeros(rows * cols, dtype=partials[0].dtype, device=DEVICE) for _ in partials]
+        for peer, part in enumerate(partials):
+            if peer != rank:
+                self.buffers[peer].copy_(part.reshape(-1))  # what the peer's kernel stored
+        self.pads = [torch.zeros(self.programs, self.world, dtype=torch.int32, device=DEVICE) for _ in partials]
+        self.pads[rank][:, [p for p in range(self.world) if p != rank]] = 1  # the peers' flags, already sent
+        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=DEVICE)
+        self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=DEVICE)
+
+
+def _float64(partials: list[torch.Tensor], weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None) -> torch.Tensor:
+    x = sum(p.double() for p in partials)
+    assert isinstance(x, torch.Tensor)
+    if residual is not None:
+        x = x + residual.double()
+    return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("world", "rank", "rows"), [(2, 0, 1), (2, 1, 7), (3, 1, 5), (2, 0, 130)])
+def test_sums_every_rank_adds_and_normalises(dtype: torch.dtype, with_residual: bool, world: int, rank: int,
+                                             rows: int) -> None:
+    """130 rows: more than MAX_PROGRAMS, so programs take several rows each."""
+    generator = torch.Generator().manual_seed(world * 100 + rows)
+    cols = 96
+    partials = [torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE) for _ in range(world)]
+    residual = torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(cols, generator=generator)).to(dtype).to(DEVICE)
+    peers = Peers(partials, rank)
+    out, residual_out = allreduce_norm.all_reduce_rms_norm(partials[rank], peers.buffer_ptrs, peers.pad_ptrs, rank,
+                                                           weight, 1e-6, residual)
+    want_out, want_residual = allreduce_norm.all_reduce_rms_norm_reference(partials, weight, 1e-6, residual)
+    assert torch.equal(residual_out, want_residual)  # the same roundings in the same order
+    if dtype == torch.float32:
+        want = _float64(partials, weight, 1e-6, residual)
+        assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-6
+    else:
+        assert float((out.float() - want_out.float()).abs().max() / want_out.float().abs().max()) < 1e-2
+    # this rank's rows are in its own buffer, for its peers to read
+    assert torch.equal(peers.buffers[rank].view(rows, cols), partials[rank])
+    # the barrier consumed the peers' flags and left this rank's flag in each peer's pad
+    assert int(peers.pads[rank].abs().sum()) == 0
+    for peer in range(world):
+        if peer != rank:
+            assert peers.pads[peer][:, rank].tolist() == [1] * peers.programs
+            assert int(peers.pads[peer].sum()) == peers.programs
+
+
+def test_every_rank_gets_the_same_bits() -> None:
+    """Each rank sums in rank order, not its own first: the residual streams of the ranks stay equal."""
+    generator = torch.Generator().manual_seed(3)
+    partials = [torch.randn((4, 64), generator=generator).to(DEVICE) * 10 ** i for i in range(3)]
+    weight = torch.ones(64, device=DEVICE)
+    results = []
+    for rank in range(3):
+        peers = Peers(partials, rank)
+        results.append(allreduce_norm.all_reduce_rms_norm(partials[rank], peers.buffer_ptrs, peers.pad_ptrs, rank,
+                                                          weight, 1e-6, None))
+    for out, residual in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(residual, results[0][1])
+
+
+def test_bad_shapes_are_refused() -> None:
+    x = torch.zeros((2, 8), device=DEVICE)
+    peers = Peers([x, x], 0)
+    with pytest.raises(ValueError, match="rows, cols"):
+        allreduce_norm.all_reduce_rms_norm(x.t(), peers.buffer_ptrs, peers.pad_ptrs, 0, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="residual shape"):
+        allreduce_norm.all_reduce_rms_norm(x, peers.buffer_ptrs, peers.pad_ptrs, 0, torch.ones(8), 1e-6,
+                                           torch.zeros((3, 8), device=DEVICE))
+    with pytest.raises(ValueError, match="signal pads"):
+        allreduce_norm.all_reduce_rms_norm(x, peers.buffer_ptrs, peers.pad_ptrs[:1], 0, torch.ones(8), 1e-6)
+
+
+def test_off_without_a_gpu_or_when_asked() -> None:
+    assert fused_from_env({}, group=None, device=None) is None  # gloo: the all-reduce, then the norm
+    cuda = torch.device("cuda", 0)
+    assert fused_from_env({FUSED_ENV: "0"}, group=None, device=cuda) is None
+    assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl", FUSED_MAX_BYTES_ENV: "1024"}, None, cuda) is None
