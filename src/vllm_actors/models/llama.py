@@ -20,6 +20,7 @@ from torch import nn
 
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, rms_norm, silu_and_mul
+from vllm_actors.kernels.gemv import linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         kv_write = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if fused else None
         q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # this rank's partial sum
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
 
 
 class MLP(nn.Module):
@@ -121,7 +122,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # this rank's partial sum
+        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)  # this rank's partial sum
 
 
 class DecoderLayer(nn.Module):
@@ -217,8 +218,8 @@ class CausalLM(nn.Module):
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
         is, and converts to float32 only where it computes with them)."""
         if not self.tp.enabled:
-            return self.lm_head(hidden)
-        return self.tp.all_gather_columns(self.lm_head(hidden))[:, : self.config.vocab_size]
+            return linear(hidden, self.lm_head)
+        return self.tp.all_gather_columns(linear(hidden, self.lm_head))[:, : self.config.vocab_size]
 
     # Checkpoint names that fill a slice of one merged parameter: (merged, part, index of the part).
     _MERGED = (

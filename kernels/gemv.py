@@ -1,0 +1,152 @@
+"""Matrix-vector products for batch-1 decode: ``x [M, K] @ weight[N, K].T`` for M of 1 to 4 (Triton).
+
+A batch-1 decode step is a read of every weight once; each projection is a matrix-vector product
+bound by memory. cuBLAS picks split-K kernels for the narrow shapes of a tensor-parallel shard (at
+the Qwen3-8B shape over two ranks ``o_proj`` is 4096 x 2048), plus a reduction kernel after them.
+A 2x H100 profile of a TP=2 batch-1 step (fourth session) had ``o_proj`` at 11.9 us for 16.8 MB,
+1.4 TB/s, and a split-K reduction after every ``o_proj`` and ``down_proj``.
+
+Here program ``p`` owns ``BLOCK_N`` output columns and reads their rows of the weight along K in
+``BLOCK_K`` pieces, keeping a [BLOCK_N, BLOCK_K] float32 accumulator per input row that is summed
+once at the end: one kernel, no split-K pass, every weight byte read once. The launch parameters
+come from ``GemvConfig`` (``VLLM_ACTORS_GEMV_BLOCK_N``, ``_BLOCK_K``, ``_WARPS``, ``_STAGES``);
+``VLLM_ACTORS_GEMV=0`` turns the kernel off (``linear`` is then ``F.linear``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is installed with the project
+    HAVE_TRITON = False
+
+GEMV_ENV = "VLLM_ACTORS_GEMV"
+MAX_ROWS = 4  # batch-1 decode (and the padded graphs of 2 and 4); wider batches reuse each weight
+# element often enough for cuBLAS's tensor-core tiles
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 16
+    block_k: int = 512
+    warps: int = 4
+    stages: int = 3
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> GemvConfig:
+        default = cls()
+        return cls(
+            block_n=int(environ.get("VLLM_ACTORS_GEMV_BLOCK_N", default.block_n)),
+            block_k=int(environ.get("VLLM_ACTORS_GEMV_BLOCK_K", default.block_k)),
+            warps=int(environ.get("VLLM_ACTORS_GEMV_WARPS", default.warps)),
+            stages=int(environ.get("VLLM_ACTORS_GEMV_STAGES", default.stages)),
+        )
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        stride_o,
+        ROWS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: summed over K once, at the end
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # rows 1..3: summed every step (registers)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + ks
+            k_mask = k < K
+            w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x0 = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            if ROWS == 1:
+                wide += w * x0
+            else:
+                acc += tl.sum(w * x0, axis=1)
+                x1 = tl.load(x_ptr + stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+                acc1 += tl.sum(w * x1[None, :], axis=1)
+                if ROWS > 2:
+                    x2 = tl.load(x_ptr + 2 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+                    acc2 += tl.sum(w * x2[None, :], axis=1)
+                if ROWS > 3:
+                    x3 = tl.load(x_ptr + 3 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+                    acc3 += tl.sum(w * x3[None, :], axis=1)
+        if ROWS == 1:
+            acc = tl.sum(wide, axis=1)
+        bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + cols, (acc + bias).to(dtype), mask=col_mask)
+        if ROWS > 1:
+            tl.store(out_ptr + stride_o + cols, (acc1 + bias).to(dtype), mask=col_mask)
+        if ROWS > 2:
+            tl.store(out_ptr + 2 * stride_o + cols, (acc2 + bias).to(dtype), mask=col_mask)
+        if ROWS > 3:
+            tl.store(out_ptr + 3 * stride_o + cols, (acc3 + bias).to(dtype), mask=col_mask)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T + bias`` for 1 <= M <= MAX_ROWS, rows of x and weight contiguous."""
+    if not HAVE_TRITON:  # pragma: no cover
+        raise RuntimeError("gemv needs triton")
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= rows <= MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [1..{MAX_ROWS}, K] and weight [N, K] with contiguous rows, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    config = config or _CONFIG
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
+        num_warps=config.warps,
+    )
+    return out
+
+
+_CONFIG = GemvConfig.from_env(os.environ)
+_ENABLED = os.environ.get(GEMV_ENV, "1") != "0"
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` sends this product to the kernel: a few rows of half-precision on a GPU."""
+    return (_ENABLED and HAVE_TRITON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
+    """``module(x)``, through ``gemv`` where it ``takes`` the product."""
+    if takes(x, module.weight):
+        return gemv(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)
