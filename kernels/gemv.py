@@ -31,16 +31,17 @@ except ImportError:  # pragma: no cover - triton is installed with the project
     HAVE_TRITON = False
 
 GEMV_ENV = "VLLM_ACTORS_GEMV"
-MAX_ROWS = 4  # batch-1 decode (and the padded graphs of 2 and 4); wider batches reuse each weight
-# element often enough for cuBLAS's tensor-core tiles
+MAX_ROWS = 4  # what the kernel takes
+TAKES_ROWS = 2  # what `linear` sends it: on an H100 it beat cuBLAS at 1 and 2 rows, lost at 4 (gemv_sweep)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 16
-    block_k: int = 512
+    # the best over the Qwen3-8B shape's projections at TP=1 and TP=2 on an H100 (gemv_sweep, sixth session)
+    block_n: int = 8
+    block_k: int = 1024
     warps: int = 4
-    stages: int = 3
+    stages: int = 2
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> GemvConfig:
@@ -66,8 +67,13 @@ if HAVE_TRITON:
         stride_x,
         stride_w,
         stride_o,
+        push_ptrs,  # PUSH: int64 [WORLD], the slot of every rank's symmetric buffer (rank-major regions of N)
+        count_ptrs,  # PUSH: int64 [WORLD], this rank's arrival counter in every rank's signal pad
         ROWS: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        PUSH: tl.constexpr,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         STAGES: tl.constexpr,
@@ -104,7 +110,15 @@ if HAVE_TRITON:
         if HAS_BIAS:
             bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + cols, (acc + bias).to(dtype), mask=col_mask)
+        if PUSH:  # into this rank's region of every rank's buffer, then one count per rank
+            for peer in tl.static_range(WORLD):
+                region = tl.load(push_ptrs + peer).to(tl.pointer_type(dtype)) + RANK * N
+                tl.store(region + cols, (acc + bias).to(dtype), mask=col_mask)
+            tl.debug_barrier()  # every thread's stores before the counts that publish them
+            for peer in tl.static_range(WORLD):
+                tl.atomic_add(tl.load(count_ptrs + peer).to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+        else:
+            tl.store(out_ptr + cols, (acc + bias).to(dtype), mask=col_mask)
         if ROWS > 1:
             tl.store(out_ptr + stride_o + cols, (acc1 + bias).to(dtype), mask=col_mask)
         if ROWS > 2:
@@ -113,10 +127,23 @@ if HAVE_TRITON:
             tl.store(out_ptr + 3 * stride_o + cols, (acc3 + bias).to(dtype), mask=col_mask)
 
 
+# (every rank's buffer slot, this rank's counter in every rank's signal pad: int64 [world] each, rank)
+Push = tuple[torch.Tensor, torch.Tensor, int]
+
+
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    push: Push | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T + bias`` for 1 <= M <= MAX_ROWS, rows of x and weight contiguous."""
+    """``x [M, K] @ weight[N, K].T + bias`` for 1 <= M <= MAX_ROWS, rows of x and weight contiguous.
+
+    ``push`` (one row, a row-parallel projection under tensor parallelism): instead of returning the
+    product, store it at ``rank * N`` in every rank's buffer slot and add the program count to this
+    rank's counter in every rank's signal pad, for `allreduce_norm`'s pushed mode to sum (the stores
+    travel over NVLink while other programs still read weights). Returns ``x`` then."""
     if not HAVE_TRITON:  # pragma: no cover
         raise RuntimeError("gemv needs triton")
     rows, k = x.shape
@@ -125,13 +152,22 @@ def gemv(
         raise ValueError(f"gemv takes x [1..{MAX_ROWS}, K] and weight [N, K] with contiguous rows, "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     config = config or _CONFIG
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device) if push is None else x  # pushed: no output here
+    push_ptrs, count_ptrs, rank = push if push is not None else (x, x, 0)
+    if push is not None and rows != 1:
+        raise ValueError(f"a pushed gemv takes one row, got {rows}")
+    _gemv_kernel[(programs(n, config),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
-        num_warps=config.warps,
+        push_ptrs, count_ptrs, ROWS=rows, HAS_BIAS=bias is not None, PUSH=push is not None, RANK=rank,
+        WORLD=push_ptrs.numel() if push is not None else 1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        STAGES=config.stages, num_warps=config.warps,
     )
     return out
+
+
+def programs(n: int, config: GemvConfig | None = None) -> int:
+    """Programs of a gemv with N outputs: the counts a pushed gemv adds to each rank's counter."""
+    return triton.cdiv(n, (config or _CONFIG).block_n)
 
 
 _CONFIG = GemvConfig.from_env(os.environ)
@@ -140,7 +176,7 @@ _ENABLED = os.environ.get(GEMV_ENV, "1") != "0"
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` sends this product to the kernel: a few rows of half-precision on a GPU."""
-    return (_ENABLED and HAVE_TRITON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+    return (_ENABLED and HAVE_TRITON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= TAKES_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1)
 

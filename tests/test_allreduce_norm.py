@@ -104,3 +104,47 @@ def test_off_without_a_gpu_or_when_asked() -> None:
     cuda = torch.device("cuda", 0)
     assert fused_from_env({FUSED_ENV: "0"}, group=None, device=cuda) is None
     assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl", FUSED_MAX_BYTES_ENV: "1024"}, None, cuda) is None
+
+
+def table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_a_pushed_gemv_then_the_pushed_norm(dtype: torch.dtype) -> None:
+    """Batch 1: rank 0's GEMV stores its product in its region of every rank's buffer and counts
+    its programs in every rank's pad; rank 1's push is already in (its region, its count). The
+    norm waits for both counts, zeroes them, and sums the regions in rank order."""
+    from vllm_actors.kernels.gemv import GemvConfig, gemv, programs
+
+    generator = torch.Generator().manual_seed(11)
+    n, k, world, rank = 40, 96, 2, 0
+    config = GemvConfig(block_n=8, block_k=64, warps=2, stages=1)
+    x = torch.randn((1, k), generator=generator).to(dtype).to(DEVICE)
+    weight = torch.randn((n, k), generator=generator).to(dtype).to(DEVICE)
+    peer_partial = torch.randn((1, n), generator=generator).to(dtype).to(DEVICE)
+    residual = torch.randn((1, n), generator=generator).to(dtype).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(n, generator=generator)).to(dtype).to(DEVICE)
+    buffers = [torch.zeros((world, n), dtype=dtype, device=DEVICE) for _ in range(world)]
+    counters = [torch.zeros(world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    expected = programs(n, config)
+    buffers[rank][1].copy_(peer_partial[0])  # rank 1's push, arrived
+    counters[rank][1] = expected
+
+    returned = gemv(x, weight, config=config, push=(table(buffers), table(counters), rank))
+    assert returned is x  # no output of its own: the product is in the buffers
+    mine = x.double() @ weight.double().t()
+    for buffer in buffers:
+        assert float((buffer[rank].double() - mine[0]).abs().max() / mine.abs().max()) < (1e-6 if dtype == torch.float32
+                                                                                          else 4e-3)
+    assert [int(c[rank]) for c in counters] == [expected, expected]
+
+    out, residual_out = allreduce_norm.all_reduce_rms_norm(
+        buffers[rank][rank : rank + 1], table(buffers), table(counters), rank, norm_weight, 1e-6, residual,
+        pushed=(table(counters[rank : rank + 1]), expected))
+    partials = [buffers[rank][0:1].clone(), peer_partial]
+    want_out, want_residual = allreduce_norm.all_reduce_rms_norm_reference(partials, norm_weight, 1e-6, residual)
+    assert torch.equal(residual_out, want_residual)
+    assert float((out.float() - want_out.float()).abs().max() / want_out.float().abs().max()) < 1e-2
+    assert counters[rank].tolist() == [0, 0]  # zeroed for the slot's next call
+    assert int(counters[1][rank]) == expected  # rank 1's norm zeroes its own
