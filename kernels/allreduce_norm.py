@@ -67,8 +67,6 @@ if HAVE_TRITON:
         out_ptr,
         residual_out_ptr,
         weight_ptr,
-        counts_ptr,  # PUSHED: int64 [1], this slot's arrival counters in this rank's pad ([WORLD] int32)
-        expected,  # PUSHED: the count each rank's gemv adds (its program count)
         n_rows,
         n_cols,
         stride_x,
@@ -79,7 +77,6 @@ if HAVE_TRITON:
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
-        PUSHED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -88,38 +85,28 @@ if HAVE_TRITON:
         mask = cols < n_cols
         dtype = x_ptr.dtype.element_ty
         mine = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
-        if PUSHED:  # every rank's gemv stored its rows in its region of this buffer, and counted them in
-            counts = tl.load(counts_ptr).to(tl.pointer_type(tl.int32))
-            for peer in tl.static_range(WORLD):  # wait for each rank's count, and zero it for the next call
-                seen = tl.atomic_cas(counts + peer, expected, 0, sem="acquire", scope="sys")
-                while seen != expected:
-                    seen = tl.atomic_cas(counts + peer, expected, 0, sem="acquire", scope="sys")
-        else:
-            for row in range(pid, n_rows, programs):  # 1. this rank's rows into its buffer
-                tl.store(mine + row * n_cols + cols, tl.load(x_ptr + row * stride_x + cols, mask=mask), mask=mask)
-            tl.debug_barrier()  # every thread's stores before the flags that publish them
-            own_pad = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32))
-            for peer in tl.static_range(WORLD):  # 2. the barrier with program pid of every peer
-                if peer != RANK:
-                    flag = tl.load(pad_ptrs + peer).to(tl.pointer_type(tl.int32)) + pid * WORLD + RANK
+        for row in range(pid, n_rows, programs):  # 1. this rank's rows into its buffer
+            tl.store(mine + row * n_cols + cols, tl.load(x_ptr + row * stride_x + cols, mask=mask), mask=mask)
+        tl.debug_barrier()  # every thread's stores before the flags that publish them
+        own_pad = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32))
+        for peer in tl.static_range(WORLD):  # 2. the barrier with program pid of every peer
+            if peer != RANK:
+                flag = tl.load(pad_ptrs + peer).to(tl.pointer_type(tl.int32)) + pid * WORLD + RANK
+                seen = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
+                while seen != 0:
                     seen = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
-                    while seen != 0:
-                        seen = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
-            for peer in tl.static_range(WORLD):
-                if peer != RANK:
-                    flag = own_pad + pid * WORLD + peer
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                flag = own_pad + pid * WORLD + peer
+                seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+                while seen != 1:
                     seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
-                    while seen != 1:
-                        seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         for row in range(pid, n_rows, programs):  # 3. sum in rank order, add, normalise
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for peer in tl.static_range(WORLD):
-                if PUSHED:
-                    src = mine + peer * n_rows * n_cols
-                else:
-                    src = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype))
+                src = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype))
                 total += tl.load(src + row * n_cols + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
             x = total.to(dtype).to(tl.float32)
             if HAS_RESIDUAL:
@@ -144,15 +131,9 @@ def all_reduce_rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    pushed: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's partial ``x`` [rows, cols] summed over the ranks, plus ``residual``, normalised:
     (RMSNorm(sum + residual) * weight, sum + residual), new tensors.
-
-    ``pushed`` (``counts``, ``expected``): every rank's partial is already on its way into this
-    rank's buffer slot, rank ``r``'s at ``r * rows * cols`` (`gemv.gemv`'s ``push``); ``counts``
-    (int64 [1]) holds the address of the slot's counters in this rank's signal pad, one per rank,
-    each complete at ``expected``. The kernel waits for them, zeroes them, and skips the exchange.
 
     ``buffer_ptrs``, ``pad_ptrs``: int64 tensors on ``x``'s device with, for every rank, the address
     of this call site's slot of its buffer (room for ``x``, contiguous) and of its signal pad (room
@@ -181,8 +162,6 @@ def all_reduce_rms_norm(
         out,
         residual_out,
         weight,
-        pushed[0] if pushed is not None else buffer_ptrs,
-        pushed[1] if pushed is not None else 0,
         rows,
         cols,
         x.stride(0),
@@ -193,7 +172,6 @@ def all_reduce_rms_norm(
         RANK=rank,
         WORLD=world,
         HAS_RESIDUAL=residual is not None,
-        PUSHED=pushed is not None,
         BLOCK=triton.next_power_of_2(cols),
         num_warps=8 if cols >= 4096 else 4,
     )

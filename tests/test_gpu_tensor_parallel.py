@@ -92,25 +92,3 @@ def test_tp2_ranks_draw_the_same_sampled_tokens_in_their_graphs(tiny_qwen3_tp: P
     broadcast = run()
     assert each_rank == broadcast
     assert len({tuple(tokens) for tokens in each_rank}) == len(prompts)
-
-
-def test_tp2_batch1_pushed_projections_equal_the_pulled_all_reduce(tiny_qwen3_tp: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16, one sequence at a time: every decode step is batch 1, where ``o_proj`` and
-    ``down_proj`` push their product into the ranks' buffers and the norm sums them there. Both
-    paths sum the same partials in rank order, so the tokens are the same as with
-    ``VLLM_ACTORS_TP_PUSH=0`` (the product returned, then the fused all-reduce's own exchange)."""
-    prompts = _prompts(500, count=4)
-
-    def run() -> list[list[int]]:
-        with LLM(str(tiny_qwen3_tp), dtype="bfloat16", tensor_parallel_size=2, seed=0, num_gpu_blocks_override=64,
-                 max_num_batched_tokens=256) as llm:
-            return [llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                 ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-
-    monkeypatch.setenv("VLLM_ACTORS_TP_PUSH", "1")
-    pushed = run()
-    monkeypatch.setenv("VLLM_ACTORS_TP_PUSH", "0")
-    pulled = run()
-    assert pushed == pulled
-    assert all(len(tokens) == MAX_TOKENS for tokens in pushed)

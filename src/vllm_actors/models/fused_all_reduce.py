@@ -25,14 +25,13 @@ SLOTS = 3
 FUSED_ENV = "VLLM_ACTORS_TP_FUSED_NORM"
 FUSED_MAX_BYTES_ENV = "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES"
 FUSED_MAX_BYTES_DEFAULT = 8 << 20
-PUSH_ENV = "VLLM_ACTORS_TP_PUSH"  # "0": batch-1 row-parallel projections return their output as others do
 MAX_COLUMNS = 16384  # one row is one block of the kernel's registers
 
 
 class FusedAllReduceNorm:
     """This rank's slots of the symmetric buffer and the pointer tables the kernel reads."""
 
-    def __init__(self, group: Any, device: torch.device, max_bytes: int, push: bool = True) -> None:
+    def __init__(self, group: Any, device: torch.device, max_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from vllm_actors.kernels.allreduce_norm import MAX_PROGRAMS
@@ -42,64 +41,28 @@ class FusedAllReduceNorm:
         handle = symm_mem.rendezvous(self.buffer, group.group_name)  # a collective: every rank allocates
         self.rank, self.world = handle.rank, handle.world_size
         pad_bytes = symm_mem.get_signal_pad_size()
-        counts = MAX_PROGRAMS * self.world  # int32 index of the counters, after the barrier's flags
-        if pad_bytes < (counts + SLOTS * self.world) * 4:
+        if pad_bytes < MAX_PROGRAMS * self.world * 4:
             raise RuntimeError(f"the symmetric memory signal pad ({pad_bytes} bytes) is too small for "
                                f"{MAX_PROGRAMS} programs of {self.world} ranks")
-
-        def table(addresses: list[int]) -> torch.Tensor:
-            return torch.tensor(addresses, dtype=torch.int64, device=device)
-
-        pads = handle.signal_pad_ptrs
-        self.buffer_ptrs = [table([base + slot * max_bytes for base in handle.buffer_ptrs]) for slot in range(SLOTS)]
-        self.pad_ptrs = table(pads)
-        # pushed gemvs: this rank's counter of each slot in every rank's pad, and the slot's counters in its own
-        self.count_ptrs = [table([pad + 4 * (counts + slot * self.world + self.rank) for pad in pads])
-                           for slot in range(SLOTS)]
-        self.own_counts = [table([pads[self.rank] + 4 * (counts + slot * self.world)]) for slot in range(SLOTS)]
-        self.pending: dict[int, int] = {}  # slot -> the count a pushed gemv's norm waits for
-        self.push = push
+        self.buffer_ptrs = [torch.tensor([base + slot * max_bytes for base in handle.buffer_ptrs],
+                                         dtype=torch.int64, device=device) for slot in range(SLOTS)]
+        self.pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.handle = handle  # keeps the peers' mappings alive as long as the tables point at them
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= MAX_COLUMNS
                 and x.numel() * x.element_size() <= self.max_bytes)
 
-    def pushes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether a row-parallel projection of ``x`` goes through ``push_linear``: batch-1 rows
-        that the GEMV takes, every rank's output in one slot."""
-        from vllm_actors.kernels.gemv import takes
-
-        n = weight.shape[0]
-        return (self.push and x.dim() == 2 and x.shape[0] == 1 and takes(x, weight) and n <= MAX_COLUMNS
-                and self.world * n * x.element_size() <= self.max_bytes)
-
-    def push_linear(self, x: torch.Tensor, module: torch.nn.Linear, slot: int) -> torch.Tensor:
-        """``module(x)`` stored straight into every rank's ``slot`` (`kernels/gemv.py`'s push); the
-        next call on ``slot`` sums it. Returns this rank's part there (its partial sum)."""
-        from vllm_actors.kernels.gemv import gemv, programs
-
-        if slot in self.pending:
-            raise RuntimeError(f"slot {slot}: a pushed projection whose all-reduce never ran")
-        n = module.weight.shape[0]
-        gemv(x, module.weight, module.bias, push=(self.buffer_ptrs[slot], self.count_ptrs[slot], self.rank))
-        self.pending[slot] = programs(n)
-        start = slot * self.max_bytes + self.rank * n * x.element_size()
-        return self.buffer[start : start + n * x.element_size()].view(x.dtype).view(1, n)
-
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, slot: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm_actors.kernels.allreduce_norm import all_reduce_rms_norm
 
-        expected = self.pending.pop(slot, None)
-        pushed = (self.own_counts[slot], expected) if expected is not None else None
-        return all_reduce_rms_norm(x, self.buffer_ptrs[slot], self.pad_ptrs, self.rank, weight, eps, residual, pushed)
+        return all_reduce_rms_norm(x, self.buffer_ptrs[slot], self.pad_ptrs, self.rank, weight, eps, residual)
 
 
 def fused_from_env(environ: Mapping[str, str], group: Any, device: torch.device | None) -> FusedAllReduceNorm | None:
     """The fused all-reduce + norm unless turned off or off the GPU (``device`` None: gloo)."""
     if device is None or environ.get(FUSED_ENV, "1") == "0" or environ.get("VLLM_ACTORS_TP_ALLREDUCE") == "nccl":
         return None
-    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)),
-                              push=environ.get(PUSH_ENV, "1") != "0")
+    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)))

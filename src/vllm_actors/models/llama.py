@@ -109,7 +109,7 @@ class Attention(nn.Module):
         kv_write = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if fused else None
         q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused)
-        return self.tp.row_parallel_linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj, SLOT_ATTN)
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
 
 
 class MLP(nn.Module):
@@ -122,7 +122,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.row_parallel_linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj, SLOT_MLP)
+        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)  # this rank's partial sum
 
 
 class DecoderLayer(nn.Module):

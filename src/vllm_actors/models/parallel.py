@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from vllm_actors.kernels.fused_ops import rms_norm
-from vllm_actors.kernels.gemv import linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm, fused_from_env
 
@@ -71,14 +70,6 @@ class TensorParallel:
         if self.fused is not None and self.fused.fits(x):
             return self.fused(x, weight, eps, residual, slot)
         return rms_norm(self.all_reduce(x), weight, eps, residual)
-
-    def row_parallel_linear(self, x: torch.Tensor, module: torch.nn.Linear, slot: int) -> torch.Tensor:
-        """``module(x)`` of a row-parallel projection, this rank's partial sum, for the all-reduce
-        of the next ``all_reduce_rms_norm`` on ``slot``. At batch 1 on GPUs the product goes straight
-        into every rank's symmetric buffer (``FusedAllReduceNorm.push_linear``)."""
-        if self.fused is not None and self.fused.pushes(x, module.weight):
-            return self.fused.push_linear(x, module, slot)
-        return linear(x, module)
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C] per rank -> [N, size * C], rank r's columns at ``[r*C, (r+1)*C)``."""
