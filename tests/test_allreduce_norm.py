@@ -5,11 +5,23 @@ two real GPUs, racing its peer: `test_gpu_allreduce_norm.py`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from vllm_actors.kernels import allreduce_norm  # conftest.py sets TRITON_INTERPRET=1 without CUDA
-from vllm_actors.models.fused_all_reduce import FUSED_ENV, FUSED_MAX_BYTES_ENV, fused_from_env
+from vllm_actors.kernels.fused_ops import rms_norm
+from vllm_actors.models.fused_all_reduce import (
+    FUSED_ENV,
+    FUSED_MAX_BYTES_ENV,
+    SLOT_ATTN,
+    SLOT_EMBED,
+    SLOT_MLP,
+    FusedAllReduceNorm,
+    fused_from_env,
+)
+from vllm_actors.models.parallel import TensorParallel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HALF = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # the interpreter has no bfloat16
@@ -104,3 +116,39 @@ def test_off_without_a_gpu_or_when_asked() -> None:
     cuda = torch.device("cuda", 0)
     assert fused_from_env({FUSED_ENV: "0"}, group=None, device=cuda) is None
     assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl", FUSED_MAX_BYTES_ENV: "1024"}, None, cuda) is None
+
+
+class _SlotRecorder(FusedAllReduceNorm):
+    """Stands in for the symmetric buffers of rank 0 of two: records each call's slot, and
+    normalises this rank's partial as if it were the sum."""
+
+    def __init__(self) -> None:  # no buffers: nothing is exchanged
+        self.slots: list[int] = []
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.slots.append(slot)
+        return rms_norm(x, weight, eps, residual)
+
+
+def test_the_decoder_never_uses_a_slot_twice_in_a_row(tiny_llama_tp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer-reuse rule of the fused all-reduce: consecutive calls, within a forward pass and
+    from one step to the next, take different slots (embedding, then attention and MLP per layer)."""
+    from tiny_models import PagedRunner
+    from vllm_actors.models.loader import load_model
+
+    monkeypatch.setattr(TensorParallel, "all_gather_columns", lambda self, x: x)  # no group: rank 0's columns
+
+    recorder = _SlotRecorder()
+    tp = TensorParallel(rank=0, size=2, fused=recorder)
+    model, _ = load_model(str(tiny_llama_tp), torch.float32, torch.device("cpu"), tp=tp)
+    runner = PagedRunner(model, block_size=4, num_blocks=32)
+    runner.step({0: [5, 6, 7], 1: [9]})
+    runner.step({0: [8], 1: [10]})
+    layers = model.config.num_hidden_layers
+    one_pass = [SLOT_EMBED] + [SLOT_ATTN, SLOT_MLP] * layers
+    assert recorder.slots == one_pass * 2
+    assert all(a != b for a, b in zip(recorder.slots, recorder.slots[1:]))
