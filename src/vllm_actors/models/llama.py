@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, rms_norm, silu_and_mul
+from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
 from vllm_actors.kernels.gemv import linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
@@ -62,16 +62,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual), x + residual) in one fused pass."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel, slot: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(sum + residual), sum + residual), ``sum`` being ``x`` summed over the ranks of
+        ``tp`` (``x`` itself without a group): one fused pass (``TensorParallel.all_reduce_rms_norm``)."""
+        return tp.all_reduce_rms_norm(x, self.weight, self.eps, residual, slot)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         """``config``: the rank's local config (its heads and KV heads)."""
         super().__init__()
-        self.tp = tp or TensorParallel()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -113,9 +115,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.tp = tp or TensorParallel()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         # gate and up projections in one GEMM; loaded from the checkpoint's gate_proj/up_proj
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
@@ -129,8 +130,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.tp = tp or TensorParallel()
-        self.self_attn = Attention(config, tp)
-        self.mlp = MLP(config, tp)
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -149,11 +150,9 @@ class DecoderLayer(nn.Module):
         stream before that. Outputs are this rank's partial sums: each norm all-reduces its input
         and adds the residual first (one kernel on GPUs, `models/fused_all_reduce.py`)."""
         slot = SLOT_EMBED if residual is None else SLOT_MLP
-        norm = self.input_layernorm
-        h, residual = self.tp.all_reduce_rms_norm(x, norm.weight, norm.eps, residual, slot)
+        h, residual = self.input_layernorm(x, residual, self.tp, slot)
         h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
-        norm = self.post_attention_layernorm
-        h, residual = self.tp.all_reduce_rms_norm(h, norm.weight, norm.eps, residual, SLOT_ATTN)
+        h, residual = self.post_attention_layernorm(h, residual, self.tp, SLOT_ATTN)
         return self.mlp(h), residual
 
 
@@ -211,8 +210,7 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
-        norm = self.model.norm
-        return self.tp.all_reduce_rms_norm(x, norm.weight, norm.eps, residual, SLOT_MLP)[0]
+        return self.model.norm(x, residual, self.tp, SLOT_MLP)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
