@@ -100,7 +100,10 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     from vllm_actors.kernels.fused_ops import rms_norm
     from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm
 
-    fused = FusedAllReduceNorm(group, device, max(args.batches) * args.hidden * torch.finfo(dtype).bits // 8)
+    largest = max(args.batches) * args.hidden * torch.finfo(dtype).bits // 8
+    fused = FusedAllReduceNorm(group, device, largest)
+    flagless = FusedAllReduceNorm(group, device, largest * world, lamport=True)
+    iters = args.iters + args.iters % 2  # an even count: a graph's last call and the next replay's first differ in slot
     weight = torch.ones(args.hidden, dtype=dtype, device=device)
     results: list[dict[str, Any]] = []
     for batch in args.batches:
@@ -135,14 +138,22 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
         def two_shot_norm(residual: torch.Tensor = residual) -> torch.Tensor:
             return rms_norm(two_shot().view(residual.shape), weight, 1e-6, residual)[1]
 
-        calls = [0]  # consecutive calls alternate buffer slots, as the decoder's call sites do
+        calls = [0]  # consecutive calls of one buffer alternate its slots, as the decoder's call sites do
 
         def fused_norm(rows: torch.Tensor = rows, residual: torch.Tensor = residual, calls: list[int] = calls
                        ) -> torch.Tensor:
             calls[0] += 1
             return fused(rows, weight, 1e-6, residual, slot=calls[0] % 2)[1]
 
-        checks = {"symm-one-shot": one_shot, "symm-two-shot": two_shot, "fused-norm": fused_norm}
+        lamport_calls = [0]
+
+        def fused_lamport(rows: torch.Tensor = rows, residual: torch.Tensor = residual, calls: list[int] = lamport_calls
+                          ) -> torch.Tensor:
+            calls[0] += 1
+            return flagless(rows, weight, 1e-6, residual, slot=calls[0] % 2)[1]
+
+        checks = {"symm-one-shot": one_shot, "symm-two-shot": two_shot, "fused-norm": fused_norm,
+                  "fused-lamport": fused_lamport}
         for name, fn in checks.items():
             try:
                 got = fn().clone()
@@ -153,13 +164,14 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
         methods: dict[str, Any] = {"nccl": (_time_graph, nccl), "nccl-eager": (_time_eager, nccl),
                                    "symm-one-shot": (_time_graph, one_shot), "symm-two-shot": (_time_graph, two_shot),
                                    "nccl+norm": (_time_graph, nccl_norm), "two-shot+norm": (_time_graph, two_shot_norm),
-                                   "fused-norm": (_time_graph, fused_norm)}
+                                   "fused-norm": (_time_graph, fused_norm),
+                                   "fused-lamport": (_time_graph, fused_lamport)}
         for name, (timer, fn) in methods.items():
             if f"{name}_error" in row:
                 continue
             dist.barrier(group=group)
             try:
-                row[f"{name}_us"] = timer(fn, args.iters, args.repeats)
+                row[f"{name}_us"] = timer(fn, iters, args.repeats)
             except Exception as error:
                 row[f"{name}_error"] = f"{type(error).__name__}: {error}"
         results.append(row)

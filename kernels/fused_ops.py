@@ -83,6 +83,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ kernels
 if HAVE_TRITON:
+    from vllm_actors.kernels.pdl import pdl, pdl_enter
     from vllm_actors.kernels.triton_paged import _check_cache_pair
 
     @triton.jit
@@ -100,7 +101,9 @@ if HAVE_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -166,10 +169,12 @@ if HAVE_TRITON:
         HEAD_DIM: tl.constexpr,
         WRITE_CACHE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (token, head) over the q heads then the k heads; a k head's program also stores
         the rotated k and the token's v at its cache slot (WRITE_CACHE; a negative slot writes
         nothing), which saves the KV-write kernel."""
+        pdl_enter(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cos_row = cos_ptr + token * stride_cos
@@ -196,7 +201,8 @@ if HAVE_TRITON:
                     tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         block = tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
@@ -231,6 +237,7 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(cols),
+        **pdl(x),
         num_warps=4,
     )
     return out, residual_out
@@ -275,7 +282,7 @@ def qk_norm_rope(
         num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         *cache_strides, eps,
         HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
-        num_warps=1,
+        **pdl(q), num_warps=1,
     )  # fmt: skip
     return q, k
 
@@ -294,6 +301,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-        gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block, **pdl(out),
+        num_warps=4,
     )
     return out

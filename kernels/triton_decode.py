@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_actors.kernels.pdl import pdl, pdl_enter
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
     _MIN_DOT_ROWS,
@@ -82,7 +83,9 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     if ORDERED:  # longest context first: the GPU starts the longest programs first (less tail)
         seq = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
     else:
@@ -146,7 +149,9 @@ def _decode_reduce_kernel(
     stride_oh,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_ptr + seq)
@@ -282,6 +287,7 @@ def paged_attention_decode(
         ORDERED=order is not None,
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
+        **pdl(q),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -298,6 +304,7 @@ def paged_attention_decode(
             out.stride(1),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
+            **pdl(q),
             num_warps=4 if head_dim * num_splits >= 2048 else 2,
         )
     return out

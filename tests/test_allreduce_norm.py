@@ -152,3 +152,47 @@ def test_the_decoder_never_uses_a_slot_twice_in_a_row(tiny_llama_tp: Path, monke
     one_pass = [SLOT_EMBED] + [SLOT_ATTN, SLOT_MLP] * layers
     assert recorder.slots == one_pass * 2
     assert all(a != b for a, b in zip(recorder.slots, recorder.slots[1:]))
+
+
+def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A slot as the flagless kernel leaves it: every bit set (EMPTY)."""
+    return torch.full((numel * torch.finfo(dtype).bits // 8,), 0xFF, dtype=torch.uint8, device=DEVICE).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize(("world", "rank", "rows"), [(2, 0, 1), (2, 1, 7), (3, 2, 5), (2, 0, 130)])
+def test_the_flagless_kernel_reads_each_row_as_it_lands_and_empties_the_slot(dtype: torch.dtype, world: int,
+                                                                             rank: int, rows: int) -> None:
+    """``lamport``: the peers' rows already stored in this rank's slot (their regions), the rest EMPTY.
+    The kernel gives the same bits as the flagged one, stores this rank's rows into its region of
+    every peer's slot, and leaves its own slot EMPTY for the next call; no signal pad is touched."""
+    generator = torch.Generator().manual_seed(world * 10 + rows)
+    cols = 96
+    partials = [torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE) for _ in range(world)]
+    partials[rank][0, 3] = _empty(1, dtype)[0]  # a NaN with the EMPTY bits: sent as another NaN
+    residual = torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(cols, generator=generator)).to(dtype).to(DEVICE)
+    buffers = [_empty(world * rows * cols, dtype) for _ in range(world)]
+    for peer in range(world):
+        if peer != rank:
+            buffers[rank].view(world, rows, cols)[peer].copy_(partials[peer])
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
+    pads = torch.zeros(world, dtype=torch.int64, device=DEVICE)  # unused: any address would do
+    out, residual_out = allreduce_norm.all_reduce_rms_norm(partials[rank], buffer_ptrs, pads, rank, weight, 1e-6,
+                                                           residual, lamport=True)
+    peers = Peers(partials, rank)  # the flagged kernel over the same rows
+    want_out, want_residual = allreduce_norm.all_reduce_rms_norm(partials[rank], peers.buffer_ptrs, peers.pad_ptrs,
+                                                                 rank, weight, 1e-6, residual)
+    assert torch.equal(residual_out.isnan(), want_residual.isnan()) and bool(out[0].isnan().all())  # the norm's row
+    assert torch.equal(residual_out[1:], want_residual[1:]) and torch.equal(out[1:], want_out[1:])
+    blank = _empty(world * rows * cols, dtype).view(torch.uint8)
+    assert torch.equal(buffers[rank].view(torch.uint8), blank)  # EMPTY again
+    sent = partials[rank].clone()
+    sent.view(torch.uint8).view(-1)[3 * sent.element_size()] = 0xFE  # the low byte: all ones but the last bit
+    for peer in range(world):
+        if peer != rank:
+            got = buffers[peer].view(world, rows, cols)
+            assert torch.equal(got[rank].view(torch.uint8), sent.view(torch.uint8))
+            others = [r for r in range(world) if r != rank]
+            assert all(torch.equal(got[r].contiguous().view(torch.uint8).view(-1),
+                                   blank[: rows * cols * sent.element_size()]) for r in others)

@@ -65,3 +65,51 @@ def test_linear_takes_only_few_half_precision_rows_on_a_gpu() -> None:
 def test_config_from_the_environment() -> None:
     config = GemvConfig.from_env({"VLLM_ACTORS_GEMV_BLOCK_N": "8", "VLLM_ACTORS_GEMV_STAGES": "1"})
     assert config == GemvConfig(block_n=8, block_k=GemvConfig().block_k, warps=GemvConfig().warps, stages=1)
+
+
+def test_programmatic_dependent_launch_stays_off_without_a_hopper_gpu_or_the_variable() -> None:
+    from vllm_actors.kernels.pdl import pdl
+
+    assert pdl(torch.zeros(1)) == {"PDL": False}  # the CPU: launched as before, pdl_enter does nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_the_folded_silu_mul_equals_the_separate_kernel_then_the_gemv(dtype: torch.dtype,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row of [gate | up]: the GEMV that reads SiLU(gate) * up itself gives the same bits as
+    ``silu_and_mul``'s kernel followed by the GEMV (the same roundings, the same sums)."""
+    from vllm_actors.kernels.fused_ops import silu_and_mul
+
+    monkeypatch.setenv("VLLM_ACTORS_FUSED_OPS", "triton")
+    generator = torch.Generator().manual_seed(5)
+    k, n = 200, 24
+    gate_up = torch.randn((1, 2 * k), generator=generator).to(dtype).to(DEVICE)
+    weight = torch.randn((n, k), generator=generator).to(dtype).to(DEVICE)
+    config = GemvConfig(block_n=8, block_k=64, warps=2, stages=1)
+    folded = gemv(gate_up, weight, config=config, silu_mul=True)
+    assert torch.equal(folded, gemv(silu_and_mul(gate_up), weight, config=config))
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.zeros((2, 2 * k), dtype=dtype, device=DEVICE), weight, silu_mul=True)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("k", [40, 100, 300])  # within one tile, within two, beyond them
+def test_prefetched_weight_tiles_give_the_same_bits(silu_mul: bool, k: int) -> None:
+    """One row with 1 or 2 weight tiles loaded before the wait on the predecessor (``prefetch``):
+    the same sums in the same order as without, whether K ends inside the prefetched tiles or not."""
+    generator = torch.Generator().manual_seed(k)
+    n = 21
+    x = torch.randn((1, 2 * k if silu_mul else k), generator=generator).to(HALF).to(DEVICE)
+    weight = torch.randn((n, k), generator=generator).to(HALF).to(DEVICE)
+    bias = torch.randn(n, generator=generator).to(HALF).to(DEVICE)
+    base = GemvConfig(block_n=8, block_k=64, warps=2, stages=1, prefetch=0)
+    want = gemv(x, weight, bias, base, silu_mul=silu_mul)
+    for prefetch in (1, 2):
+        config = GemvConfig(block_n=8, block_k=64, warps=2, stages=1, prefetch=prefetch)
+        assert torch.equal(gemv(x, weight, bias, config, silu_mul=silu_mul), want)
+    if not silu_mul:
+        exact = x.double() @ weight.double().t() + bias.double()
+        assert float((want.double() - exact).abs().max() / exact.abs().max()) < 4e-3
+    two_rows = torch.randn((2, k), generator=generator).to(HALF).to(DEVICE)  # prefetch is one row's only
+    assert torch.equal(gemv(two_rows, weight, bias, GemvConfig(block_n=8, block_k=64, warps=2, stages=1, prefetch=2)),
+                       gemv(two_rows, weight, bias, base))

@@ -27,13 +27,22 @@ def _rank(rank: int, world: int, store: str) -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.distributed as dist
 
-    from vllm_actors.kernels.fused_ops import rms_norm
     from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=device)
-    fused = FusedAllReduceNorm(dist.group.WORLD, device, 8 << 20)
+    for lamport in (False, True):
+        _calls(FusedAllReduceNorm(dist.group.WORLD, device, 16 << 20, lamport=lamport), rank)
+    dist.destroy_process_group()
+
+
+def _calls(fused: object, rank: int) -> None:
+    from vllm_actors.kernels.fused_ops import rms_norm
+    from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm
+
+    assert isinstance(fused, FusedAllReduceNorm)
+    device = torch.device("cuda", rank)
     generator = torch.Generator(device).manual_seed(1234)  # the same residual and weight on every rank
     for call, (rows, cols, dtype) in enumerate(SHAPES * 4):
         x = torch.randn((rows, cols), device=device, dtype=dtype) * (rank + 1)
@@ -76,7 +85,6 @@ def _rank(rank: int, world: int, store: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want), replay
-    dist.destroy_process_group()
 
 
 def _nccl_sum(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,9 @@ then EMBED again for the next step. No slot is used twice without another call b
 ``VLLM_ACTORS_TP_FUSED_NORM=0`` turns it off (NCCL or the two-shot all-reduce, then the norm kernel);
 ``VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES`` (default 8 MiB) bounds the all-reduces it takes, larger
 ones (long prefill chunks) go the unfused way. ``VLLM_ACTORS_TP_ALLREDUCE=nccl`` turns it off too.
+``VLLM_ACTORS_TP_FUSED_LAMPORT=0`` takes the flagged kernel instead of the flagless one (the
+default): the flagless kernel needs room for every rank's rows in a slot, so it takes all-reduces of
+up to ``max_bytes / world``, and its slots are filled with EMPTY once, before the first call.
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ SLOTS = 3
 FUSED_ENV = "VLLM_ACTORS_TP_FUSED_NORM"
 FUSED_MAX_BYTES_ENV = "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES"
 FUSED_MAX_BYTES_DEFAULT = 8 << 20
+FUSED_LAMPORT_ENV = "VLLM_ACTORS_TP_FUSED_LAMPORT"  # "0": the flagged kernel (rows read from the peers' slots)
+EMPTY_BYTE = 0xFF  # the flagless kernel's EMPTY pattern: every bit set
 MAX_COLUMNS = 16384  # one row is one block of the kernel's registers
 
 
 class FusedAllReduceNorm:
     """This rank's slots of the symmetric buffer and the pointer tables the kernel reads."""
 
-    def __init__(self, group: Any, device: torch.device, max_bytes: int) -> None:
+    def __init__(self, group: Any, device: torch.device, max_bytes: int, lamport: bool = False) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from vllm_actors.kernels.allreduce_norm import MAX_PROGRAMS
 
         self.max_bytes = max_bytes
+        self.lamport = lamport  # each rank stores its rows into every peer's slot (rank-major regions)
         self.buffer = symm_mem.empty(SLOTS * max_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)  # a collective: every rank allocates
         self.rank, self.world = handle.rank, handle.world_size
@@ -48,21 +54,29 @@ class FusedAllReduceNorm:
                                          dtype=torch.int64, device=device) for slot in range(SLOTS)]
         self.pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.handle = handle  # keeps the peers' mappings alive as long as the tables point at them
+        if lamport:  # every slot EMPTY before any peer may store into it
+            import torch.distributed as dist
+
+            self.buffer.fill_(EMPTY_BYTE)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= MAX_COLUMNS
-                and x.numel() * x.element_size() <= self.max_bytes)
+                and x.numel() * x.element_size() * (self.world if self.lamport else 1) <= self.max_bytes)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, slot: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm_actors.kernels.allreduce_norm import all_reduce_rms_norm
 
-        return all_reduce_rms_norm(x, self.buffer_ptrs[slot], self.pad_ptrs, self.rank, weight, eps, residual)
+        return all_reduce_rms_norm(x, self.buffer_ptrs[slot], self.pad_ptrs, self.rank, weight, eps, residual,
+                                   lamport=self.lamport)
 
 
 def fused_from_env(environ: Mapping[str, str], group: Any, device: torch.device | None) -> FusedAllReduceNorm | None:
     """The fused all-reduce + norm unless turned off or off the GPU (``device`` None: gloo)."""
     if device is None or environ.get(FUSED_ENV, "1") == "0" or environ.get("VLLM_ACTORS_TP_ALLREDUCE") == "nccl":
         return None
-    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)))
+    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)),
+                              lamport=environ.get(FUSED_LAMPORT_ENV, "1") != "0")

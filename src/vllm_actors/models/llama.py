@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
-from vllm_actors.kernels.gemv import linear
+from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope
+from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
@@ -123,7 +123,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)  # this rank's partial sum
+        return silu_mul_linear(linear(x, self.gate_up_proj), self.down_proj)  # this rank's partial sum
 
 
 class DecoderLayer(nn.Module):
