@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_actors.protocol.messages import StepPlan
-from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts
+from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts, format_marginals, marginal_times
 from vllm_actors.runtime.step_profiler import ProfiledWorker, Profiler, ProfileWindow, profiled
 
 
@@ -125,6 +125,26 @@ def test_the_device_timeline_splits_bursts_at_idle_gaps() -> None:
     (only,) = device_bursts(back_to_back)
     assert only.num_events == 6 and only.idle_before_us == 0.0
     assert device_bursts([host]) == []
+
+
+def test_marginal_times_charge_each_kernel_what_it_adds_also_when_kernels_overlap() -> None:
+    """A GEMV launched early (its clock runs from 0 while an all-reduce runs 2..6) ends at 10: it is
+    charged 4, the all-reduce 6 (from its start, the burst's first end), a norm after a 1 us gap 3;
+    a second burst after 500 us of idle charges its kernel its own duration; the charges add up to
+    the spans; host events are ignored."""
+    def kernel(name: str, ts: float, dur: float) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("allreduce", 0.0, 6.0), kernel("gemv", 2.0, 8.0), kernel("norm", 11.0, 2.0),
+              kernel("gemv", 513.0, 5.0), {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 99.0}]
+    got = {m.name: (m.count, m.total_us) for m in marginal_times(events)}
+    assert got == {"gemv": (2, 4.0 + 5.0), "allreduce": (1, 6.0), "norm": (1, 3.0)}
+    assert [m.name for m in marginal_times(events)] == ["gemv", "allreduce", "norm"]
+    spans = sum(b.span_us for b in device_bursts(events))
+    assert sum(m.total_us for m in marginal_times(events)) == spans == 18.0
+    text = format_marginals(marginal_times(events))
+    assert "gemv" in text.splitlines()[2] and "50.0%" in text
+    assert format_marginals([]) == ""
 
 
 def test_every_rank_of_a_group_profiles_the_same_steps(tiny_qwen3_tp: Path, tmp_path: Path,

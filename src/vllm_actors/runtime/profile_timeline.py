@@ -9,6 +9,12 @@ the trace's device events (kernels, copies, memsets) into bursts separated by mo
 run back to back) and reports, per burst, its span, the kernels' summed time and its count, and
 the idle time before it. Found by hand twice before it was written: the GPU idling 0.5 ms between
 batch-1 steps (a scheduler that kept one step in flight), then steps back to back after the fix.
+
+``marginal_times`` answers the next question, which kernel the step's time goes to, also where
+kernels overlap (programmatic dependent launch starts a kernel, and its clock, while the one
+before still runs, so a kernel's own duration then includes its wait): taken in the order they
+end, each device event is charged the time by which it moves the end of the work so far, and idle
+gaps over ``gap_us`` are charged to no one. The charges add up to the bursts' spans.
 """
 
 from __future__ import annotations
@@ -68,4 +74,45 @@ def format_bursts(bursts: list[Burst], gap_us: float = 200.0) -> str:
     inside = max(spans - busy, 0.0)  # launch gaps between a burst's kernels (overlaps count against it)
     lines.append(f"window {window / 1e3:.3f} ms: idle between bursts {idle / 1e3:.3f} ms ({share:.1f}%), "
                  f"gaps inside bursts {inside / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Marginal:
+    name: str
+    count: int
+    total_us: float  # the time by which this name's events moved the end of the device's work
+
+
+def marginal_times(events: Iterable[Mapping[str, Any]], gap_us: float = 200.0) -> list[Marginal]:
+    """Each device event's marginal time (its end minus the latest end before it, an idle gap over
+    ``gap_us`` not counted), summed per name, largest first."""
+    device = sorted(
+        ((float(e["ts"]) + float(e.get("dur", 0.0)), float(e["ts"]), str(e.get("name", "?"))) for e in events
+         if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+    )
+    totals: dict[str, list[float]] = {}
+    latest: float | None = None
+    for end, start, name in device:
+        if latest is None or start - latest > gap_us:  # a burst's first event: charged its own duration
+            charge = end - start
+        else:
+            charge = max(end - latest, 0.0)
+        latest = end if latest is None else max(latest, end)
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += charge
+    return sorted((Marginal(name, int(count), total) for name, (count, total) in totals.items()),
+                  key=lambda m: -m.total_us)
+
+
+def format_marginals(marginals: list[Marginal], limit: int = 25) -> str:
+    if not marginals:
+        return ""
+    total = sum(m.total_us for m in marginals) or 1.0
+    lines = ["marginal time by kernel (what each moved the end of the device's work, overlaps resolved):",
+             f"{'ms':>9} {'share':>6} {'count':>6} {'us each':>8}  name"]
+    for m in marginals[:limit]:
+        lines.append(f"{m.total_us / 1e3:9.3f} {100 * m.total_us / total:5.1f}% {m.count:6d} "
+                     f"{m.total_us / m.count:8.2f}  {m.name[:90]}")
     return "\n".join(lines) + "\n"

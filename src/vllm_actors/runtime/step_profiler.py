@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from vllm_actors.protocol.messages import StepPlan
-from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts
+from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts, format_marginals, marginal_times
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +81,7 @@ class Profiler:
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         with gzip.open(trace, "rt") as file:  # the device timeline: steps back to back, or idle between them
             events = json.load(file).get("traceEvents", [])
-        table.write_text(format_bursts(device_bursts(events)) + "\n"
+        table.write_text(format_bursts(device_bursts(events)) + "\n" + format_marginals(marginal_times(events)) + "\n"
                          + self.profile.key_averages().table(sort_by=sort, row_limit=40) + "\n")
         return [trace, table]
 
