@@ -22,7 +22,8 @@ Under programmatic dependent launch (``kernels/pdl.py``) a one-row program loads
 weights, so they may stream in while that kernel still runs. At TP=2 that kernel is mostly the
 fused all-reduce + norm, whose NVLink latency the loads then hide. Seventh session, 2x H100:
 0, 1 and 2 tiles gave 3.613, 3.542 and 3.476 ms/token at TP=2, and 5.746 -> 5.618 at TP=1 (0 -> 2);
-block_k 2048 was slower (3.571). ``VLLM_ACTORS_GEMV_PREFETCH`` sets it (0 to 2).
+block_k 2048 was slower (3.571). ``VLLM_ACTORS_GEMV_PREFETCH`` sets it (0 to 4; 3 and 4 not yet
+measured).
 
 At one row the down projection reads SiLU(gate) * up itself (``silu_mul_linear``), one kernel fewer
 a layer, rounded as ``silu_and_mul`` rounds it (bit-identical; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off).
@@ -47,6 +48,7 @@ except ImportError:  # pragma: no cover - triton is installed with the project
 
 GEMV_ENV = "VLLM_ACTORS_GEMV"
 MAX_ROWS = 4  # what the kernel takes
+MAX_PREFETCH = 4  # weight tiles a one-row program may load before its PDL wait (registers: 4 x BLOCK_N x BLOCK_K)
 TAKES_ROWS = 2  # what `linear` sends it: on an H100 it beat cuBLAS at 1 and 2 rows, lost at 4 (gemv_sweep)
 
 
@@ -106,7 +108,7 @@ if HAVE_TRITON:
         STAGES: tl.constexpr,
         PDL: tl.constexpr,
         SILU_MUL: tl.constexpr,  # x is [gate | up] of 2K: the product reads SiLU(gate) * up (one row)
-        PREFETCH: tl.constexpr,  # one row: weight tiles loaded before pdl_enter (0 to 2)
+        PREFETCH: tl.constexpr,  # one row: weight tiles loaded before pdl_enter (0 to MAX_PREFETCH)
     ):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -115,10 +117,16 @@ if HAVE_TRITON:
         # PDL these loads overlap the kernel before (at TP > 1 the fused all-reduce + norm).
         w_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
         w_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+        w_c = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+        w_d = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
         if PREFETCH > 0:
             w_a = _w_tile(w_ptr, cols, col_mask, ks, ks < K, stride_w)
         if PREFETCH > 1:
             w_b = _w_tile(w_ptr, cols, col_mask, BLOCK_K + ks, BLOCK_K + ks < K, stride_w)
+        if PREFETCH > 2:
+            w_c = _w_tile(w_ptr, cols, col_mask, 2 * BLOCK_K + ks, 2 * BLOCK_K + ks < K, stride_w)
+        if PREFETCH > 3:
+            w_d = _w_tile(w_ptr, cols, col_mask, 3 * BLOCK_K + ks, 3 * BLOCK_K + ks < K, stride_w)
         pdl_enter(PDL)
         wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: summed over K once, at the end
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # rows 1..3: summed every step (registers)
@@ -129,6 +137,10 @@ if HAVE_TRITON:
             wide += w_a.to(tl.float32) * _x_tile(x_ptr, ks, ks < K, K, SILU_MUL)[None, :]
         if PREFETCH > 1:
             wide += w_b.to(tl.float32) * _x_tile(x_ptr, BLOCK_K + ks, BLOCK_K + ks < K, K, SILU_MUL)[None, :]
+        if PREFETCH > 2:
+            wide += w_c.to(tl.float32) * _x_tile(x_ptr, 2 * BLOCK_K + ks, 2 * BLOCK_K + ks < K, K, SILU_MUL)[None, :]
+        if PREFETCH > 3:
+            wide += w_d.to(tl.float32) * _x_tile(x_ptr, 3 * BLOCK_K + ks, 3 * BLOCK_K + ks < K, K, SILU_MUL)[None, :]
         for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             k = k0 + ks
             k_mask = k < K
@@ -185,7 +197,8 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
-        SILU_MUL=silu_mul, PREFETCH=min(config.prefetch, 2) if rows == 1 else 0, **pdl(x), num_warps=config.warps,
+        SILU_MUL=silu_mul, PREFETCH=min(config.prefetch, MAX_PREFETCH) if rows == 1 else 0, **pdl(x),
+        num_warps=config.warps,
     )
     return out
 

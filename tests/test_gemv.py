@@ -93,9 +93,9 @@ def test_the_folded_silu_mul_equals_the_separate_kernel_then_the_gemv(dtype: tor
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-@pytest.mark.parametrize("k", [40, 100, 300])  # within one tile, within two, beyond them
+@pytest.mark.parametrize("k", [40, 100, 200, 300])  # within 1, 2, 4 tiles of 64, beyond them
 def test_prefetched_weight_tiles_give_the_same_bits(silu_mul: bool, k: int) -> None:
-    """One row with 1 or 2 weight tiles loaded before the wait on the predecessor (``prefetch``):
+    """One row with 1 to 4 weight tiles loaded before the wait on the predecessor (``prefetch``):
     the same sums in the same order as without, whether K ends inside the prefetched tiles or not."""
     generator = torch.Generator().manual_seed(k)
     n = 21
@@ -104,7 +104,7 @@ def test_prefetched_weight_tiles_give_the_same_bits(silu_mul: bool, k: int) -> N
     bias = torch.randn(n, generator=generator).to(HALF).to(DEVICE)
     base = GemvConfig(block_n=8, block_k=64, warps=2, stages=1, prefetch=0)
     want = gemv(x, weight, bias, base, silu_mul=silu_mul)
-    for prefetch in (1, 2):
+    for prefetch in (1, 2, 3, 4):
         config = GemvConfig(block_n=8, block_k=64, warps=2, stages=1, prefetch=prefetch)
         assert torch.equal(gemv(x, weight, bias, config, silu_mul=silu_mul), want)
     if not silu_mul:
