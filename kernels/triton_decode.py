@@ -205,6 +205,20 @@ def decode_ordered() -> bool:
     return text == "1"
 
 
+DECODE_MAX_SPLITS_ENV = "VLLM_ACTORS_DECODE_MAX_SPLITS"
+
+
+def decode_max_splits() -> int:
+    """``VLLM_ACTORS_DECODE_MAX_SPLITS`` (default 64, a power of two): the most context splits per
+    (sequence, KV head). 1 runs no reduction kernel at all: at batch 1 that trades a kernel launch
+    a layer for a longer walk over the context in each program (to be measured)."""
+    text = os.environ.get(DECODE_MAX_SPLITS_ENV, str(_MAX_SPLITS))
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= _MAX_SPLITS or value & (value - 1):
+        raise ValueError(f"{DECODE_MAX_SPLITS_ENV} must be a power of two in 1..{_MAX_SPLITS}, got {text!r}")
+    return value
+
+
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about two waves on the
     GPU (``decode_waves``), but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a
@@ -212,7 +226,7 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, dev
     programs = max(1, num_seqs * num_kv_heads)
     wanted = math.ceil(decode_waves() * _sm_count(device) / programs)
     useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
-    splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    splits = max(1, min(wanted, useful, decode_max_splits()))
     return 1 << (splits.bit_length() - 1)
 
 

@@ -339,6 +339,15 @@ def test_choose_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 8  # 2 waves of 4 "SMs"
     assert ta.choose_decode_splits(64, 8, 4096, cuda_like) == 1  # enough programs already
     assert ta.choose_decode_splits(1, 1, 300, cuda_like) == 2  # >= 128 keys per split
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", "2")
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 2
+    monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", "1")  # no reduction kernel
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 1
+    for bad in ("3", "0", "128", "x"):
+        monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", bad)
+        with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_MAX_SPLITS must be a power of two"):
+            ta.choose_decode_splits(1, 1, 4096, cuda_like)
+    monkeypatch.delenv("VLLM_ACTORS_DECODE_MAX_SPLITS")
     for num_seqs in (1, 3, 17):
         for max_len in (1, 255, 257, 10_000, 1_000_000):
             splits = ta.choose_decode_splits(num_seqs, 2, max_len, cuda_like)
