@@ -17,6 +17,7 @@ Measured on 2x H100 (seventh session, Qwen3-8B shape, bf16, batch-1 decode in CU
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,10 +43,16 @@ PDL_ENV = "VLLM_ACTORS_PDL"
 _ENABLED = os.environ.get(PDL_ENV, "1") != "0"
 
 
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl(x: torch.Tensor) -> dict[str, bool]:
     """The launch arguments of a kernel over ``x``: ``PDL`` for ``pdl_enter``, and ``launch_pdl``
-    when it is launched as a programmatic dependent (asked for, on a Hopper GPU)."""
-    on = _ENABLED and HAVE_GDC and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    when it is launched as a programmatic dependent (asked for, on a Hopper GPU). Called at every
+    launch: the device's capability is asked once per device."""
+    on = _ENABLED and HAVE_GDC and x.is_cuda and _hopper_or_later(x.device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
