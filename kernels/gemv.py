@@ -61,6 +61,10 @@ class GemvConfig:
     stages: int = 2
     prefetch: int = 2  # weight tiles a one-row program loads before it waits on its predecessor (PDL)
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefetch <= MAX_PREFETCH:  # a negative count would read before the weight rows
+            raise ValueError(f"VLLM_ACTORS_GEMV_PREFETCH must be 0..{MAX_PREFETCH}, got {self.prefetch}")
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> GemvConfig:
         default = cls()
@@ -197,7 +201,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
-        SILU_MUL=silu_mul, PREFETCH=min(config.prefetch, MAX_PREFETCH) if rows == 1 else 0, **pdl(x),
+        SILU_MUL=silu_mul, PREFETCH=config.prefetch if rows == 1 else 0, **pdl(x),
         num_warps=config.warps,
     )
     return out

@@ -118,6 +118,39 @@ def test_off_without_a_gpu_or_when_asked() -> None:
     assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl", FUSED_MAX_BYTES_ENV: "1024"}, None, cuda) is None
 
 
+class _CudaLike:
+    """What ``fits`` reads of a CUDA tensor of ``rows`` x ``cols`` with ``size``-byte elements."""
+
+    is_cuda = True
+
+    def __init__(self, rows: int, cols: int, size: int) -> None:
+        self.shape, self.size = (rows, cols), size
+
+    def dim(self) -> int:
+        return 2
+
+    def stride(self, dim: int) -> int:
+        return 1 if dim == 1 else self.shape[1]
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> int:
+        return self.size
+
+
+def test_what_each_kernel_takes() -> None:
+    """The flagless kernel needs room for every rank's rows, and 16- or 32-bit elements (EMPTY is
+    such a pattern): anything else goes the unfused way instead of failing in the forward pass."""
+    fused = object.__new__(FusedAllReduceNorm)  # no symmetric memory: only what fits() reads
+    fused.world, fused.max_bytes = 2, 64 * 1024
+    for lamport, rows, size, want in [(False, 8, 2, True), (False, 8, 8, True), (False, 9, 8, False),
+                                      (True, 4, 2, True), (True, 8, 4, True), (True, 9, 4, False),
+                                      (True, 2, 8, False), (True, 2, 1, False)]:
+        fused.lamport = lamport
+        assert fused.fits(_CudaLike(rows, 1024, size)) is want, (lamport, rows, size)  # type: ignore[arg-type]
+
+
 class _SlotRecorder(FusedAllReduceNorm):
     """Stands in for the symmetric buffers of rank 0 of two: records each call's slot, and
     normalises this rank's partial as if it were the sum."""

@@ -63,7 +63,8 @@ class FusedAllReduceNorm:
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= MAX_COLUMNS
-                and x.numel() * x.element_size() * (self.world if self.lamport else 1) <= self.max_bytes)
+                and x.numel() * x.element_size() * (self.world if self.lamport else 1) <= self.max_bytes
+                and (not self.lamport or x.element_size() in (2, 4)))  # EMPTY is a 16- or 32-bit pattern
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, slot: int
