@@ -59,13 +59,11 @@ def _decode_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
-    counter_ptr,
     query_start_ptr,
     seq_lens_ptr,
     block_tables_ptr,
     order_ptr,
     num_heads,
-    num_kv_heads,
     num_splits,
     qk_scale,
     stride_qt,
@@ -82,8 +80,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     ORDERED: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
@@ -132,50 +128,12 @@ def _decode_kernel(
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
-        if FUSED_REDUCE and has_query:
-            # the last of the (sequence, KV head)'s programs to finish reduces its heads: every
-            # thread's partials are stored before the count (barrier, then release), and the
-            # last program reads the others' after it (acquire; loads that bypass L1)
-            tl.debug_barrier()
-            counter = counter_ptr + seq * num_kv_heads + kv_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                tl.debug_barrier()
-                for g in tl.static_range(GROUP):
-                    _reduce_head(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head * GROUP + g, q_row,
-                                 num_heads, num_splits, stride_ot, stride_oh, SPLITS_PAD, HEAD_DIM, True)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         tl.store(
             out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_out[:, None],
         )
-
-
-@triton.jit
-def _reduce_head(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, q_row, num_heads, num_splits,
-                 stride_ot, stride_oh, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BYPASS_L1: tl.constexpr):
-    """Head ``head`` of sequence ``seq``: its splits' partial outputs merged by their softmax weights."""
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
-    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-    dims = tl.arange(0, HEAD_DIM)
-    if BYPASS_L1:  # written by other programs of this launch (other SMs): read from L2
-        part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0, cache_modifier=".cg")
-        part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None],
-                           other=0.0, cache_modifier=".cg")
-    else:
-        part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"))
-        part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
-        part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None],
-                           other=0.0)
-    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
-    weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -199,8 +157,18 @@ def _decode_reduce_kernel(
     q_row = tl.load(query_start_ptr + seq)
     if tl.load(query_start_ptr + seq + 1) <= q_row:
         return
-    _reduce_head(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, q_row, num_heads, num_splits,
-                 stride_ot, stride_oh, SPLITS_PAD, HEAD_DIM, False)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
+    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
+    weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -251,34 +219,6 @@ def decode_max_splits() -> int:
     return value
 
 
-DECODE_FUSED_REDUCE_ENV = "VLLM_ACTORS_DECODE_FUSED_REDUCE"
-
-
-def decode_fused_reduce() -> bool:
-    """``VLLM_ACTORS_DECODE_FUSED_REDUCE`` (default 1): the last program of each (sequence, KV head)
-    to finish merges the splits' partial outputs itself (an atomic count per pair), instead of a
-    second kernel after the decode kernel; 0 launches the reduction kernel."""
-    text = os.environ.get(DECODE_FUSED_REDUCE_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{DECODE_FUSED_REDUCE_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MIN_COUNTERS = 8192  # (sequence, KV head) pairs: 512 sequences of 16 KV heads
-
-
-def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
-    """The device's arrival counts of the fused reduction, one int32 per (sequence, KV head), zero
-    between launches (the last program of a pair sets its count back). Allocated once per device, at
-    the first (largest, eager warm-up) decode, so CUDA graphs all record the same buffer."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < pairs:
-        counters = torch.zeros(max(pairs, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about two waves on the
     GPU (``decode_waves``), but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a
@@ -323,8 +263,6 @@ def paged_attention_decode(
         num_splits = choose_decode_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     cfg = config or decode_config(head_dim)
     split = num_splits > 1
-    fused_reduce = split and decode_fused_reduce()
-    counters = split_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
     if split:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -339,13 +277,11 @@ def paged_attention_decode(
         part_out,
         part_max,
         part_sum,
-        counters,  # never touched without the fused reduction
         query_start_loc,
         seq_lens,
         block_tables,
         seq_lens if order is None else order,  # never read when not ORDERED
         num_heads,
-        num_kv_heads,
         num_splits,
         scale * _LOG2E,
         q.stride(0),
@@ -362,8 +298,6 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         SPLIT=split,
-        FUSED_REDUCE=fused_reduce,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
         ORDERED=order is not None,
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
@@ -371,7 +305,7 @@ def paged_attention_decode(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split and not fused_reduce:
+    if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
             part_out,

@@ -312,30 +312,6 @@ def test_decode_in_longest_first_order_is_the_same_attention(num_splits: int) ->
     assert torch.equal(ordered[:rows], plain[:rows])
 
 
-@pytest.mark.parametrize("num_splits", [3, 4])
-def test_decode_fused_reduction_matches_the_reduction_kernel(monkeypatch: pytest.MonkeyPatch, num_splits: int) -> None:
-    """The last program of a (sequence, KV head) merging the splits itself gives the bits of the
-    separate reduction kernel, also around a sequence without a query and in longest-first order,
-    and leaves every arrival count back at zero for the next launch (a CUDA graph replays it)."""
-    from vllm_actors.kernels import triton_decode
-
-    case = make_case([(20, 1), (300, 1), (33, 0), (0, 1), (130, 1)], 16, 8, 2, 32, torch.float32, seed=12)
-    order = torch.argsort(case.meta.seq_lens, descending=True)
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_FUSED_REDUCE", "0")
-    plain = [run_decode(case, num_splits), run_decode(case, num_splits, order=order)]
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_FUSED_REDUCE", "1")
-    fused = [run_decode(case, num_splits), run_decode(case, num_splits, order=order)]
-    rows = case.meta.query_start_loc[-1].item()
-    for a, b in zip(plain, fused):
-        assert_close(b, case, torch.float32)
-        assert torch.equal(a[:rows], b[:rows])
-    counters = triton_decode.split_counters(case.q.device, 1)
-    assert counters.numel() >= 5 * 2 and not counters.any()
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_FUSED_REDUCE", "yes")
-    with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_FUSED_REDUCE must be 0 or 1"):
-        run_decode(case, num_splits)
-
-
 def test_backend_prepare_orders_decode_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     decode = make_case([(20, 1), (300, 1), (7, 1)], 16, 4, 2, 32, torch.float32, seed=9).meta
     prepared = ta.TritonPagedAttention(ordered=True).prepare(decode)
