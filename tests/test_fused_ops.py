@@ -110,3 +110,20 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     want = fused_ops.silu_and_mul_torch(gate_up)
     got = fused_ops.silu_and_mul(gate_up)
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shard_embedding_is_the_masked_lookup(dtype: torch.dtype) -> None:
+    """A rank's rows of the table in one kernel: the same bits as the torch lookup (ids below, in
+    and past the rank's rows; a width that is not a multiple of the kernel's block; one token and
+    a batch), and the ids' shape kept."""
+    from vllm_actors.kernels.embedding import shard_embedding, shard_embedding_torch
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn((40, 1100), generator=generator).to(dtype).to(DEVICE)  # rows 100..139 of the vocabulary
+    for ids in ([99, 100, 139, 140, 120, 0, 5000], [117], [[100, 3], [139, 140]]):
+        input_ids = torch.tensor(ids, dtype=torch.long, device=DEVICE)
+        want = shard_embedding_torch(input_ids, weight, 100)
+        got = shard_embedding(input_ids, weight, 100)
+        assert got.shape == (*input_ids.shape, 1100) and torch.equal(got, want)
+    assert not shard_embedding(torch.tensor([99, 140], device=DEVICE), weight, 100).any()

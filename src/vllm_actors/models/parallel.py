@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from vllm_actors.kernels.embedding import shard_embedding
 from vllm_actors.kernels.fused_ops import rms_norm
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm, fused_from_env
@@ -79,6 +80,8 @@ class TensorParallel:
         if x.device.type == "cuda":  # one buffer, graph-capturable
             out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
             dist.all_gather_into_tensor(out, x, group=self.group)
+            if x.shape[0] == 1:  # one row: [size, 1, C] is already [1, size * C] (no concatenation kernel)
+                return out.view(1, self.size * x.shape[1])
             parts = list(out.unbind(0))
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]
@@ -217,10 +220,7 @@ def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layo
     partial sum: the caller all-reduces it (with the first norm, ``all_reduce_rms_norm``)."""
     if layout.size == 1:
         return torch.nn.functional.embedding(input_ids, weight)
-    local = input_ids - layout.vocab_start
-    outside = (local < 0) | (local >= layout.vocab_per_rank)
-    x = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-    return x.masked_fill(outside.unsqueeze(-1), 0.0)
+    return shard_embedding(input_ids, weight[: layout.vocab_per_rank], layout.vocab_start)  # one kernel on GPUs
 
 
 ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "symm_mem" (two-shot, default), "nccl" or "symm_mem_one_shot"
