@@ -69,21 +69,38 @@ def all_reduce_rms_norm_reference(
 
 
 if HAVE_TRITON:
+    from vllm_actors.kernels import pdl as pdl_module
     from vllm_actors.kernels.pdl import pdl, pdl_enter
 
     @triton.jit
     def _add_norm_store(total, row, cols, mask, residual_ptr, out_ptr, residual_out_ptr, weight, n_cols,
-                        stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr):
-        """The float32 sum of a row, rounded to the activation dtype, plus the residual, normalised."""
+                        stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr, res, RES_LOADED: tl.constexpr):
+        """The float32 sum of a row, rounded to the activation dtype, plus the residual (``res`` when
+        RES_LOADED: read before the PDL wait), normalised."""
         dtype = out_ptr.dtype.element_ty
         x = total.to(dtype).to(tl.float32)
         if HAS_RESIDUAL:
-            x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            if not RES_LOADED:
+                res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x += res.to(tl.float32)
             x = x.to(dtype).to(tl.float32)  # the residual stream is kept in the activation dtype
         tl.store(residual_out_ptr + row * stride_ro + cols, x.to(dtype), mask=mask)
         variance = tl.sum(x * x, axis=0) / n_cols
         normed = (x * tl.rsqrt(variance + eps)).to(dtype)
         tl.store(out_ptr + row * stride_o + cols, weight * normed, mask=mask)
+
+    @triton.jit
+    def _early_loads(residual_ptr, weight_ptr, row, cols, mask, stride_r, HAS_RESIDUAL: tl.constexpr,
+                     EARLY: tl.constexpr, BLOCK: tl.constexpr):
+        """(residual row, norm weight) loaded before the PDL wait when EARLY (the program has one row,
+        whose residual a kernel two or more launches back wrote), else placeholders."""
+        res = tl.zeros([BLOCK], dtype=residual_ptr.dtype.element_ty)
+        weight = tl.zeros([BLOCK], dtype=weight_ptr.dtype.element_ty)
+        if EARLY:
+            weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        return res, weight
 
     @triton.jit
     def _all_reduce_rms_norm_kernel(
@@ -106,13 +123,15 @@ if HAVE_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         PDL: tl.constexpr,
         BLOCK: tl.constexpr,
+        EARLY: tl.constexpr,  # one row a program: the residual row and the weight read before the PDL wait
     ):
-        pdl_enter(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         dtype = x_ptr.dtype.element_ty
+        res, weight = _early_loads(residual_ptr, weight_ptr, pid, cols, mask, stride_r, HAS_RESIDUAL, EARLY, BLOCK)
+        pdl_enter(PDL)
         mine = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
         for row in range(pid, n_rows, programs):  # 1. this rank's rows into its buffer
             part = tl.load(x_ptr + row * stride_x + cols, mask=mask)
@@ -132,14 +151,15 @@ if HAVE_TRITON:
                 while seen != 1:
                     seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        if not EARLY:
+            weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         for row in range(pid, n_rows, programs):  # 3. sum in rank order, add, normalise
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for peer in tl.static_range(WORLD):
                 src = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype))
                 total += tl.load(src + row * n_cols + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
             _add_norm_store(total, row, cols, mask, residual_ptr, out_ptr, residual_out_ptr, weight, n_cols,
-                            stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL)
+                            stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL, res, EARLY)
 
     @triton.jit
     def _as_bits(v, ELEM_BITS: tl.constexpr):
@@ -176,13 +196,15 @@ if HAVE_TRITON:
         PDL: tl.constexpr,
         BLOCK: tl.constexpr,
         ELEM_BITS: tl.constexpr,
+        EARLY: tl.constexpr,  # one row a program: the residual row and the weight read before the PDL wait
     ):
-        pdl_enter(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         dtype = x_ptr.dtype.element_ty
+        res, weight = _early_loads(residual_ptr, weight_ptr, pid, cols, mask, stride_r, HAS_RESIDUAL, EARLY, BLOCK)
+        pdl_enter(PDL)
         empty = _bits_full(BLOCK, -1, ELEM_BITS)  # all ones: a NaN that no row carries
         mine = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
         for row in range(pid, n_rows, programs):  # 1. this rank's rows into its region of every peer's slot
@@ -193,7 +215,8 @@ if HAVE_TRITON:
                     region = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype)) + RANK * n_rows * n_cols
                     tl.store(region + row * n_cols + cols, bits.to(dtype, bitcast=True), mask=mask)
         tl.debug_barrier()
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        if not EARLY:
+            weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         for row in range(pid, n_rows, programs):  # 2. each peer's row as it lands, in rank order; add, normalise
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for peer in tl.static_range(WORLD):
@@ -207,7 +230,7 @@ if HAVE_TRITON:
                     tl.store(src, empty.to(dtype, bitcast=True), mask=mask)  # EMPTY again for the slot's next use
                     total += value.to(tl.float32)
             _add_norm_store(total, row, cols, mask, residual_ptr, out_ptr, residual_out_ptr, weight, n_cols,
-                            stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL)
+                            stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL, res, EARLY)
 
 
 def programs_for(rows: int) -> int:
@@ -254,6 +277,7 @@ def all_reduce_rms_norm(
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != {tuple(x.shape)}")
     source = residual if residual is not None else x
+    early = pdl_module.EARLY_LOADS and rows <= MAX_PROGRAMS  # then every program has exactly one row
     if lamport:
         if x.element_size() not in (2, 4):
             raise ValueError(f"the flagless all-reduce takes 16- or 32-bit elements, got {x.dtype}")
@@ -261,7 +285,7 @@ def all_reduce_rms_norm(
             x, buffer_ptrs, source, out, residual_out, weight, rows, cols,
             x.stride(0), source.stride(0), out.stride(0), residual_out.stride(0), eps,
             RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, **pdl(x),
-            BLOCK=triton.next_power_of_2(cols), ELEM_BITS=8 * x.element_size(),
+            BLOCK=triton.next_power_of_2(cols), ELEM_BITS=8 * x.element_size(), EARLY=early,
             num_warps=8 if cols >= 4096 else 4,
         )
         return out, residual_out
@@ -285,6 +309,7 @@ def all_reduce_rms_norm(
         HAS_RESIDUAL=residual is not None,
         **pdl(x),
         BLOCK=triton.next_power_of_2(cols),
+        EARLY=early,
         num_warps=8 if cols >= 4096 else 4,
     )
     return out, residual_out

@@ -83,6 +83,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ kernels
 if HAVE_TRITON:
+    from vllm_actors.kernels import pdl as pdl_module
     from vllm_actors.kernels.pdl import pdl, pdl_enter
     from vllm_actors.kernels.triton_paged import _check_cache_pair
 
@@ -170,13 +171,17 @@ if HAVE_TRITON:
         WRITE_CACHE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         PDL: tl.constexpr,
+        EARLY: tl.constexpr,  # the slot (written before the step's first kernel) read before the PDL wait
     ):
         """Program (token, head) over the q heads then the k heads; a k head's program also stores
         the rotated k and the token's v at its cache slot (WRITE_CACHE; a negative slot writes
         nothing), which saves the KV-write kernel."""
-        pdl_enter(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
+        slot = tl.zeros([], dtype=tl.int64)
+        if WRITE_CACHE and EARLY:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+        pdl_enter(PDL)
         cos_row = cos_ptr + token * stride_cos
         sin_row = sin_ptr + token * stride_cos
         if head < num_q_heads:
@@ -189,7 +194,8 @@ if HAVE_TRITON:
                 k_ptr + token * stride_kt + kv_head * stride_kh, cos_row, sin_row, k_weight_ptr, eps, HAS_NORM, HEAD_DIM
             )
             if WRITE_CACHE:
-                slot = tl.load(slot_ptr + token).to(tl.int64)
+                if not EARLY:
+                    slot = tl.load(slot_ptr + token).to(tl.int64)
                 if slot >= 0:
                     half: tl.constexpr = HEAD_DIM // 2
                     offsets = tl.arange(0, half)
@@ -282,7 +288,7 @@ def qk_norm_rope(
         num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         *cache_strides, eps,
         HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
-        **pdl(q), num_warps=1,
+        **pdl(q), EARLY=pdl_module.EARLY_LOADS, num_warps=1,
     )  # fmt: skip
     return q, k
 

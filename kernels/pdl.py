@@ -41,6 +41,12 @@ except ImportError:  # a triton without grid dependency control: PDL stays off
 
 PDL_ENV = "VLLM_ACTORS_PDL"
 _ENABLED = os.environ.get(PDL_ENV, "1") != "0"
+EARLY_LOADS_ENV = "VLLM_ACTORS_PDL_EARLY_LOADS"
+# Loads of what no kernel of the step writes, or only a kernel two or more launches back (the
+# residual stream, norm weights, the step's metadata and slots), issued before ``gdc_wait``: that
+# kernel finished before the one before this one passed its own wait, so its writes are visible.
+# Off until measured on a GPU (the eighth session had no device time left for it).
+EARLY_LOADS = os.environ.get(EARLY_LOADS_ENV, "0") == "1"
 
 
 @functools.cache

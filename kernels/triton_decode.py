@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_actors.kernels import pdl as pdl_module
 from vllm_actors.kernels.pdl import pdl, pdl_enter
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
@@ -84,8 +85,10 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,  # the step's metadata (written before its first kernel) read before the PDL wait
 ):
-    pdl_enter(PDL)
+    if not EARLY:
+        pdl_enter(PDL)
     if ORDERED:  # longest context first: the GPU starts the longest programs first (less tail)
         seq = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
     else:
@@ -95,6 +98,8 @@ def _decode_kernel(
     q_row = tl.load(query_start_ptr + seq)
     has_query = tl.load(query_start_ptr + seq + 1) > q_row
     seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+    if EARLY:  # q and the newest token's k and v come from the kernel before: read after the wait
+        pdl_enter(PDL)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
@@ -150,12 +155,17 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    if not EARLY:
+        pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_ptr + seq)
-    if tl.load(query_start_ptr + seq + 1) <= q_row:
+    empty = tl.load(query_start_ptr + seq + 1) <= q_row
+    if EARLY:
+        pdl_enter(PDL)
+    if empty:
         return
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
@@ -302,6 +312,7 @@ def paged_attention_decode(
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
         **pdl(q),
+        EARLY=pdl_module.EARLY_LOADS,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -319,6 +330,7 @@ def paged_attention_decode(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             **pdl(q),
+            EARLY=pdl_module.EARLY_LOADS,
             num_warps=4 if head_dim * num_splits >= 2048 else 2,
         )
     return out

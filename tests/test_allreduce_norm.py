@@ -229,3 +229,40 @@ def test_the_flagless_kernel_reads_each_row_as_it_lands_and_empties_the_slot(dty
             others = [r for r in range(world) if r != rank]
             assert all(torch.equal(got[r].contiguous().view(torch.uint8).view(-1),
                                    blank[: rows * cols * sent.element_size()]) for r in others)
+
+
+@pytest.mark.parametrize("lamport", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_early_loads_change_no_bit(monkeypatch: pytest.MonkeyPatch, lamport: bool, with_residual: bool,
+                                   rows: int) -> None:
+    """``VLLM_ACTORS_PDL_EARLY_LOADS``: the residual row and the weight read before the PDL wait
+    give the same bits as reading them after it, for both kernels; above MAX_PROGRAMS rows (several
+    rows a program) the kernels read them as before."""
+    from vllm_actors.kernels import pdl
+
+    world, rank, cols, dtype = 2, 1, 96, HALF
+    generator = torch.Generator().manual_seed(rows)
+    partials = [torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE) for _ in range(world)]
+    residual = torch.randn((rows, cols), generator=generator).to(dtype).to(DEVICE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(cols, generator=generator)).to(dtype).to(DEVICE)
+
+    def reduce() -> tuple[torch.Tensor, torch.Tensor]:
+        if not lamport:
+            peers = Peers(partials, rank)
+            return allreduce_norm.all_reduce_rms_norm(partials[rank], peers.buffer_ptrs, peers.pad_ptrs, rank,
+                                                      weight, 1e-6, residual)
+        buffers = [_empty(world * rows * cols, dtype) for _ in range(world)]
+        buffers[rank].view(world, rows, cols)[0].copy_(partials[0])
+        buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
+        pads = torch.zeros(world, dtype=torch.int64, device=DEVICE)
+        return allreduce_norm.all_reduce_rms_norm(partials[rank], buffer_ptrs, pads, rank, weight, 1e-6, residual,
+                                                  lamport=True)
+
+    monkeypatch.setattr(pdl, "EARLY_LOADS", False)
+    late = reduce()
+    monkeypatch.setattr(pdl, "EARLY_LOADS", True)
+    early = reduce()
+    assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1])
+    want = allreduce_norm.all_reduce_rms_norm_reference(partials, weight, 1e-6, residual)
+    assert torch.equal(early[1], want[1])

@@ -277,10 +277,15 @@ def test_decode_dtypes_and_groups(
     assert_close(run_decode(case, num_splits), case, dtype)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["late", "early-loads"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_skips_sequences_without_a_query(num_splits: int) -> None:
+def test_decode_skips_sequences_without_a_query(monkeypatch: pytest.MonkeyPatch, num_splits: int, early: bool) -> None:
     """A sequence with no query this step writes nothing (its would-be row belongs to the next one);
-    a padded row of length 0 yields zeros rather than NaN."""
+    a padded row of length 0 yields zeros rather than NaN. Also with the step's metadata read before
+    the PDL wait (``VLLM_ACTORS_PDL_EARLY_LOADS``)."""
+    from vllm_actors.kernels import pdl
+
+    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
     case = make_case([(20, 1), (33, 0), (50, 1)], 16, 4, 2, 32, torch.float32, seed=3)
     assert_close(run_decode(case, num_splits), case, torch.float32)
 
@@ -298,10 +303,17 @@ def test_decode_skips_sequences_without_a_query(num_splits: int) -> None:
     assert rel < 1e-4
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["late", "early-loads"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_in_longest_first_order_is_the_same_attention(num_splits: int) -> None:
+def test_decode_in_longest_first_order_is_the_same_attention(
+    monkeypatch: pytest.MonkeyPatch, num_splits: int, early: bool
+) -> None:
     """Programs taking the sequences in another order (the backend's longest-first `decode_order`)
-    still write each sequence's own row, also around a sequence without a query this step."""
+    still write each sequence's own row, also around a sequence without a query this step (also
+    with the metadata read before the PDL wait)."""
+    from vllm_actors.kernels import pdl
+
+    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
     case = make_case([(20, 1), (300, 1), (33, 0), (0, 1), (130, 1)], 16, 4, 2, 32, torch.float32, seed=8)
     plain = run_decode(case, num_splits)
     order = torch.argsort(case.meta.seq_lens, descending=True)
