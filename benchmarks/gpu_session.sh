@@ -40,6 +40,12 @@
 #                 names the first rate where FCFS meets fewer than 80% of interactive deadlines;
 #                 results in $out/sweep; extra arguments after `--` go to it
 #   Each brings back 5-6 files: run them in separate calls (a call brings back at most 8).
+# Batch-1 A/B (not in the default list):
+#   batch1ab      for each TP size in $AB_TP (default "2 1") and each variant of $AB_VARIANTS
+#                 ("name:ENV=V ENV2=V;name2:ENV=V", default one "base" with nothing set), $AB_ROUNDS times
+#                 (default 1): the short workload (16 requests of at most 64 tokens) then batch-1 decode of
+#                 the $AB_SHAPE shape (default qwen3-8b); one line per run with its ms/token; about 35 s a run.
+#                 AB_VARIANTS="base:;early:VLLM_ACTORS_PDL_EARLY_LOADS=1" AB_ROUNDS=2 bash benchmarks/gpu_session.sh batch1ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
@@ -108,6 +114,26 @@ for stage in "${stages[@]}"; do
               rc=${PIPESTATUS[0]}
               cp "$scratch"/serve.json "$scratch"/serve.md "$scratch"/slo.png "$out/sweep/" 2>/dev/null
               [ "$rc" -eq 0 ] ;;
+    batch1ab) # A/B of environment settings on batch-1 decode: one engine per (variant, TP size), the short
+              # workload, each run's ms/token by the client's clock printed on one line (JSON in /tmp/ab-NAME)
+              IFS=';' read -ra variants <<< "${AB_VARIANTS:-base:}"
+              for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+                for tp in ${AB_TP:-2 1}; do
+                  for variant in "${variants[@]}"; do
+                    name="${variant%%:*}-tp$tp-$round"; settings="${variant#*:}"
+                    # shellcheck disable=SC2086 # the settings are word-split on purpose
+                    env $settings timeout 240 python3 benchmarks/throughput.py --model-shape "${AB_SHAPE:-qwen3-8b}" \
+                      -tp "$tp" --no-floor --no-peer --runs 1 --batch1-same-engine-only --num-requests 16 \
+                      --max-output-len 64 --warmup-requests 2 --out "/tmp/ab-$name" "$@" > "/tmp/ab-$name.log" 2>&1
+                    python3 - "/tmp/ab-$name/results.json" "$name" <<'PY' || { echo "$name failed"; tail -5 "/tmp/ab-$name.log"; }
+import json, sys
+report = json.load(open(sys.argv[1]))
+ms = (report.get("batch1_client") or {}).get("ms_per_token", float("nan"))
+print(f"{sys.argv[2]:32s} {ms:.3f} ms/token  errors {report.get('errors')}")
+PY
+                  done
+                done
+              done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
