@@ -72,6 +72,9 @@ class Attacker:
         self.address, self.attack = address, attack
         self.socket = context.socket(kind)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # a refused peer reconnects, and every retry reports another handshake outcome: at most one a
+        # second, so that the monitor's pipe cannot fill during a slow test (see close)
+        self.socket.setsockopt(zmq.RECONNECT_IVL, 1000)
         self.monitor = self.socket.get_monitor_socket(HANDSHAKE_EVENTS, addr=f"inproc://attack-{next(_monitors)}")
         if attack != "plain":
             public, secret = zmq.curve_keypair()
@@ -91,6 +94,10 @@ class Attacker:
         assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, f"{self.attack} got through at {self.address}"
 
     def close(self) -> None:
+        # Disabling a monitor sends it a last event, a blocking send: were the monitor's pipe full of
+        # unread handshake outcomes, it would never return (a CI run hung here). Drain it first.
+        while self.monitor.poll(0):
+            self.monitor.recv_multipart()
         self.socket.disable_monitor()
         self.monitor.close()
         self.socket.close()
