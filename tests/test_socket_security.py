@@ -94,8 +94,9 @@ class Attacker:
         assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, f"{self.attack} got through at {self.address}"
 
     def close(self) -> None:
-        # Disabling a monitor sends it a last event, a blocking send: were the monitor's pipe full of
-        # unread handshake outcomes, it would never return (a CI run hung here). Drain it first.
+        # Disabling a monitor takes the lock under which libzmq's I/O thread sends it events, with a
+        # blocking send: were the pipe full of unread handshake outcomes, neither would ever return
+        # (a CI run hung here, most likely so). Drain it first.
         while self.monitor.poll(0):
             self.monitor.recv_multipart()
         self.socket.disable_monitor()
