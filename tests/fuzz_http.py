@@ -309,6 +309,15 @@ async def _exchange(port: int, request: FuzzRequest, outcome: Outcome) -> None:
             pass
 
 
+def send_batch(port: int, requests: list[FuzzRequest]) -> list[Outcome]:
+    """Send the requests all at once and return their outcomes, in order (run in the test's sender process)."""
+
+    async def batch() -> list[Outcome]:
+        return list(await asyncio.gather(*(send(port, request) for request in requests)))
+
+    return asyncio.run(batch())
+
+
 def signature(outcome: Outcome) -> str:
     """What makes two failures the same: endpoint, problem and the error message without its numbers."""
     message = ""

@@ -105,21 +105,29 @@ def test_skip_tokenizer_init_takes_token_ids(tiny_qwen3: Path) -> None:
 
 def test_cli_generate_and_chat(tiny_qwen3: Path) -> None:
     base = [sys.executable, "-m", "vllm_actors"]
-    generated = subprocess.run(
-        [*base, "generate", "--model", str(tiny_qwen3), "--max-tokens", "5", "hello there"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert generated.returncode == 0, generated.stderr
-    assert "hello there" in generated.stdout and "5 tokens" in generated.stdout
-    chat = subprocess.run(
-        [*base, "chat", "--model", str(tiny_qwen3), "--max-tokens", "4"],
-        input="hi\nand again\n\n", capture_output=True, text=True, timeout=300,
-    )
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout.count("> ") == 3
-    bad = subprocess.run([*base, "generate", "--model", str(tiny_qwen3), "--temperature", "-2", "x"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "temperature" in bad.stderr
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([*base, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    # The three commands are independent (each its own group, or none): they run side by side.
+    generating = start("generate", "--model", str(tiny_qwen3), "--max-tokens", "5", "hello there")
+    chatting = start("chat", "--model", str(tiny_qwen3), "--max-tokens", "4")
+    refusing = start("generate", "--model", str(tiny_qwen3), "--temperature", "-2", "x")
+    try:
+        generated = generating.communicate("", timeout=300)
+        chat = chatting.communicate("hi\nand again\n\n", timeout=300)
+        bad = refusing.communicate("", timeout=300)
+    finally:
+        for process in (generating, chatting, refusing):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert generating.returncode == 0, generated[1]
+    assert "hello there" in generated[0] and "5 tokens" in generated[0]
+    assert chatting.returncode == 0, chat[1]
+    assert chat[0].count("> ") == 3
+    assert refusing.returncode == 2 and "temperature" in bad[1]
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

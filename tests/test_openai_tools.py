@@ -2,8 +2,8 @@
 whose output the test writes (no model): the official ``openai`` client's typed models over tool
 calls, streamed and not (tool_choice "auto" with the hermes parser, a named function,
 "required"), the schema a forced call sends to the engine, "none", parallel_tool_calls, tools and
-tool-call history reaching the chat template, and tool_choice's 400s. And one end-to-end named call
-on the tiny model whose arguments must validate (through structured outputs, issue 15 part 2)."""
+tool-call history reaching the chat template, and tool_choice's 400s. The end-to-end named call on
+the tiny model, whose arguments must validate, is in test_structured_outputs_http.py (its server)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from fastapi import FastAPI
 
 from fake_scheduler import MAX_MODEL_LEN, Env, FakeGroup, FakeScheduler
 from fake_served import asgi, served_app, tokenizer  # noqa: F401
-from server_helpers import free_port, start_server, stop_process, wait_healthy
 from vllm_actors.actors.frontend.tokenizer import Tokenizer
 from vllm_actors.protocol.messages import AddRequest, RequestUpdate
 from vllm_actors.runtime.run_dir import GroupInfo, make_addresses
@@ -317,31 +316,3 @@ async def test_junk_tools_are_a_400(app: FastAPI, extra: dict[str, Any]) -> None
     async with asgi(app) as http:
         response = await http.post("/v1/chat/completions", json={"model": "fake", "messages": ASK, **extra})
     assert response.status_code == 400, response.text
-
-
-# --------------------------------------------------------------------------- end to end: the worker constrains
-CITY = {"type": "function", "function": {"name": "forecast", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False}}}
-
-
-def test_a_named_tool_call_of_the_tiny_model_has_arguments_that_validate(tiny_qwen3: Path, tmp_path: Path) -> None:
-    port, log_path = free_port(), tmp_path / "server.log"
-    process = start_server(tiny_qwen3, port, log_path, tmp_path / "runs", "--served-model-name", "tiny",
-                           "--max-model-len", "512", "--num-gpu-blocks-override", "256")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_path)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        for seed in range(5):
-            reply = client.chat.completions.create(
-                model="tiny", messages=ASK, tools=[CITY], seed=seed, max_tokens=200,
-                tool_choice={"type": "function", "function": {"name": "forecast"}})
-            (call,) = reply.choices[0].message.tool_calls or []
-            assert call.function.name == "forecast" and TOOL_ID.match(call.id)
-            arguments = json.loads(call.function.arguments)
-            assert set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Oslo")
-            assert type(arguments["days"]) is int and 1 <= arguments["days"] <= 9
-    finally:
-        stop_process(process)

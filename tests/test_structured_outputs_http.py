@@ -1,6 +1,7 @@
 """Issue 15 part 2 over HTTP: ``response_format`` (json_schema), vLLM's ``structured_outputs`` and the
 older ``guided_*`` fields on both endpoints of a real server on the tiny model, outputs checked
-against their constraint; bad specs are a 400 naming the field and the server keeps serving."""
+against their constraint; bad specs are a 400 naming the field and the server keeps serving. And a
+named tool call (issue 15 part 3) whose arguments the worker constrains to the tool's schema."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from server_helpers import free_port, start_server, stop_process, wait_healthy
@@ -87,3 +89,25 @@ def test_a_bad_constraint_is_a_400_naming_the_field_and_the_server_serves_on(
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param, response.text
     assert text_of(post(base_url, "completions", {**COMPLETION, "guided_choice": ["still here"]})) == "still here"
+
+
+# --------------------------------------------------------------------------- a named tool call: the worker constrains
+TOOL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CITY = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_a_named_tool_call_of_the_tiny_model_has_arguments_that_validate(base_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=[CITY], seed=seed, max_tokens=200,
+            tool_choice={"type": "function", "function": {"name": "forecast"}})
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert call.function.name == "forecast" and TOOL_ID.match(call.id)
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Oslo")
+        assert type(arguments["days"]) is int and 1 <= arguments["days"] <= 9
