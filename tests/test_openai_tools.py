@@ -8,7 +8,6 @@ the tiny model, whose arguments must validate, is in test_structured_outputs_htt
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from collections import defaultdict
@@ -23,19 +22,18 @@ from fastapi import FastAPI
 
 from fake_scheduler import MAX_MODEL_LEN, Env, FakeGroup, FakeScheduler
 from fake_served import asgi, served_app, tokenizer  # noqa: F401
+from tool_calls import ASK, TOOL_ID
 from vllm_actors.actors.frontend.tokenizer import Tokenizer
 from vllm_actors.protocol.messages import AddRequest, RequestUpdate
 from vllm_actors.runtime.run_dir import GroupInfo, make_addresses
 from vllm_actors.server.serving import ServerOptions
 
-TOOL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                    "required": ["city"]}}}
 CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, CLOCK]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 AUTO_OUTPUT = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
                '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
 SEEN_TEMPLATE = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}"

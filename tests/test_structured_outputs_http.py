@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from server_helpers import free_port, start_server, stop_process, wait_healthy
+from tool_calls import ASK, TOOL_ID
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                               "maximum": 9}},
@@ -92,8 +93,6 @@ def test_a_bad_constraint_is_a_400_naming_the_field_and_the_server_serves_on(
 
 
 # --------------------------------------------------------------------------- a named tool call: the worker constrains
-TOOL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CITY = {"type": "function", "function": {"name": "forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 9}},
