@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests kernels benchmarks examples
+.venv/bin/ruff check src tests benchmarks examples
 mypy_log=$(mktemp)
 .venv/bin/mypy > "$mypy_log" 2>&1 &
 mypy_pid=$!
