@@ -13,7 +13,7 @@ from tqdm import tqdm
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.core import EngineDeadError, SyncClient
-from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.engine_args import make_engine_config
 from vllm_actors.protocol.metrics import SummaryReply, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -22,20 +22,6 @@ if TYPE_CHECKING:
     from vllm_actors.runtime.supervisor import ProcessGroup
 
 EXECUTORS = ("group", "inprocess")
-
-_ENGINE_ARGS = set(EngineConfig.__struct_fields__) - {"model"}
-
-
-def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> EngineConfig:
-    unknown = sorted(set(engine_args) - _ENGINE_ARGS)
-    if unknown:
-        raise TypeError(f"unknown engine arguments: {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
-    if model is None:
-        from vllm_actors.default_model import default_model_path
-
-        model = default_model_path()
-    return EngineConfig(model=model, **engine_args)
-
 
 class LLM:
     """An engine for offline batched generation.

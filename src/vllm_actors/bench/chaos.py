@@ -71,7 +71,7 @@ class ChaosOptions:
 
 # --------------------------------------------------------------------------- arguments
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    from vllm_actors.cli import add_engine_arguments
+    from vllm_actors.engine_args import add_engine_arguments
     from vllm_actors.server.args import add_supervision_arguments
 
     add_engine_arguments(parser)  # with --load-format (dummy: random weights of the checkpoint's shape)
@@ -99,7 +99,7 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ChaosOptions:
-    from vllm_actors.cli import engine_kwargs
+    from vllm_actors.engine_args import engine_kwargs
     from vllm_actors.server.args import supervision_kwargs
 
     actors = tuple(name.strip() for name in args.actors.split(",") if name.strip())

@@ -152,7 +152,7 @@ class AsyncEngineClient(ClientCore):
         """Start a process group (engine arguments with vLLM's names) and connect to it; the
         client owns the group and stops it on ``shutdown()``. ``supervision``: ``ProcessGroup``'s
         knobs (``max_restarts``, ``restart_window``, ``liveness_timeout``, ``max_busy_seconds``)."""
-        from vllm_actors.llm import make_engine_config
+        from vllm_actors.engine_args import make_engine_config
         from vllm_actors.runtime.supervisor import ProcessGroup
 
         config = make_engine_config(model, engine_args)

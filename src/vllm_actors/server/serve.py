@@ -57,7 +57,7 @@ class _Stop:
 
 
 def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    from vllm_actors.llm import make_engine_config
+    from vllm_actors.engine_args import make_engine_config
     from vllm_actors.runtime.supervisor import ProcessGroup
 
     model = args.model_tag or args.model

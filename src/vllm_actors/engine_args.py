@@ -1,0 +1,74 @@
+"""Engine arguments in vLLM's spelling: the command line's flags and the keyword arguments of ``LLM``,
+``AsyncEngineClient`` and ``serve``, turned into one ``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_actors.protocol.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES, EngineConfig
+
+_ENGINE_ARGS = set(EngineConfig.__struct_fields__) - {"model"}
+
+
+def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> EngineConfig:
+    unknown = sorted(set(engine_args) - _ENGINE_ARGS)
+    if unknown:
+        raise TypeError(f"unknown engine arguments: {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
+    if model is None:
+        from vllm_actors.default_model import default_model_path
+
+        model = default_model_path()
+    return EngineConfig(model=model, **engine_args)
+
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags in vLLM's spelling."""
+    parser.add_argument(
+        "--model", default=None,
+        help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights in the checkpoint's shapes (only config.json is read)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="replicas, each a full scheduler, KV-cache manager and workers, under one controller")
+    parser.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "pull", "cache_aware"],
+                        default="round_robin", help="how the controller spreads requests over the replicas")
+    parser.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default="mp",
+                        help="who places the replicas: mp (this host's supervisor) or ray (one process group per "
+                             "replica on the nodes of a Ray cluster, over TCP with CURVE keys)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not reuse the KV blocks of prompt prefixes already computed")
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
+                        help="who runs first: arrival (fcfs), longest cached prefix (lpm), the request's priority "
+                             "(priority: lower first, preempting higher values; vLLM's), earliest deadline (edf) or "
+                             "least remaining slack by the step cost model (lrs)")
+    parser.add_argument("--reject-unmeetable", action="store_true",
+                        help="admission control: refuse at arrival (HTTP 503 with the reason) a request whose "
+                             "deadline the step cost model says cannot be met")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = (
+        "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
+        "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
+        "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
+        "distributed_executor_backend",
+    )
+    return {name: getattr(args, name) for name in names}
