@@ -225,7 +225,8 @@ def test_every_vllm_field_is_in_the_models_the_table_and_the_readme() -> None:
         models = {"both": [completion, chat], "completions": [completion], "chat": [chat]}[field.endpoint]
         assert all(field.name in model for model in models), field
     assert set(PENDING) <= {f.name for f in FIELDS if f.status.startswith("part")}
-    assert markdown_table() in README.read_text(), "README's field table is stale: paste fields.markdown_table()"
+    fields_page = README.parent / "docs" / "requests.md"
+    assert markdown_table() in fields_page.read_text(), "docs/requests.md's table is stale: paste markdown_table()"
 
 
 def test_lax_booleans_and_numbers_and_415(base_url: str) -> None:

@@ -1,6 +1,6 @@
 """Every request field of vLLM's ``CompletionRequest`` and ``ChatCompletionRequest`` (vLLM 0.26.0):
 honoured, or refused with a 400 naming it - none silently ignored. ``FIELDS`` is the table (the
-README's is rendered from it: ``markdown_table``); ``check_fields`` refuses what the engine cannot
+one in docs/requests.md is rendered from it: ``markdown_table``); ``check_fields`` refuses what the engine cannot
 honour. Fields outside vLLM's models are ignored, as vLLM does.
 
 Also here: ``text_options`` (add_special_tokens, truncate_prompt_tokens, truncation_side as the
@@ -165,7 +165,7 @@ def check_fields(body: msgspec.Struct, endpoint: Literal["completions", "chat"])
 
 
 def markdown_table() -> str:
-    """The README's table of request fields."""
+    """The table of request fields in docs/requests.md."""
     lines = ["| field | endpoint | | what this server does |", "| --- | --- | --- | --- |"]
     for field in sorted(FIELDS, key=lambda f: f.name):
         status = field.status
