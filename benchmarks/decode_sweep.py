@@ -8,4 +8,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from benchmarks.lib.decode_sweep import main
 
-raise SystemExit(main())
+main()

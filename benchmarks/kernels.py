@@ -10,4 +10,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from benchmarks.lib.kernels import main
 
-raise SystemExit(main())
+main()

@@ -12,7 +12,7 @@ still running and their context lengths), and for each times the decode kernel, 
 CUDA graph, for every (split count, tile config) of a grid. The sum over snapshots approximates
 the decode attention time of the whole run, so a change of default is judged on it.
 
-    python -m benchmarks.lib.decode_sweep --out results/decode_sweep.json
+    python benchmarks/decode_sweep.py --out results/decode_sweep.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The batch-1 projections of a model shape: cuBLAS (``F.linear``) against the Triton GEMV
 (`kernels/gemv.py`) for a grid of launch parameters, one GPU.
 
-    python -m benchmarks.lib.gemv_sweep [--shape qwen3-8b] [--tp 1 2] [--out gemv.json] [--env-out best.env]
+    python benchmarks/gemv_sweep.py [--shape qwen3-8b] [--tp 1 2] [--out gemv.json] [--env-out best.env]
 
 Each projection of a decoder layer at each tensor-parallel size (``qkv``, ``o``, ``gate_up``,
 ``down``, and the LM head, split as `models/parallel.py` splits them) is timed from a CUDA graph of
