@@ -203,6 +203,18 @@ def test_report_table_and_json(tmp_path: Path) -> None:
     assert LatencyStats.of([]).count == 0
 
 
+def test_the_packages_report_holds_our_engine_alone(tmp_path: Path) -> None:
+    from vllm_actors.bench.report import BenchReport
+
+    report = BenchReport(config={"model_description": "tiny"})
+    report.ours = OursResult(num_requests=2, prompt_tokens=10, output_tokens=20, expected_output_tokens=20,
+                             seconds=2.0, enforce_eager=False)
+    write_json(report, tmp_path / "results.json")
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["ours"]["tokens_per_s"] == 10.0 and not {"floor", "peer", "peer_vllm", "batch1_client"} & set(data)
+    assert "floor" not in format_table(report)
+
+
 def test_the_comparisons_are_options_of_the_benchmarks_script_only() -> None:
     """``vllm-actors bench throughput`` runs our engine alone; the floor, peers and --mix are
     ``benchmarks/throughput.py``'s."""
