@@ -1,7 +1,11 @@
-"""The scheduler and KV-cache manager alone, replaying shared-prefix admissions (CPU): see
-``vllm_actors.bench.control_plane``."""
+"""The scheduler and KV-cache manager alone, replaying shared-prefix admissions (CPU); ``--help`` lists
+the options."""
 
-from vllm_actors.bench.control_plane import main
+import sys
+from pathlib import Path
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.lib
+
+from benchmarks.lib.control_plane import main
+
+raise SystemExit(main())

@@ -17,7 +17,7 @@
 #           tests/test_gpu_allreduce_norm.py), allreduce (2+ GPUs: NCCL, symmetric-memory one-shot and
 #           two-shot, and the fused all-reduce + norm at decode sizes, benchmarks/allreduce.py; results
 #           in $out/allreduce.json), gemv (the batch-1 GEMV against cuBLAS over a grid,
-#           bench/gemv_sweep.py, GEMV_ARGS for its flags; results in $out/gemv.json),
+#           benchmarks/gemv_sweep.py, GEMV_ARGS for its flags; results in $out/gemv.json),
 #           synctests (the worker's launch path and the sampler under set_sync_debug_mode("error"),
 #           tests/test_uploads.py, and the penalties kernel at full size)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
@@ -78,7 +78,7 @@ for stage in "${stages[@]}"; do
                  tests/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
-    gemv) timeout 300 python3 -m vllm_actors.bench.gemv_sweep ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;
+    gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
     prefix) python3 benchmarks/prefix.py --out "$out/prefix" "$@" 2>&1 | tee "$out/prefix.log" | tail -40 ;;

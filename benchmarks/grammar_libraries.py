@@ -1,4 +1,4 @@
-"""Issue 15 part 2: xgrammar vs llguidance on this CPU, with the embedded default model's tokenizer
+"""xgrammar vs llguidance on this CPU, with the embedded default model's tokenizer
 (SmolLM2-135M GGUF, 49,152 tokens) and, optionally, a tiny HF checkpoint's tokenizer.
 
 Per library: tokenizer set-up, compile time of a few JSON schemas, a regex, a choice and an EBNF

@@ -1,9 +1,13 @@
-"""Microbenchmark of the Triton paged-attention kernels vs torch SDPA (needs a CUDA GPU).
+"""Microbenchmark of the Triton kernels against torch (needs a CUDA GPU).
 
     python benchmarks/kernels.py --out results/kernels.json
 """
 
-from vllm_actors.bench.kernels import main
+import sys
+from pathlib import Path
 
-if __name__ == "__main__":
-    main()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.lib
+
+from benchmarks.lib.kernels import main
+
+main()

@@ -1,8 +1,11 @@
-"""nano-vllm's throughput benchmark on vllm_actors; ``--help`` lists the options.
+"""nano-vllm's throughput benchmark on vllm_actors, against the GPU's floor and a peer (transformers or
+vLLM); ``--help`` lists the options. ``vllm-actors bench throughput`` is the same without the comparisons."""
 
-Same as ``vllm-actors bench throughput``.
-"""
+import sys
+from pathlib import Path
 
-from vllm_actors.bench.throughput import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.lib
+
+from benchmarks.lib.throughput_compare import main
 
 raise SystemExit(main())

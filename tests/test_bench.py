@@ -1,19 +1,26 @@
 """The throughput benchmark at tiny scale on CPU: its floor model, its workload, the idle-share
-computation, the report, and one end-to-end run of ``main`` on a tiny random Qwen3."""
+computation, the report, and one end-to-end run of ``benchmarks/throughput.py``'s ``main`` (the
+package's runner plus the comparisons) on a tiny random Qwen3."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+# the repository, for the developer benchmarks' code (benchmarks.lib)
+sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
+
+from benchmarks.lib.compare_report import ComparisonReport
+from benchmarks.lib.floor import ModelShape, workload_floor
+
 from trace_check import check_covers
-from vllm_actors.bench.floor import ModelShape, workload_floor
-from vllm_actors.bench.report import BenchReport, LatencyStats, OursResult, format_table, percentile, write_json
+from vllm_actors.bench.report import LatencyStats, OursResult, format_table, percentile, write_json
 from vllm_actors.bench.throughput import (
     EXPECTED_OUTPUT_TOKENS,
     QWEN3_0_6B_CONFIG,
@@ -94,7 +101,7 @@ def test_qwen3_shape() -> None:
     assert shape.weight_bytes_per_step == 2 * shape.num_parameters
 
 
-def test_floor_reproduces_the_issue() -> None:
+def test_floor_of_the_default_workload() -> None:
     """≈5.2 s ≈ 25,500 output tok/s at 3.0 TB/s and 790 TFLOP/s."""
     workload = make_workload()
     floor = workload_floor(
@@ -183,7 +190,7 @@ def test_request_latencies_on_a_synthetic_log() -> None:
 
 
 def test_report_table_and_json(tmp_path: Path) -> None:
-    report = BenchReport(config={"model_description": "tiny"})
+    report = ComparisonReport(config={"model_description": "tiny"})
     report.ours = OursResult(num_requests=2, prompt_tokens=10, output_tokens=20, expected_output_tokens=20,
                              seconds=2.0, enforce_eager=False)
     report.errors["peer"] = "RuntimeError: no GPU"
@@ -196,9 +203,35 @@ def test_report_table_and_json(tmp_path: Path) -> None:
     assert LatencyStats.of([]).count == 0
 
 
+def test_the_packages_report_holds_our_engine_alone(tmp_path: Path) -> None:
+    from vllm_actors.bench.report import BenchReport
+
+    report = BenchReport(config={"model_description": "tiny"})
+    report.ours = OursResult(num_requests=2, prompt_tokens=10, output_tokens=20, expected_output_tokens=20,
+                             seconds=2.0, enforce_eager=False)
+    write_json(report, tmp_path / "results.json")
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["ours"]["tokens_per_s"] == 10.0 and not {"floor", "peer", "peer_vllm", "batch1_client"} & set(data)
+    assert "floor" not in format_table(report)
+
+
+def test_the_comparisons_are_options_of_the_benchmarks_script_only() -> None:
+    """``vllm-actors bench throughput`` runs our engine alone; the floor, peers and --mix are
+    ``benchmarks/throughput.py``'s."""
+    from benchmarks.lib.throughput_compare import build_parser as script_parser
+
+    from vllm_actors.bench.throughput import build_parser
+
+    for option in (["--peer", "vllm"], ["--no-floor"], ["--mix", "json"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(option)
+    args = script_parser().parse_args(["--peer", "vllm", "--no-floor", "--mix", "json", "--num-requests", "4"])
+    assert (args.peer, args.no_floor, args.mix, args.num_requests) == ("vllm", True, "json", 4)
+
+
 # --------------------------------------------------------------------------- end to end
 def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_actors.bench.throughput import main
+    from benchmarks.lib.throughput_compare import main
 
     out = tmp_path / "out"
     status = main([
@@ -244,7 +277,7 @@ def test_main_smoke_on_cpu(tiny_qwen3_config_dir: Path, tmp_path: Path, capsys: 
 def test_transformers_peer_api_on_cpu(tiny_qwen3_config_dir: Path) -> None:
     """transformers' continuous batching, driven the way the benchmark drives it on CUDA."""
     pytest.importorskip("transformers")
-    from vllm_actors.bench.peer_transformers import run_transformers_peer
+    from benchmarks.lib.peer_transformers import run_transformers_peer
 
     workload = make_workload(3, max_input_len=12, max_output_len=5).fit_vocab(512)
     max_tokens = [5, 3, 4]
@@ -257,7 +290,7 @@ def test_transformers_peer_api_on_cpu(tiny_qwen3_config_dir: Path) -> None:
 
 
 def test_control_plane_replay_reports_admissions_with_hits() -> None:
-    from vllm_actors.bench.control_plane import replay
+    from benchmarks.lib.control_plane import replay
 
     costs = {caching: replay(num_requests=12, system_tokens=64, steps=6, prefix_caching=caching)
              for caching in (True, False)}
@@ -270,7 +303,7 @@ def test_control_plane_replay_reports_admissions_with_hits() -> None:
 
 
 def test_the_json_penalties_mix_is_one_request_in_ten_constrained() -> None:
-    from vllm_actors.bench.throughput_mix import MIX_SCHEMA, PENALTIES, mix_fields, our_params
+    from benchmarks.lib.throughput_mix import MIX_SCHEMA, PENALTIES, mix_fields, our_params
 
     fields = mix_fields("json-penalties", 256)
     constrained = [index for index, entry in enumerate(fields) if "json" in entry]
@@ -290,7 +323,7 @@ def test_the_json_penalties_mix_is_one_request_in_ten_constrained() -> None:
 @pytest.mark.slow
 def test_mix_smoke_on_cpu(tiny_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--mix json-penalties``: the plain and the mixed workload on one engine, every token produced."""
-    from vllm_actors.bench.throughput import main
+    from benchmarks.lib.throughput_compare import main
 
     out = tmp_path / "out"
     status = main([

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# the repository, for the developer benchmarks' code (benchmarks.lib)
+sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
 
 from vllm_actors.bench.serve import format_row
 from vllm_actors.bench.serve_client import (
@@ -189,7 +193,8 @@ class LLM:
 
 def test_vllm_peer_runs_in_its_own_process(tmp_path: Path) -> None:
     """throughput --peer vllm: peer_vllm.py under another PYTHONPATH (here a stand-in for vLLM)."""
-    from vllm_actors.bench.throughput import build_parser, run_vllm_peer
+    from benchmarks.lib.throughput_compare import build_parser, run_vllm_peer
+
     from vllm_actors.bench.throughput_workload import make_workload
 
     site = tmp_path / "site" / "vllm"

@@ -1,10 +1,15 @@
-"""The decode sweep's batches (`bench/decode_sweep.py`; the timing itself needs a GPU)."""
+"""The decode sweep's batches (`benchmarks/lib/decode_sweep.py`; the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
-from vllm_actors.bench.decode_sweep import parse_args, workload_snapshots
+# the repository, for the developer benchmarks' code (benchmarks.lib)
+sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
+
+from benchmarks.lib.decode_sweep import parse_args, workload_snapshots
 
 
 def test_snapshots_are_the_sequences_still_decoding_with_their_contexts() -> None:

@@ -165,22 +165,22 @@ def _stats_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+# ``vllm-actors bench WHICH ...``: the module whose ``main(argv)`` runs each benchmark.
+BENCHMARKS = {
+    "throughput": "vllm_actors.bench.throughput",
+    "latency": "vllm_actors.bench.latency",
+    "serve": "vllm_actors.bench.serve",
+    "prefix": "vllm_actors.bench.prefix",
+    "chaos": "vllm_actors.bench.chaos",
+    "soak": "vllm_actors.bench.soak",
+    "simulate": "vllm_actors.bench.policy_sim",
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.which == "serve":
-        from vllm_actors.bench.serve import main as serve_main
+    import importlib
 
-        return serve_main(args.rest)
-    if args.which == "prefix":
-        from vllm_actors.bench.prefix import main as prefix_main
-
-        return prefix_main(args.rest)
-    if args.which == "simulate":
-        from vllm_actors.bench.policy_sim import main as simulate_main
-
-        return simulate_main(args.rest)
-    from vllm_actors.bench.throughput import main as throughput_main
-
-    return throughput_main(args.rest)
+    return int(importlib.import_module(BENCHMARKS[args.which]).main(args.rest))
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -249,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one replica's summary (default: the whole group, then each replica's)")
     stats.set_defaults(func=_stats)
 
-    bench = commands.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("which", choices=["throughput", "prefix", "serve", "simulate"])
+    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix, chaos, soak, simulate")
+    bench.add_argument("which", choices=list(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
 
@@ -272,3 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TimeoutError) as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

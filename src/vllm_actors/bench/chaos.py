@@ -132,7 +132,7 @@ def validate(options: ChaosOptions) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-actors chaos", description=__doc__,
+    parser = argparse.ArgumentParser(prog="vllm-actors bench chaos", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_chaos_arguments(parser)
     return parser

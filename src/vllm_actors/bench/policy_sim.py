@@ -6,8 +6,8 @@ seconds after its step. No processes, no model, no clock: the same figures on an
 
 What it answers: given a GPU's step costs (``--cost A B C``, or ``--fit-trace`` to fit them to a
 real run's Chrome trace), which policy meets the deadlines at which rate, and whether a miss is
-the scheduler's doing. The default costs are the H100 run of 2026-11-25 at 80/s (Qwen3-0.6B
-shape, bf16): steps p50 9 ms / p99 26 ms as that run's trace showed 8 / 26.
+the scheduler's doing. The default costs are fitted to an H100 serving run of the Qwen3-0.6B shape
+in bf16 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

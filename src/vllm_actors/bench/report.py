@@ -1,5 +1,6 @@
 """The throughput benchmark's results: their types, the printed table, ``results.json`` and
-``throughput.png`` (matplotlib, imported lazily: without it the PNG is skipped with a warning)."""
+``throughput.png`` (matplotlib, imported lazily: without it the PNG is skipped with a warning).
+Shared by the other runners: ``LatencyStats``, ``percentile``, ``write_json``, ``load_pyplot``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-
-from vllm_actors.bench.floor import Floor, GpuCeilings
-from vllm_actors.bench.peer_transformers import PeerResult
 
 log = structlog.get_logger(__name__)
 
@@ -107,57 +105,36 @@ class Batch1Result:
 
 @dataclass
 class BenchReport:
+    """Our engine's figures; a developer benchmark's subclass adds comparisons (rows, bars, keys)."""
+
     config: dict[str, Any]
     ours: OursResult | None = None
     metrics: EngineMetrics | None = None
-    ceilings: GpuCeilings | None = None
-    floor: Floor | None = None
-    peer: PeerResult | None = None
     batch1: dict[str, Batch1Result] = field(default_factory=dict)  # "graphs_on" / "graphs_off"
     errors: dict[str, str] = field(default_factory=dict)  # part -> what went wrong
     total_seconds: float = 0.0
     steps: list[dict[str, float]] = field(default_factory=list)  # per worker step of the timed run
     ours_runs: list[float] = field(default_factory=list)  # output tok/s of every timed run (the best is ``ours``)
     startup_s: float | None = None  # our engine: LLM(...) until it returned
-    batch1_client: dict[str, Any] | None = None  # client-clock batch-1 (peer_vllm.client_batch1)
-    peer_vllm: dict[str, Any] | None = None  # peer_vllm.py's result
 
-    @property
-    def vllm_ratio(self) -> float | None:
-        if self.ours is None or not self.peer_vllm or not self.peer_vllm.get("tokens_per_s"):
-            return None
-        return self.ours.tokens_per_s / float(self.peer_vllm["tokens_per_s"])
+    def comparison_rows(self) -> list[tuple[str, str]]:
+        """Table rows after our throughput's (what ours is compared with); none here."""
+        return []
 
-    @property
-    def fraction_of_floor(self) -> float | None:
-        if self.ours is None or self.floor is None or self.floor.tokens_per_s <= 0:
-            return None
-        return self.ours.tokens_per_s / self.floor.tokens_per_s
-
-    @property
-    def peer_ratio(self) -> float | None:
-        if self.ours is None or self.peer is None or self.peer.tokens_per_s <= 0:
-            return None
-        return self.ours.tokens_per_s / self.peer.tokens_per_s
+    def comparison_bars(self) -> list[tuple[str, float]]:
+        """Bars beside ours in the plot (label, output tok/s); none here."""
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
             "ours": None if self.ours is None else self.ours.to_dict(),
-            "floor": None if self.floor is None else self.floor.to_dict(),
-            "fraction_of_floor": self.fraction_of_floor,
-            "ceilings": None if self.ceilings is None else self.ceilings.to_dict(),
-            "peer": None if self.peer is None else self.peer.to_dict(),
-            "peer_ratio": self.peer_ratio,
             "metrics": None if self.metrics is None else asdict(self.metrics),
             "batch1": {name: asdict(result) for name, result in self.batch1.items()},
             "errors": dict(self.errors),
             "total_seconds": self.total_seconds,
             "ours_runs": self.ours_runs,
             "startup_s": self.startup_s,
-            "batch1_client": self.batch1_client,
-            "peer_vllm": self.peer_vllm,
-            "vllm_ratio": self.vllm_ratio,
             "steps": self.steps,
         }
 
@@ -181,29 +158,7 @@ def table_rows(report: BenchReport) -> list[tuple[str, str]]:
             rows.append(("ours: every run (tok/s)", ", ".join(f"{value:,.0f}" for value in report.ours_runs)))
     if report.startup_s is not None:
         rows.append(("ours: engine start", f"{report.startup_s:.1f} s"))
-    rows.extend(_vllm_rows(report))
-    if report.floor is not None:
-        floor = report.floor
-        rows.append(("floor: output tok/s", f"{floor.tokens_per_s:,.0f} ({floor.seconds:.2f} s: prefill "
-                                            f"{floor.prefill_seconds:.2f} s + {floor.decode_steps} decode steps "
-                                            f"{floor.decode_seconds:.2f} s)"))
-        if report.fraction_of_floor is not None:
-            rows.append(("ours / floor", f"{report.fraction_of_floor:.1%}"))
-        rows.append(("floor at", f"{floor.bandwidth / 1e12:.2f} TB/s, {floor.matmul_rate / 1e12:.0f} TFLOP/s"))
-    if report.ceilings is not None:
-        ceilings = report.ceilings
-        rows.append(("measured copy bandwidth", f"{ceilings.bandwidth / 1e12:.2f} TB/s (read+write, "
-                                                f"{ceilings.copy_bytes / (1 << 30):.0f} GiB copy)"))
-        rows.append(("measured bf16 matmul", f"{ceilings.matmul_rate / 1e12:.0f} TFLOP/s "
-                                             f"({ceilings.matmul_size}³)"))
-        rows.append(("GPU", ceilings.device))
-    if report.peer is not None:
-        peer = report.peer
-        rows.append((f"peer: transformers {peer.version}", f"{peer.tokens_per_s:,.0f} tok/s ({peer.num_requests} "
-                                                          f"requests, {peer.output_tokens:,} tokens, "
-                                                          f"{peer.seconds:.1f} s, {peer.attn_implementation})"))
-        if report.peer_ratio is not None:
-            rows.append(("ours / peer (tok/s)", f"{report.peer_ratio:.2f}x"))
+    rows.extend(report.comparison_rows())
     metrics = report.metrics
     if metrics is not None:
         if metrics.idle is not None:
@@ -226,30 +181,6 @@ def table_rows(report: BenchReport) -> list[tuple[str, str]]:
     for part, error in report.errors.items():
         rows.append((f"error: {part}", error))
     rows.append(("total benchmark wall time", f"{report.total_seconds:,.1f} s"))
-    return rows
-
-
-def _vllm_rows(report: BenchReport) -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
-    ours_b1, peer = report.batch1_client, report.peer_vllm
-    if ours_b1:
-        rows.append(("ours: batch-1 (client clock)", f"TTFT {_ms(ours_b1['ttft_s'])}, "
-                                                     f"{ours_b1['ms_per_token']:.3f} ms/token"))
-    if not peer:
-        return rows
-    if peer.get("tokens_per_s"):
-        runs = ", ".join(f"{run['tokens_per_s']:,.0f}" for run in peer.get("runs", []))
-        rows.append((f"vLLM {peer.get('version', '')}: output tok/s",
-                     f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
-    if peer.get("startup_s") is not None:
-        rows.append(("vLLM: engine start", f"{peer['startup_s']:.1f} s"))
-    if peer.get("batch1"):
-        b1 = peer["batch1"]
-        rows.append(("vLLM: batch-1 (client clock)", f"TTFT {_ms(b1['ttft_s'])}, {b1['ms_per_token']:.3f} ms/token"))
-    if report.vllm_ratio is not None:
-        rows.append(("ours / vLLM (tok/s)", f"{report.vllm_ratio:.3f}"))
-    if peer.get("error"):
-        rows.append(("error: vLLM", str(peer["error"])))
     return rows
 
 
@@ -290,20 +221,15 @@ def load_pyplot(path: Path) -> Any | None:
 
 
 def write_png(report: BenchReport, path: Path) -> bool:
-    """Left: output tok/s of ours, the floor and the peer. Right: step time and batch size over the
-    timed run. Returns False (with a warning) when matplotlib is missing."""
+    """Left: output tok/s of ours and of what it is compared with. Right: step time and batch size
+    over the timed run. Returns False (with a warning) when matplotlib is missing."""
     plt = load_pyplot(path)
     if plt is None:
         return False
     bars: list[tuple[str, float]] = []
     if report.ours is not None:
         bars.append(("vllm_actors", report.ours.tokens_per_s))
-    if report.floor is not None:
-        bars.append(("floor", report.floor.tokens_per_s))
-    if report.peer is not None:
-        bars.append((f"transformers\n({report.peer.num_requests} req)", report.peer.tokens_per_s))
-    if report.peer_vllm and report.peer_vllm.get("tokens_per_s"):
-        bars.append((f"vLLM {report.peer_vllm.get('version', '')}", float(report.peer_vllm["tokens_per_s"])))
+    bars.extend(report.comparison_bars())
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 2]})
     if bars:

@@ -224,7 +224,7 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vllm-actors bench soak", description=__doc__.split("\n\n")[0])
     add_soak_arguments(parser)
     return run_soak(parser.parse_args(argv))
 

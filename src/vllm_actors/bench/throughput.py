@@ -1,5 +1,4 @@
-"""``vllm-actors bench throughput``: nano-vllm's throughput benchmark, with its floor, a peer, and
-where the time goes.
+"""``vllm-actors bench throughput``: offline throughput of our engine on nano-vllm's workload.
 
 The workload (nano-vllm's bench): 256 requests drawn after ``random.seed(0)`` - first every
 prompt, ``randint(100, 1024)`` tokens of ``randint(0, 10000)``, then every ``max_tokens``,
@@ -8,27 +7,19 @@ model has Qwen3-0.6B's shape with random weights (``load_format="dummy"``) unles
 names a checkpoint. Throughput = output tokens / wall time of ``llm.generate`` through the
 process group, after a warm-up.
 
-In the same run, in this order (the GPU is left to each part alone):
+In order: the timed run, then the metrics store's event log (GPU idle share between decode steps,
+step times, TTFT / ITL) and batch-1 decode on the same engine; batch-1 decode on a second engine
+with CUDA graphs the other way; the table on stdout, ``results.json`` (rewritten after every part,
+so a run cut short keeps what it measured) and ``throughput.png`` under ``--out``.
 
-1. ours: the timed run, then the metrics store's event log (GPU idle share between decode steps,
-   step times, TTFT / ITL) and batch-1 decode on the same engine;
-2. batch-1 decode on a second engine with CUDA graphs the other way (``enforce_eager`` flipped);
-3. the GPU's copy bandwidth and bf16 matmul rate, and the workload's floor from them (floor.py);
-4. the transformers peer on the same requests (peer_transformers.py);
-5. the table on stdout, ``results.json`` and ``throughput.png`` under ``--out``.
-
-``results.json`` is rewritten after every part, so a run cut short keeps what it measured.
-
-This module holds the arguments, the parts' order and the GPU-side parts; the workload is in
-``throughput_workload``, our engine's part in ``throughput_engine``, the event log's analysis in
-``event_log``.
+An ``Extension`` adds parts around these (``benchmarks/throughput.py``: the GPU's floor, the
+transformers and vLLM peers, ``--mix``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import shutil
 import sys
@@ -36,14 +27,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from vllm_actors.bench import throughput_mix
 from vllm_actors.bench.event_log import decode_idle_share, request_latencies, step_series, worker_steps
-from vllm_actors.bench.floor import Floor, GpuCeilings, ModelShape, measure_ceilings, workload_floor
 from vllm_actors.bench.report import BenchReport, format_table, write_json, write_png
 from vllm_actors.bench.throughput_engine import EngineSession, make_llm, measure_ours
 from vllm_actors.bench.throughput_workload import (
@@ -65,9 +55,9 @@ from vllm_actors.protocol.events import DISABLE_EVENTS_ENV
 
 # The workload and the event-log analysis live in their own modules; their names stay importable from here.
 __all__ = [
-    "EXPECTED_OUTPUT_TOKENS", "QWEN3_0_6B_CONFIG", "Workload", "add_model_arguments", "build_parser",
-    "decode_idle_share", "main", "make_workload", "request_latencies", "run", "step_series", "worker_steps",
-    "write_model_dir",
+    "EXPECTED_OUTPUT_TOKENS", "QWEN3_0_6B_CONFIG", "Extension", "Setup", "Workload", "add_model_arguments",
+    "build_parser", "decode_idle_share", "main", "make_workload", "part", "request_latencies", "run", "step_series",
+    "worker_steps", "write_model_dir",
 ]
 
 log = structlog.get_logger(__name__)
@@ -86,16 +76,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> Any:
     return model
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-actors bench throughput",
-        description="Offline throughput on nano-vllm's workload, against the GPU's floor and transformers.",
+        prog=prog,
+        description="Offline throughput on nano-vllm's workload (the GPU's floor, the transformers and vLLM "
+                    "peers and --mix: benchmarks/throughput.py).",
     )
     model = add_model_arguments(parser)
     model.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
                        help="without --model: the random checkpoint's shape")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="GPUs (ranks) for our engine and the vLLM peer")
+                       help="GPUs (ranks) of the engine")
     model.add_argument("--max-model-len", type=int, default=4096)
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the timed run")
@@ -104,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload and engine seed")
     model.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="replicas (one GPU each) under one controller; the vLLM peer runs with one")
+                       help="replicas (one GPU each) under one controller")
     model.add_argument("--routing-policy", default="round_robin",
                        choices=("round_robin", "least_loaded", "pull", "cache_aware"))
 
@@ -118,32 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--runs", type=int, default=1,
                           help="timed runs of the workload per engine; the best counts (the event-log metrics "
                                "are the last run's)")
-    workload.add_argument("--mix", choices=throughput_mix.MIXES, default="none",
-                          help="json-penalties: 10%% JSON schema, the rest penalties; json: the 10%% alone; "
-                               "penalties: all; each against plain on one engine (throughput_mix.py)")
     workload.add_argument("--no-events", action="store_true",
                           help="engine actors publish no work events (VLLM_ACTORS_DISABLE_EVENTS=1): measures "
-                               "what events cost; no event-log metrics, batch-1 by the client's clock only")
-
-    floor = parser.add_argument_group("floor")
-    floor.add_argument("--no-floor", action="store_true", help="do not measure the GPU's ceilings")
-    floor.add_argument("--bandwidth", type=float, default=None,
-                       help="bytes/s to compute the floor with instead of the measured copy bandwidth")
-    floor.add_argument("--matmul-rate", type=float, default=None,
-                       help="FLOP/s to compute the floor with instead of the measured bf16 matmul rate")
-
-    peer = parser.add_argument_group("peer")
-    peer.add_argument("--peer", choices=("transformers", "vllm", "none"), default="transformers",
-                      help="vllm: vLLM's offline LLM on the same workload, in its own process (peer_vllm.py)")
-    peer.add_argument("--no-peer", dest="peer", action="store_const", const="none", help="same as --peer none")
-    peer.add_argument("--peer-num-requests", type=int, default=None,
-                      help="run the peer on the first N requests only (default: --num-requests)")
-    peer.add_argument("--peer-attn", default=None,
-                      help="transformers attn_implementation (default: its paged sdpa)")
-    peer.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds")
-    peer.add_argument("--vllm-python", default=sys.executable, help="the Python that runs vLLM")
-    peer.add_argument("--vllm-pythonpath", default="/tmp/vsite",
-                      help="PYTHONPATH of vLLM's process (where its packages are; '' to inherit ours)")
+                               "what events cost; no event-log metrics and no batch-1 timeline")
 
     batch1 = parser.add_argument_group("batch-1 decode")
     batch1.add_argument("--no-batch1", action="store_true")
@@ -165,105 +133,38 @@ def is_default_workload(args: argparse.Namespace) -> bool:
             and args.max_input_len >= PROMPT_LEN_RANGE[1] and args.max_output_len >= OUTPUT_LEN_RANGE[1])
 
 
-# --------------------------------------------------------------------------- the other parts
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+# --------------------------------------------------------------------------- parts
+@dataclass(frozen=True)
+class Setup:
+    """What every part of a run shares."""
+
+    model_path: str
+    load_format: str
+    vocab_size: int
+    workload: Workload
+    scratch_dir: Path
+    out_json: Path
 
 
-def model_shape(model_path: str, dtype: str) -> ModelShape:
-    from vllm_actors.models.config import ModelConfig
+class Extension:
+    """Parts a developer benchmark adds around our engine's run; this base adds none."""
 
-    config = ModelConfig.from_path(model_path)
-    dtype_bytes = 4 if dtype in ("float32", "float") else 2
-    return ModelShape(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        tie_word_embeddings=config.tie_word_embeddings, qk_norm=config.qk_norm, dtype_bytes=dtype_bytes,
-    )
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Options of the added parts."""
 
+    def make_report(self, config: dict[str, Any]) -> BenchReport:
+        return BenchReport(config=config)
 
-def compute_floor(
-    args: argparse.Namespace, shape: ModelShape, workload: Workload
-) -> tuple[GpuCeilings | None, Floor | None]:
-    ceilings: GpuCeilings | None = None
-    bandwidth, rate = args.bandwidth, args.matmul_rate
-    if (bandwidth is None or rate is None) and not args.no_floor:
-        if _cuda_available():
-            ceilings = measure_ceilings()
-            bandwidth = bandwidth if bandwidth is not None else ceilings.bandwidth
-            rate = rate if rate is not None else ceilings.matmul_rate
-        else:
-            log.warning("no CUDA device: the GPU's ceilings are not measured (give --bandwidth and --matmul-rate "
-                        "to compute the floor anyway)")
-    if bandwidth is None or rate is None:
-        return ceilings, None
-    floor = workload_floor(
-        [len(prompt) for prompt in workload.prompts], workload.max_tokens, shape,
-        bandwidth=bandwidth, matmul_rate=rate, max_num_seqs=args.max_num_seqs,
-    )
-    log.info("floor", seconds=round(floor.seconds, 3), tok_s=round(floor.tokens_per_s, 1))
-    return ceilings, floor
-
-
-def run_peer(args: argparse.Namespace, model_path: str, workload: Workload, random_weights: bool) -> Any:
-    if not _cuda_available():
-        log.warning("no CUDA device: the transformers peer is skipped")
+    def instead(self, args: argparse.Namespace, setup: Setup, report: BenchReport) -> int | None:
+        """An exit status to end the run with before our timed run, or None to go on."""
         return None
-    from vllm_actors.bench.peer_transformers import run_transformers_peer
 
-    subset = workload.head(args.peer_num_requests or len(workload))
-    return run_transformers_peer(
-        model_path, subset.prompts, subset.max_tokens, random_weights=random_weights, temperature=TEMPERATURE,
-        seed=args.seed, attn_implementation=args.peer_attn, timeout_s=args.peer_timeout,
-    )
+    def with_engine(self, args: argparse.Namespace, setup: Setup, session: EngineSession,
+                    report: BenchReport) -> None:
+        """After batch-1 decode, while the timed run's engine is still up."""
 
-
-def run_vllm_peer(
-    args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
-    vocab_size: int, mix: str = "none",
-) -> dict[str, Any]:
-    """peer_vllm.py in a process of its own, under vLLM's PYTHONPATH; its JSON result (with
-    ``error`` when it failed, and what it measured before that)."""
-    import subprocess
-
-    from vllm_actors.bench import peer_vllm
-
-    script = scratch_dir / "peer_vllm.py"  # run from a folder of its own: bench/'s modules shadow nothing
-    shutil.copyfile(peer_vllm.__file__, script)
-    workload_path, result_path = scratch_dir / "vllm_workload.json", scratch_dir / "vllm_result.json"
-    content: dict[str, Any] = {"prompts": workload.prompts, "max_tokens": workload.max_tokens}
-    if mix != "none":  # plain and mixed runs, with the tokenizer (throughput_mix.py)
-        content["mix"] = throughput_mix.mix_fields(mix, len(workload))
-    workload_path.write_text(json.dumps(content))
-    command = [
-        args.vllm_python, str(script), "--model", model_path, "--workload", str(workload_path),
-        "--out", str(result_path), "--load-format", load_format, "--dtype", args.dtype,
-        "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
-        "--runs", str(max(1, args.runs)), "--warmup-requests", str(args.warmup_requests),
-        "--batch1-input-len", str(args.batch1_input_len), "--batch1-output-len", str(args.batch1_output_len),
-        "--vocab-size", str(vocab_size), "--tensor-parallel-size", str(args.tensor_parallel_size),
-        *(["--enforce-eager"] if args.enforce_eager else []),
-        *(["--no-enable-prefix-caching"] if not args.enable_prefix_caching else []),
-        *(["--no-batch1"] if args.no_batch1 else []),
-    ]
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1")
-    if args.vllm_pythonpath:
-        env["PYTHONPATH"] = args.vllm_pythonpath
-    log.info("starting the vLLM peer", command=" ".join(command))
-    completed = subprocess.run(command, env=env, timeout=args.peer_timeout, check=False, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    (Path(args.out) / "vllm_peer.log").write_text(completed.stdout)
-    result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.is_file() else {}
-    if completed.returncode != 0:
-        result["error"] = f"exit {completed.returncode}: " + " | ".join(completed.stdout.splitlines()[-12:])
-    return result
+    def after_ours(self, args: argparse.Namespace, setup: Setup, report: BenchReport, ok: bool) -> None:
+        """Once our engines are shut down; ``ok``: our timed run succeeded."""
 
 
 def _config_record(args: argparse.Namespace, load_format: str, workload: Workload) -> dict[str, Any]:
@@ -291,7 +192,7 @@ def _batch1_key(enforce_eager: bool) -> str:
 
 
 @contextmanager
-def _part(report: BenchReport, name: str, out_json: Path) -> Iterator[None]:
+def part(report: BenchReport, name: str, out_json: Path) -> Iterator[None]:
     """Runs one optional part: its failure is recorded in the report instead of ending the run;
     the results so far are written either way."""
     try:
@@ -304,63 +205,63 @@ def _part(report: BenchReport, name: str, out_json: Path) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- main
-def _run_ours(
-    args: argparse.Namespace, model_path: str, load_format: str, shape: ModelShape, workload: Workload,
-    report: BenchReport, scratch_dir: Path, out_json: Path,
-) -> bool:
-    """Part 1: the timed run, its metrics and batch-1 on the same engine. False if the run failed."""
+def _run_ours(args: argparse.Namespace, setup: Setup, report: BenchReport, extension: Extension) -> bool:
+    """The timed run, its metrics and batch-1 on the same engine. False if the run failed."""
+    out_json = setup.out_json
     try:
         started = time.perf_counter()
-        with make_llm(args, model_path, load_format, args.enforce_eager) as llm:
+        with make_llm(args, setup.model_path, setup.load_format, args.enforce_eager) as llm:
             report.startup_s = time.perf_counter() - started
             session = EngineSession(llm)
-            steps, start_wall = measure_ours(args, session, workload, report, scratch_dir)
+            steps, start_wall = measure_ours(args, session, setup.workload, report, setup.scratch_dir)
             report.steps = step_series(steps, start_wall)
             write_json(report, out_json)
-            if not args.no_batch1:
+            if not args.no_batch1 and not args.no_events:
                 key = _batch1_key(args.enforce_eager)
-                if not args.no_events:
-                    with _part(report, f"batch1_{key}", out_json):
-                        report.batch1[key] = session.batch1(args, args.enforce_eager, shape.vocab_size)
-                with _part(report, "batch1_client", out_json):
-                    report.batch1_client = session.batch1_client(args, shape.vocab_size)
+                with part(report, f"batch1_{key}", out_json):
+                    report.batch1[key] = session.batch1(args, args.enforce_eager, setup.vocab_size)
+            extension.with_engine(args, setup, session, report)
     except Exception as exc:
         log.exception("the timed run failed")
         report.errors["ours"] = f"{type(exc).__name__}: {exc}"
         write_json(report, out_json)
         return False
     finally:
-        events = scratch_dir / "events.jsonl"
+        events = setup.scratch_dir / "events.jsonl"
         if args.keep_events and events.is_file():
             with events.open("rb") as source, gzip.open(Path(args.out) / "events.jsonl.gz", "wb") as target:
                 shutil.copyfileobj(source, target)
         if args.trace and events.is_file():
-            with _part(report, "trace", out_json):
+            with part(report, "trace", out_json):
                 bound = trace_file.max_trace_bytes(args.trace_max_mb)
                 written = trace_file.write_trace(trace_file.read_dump(events), args.trace, bound)
                 report.config["trace"] = trace_file.trace_record(written)
     return True
 
 
-def _run_other_batch1(
-    args: argparse.Namespace, model_path: str, load_format: str, shape: ModelShape, workload: Workload,
-    report: BenchReport, out_json: Path,
-) -> None:
-    """Part 2: batch-1 on a second engine with CUDA graphs the other way (the first is shut down)."""
+def _run_other_batch1(args: argparse.Namespace, setup: Setup, report: BenchReport) -> None:
+    """Batch-1 on a second engine with CUDA graphs the other way (the first is shut down)."""
     other = not args.enforce_eager
     key = _batch1_key(other)
-    with _part(report, f"batch1_{key}", out_json), make_llm(args, model_path, load_format, other) as llm:
+    with part(report, f"batch1_{key}", setup.out_json), \
+            make_llm(args, setup.model_path, setup.load_format, other) as llm:
         session = EngineSession(llm)
-        session.warm_up(workload, max(1, args.warmup_requests))
-        report.batch1[key] = session.batch1(args, other, shape.vocab_size)
+        session.warm_up(setup.workload, max(1, args.warmup_requests))
+        report.batch1[key] = session.batch1(args, other, setup.vocab_size)
 
 
-def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
+def _vocab_size(model_path: str) -> int:
+    from vllm_actors.models.config import ModelConfig
+
+    return int(ModelConfig.from_path(model_path).vocab_size)
+
+
+def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[BenchReport, int]:
     """Every part in order; returns the report and the exit status (1 if our timed run failed)."""
+    extension = extension or Extension()
     started = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_json = out_dir / "results.json"
 
     workload = make_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
     if is_default_workload(args) and workload.output_tokens != EXPECTED_OUTPUT_TOKENS:
@@ -372,49 +273,45 @@ def run(args: argparse.Namespace) -> tuple[BenchReport, int]:
         scratch_dir = Path(scratch)
         model_path = args.model or str(write_model_dir(scratch_dir / f"{args.model_shape}-shape",
                                                        MODEL_SHAPES[args.model_shape]))
-        shape = model_shape(model_path, args.dtype)
-        if shape.vocab_size <= TOKEN_ID_RANGE[1]:
+        vocab_size = _vocab_size(model_path)
+        if vocab_size <= TOKEN_ID_RANGE[1]:
             log.warning("the model's vocabulary is smaller than the workload's token ids: folding them",
-                        vocab_size=shape.vocab_size)
-            workload = workload.fit_vocab(shape.vocab_size)
-        report = BenchReport(config=_config_record(args, load_format, workload))
-        if args.mix != "none":
-            mix = throughput_mix.run(args, workload, load_format, scratch_dir, run_vllm_peer)
-            print(throughput_mix.format_mix(mix))
-            return report, 0 if "error" not in mix.get("ours", {}) else 1
+                        vocab_size=vocab_size)
+            workload = workload.fit_vocab(vocab_size)
+        setup = Setup(model_path, load_format, vocab_size, workload, scratch_dir, out_dir / "results.json")
+        report = extension.make_report(_config_record(args, load_format, workload))
+        status = extension.instead(args, setup, report)
+        if status is not None:
+            return report, status
 
         if args.no_events:
             os.environ[DISABLE_EVENTS_ENV] = "1"  # read by every actor of the group at its start
         if args.trace:  # the whole run in the store's log, read by the metrics store at its start
             os.environ.update(trace_file.retention_env(args.trace_max_events))
-        ok = _run_ours(args, model_path, load_format, shape, workload, report, scratch_dir, out_json)
+        ok = _run_ours(args, setup, report, extension)
         for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
             os.environ.pop(name, None)
         if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
-            _run_other_batch1(args, model_path, load_format, shape, workload, report, out_json)
-        with _part(report, "floor", out_json):
-            report.ceilings, report.floor = compute_floor(args, shape, workload)
-        if ok and args.peer == "transformers":
-            with _part(report, "peer", out_json):
-                report.peer = run_peer(args, model_path, workload, random_weights=load_format == "dummy")
-        if args.peer == "vllm":
-            with _part(report, "peer_vllm", out_json):
-                report.peer_vllm = run_vllm_peer(args, model_path, load_format, workload, scratch_dir,
-                                                 shape.vocab_size)
+            _run_other_batch1(args, setup, report)
+        extension.after_ours(args, setup, report, ok)
 
     report.total_seconds = time.perf_counter() - started
-    with _part(report, "plot", out_json):
+    with part(report, "plot", setup.out_json):
         if write_png(report, out_dir / "throughput.png"):
             log.info("plot written", path=str(out_dir / "throughput.png"))
     return report, 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, extension: Extension | None = None,
+         prog: str = "vllm-actors bench throughput") -> int:
+    extension = extension or Extension()
+    parser = build_parser(prog)
+    extension.add_arguments(parser)
+    args = parser.parse_args(argv)
     from vllm_actors.runtime.log_setup import configure_logging
 
     configure_logging(args.log_level)
-    report, status = run(args)
+    report, status = run(args, extension)
     print(format_table(report))
     print(f"\nresults: {Path(args.out) / 'results.json'}")
     return status

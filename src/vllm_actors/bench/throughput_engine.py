@@ -1,5 +1,5 @@
-"""``vllm-actors bench throughput``, part 1: our engine - the warm-up, the timed run, its metrics
-from the event log, and batch-1 decode."""
+"""``vllm-actors bench throughput``: our engine - the warm-up, the timed run, its metrics from the
+event log, and batch-1 decode."""
 
 from __future__ import annotations
 
@@ -131,16 +131,6 @@ class EngineSession:
         )
         log.info("batch-1 decode", enforce_eager=enforce_eager, ms_per_token=round(result.ms_per_token, 3),
                  ttft_ms=round(ttft * 1e3, 1), tokens=produced)
-        return result
-
-    def batch1_client(self, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
-        """Batch-1 by the client's clock, measured as vLLM's peer measures it (peer_vllm.client_batch1)."""
-        from vllm_actors.bench.peer_vllm import client_batch1
-
-        result = client_batch1(lambda prompt, n: self.generate([prompt], [n])[1], args.batch1_input_len,
-                               args.batch1_output_len, args.seed + 7, vocab_size)
-        log.info("batch-1 (client clock)", ttft_ms=round(result["ttft_s"] * 1e3, 2),
-                 ms_per_token=round(result["ms_per_token"], 3))
         return result
 
     def _finished_timeline(self, request_id: str, timeout_s: float = 30.0) -> Any:

@@ -1,4 +1,4 @@
-"""The kernel microbenchmark's fused elementwise cases (``vllm_actors.bench.kernels``): add + RMSNorm,
+"""The kernel microbenchmark's fused elementwise cases (``benchmarks.lib.kernels``): add + RMSNorm,
 SiLU-and-mul and the rotary embedding of q and k, Triton against unfused torch code; and the
 sampler's penalties (``kernels/penalties.py``) on min(tokens, 256) rows of Qwen3's vocabulary,
 against the torch path the worker used before."""
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_actors.bench.kernels_timing import DTYPES, do_bench_graph
+from benchmarks.lib.kernels_timing import DTYPES, do_bench_graph
 
 
 @dataclass

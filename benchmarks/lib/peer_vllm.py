@@ -1,4 +1,4 @@
-"""``vllm-actors bench throughput --peer vllm``: vLLM's offline ``LLM`` on the same workload, in a
+"""``benchmarks/throughput.py --peer vllm``: vLLM's offline ``LLM`` on the same workload, in a
 process of its own (vLLM's packages live apart from this engine's, e.g. in /tmp/vsite).
 
 This file runs as a script under vLLM's environment and imports nothing of vllm_actors:
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.workload) as handle:
         workload = json.load(handle)
     prompts, max_tokens = workload["prompts"], workload["max_tokens"]
-    mix = workload.get("mix")  # per request: {"json": schema} or penalties (bench/throughput_mix.py)
+    mix = workload.get("mix")  # per request: {"json": schema} or penalties (throughput_mix.py)
     result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "runs": [],
                               "python": sys.version.split()[0]}
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Sweep of the Triton decode kernel's launch parameters over realistic batches (needs a CUDA GPU).
 
-The kernel microbenchmark (`vllm_actors.bench.kernels`) times decode at uniform context lengths,
+The kernel microbenchmark (`benchmarks.lib.kernels`) times decode at uniform context lengths,
 where every program of the grid does the same work. A serving batch is not like that: in
 nano-vllm's workload (prompts and outputs of 100-1,024 tokens, all requests at once) the batch
 shrinks from 256 sequences to a few as requests finish, and contexts differ by up to 10x. Programs
@@ -12,7 +12,7 @@ still running and their context lengths), and for each times the decode kernel, 
 CUDA graph, for every (split count, tile config) of a grid. The sum over snapshots approximates
 the decode attention time of the whole run, so a change of default is judged on it.
 
-    python -m vllm_actors.bench.decode_sweep --out results/decode_sweep.json
+    python benchmarks/decode_sweep.py --out results/decode_sweep.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_actors.bench.kernels_attention import _reference, _rel_err, _setup
-from vllm_actors.bench.kernels_timing import do_bench_graph, spin_up
+from benchmarks.lib.kernels_attention import _reference, _rel_err, _setup
+from benchmarks.lib.kernels_timing import do_bench_graph, spin_up
 
 
 @dataclass
@@ -177,6 +177,3 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"defaults": defaults, "cells": [asdict(c) for c in cells]}, indent=1))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""``vllm-actors bench throughput --mix json-penalties``: nano-vllm's workload with every tenth
+"""``benchmarks/throughput.py --mix json-penalties``: nano-vllm's workload with every tenth
 request held to a JSON schema (structured outputs) and the others carrying penalties (presence,
 frequency, repetition), against the plain workload on the same engine in the same call (``--mix
 json``: the schema's tenth alone, the rest plain; ``--mix penalties``: every request penalised); with

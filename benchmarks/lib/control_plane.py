@@ -89,6 +89,3 @@ def main(argv: list[str] | None = None) -> int:
                          f"{cost.scheduler_ms:12.1f} | {cost.kv_manager_ms:13.1f} | {cost.codec_ms:8.1f}\n")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

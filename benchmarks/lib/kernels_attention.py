@@ -1,4 +1,4 @@
-"""The kernel microbenchmark's attention cases (``vllm_actors.bench.kernels``): decode, prefill and
+"""The kernel microbenchmark's attention cases (``benchmarks.lib.kernels``): decode, prefill and
 a chunked-prefill step, the Triton paged-attention kernels against torch references."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vllm_actors.bench.kernels_timing import DTYPES, do_bench, do_bench_graph, spin_up
+from benchmarks.lib.kernels_timing import DTYPES, do_bench, do_bench_graph, spin_up
 
 if TYPE_CHECKING:
     from vllm_actors.kernels.attention import AttentionMetadata

@@ -1,7 +1,7 @@
 """The batch-1 projections of a model shape: cuBLAS (``F.linear``) against the Triton GEMV
 (`kernels/gemv.py`) for a grid of launch parameters, one GPU.
 
-    python -m vllm_actors.bench.gemv_sweep [--shape qwen3-8b] [--tp 1 2] [--out gemv.json] [--env-out best.env]
+    python benchmarks/gemv_sweep.py [--shape qwen3-8b] [--tp 1 2] [--out gemv.json] [--env-out best.env]
 
 Each projection of a decoder layer at each tensor-parallel size (``qkv``, ``o``, ``gate_up``,
 ``down``, and the LM head, split as `models/parallel.py` splits them) is timed from a CUDA graph of
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_actors.bench.kernels_timing import do_bench_graph, spin_up
+from benchmarks.lib.kernels_timing import do_bench_graph, spin_up
 
 SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocabulary, layers
     "qwen3-8b": (4096, 32, 8, 128, 12288, 151936, 36),
@@ -112,6 +112,3 @@ def main(argv: list[str] | None = None) -> int:
             f"VLLM_ACTORS_GEMV_WARPS={c.warps} VLLM_ACTORS_GEMV_STAGES={c.stages}\n")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -121,6 +121,3 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Timing helpers of the kernel microbenchmark (``vllm_actors.bench.kernels``): medians of
+"""Timing helpers of the kernel microbenchmark (``benchmarks.lib.kernels``): medians of
 ``triton.testing.do_bench``, per-call times replayed from CUDA graphs, and a GPU spin-up."""
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from vllm_actors.bench.kernels_attention import Row, bench_decode, bench_mixed, bench_prefill
-from vllm_actors.bench.kernels_fused import bench_fused, format_fused
-from vllm_actors.bench.kernels_timing import DTYPES
+from benchmarks.lib.kernels_attention import Row, bench_decode, bench_mixed, bench_prefill
+from benchmarks.lib.kernels_fused import bench_fused, format_fused
+from benchmarks.lib.kernels_timing import DTYPES
 
 log = structlog.get_logger(__name__)
 
@@ -129,6 +129,3 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         sys.exit(f"{len(bad)} case(s) differ from the torch reference by more than {args.max_rel_err}")
 
-
-if __name__ == "__main__":
-    main()

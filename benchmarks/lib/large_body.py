@@ -1,4 +1,4 @@
-"""One large request against ``vllm-actors serve`` while ``/health`` is polled (issue 13): how long
+"""One large request against ``vllm-actors serve`` while ``/health`` is polled: how long
 the server takes to answer it, the longest ``/health`` wait meanwhile, and the serve process's
 resident memory before, at its peak and after.
 

@@ -1,0 +1,122 @@
+"""The throughput benchmark's report with its comparisons: the GPU's floor and ceilings, the
+transformers and vLLM peers, and batch-1 by the client's clock (rows, bars and ``results.json`` keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.lib.floor import Floor, GpuCeilings
+from benchmarks.lib.peer_transformers import PeerResult
+from vllm_actors.bench.report import BenchReport
+
+_KEY_ORDER = (
+    "config", "ours", "floor", "fraction_of_floor", "ceilings", "peer", "peer_ratio", "metrics", "batch1", "errors",
+    "total_seconds", "ours_runs", "startup_s", "batch1_client", "peer_vllm", "vllm_ratio", "steps",
+)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+@dataclass
+class ComparisonReport(BenchReport):
+    ceilings: GpuCeilings | None = None
+    floor: Floor | None = None
+    peer: PeerResult | None = None
+    batch1_client: dict[str, Any] | None = None  # client-clock batch-1 (peer_vllm.client_batch1)
+    peer_vllm: dict[str, Any] | None = None  # peer_vllm.py's result
+
+    @property
+    def vllm_ratio(self) -> float | None:
+        if self.ours is None or not self.peer_vllm or not self.peer_vllm.get("tokens_per_s"):
+            return None
+        return self.ours.tokens_per_s / float(self.peer_vllm["tokens_per_s"])
+
+    @property
+    def fraction_of_floor(self) -> float | None:
+        if self.ours is None or self.floor is None or self.floor.tokens_per_s <= 0:
+            return None
+        return self.ours.tokens_per_s / self.floor.tokens_per_s
+
+    @property
+    def peer_ratio(self) -> float | None:
+        if self.ours is None or self.peer is None or self.peer.tokens_per_s <= 0:
+            return None
+        return self.ours.tokens_per_s / self.peer.tokens_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        merged = {
+            **super().to_dict(),
+            "floor": None if self.floor is None else self.floor.to_dict(),
+            "fraction_of_floor": self.fraction_of_floor,
+            "ceilings": None if self.ceilings is None else self.ceilings.to_dict(),
+            "peer": None if self.peer is None else self.peer.to_dict(),
+            "peer_ratio": self.peer_ratio,
+            "batch1_client": self.batch1_client,
+            "peer_vllm": self.peer_vllm,
+            "vllm_ratio": self.vllm_ratio,
+        }
+        return {key: merged[key] for key in _KEY_ORDER}
+
+    def comparison_bars(self) -> list[tuple[str, float]]:
+        bars: list[tuple[str, float]] = []
+        if self.floor is not None:
+            bars.append(("floor", self.floor.tokens_per_s))
+        if self.peer is not None:
+            bars.append((f"transformers\n({self.peer.num_requests} req)", self.peer.tokens_per_s))
+        if self.peer_vllm and self.peer_vllm.get("tokens_per_s"):
+            bars.append((f"vLLM {self.peer_vllm.get('version', '')}", float(self.peer_vllm["tokens_per_s"])))
+        return bars
+
+    def comparison_rows(self) -> list[tuple[str, str]]:
+        rows = self._vllm_rows()
+        if self.floor is not None:
+            floor = self.floor
+            rows.append(("floor: output tok/s", f"{floor.tokens_per_s:,.0f} ({floor.seconds:.2f} s: prefill "
+                                                f"{floor.prefill_seconds:.2f} s + {floor.decode_steps} decode steps "
+                                                f"{floor.decode_seconds:.2f} s)"))
+            if self.fraction_of_floor is not None:
+                rows.append(("ours / floor", f"{self.fraction_of_floor:.1%}"))
+            rows.append(("floor at", f"{floor.bandwidth / 1e12:.2f} TB/s, {floor.matmul_rate / 1e12:.0f} TFLOP/s"))
+        if self.ceilings is not None:
+            ceilings = self.ceilings
+            rows.append(("measured copy bandwidth", f"{ceilings.bandwidth / 1e12:.2f} TB/s (read+write, "
+                                                    f"{ceilings.copy_bytes / (1 << 30):.0f} GiB copy)"))
+            rows.append(("measured bf16 matmul", f"{ceilings.matmul_rate / 1e12:.0f} TFLOP/s "
+                                                 f"({ceilings.matmul_size}³)"))
+            rows.append(("GPU", ceilings.device))
+        if self.peer is not None:
+            peer = self.peer
+            rows.append((f"peer: transformers {peer.version}", f"{peer.tokens_per_s:,.0f} tok/s "
+                                                              f"({peer.num_requests} requests, "
+                                                              f"{peer.output_tokens:,} tokens, {peer.seconds:.1f} s, "
+                                                              f"{peer.attn_implementation})"))
+            if self.peer_ratio is not None:
+                rows.append(("ours / peer (tok/s)", f"{self.peer_ratio:.2f}x"))
+        return rows
+
+    def _vllm_rows(self) -> list[tuple[str, str]]:
+        rows: list[tuple[str, str]] = []
+        ours_b1, peer = self.batch1_client, self.peer_vllm
+        if ours_b1:
+            rows.append(("ours: batch-1 (client clock)", f"TTFT {_ms(ours_b1['ttft_s'])}, "
+                                                         f"{ours_b1['ms_per_token']:.3f} ms/token"))
+        if not peer:
+            return rows
+        if peer.get("tokens_per_s"):
+            runs = ", ".join(f"{run['tokens_per_s']:,.0f}" for run in peer.get("runs", []))
+            rows.append((f"vLLM {peer.get('version', '')}: output tok/s",
+                         f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
+        if peer.get("startup_s") is not None:
+            rows.append(("vLLM: engine start", f"{peer['startup_s']:.1f} s"))
+        if peer.get("batch1"):
+            b1 = peer["batch1"]
+            rows.append(("vLLM: batch-1 (client clock)",
+                         f"TTFT {_ms(b1['ttft_s'])}, {b1['ms_per_token']:.3f} ms/token"))
+        if self.vllm_ratio is not None:
+            rows.append(("ours / vLLM (tok/s)", f"{self.vllm_ratio:.3f}"))
+        if peer.get("error"):
+            rows.append(("error: vLLM", str(peer["error"])))
+        return rows
