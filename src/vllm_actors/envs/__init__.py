@@ -15,6 +15,7 @@ raises a ``ValueError`` that names the variable. ``Envs(mapping)`` reads another
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
@@ -94,10 +95,10 @@ def log_level(text: str) -> str:
 
 
 def profile_window(text: str) -> tuple[int, int]:
-    first, colon, count = text.partition(":")
-    if not (colon and first.isdigit() and count.isdigit() and int(count) >= 1):
+    match = re.fullmatch(r"([0-9]+):([0-9]+)", text)
+    if match is None or int(match.group(2)) < 1:
         raise ValueError("must be FIRST:COUNT with COUNT >= 1 (e.g. 200:8)")
-    return int(first), int(count)
+    return int(match.group(1)), int(match.group(2))
 
 
 def text(value: str) -> str:
@@ -236,18 +237,18 @@ class Envs:
         kind="bool", group="engine")
     VLLM_ACTORS_SAMPLER = Setting[KernelChoice](
         "auto", kernel_choice, "Fused sampling kernel: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto|torch|triton", group="engine")
+        kind="auto, torch, triton", group="engine")
     VLLM_ACTORS_PENALTIES = Setting[KernelChoice](
         "auto", kernel_choice, "Penalties kernel: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto|torch|triton", group="engine")
+        kind="auto, torch, triton", group="engine")
 
     # --------------------------------------------------------------------- kernels
     VLLM_ACTORS_ATTENTION = Setting[KernelChoice](
         "auto", kernel_choice, "Paged attention: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto|torch|triton", group="kernels")
+        kind="auto, torch, triton", group="kernels")
     VLLM_ACTORS_FUSED_OPS = Setting[KernelChoice](
         "auto", kernel_choice, "Fused RMSNorm, rotary, SiLU and embedding: `triton`, `torch`, or `auto`.",
-        kind="auto|torch|triton", group="kernels")
+        kind="auto, torch, triton", group="kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = Setting(
         True, parse_bool, "The rotary kernel also stores k and v in the KV cache (0: a separate write).",
         kind="bool", group="kernels")
@@ -267,7 +268,7 @@ class Envs:
     VLLM_ACTORS_TP_ALLREDUCE = Setting(
         "symm_mem", choice("nccl", "symm_mem", "symm_mem_one_shot"),
         "All-reduce: two-shot over symmetric memory in its band, one-shot, or NCCL alone.",
-        kind="nccl|symm_mem|symm_mem_one_shot", group="tp")
+        kind="nccl, symm_mem, symm_mem_one_shot", group="tp")
     VLLM_ACTORS_TP_SYMM_MIN_BYTES = Setting(
         64 << 10, integer(0), "Smallest all-reduce through symmetric memory (0 sends every one, as tests do).",
         kind="int", group="tp")
