@@ -164,6 +164,17 @@ def _shown(default: object) -> str:
     return str(default)
 
 
+def switch(doc: str, group: str, default: bool = True) -> Setting[bool]:
+    """A path turned on or off."""
+    return Setting(default, parse_bool, doc, kind="bool", group=group)
+
+
+def kernel_switch(what: str, group: str) -> Setting[KernelChoice]:
+    """An op's "Triton or torch" (``kernels/choice.py``)."""
+    return Setting[KernelChoice]("auto", kernel_choice, f"{what}: `triton`, `torch`, or `auto` (Triton on CUDA).",
+                                 kind="auto, torch, triton", group=group)
+
+
 class Envs:
     """The settings, read from ``environ`` (None: this process's environment, at every read)."""
 
@@ -198,9 +209,8 @@ class Envs:
     VLLM_ACTORS_RUN_ROOT = Setting[str | None](
         None, text, "Where process groups make their run directories.",
         kind="path", group="process", shown_default="`/tmp/vllm-actors-<uid>`")
-    VLLM_ACTORS_GC_FREEZE = Setting(
-        True, parse_bool, "Freeze the start-up heap out of the garbage collector's way in every process.",
-        kind="bool", group="process")
+    VLLM_ACTORS_GC_FREEZE = switch(
+        "Freeze the start-up heap out of the garbage collector's way in every process.", "process")
     VLLM_ACTORS_BUSY_POLL_MS = Setting[float | None](
         None, number, "Milliseconds an engine actor polls without blocking after a message; 0: off.",
         kind="float", group="process", shown_default="20 on CUDA, 0 on the CPU")
@@ -223,46 +233,26 @@ class Envs:
         kind="float", group="process", shown_default="1.0")
 
     # --------------------------------------------------------------------- engine paths
-    VLLM_ACTORS_DEFER_STEPS = Setting(
-        True, parse_bool, "The worker launches a step and reads its tokens back at the next one.",
-        kind="bool", group="engine")
-    VLLM_ACTORS_PADDED_GRAPHS = Setting(
-        True, parse_bool, "Prefill and mixed steps replay CUDA graphs padded to the next token count.",
-        kind="bool", group="engine")
-    VLLM_ACTORS_GRAPH_SAMPLER = Setting(
-        True, parse_bool, "Decode graphs also draw the tokens where every row needs only the fused sampler.",
-        kind="bool", group="engine")
-    VLLM_ACTORS_TP_GRAPH_SAMPLER = Setting(
-        True, parse_bool, "Every tensor-parallel rank draws a sampling graph's tokens itself (0: rank 0 broadcasts).",
-        kind="bool", group="engine")
-    VLLM_ACTORS_SAMPLER = Setting[KernelChoice](
-        "auto", kernel_choice, "Fused sampling kernel: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto, torch, triton", group="engine")
-    VLLM_ACTORS_PENALTIES = Setting[KernelChoice](
-        "auto", kernel_choice, "Penalties kernel: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto, torch, triton", group="engine")
+    VLLM_ACTORS_DEFER_STEPS = switch("The worker launches a step and reads its tokens back at the next one.", "engine")
+    VLLM_ACTORS_PADDED_GRAPHS = switch(
+        "Prefill and mixed steps replay CUDA graphs padded to the next token count.", "engine")
+    VLLM_ACTORS_GRAPH_SAMPLER = switch(
+        "Decode graphs also draw the tokens where every row needs only the fused sampler.", "engine")
+    VLLM_ACTORS_TP_GRAPH_SAMPLER = switch(
+        "Every tensor-parallel rank draws a sampling graph's tokens itself (0: rank 0 broadcasts).", "engine")
+    VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
+    VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 
     # --------------------------------------------------------------------- kernels
-    VLLM_ACTORS_ATTENTION = Setting[KernelChoice](
-        "auto", kernel_choice, "Paged attention: `triton`, `torch`, or `auto` (Triton on CUDA).",
-        kind="auto, torch, triton", group="kernels")
-    VLLM_ACTORS_FUSED_OPS = Setting[KernelChoice](
-        "auto", kernel_choice, "Fused RMSNorm, rotary, SiLU and embedding: `triton`, `torch`, or `auto`.",
-        kind="auto, torch, triton", group="kernels")
-    VLLM_ACTORS_FUSED_KV_WRITE = Setting(
-        True, parse_bool, "The rotary kernel also stores k and v in the KV cache (0: a separate write).",
-        kind="bool", group="kernels")
-    VLLM_ACTORS_GEMV = Setting(
-        True, parse_bool, "The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", kind="bool", group="kernels")
-    VLLM_ACTORS_GEMV_SILU = Setting(
-        True, parse_bool, "At one row the down projection's GEMV applies SiLU(gate) * up itself.",
-        kind="bool", group="kernels")
-    VLLM_ACTORS_PDL = Setting(
-        True, parse_bool, "Programmatic dependent launch of our Triton kernels (Hopper and later).",
-        kind="bool", group="kernels")
-    VLLM_ACTORS_PDL_EARLY_LOADS = Setting(
-        True, parse_bool, "Under PDL, loads of what no recent kernel wrote move before the wait.",
-        kind="bool", group="kernels")
+    VLLM_ACTORS_ATTENTION = kernel_switch("Paged attention", "kernels")
+    VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
+    VLLM_ACTORS_FUSED_KV_WRITE = switch(
+        "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
+    VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")
+    VLLM_ACTORS_GEMV_SILU = switch("At one row the down projection's GEMV applies SiLU(gate) * up itself.", "kernels")
+    VLLM_ACTORS_PDL = switch("Programmatic dependent launch of our Triton kernels (Hopper and later).", "kernels")
+    VLLM_ACTORS_PDL_EARLY_LOADS = switch(
+        "Under PDL, loads of what no recent kernel wrote move before the wait.", "kernels")
 
     # --------------------------------------------------------------------- tensor parallelism
     VLLM_ACTORS_TP_ALLREDUCE = Setting(
@@ -272,23 +262,18 @@ class Envs:
     VLLM_ACTORS_TP_SYMM_MIN_BYTES = Setting(
         64 << 10, integer(0), "Smallest all-reduce through symmetric memory (0 sends every one, as tests do).",
         kind="int", group="tp")
-    VLLM_ACTORS_TP_FUSED_NORM = Setting(
-        True, parse_bool, "Fused all-reduce + add + RMSNorm over symmetric memory.", kind="bool", group="tp")
-    VLLM_ACTORS_TP_FUSED_LAMPORT = Setting(
-        True, parse_bool, "The flagless fused all-reduce kernel (0: the flagged one).", kind="bool", group="tp")
+    VLLM_ACTORS_TP_FUSED_NORM = switch("Fused all-reduce + add + RMSNorm over symmetric memory.", "tp")
+    VLLM_ACTORS_TP_FUSED_LAMPORT = switch("The flagless fused all-reduce kernel (0: the flagged one).", "tp")
 
     # --------------------------------------------------------------------- deprecated aliases
     VLLM_ACTORS_STEPS_IN_FLIGHT = Setting(
         2, integer(1), "Deprecated: the engine argument `steps_in_flight`.", kind="int", group="alias")
-    VLLM_ACTORS_DISABLE_EVENTS = Setting(
-        False, parse_bool, "Deprecated: the engine argument `disable_events`.", kind="bool", group="alias")
-    VLLM_ACTORS_CHECK_INVARIANTS = Setting(
-        False, parse_bool, "Deprecated: the engine argument `check_invariants`.", kind="bool", group="alias")
+    VLLM_ACTORS_DISABLE_EVENTS = switch("Deprecated: the engine argument `disable_events`.", "alias", default=False)
+    VLLM_ACTORS_CHECK_INVARIANTS = switch("Deprecated: the engine argument `check_invariants`.", "alias", default=False)
 
     # --------------------------------------------------------------------- other tools' variables
-    TRITON_INTERPRET = Setting(
-        False, parse_bool, "Triton's: kernels run in its interpreter (the CPU tests); read when kernels import.",
-        kind="bool", group="other")
+    TRITON_INTERPRET = switch(
+        "Triton's: kernels run in its interpreter (the CPU tests); read when kernels import.", "other", default=False)
     CUDA_VISIBLE_DEVICES = Setting[str | None](
         None, text, "CUDA's: an empty value hides every GPU (busy polling then stays off on `auto`).",
         kind="str", group="other", keep_empty=True)

@@ -8,13 +8,15 @@ import torch
 from vllm_actors.envs import Envs, envs
 
 KERNEL_CHOICES = ("VLLM_ACTORS_ATTENTION", "VLLM_ACTORS_FUSED_OPS", "VLLM_ACTORS_SAMPLER", "VLLM_ACTORS_PENALTIES")
+_SETTINGS = {name: Envs.setting(name) for name in KERNEL_CHOICES}  # asked at every op in eager mode: one lookup
 
 
 def kernel_choice(variable: str) -> str:
     """``auto``, ``torch`` or ``triton``: what ``variable`` (one of ``KERNEL_CHOICES``) asks for."""
-    if variable not in KERNEL_CHOICES:
+    setting = _SETTINGS.get(variable)
+    if setting is None:
         raise KeyError(f"{variable} is not a kernel choice ({', '.join(KERNEL_CHOICES)})")
-    return str(Envs.setting(variable).read(envs.environ))
+    return str(setting.read(envs.environ))
 
 
 def use_triton(variable: str, have_triton: bool, device: torch.device) -> bool:
