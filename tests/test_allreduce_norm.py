@@ -14,7 +14,6 @@ from vllm_actors.kernels import allreduce_norm  # conftest.py sets TRITON_INTERP
 from vllm_actors.kernels.fused_ops import rms_norm
 from vllm_actors.models.fused_all_reduce import (
     FUSED_ENV,
-    FUSED_MAX_BYTES_ENV,
     SLOT_ATTN,
     SLOT_EMBED,
     SLOT_MLP,
@@ -115,7 +114,7 @@ def test_off_without_a_gpu_or_when_asked() -> None:
     assert fused_from_env({}, group=None, device=None) is None  # gloo: the all-reduce, then the norm
     cuda = torch.device("cuda", 0)
     assert fused_from_env({FUSED_ENV: "0"}, group=None, device=cuda) is None
-    assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl", FUSED_MAX_BYTES_ENV: "1024"}, None, cuda) is None
+    assert fused_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "nccl"}, None, cuda) is None
 
 
 class _CudaLike:
@@ -239,7 +238,6 @@ def test_early_loads_change_no_bit(monkeypatch: pytest.MonkeyPatch, lamport: boo
     """``VLLM_ACTORS_PDL_EARLY_LOADS``: the residual row and the weight read before the PDL wait
     give the same bits as reading them after it, for both kernels. (Above MAX_PROGRAMS rows, several
     rows a program, the host turns it off.)"""
-    from vllm_actors.kernels import pdl
 
     world, rank, cols, dtype = 2, 1, 96, HALF
     generator = torch.Generator().manual_seed(rows)
@@ -259,9 +257,9 @@ def test_early_loads_change_no_bit(monkeypatch: pytest.MonkeyPatch, lamport: boo
         return allreduce_norm.all_reduce_rms_norm(partials[rank], buffer_ptrs, pads, rank, weight, 1e-6, residual,
                                                   lamport=True)
 
-    monkeypatch.setattr(pdl, "EARLY_LOADS", False)
+    monkeypatch.setenv("VLLM_ACTORS_PDL_EARLY_LOADS", "0")
     late = reduce()
-    monkeypatch.setattr(pdl, "EARLY_LOADS", True)
+    monkeypatch.setenv("VLLM_ACTORS_PDL_EARLY_LOADS", "1")
     early = reduce()
     assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1])
     want = allreduce_norm.all_reduce_rms_norm_reference(partials, weight, 1e-6, residual)

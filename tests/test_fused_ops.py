@@ -68,10 +68,9 @@ def test_qk_norm_rope_stores_k_and_v_in_the_cache_in_the_same_launch(
     """The fused KV write: the rotated k and v land at each token's slot, exactly as the separate
     rope and KV-write kernels put them; a negative slot (a graph's padding row) writes nothing. Also
     with the slots read before the PDL wait (``VLLM_ACTORS_PDL_EARLY_LOADS``)."""
-    from vllm_actors.kernels import pdl
     from vllm_actors.kernels.attention import write_kv_cache
 
-    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+    monkeypatch.setenv("VLLM_ACTORS_PDL_EARLY_LOADS", "1" if early else "0")
 
     generator = torch.Generator().manual_seed(3)
     tokens, q_heads, kv_heads, dim, block_size, blocks = 5, 4, 2, 32, 4, 6

@@ -62,12 +62,12 @@ def test_linear_takes_only_few_half_precision_rows_on_a_gpu() -> None:
         assert not takes(torch.zeros((1, 16), device="cuda"), cuda.weight.float())
 
 
-def test_config_from_the_environment() -> None:
-    config = GemvConfig.from_env({"VLLM_ACTORS_GEMV_BLOCK_N": "8", "VLLM_ACTORS_GEMV_STAGES": "1"})
-    assert config == GemvConfig(block_n=8, block_k=GemvConfig().block_k, warps=GemvConfig().warps, stages=1)
-    for bad in ("-1", "5"):
-        with pytest.raises(ValueError, match="VLLM_ACTORS_GEMV_PREFETCH must be 0..4"):
-            GemvConfig.from_env({"VLLM_ACTORS_GEMV_PREFETCH": bad})
+def test_config_defaults_and_prefetch_bounds() -> None:
+    """The launch parameters are constants now (the sweep's best; VLLM_ACTORS_GEMV_* are gone)."""
+    assert GemvConfig() == GemvConfig(block_n=8, block_k=1024, warps=4, stages=2, prefetch=2)
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="prefetch must be 0..4"):
+            GemvConfig(prefetch=bad)
 
 
 def test_programmatic_dependent_launch_stays_off_without_a_hopper_gpu_or_the_variable() -> None:

@@ -127,3 +127,66 @@ def test_importing_the_bookkeeping_state_machines_and_the_protocol_does_not_impo
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "", f"importing {result.stdout.strip()} imports torch"
+
+
+# Settings are read from the environment through vllm_actors.envs alone (one registry, documented in
+# docs/settings.md). Writing the environment, or building a child process's from it, is allowed.
+ENVS_PACKAGE = PACKAGE / "envs"
+# Files whose owners convert their reads after the merge (the list is then emptied).
+ENV_READS_NOT_YET_CONVERTED = (
+    "actors/worker/deferred.py", "actors/worker/model_runner.py", "actors/worker/padded_forward.py",
+    "runtime/actor_main.py", "runtime/zmq_shell.py", "clients/inprocess.py", "runtime/supervisor.py", "bench/",
+)
+_ENV_WRITES = frozenset({"setdefault", "update", "pop", "copy", "clear"})  # os.environ.<these>(...)
+
+
+def _writes_or_copies(node: ast.Attribute, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether this ``os.environ`` is written (``[k] = v``, ``del``, ``.update``...) or copied for a child."""
+    parent = parents[node]
+    if isinstance(parent, ast.Subscript):
+        return isinstance(parent.ctx, (ast.Store, ast.Del))
+    if isinstance(parent, ast.Attribute):
+        return parent.attr in _ENV_WRITES
+    if isinstance(parent, ast.Call):  # dict(os.environ, NAME=...)
+        return isinstance(parent.func, ast.Name) and parent.func.id == "dict" and node in parent.args
+    if isinstance(parent, ast.Dict):  # {**os.environ, NAME: ...}
+        return any(key is None and value is node for key, value in zip(parent.keys, parent.values, strict=True))
+    return False
+
+
+def environment_reads(path: Path, root: Path = PACKAGE) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    where = path.relative_to(root).as_posix()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [f"{where}:{node.lineno} imports os.{a.name}" for a in node.names
+                      if a.name in ("environ", "environb", "getenv", "getenvb")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in ("getenv", "getenvb", "environb") or (
+                    node.attr == "environ" and not _writes_or_copies(node, parents)):
+                found.append(f"{where}:{node.lineno} reads os.{node.attr}")
+    return found
+
+
+def test_settings_are_read_from_the_environment_only_through_envs() -> None:
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if path.is_relative_to(ENVS_PACKAGE) or where.startswith(ENV_READS_NOT_YET_CONVERTED):
+            continue
+        problems += environment_reads(path)
+    print("\n".join(problems))
+    assert not problems, ("read settings through vllm_actors.envs (declare new ones there):\n  "
+                          + "\n  ".join(problems))
+
+
+def test_the_environment_rule_tells_reads_from_writes(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("import os\nfrom os import getenv\n"
+                      "a = os.environ.get('X')\nb = os.environ['X']\nc = os.getenv('X')\nf(os.environ)\n"
+                      "os.environ['X'] = '1'\nos.environ.setdefault('X', '1')\nos.environ.pop('X', None)\n"
+                      "env = dict(os.environ, X='1')\nenv = {**os.environ, 'X': '1'}\ndel os.environ['X']\n")
+    lines = sorted(problem.split(":")[1].split()[0] for problem in environment_reads(sample, tmp_path))
+    assert lines == ["2", "3", "4", "5", "6"], lines

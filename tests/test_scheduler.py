@@ -15,7 +15,7 @@ from vllm_actors.protocol.sampling import SamplingParams
 
 def make_engine(num_blocks: int, block_size: int = 4, budget: int = 64, max_num_seqs: int = 256,
                 chunked: bool = True, serialize: bool = True, prefix_caching: bool = True,
-                scheduling_policy: str = "fcfs") -> tuple[InProcessEngine, FakeRunner]:
+                scheduling_policy: str = "fcfs", steps_in_flight: int = 2) -> tuple[InProcessEngine, FakeRunner]:
     runner = FakeRunner(num_blocks=num_blocks, block_size=block_size)
     config = EngineConfig(
         model="fake",
@@ -26,6 +26,7 @@ def make_engine(num_blocks: int, block_size: int = 4, budget: int = 64, max_num_
         max_model_len=512,
         enable_prefix_caching=prefix_caching,
         scheduling_policy=scheduling_policy,
+        steps_in_flight=steps_in_flight,
     )
     engine = InProcessEngine(config, serialize=serialize, runner=runner, tokenizer=None)
     engine.step_hooks.append(lambda e: e.check_invariants())

@@ -50,13 +50,12 @@ def test_a_long_prompt_sends_its_chunks_back_to_back() -> None:
     assert (first.num_tokens, second.num_tokens) == ([32], [18])  # the second chunk does not wait
 
 
-def test_outputs_with_two_steps_in_flight_equal_one_step_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outputs_with_two_steps_in_flight_equal_one_step_at_a_time() -> None:
     prompts = random_prompts(10, seed=5, longest=40)
     params = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True) for i in range(10)]
     outputs = {}
     for depth in (1, 2):
-        monkeypatch.setenv("VLLM_ACTORS_STEPS_IN_FLIGHT", str(depth))
-        engine, runner = make_engine(num_blocks=40, block_size=4, budget=24)
+        engine, runner = make_engine(num_blocks=40, block_size=4, budget=24, steps_in_flight=depth)
         assert engine.scheduler.config.max_steps_in_flight == depth
         plans = record_plans(engine)
         finished = run(engine, prompts, params)

@@ -93,7 +93,7 @@ def test_sharded_logits_from_quantized_gguf(default_gguf_path: str, tmp_path: Pa
 
 def test_the_all_reduce_is_chosen_from_the_environment() -> None:
     """``VLLM_ACTORS_TP_ALLREDUCE``: on GPUs by default the two-shot symmetric-memory all-reduce from
-    64 KiB up to ``VLLM_ACTORS_TP_SYMM_MAX_BYTES`` (NCCL outside that band), or the one-shot, or
+    64 KiB up to ``SYMM_MAX_BYTES`` (NCCL outside that band), or the one-shot, or
     NCCL alone; gloo on the CPU; anything else a clear error."""
     from types import SimpleNamespace
 
@@ -108,9 +108,8 @@ def test_the_all_reduce_is_chosen_from_the_environment() -> None:
     two = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem", "VLLM_ACTORS_TP_SYMM_MIN_BYTES": "0"},
                                    group, on_cuda=True)
     assert isinstance(two, SymmMemAllReduce) and two.method == "two_shot" and two.max_bytes == 8 << 20
-    one = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem_one_shot",
-                                    "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "524288"}, group, on_cuda=True)
-    assert one is not None and one.method == "one_shot" and one.max_bytes == 512 << 10
+    one = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem_one_shot"}, group, on_cuda=True)
+    assert one is not None and one.method == "one_shot" and one.max_bytes == 8 << 20  # SYMM_MAX_BYTES, a constant
     assert not one.fits(torch.zeros(4))  # a CPU tensor never goes through symmetric memory
     banded = symm_all_reduce_from_env({"VLLM_ACTORS_TP_ALLREDUCE": "symm_mem",
                                        "VLLM_ACTORS_TP_SYMM_MIN_BYTES": "65536"}, group, on_cuda=True)

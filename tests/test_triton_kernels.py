@@ -283,9 +283,8 @@ def test_decode_skips_sequences_without_a_query(monkeypatch: pytest.MonkeyPatch,
     """A sequence with no query this step writes nothing (its would-be row belongs to the next one);
     a padded row of length 0 yields zeros rather than NaN. Also with the step's metadata read before
     the PDL wait (``VLLM_ACTORS_PDL_EARLY_LOADS``)."""
-    from vllm_actors.kernels import pdl
 
-    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+    monkeypatch.setenv("VLLM_ACTORS_PDL_EARLY_LOADS", "1" if early else "0")
     case = make_case([(20, 1), (33, 0), (50, 1)], 16, 4, 2, 32, torch.float32, seed=3)
     assert_close(run_decode(case, num_splits), case, torch.float32)
 
@@ -311,9 +310,8 @@ def test_decode_in_longest_first_order_is_the_same_attention(
     """Programs taking the sequences in another order (the backend's longest-first `decode_order`)
     still write each sequence's own row, also around a sequence without a query this step (also
     with the metadata read before the PDL wait)."""
-    from vllm_actors.kernels import pdl
 
-    monkeypatch.setattr(pdl, "EARLY_LOADS", early)
+    monkeypatch.setenv("VLLM_ACTORS_PDL_EARLY_LOADS", "1" if early else "0")
     case = make_case([(20, 1), (300, 1), (33, 0), (0, 1), (130, 1)], 16, 4, 2, 32, torch.float32, seed=8)
     plain = run_decode(case, num_splits)
     order = torch.argsort(case.meta.seq_lens, descending=True)
@@ -332,34 +330,25 @@ def test_backend_prepare_orders_decode_steps_only(monkeypatch: pytest.MonkeyPatc
     assert ta.TritonPagedAttention(ordered=False).prepare(decode) is decode
     mixed = make_case([(20, 1), (0, 12)], 16, 4, 2, 32, torch.float32, seed=9).meta
     assert ta.TritonPagedAttention(ordered=True).prepare(mixed) is mixed
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_ORDER", "0")
-    assert not ta.TritonPagedAttention().ordered
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_ORDER", "yes")
-    with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_ORDER must be 0 or 1"):
-        ta.TritonPagedAttention()
+    assert ta.TritonPagedAttention().ordered is ta.DECODE_ORDERED is True  # the default: longest first
 
 
-def test_choose_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_choose_decode_splits() -> None:
     cuda_like = torch.device("cpu")  # 4 "SMs" on CPU
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_WAVES", "16")  # TP=2 at batch 256 (1,024 programs on 132 SMs): 2 splits
-    assert ta.choose_decode_splits(8, 4, 4096, cuda_like) == 2 and ta.choose_decode_splits(1, 1, 4096, cuda_like) == 32
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_WAVES", "0")
-    with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_WAVES must be a positive integer"):
-        ta.choose_decode_splits(1, 1, 4096, cuda_like)
-    monkeypatch.delenv("VLLM_ACTORS_DECODE_WAVES")
+    # 16 waves (TP=2 at batch 256: 1,024 programs on 132 SMs): 2 splits
+    assert ta.choose_decode_splits(8, 4, 4096, cuda_like, waves=16) == 2
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like, waves=16) == 32
+    with pytest.raises(ValueError, match="waves must be a positive integer"):
+        ta.choose_decode_splits(1, 1, 4096, cuda_like, waves=0)
     assert ta.choose_decode_splits(1, 1, 100, cuda_like) == 1  # too short to split
     assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 8  # 2 waves of 4 "SMs"
     assert ta.choose_decode_splits(64, 8, 4096, cuda_like) == 1  # enough programs already
     assert ta.choose_decode_splits(1, 1, 300, cuda_like) == 2  # >= 128 keys per split
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", "2")
-    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 2
-    monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", "1")  # no reduction kernel
-    assert ta.choose_decode_splits(1, 1, 4096, cuda_like) == 1
-    for bad in ("3", "0", "128", "x"):
-        monkeypatch.setenv("VLLM_ACTORS_DECODE_MAX_SPLITS", bad)
-        with pytest.raises(ValueError, match="VLLM_ACTORS_DECODE_MAX_SPLITS must be a power of two"):
-            ta.choose_decode_splits(1, 1, 4096, cuda_like)
-    monkeypatch.delenv("VLLM_ACTORS_DECODE_MAX_SPLITS")
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like, max_splits=2) == 2
+    assert ta.choose_decode_splits(1, 1, 4096, cuda_like, max_splits=1) == 1  # no reduction kernel
+    for bad in (3, 0, 128):
+        with pytest.raises(ValueError, match="max_splits must be a power of two"):
+            ta.choose_decode_splits(1, 1, 4096, cuda_like, max_splits=bad)
     for num_seqs in (1, 3, 17):
         for max_len in (1, 255, 257, 10_000, 1_000_000):
             splits = ta.choose_decode_splits(num_seqs, 2, max_len, cuda_like)

@@ -7,9 +7,22 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
+
+from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES, EngineConfig
 
+log = structlog.get_logger(__name__)
+
 _ENGINE_ARGS = set(EngineConfig.__struct_fields__) - {"model"}
+# Engine arguments taken from the environment where they are not given: the deprecated aliases of
+# three former settings, and the CPU KV pool's size (vLLM's VLLM_CPU_KVCACHE_SPACE, in our name).
+DEPRECATED_ALIASES = {
+    "steps_in_flight": "VLLM_ACTORS_STEPS_IN_FLIGHT",
+    "disable_events": "VLLM_ACTORS_DISABLE_EVENTS",
+    "check_invariants": "VLLM_ACTORS_CHECK_INVARIANTS",
+}
+ENVIRONMENT_DEFAULTS = {**DEPRECATED_ALIASES, "cpu_kv_cache_gib": "VLLM_ACTORS_CPU_KVCACHE_SPACE"}
 
 
 def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> EngineConfig:
@@ -20,7 +33,16 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
         from vllm_actors.default_model import default_model_path
 
         model = default_model_path()
-    return EngineConfig(model=model, **engine_args)
+    return EngineConfig(model=model, **{**environment_defaults(engine_args), **engine_args})
+
+
+def environment_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine arguments not in ``given`` whose environment variable is set, with its value."""
+    found = {field: getattr(envs, name) for field, name in ENVIRONMENT_DEFAULTS.items()
+             if field not in given and envs.is_set(name)}
+    for field in found.keys() & DEPRECATED_ALIASES.keys():
+        log.info("deprecated setting", variable=DEPRECATED_ALIASES[field], engine_argument=field)
+    return found
 
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +59,7 @@ class LLM:
         from vllm_actors.clients.sync_client import EngineClient
         from vllm_actors.runtime.supervisor import ProcessGroup
 
-        check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
-        self._group = ProcessGroup(self.config, check_invariants=check).start()
+        self._group = ProcessGroup(self.config, check_invariants=self.config.check_invariants).start()
         try:
             self._client = EngineClient(self._group.info, load_group_tokenizer(self._group.info), group=self._group)
         except BaseException:

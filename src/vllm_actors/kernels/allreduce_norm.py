@@ -2,8 +2,7 @@
 
 Each row-parallel projection (``o_proj``, ``down_proj``) ends in an all-reduce of its partial sums,
 and the next thing the decoder does is add the residual stream and RMSNorm the sum. With NCCL that
-is two kernels and a launch gap; at batch 1 (8 KiB a rank at the Qwen3-8B shape) NCCL alone takes
-about 12 us in a CUDA graph, 73 times a token.
+is two kernels and a launch gap, twice a layer; at batch 1 NCCL's latency, not the bytes, sets the cost.
 
 ``all_reduce_rms_norm`` does it in one launch over buffers every rank maps (torch's symmetric
 memory, no NVLink multicast). Program ``p`` of each rank handles rows ``p, p + G, ...``:
@@ -29,10 +28,8 @@ no element is EMPTY any more (a row is its own flag), sets it back to EMPTY and 
 as above. One NVLink crossing a call, where the flagged kernel has a store, a system-scope release
 and a compare-and-swap round trip. Reuse is safe for the same reason: a peer stores into slot ``s``
 again only after a call on another slot, which needs this rank's rows of that call, which this
-rank sends only after the kernel that emptied ``s`` has finished. Seventh session, 2x H100, one
-call: 4.02 us at batch 1 against the flagged kernel's 6.52 (NCCL + norm: 8.94), 12.33 against
-14.98 at batch 256; batch-1 decode 3.376 ms/token at TP=2 against 3.478 for the flagged kernel
-with the rows pushed.
+rank sends only after the kernel that emptied ``s`` has finished. It is the faster of the two at
+every batch size measured (``benchmarks/RESULTS.md``).
 
 ``all_reduce_rms_norm_reference`` is the same in torch, over a list of every rank's partial.
 """
@@ -277,7 +274,7 @@ def all_reduce_rms_norm(
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != {tuple(x.shape)}")
     source = residual if residual is not None else x
-    early = pdl_module.EARLY_LOADS and rows <= MAX_PROGRAMS  # then every program has exactly one row
+    early = pdl_module.early_loads() and rows <= MAX_PROGRAMS  # then every program has exactly one row
     if lamport:
         if x.element_size() not in (2, 4):
             raise ValueError(f"the flagless all-reduce takes 16- or 32-bit elements, got {x.dtype}")

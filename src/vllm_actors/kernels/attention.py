@@ -8,13 +8,14 @@ causally to its whole context, read through its block table. Kernels know nothin
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 import torch
 import torch.nn.functional as F
+
+from vllm_actors.kernels.choice import kernel_choice, use_triton
 
 log = structlog.get_logger(__name__)
 
@@ -171,15 +172,12 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     """Attention backend for device: the Triton kernels on CUDA when triton imports, else the torch
     reference. The environment variable VLLM_ACTORS_ATTENTION=torch|triton overrides the choice
     (triton on a CPU device needs TRITON_INTERPRET=1, set before triton is first imported)."""
-    choice = os.environ.get("VLLM_ACTORS_ATTENTION", "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise ValueError(f"VLLM_ACTORS_ATTENTION must be 'torch' or 'triton', got {choice!r}")
-    if choice == "torch" or (choice == "" and torch.device(device).type != "cuda"):
+    if not use_triton("VLLM_ACTORS_ATTENTION", True, torch.device(device)):  # triton's import is tried below
         return TorchPagedAttention()
     try:
         from vllm_actors.kernels.triton_attention import TritonPagedAttention
     except ImportError as exc:
-        if choice == "triton":
+        if kernel_choice("VLLM_ACTORS_ATTENTION") == "triton":
             raise
         log.warning("triton_unavailable_using_torch_attention", error=str(exc))
         return TorchPagedAttention()

@@ -15,10 +15,11 @@ The torch versions are the reference and the CPU path; tests compare the two.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from vllm_actors.envs import envs
+from vllm_actors.kernels import choice
 
 try:
     import triton
@@ -32,10 +33,7 @@ except ImportError:  # pragma: no cover - triton is installed with the project
 def use_triton(x: torch.Tensor) -> bool:
     """Triton on CUDA tensors; VLLM_ACTORS_FUSED_OPS=torch forces the torch path, =triton the
     Triton one on any tensor (tests run it on the CPU under TRITON_INTERPRET=1)."""
-    choice = os.environ.get("VLLM_ACTORS_FUSED_OPS")
-    if not HAVE_TRITON or choice == "torch":
-        return False
-    return x.is_cuda or choice == "triton"
+    return choice.use_triton("VLLM_ACTORS_FUSED_OPS", HAVE_TRITON, x.device)
 
 
 # (v [T, Hk, D], k_cache, v_cache [num_blocks, block_size, Hk, D], slot_mapping [T] int64)
@@ -288,7 +286,7 @@ def qk_norm_rope(
         num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         *cache_strides, eps,
         HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
-        **pdl(q), EARLY=pdl_module.EARLY_LOADS, num_warps=1,
+        **pdl(q), EARLY=pdl_module.early_loads(), num_warps=1,
     )  # fmt: skip
     return q, k
 
@@ -296,7 +294,7 @@ def qk_norm_rope(
 def fuses_kv_write(q: torch.Tensor) -> bool:
     """Whether ``qk_norm_rope`` can store k and v in the KV cache for tensors like q (its Triton
     path); VLLM_ACTORS_FUSED_KV_WRITE=0 keeps the write in the attention backend."""
-    return use_triton(q) and os.environ.get("VLLM_ACTORS_FUSED_KV_WRITE", "1") != "0"
+    return use_triton(q) and envs.VLLM_ACTORS_FUSED_KV_WRITE
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,29 +1,18 @@
 """Matrix-vector products for batch-1 decode: ``x [M, K] @ weight[N, K].T`` for M of 1 to 4 (Triton).
 
 A batch-1 decode step is a read of every weight once; each projection is a matrix-vector product
-bound by memory. cuBLAS picks split-K kernels for the narrow shapes of a tensor-parallel shard (at
-the Qwen3-8B shape over two ranks ``o_proj`` is 4096 x 2048), plus a reduction kernel after them.
-A 2x H100 profile of a TP=2 batch-1 step (fourth session) had ``o_proj`` at 11.9 us for 16.8 MB,
-1.4 TB/s, and a split-K reduction after every ``o_proj`` and ``down_proj``.
-
-Here program ``p`` owns ``BLOCK_N`` output columns and reads their rows of the weight along K in
-``BLOCK_K`` pieces, keeping a [BLOCK_N, BLOCK_K] float32 accumulator per input row that is summed
-once at the end: one kernel, no split-K pass, every weight byte read once. The launch parameters
-come from ``GemvConfig`` (``VLLM_ACTORS_GEMV_BLOCK_N``, ``_BLOCK_K``, ``_WARPS``, ``_STAGES``);
-``VLLM_ACTORS_GEMV=0`` turns the kernel off (``linear`` is then ``F.linear``).
-
-Measured on H100s (sixth session, `bench/gemv_sweep.py` and `benchmarks/throughput.py`): the
-projections of a Qwen3-8B token took 2,898 us against cuBLAS's 3,244 at TP=2 (5,318 against 5,858
-at TP=1), and batch-1 decode went from 4.243 to 3.888 ms/token at TP=2 and from 6.592 to 5.962 at
-TP=1. At 4 rows cuBLAS was faster on every projection, so ``linear`` sends it 1 or 2 rows only.
+bound by memory. cuBLAS picks split-K kernels for the narrow shapes of a tensor-parallel shard,
+plus a reduction kernel after them. Here program ``p`` owns ``BLOCK_N`` output columns and reads
+their rows of the weight along K in ``BLOCK_K`` pieces, keeping a [BLOCK_N, BLOCK_K] float32
+accumulator per input row that is summed once at the end: one kernel, no split-K pass, every
+weight byte read once. The launch parameters are ``GemvConfig``'s, the best of a sweep
+(``benchmarks/RESULTS.md``); ``VLLM_ACTORS_GEMV=0`` turns the kernel off (``linear`` is then
+``F.linear``). At 4 rows cuBLAS was faster on every projection, so ``linear`` sends it 1 or 2 rows.
 
 Under programmatic dependent launch (``kernels/pdl.py``) a one-row program loads its first
-``prefetch`` weight tiles (default 2) *before* it waits on the kernel before it: no kernel writes the
-weights, so they may stream in while that kernel still runs. At TP=2 that kernel is mostly the
-fused all-reduce + norm, whose NVLink latency the loads then hide. Seventh session, 2x H100:
-0, 1 and 2 tiles gave 3.613, 3.542 and 3.476 ms/token at TP=2, and 5.746 -> 5.618 at TP=1 (0 -> 2);
-block_k 2048 was slower (3.571). ``VLLM_ACTORS_GEMV_PREFETCH`` sets it (0 to 4; 3 and 4 not yet
-measured).
+``prefetch`` weight tiles *before* it waits on the kernel before it: no kernel writes the weights,
+so they may stream in while that kernel still runs (at TP=2 mostly the fused all-reduce + norm,
+whose NVLink latency the loads then hide). More than 2 tiles lost to 2 (registers).
 
 At one row the down projection reads SiLU(gate) * up itself (``silu_mul_linear``), one kernel fewer
 a layer, rounded as ``silu_and_mul`` rounds it (bit-identical; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off).
@@ -31,12 +20,12 @@ a layer, rounded as ``silu_and_mul`` rounds it (bit-identical; ``VLLM_ACTORS_GEM
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from vllm_actors.envs import envs
 
 try:
     import triton
@@ -46,15 +35,14 @@ try:
 except ImportError:  # pragma: no cover - triton is installed with the project
     HAVE_TRITON = False
 
-GEMV_ENV = "VLLM_ACTORS_GEMV"
 MAX_ROWS = 4  # what the kernel takes
 MAX_PREFETCH = 4  # weight tiles a one-row program may load before its PDL wait (registers: 4 x BLOCK_N x BLOCK_K)
-TAKES_ROWS = 2  # what `linear` sends it: on an H100 it beat cuBLAS at 1 and 2 rows, lost at 4 (gemv_sweep)
+TAKES_ROWS = 2  # what `linear` sends it: it beat cuBLAS at 1 and 2 rows, lost at 4
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    # the best over the Qwen3-8B shape's projections at TP=1 and TP=2 on an H100 (gemv_sweep, sixth session)
+    # the best over the Qwen3-8B shape's projections at TP=1 and TP=2 (the sweep in benchmarks/RESULTS.md)
     block_n: int = 8
     block_k: int = 1024
     warps: int = 4
@@ -63,18 +51,7 @@ class GemvConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefetch <= MAX_PREFETCH:  # a negative count would read before the weight rows
-            raise ValueError(f"VLLM_ACTORS_GEMV_PREFETCH must be 0..{MAX_PREFETCH}, got {self.prefetch}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> GemvConfig:
-        default = cls()
-        return cls(
-            block_n=int(environ.get("VLLM_ACTORS_GEMV_BLOCK_N", default.block_n)),
-            block_k=int(environ.get("VLLM_ACTORS_GEMV_BLOCK_K", default.block_k)),
-            warps=int(environ.get("VLLM_ACTORS_GEMV_WARPS", default.warps)),
-            stages=int(environ.get("VLLM_ACTORS_GEMV_STAGES", default.stages)),
-            prefetch=int(environ.get("VLLM_ACTORS_GEMV_PREFETCH", default.prefetch)),
-        )
+            raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {self.prefetch}")
 
 
 if HAVE_TRITON:
@@ -207,24 +184,20 @@ def gemv(
     return out
 
 
-_CONFIG = GemvConfig.from_env(os.environ)
-_ENABLED = os.environ.get(GEMV_ENV, "1") != "0"
+_CONFIG = GemvConfig()
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` sends this product to the kernel: a few rows of half-precision on a GPU."""
-    return (_ENABLED and HAVE_TRITON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= TAKES_ROWS
+    return (HAVE_TRITON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= TAKES_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(1) == 1 and weight.stride(1) == 1)
-
-
-_SILU_FOLD = os.environ.get("VLLM_ACTORS_GEMV_SILU", "1") != "0"
+            and x.stride(1) == 1 and weight.stride(1) == 1 and envs.VLLM_ACTORS_GEMV)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
     """``module(silu_and_mul(gate_up))``; at one row the GEMV reads SiLU(gate) * up itself (one
-    kernel fewer; 3.890 -> 3.839 ms/token at TP=2 alone; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off)."""
-    if _SILU_FOLD and gate_up.shape[0] == 1 and takes(gate_up, module.weight):
+    kernel fewer; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off)."""
+    if gate_up.shape[0] == 1 and takes(gate_up, module.weight) and envs.VLLM_ACTORS_GEMV_SILU:
         return gemv(gate_up, module.weight, module.bias, silu_mul=True)
     from vllm_actors.kernels.fused_ops import silu_and_mul
 

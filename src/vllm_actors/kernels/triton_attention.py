@@ -38,29 +38,27 @@ import torch
 
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.kernels.triton_decode import (
-    DECODE_BLOCK_N_ENV,
-    DECODE_ORDER_ENV,
-    DECODE_WAVES_ENV,
+    DECODE_BLOCK_N,
+    DECODE_MAX_SPLITS,
+    DECODE_ORDERED,
+    DECODE_WAVES,
     choose_decode_splits,
     decode_config,
-    decode_ordered,
-    decode_waves,
     paged_attention_decode,
 )
 from vllm_actors.kernels.triton_paged import INTERPRET, TileConfig, write_kv_cache_triton
 from vllm_actors.kernels.triton_varlen import paged_attention_varlen, varlen_config
 
 __all__ = [
-    "DECODE_BLOCK_N_ENV",
-    "DECODE_ORDER_ENV",
-    "DECODE_WAVES_ENV",
+    "DECODE_BLOCK_N",
+    "DECODE_MAX_SPLITS",
+    "DECODE_ORDERED",
+    "DECODE_WAVES",
     "INTERPRET",
     "TileConfig",
     "TritonPagedAttention",
     "choose_decode_splits",
     "decode_config",
-    "decode_ordered",
-    "decode_waves",
     "paged_attention_decode",
     "paged_attention_varlen",
     "varlen_config",
@@ -80,14 +78,15 @@ class TritonPagedAttention:
     it: `kv_written`), then decode (every query_len <= 1, judged from the host field
     `meta.max_query_len`) or varlen attention (anything else, decode rows mixed in included).
 
-    decode_splits forces the decode split count (None: chosen per call from host integers).
+    decode_splits forces the decode split count (None: chosen per call from host integers);
+    ordered takes decode sequences longest context first (default ``DECODE_ORDERED``).
     """
 
     def __init__(self, decode_splits: int | None = None, ordered: bool | None = None) -> None:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
         self.decode_splits = decode_splits
-        self.ordered = decode_ordered() if ordered is None else ordered
+        self.ordered = DECODE_ORDERED if ordered is None else ordered
         log.debug("triton_attention_backend", decode_splits=decode_splits, ordered=self.ordered, interpret=INTERPRET)
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -23,26 +22,19 @@ from vllm_actors.kernels.triton_paged import (
     checked_inputs,
 )
 
-_MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 128
-
-
-DECODE_BLOCK_N_ENV = "VLLM_ACTORS_DECODE_BLOCK_N"
+# The decode kernel's tuning, from sweeps over the decode batches of a serving workload
+# (benchmarks/RESULTS.md): keys a tile, programs per SM the context split aims at, the most splits
+# per (sequence, KV head), and sequences taken longest context first (the last wave ends evenly).
+DECODE_BLOCK_N = 128
+DECODE_WAVES = 2
+DECODE_MAX_SPLITS = 64  # a power of two: bounds the reduce kernel's compiled variants
+DECODE_ORDERED = True
 
 
 def decode_config(head_dim: int) -> TileConfig:
-    """Default decode tiles: 128 keys a step (``VLLM_ACTORS_DECODE_BLOCK_N`` overrides), 4 warps,
-    3 stages; 32 keys above head_dim 128.
-
-    Swept on an H100 over the decode batches of nano-vllm's workload (`bench/decode_sweep.py`,
-    2026-11-26): 128-key tiles took 3.6% less time than 64-key tiles at Qwen3-0.6B's shape (16/8
-    heads) and 5% less at Qwen3-8B's per-rank shape under TP=2 (16/4 heads); 8 warps, or 2 or 4
-    stages, did not help. The offline run went from 18,965 to 19,545 tok/s.
-    """
-    text = os.environ.get(DECODE_BLOCK_N_ENV, "128")
-    if text not in ("16", "32", "64", "128", "256"):
-        raise ValueError(f"{DECODE_BLOCK_N_ENV} must be a power of two in 16..256, got {text!r}")
-    block_n = int(text) if head_dim <= 128 else 32
+    """Decode tiles: ``DECODE_BLOCK_N`` keys a step (32 above head_dim 128), 4 warps, 3 stages."""
+    block_n = DECODE_BLOCK_N if head_dim <= 128 else 32
     return TileConfig(block_m=_MIN_DOT_ROWS, block_n=block_n, num_warps=4, num_stages=3)
 
 
@@ -188,55 +180,20 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-DECODE_WAVES_ENV = "VLLM_ACTORS_DECODE_WAVES"
-
-
-def decode_waves() -> int:
-    """``VLLM_ACTORS_DECODE_WAVES`` (default 2): how many programs per SM the decode kernel's split
-    aims at. More splits each context into shorter, more even pieces, which may matter where few
-    KV heads per rank (TP) leave few programs and their contexts differ in length; read where the
-    split is chosen, so at graph capture for CUDA graphs."""
-    text = os.environ.get(DECODE_WAVES_ENV, "2")
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{DECODE_WAVES_ENV} must be a positive integer, got {text!r}")
-    return int(text)
-
-
-DECODE_ORDER_ENV = "VLLM_ACTORS_DECODE_ORDER"
-
-
-def decode_ordered() -> bool:
-    """``VLLM_ACTORS_DECODE_ORDER`` (default 1): the decode kernel takes the batch's sequences
-    longest context first (one argsort a step), so that the last programs to start are short and
-    the GPU's last wave ends evenly; 0 takes them in batch order."""
-    text = os.environ.get(DECODE_ORDER_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{DECODE_ORDER_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
-
-
-DECODE_MAX_SPLITS_ENV = "VLLM_ACTORS_DECODE_MAX_SPLITS"
-
-
-def decode_max_splits() -> int:
-    """``VLLM_ACTORS_DECODE_MAX_SPLITS`` (default 64, a power of two): the most context splits per
-    (sequence, KV head). 1 runs no reduction kernel at all: at batch 1 that trades a kernel launch
-    a layer for a longer walk over the context in each program (to be measured)."""
-    text = os.environ.get(DECODE_MAX_SPLITS_ENV, str(_MAX_SPLITS))
-    value = int(text) if text.isdigit() else 0
-    if not 1 <= value <= _MAX_SPLITS or value & (value - 1):
-        raise ValueError(f"{DECODE_MAX_SPLITS_ENV} must be a power of two in 1..{_MAX_SPLITS}, got {text!r}")
-    return value
-
-
-def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits of the context per (sequence, KV head): enough programs for about two waves on the
-    GPU (``decode_waves``), but no split shorter than _MIN_KEYS_PER_SPLIT keys; rounded down to a
-    power of two (bounds the reduce kernel's compiled variants)."""
+def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                         waves: int = DECODE_WAVES, max_splits: int = DECODE_MAX_SPLITS) -> int:
+    """Splits of the context per (sequence, KV head): enough programs for about ``waves`` waves on
+    the GPU, but no split shorter than _MIN_KEYS_PER_SPLIT keys and at most ``max_splits`` (1: no
+    reduction kernel); rounded down to a power of two (bounds the reduce kernel's compiled variants).
+    Chosen at graph capture for CUDA graphs."""
+    if waves < 1:
+        raise ValueError(f"waves must be a positive integer, got {waves}")
+    if not 1 <= max_splits <= DECODE_MAX_SPLITS or max_splits & (max_splits - 1):
+        raise ValueError(f"max_splits must be a power of two in 1..{DECODE_MAX_SPLITS}, got {max_splits}")
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = math.ceil(decode_waves() * _sm_count(device) / programs)
+    wanted = math.ceil(waves * _sm_count(device) / programs)
     useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
-    splits = max(1, min(wanted, useful, decode_max_splits()))
+    splits = max(1, min(wanted, useful, max_splits))
     return 1 << (splits.bit_length() - 1)
 
 
@@ -312,7 +269,7 @@ def paged_attention_decode(
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
         **pdl(q),
-        EARLY=pdl_module.EARLY_LOADS,
+        EARLY=pdl_module.early_loads(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -330,7 +287,7 @@ def paged_attention_decode(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             **pdl(q),
-            EARLY=pdl_module.EARLY_LOADS,
+            EARLY=pdl_module.early_loads(),
             num_warps=4 if head_dim * num_splits >= 2048 else 2,
         )
     return out

@@ -4,18 +4,19 @@ host-side shape checks. The layout and contracts are in `triton_attention`'s doc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from vllm_actors.envs import envs
+
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. when this module is imported.
 # The interpreter's tl.dot mishandles bfloat16 (it multiplies the raw uint16 bits), so under it
 # the operands are widened to float32 first; products of bf16/fp16 values are exact in float32,
-# so the result matches the GPU's fp32-accumulating tensor-core dot.
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# so the result matches the GPU's fp32-accumulating tensor-core dot. Read at import, as triton does.
+INTERPRET: bool = envs.TRITON_INTERPRET
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows

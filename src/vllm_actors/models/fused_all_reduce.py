@@ -9,8 +9,8 @@ the next layer's ``input_layernorm``, or the final norm): EMBED, ATTN, MLP, ATTN
 then EMBED again for the next step. No slot is used twice without another call between.
 
 ``VLLM_ACTORS_TP_FUSED_NORM=0`` turns it off (NCCL or the two-shot all-reduce, then the norm kernel);
-``VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES`` (default 8 MiB) bounds the all-reduces it takes, larger
-ones (long prefill chunks) go the unfused way. ``VLLM_ACTORS_TP_ALLREDUCE=nccl`` turns it off too.
+``FUSED_MAX_BYTES`` (8 MiB) bounds the all-reduces it takes, larger ones (long prefill chunks) go
+the unfused way. ``VLLM_ACTORS_TP_ALLREDUCE=nccl`` turns it off too.
 ``VLLM_ACTORS_TP_FUSED_LAMPORT=0`` takes the flagged kernel instead of the flagless one (the
 default): the flagless kernel needs room for every rank's rows in a slot, so it takes all-reduces of
 up to ``max_bytes / world``, and its slots are filled with EMPTY once, before the first call.
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from vllm_actors.envs import Envs
+
 SLOT_EMBED, SLOT_ATTN, SLOT_MLP = 2, 0, 1
 SLOTS = 3
 FUSED_ENV = "VLLM_ACTORS_TP_FUSED_NORM"
-FUSED_MAX_BYTES_ENV = "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES"
-FUSED_MAX_BYTES_DEFAULT = 8 << 20
-FUSED_LAMPORT_ENV = "VLLM_ACTORS_TP_FUSED_LAMPORT"  # "0": the flagged kernel (rows read from the peers' slots)
+FUSED_MAX_BYTES = 8 << 20  # a slot's bytes: the largest all-reduce it takes (the flagless kernel: / world)
 EMPTY_BYTE = 0xFF  # the flagless kernel's EMPTY pattern: every bit set
 MAX_COLUMNS = 16384  # one row is one block of the kernel's registers
 
@@ -75,9 +75,12 @@ class FusedAllReduceNorm:
                                    lamport=self.lamport)
 
 
-def fused_from_env(environ: Mapping[str, str], group: Any, device: torch.device | None) -> FusedAllReduceNorm | None:
-    """The fused all-reduce + norm unless turned off or off the GPU (``device`` None: gloo)."""
-    if device is None or environ.get(FUSED_ENV, "1") == "0" or environ.get("VLLM_ACTORS_TP_ALLREDUCE") == "nccl":
+def fused_from_env(
+    environ: Mapping[str, str] | None, group: Any, device: torch.device | None
+) -> FusedAllReduceNorm | None:
+    """The fused all-reduce + norm unless turned off or off the GPU (``device`` None: gloo);
+    ``environ`` None: this process's environment."""
+    settings = Envs(environ)
+    if device is None or not settings.VLLM_ACTORS_TP_FUSED_NORM or settings.VLLM_ACTORS_TP_ALLREDUCE == "nccl":
         return None
-    return FusedAllReduceNorm(group, device, int(environ.get(FUSED_MAX_BYTES_ENV, FUSED_MAX_BYTES_DEFAULT)),
-                              lamport=environ.get(FUSED_LAMPORT_ENV, "1") != "0")
+    return FusedAllReduceNorm(group, device, FUSED_MAX_BYTES, lamport=settings.VLLM_ACTORS_TP_FUSED_LAMPORT)

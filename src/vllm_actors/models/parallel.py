@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from vllm_actors.envs import Envs
 from vllm_actors.kernels.embedding import shard_embedding
 from vllm_actors.kernels.fused_ops import rms_norm
 from vllm_actors.models.config import ModelConfig
@@ -223,12 +224,8 @@ def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layo
     return shard_embedding(input_ids, weight[: layout.vocab_per_rank], layout.vocab_start)  # one kernel on GPUs
 
 
-ALLREDUCE_ENV = "VLLM_ACTORS_TP_ALLREDUCE"  # "symm_mem" (two-shot, default), "nccl" or "symm_mem_one_shot"
-SYMM_MAX_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MAX_BYTES"  # all-reduces above it go through NCCL; default 8 MiB
-SYMM_MIN_BYTES_ENV = "VLLM_ACTORS_TP_SYMM_MIN_BYTES"  # and those below it; default 64 KiB
-SYMM_MIN_BYTES_DEFAULT = 64 << 10  # batch-1 steps stay on NCCL: the two-shot was no faster there
+SYMM_MAX_BYTES = 8 << 20  # all-reduces above it go through NCCL (the symmetric buffer's size)
 NO_MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # the two-shot needs no NVLink multicast: kept off
-ALLREDUCE_CHOICES = ("nccl", "symm_mem", "symm_mem_one_shot")
 
 
 class SymmMemAllReduce:
@@ -239,8 +236,8 @@ class SymmMemAllReduce:
       its peers' copies, then gathers the others' sums, in place; the result is copied back into
       the input, since the next all-reduce reuses the buffer; or
     - ``one_shot`` (``symm_mem.one_shot_all_reduce``): each rank reads every peer's whole buffer.
-    On two H100s, in CUDA graphs (``benchmarks/allreduce.py``), two-shot took 8.6-15.7 us from 8 KiB
-    to 2 MiB, one-shot 9.5-22.1 and NCCL 12.1-33.9."""
+    In CUDA graphs on NVLink (``benchmarks/allreduce.py``) two-shot beat one-shot and NCCL from
+    8 KiB to 2 MiB."""
 
     def __init__(self, group: Any, max_bytes: int, method: str = "two_shot", min_bytes: int = 0) -> None:
         if method not in ("two_shot", "one_shot"):
@@ -268,20 +265,19 @@ class SymmMemAllReduce:
         return x.copy_(staged.view(x.shape))
 
 
-def symm_all_reduce_from_env(environ: Mapping[str, str], group: Any, on_cuda: bool) -> SymmMemAllReduce | None:
-    """The all-reduce ``VLLM_ACTORS_TP_ALLREDUCE`` asks for (None: NCCL or gloo for every size).
+def symm_all_reduce_from_env(environ: Mapping[str, str] | None, group: Any, on_cuda: bool) -> SymmMemAllReduce | None:
+    """The all-reduce ``VLLM_ACTORS_TP_ALLREDUCE`` asks for (None: NCCL or gloo for every size);
+    ``environ`` None: this process's environment.
 
     The default, ``symm_mem``: the two-shot all-reduce over symmetric memory for all-reduces of
-    64 KiB to 8 MiB (every batched decode step), NCCL for the rest. On two H100s at the Qwen3-8B
-    shape it gave 2.3%, 3.2% (two H200s) and 2.3% more throughput than NCCL alone in three calls."""
-    choice = environ.get(ALLREDUCE_ENV, "symm_mem")
-    if choice not in ALLREDUCE_CHOICES:
-        raise ValueError(f"{ALLREDUCE_ENV} must be one of {', '.join(ALLREDUCE_CHOICES)}, got {choice!r}")
+    ``VLLM_ACTORS_TP_SYMM_MIN_BYTES`` (64 KiB) to ``SYMM_MAX_BYTES`` (every batched decode step),
+    NCCL for the rest: more throughput than NCCL alone (``benchmarks/RESULTS.md``)."""
+    settings = Envs(environ)
+    choice = settings.VLLM_ACTORS_TP_ALLREDUCE
     if choice == "nccl" or not on_cuda:
         return None
-    max_bytes = int(environ.get(SYMM_MAX_BYTES_ENV, 8 << 20))
-    min_bytes = int(environ.get(SYMM_MIN_BYTES_ENV, SYMM_MIN_BYTES_DEFAULT))
-    return SymmMemAllReduce(group, max_bytes, "one_shot" if choice == "symm_mem_one_shot" else "two_shot", min_bytes)
+    return SymmMemAllReduce(group, SYMM_MAX_BYTES, "one_shot" if choice == "symm_mem_one_shot" else "two_shot",
+                            settings.VLLM_ACTORS_TP_SYMM_MIN_BYTES)
 
 
 TP_TIMEOUT = timedelta(minutes=10)  # a collective that waits this long gives up (a rank is gone)
@@ -301,6 +297,6 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
                             timeout=TP_TIMEOUT, **kwargs)
     if on_cuda:
         os.environ.setdefault(NO_MULTICAST_ENV, "1")  # read when the first symmetric buffer is allocated
-    symm = symm_all_reduce_from_env(os.environ, dist.group.WORLD, on_cuda)
-    fused = fused_from_env(os.environ, dist.group.WORLD, torch.device("cuda", rank) if on_cuda else None)
+    symm = symm_all_reduce_from_env(None, dist.group.WORLD, on_cuda)
+    fused = fused_from_env(None, dist.group.WORLD, torch.device("cuda", rank) if on_cuda else None)
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm, fused=fused)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 
 import msgspec
 
 # On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
-# default 4). Ours defaults to 1 GiB, overridable through VLLM_ACTORS_CPU_KVCACHE_SPACE or the
-# cpu_kv_cache_gib argument.
+# default 4). Ours defaults to 1 GiB, overridable through the cpu_kv_cache_gib argument (which
+# make_engine_config fills from VLLM_ACTORS_CPU_KVCACHE_SPACE when it is not given).
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority", "edf", "lrs")
@@ -56,13 +55,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     routing_policy: str = "round_robin"
     distributed_executor_backend: str = "mp"
+    # Steps async scheduling plans ahead of the results (1 without async_scheduling).
+    steps_in_flight: int = 2
+    # Engine actors publish no work events: measures what the events cost (benchmarks).
+    disable_events: bool = False
+    # Check the scheduler's and KV-cache manager's invariants after every message (tests; slow).
+    check_invariants: bool = False
+    # (make_engine_config also takes the last three from their deprecated environment aliases,
+    # VLLM_ACTORS_STEPS_IN_FLIGHT, VLLM_ACTORS_DISABLE_EVENTS and VLLM_ACTORS_CHECK_INVARIANTS.)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a Hugging Face directory or a .gguf file")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "steps_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -90,9 +97,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
     def resolved_cpu_kv_cache_bytes(self) -> int:
-        gib = self.cpu_kv_cache_gib
-        if gib is None:
-            gib = float(os.environ.get("VLLM_ACTORS_CPU_KVCACHE_SPACE", DEFAULT_CPU_KV_CACHE_GIB))
+        gib = DEFAULT_CPU_KV_CACHE_GIB if self.cpu_kv_cache_gib is None else self.cpu_kv_cache_gib
         return int(gib * (1 << 30))
 
 
@@ -147,8 +152,7 @@ def resolve_scheduler_config(
         enable_chunked_prefill=config.enable_chunked_prefill,
         block_size=config.block_size,
         num_blocks=num_blocks,
-        # VLLM_ACTORS_STEPS_IN_FLIGHT: how many steps ahead async scheduling plans (default 2)
-        max_steps_in_flight=int(os.environ.get("VLLM_ACTORS_STEPS_IN_FLIGHT", "2")) if config.async_scheduling else 1,
+        max_steps_in_flight=config.steps_in_flight if config.async_scheduling else 1,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
         reject_unmeetable=config.reject_unmeetable,

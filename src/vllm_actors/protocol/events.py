@@ -256,13 +256,14 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 )
 
 # What an engine actor reports about its work (requests, KV blocks, steps), as opposed to the
-# lifecycle and supervision events. VLLM_ACTORS_DISABLE_EVENTS=1 drops these before they are
-# published, to measure what publishing them costs (the metrics store then sees no requests).
+# lifecycle and supervision events. The engine argument disable_events (deprecated alias:
+# VLLM_ACTORS_DISABLE_EVENTS=1) drops these before they are published, to measure what publishing
+# them costs (the metrics store then sees no requests).
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
 )
-DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"
+DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"  # the deprecated alias's name (benchmarks set it)
 
 REQUEST_EVENTS = ("ARRIVED", "ROUTED", "QUEUED", "SCHEDULED", "PREFILL_CHUNK", "FIRST_TOKEN", "TOKENS",
                   "PREEMPTED", "RESUMED", "FINISHED", "ABORTED")

@@ -15,29 +15,28 @@ where the actors share the cores with the model and spinning would slow it. The
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from vllm_actors.envs import Envs
 
 BUSY_POLL_ENV = "VLLM_ACTORS_BUSY_POLL_MS"
 DEFAULT_BUSY_POLL_MS = 20.0
 NVIDIA_DRIVER = Path("/dev/nvidiactl")  # present wherever the NVIDIA driver is (checked without importing torch)
 
 
-def busy_poll_seconds(device: str, environ: Mapping[str, str] = os.environ,
+def busy_poll_seconds(device: str, environ: Mapping[str, str] | None = None,
                       has_nvidia_driver: bool | None = None) -> float:
-    """Seconds of non-blocking polling after a message for an engine on ``device``."""
-    value = environ.get(BUSY_POLL_ENV, "").strip()
-    if value:
-        try:
-            milliseconds = float(value)
-        except ValueError:
-            raise ValueError(f"{BUSY_POLL_ENV} must be a number of milliseconds, got {value!r}") from None
+    """Seconds of non-blocking polling after a message for an engine on ``device`` (``environ``
+    None: this process's environment)."""
+    settings = Envs(environ)
+    milliseconds = settings.VLLM_ACTORS_BUSY_POLL_MS
+    if milliseconds is not None:
         return max(milliseconds, 0.0) / 1000
     if device.startswith("cuda"):
         return DEFAULT_BUSY_POLL_MS / 1000
     if device == "auto":
         driver = NVIDIA_DRIVER.exists() if has_nvidia_driver is None else has_nvidia_driver
-        hidden = environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+        hidden = settings.CUDA_VISIBLE_DEVICES in ("", "-1")
         return DEFAULT_BUSY_POLL_MS / 1000 if driver and not hidden else 0.0
     return 0.0

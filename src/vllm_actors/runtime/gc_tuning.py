@@ -15,7 +15,8 @@ reference counting alone: most garbage is still freed at once.
 from __future__ import annotations
 
 import gc
-import os
+
+from vllm_actors.envs import envs
 
 YOUNG_THRESHOLD = 10_000  # allocations between collections of the youngest generation (Python: 700)
 
@@ -23,7 +24,7 @@ YOUNG_THRESHOLD = 10_000  # allocations between collections of the youngest gene
 def freeze_startup_heap() -> None:
     """Collect once, freeze what survives, raise the young threshold. ``VLLM_ACTORS_GC_FREEZE=0``
     leaves the collector as Python set it."""
-    if os.environ.get("VLLM_ACTORS_GC_FREEZE", "1").strip() == "0":
+    if not envs.VLLM_ACTORS_GC_FREEZE:
         return
     gc.collect()
     gc.freeze()

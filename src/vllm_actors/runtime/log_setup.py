@@ -8,14 +8,12 @@ error is one line (its traceback, plain, only at DEBUG); every value cut at 1,00
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
 
+from vllm_actors.envs import envs
 from vllm_actors.runtime.log_processors import OneLineErrors, RateLimiter, cap_values
-
-DEFAULT_LINES_PER_SECOND = 10
 
 
 def _stderr_logger(*args: object) -> structlog.PrintLogger:
@@ -24,16 +22,11 @@ def _stderr_logger(*args: object) -> structlog.PrintLogger:
 
 
 def log_rate(value: int | None = None) -> int:
-    if value is not None:
-        return value
-    try:
-        return int(os.environ.get("VLLM_ACTORS_LOG_RATE", DEFAULT_LINES_PER_SECOND))
-    except ValueError:
-        return DEFAULT_LINES_PER_SECOND
+    return envs.VLLM_ACTORS_LOG_RATE if value is None else value
 
 
 def configure_logging(level: str | None = None, lines_per_second: int | None = None) -> None:
-    name = (level or os.environ.get("VLLM_ACTORS_LOG_LEVEL", "WARNING")).upper()
+    name = (level or envs.VLLM_ACTORS_LOG_LEVEL).upper()
     numeric = getattr(logging, name, logging.WARNING)
     rate = log_rate(lines_per_second)
     limit: list[structlog.typing.Processor] = [RateLimiter(per_key=rate, total=10 * rate)] if rate > 0 else []

@@ -25,6 +25,7 @@ import zmq
 from vllm_actors.actors.metrics_store.dump import DumpContent
 from vllm_actors.actors.metrics_store.notices import Notice
 from vllm_actors.actors.metrics_store.store import MetricsStore
+from vllm_actors.envs import envs
 from vllm_actors.protocol.events import (
     ActorReady,
     ActorStarting,
@@ -118,13 +119,10 @@ def store_bounds(max_events: int) -> dict[str, int]:
     """The store's event-log bounds: ``max_events`` (the spec's) and the default bytes, unless
     the environment names others."""
     bounds = {"max_events": max_events}
-    for name, key in ((MAX_EVENTS_ENV, "max_events"), (MAX_BYTES_ENV, "max_history_bytes")):
-        value = os.environ.get(name, "").strip()
-        if value:
-            number = int(value)
-            if number < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-            bounds[key] = number
+    for value, key in ((envs.VLLM_ACTORS_METRICS_MAX_EVENTS, "max_events"),
+                       (envs.VLLM_ACTORS_METRICS_MAX_BYTES, "max_history_bytes")):
+        if value is not None:
+            bounds[key] = value
     return bounds
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_actors.envs import envs
 from vllm_actors.protocol.names import (
     CONTROLLER,
     KV_CACHE_MANAGER,
@@ -74,7 +75,7 @@ class GroupInfo(msgspec.Struct, kw_only=True):
 
 def runs_root() -> Path:
     """``$VLLM_ACTORS_RUN_ROOT`` or ``/tmp/vllm-actors-<uid>``, created private."""
-    root = Path(os.environ.get("VLLM_ACTORS_RUN_ROOT") or f"{tempfile.gettempdir()}/vllm-actors-{os.getuid()}")
+    root = Path(envs.VLLM_ACTORS_RUN_ROOT or f"{tempfile.gettempdir()}/vllm-actors-{os.getuid()}")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     if root.stat().st_uid != os.getuid():
         raise PermissionError(f"{root} belongs to another user")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from vllm_actors.envs import Envs
+
 WORKER_THREADS_ENV = "VLLM_ACTORS_WORKER_THREADS"
 
 
@@ -24,18 +26,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def worker_threads(device_type: str, workers_on_host: int, environ: Mapping[str, str] = os.environ,
+def worker_threads(device_type: str, workers_on_host: int, environ: Mapping[str, str] | None = None,
                    cores: int | None = None) -> int | None:
     """Threads for one worker of ``workers_on_host`` on a ``device_type`` ("cpu", "cuda") device;
-    None leaves torch's default."""
-    value = environ.get(WORKER_THREADS_ENV, "").strip()
-    if value:
-        try:
-            threads = int(value)
-        except ValueError:
-            raise ValueError(f"{WORKER_THREADS_ENV} must be a whole number of threads, got {value!r}") from None
-        if threads < 1:
-            raise ValueError(f"{WORKER_THREADS_ENV} must be at least 1, got {threads}")
+    None leaves torch's default (``environ`` None: this process's environment)."""
+    threads = Envs(environ).VLLM_ACTORS_WORKER_THREADS
+    if threads is not None:
         return threads
     if device_type != "cpu" or workers_on_host <= 1:
         return None

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import structlog
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_actors.envs import Envs
 from vllm_actors.server.errors import edge_context, error_body
 
 log = structlog.get_logger(__name__)
@@ -28,14 +28,14 @@ API_KEY_ENV = "VLLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # load balancers and supervisors probe without a key
 
 
-def api_keys_from(flag: Iterable[str] | str | None, environ: dict[str, str] | None = None) -> list[str]:
+def api_keys_from(flag: Iterable[str] | str | None, environ: Mapping[str, str] | None = None) -> list[str]:
     """The keys to require: the ``--api-key`` flag's, else ``VLLM_API_KEY``'s (vLLM's rule); none
     given means no authentication. An empty key is refused (it would let an empty header in)."""
     if isinstance(flag, str):
         flag = [flag]
     keys = list(flag or [])
     if not keys:
-        value = (os.environ if environ is None else environ).get(API_KEY_ENV)
+        value = Envs(environ).VLLM_API_KEY
         keys = [value] if value else []
     if any(not key for key in keys):
         raise ValueError("--api-key must not be empty")

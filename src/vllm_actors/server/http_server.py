@@ -3,7 +3,6 @@ signal, stopping when the group fails, its log lines under our rate limits."""
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
 from types import FrameType
@@ -11,6 +10,7 @@ from types import FrameType
 import structlog
 import uvicorn
 
+from vllm_actors.envs import envs
 from vllm_actors.runtime.log_setup import log_rate
 from vllm_actors.runtime.stdlib_log_limits import install as install_log_limits
 from vllm_actors.server.serving import ServerState
@@ -22,7 +22,7 @@ def limit_uvicorn_logs() -> None:
     """uvicorn logs through the standard library: the same bounds as our own lines (an access line
     per request is allowed ten times the rate of any other line)."""
     rate = log_rate()
-    debug = os.environ.get("VLLM_ACTORS_LOG_LEVEL", "").upper() == "DEBUG"
+    debug = envs.VLLM_ACTORS_LOG_LEVEL == "DEBUG"
     install_log_limits(["uvicorn.error"], rate, debug=debug)
     install_log_limits(["uvicorn.access"], 10 * rate, debug=debug)
 

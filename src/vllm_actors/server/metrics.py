@@ -16,6 +16,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from vllm_actors.envs import envs
 from vllm_actors.protocol.metrics import SummaryReply
 from vllm_actors.server.metrics_summary import ENGINE, LABELS, SummaryCollector
 
@@ -107,7 +108,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._summary = SummaryCollector(model_name)
         self.registry.register(self._summary)
-        shared = os.environ.get(MULTIPROC_ENV)
+        shared = envs.PROMETHEUS_MULTIPROC_DIR
         own = None if shared else self.registry  # shared: the files are read instead of this process's values
         if shared:
             MultiProcessCollector(self.registry, shared)

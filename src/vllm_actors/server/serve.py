@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import socket
 from pathlib import Path
@@ -76,8 +75,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     api_keys = api_keys_from(args.api_key)  # an empty key fails here, before the group starts
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
-    group = ProcessGroup(config, check_invariants=check, **supervision_kwargs(args))
+    group = ProcessGroup(config, check_invariants=config.check_invariants, **supervision_kwargs(args))
     try:
         group.start()  # a signal now raises SystemExit: start() stops what it started
         stop.raise_on_signal = False  # from here on a signal means: drain, then stop

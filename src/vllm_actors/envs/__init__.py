@@ -1,0 +1,303 @@
+"""Every setting the package reads from the environment, each declared once: name, type, default,
+parser and one line of documentation.
+
+``envs.VLLM_ACTORS_LOG_LEVEL`` reads and parses the variable when it is read, so a test may
+monkeypatch the environment without reloading any module; an empty value counts as unset (except
+where ``keep_empty`` says it means something, as for ``CUDA_VISIBLE_DEVICES``), and a bad value
+raises a ``ValueError`` that names the variable. ``Envs(mapping)`` reads another mapping instead
+(functions that take an ``environ`` argument for their tests). Nothing else in ``src/`` reads
+``os.environ`` (``tests/test_layout.py``).
+
+``python -m vllm_actors.envs --markdown > docs/settings.md`` writes the reference table
+(``envs/table.py``); ``python -m vllm_actors.envs`` prints the values this process would use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, Literal, TypeVar, cast, overload
+
+T = TypeVar("T")
+KernelChoice = Literal["auto", "torch", "triton"]
+
+GROUPS = {
+    "process": "Processes, logs and files",
+    "engine": "Engine paths (switches for debugging and measuring)",
+    "kernels": "Kernels",
+    "tp": "Tensor parallelism",
+    "alias": "Deprecated aliases of engine arguments",
+    "other": "Read from other tools' variables",
+}
+
+
+# ------------------------------------------------------------------------------------ parsers
+# Each takes the stripped text and returns the value, or raises ValueError("must be ...").
+def parse_bool(text: str) -> bool:
+    value = text.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 0 or 1 (or true/false, yes/no, on/off)")
+
+
+def integer(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"must be a whole number >= {minimum}") from None
+        if value < minimum:
+            raise ValueError(f"must be a whole number >= {minimum}")
+        return value
+
+    return parse
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("must be a number") from None
+
+
+def positive_number(text: str) -> float:
+    value = number(text)
+    if not value > 0:
+        raise ValueError("must be a number > 0")
+    return value
+
+
+def choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def kernel_choice(text: str) -> KernelChoice:
+    return cast(KernelChoice, choice("torch", "triton", "auto")(text))
+
+
+LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")  # logging's names
+
+
+def log_level(text: str) -> str:
+    name = text.upper()
+    if name not in LOG_LEVELS:
+        raise ValueError(f"must be a logging level ({', '.join(LOG_LEVELS)})")
+    return name
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"([0-9]+):([0-9]+)", text)
+    if match is None or int(match.group(2)) < 1:
+        raise ValueError("must be FIRST:COUNT with COUNT >= 1 (e.g. 200:8)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def text(value: str) -> str:
+    return value
+
+
+# ------------------------------------------------------------------------------------ the registry
+class Setting(Generic[T]):
+    """One variable: read through an ``Envs`` instance, declared as an attribute of ``Envs``."""
+
+    name: str
+
+    def __init__(self, default: T, parse: Callable[[str], T], doc: str, *, kind: str, group: str,
+                 shown_default: str | None = None, keep_empty: bool = False) -> None:
+        if group not in GROUPS:
+            raise ValueError(f"unknown group {group!r}")
+        self.default = default
+        self.parse = parse
+        self.doc = doc
+        self.kind = kind  # the type as the table shows it
+        self.group = group
+        self.shown_default = shown_default if shown_default is not None else _shown(default)
+        self.keep_empty = keep_empty  # an empty value is a value (else it counts as unset)
+        self._last: tuple[str, T] | None = None  # the last text parsed and its value: parsed once per text
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, obj: Envs, owner: type) -> T: ...
+
+    def __get__(self, obj: Envs | None, owner: type) -> Setting[T] | T:
+        if obj is None:
+            return self
+        return self.read(obj.environ)
+
+    def read(self, environ: Mapping[str, str]) -> T:
+        raw = environ.get(self.name)
+        if raw is None:
+            return self.default
+        last = self._last
+        if last is not None and last[0] == raw:
+            return last[1]
+        stripped = raw if self.keep_empty else raw.strip()
+        if not stripped and not self.keep_empty:
+            return self.default
+        try:
+            value = self.parse(stripped)
+        except ValueError as error:
+            raise ValueError(f"{self.name} {error}, got {raw!r}") from None
+        self._last = (raw, value)
+        return value
+
+
+def _shown(default: object) -> str:
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "1" if default else "0"
+    return str(default)
+
+
+def switch(doc: str, group: str, default: bool = True) -> Setting[bool]:
+    """A path turned on or off."""
+    return Setting(default, parse_bool, doc, kind="bool", group=group)
+
+
+def kernel_switch(what: str, group: str) -> Setting[KernelChoice]:
+    """An op's "Triton or torch" (``kernels/choice.py``)."""
+    return Setting[KernelChoice]("auto", kernel_choice, f"{what}: `triton`, `torch`, or `auto` (Triton on CUDA).",
+                                 kind="auto, torch, triton", group=group)
+
+
+class Envs:
+    """The settings, read from ``environ`` (None: this process's environment, at every read)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+
+    @classmethod
+    def settings(cls) -> Iterator[Setting[Any]]:
+        for value in vars(cls).values():
+            if isinstance(value, Setting):
+                yield value
+
+    @classmethod
+    def setting(cls, name: str) -> Setting[Any]:
+        found = vars(cls).get(name)
+        if not isinstance(found, Setting):
+            raise KeyError(f"{name} is not a registered setting (vllm_actors/envs/__init__.py)")
+        return found
+
+    def is_set(self, name: str) -> bool:
+        """Whether ``name`` holds a value here (an empty one counts as unset unless it means something)."""
+        raw = self.environ.get(self.setting(name).name)
+        return raw is not None and (self.setting(name).keep_empty or bool(raw.strip()))
+
+    # --------------------------------------------------------------------- processes, logs, files
+    VLLM_ACTORS_LOG_LEVEL = Setting(
+        "WARNING", log_level, "Log level of every process (`INFO` for more; `DEBUG` adds tracebacks).",
+        kind="level", group="process")
+    VLLM_ACTORS_LOG_RATE = Setting(
+        10, integer(0), "Log lines a second of one kind (level and event), ten times that in all; 0: no limit.",
+        kind="int", group="process")
+    VLLM_ACTORS_RUN_ROOT = Setting[str | None](
+        None, text, "Where process groups make their run directories.",
+        kind="path", group="process", shown_default="`/tmp/vllm-actors-<uid>`")
+    VLLM_ACTORS_GC_FREEZE = switch(
+        "Freeze the start-up heap out of the garbage collector's way in every process.", "process")
+    VLLM_ACTORS_BUSY_POLL_MS = Setting[float | None](
+        None, number, "Milliseconds an engine actor polls without blocking after a message; 0: off.",
+        kind="float", group="process", shown_default="20 on CUDA, 0 on the CPU")
+    VLLM_ACTORS_WORKER_THREADS = Setting[int | None](
+        None, integer(1), "Intra-op threads of every worker.",
+        kind="int", group="process", shown_default="CPU: a share of the cores; GPU: torch's")
+    VLLM_ACTORS_METRICS_MAX_EVENTS = Setting[int | None](
+        None, integer(1), "Events the metrics store keeps (e.g. the trace of a whole benchmark run).",
+        kind="int", group="process", shown_default="50000")
+    VLLM_ACTORS_METRICS_MAX_BYTES = Setting[int | None](
+        None, integer(1), "Estimated bytes of events the metrics store keeps.",
+        kind="int", group="process", shown_default="the store's")
+    VLLM_ACTORS_PROFILE_STEPS = Setting[tuple[int, int] | None](
+        None, profile_window, "`FIRST:COUNT`: every worker profiles that window of steps (torch.profiler).",
+        kind="FIRST:COUNT", group="process")
+    VLLM_ACTORS_PROFILE_DIR = Setting(
+        "vllm-actors-profiles", text, "Where the step profiles are written.", kind="path", group="process")
+    VLLM_ACTORS_CPU_KVCACHE_SPACE = Setting[float | None](
+        None, positive_number, "GiB of the KV pool on the CPU, where `cpu_kv_cache_gib` is not given.",
+        kind="float", group="process", shown_default="1.0")
+
+    # --------------------------------------------------------------------- engine paths
+    VLLM_ACTORS_DEFER_STEPS = switch("The worker launches a step and reads its tokens back at the next one.", "engine")
+    VLLM_ACTORS_PADDED_GRAPHS = switch(
+        "Prefill and mixed steps replay CUDA graphs padded to the next token count.", "engine")
+    VLLM_ACTORS_GRAPH_SAMPLER = switch(
+        "Decode graphs also draw the tokens where every row needs only the fused sampler.", "engine")
+    VLLM_ACTORS_TP_GRAPH_SAMPLER = switch(
+        "Every tensor-parallel rank draws a sampling graph's tokens itself (0: rank 0 broadcasts).", "engine")
+    VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
+    VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
+
+    # --------------------------------------------------------------------- kernels
+    VLLM_ACTORS_ATTENTION = kernel_switch("Paged attention", "kernels")
+    VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
+    VLLM_ACTORS_FUSED_KV_WRITE = switch(
+        "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
+    VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")
+    VLLM_ACTORS_GEMV_SILU = switch("At one row the down projection's GEMV applies SiLU(gate) * up itself.", "kernels")
+    VLLM_ACTORS_PDL = switch("Programmatic dependent launch of our Triton kernels (Hopper and later).", "kernels")
+    VLLM_ACTORS_PDL_EARLY_LOADS = switch(
+        "Under PDL, loads of what no recent kernel wrote move before the wait.", "kernels")
+
+    # --------------------------------------------------------------------- tensor parallelism
+    VLLM_ACTORS_TP_ALLREDUCE = Setting(
+        "symm_mem", choice("nccl", "symm_mem", "symm_mem_one_shot"),
+        "All-reduce: two-shot over symmetric memory in its band, one-shot, or NCCL alone.",
+        kind="nccl, symm_mem, symm_mem_one_shot", group="tp")
+    VLLM_ACTORS_TP_SYMM_MIN_BYTES = Setting(
+        64 << 10, integer(0), "Smallest all-reduce through symmetric memory (0 sends every one, as tests do).",
+        kind="int", group="tp")
+    VLLM_ACTORS_TP_FUSED_NORM = switch("Fused all-reduce + add + RMSNorm over symmetric memory.", "tp")
+    VLLM_ACTORS_TP_FUSED_LAMPORT = switch("The flagless fused all-reduce kernel (0: the flagged one).", "tp")
+
+    # --------------------------------------------------------------------- deprecated aliases
+    VLLM_ACTORS_STEPS_IN_FLIGHT = Setting(
+        2, integer(1), "Deprecated: the engine argument `steps_in_flight`.", kind="int", group="alias")
+    VLLM_ACTORS_DISABLE_EVENTS = switch("Deprecated: the engine argument `disable_events`.", "alias", default=False)
+    VLLM_ACTORS_CHECK_INVARIANTS = switch("Deprecated: the engine argument `check_invariants`.", "alias", default=False)
+
+    # --------------------------------------------------------------------- other tools' variables
+    TRITON_INTERPRET = switch(
+        "Triton's: kernels run in its interpreter (the CPU tests); read when kernels import.", "other", default=False)
+    CUDA_VISIBLE_DEVICES = Setting[str | None](
+        None, text, "CUDA's: an empty value hides every GPU (busy polling then stays off on `auto`).",
+        kind="str", group="other", keep_empty=True)
+    VLLM_API_KEY = Setting[str | None](
+        None, text, "vLLM's: the API key the server requires where `--api-key` is not given.",
+        kind="str", group="other")
+    PROMETHEUS_MULTIPROC_DIR = Setting[str | None](
+        None, text, "prometheus_client's: set by `serve --api-server-count` above 1, histograms shared there.",
+        kind="path", group="other")
+
+
+envs = Envs()
+
+# Former settings, now constants in the code (their measurements: benchmarks/RESULTS.md).
+REMOVED = {
+    "VLLM_ACTORS_GEMV_BLOCK_N": "`kernels/gemv.py` `GemvConfig.block_n` (8)",
+    "VLLM_ACTORS_GEMV_BLOCK_K": "`kernels/gemv.py` `GemvConfig.block_k` (1024)",
+    "VLLM_ACTORS_GEMV_WARPS": "`kernels/gemv.py` `GemvConfig.warps` (4)",
+    "VLLM_ACTORS_GEMV_STAGES": "`kernels/gemv.py` `GemvConfig.stages` (2)",
+    "VLLM_ACTORS_GEMV_PREFETCH": "`kernels/gemv.py` `GemvConfig.prefetch` (2)",
+    "VLLM_ACTORS_DECODE_BLOCK_N": "`kernels/triton_decode.py` `DECODE_BLOCK_N` (128)",
+    "VLLM_ACTORS_DECODE_WAVES": "`kernels/triton_decode.py` `DECODE_WAVES` (2)",
+    "VLLM_ACTORS_DECODE_ORDER": "`kernels/triton_decode.py` `DECODE_ORDERED` (longest context first)",
+    "VLLM_ACTORS_DECODE_MAX_SPLITS": "`kernels/triton_decode.py` `DECODE_MAX_SPLITS` (64)",
+    "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "`models/parallel.py` `SYMM_MAX_BYTES` (8 MiB)",
+    "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES": "`models/fused_all_reduce.py` `FUSED_MAX_BYTES` (8 MiB)",
+}
