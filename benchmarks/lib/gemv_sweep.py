@@ -1,14 +1,14 @@
 """The batch-1 projections of a model shape: cuBLAS (``F.linear``) against the Triton GEMV
 (`kernels/gemv.py`) for a grid of launch parameters, one GPU.
 
-    python benchmarks/gemv_sweep.py [--shape qwen3-8b] [--tp 1 2] [--out gemv.json] [--env-out best.env]
+    python benchmarks/gemv_sweep.py [--shape qwen3-8b] [--tp 1 2] [--out gemv.json]
 
 Each projection of a decoder layer at each tensor-parallel size (``qkv``, ``o``, ``gate_up``,
 ``down``, and the LM head, split as `models/parallel.py` splits them) is timed from a CUDA graph of
 20 calls that cycle through enough copies of the weight (256 MB or more) that no call finds it in
 L2. The grid's best configuration is the one with the least time summed over all shapes at M=1,
 each weighted by how often a token runs it (every layer's, once the head); it is then timed at M=2
-and 4, and written as ``VLLM_ACTORS_GEMV_*`` lines to ``--env-out`` for a shell to source.
+and 4, and printed as the ``GemvConfig`` defaults to write into `kernels/gemv.py`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", default="results/gemv.json")
-    parser.add_argument("--env-out", default=None)
     parser.add_argument("--warmup-ms", type=float, default=5.0)
     parser.add_argument("--rep-ms", type=float, default=20.0)
     args = parser.parse_args(argv)
@@ -105,10 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                                           "best": str(best_config), "cublas_total_us": cublas_total,
                                           "best_total_us": totals[best_config], "rows": rows, "wider": wider},
                                          indent=1))
-    if args.env_out:
-        c = best_config
-        Path(args.env_out).write_text(
-            f"export VLLM_ACTORS_GEMV_BLOCK_N={c.block_n} VLLM_ACTORS_GEMV_BLOCK_K={c.block_k} "
-            f"VLLM_ACTORS_GEMV_WARPS={c.warps} VLLM_ACTORS_GEMV_STAGES={c.stages}\n")
+    print(f"best: {best_config} (GemvConfig's defaults in kernels/gemv.py)")
     return 0
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import time
@@ -67,6 +66,7 @@ from vllm_actors.bench.prefix_workloads import (
 from vllm_actors.bench.report import write_json
 from vllm_actors.bench.throughput import add_model_arguments
 from vllm_actors.bench.throughput_workload import write_model_dir
+from vllm_actors.envs import envs
 
 # One run and the report live in their own modules; their names stay importable from here.
 __all__ = [
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("output")
     output.add_argument("--out", default="results/prefix", help="directory for results.json and prefix.png")
-    output.add_argument("--log-level", default=os.environ.get("VLLM_ACTORS_LOG_LEVEL", "INFO"))
+    output.add_argument("--log-level",
+                        default=envs.VLLM_ACTORS_LOG_LEVEL if envs.is_set("VLLM_ACTORS_LOG_LEVEL") else "INFO")
     return parser
 
 
@@ -140,7 +141,7 @@ def engine_options(args: argparse.Namespace, model_path: str, load_format: str, 
     engine_args.update({name: getattr(args, name) for name in PASS_THROUGH if getattr(args, name) is not None})
     if load_format != "auto":
         engine_args["load_format"] = load_format
-    check = os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0")
+    check = envs.VLLM_ACTORS_CHECK_INVARIANTS
     return EngineOptions(model=model_path, engine_args=engine_args, check_invariants=check)
 
 

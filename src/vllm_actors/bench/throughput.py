@@ -50,6 +50,7 @@ from vllm_actors.bench.throughput_workload import (
     make_workload,
     write_model_dir,
 )
+from vllm_actors.envs import envs
 from vllm_actors.observe import trace_file
 from vllm_actors.protocol.events import DISABLE_EVENTS_ENV
 
@@ -124,7 +125,8 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     output.add_argument("--out", default="results/throughput", help="directory for results.json, throughput.png")
     output.add_argument("--keep-events", action="store_true", help="also keep the event log as events.jsonl.gz")
     trace_file.add_trace_arguments(output, "the timed run's event log (as the metrics store retained it)")
-    output.add_argument("--log-level", default=os.environ.get("VLLM_ACTORS_LOG_LEVEL", "INFO"))
+    output.add_argument("--log-level",
+                        default=envs.VLLM_ACTORS_LOG_LEVEL if envs.is_set("VLLM_ACTORS_LOG_LEVEL") else "INFO")
     return parser
 
 
