@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.protocol.events import Preempted
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
+from vllm_actors.protocol.events import Finished, Preempted
 from vllm_actors.protocol.messages import AddRequest, Message, RequestUpdate, RequestUpdates
 from vllm_actors.protocol.names import FRONTEND
 
@@ -40,6 +40,22 @@ def start_over(running: list[ScheduledRequest], requests: Iterable[ScheduledRequ
         request.in_worker = False
         request.cache_check_at = 0
     return events
+
+
+def ended_by_its_outputs(request: ScheduledRequest, max_model_len: int) -> tuple[Finished, RequestUpdates] | None:
+    """A resubmission whose last output token already ends it: its ``FINISHED`` and the update that
+    tells its sender; None for any other request."""
+    if not request.output_token_ids:
+        return None
+    finish_reason, stop_reason = check_stop(request, request.output_token_ids[-1], max_model_len)
+    if finish_reason is None:
+        return None
+    num_prompt = len(request.prompt_token_ids)
+    finished = Finished(request_id=request.request_id, reason=finish_reason, num_prompt_tokens=num_prompt,
+                        num_output_tokens=len(request.output_token_ids), stop_reason=stop_reason)
+    update = RequestUpdate(request_id=request.request_id, finish_reason=finish_reason, stop_reason=stop_reason,
+                           num_prompt_tokens=num_prompt)
+    return finished, RequestUpdates(step_id=-1, updates=[update])
 
 
 def catch_up(request: ScheduledRequest, resubmission: AddRequest) -> list[tuple[str, Message]]:

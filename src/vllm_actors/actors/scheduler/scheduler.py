@@ -17,14 +17,19 @@ blocks matching its tokens and computes only the rest; its blocks are cached as 
 cached blocks count as available and are evicted, least recently used first, before anyone is
 preempted.
 
-The rest of the scheduler, one concern a module: ``admission`` (a new request's checks, admission
-with its cache lookup), ``policies`` (the order of both queues under ``scheduling_policy``: fcfs,
-lpm, priority, edf, lrs), ``plan`` (a pass's decisions as a ``StepPlan``), ``pipeline`` (the steps
-in flight, results matched to plans, the pipeline reset), ``results`` (a step's tokens, stops and
-updates), ``recovery`` (what a restart elsewhere does to the requests), ``cost_model`` and
-``deadlines`` (the step cost model, admission control), ``request`` (the per-request state),
-``block_ledger`` and ``prefix_cache`` (the KV pool as the scheduler counts it), ``owners`` (which
-client connection owns which request, for the scheduler's shell).
+The scheduler's other modules, one concern each:
+
+- ``admission``: an arriving request's checks; admission with its prefix-cache lookup;
+- ``policies/``: the order of both queues, one module per ``scheduling_policy`` (fcfs, lpm,
+  priority, edf, lrs), behind one interface (``policies/base.py``);
+- ``plan``: a planning pass's decisions turned into a ``StepPlan``;
+- ``pipeline``: the steps in flight, results matched to plans, the pipeline reset;
+- ``results``: a step's tokens, stops and updates;
+- ``recovery``: what a restart elsewhere in the group does to the requests; resubmissions;
+- ``cost_model``, ``deadlines``: the step cost model; remaining work and admission control;
+- ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
+  scheduler counts it;
+- ``owners``: which client connection owns which request (used by the scheduler's shell).
 """
 
 from __future__ import annotations
@@ -42,17 +47,16 @@ from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.plan import StepBuilder
 from vllm_actors.actors.scheduler.policies import make_policy
-from vllm_actors.actors.scheduler.recovery import catch_up, start_over
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
+from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.results import apply_result
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.events import Aborted, Finished, PipelineReset, Preempted, Queued, Resumed, Scheduled
+from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued, Resumed, Scheduled
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
     Message,
     RecoverPipeline,
-    RequestUpdate,
     RequestUpdates,
     StepPlan,
     StepResult,
@@ -142,16 +146,11 @@ class Scheduler:
             return
         request = ScheduledRequest.arriving(message, self._num_arrivals, self.stats.num_steps)
         self._num_arrivals += 1
-        if request.output_token_ids:
-            finish_reason, stop_reason = check_stop(request, request.output_token_ids[-1], self.config.max_model_len)
-            if finish_reason is not None:  # its last token ended it: the client missed only that
-                num_prompt = len(request.prompt_token_ids)
-                out.emit(Finished(request_id=request.request_id, reason=finish_reason, num_prompt_tokens=num_prompt,
-                                  num_output_tokens=len(request.output_token_ids), stop_reason=stop_reason))
-                update = RequestUpdate(request_id=request.request_id, finish_reason=finish_reason,
-                                       stop_reason=stop_reason, num_prompt_tokens=num_prompt)
-                out.send(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))
-                return
+        ended = ended_by_its_outputs(request, self.config.max_model_len)
+        if ended is not None:  # a resubmission whose last token ended it: the client missed only that
+            out.emit(ended[0])
+            out.send(FRONTEND, ended[1])
+            return
         self.requests[request.request_id] = request
         self.waiting.append(request)
         out.emit(Queued(request_id=request.request_id, num_waiting=len(self.waiting), priority=message.priority,
