@@ -20,6 +20,8 @@ from vllm_actors.protocol.block_hash import block_hash
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import BlockCached, BlockEvicted, EventBatch, KvPool, Preempted, PrefixHit, Scheduled
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
+from vllm_actors.protocol.names import KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -108,16 +110,19 @@ def test_a_request_admitted_later_in_the_same_pass_hits_blocks_planned_before_it
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=3, **GREEDY)
 
-    def add(request_id: str, prompt: list[int]) -> list[Any]:
+    def plans(out: Outputs) -> list[StepPlan]:
+        return [m for m in out.to(KV_CACHE_MANAGER) if isinstance(m, StepPlan)]
+
+    def add(request_id: str, prompt: list[int]) -> Outputs:
         return scheduler.handle(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
                                            eos_token_ids=[0]))
 
-    first = [m for _, m in add("a", [3] * 10) if isinstance(m, StepPlan)][0]
+    first = plans(add("a", [3] * 10))[0]
     shared = list(range(1, 25))
-    assert not [m for _, m in add("b", shared + [30]) if isinstance(m, StepPlan)]  # one step in flight
+    assert not plans(add("b", shared + [30]))  # one step in flight
     add("c", shared + [31, 32])
     out = scheduler.handle(StepResult(step_id=first.step_id, reset=first.reset, req_ids=["a"], token_ids=[5]))
-    plan = next(m for _, m in out if isinstance(m, StepPlan))
+    plan = plans(out)[0]
     hits = {new.request_id: new.num_cached_tokens for new in plan.new_requests}
     assert hits == {"b": 0, "c": 24}
     c = plan.req_ids.index("c")

@@ -177,13 +177,14 @@ def test_out_of_vocabulary_token_is_rejected() -> None:
 
 
 def test_a_raw_add_request_with_token_ids_beyond_int32_gets_an_error_and_the_scheduler_goes_on() -> None:
-    from vllm_actors.actors.scheduler.scheduler import FRONTEND, Scheduler
+    from vllm_actors.actors.scheduler.scheduler import Scheduler
     from vllm_actors.protocol.messages import AddRequest, RequestUpdates
+    from vllm_actors.protocol.names import FRONTEND
 
     engine, _ = make_engine(num_blocks=50)
     scheduler: Scheduler = engine.scheduler
     params = SamplingParams(max_tokens=2)
     out = scheduler.handle(AddRequest(request_id="bad", prompt_token_ids=[1, 2**40], params=params, eos_token_ids=[0]))
-    updates = [message for destination, message in out if destination == FRONTEND]
+    updates = out.to(FRONTEND)
     assert isinstance(updates[0], RequestUpdates) and "token ids" in (updates[0].updates[0].error or "")
     assert "bad" not in scheduler.requests

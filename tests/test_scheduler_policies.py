@@ -1,4 +1,4 @@
-"""Scheduling policies (issue 18) driven at the scheduler's unit level: the order each policy
+"""Scheduling policies driven at the scheduler's unit level: the order each policy
 admits and runs requests in, and whom it preempts when KV blocks run short."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Finished, Preempted, Queued
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
-from vllm_actors.protocol.names import BUS, KV_CACHE_MANAGER
+from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 # A deterministic step cost: 100 ms a step, nothing per token.
@@ -32,16 +33,15 @@ def add(request_id: str, prompt_len: int = 4, max_tokens: int = 8, **kwargs: obj
                       params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_ids=[0], **kwargs)
 
 
-def plans(out: list[tuple[str, object]]) -> list[StepPlan]:
-    return [message for destination, message in out if destination == KV_CACHE_MANAGER
-            and isinstance(message, StepPlan)]
+def plans(out: Outputs) -> list[StepPlan]:
+    return [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
 
 
-def events(out: list[tuple[str, object]]) -> list[object]:
-    return [message for destination, message in out if destination == BUS]
+def events(out: Outputs) -> list[object]:
+    return out.events
 
 
-def finish_step(scheduler: Scheduler, plan: StepPlan) -> list[tuple[str, object]]:
+def finish_step(scheduler: Scheduler, plan: StepPlan) -> Outputs:
     """The plan's result: every request that completed its tokens samples token 7."""
     sampled = [rid for rid in plan.req_ids
                if rid in scheduler.requests and scheduler.requests[rid].num_pending]
@@ -122,9 +122,9 @@ def test_fcfs_preempts_the_latest_arrival() -> None:
     assert preempted_when_short("fcfs") == ["late-mid"]
 
 
-def run_to_end(scheduler: Scheduler, out: list[tuple[str, object]], arriving: dict[int, AddRequest]) -> list[object]:
+def run_to_end(scheduler: Scheduler, out: Outputs, arriving: dict[int, AddRequest]) -> list[object]:
     """Step until every request finished (``arriving[k]`` comes once k steps are done): the events."""
-    seen: list[object] = events(out)
+    seen: list[object] = list(events(out))
     pending = plans(out)
     while pending:
         plan = pending.pop(0)
@@ -198,7 +198,8 @@ def test_edf_gives_the_budget_to_an_urgent_prefill_before_a_relaxed_decode() -> 
     out = scheduler.handle(add("relaxed", prompt_len=4, max_tokens=50, e2e_deadline=100.0))
     plan = plans(out)[0]
     out = scheduler.handle(add("urgent", prompt_len=40, max_tokens=2, e2e_deadline=1.0))
-    plan = plans(out + finish_step(scheduler, plan))[0]  # "urgent" admitted: a 15-token chunk
+    out += finish_step(scheduler, plan)
+    plan = plans(out)[0]  # "urgent" admitted: a 15-token chunk
     plan = plans(finish_step(scheduler, plan))[0]
     assert plan.req_ids[0] == "urgent" and plan.num_tokens[0] == 16  # its chunk first, the whole budget
 
@@ -218,17 +219,17 @@ def test_admission_rejects_an_unmeetable_deadline_and_keeps_serving() -> None:
     scheduler = make("edf", reject_unmeetable=True)
     # 20 tokens at 100 ms a step: about 2 s; a 1 s target cannot be met, a 3 s one can.
     out = scheduler.handle(add("late", max_tokens=20, arrival_time=100.0, e2e_deadline=101.0))
-    updates = [u for _, m in out if hasattr(m, "updates") for u in m.updates]
+    updates = [u for m in out.to(FRONTEND) for u in m.updates]
     assert [(u.request_id, u.finish_reason) for u in updates] == [("late", "error")]
     assert updates[0].error is not None and updates[0].error.startswith("unmeetable deadline")
     assert "late" not in scheduler.requests
     out = scheduler.handle(add("ok", max_tokens=20, arrival_time=100.0, e2e_deadline=103.0))
-    assert "ok" in scheduler.requests and not [m for _, m in out if hasattr(m, "updates")]
+    assert "ok" in scheduler.requests and not out.to(FRONTEND)
     # The queue ahead counts: behind a long prefill the TTFT target of 150 ms is missed.
     scheduler = make("fcfs", reject_unmeetable=True, budget=16)
     scheduler.handle(add("long", prompt_len=64, max_tokens=1))
     out = scheduler.handle(add("next", max_tokens=1, arrival_time=5.0, ttft_deadline=5.15))
-    assert [u.finish_reason for _, m in out if hasattr(m, "updates") for u in m.updates] == ["error"]
+    assert [u.finish_reason for m in out.to(FRONTEND) for u in m.updates] == ["error"]
 
 
 def test_without_admission_control_an_unmeetable_request_is_served() -> None:
@@ -252,5 +253,5 @@ def test_admission_counts_only_the_queue_the_policy_puts_ahead(policy: str) -> N
     scheduler.handle(add("blocker", prompt_len=4, max_tokens=50))
     scheduler.handle(add("batch", prompt_len=64, max_tokens=1))
     out = scheduler.handle(add("urgent", max_tokens=1, arrival_time=5.0, ttft_deadline=5.25))
-    refused = [u.request_id for _, m in out if hasattr(m, "updates") for u in m.updates]
+    refused = [u.request_id for m in out.to(FRONTEND) for u in m.updates]
     assert refused == (["urgent"] if policy == "fcfs" else [])

@@ -19,6 +19,7 @@ from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -46,8 +47,8 @@ def replay(num_requests: int, system_tokens: int, steps: int, prefix_caching: bo
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     pending: list[tuple[StepPlan, float, float, float]] = []
 
-    def deliver(outputs: list, scheduler_ms: float) -> None:
-        for _, message in outputs:
+    def deliver(outputs: Outputs, scheduler_ms: float) -> None:
+        for message in outputs.to(KV_CACHE_MANAGER):
             if not isinstance(message, StepPlan):
                 continue
             started = time.perf_counter()

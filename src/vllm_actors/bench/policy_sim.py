@@ -29,6 +29,7 @@ from vllm_actors.bench.serve_mixed import BATCH, INTERACTIVE, MixedRequest, Mixe
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 H100_QWEN3_06B = FixedCostModel(a=0.007, b=4e-6, c=2e-5)
@@ -65,9 +66,8 @@ def _add(request: MixedRequest) -> AddRequest:
                       e2e_deadline=None if e2e is None else request.offset + e2e / 1e3)
 
 
-def _plans(out: list[tuple[str, Any]]) -> list[StepPlan]:
-    return [message for destination, message in out if destination == KV_CACHE_MANAGER
-            and isinstance(message, StepPlan)]
+def _plans(out: Outputs) -> list[StepPlan]:
+    return [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
 
 
 def simulate(workload: MixedWorkload, config: SimConfig) -> SimResult:

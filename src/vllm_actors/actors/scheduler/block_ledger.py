@@ -65,6 +65,10 @@ class BlockLedger:
         holding = self._holdings.get(request_id)
         return holding.num_blocks if holding else 0
 
+    def blocks_missing(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request must get to hold ``num_tokens`` tokens (0 or less: it holds enough)."""
+        return -(-num_tokens // self.block_size) - self.num_blocks(request_id)
+
     def next_cache_check(self, request_id: str) -> int:
         """Computed tokens from which ``cache_blocks`` could cache another block of the request
         (one more full block than its cached front); never again once it stopped."""

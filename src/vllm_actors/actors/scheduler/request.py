@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from vllm_actors.protocol.messages import AddRequest, NewRequest, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -36,6 +37,25 @@ class ScheduledRequest:
     e2e_deadline: float | None = None
     arrival: int = 0  # arrival sequence number: the tie-break of every policy's order
     queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue (aging)
+
+    @classmethod
+    def arriving(cls, message: AddRequest, arrival: int, queued_at_step: int) -> ScheduledRequest:
+        """A request the scheduler takes (``message`` passed admission)."""
+        return cls(
+            request_id=message.request_id,
+            prompt_token_ids=list(message.prompt_token_ids),
+            params=message.params,
+            eos_token_ids=list(message.eos_token_ids),
+            packed_prompt=pack_token_ids(message.prompt_token_ids),
+            output_token_ids=list(message.output_token_ids),
+            # A resubmission with outputs resumes as after a preemption (RESUMED, recompute).
+            num_preemptions=1 if message.output_token_ids else 0,
+            priority=message.priority,
+            ttft_deadline=message.ttft_deadline,
+            e2e_deadline=message.e2e_deadline,
+            arrival=arrival,
+            queued_at_step=queued_at_step,
+        )
 
     @property
     def deadline(self) -> float | None:
@@ -69,6 +89,27 @@ class ScheduledRequest:
     def num_tokens_with_pending(self) -> int:
         """Tokens the worker will hold once the steps in flight are done: what can be computed."""
         return self.num_tokens + self.num_pending
+
+    def wants_more(self, max_model_len: int) -> bool:
+        """False once the tokens in flight already take it to max_tokens or max_model_len."""
+        max_tokens = self.params.max_tokens
+        if self.num_pending and max_tokens is not None and len(self.output_token_ids) + self.num_pending >= max_tokens:
+            return False
+        return not (self.num_pending and self.num_tokens_with_pending >= max_model_len)
+
+    def new_request(self, num_cached_tokens: int, cached_block_hash: int) -> NewRequest:
+        """The ``NewRequest`` that gives the worker its state (from now on it holds it)."""
+        self.in_worker = True
+        return NewRequest(
+            request_id=self.request_id,
+            token_ids=self.packed_prompt + pack_token_ids(self.output_token_ids),
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=len(self.output_token_ids),
+            params=self.params,
+            eos_token_ids=self.eos_token_ids,
+            num_cached_tokens=num_cached_tokens,
+            cached_block_hash=cached_block_hash,
+        )
 
 
 def check_stop(request: ScheduledRequest, token_id: int, max_model_len: int) -> tuple[str | None, int | None]:

@@ -1,71 +1,68 @@
 """The scheduler: waiting and running queues, token budget, chunked prefill, preemption, stops.
 
-A pure state machine. ``handle`` takes a message (a new request, an abort, a worker's step result)
-and returns the messages to send: at most one ``StepPlan`` per step to the KV-cache manager and one
-``RequestUpdates`` per step to the frontend. One step is in flight at a time.
+A pure state machine. ``handle`` takes a message (a new request, an abort, a worker's step result,
+a pipeline reset) and returns its ``Outputs``: ``RequestUpdates`` for the frontend, as many
+``StepPlan``s for the KV-cache manager as keep ``max_steps_in_flight`` steps in flight (planning
+step N+1 while step N runs), and the events.
 
-Policy (FCFS, like vLLM V1): running requests first, in arrival order, each taking what it still
-needs (one token when decoding, the rest of the prompt - or a chunk of it - when prefilling); then
-waiting requests while the token budget, ``max_num_seqs`` and free KV blocks allow. When a running
-request needs a block and none is available, the most recently arrived running request is
-preempted (its blocks freed; it is recomputed from its prompt and outputs when it comes back).
+A planning pass serves the running requests first, in the policy's order, each taking what it
+still needs of the token budget (one token when decoding, the rest of the prompt - or a chunk of
+it - when prefilling); then admits waiting requests, in the policy's order, while the budget,
+``max_num_seqs`` and free KV blocks allow. When a running request needs a block and none is
+available, the last running request in the policy's order is preempted (its blocks freed; it is
+recomputed from its prompt and outputs when it comes back).
 
 Prefix caching (``block_ledger``): on admission a request takes the longest run of cached full
-blocks matching its tokens and computes only the rest; its blocks are cached as they fill (at
-planning time, so a request admitted later in the same pass already hits them); idle cached blocks
-count as available and are evicted, least recently used first, before anyone is preempted.
+blocks matching its tokens and computes only the rest; its blocks are cached as they fill; idle
+cached blocks count as available and are evicted, least recently used first, before anyone is
+preempted.
 
-``queue_policy`` holds who gets in: admission checks and admission with its cache lookup;
-``policies`` the order of both queues under ``scheduling_policy`` (fcfs, lpm, priority, edf, lrs:
-running requests are served in that order and the last one is preempted); ``cost_model`` the step
-cost model and ``deadlines`` admission control (``reject_unmeetable``); ``results`` a step's
-result (tokens, stops); ``request`` the per-request state.
+The scheduler's other modules, one concern each:
 
-``recovery`` holds what a restart elsewhere in the group does to the scheduler.
+- ``admission``: an arriving request's checks; admission with its prefix-cache lookup;
+- ``policies/``: the order of both queues, one module per ``scheduling_policy`` (fcfs, lpm,
+  priority, edf, lrs), behind one interface (``policies/base.py``);
+- ``plan``: a planning pass's decisions turned into a ``StepPlan``;
+- ``pipeline``: the steps in flight, results matched to plans, the pipeline reset;
+- ``results``: a step's tokens, stops and updates;
+- ``recovery``: what a restart elsewhere in the group does to the requests; resubmissions;
+- ``cost_model``, ``deadlines``: the step cost model; remaining work and admission control;
+- ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
+  scheduler counts it;
+- ``owners``: which client connection owns which request (used by the scheduler's shell).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_actors.actors.scheduler.admission import admission_error, admit, identity_error
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
-from vllm_actors.actors.scheduler.deadlines import unmeetable_error
-from vllm_actors.actors.scheduler.policies import LeastRemainingSlack, make_policy, queue_ahead, slot_victims
-from vllm_actors.actors.scheduler.queue_policy import (
-    admission_error,
-    admit,
-    identity_error,
-)
-from vllm_actors.actors.scheduler.recovery import catch_up, reset_pipeline
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, check_stop
-from vllm_actors.actors.scheduler.results import on_step_result
+from vllm_actors.actors.scheduler.deadlines import observe_step, unmeetable_error
+from vllm_actors.actors.scheduler.owners import refused_request
+from vllm_actors.actors.scheduler.pipeline import StepPipeline
+from vllm_actors.actors.scheduler.plan import StepBuilder
+from vllm_actors.actors.scheduler.policies import make_policy
+from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
+from vllm_actors.actors.scheduler.results import apply_result
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.events import (
-    Aborted,
-    Finished,
-    Preempted,
-    PrefillChunk,
-    Queued,
-    Resumed,
-    Scheduled,
-)
+from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued, Resumed, Scheduled
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
     Message,
-    NewRequest,
     RecoverPipeline,
-    RequestUpdate,
     RequestUpdates,
     StepPlan,
     StepResult,
-    pack_token_ids,
 )
 from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
 
 MAX_ABORT_REASON = 64  # characters of a client's abort reason that reach the bus
 
@@ -94,102 +91,119 @@ class Scheduler:
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
         self.policy = make_policy(config.scheduling_policy, self.cost_model)
-        self._num_arrivals = 0
-        self.ledger = BlockLedger(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._departed: list[str] = []  # left the worker since the last plan
-        self._events: list[Any] = []  # events of the message being handled
-        # Plans sent whose results are not back yet (oldest first), with the ids each one samples.
-        self._in_flight: deque[tuple[StepPlan, list[str]]] = deque()
-        self._next_step_id = first_step_id
+        self.ledger = self._new_ledger()
+        self.pipeline = StepPipeline(first_step_id, config.max_steps_in_flight)
         self.stats = SchedulerStats()
-        # Recovery: the next plan resets the pipeline (a new scheduler's first one does); once
-        # sent, its step id until its result is back; results of step ids below are stale.
-        self._reset_pending = True
-        self._reset_step: int | None = None
-        self._min_step_id = first_step_id
+        self._num_arrivals = 0
+
+    @property
+    def reset_pending(self) -> bool:
+        """The next plan resets the pipeline (no reset plan sent since the last restart)."""
+        return self.pipeline.reset_pending
+
+    @property
+    def departed(self) -> tuple[str, ...]:
+        """Requests that left the worker since the last plan (the next plan's ``finished_ids``)."""
+        return self.pipeline.departed
+
+    # The names clients/inprocess.py reads until it uses ``reset_pending`` and ``departed``.
+    _reset_pending = reset_pending
+    _departed = departed
 
     # ------------------------------------------------------------------ messages
-    def handle(self, message: Message) -> list[tuple[str, Any]]:
-        """Returns the messages to send, then this handling's events (destination ``BUS``)."""
-        out: list[tuple[str, Any]] = []
-        self._events = []
+    def handle(self, message: Message) -> Outputs:
+        out = _PairedOutputs()
         if isinstance(message, AddRequest):
-            out.extend(self._add(message))
+            self._add(message, out)
         elif isinstance(message, AbortRequests):
-            for request_id in message.request_ids:
-                request = self.requests.get(request_id)
-                if request is None:
-                    continue
-                if message.reason != "stop":  # a stop string: the frontend published FINISHED
-                    self._events.append(
-                        Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
-                                num_output_tokens=len(request.output_token_ids))
-                    )
-                self._finish(request_id)
+            self._abort(message, out)
         elif isinstance(message, StepResult):
-            out.extend(on_step_result(self, message))
+            self._on_step_result(message, out)
         elif isinstance(message, RecoverPipeline):
-            reset_pipeline(self, f"{message.actor}: {message.reason}")
+            self._recover(f"{message.actor}: {message.reason}", out)
         else:
             raise TypeError(f"the scheduler does not take {type(message).__name__}")
-        # Fill the pipeline, not just one slot: with one plan per message a lone request's
-        # decode never got a second step in flight (each result released exactly one plan), so
-        # at batch 1 the GPU idled for a whole control-loop round trip between tokens.
-        while (plan := self._maybe_schedule()) is not None:
-            out.append((KV_CACHE_MANAGER, plan))
-        out.extend((BUS, event) for event in self._events)
+        # Fill the pipeline, not just one slot: with one plan per message a lone request's decode
+        # would never get a second step in flight (each result releasing exactly one plan).
+        while (plan := self._maybe_schedule(out)) is not None:
+            out.send(KV_CACHE_MANAGER, plan)
         return out
 
     # ------------------------------------------------------------------ requests
-    def _add(self, message: AddRequest) -> list[tuple[str, Message]]:
+    def _add(self, message: AddRequest, out: Outputs) -> None:
         if message.resume and message.request_id in self.requests:
-            return catch_up(self.requests[message.request_id], message)
+            out.messages.extend(catch_up(self.requests[message.request_id], message))
+            return
         error = identity_error(message, self.requests)
         if error is None:
             error = admission_error(message, self.config)
             if error is None and self.config.reject_unmeetable:
-                ahead = queue_ahead(self.policy, self.waiting, message, self._num_arrivals) + self.running
-                error = unmeetable_error(message, ahead, len(self.running),
-                                         self.cost_model, self.config.max_num_batched_tokens,
-                                         self.config.max_num_seqs)
+                error = self._unmeetable_error(message)
             if error is not None:  # a well-formed id of no other request: its timeline says why
-                self._events.append(Aborted(request_id=message.request_id, reason="error"))
+                out.emit(Aborted(request_id=message.request_id, reason="error"))
         if error is not None:  # answered to its sender only; nothing else changed
-            update = RequestUpdate(request_id=message.request_id, finish_reason="error", error=error)
-            return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
-        request = ScheduledRequest(
-            request_id=message.request_id,
-            prompt_token_ids=list(message.prompt_token_ids),
-            params=message.params,
-            eos_token_ids=list(message.eos_token_ids),
-            packed_prompt=pack_token_ids(message.prompt_token_ids),
-            output_token_ids=list(message.output_token_ids),
-            # A resubmission with outputs resumes as after a preemption (RESUMED, recompute).
-            num_preemptions=1 if message.output_token_ids else 0,
-            priority=message.priority,
-            ttft_deadline=message.ttft_deadline,
-            e2e_deadline=message.e2e_deadline,
-            arrival=self._num_arrivals,
-            queued_at_step=self.stats.num_steps,
-        )
+            out.send(FRONTEND, refused_request(message.request_id, error))
+            return
+        request = ScheduledRequest.arriving(message, self._num_arrivals, self.stats.num_steps)
         self._num_arrivals += 1
-        if request.output_token_ids:
-            finish_reason, stop_reason = check_stop(request, request.output_token_ids[-1], self.config.max_model_len)
-            if finish_reason is not None:  # its last token ended it: the client missed only that
-                self._events.append(
-                    Finished(request_id=request.request_id, reason=finish_reason,
-                             num_prompt_tokens=len(request.prompt_token_ids),
-                             num_output_tokens=len(request.output_token_ids), stop_reason=stop_reason)
-                )
-                update = RequestUpdate(request_id=request.request_id, finish_reason=finish_reason,
-                                       stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_token_ids))
-                return [(FRONTEND, RequestUpdates(step_id=-1, updates=[update]))]
+        ended = ended_by_its_outputs(request, self.config.max_model_len)
+        if ended is not None:  # a resubmission whose last token ended it: the client missed only that
+            out.emit(ended[0])
+            out.send(FRONTEND, ended[1])
+            return
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self._events.append(Queued(request_id=request.request_id, num_waiting=len(self.waiting),
-                                   priority=message.priority, ttft_deadline=message.ttft_deadline,
-                                   e2e_deadline=message.e2e_deadline))
-        return []
+        out.emit(Queued(request_id=request.request_id, num_waiting=len(self.waiting), priority=message.priority,
+                        ttft_deadline=message.ttft_deadline, e2e_deadline=message.e2e_deadline))
+
+    def _unmeetable_error(self, message: AddRequest) -> str | None:
+        """Admission control: its deadlines against the queue the policy puts ahead of it."""
+        arriving = ScheduledRequest(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+                                    params=message.params, eos_token_ids=message.eos_token_ids,
+                                    priority=message.priority, ttft_deadline=message.ttft_deadline,
+                                    e2e_deadline=message.e2e_deadline, arrival=self._num_arrivals)
+        ahead = self.policy.queue_ahead(self.waiting, arriving) + self.running
+        return unmeetable_error(message, ahead, len(self.running), self.cost_model,
+                                self.config.max_num_batched_tokens, self.config.max_num_seqs)
+
+    def _abort(self, message: AbortRequests, out: Outputs) -> None:
+        for request_id in message.request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if message.reason != "stop":  # a stop string: the frontend published FINISHED
+                out.emit(Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
+                                 num_output_tokens=len(request.output_token_ids)))
+            self._finish(request_id)
+
+    def _on_step_result(self, result: StepResult, out: Outputs) -> None:
+        taken = self.pipeline.take_result(result)
+        if taken is None:  # a plan's from before the last reset: its tokens do not count
+            self.stats.num_stale_results += 1
+            return
+        plan, sampling_ids = taken
+        observe_step(self.cost_model, plan, result)  # the step cost model learns from the measured step
+        step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
+        for request_id in step.finished_ids:
+            self._finish(request_id)
+        out.emit(*step.events)
+        if step.updates:
+            out.send(FRONTEND, RequestUpdates(step_id=result.step_id, updates=step.updates,
+                                              step_finished_at=result.finished_at))
+
+    def _recover(self, reason: str, out: Outputs) -> None:
+        """The KV-cache manager or a worker was restarted: what the pipeline held is gone."""
+        running, self.running = self.running, []
+        out.emit(*start_over(running, self.requests.values(), self.pipeline.next_step_id))
+        self.waiting.extendleft(reversed(running))  # at the front, in batch order
+        self.stats.num_preemptions += len(running)
+        self.ledger = self._new_ledger()
+        self.pipeline.reset()
+        self.stats.num_resets += 1
+        out.emit(PipelineReset(reason=reason, num_preempted=len(running)))
+
+    def _new_ledger(self) -> BlockLedger:
+        return BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
 
     def _finish(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -205,183 +219,12 @@ class Scheduler:
     def _release(self, request: ScheduledRequest) -> None:
         self.ledger.release(request.request_id)
         if request.in_worker:
-            self._departed.append(request.request_id)
+            self.pipeline.depart(request.request_id)
             request.in_worker = False
 
-    # ------------------------------------------------------------------ scheduling
-    def _maybe_schedule(self) -> StepPlan | None:
-        if len(self._in_flight) >= self.config.max_steps_in_flight:
-            return None
-        if not (self.waiting or self.running or self._departed or self._reset_pending):
-            return None
-        plan, sampling_ids = self._schedule()
-        if not plan.req_ids and not plan.finished_ids and not plan.reset:
-            return None  # everything waits for tokens in flight
-        if plan.reset:  # sent even when empty: the KV-cache manager and workers drop their state
-            self._reset_pending = False
-            self._reset_step = self._min_step_id = plan.step_id
-        self._in_flight.append((plan, sampling_ids))
-        self._next_step_id += 1
-        self.stats.num_steps += 1
-        return plan
-
-    def _wants_more(self, request: ScheduledRequest) -> bool:
-        """False once the tokens in flight already take it to max_tokens or max_model_len."""
-        target = len(request.output_token_ids) + request.num_pending
-        max_tokens = request.params.max_tokens
-        if request.num_pending and max_tokens is not None and target >= max_tokens:
-            return False
-        return not (request.num_pending and request.num_tokens_with_pending >= self.config.max_model_len)
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.config.block_size)
-
-    def _blocks_needed(self, request: ScheduledRequest, num_new: int) -> int:
-        held = self.ledger.num_blocks(request.request_id)
-        return self._blocks_for(request.num_computed_tokens + num_new) - held
-
-    def _schedule(self) -> tuple[StepPlan, list[str]]:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[ScheduledRequest, int]] = []
-        new_requests: list[NewRequest] = []
-        cached: dict[str, list[int]] = {}  # hashes of the blocks scheduled requests cache this step
-        preempted_now = False
-
-        self.policy.step = self.stats.num_steps
-        if isinstance(self.policy, LeastRemainingSlack):
-            self.policy.batch = max(1, len(self.running))
-        self.policy.order_running(self.running)  # most urgent first: the last one is preempted
-        if len(self.running) >= self.config.max_num_seqs and self.waiting:
-            self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
-            for victim in slot_victims(self.policy, self.waiting, self.running, self.config.max_num_seqs, budget):
-                self._preempt(victim)  # a more urgent waiting request takes its slot below
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or not self._wants_more(request):
-                index += 1
-                continue
-            needed = self._blocks_needed(request, num_new)
-            while needed > self.ledger.num_available:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted_now = True
-                if victim is request:
-                    break
-            if request.status is not Status.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            self._allocate(request, num_new, needed, cached)
-            scheduled.append((request, num_new))
-            budget -= num_new
-            index += 1
-
-        if not preempted_now:
-            self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
-        while self.waiting and budget > 0 and not preempted_now:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting[0]
-            if request.num_pending:
-                break  # preempted while a step was in flight: resume once its token is here
-            num_query, num_hit, hit_hash = admit(request, self.ledger)
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget)
-            needed = self._blocks_needed(request, num_new)
-            if (remaining > budget and not self.config.enable_chunked_prefill) or needed > self.ledger.num_available:
-                self.ledger.release(request.request_id)  # not now: give the hit back
-                request.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            self.running.append(request)
-            admitted = Resumed if request.num_preemptions else Scheduled
-            if not request.num_preemptions and not request.output_token_ids:
-                request.num_cached_prompt_tokens = min(num_hit, len(request.prompt_token_ids))
-            self._events.append(
-                admitted(
-                    request_id=request.request_id,
-                    step_id=self._next_step_id,
-                    num_query_tokens=num_query,
-                    num_cached_tokens=num_hit,
-                )
-            )
-            # Cached now, so that a request admitted later in this pass already hits them.
-            self._allocate(request, num_new, needed, cached)
-            new_requests.append(self._new_request(request, num_hit, hit_hash))
-            scheduled.append((request, num_new))
-            budget -= num_new
-
-        sampling_ids: list[str] = []
-        for request, num_new in scheduled:
-            start = request.num_computed_tokens
-            target = request.num_tokens_with_pending
-            if start + num_new < target:
-                self.stats.num_prefill_chunks += 1
-            else:
-                sampling_ids.append(request.request_id)
-                request.num_pending += 1
-            if target - start > 1 or not request.output_token_ids:  # prefill, not decode
-                self._events.append(
-                    PrefillChunk(
-                        request_id=request.request_id,
-                        step_id=self._next_step_id,
-                        start=start,
-                        num_tokens=num_new,
-                        last=start + num_new == target,
-                    )
-                )
-            request.num_computed_tokens += num_new
-
-        plan = StepPlan(
-            step_id=self._next_step_id,
-            reset=self._reset_pending,
-            new_requests=new_requests,
-            finished_ids=self._departed,
-            req_ids=[request.request_id for request, _ in scheduled],
-            num_tokens=[num_new for _, num_new in scheduled],
-            num_blocks=[self.ledger.num_blocks(request.request_id) for request, _ in scheduled],
-            evicted_hashes=self.ledger.take_evicted(),
-            cached_hashes=cached,
-        )
-        self._departed = []
-        return plan, sampling_ids
-
-    def _allocate(self, request: ScheduledRequest, num_new: int, needed: int, cached: dict[str, list[int]]) -> None:
-        """Give the request ``needed`` more blocks for ``num_new`` tokens this step, then cache
-        its full blocks whose KV this step (or an earlier one) writes and whose tokens are known
-        (a decode step's input may still be in flight: cached in a later pass); their hashes go
-        into ``cached`` for the KV-cache manager."""
-        self.ledger.allocate(request.request_id, needed)
-        computed = min(request.num_computed_tokens + num_new, request.num_tokens)
-        if self.ledger.cache is None or computed < request.cache_check_at:
-            return
-        hashes = self.ledger.cache_blocks(request.request_id, computed // self.config.block_size, request.token_slice)
-        request.cache_check_at = self.ledger.next_cache_check(request.request_id)
-        if hashes:
-            cached[request.request_id] = hashes
-
-    def _new_request(self, request: ScheduledRequest, num_hit: int, hit_hash: int) -> NewRequest:
-        request.in_worker = True
-        return NewRequest(
-            request_id=request.request_id,
-            token_ids=request.packed_prompt + pack_token_ids(request.output_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
-            params=request.params,
-            eos_token_ids=request.eos_token_ids,
-            num_cached_tokens=num_hit,
-            cached_block_hash=hit_hash,
-        )
-
-    def _preempt(self, request: ScheduledRequest) -> None:
-        self._events.append(
-            Preempted(
-                request_id=request.request_id,
-                step_id=self._next_step_id,
-                num_computed_tokens=request.num_computed_tokens,
-            )
-        )
+    def _preempt(self, request: ScheduledRequest, out: Outputs) -> None:
+        out.emit(Preempted(request_id=request.request_id, step_id=self.pipeline.next_step_id,
+                           num_computed_tokens=request.num_computed_tokens))
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
@@ -390,3 +233,93 @@ class Scheduler:
         request.queued_at_step = self.stats.num_steps
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ planning
+    def _maybe_schedule(self, out: Outputs) -> StepPlan | None:
+        if self.pipeline.is_full:
+            return None
+        if not (self.waiting or self.running or self.pipeline.has_news):
+            return None
+        plan, sampling_ids = self._schedule(out)
+        if not plan.req_ids and not plan.finished_ids and not plan.reset:
+            return None  # everything waits for tokens in flight
+        self.pipeline.sent(plan, sampling_ids)
+        self.stats.num_steps += 1
+        return plan
+
+    def _schedule(self, out: Outputs) -> tuple[StepPlan, list[str]]:
+        """One planning pass: the step's plan and the requests it samples a token for."""
+        step = StepBuilder(self.pipeline.next_step_id, self.config.max_num_batched_tokens, self.ledger)
+        self.policy.begin_pass(self.stats.num_steps, len(self.running))
+        self.policy.order_running(self.running)  # most urgent first: the last one is preempted
+        if len(self.running) >= self.config.max_num_seqs and self.waiting:
+            self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
+            for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
+                self._preempt(victim, out)  # a more urgent waiting request takes its slot below
+        if not self._schedule_running(step, out):
+            self._admit_waiting(step, out)
+        plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending,
+                                                             self.pipeline.take_departed())
+        out.emit(*chunks)
+        self.stats.num_prefill_chunks += num_partial
+        return plan, sampling_ids
+
+    def _schedule_running(self, step: StepBuilder, out: Outputs) -> bool:
+        """Give the running requests, in order, what they still need of the budget, preempting from
+        the back when blocks run short. True when someone was preempted (nobody is admitted then)."""
+        preempted = False
+        index = 0
+        while index < len(self.running) and step.budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
+            if num_new <= 0 or not request.wants_more(self.config.max_model_len):
+                index += 1
+                continue
+            needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
+            while needed > self.ledger.num_available:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            step.take(request, num_new, needed)
+            index += 1
+        return preempted
+
+    def _admit_waiting(self, step: StepBuilder, out: Outputs) -> None:
+        """Admit waiting requests, in the policy's order, while slots, budget and blocks allow."""
+        self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted while a step was in flight: resume once its token is here
+            num_query, num_hit, hit_hash = admit(request, self.ledger)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, step.budget)
+            needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
+            unchunked = remaining > step.budget and not self.config.enable_chunked_prefill
+            if unchunked or needed > self.ledger.num_available:
+                self.ledger.release(request.request_id)  # not now: give the hit back
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            if not request.num_preemptions and not request.output_token_ids:
+                request.num_cached_prompt_tokens = min(num_hit, len(request.prompt_token_ids))
+            admitted = Resumed if request.num_preemptions else Scheduled
+            out.emit(admitted(request_id=request.request_id, step_id=step.step_id, num_query_tokens=num_query,
+                              num_cached_tokens=num_hit))
+            step.take(request, num_new, needed, new=request.new_request(num_hit, hit_hash))
+
+
+class _PairedOutputs(Outputs):
+    """Also iterable as the older ``(destination, message)`` pairs, events addressed to ``BUS``: for
+    the callers that do not take ``Outputs`` yet (the shells until they call ``Outputs.coerce``).
+    Goes once none is left."""
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        yield from self.messages
+        yield from ((BUS, event) for event in self.events)

@@ -1,7 +1,7 @@
 """``edf``: earliest absolute deadline (the earliest of a request's TTFT and end-to-end deadlines)
 first; requests without a deadline after those with one, in arrival order. The running request
 with the latest deadline is preempted first: when KV blocks run short, and when every sequence
-slot is taken and a waiting request's deadline is earlier than its own (``base.slot_victims``)."""
+slot is taken and a waiting request's deadline is earlier than its own (``KeyedPolicy.slot_victims``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 model's). ``now`` is the same for every request of a pass, so ordering by deadline - remaining work
 gives the same order: no clock needed. Requests without a deadline last; the most slack is
 preempted first: when KV blocks run short, and when every sequence slot is taken and a waiting
-request has less slack (``base.slot_victims``)."""
+request has less slack (``KeyedPolicy.slot_victims``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from vllm_actors.actors.scheduler.request import ScheduledRequest
 class LeastRemainingSlack(KeyedPolicy):
     name = "lrs"
     preempts_for_slots = True
-    batch = 1  # decoding sequences the predictions assume (the running batch's size, set each pass)
+    batch = 1  # decoding sequences the predictions assume: the running batch's size at this pass
+
+    def begin_pass(self, step: int, num_running: int) -> None:
+        super().begin_pass(step, num_running)
+        self.batch = max(1, num_running)
 
     def key(self, request: ScheduledRequest) -> tuple[float, ...]:
         slack = self.slack(request)

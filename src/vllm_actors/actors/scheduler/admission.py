@@ -1,9 +1,8 @@
-"""Who gets in: the admission checks of a new request, the waiting queue's order (FCFS, or
-longest cached prefix first), and admission itself with its prefix-cache lookup."""
+"""Who gets in: the checks of an arriving request (its id, then every value a worker would index
+with or compute from), and admission itself, with its prefix-cache lookup."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
@@ -15,9 +14,6 @@ from vllm_actors.protocol.sampling import SamplingParams
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32: the bound when the vocabulary is not known
 MAX_SEED = 2**63 - 1  # seeds are signed 64-bit, as in vLLM (torch.long)
-# Longest-prefix-first ordering looks every waiting request up each pass: past this many
-# waiting requests it costs more than it saves, and arrival order is kept (as SGLang does).
-LPM_MAX_WAITING = 128
 
 
 def identity_error(message: AddRequest, requests: Mapping[str, object]) -> str | None:
@@ -90,20 +86,6 @@ def looks_up(request: ScheduledRequest, ledger: BlockLedger) -> bool:
     """Whether admission looks the request up in the prefix cache: not when it wants prompt
     logprobs, which need every prompt position computed."""
     return ledger.cache is not None and request.params.prompt_logprobs is None
-
-
-def order_longest_prefix_first(waiting: deque[ScheduledRequest], ledger: BlockLedger) -> deque[ScheduledRequest]:
-    """The "lpm" policy: the waiting requests with the most cached blocks first (stable: equal
-    hits keep arrival order). A request still waiting for a token in flight goes last (it cannot
-    be admitted yet and must not block the others). Past ``LPM_MAX_WAITING``: arrival order."""
-    if not 1 < len(waiting) <= LPM_MAX_WAITING:
-        return waiting
-    hits = {
-        request.request_id: ledger.cached_prefix_blocks(request.all_token_ids)
-        for request in waiting
-        if looks_up(request, ledger)
-    }
-    return deque(sorted(waiting, key=lambda r: (r.num_pending > 0, -hits.get(r.request_id, 0))))
 
 
 def admit(request: ScheduledRequest, ledger: BlockLedger) -> tuple[int, int, int]:
