@@ -42,7 +42,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: bool = True  # plan step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     # The waiting queue's order: "fcfs" (arrival) or "lpm" (longest cached prefix first, SGLang's
-    # name; falls back to arrival order when more than queue_policy.LPM_MAX_WAITING requests wait),
+    # name; falls back to arrival order when more than policies/lpm.py's LPM_MAX_WAITING requests wait),
     # "priority" (vLLM's: (priority, arrival), preempting the lowest-priority running request) or
     # "edf" (earliest absolute deadline first, requests without one after) or "lrs" (least remaining
     # slack: deadline minus the predicted remaining work; actors/scheduler/policies/).
