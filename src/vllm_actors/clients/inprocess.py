@@ -34,7 +34,7 @@ from vllm_actors.protocol.messages import Message, StepPlan, StepResult
 from vllm_actors.protocol.metrics import DumpQuery, MetricsQuery, MetricsReply
 from vllm_actors.runtime.loop import ActorLoop
 from vllm_actors.runtime.roles import role_of
-from vllm_actors.runtime.transport import Actor, EventStamper, InMemoryEndpoint, InMemoryNetwork
+from vllm_actors.runtime.transport import AnyActor, EventStamper, InMemoryEndpoint, InMemoryNetwork
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
@@ -178,7 +178,7 @@ class InProcessEngine(SyncClient):
         return outputs
 
     # ------------------------------------------------------------------ faults (tests)
-    def _loop(self, actor: Actor, restarted: bool) -> ActorLoop:
+    def _loop(self, actor: AnyActor, restarted: bool) -> ActorLoop:
         """An actor's loop: in process a rejection is a bug the test should see, except by a
         restarted actor, which meets plans made before its restart (until the scheduler's reset
         plan) and drops each, with REJECTED, as the shell does."""

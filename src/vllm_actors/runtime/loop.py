@@ -26,7 +26,7 @@ from vllm_actors.protocol.events import Rejected
 from vllm_actors.protocol.messages import RequestUpdates, StepResult
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.protocol.outputs import Outputs
-from vllm_actors.runtime.transport import Actor, Deferring, Endpoint
+from vllm_actors.runtime.transport import AnyActor, Deferring, Endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class ActorLoop:
     screen, for an actor clients connect to (None: none). ``raise_rejections``: a rejection
     propagates instead of being dropped (the in-process engine, where it is a bug to see)."""
 
-    def __init__(self, actor: Actor, endpoint: Endpoint, publisher: Publisher, accepts: AcceptRules, *,
+    def __init__(self, actor: AnyActor, endpoint: Endpoint, publisher: Publisher, accepts: AcceptRules, *,
                  owners: RequestOwners | None = None, raise_rejections: bool = False) -> None:
         self.actor = actor
         self.endpoint = endpoint

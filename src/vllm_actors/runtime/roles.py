@@ -37,7 +37,7 @@ from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.loop import AcceptRules
 from vllm_actors.runtime.process import ActorSpec
 from vllm_actors.runtime.security import attached_scheduler
-from vllm_actors.runtime.transport import Actor
+from vllm_actors.runtime.transport import AnyActor
 from vllm_actors.runtime.worker_threads import worker_threads
 
 
@@ -45,7 +45,7 @@ from vllm_actors.runtime.worker_threads import worker_threads
 class Built:
     """A role's state machine, and what its process reports with its readiness."""
 
-    actor: Actor
+    actor: AnyActor
     info: dict[str, Any] = field(default_factory=dict)
 
 

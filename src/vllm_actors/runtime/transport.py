@@ -32,6 +32,18 @@ class Actor(Protocol):
     def handle(self, message: Any) -> Outputs: ...
 
 
+class PairsActor(Protocol):
+    """An actor not converted yet: its ``handle`` returns (destination, message) pairs, those to
+    ``BUS`` events. The loop takes it through ``Outputs.coerce``; both go once every actor is converted."""
+
+    name: str
+
+    def handle(self, message: Any) -> list[tuple[str, Any]]: ...
+
+
+AnyActor = Actor | PairsActor
+
+
 @runtime_checkable
 class Deferring(Protocol):
     """An actor that launches work and reads it back later (a worker's deferred steps): the loop
