@@ -30,7 +30,7 @@ def test_the_kv_manager_forwards_sampling_parameters_raw_and_the_worker_gets_the
     assert isinstance(viewed.new_requests[0].eos_token_ids, msgspec.Raw)
     assert viewed.new_requests[0].num_tokens == 10
     assert kv_codec.decode(MessageCodec().encode(AbortRequests(request_ids=["x"]))) == AbortRequests(request_ids=["x"])
-    (_, forwarded), *_ = KVCacheManager(num_blocks=8, block_size=4).handle(viewed)
+    (_, forwarded), *_ = KVCacheManager(num_blocks=8, block_size=4).handle(viewed).messages
     at_worker = MessageCodec.for_actor(WORKER).decode(MessageCodec().encode(forwarded))
     assert type(at_worker) is StepPlan
     assert at_worker == msgspec.structs.replace(plan(), new_block_ids=[[0, 1, 2]])
@@ -38,7 +38,7 @@ def test_the_kv_manager_forwards_sampling_parameters_raw_and_the_worker_gets_the
 
 
 def test_the_manager_takes_live_plans_too_and_the_in_memory_network_decodes_as_each_actor() -> None:
-    (_, forwarded), *_ = KVCacheManager(num_blocks=8, block_size=4).handle(plan())
+    (_, forwarded), *_ = KVCacheManager(num_blocks=8, block_size=4).handle(plan()).messages
     assert forwarded == msgspec.structs.replace(plan(), new_block_ids=[[0, 1, 2]])
     network = InMemoryNetwork(serialize=True)
     kv, worker = network.endpoint(KV_CACHE_MANAGER), network.endpoint(WORKER)

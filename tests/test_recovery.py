@@ -1,4 +1,4 @@
-"""Recovery inside the state machines (issue 12, "let it crash"), driven in process.
+"""Recovery inside the state machines ("let it crash"), driven in process.
 
 An actor of the step pipeline is replaced by a fresh one in the middle of a run, as the supervisor
 restarts a crashed process (the messages queued for it die with it), and recovered as in a group:
@@ -53,7 +53,8 @@ from vllm_actors.protocol.messages import (
     StepResult,
     pack_token_ids,
 )
-from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, SCHEDULER, WORKER, child_request_id
+from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, child_request_id
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -129,7 +130,7 @@ def engine_for(num_blocks: int = 40, **kwargs: Any) -> tuple[InProcessEngine, Fa
 # ------------------------------------------------------------------ faults
 def recover(engine: InProcessEngine, actor: str, first: bool) -> None:
     """What the supervisor does once the restarted actor is READY."""
-    engine.inject(SCHEDULER, RecoverPipeline(actor=actor, reason="exited"), first=first)
+    engine.inject(SCHEDULER, RecoverPipeline(actor=actor, reason="exited"), first=first, sender=SUPERVISOR)
 
 
 def restart_kv_manager(first: bool = False) -> Fault:
@@ -288,22 +289,29 @@ def add(request_id: str, prompt: list[int], outputs: list[int] | None = None, re
                       resume=resume or outputs is not None, output_token_ids=outputs or [])
 
 
-def plans_of(out: list[tuple[str, Any]]) -> list[StepPlan]:
-    return [message for _, message in out if isinstance(message, StepPlan)]
+def pairs(out: Outputs | list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """An actor's outputs as (destination, message) pairs, its events addressed to ``BUS``."""
+    outputs = Outputs.coerce(out)
+    return [*outputs.messages, *((BUS, event) for event in outputs.events)]
 
 
-def updates_of(out: list[tuple[str, Any]]) -> list[Any]:
-    return [u for destination, m in out if destination == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
+def plans_of(out: Outputs | list[tuple[str, Any]]) -> list[StepPlan]:
+    return [message for _, message in pairs(out) if isinstance(message, StepPlan)]
 
 
-def events_of(out: list[tuple[str, Any]], kind: type) -> list[Any]:
-    return [message for _, message in out if isinstance(message, kind)]
+def updates_of(out: Outputs | list[tuple[str, Any]]) -> list[Any]:
+    return [u for destination, m in pairs(out) if destination == FRONTEND and isinstance(m, RequestUpdates)
+            for u in m.updates]
 
 
-def ignored(out: list[tuple[str, Any]]) -> bool:
+def events_of(out: Outputs | list[tuple[str, Any]], kind: type) -> list[Any]:
+    return [message for _, message in pairs(out) if isinstance(message, kind)]
+
+
+def ignored(out: Outputs | list[tuple[str, Any]]) -> bool:
     """Nothing for the client and no request event: the message changed nothing (the scheduler
     may still send its next plan, a step being back in flight)."""
-    return not updates_of(out) and not any(isinstance(m, (Queued, Aborted, Resumed, Finished)) for _, m in out)
+    return not updates_of(out) and not any(isinstance(m, (Queued, Aborted, Resumed, Finished)) for _, m in pairs(out))
 
 
 def result_of(plan: StepPlan, token: int = 5) -> StepResult:
@@ -525,9 +533,10 @@ def test_kv_manager_reset_drops_everything_and_forwards_the_reset() -> None:
     reset = StepPlan(step_id=5, reset=True, new_requests=[new_request("a", tokens)], req_ids=["a"],
                      num_tokens=[10], num_blocks=[3])
     out = manager.handle(reset)
-    forwarded = [m for d, m in out if d == WORKER]
+    forwarded = out.to(WORKER)
     assert len(forwarded) == 1 and forwarded[0].reset and forwarded[0].new_block_ids == [[0, 1, 2]]
-    events = [m for d, m in out if d != WORKER]
+    assert [d for d, _ in out.messages] == [WORKER]
+    events = out.events
     assert sorted(e.request_id for e in events if isinstance(e, Freed)) == ["a", "b"]
     (evicted,) = [e for e in events if isinstance(e, BlockEvicted)]
     assert evicted.block_hashes == [second, first] and evicted.parent_hashes == [first, 0]  # deepest first
@@ -536,7 +545,7 @@ def test_kv_manager_reset_drops_everything_and_forwards_the_reset() -> None:
     assert pools[-1].num_free == 13
     assert set(manager.block_tables) == {"a"} and not manager.cached
     manager.check_invariants({"a"})
-    assert manager.handle(StepPlan(step_id=4, finished_ids=["a"])) == []  # planned before the reset
+    assert manager.handle(StepPlan(step_id=4, finished_ids=["a"])) == Outputs()  # planned before the reset
     assert manager.block_tables["a"] == [0, 1, 2]
 
 
@@ -562,7 +571,7 @@ def test_kv_manager_resets_on_its_pass_through_view_too() -> None:
                     num_tokens=[5], num_blocks=[2])
     decoded = kv_codec.decode(wire.encode(plan))
     assert isinstance(decoded, PassThroughPlan) and decoded.reset
-    (forwarded,) = [m for d, m in manager.handle(decoded) if d == WORKER]
+    (forwarded,) = manager.handle(decoded).to(WORKER)
     again = wire.decode(wire.encode(forwarded))
     assert isinstance(again, StepPlan) and again.reset and again.new_requests[0].params.max_tokens == 4
     assert set(manager.block_tables) == {"a"} and manager.pool.num_free == 6
@@ -578,14 +587,14 @@ def test_worker_reset_drops_every_request_and_table_row() -> None:
     # A reset plan may schedule an id the worker holds as new, on other blocks: validated as fresh.
     out = worker.handle(StepPlan(step_id=4, reset=True, new_requests=[new_request("b", [2] * 3)], req_ids=["b"],
                                  num_tokens=[3], num_blocks=[1], new_block_ids=[[5]]))
-    (result,) = [m for d, m in out if d == SCHEDULER]
+    (result,) = [m for d, m in pairs(out) if d == SCHEDULER]
     assert result.reset and result.step_id == 4 and result.req_ids == ["b"]
     assert set(worker.requests) == {"b"} and worker.requests["b"].block_table == [5]
     assert worker.tables is not None and int(worker.tables.lengths[worker.requests["b"].row]) == 1
     # A plan of before the reset (say, queued behind it from the dead KV manager) is dropped.
-    assert worker.handle(StepPlan(step_id=3, req_ids=["a"], num_tokens=[1], num_blocks=[2],
-                                  new_block_ids=[[]])) == []
-    empty = [m for d, m in worker.handle(StepPlan(step_id=9, reset=True)) if d == SCHEDULER]
+    assert pairs(worker.handle(StepPlan(step_id=3, req_ids=["a"], num_tokens=[1], num_blocks=[2],
+                                        new_block_ids=[[]]))) == []
+    empty = [m for d, m in pairs(worker.handle(StepPlan(step_id=9, reset=True))) if d == SCHEDULER]
     assert empty == [StepResult(step_id=9, reset=True, req_ids=[], token_ids=[])] and not worker.requests
 
 

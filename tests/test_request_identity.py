@@ -1,4 +1,4 @@
-"""Request identity and validation at the socket edge (issue 13): request-id rules in one place
+"""Request identity and validation at the socket edge: request-id rules in one place
 (``protocol/names.py``), applied by the frontend and again by the scheduler; every AddRequest from
 the scheduler's socket checked before it touches state (token ids against the vocabulary, lengths,
 sampling values); each client connection owns its request ids (``actors/scheduler/owners.py``).
@@ -423,7 +423,7 @@ def test_the_shells_stamp_departures_once() -> None:
     """A worker's result and a scheduler's updates get the sending shell's monotonic time; a
     controller forwarding a replica's updates keeps the replica's stamp."""
     from vllm_actors.protocol.messages import StepResult
-    from vllm_actors.runtime.zmq_shell import stamp_departure
+    from vllm_actors.runtime.loop import stamp_departure
 
     result = StepResult(step_id=0, req_ids=[], token_ids=[])
     before = time.monotonic()

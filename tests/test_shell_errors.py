@@ -142,3 +142,76 @@ def test_a_bug_in_a_state_machine_crashes_the_actor_with_crashed_on_the_bus(zmq_
     finally:
         scheduler.close()
         shell.close()
+
+
+# --------------------------------------------------------------------------- one loop, both transports
+def test_only_the_roles_clients_connect_to_screen_request_ids(zmq_context: zmq.Context, tmp_path: Path) -> None:
+    from vllm_actors.protocol.names import CONTROLLER
+    from vllm_actors.protocol.names import SCHEDULER as SCHEDULER_ROLE
+    from vllm_actors.runtime.roles import ROLES
+
+    assert {name for name, role in ROLES.items() if role.clients_connect} == {SCHEDULER_ROLE, CONTROLLER}
+    shell = make_shell(zmq_context, tmp_path, KVCacheManager(num_blocks=8, block_size=4), {})
+    try:
+        assert shell.loop.owners is None  # the KV-cache manager's shell keeps no request owners
+    finally:
+        shell.close()
+
+
+def test_the_publisher_drops_work_events_only_when_told(zmq_context: zmq.Context, tmp_path: Path) -> None:
+    from vllm_actors.protocol.events import ActorReady
+    from vllm_actors.runtime.zmq_shell import EventPublisher
+
+    allocated = Allocated(request_id="a", block_ids=[0], num_free_blocks=7)
+    ready = ActorReady(pid=1, role="kv_cache_manager")
+    for drop, expected in ((False, [allocated, ready]), (True, [ready])):
+        publisher = EventPublisher(zmq_context, f"ipc://{tmp_path}/bus", "kv_cache_manager", drop_work_events=drop)
+        try:
+            batch = publisher.publish([allocated, ready])
+            assert batch is not None and batch.events == expected
+            assert (publisher.publish([allocated]) is None) == drop  # nothing left: no batch
+        finally:
+            publisher.close()
+
+
+def test_the_in_process_engine_applies_each_roles_accept_rules_and_request_identity() -> None:
+    """The in-process engine runs every actor through the shells' loop: a pipeline reset from
+    anyone but the supervisor is dropped, and one client cannot abort or take another's request."""
+    from test_prefix_caching import record_events
+    from test_scheduler import make_engine
+    from vllm_actors.protocol.events import PipelineReset
+    from vllm_actors.protocol.messages import AbortRequests, AddRequest, RecoverPipeline, RequestUpdates
+    from vllm_actors.protocol.names import SCHEDULER as SCHEDULER_NAME
+    from vllm_actors.protocol.names import SUPERVISOR, WORKER
+
+    engine, _ = make_engine(num_blocks=40)
+    events = record_events(engine)
+    engine.submit(engine.prepare("a", {"prompt_token_ids": [1, 2, 3]},
+                                 SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
+    engine.step()
+    scheduler_endpoint = engine._transports[SCHEDULER_NAME].endpoint
+    engine.inject(SCHEDULER_NAME, RecoverPipeline(actor=WORKER, reason="forged"), first=True, sender="intruder")
+    engine.step()  # the scheduler reads it first
+    assert scheduler_endpoint.num_dropped == 1 and not [e for e in events if isinstance(e, PipelineReset)]
+
+    other = engine._network.endpoint("other")  # a second client connection
+    other.send(SCHEDULER_NAME, AbortRequests(request_ids=["a"], reason="abort"))
+    other.send(SCHEDULER_NAME, AddRequest(request_id="a", prompt_token_ids=[4], params=SamplingParams(),
+                                          eos_token_ids=[0]))
+    for _ in range(100):  # a few steps: the scheduler reads its queue one message per round
+        if engine._network.inbox("other"):
+            break
+        engine.step()
+    assert engine.has_unfinished  # "a" runs on, untouched
+    refusals = [e for e in events if isinstance(e, Rejected)]
+    assert [(e.message_type, e.sender) for e in refusals] == [("AbortRequests", "other"), ("AddRequest", "other")]
+    reply = other.recv()  # the refused AddRequest is answered to its sender only
+    assert isinstance(reply, RequestUpdates) and reply.updates[0].finish_reason == "error"
+
+    engine.inject(SCHEDULER_NAME, RecoverPipeline(actor=WORKER, reason="exited"), sender=SUPERVISOR)
+    outputs = []
+    while engine.has_unfinished:
+        outputs.extend(engine.step())
+    assert [e.reason for e in events if isinstance(e, PipelineReset)] == ["worker: exited"]
+    assert outputs[-1].request_id == "a" and outputs[-1].finished and outputs[-1].error is None
+    assert len(outputs[-1].outputs[0].token_ids) == 40

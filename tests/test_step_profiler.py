@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts, format_marginals, marginal_times
 from vllm_actors.runtime.step_profiler import ProfiledWorker, Profiler, ProfileWindow, profiled
+from vllm_actors.runtime.transport import Deferring
 
 
 def _plan(step_id: int) -> StepPlan:
@@ -26,12 +28,18 @@ class _Worker:
     def __init__(self) -> None:
         self.handled: list[Any] = []
 
-    def handle(self, message: Any) -> list[tuple[str, Any]]:
+    def handle(self, message: Any) -> Outputs:
         self.handled.append(message)
-        return [("scheduler", message)]
+        return Outputs(messages=[("scheduler", message)])
 
     def has_pending(self) -> bool:
         return True
+
+    def pending_ready(self) -> bool:
+        return False
+
+    def flush(self) -> Outputs:
+        return Outputs(messages=[("scheduler", "flushed")])
 
 
 class _FakeProfiler:
@@ -66,7 +74,7 @@ def test_the_window_covers_count_plans_from_the_first_and_the_worker_is_unchange
     worker = _Worker()
     wrapped = ProfiledWorker(worker, ProfileWindow(2, 3, tmp_path), "r1/worker-0", lambda: _FakeProfiler(log))
     for step in range(7):
-        assert wrapped.handle(_plan(step)) == [("scheduler", _plan(step))]
+        assert wrapped.handle(_plan(step)) == Outputs(messages=[("scheduler", _plan(step))])
         if step == 1:
             assert log == []
         if step == 2:
@@ -74,6 +82,9 @@ def test_the_window_covers_count_plans_from_the_first_and_the_worker_is_unchange
     assert log == ["start", "stop r1_worker-0-steps-2-4"]  # once, with a file name from the actor's id
     assert [plan.step_id for plan in worker.handled] == list(range(7))
     assert wrapped.has_pending() and wrapped.name == "worker"  # the rest is the worker's own
+    # the worker's deferred steps stay visible to the loop through the wrapper
+    assert isinstance(wrapped, Deferring) and not wrapped.pending_ready()
+    assert wrapped.flush() == Outputs(messages=[("scheduler", "flushed")])
     assert wrapped.written == [tmp_path / "r1_worker-0-steps-2-4"]
 
 

@@ -175,14 +175,16 @@ def test_the_line_reader_splits_whole_lines() -> None:
 def test_only_the_supervisor_may_ask_the_scheduler_for_a_pipeline_reset(tiny_qwen3: Path) -> None:
     from vllm_actors.protocol.config import resolve_scheduler_config
     from vllm_actors.protocol.messages import RecoverPipeline
-    from vllm_actors.runtime.actor_main import build_actor
     from vllm_actors.runtime.process import ActorSpec
+    from vllm_actors.runtime.roles import role_of
     from vllm_actors.runtime.run_dir import make_addresses
 
     config = EngineConfig(model=str(tiny_qwen3))
     spec = ActorSpec(role="scheduler", actor_id="scheduler", addresses=make_addresses(Path("/nonexistent"), 1),
                      engine=config, scheduler=resolve_scheduler_config(config, 256, 32), num_blocks=32)
-    _, _, accepts, _ = build_actor(spec)
+    role = role_of(spec.role)
+    role.build(spec)  # the role builds from this spec
+    accepts = role.accepts(spec.replica)
     assert accepts[RecoverPipeline] == frozenset({b"supervisor"})
 
 

@@ -1,9 +1,10 @@
 """The engine in one process: the actors wired through the in-memory transport.
 
 The same state machines run as separate processes over ZMQ; here a round-robin loop delivers
-their messages. The frontend is the client's own (``ClientCore``): its inbox is read by the same
-loop and its outputs come back from ``step``/``poll``. Used by tests and as the offline engine's
-in-process mode.
+their messages, each actor through the same loop core as a process's shell (``runtime/loop.py``)
+with its role's accept rules and client screening (``runtime/roles.py``). The frontend is the
+client's own (``ClientCore``): its inbox is read by the same loop and its outputs come back from
+``step``/``poll``. Used by tests and as the offline engine's in-process mode.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_actors.actors.frontend.frontend import Frontend
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
+from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
 from vllm_actors.actors.worker.grammar import worker_grammars
@@ -27,24 +29,20 @@ from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
-from vllm_actors.protocol.errors import MessageRejected
-from vllm_actors.protocol.events import EventBatch, Rejected
+from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.messages import Message, StepPlan, StepResult
 from vllm_actors.protocol.metrics import DumpQuery, MetricsQuery, MetricsReply
-from vllm_actors.runtime.transport import EventStamper, InMemoryEndpoint, InMemoryNetwork, split_events
+from vllm_actors.runtime.loop import ActorLoop
+from vllm_actors.runtime.roles import role_of
+from vllm_actors.runtime.transport import AnyActor, EventStamper, InMemoryEndpoint, InMemoryNetwork
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
 
-def _has_pending(actor: object) -> bool:
-    has_pending = getattr(actor, "has_pending", None)
-    return bool(has_pending is not None and has_pending())
-
-
 class InMemoryTransport:
-    """The frontend's side of the in-memory network: messages to its endpoint, events stamped
-    and handed to the engine's bus listeners."""
+    """An actor's side of the in-memory network (the frontend's, each engine actor's): messages
+    through its endpoint, events stamped and handed to the engine's bus listeners."""
 
     def __init__(self, endpoint: InMemoryEndpoint, publish_batch: Callable[[EventBatch], None]) -> None:
         self.endpoint = endpoint
@@ -107,12 +105,15 @@ class InProcessEngine(SyncClient):
         self._network = InMemoryNetwork(serialize=serialize)
         self._frontend_endpoint = self._network.endpoint(frontend.name)
         super().__init__(frontend, InMemoryTransport(self._frontend_endpoint, self._publish), frontend.name)
-        self._actors = [
-            (self._network.endpoint(actor.name), actor, EventStamper(actor.name))
-            for actor in (self.scheduler, self.kv_cache_manager, self.worker)
-        ]
+        # One loop per actor, as each runs in its process: its role's identity, accept rules and,
+        # where clients connect, request-identity screening (the frontend is the client).
+        self._transports: dict[str, InMemoryTransport] = {}
+        self._loops: list[ActorLoop] = []
+        for actor in (self.scheduler, self.kv_cache_manager, self.worker):
+            endpoint = self._network.endpoint(actor.name, identity=role_of(actor.name).actor_id(None))
+            self._transports[actor.name] = InMemoryTransport(endpoint, self._publish)
+            self._loops.append(self._loop(actor, restarted=False))
         self.step_hooks: list[Callable[[InProcessEngine], None]] = []
-        self._restarted: list[Any] = []  # actors put in place by replace_actor
         # Subscribers of the in-process event bus: the metrics store, tests.
         from vllm_actors.actors.metrics_store.store import MetricsStore
         from vllm_actors.runtime.metrics_shell import record_logged
@@ -139,29 +140,17 @@ class InProcessEngine(SyncClient):
             if update is not None:
                 outputs.extend(self._receive(update))
             stepped = False
-            for endpoint, actor, stamper in self._actors:
-                message = endpoint.recv()
-                if message is None and not _has_pending(actor):
+            for loop in self._loops:
+                message = loop.endpoint.recv()
+                if message is not None:
+                    sent = loop.receive(loop.endpoint.last_sender, message)
+                elif loop.has_pending():
+                    sent = loop.flush()  # as the shell does: a launched step is read back once no message waits
+                else:
                     continue
                 progressed = True
-                try:
-                    # As the shell does: a launched step is read back once no message waits.
-                    outputs_of = actor.handle(message) if message is not None else actor.flush()  # type: ignore[union-attr]
-                    messages, events = split_events(outputs_of)
-                except MessageRejected as error:
-                    if actor not in self._restarted:
-                        raise  # in process, a rejection is a bug the test should see
-                    # As the shell does: a restarted actor meets plans made before its restart
-                    # (until the scheduler's reset plan); each is dropped, with REJECTED.
-                    rejected = Rejected(message_type=type(message).__name__, sender="", error=str(error))
-                    self._publish(stamper.stamp([rejected]))
-                    continue
-                for destination, outgoing in messages:
-                    endpoint.send(destination, outgoing)
-                    if isinstance(outgoing, StepResult):
-                        stepped = True
-                if events:
-                    self._publish(stamper.stamp(events))
+                if sent is not None and any(isinstance(outgoing, StepResult) for _, outgoing in sent.messages):
+                    stepped = True
             if stepped:
                 for hook in self.step_hooks:
                     hook(self)
@@ -184,22 +173,32 @@ class InProcessEngine(SyncClient):
 
     def run_until_idle(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        while self._network.pending() or any(_has_pending(actor) for _, actor, _ in self._actors):
+        while self._network.pending() or any(loop.has_pending() for loop in self._loops):
             outputs.extend(self.step())
         return outputs
 
     # ------------------------------------------------------------------ faults (tests)
+    def _loop(self, actor: AnyActor, restarted: bool) -> ActorLoop:
+        """An actor's loop: in process a rejection is a bug the test should see, except by a
+        restarted actor, which meets plans made before its restart (until the scheduler's reset
+        plan) and drops each, with REJECTED, as the shell does."""
+        role = role_of(actor.name)
+        transport = self._transports[actor.name]
+        owners = RequestOwners() if role.clients_connect else None  # a restarted shell starts with none
+        return ActorLoop(actor, transport.endpoint, transport, role.accepts(None), owners=owners,
+                         raise_rejections=not restarted)
+
     def replace_actor(self, actor: Scheduler | KVCacheManager | Worker) -> None:
         """Put a fresh ``actor`` in the place of the one of its name, as the supervisor restarts a
-        crashed process: the messages queued for the old one die with it; the new one's rejections
-        (plans made before its restart) are dropped with REJECTED, as by the shell. Recovery is
-        then up to the caller (``RecoverPipeline`` to the scheduler, or the clients' resubmissions)."""
-        for index, (endpoint, old, stamper) in enumerate(self._actors):
-            if old.name == actor.name:
-                while endpoint.recv() is not None:
+        crashed process: the messages queued for the old one die with it, and so does its shell's
+        state (a scheduler's request owners); the new one's rejections (plans made before its
+        restart) are dropped with REJECTED, as by the shell. Recovery is then up to the caller
+        (``RecoverPipeline`` to the scheduler, or the clients' resubmissions)."""
+        for index, loop in enumerate(self._loops):
+            if loop.actor.name == actor.name:
+                while loop.endpoint.recv() is not None:
                     pass
-                self._actors[index] = (endpoint, actor, stamper)
-                self._restarted.append(actor)
+                self._loops[index] = self._loop(actor, restarted=True)
                 setattr(self, actor.name, actor)
                 return
         raise ValueError(f"no actor named {actor.name!r}")
@@ -212,20 +211,22 @@ class InProcessEngine(SyncClient):
             outputs.extend(self._receive(update))
         return outputs
 
-    def inject(self, destination: str, message: Message, first: bool = False) -> None:
-        """Queue ``message`` for an actor as if a peer (the supervisor) had sent it; ``first``
-        puts it ahead of what is already queued there."""
-        self._frontend_endpoint.send(destination, message)
+    def inject(self, destination: str, message: Message, first: bool = False, *, sender: str | None = None) -> None:
+        """Queue ``message`` for an actor as if ``sender`` had sent it (default: this client, the
+        frontend; ``SUPERVISOR`` for what the supervisor sends); ``first`` puts it ahead of what
+        is already queued there."""
+        self._network.post(self._frontend_endpoint.identity if sender is None else sender.encode(),
+                           destination, message)
         if first:
-            inbox = self._network._inboxes[destination]
+            inbox = self._network.inbox(destination)
             inbox.appendleft(inbox.pop())
 
     # ------------------------------------------------------------------ checks
     def _resetting(self) -> bool:
         """A pipeline reset the KV-cache manager has not applied yet: the scheduler has not sent
         the reset plan, or it is still queued for the manager."""
-        queued = self._network._inboxes[self.kv_cache_manager.name]
-        return self.scheduler._reset_pending or any(isinstance(m, StepPlan) and m.reset for m in queued)
+        queued = self._network.inbox(self.kv_cache_manager.name)
+        return self.scheduler._reset_pending or any(isinstance(m, StepPlan) and m.reset for _, m in queued)
 
     def check_idle_invariants(self) -> None:
         """Once nothing is unfinished: no table is left and every block is free or idle in the
@@ -252,7 +253,7 @@ class InProcessEngine(SyncClient):
         if self._resetting():  # the manager still holds what the reset plan will drop
             manager.check_invariants()
             return
-        queued = [m for m in self._network._inboxes[manager.name] if isinstance(m, StepPlan)]
+        queued = [m for _, m in self._network.inbox(manager.name) if isinstance(m, StepPlan)]
         for plan in queued:  # made but not applied yet: they free what they name
             pending.update(plan.finished_ids)
         manager.check_invariants(live | pending)

@@ -12,13 +12,16 @@ controller reached it through, one per replica, so the socket says which replica
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 import structlog
 import zmq
 
-from vllm_actors.actors.controller.controller import FromReplica
+from vllm_actors.actors.controller.controller import Controller, FromReplica
+from vllm_actors.actors.scheduler.owners import RequestOwners
+from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import EventBatch
 from vllm_actors.protocol.messages import ReplicaState, RequestUpdates
 from vllm_actors.protocol.names import (
@@ -29,6 +32,7 @@ from vllm_actors.protocol.names import (
     SUPERVISOR,
     replica_actor,
 )
+from vllm_actors.runtime.loop import AcceptRules
 from vllm_actors.runtime.security import GroupKeys, attached_scheduler, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell
 
@@ -38,15 +42,18 @@ MAX_BATCHES_PER_TURN = 1_000
 
 
 class ControllerShell(ActorShell):
-    def __init__(self, context: zmq.Context, actor: Any, actor_id: str, inbox: str, bus_in: str,
-                 peers: Any, accepts: Any, codec: Any = None, *, keys: GroupKeys | None = None,
-                 bus_out: str | None = None, remote_replicas: list[str] | None = None) -> None:
+    def __init__(self, context: zmq.Context, actor: Controller, actor_id: str, inbox: str, bus_in: str,
+                 peers: Mapping[str, list[str]], accepts: AcceptRules, codec: MessageCodec | None = None, *,
+                 keys: GroupKeys | None = None, owners: RequestOwners | None = None,
+                 drop_work_events: bool = False, bus_out: str | None = None,
+                 remote_replicas: list[str] | None = None) -> None:
         # Ray-placed replicas: each scheduler is reached with its own group's keys.
         self.remote_replicas = list(remote_replicas or [])
         peer_keys = {replica_actor(SCHEDULER, index): attached_scheduler(path)[1]
                      for index, path in enumerate(self.remote_replicas)}
         super().__init__(context, actor, actor_id, inbox, bus_in, peers, accepts, codec, keys=keys,
-                         peer_keys=peer_keys)
+                         peer_keys=peer_keys, owners=owners, drop_work_events=drop_work_events)
+        self.controller = actor
         self.events = context.socket(zmq.SUB)
         self.events.setsockopt(zmq.RCVHWM, EVENT_HWM)
         self.events.setsockopt(zmq.LINGER, 0)
@@ -110,7 +117,7 @@ class ControllerShell(ActorShell):
             except (UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError):
                 continue
             self.num_batches += 1
-            self.actor.observe(topic, batch)  # type: ignore[attr-defined]
+            self.controller.observe(topic, batch)
 
     def _take_updates(self, replica: int, dealer: zmq.Socket) -> None:
         """The replica's scheduler answers on the DEALER the controller sends it requests through."""
@@ -130,7 +137,7 @@ class ControllerShell(ActorShell):
                 continue
             self.busy_since = time.monotonic()
             try:
-                self.dispatch(self.actor.handle(FromReplica(replica, message)))
+                self.dispatch(self.controller.handle(FromReplica(replica, message)))
             finally:
                 self.busy_since = None
 

@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts, format_marginals, marginal_times
 
 log = structlog.get_logger(__name__)
@@ -105,14 +106,24 @@ class ProfiledWorker:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker, name)
 
-    def handle(self, message: Any) -> list[tuple[str, Any]]:
+    # The worker's deferred steps (``transport.Deferring``), declared here so the loop sees them.
+    def has_pending(self) -> bool:
+        return bool(self.worker.has_pending())
+
+    def pending_ready(self) -> bool:
+        return bool(self.worker.pending_ready())
+
+    def flush(self) -> Outputs:
+        return Outputs.coerce(self.worker.flush())
+
+    def handle(self, message: Any) -> Outputs:
         plan = message if isinstance(message, StepPlan) else None
         if plan is not None and not self.done and self.profiler is None \
                 and plan.step_id & ((1 << _STEP_BITS) - 1) >= self.window.first:
             self.profiler = self.make_profiler()
             self.profiler.start()
             self.first_step = plan.step_id
-        outputs: list[tuple[str, Any]] = self.worker.handle(message)
+        outputs = Outputs.coerce(self.worker.handle(message))
         if plan is not None and self.profiler is not None:
             self.seen += 1
             if self.seen >= self.window.count:

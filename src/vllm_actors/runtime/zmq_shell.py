@@ -3,46 +3,36 @@
 Sockets: a ROUTER bound at the actor's address receives commands ([sender identity, payload]);
 one DEALER per peer (identity = this actor's id) sends to the peers' ROUTERs; a PUB connected to
 the bus publishes one ``EventBatch`` per handled message. Frames are decoded strictly: a frame
-that does not decode, a message type this actor does not take, or one from a sender that may not
-send it, is logged and dropped; a message the state machine rejects (``MessageRejected``: it
-failed validation, nothing changed) likewise, with a ``REJECTED`` event on the bus. Requests and
-aborts from clients are screened first for request identity (``actors/scheduler/owners.py``: each
-client connection owns its request ids; a refused ``AddRequest`` is answered to its sender only). The actor
-never dies of a peer's or client's mistake. Any other exception out of the state machine is a bug:
-the shell publishes ``CRASHED`` and lets it propagate (the process exits non-zero; let it crash).
+that does not decode is logged and dropped. What happens to a decoded message (who may send it,
+request identity, rejections) is the loop's (``runtime/loop.py``), shared with the in-process
+engine. The actor never dies of a peer's or client's mistake; any other exception out of the
+state machine is a bug: the shell publishes ``CRASHED`` and lets it propagate (the process exits
+non-zero; let it crash).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import structlog
 import zmq
 
 from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.errors import MessageRejected
-from vllm_actors.protocol.events import DISABLE_EVENTS_ENV, WORK_EVENTS, ActorCrashed, EventBatch, Rejected
-from vllm_actors.protocol.messages import RequestUpdates, StepResult
-from vllm_actors.protocol.names import FRONTEND
+from vllm_actors.protocol.events import WORK_EVENTS, ActorCrashed, EventBatch
+from vllm_actors.protocol.outputs import Outputs
+from vllm_actors.runtime.loop import AcceptRules, ActorLoop
 from vllm_actors.runtime.security import GroupKeys, bind, connect
-from vllm_actors.runtime.transport import Actor, EventStamper, split_events
+from vllm_actors.runtime.transport import AnyActor, EventStamper, log_drop
 
 if TYPE_CHECKING:
     from vllm_actors.runtime.run_dir import GroupAddresses
 
-log = structlog.get_logger(__name__)
-
 EVENT_HWM = 100_000  # event batches queued per subscriber before the bus drops (a visible gap)
 COMMAND_HWM = 100_000
-
-# Which senders may send which message type to an actor; None means any sender (clients).
-AcceptRules = Mapping[type, frozenset[bytes] | None]
 
 
 class EventPublisher:
@@ -50,15 +40,18 @@ class EventPublisher:
 
     ``bus_in`` is the bus endpoint to publish on: an engine actor's or the supervisor's own
     (``for_actor``: the bus forwards only its own topic from there), or the clients' shared one
-    (which forwards no engine actor's id)."""
+    (which forwards no engine actor's id). ``drop_work_events``: work events (``WORK_EVENTS``) are
+    dropped here, to measure what publishing them costs."""
 
     @classmethod
     def for_actor(cls, context: zmq.Context, addresses: GroupAddresses, actor_id: str,
-                  keys: GroupKeys | None = None) -> EventPublisher:
+                  keys: GroupKeys | None = None, *, drop_work_events: bool = False) -> EventPublisher:
         """A publisher on ``actor_id``'s own bus endpoint (the clients' one when it has none)."""
-        return cls(context, addresses.publish_address(actor_id), actor_id, keys=keys)
+        return cls(context, addresses.publish_address(actor_id), actor_id, keys=keys,
+                   drop_work_events=drop_work_events)
 
-    def __init__(self, context: zmq.Context, bus_in: str, actor_id: str, *, keys: GroupKeys | None = None) -> None:
+    def __init__(self, context: zmq.Context, bus_in: str, actor_id: str, *, keys: GroupKeys | None = None,
+                 drop_work_events: bool = False) -> None:
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, EVENT_HWM)
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -66,8 +59,7 @@ class EventPublisher:
         self.stamper = EventStamper(actor_id)
         self._topic = actor_id.encode()
         self._encoder = msgspec.msgpack.Encoder()
-        # The cost-of-events switch (protocol.events.DISABLE_EVENTS_ENV): work events are dropped here.
-        self._drop_work_events = os.environ.get(DISABLE_EVENTS_ENV, "") not in ("", "0")
+        self._drop_work_events = drop_work_events
 
     def publish(self, events: list[Any]) -> EventBatch | None:
         if self._drop_work_events:
@@ -174,7 +166,7 @@ class ZmqEndpoint:
 
     def drop(self, why: str, sender: bytes, **fields: object) -> None:
         self.num_dropped += 1
-        log.warning("frame dropped", actor=self.name, why=why, sender=sender[:64], **fields)
+        log_drop(self.name, why, sender, **fields)
 
     def close(self) -> None:
         for sockets in self.peers.values():
@@ -184,12 +176,13 @@ class ZmqEndpoint:
 
 
 class ActorShell:
-    """Receive, check who may send what, handle, send, publish: the whole actor loop."""
+    """The ZMQ side of the actor loop (``loop.ActorLoop``): when to look for the next message, how
+    long the one in hand has taken, CRASHED on the bus when the loop fails."""
 
     def __init__(
         self,
         context: zmq.Context,
-        actor: Actor,
+        actor: AnyActor,
         actor_id: str,
         inbox: str,
         bus_in: str,
@@ -199,18 +192,27 @@ class ActorShell:
         *,
         keys: GroupKeys | None = None,
         peer_keys: Mapping[str, GroupKeys] | None = None,
+        owners: RequestOwners | None = None,
+        drop_work_events: bool = False,
     ) -> None:
         self.actor = actor
         self.actor_id = actor_id
-        self.accepts = accepts
         self.endpoint = ZmqEndpoint(context, actor_id, inbox, peers, codec, keys=keys, peer_keys=peer_keys)
-        self.publisher = EventPublisher(context, bus_in, actor_id, keys=keys)
-        # Which client connection owns which request (the scheduler's clients): see owners.py.
-        self.owners = RequestOwners()
+        publisher = EventPublisher(context, bus_in, actor_id, keys=keys, drop_work_events=drop_work_events)
+        self.loop = ActorLoop(actor, self.endpoint, publisher, accepts, owners=owners)
         self.busy_since: float | None = None  # time.monotonic() when the message in hand arrived
         # Poll without blocking for this long after a message (runtime/busy_poll.py; 0: always block).
         self.busy_poll_s = 0.0
         self._last_message_at = 0.0
+
+    @property
+    def publisher(self) -> Any:
+        """The loop's publisher (an ``EventPublisher``; tests put a recorder in its place)."""
+        return self.loop.publisher
+
+    @publisher.setter
+    def publisher(self, publisher: Any) -> None:
+        self.loop.publisher = publisher
 
     def busy_seconds(self) -> float:
         """How long the message in hand has taken so far (0 when idle): the liveness pings' ``busy``."""
@@ -237,11 +239,10 @@ class ActorShell:
             raise
 
     def _next_message(self) -> Any | None:
-        """The next message; meanwhile, a step the actor launched and has not read back (a
-        worker's deferred step) is flushed as soon as it is done and no message waits, so the
-        next plan, when it comes first, is launched before the previous step is read back."""
-        has_pending = getattr(self.actor, "has_pending", None)
-        if has_pending is None or not has_pending():
+        """The next message; meanwhile, work the actor launched and has not read back (a worker's
+        deferred step) is flushed as soon as it is done and no message waits, so the next plan,
+        when it comes first, is launched before the previous step is read back."""
+        if not self.loop.has_pending():
             if self.busy_poll_s and time.monotonic() - self._last_message_at < self.busy_poll_s:
                 message = self.endpoint.recv(timeout_ms=0)  # busy: look again at once (busy_poll.py)
                 if message is None:
@@ -257,77 +258,20 @@ class ActorShell:
             if message is not None:
                 self._last_message_at = time.monotonic()
                 return message
-            if self.actor.pending_ready():  # type: ignore[attr-defined]
-                self.dispatch(self.actor.flush())  # type: ignore[attr-defined]
+            if self.loop.pending_ready():
+                self.loop.flush()
                 return None
             time.sleep(0)  # the GPU is busy with the step: let other threads run, look again
 
     def receive(self, sender: bytes, message: Any) -> None:
-        kind = self.endpoint.codec.protocol_type(message)
-        if kind not in self.accepts:
-            self.endpoint.drop("message type not taken here", sender=sender, type=kind.__name__)
-            return
-        allowed = self.accepts[kind]
-        if allowed is not None and sender not in allowed:
-            self.endpoint.drop("sender may not send this", sender=sender, type=kind.__name__)
-            return
-        message, refusal = self.owners.screen(sender, message)  # identity: ids owned per connection
-        if refusal is not None:
-            self.refuse(sender, kind.__name__, refusal.error, "refused: request identity", message)
-            if refusal.reply is not None:
-                self.endpoint.send(sender, refusal.reply)  # to the sender only
-        if message is None:
-            return
-        try:
-            outputs = self.actor.handle(message)
-        except MessageRejected as error:  # anything else is a bug: it propagates, the actor crashes
-            self.refuse(sender, kind.__name__, str(error), "rejected by the state machine", message)
-            return
-        self.owners.observe(sender, message)
-        self.dispatch(outputs)
+        self.loop.receive(sender, message)
 
-    def refuse(self, sender: bytes, message_type: str, error: str, why: str, message: Any = None) -> None:
-        """Log and publish (``REJECTED``) a message refused whole or in part; nothing changed."""
-        self.endpoint.drop(why, sender=sender, type=message_type, error=error, **_request_of(message))
-        self.publisher.publish(
-            [Rejected(message_type=message_type, sender=sender[:64].decode(errors="replace"), error=error)]
-        )
-
-    def dispatch(self, outputs: list[tuple[str, Any]]) -> None:
-        messages, events = split_events(outputs)
-        for destination, message in messages:
-            stamp_departure(message)
-            if destination == FRONTEND and isinstance(message, RequestUpdates):
-                for owner, updates in self.owners.split(message).items():
-                    self.endpoint.send(owner, updates)
-                continue
-            try:
-                self.endpoint.send(destination, message)
-            except KeyError:
-                log.error("no route", actor=self.actor_id, destination=destination)
-        self.publisher.publish(events)
+    def dispatch(self, outputs: Outputs) -> None:
+        self.loop.dispatch(outputs)
 
     def close(self) -> None:
         self.endpoint.close()
         self.publisher.close()
-
-
-def stamp_departure(message: Any) -> None:
-    """A step result's and a scheduler's updates' departure time, once (a controller forwarding a
-    replica's updates keeps the replica's): the edge stamps, the state machines hold no clock."""
-    if isinstance(message, StepResult) and not message.finished_at:
-        message.finished_at = time.monotonic()
-    elif isinstance(message, RequestUpdates) and not message.sent_at:
-        message.sent_at = time.monotonic()
-
-
-def _request_of(message: Any) -> dict[str, object]:
-    """The request id a message names, for its log line (none: no field)."""
-    request_id = getattr(message, "request_id", None)
-    if isinstance(request_id, str):
-        return {"request_id": request_id}
-    request_ids = getattr(message, "request_ids", None)
-    return {"request_ids": request_ids[:8]} if isinstance(request_ids, list) and request_ids else {}
 
 
 def wait_until_seen(

@@ -60,7 +60,6 @@ from vllm_actors.protocol.messages import (
     without_delivered,
 )
 from vllm_actors.protocol.names import (
-    BUS,
     CONTROLLER,
     FRONTEND,
     KV_CACHE_MANAGER,
@@ -69,6 +68,7 @@ from vllm_actors.protocol.names import (
     replica_actor,
     split_replica,
 )
+from vllm_actors.protocol.outputs import Outputs
 
 MAX_SESSION_KEY = 256  # characters of a session key kept as they are; a longer one is digested
 MAX_ABORT_REASON = 64
@@ -131,7 +131,7 @@ class Controller:
         return replica_actor(SCHEDULER, replica)
 
     # ------------------------------------------------------------------ messages
-    def handle(self, message: Any) -> list[tuple[str, Any]]:
+    def handle(self, message: Any) -> Outputs:
         if isinstance(message, AddRequest):
             return self._add(message)
         if isinstance(message, AbortRequests):
@@ -144,10 +144,13 @@ class Controller:
             return self._replica_state(message)
         raise TypeError(f"the controller does not take {type(message).__name__}")
 
-    def _add(self, add: AddRequest) -> list[tuple[str, Any]]:
+    def _add(self, add: AddRequest) -> Outputs:
+        outputs = Outputs()
         known = self.requests.get(add.request_id)
         if known is not None:  # a resubmission of a request in hand: where it is (the replica ignores it)
-            return [] if known.replica is None else [(self.scheduler_of(known.replica), add)]
+            if known.replica is not None:
+                outputs.send(self.scheduler_of(known.replica), add)
+            return outputs
         holder = self.unclaimed.pop(add.request_id, None) if add.resume else None
         if holder is not None and self.num_replicas > 1:
             # Re-sent after a restart of ours while a replica still runs it: the tokens that copy
@@ -157,24 +160,26 @@ class Controller:
             replica = min((r for r in range(self.num_replicas) if r != holder),
                           key=lambda r: (self.router.replicas[r].in_flight, r))
             self.router.replicas[replica].in_flight += 1
-            stop = (self.scheduler_of(holder), AbortRequests(request_ids=[add.request_id], reason="rerouted"))
-            return [stop, *self._send(add.request_id, replica, "resumed", 0)]
+            outputs.send(self.scheduler_of(holder), AbortRequests(request_ids=[add.request_id], reason="rerouted"))
+            return outputs.extend(self._send(add.request_id, replica, "resumed", 0))
         key = session_key(add.session_key)
         self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
         decision = self.router.route(RouteRequest(add.request_id, add.prompt_token_ids, key))
         if decision is None:
-            return []  # pull: waits for a replica with room
+            return outputs  # pull: waits for a replica with room
         return self._send(add.request_id, decision.replica, decision.reason, decision.cached_blocks)
 
-    def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> list[tuple[str, Any]]:
+    def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> Outputs:
         request = self.requests[request_id]
         request.replica = replica
-        event = Routed(request_id=request_id, replica=replica, reason=reason, num_cached_blocks=cached_blocks)
-        return [(self.scheduler_of(replica), request.add), (BUS, event)]
+        outputs = Outputs()
+        outputs.send(self.scheduler_of(replica), request.add)
+        outputs.emit(Routed(request_id=request_id, replica=replica, reason=reason, num_cached_blocks=cached_blocks))
+        return outputs
 
-    def _abort(self, message: AbortRequests) -> list[tuple[str, Any]]:
+    def _abort(self, message: AbortRequests) -> Outputs:
         per_replica: dict[int, list[str]] = defaultdict(list)
-        out: list[tuple[str, Any]] = []
+        out = Outputs()
         for request_id in message.request_ids:
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -182,20 +187,20 @@ class Controller:
             if request.replica is None:  # never left the controller
                 self.router.drop(request_id)
                 if message.reason != "stop":
-                    out.append((BUS, Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
-                                             num_output_tokens=len(request.output_token_ids))))
+                    out.emit(Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
+                                     num_output_tokens=len(request.output_token_ids)))
                 continue
             per_replica[request.replica].append(request_id)
         for replica, ids in per_replica.items():
-            out.insert(0, (self.scheduler_of(replica), AbortRequests(request_ids=ids, reason=message.reason)))
+            out.messages.insert(0, (self.scheduler_of(replica), AbortRequests(request_ids=ids, reason=message.reason)))
             for _ in ids:
-                out.extend(self._released(replica))
+                out += self._released(replica)
         return out
 
-    def _updates(self, replica: int, updates: RequestUpdates) -> list[tuple[str, Any]]:
+    def _updates(self, replica: int, updates: RequestUpdates) -> Outputs:
         passed: list[RequestUpdate] = []
         orphans: list[str] = []
-        out: list[tuple[str, Any]] = []
+        out = Outputs()
         for update in updates.updates:
             request = self.requests.get(update.request_id)
             if request is None:
@@ -224,32 +229,35 @@ class Controller:
             request.output_token_ids.extend(placed.new_token_ids)
             if placed.finish_reason is not None:
                 del self.requests[placed.request_id]
-                out.extend(self._released(replica))
+                out += self._released(replica)
         if passed:
-            out.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed,
-                                                    step_finished_at=updates.step_finished_at,
-                                                    sent_at=updates.sent_at)))
+            out.messages.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed,
+                                                             step_finished_at=updates.step_finished_at,
+                                                             sent_at=updates.sent_at)))
         if orphans:
             self.num_orphans += len(orphans)
-            out.append((self.scheduler_of(replica), AbortRequests(request_ids=orphans, reason="rerouted")))
+            out.send(self.scheduler_of(replica), AbortRequests(request_ids=orphans, reason="rerouted"))
         return out
 
-    def _released(self, replica: int) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
+    def _released(self, replica: int) -> Outputs:
+        out = Outputs()
         for request, decision in self.router.release(replica):
             if request.request_id in self.requests:
-                out.extend(self._send(request.request_id, decision.replica, decision.reason, decision.cached_blocks))
+                out += self._send(request.request_id, decision.replica, decision.reason, decision.cached_blocks)
         return out
 
-    def _recover(self, message: RecoverPipeline) -> list[tuple[str, Any]]:
+    def _recover(self, message: RecoverPipeline) -> Outputs:
         """A replica's scheduler restarted: its requests go to it again, resumed with their tokens."""
+        out = Outputs()
         name, replica = split_replica(message.actor)
         if name != SCHEDULER or replica is None or replica >= self.num_replicas:
-            return []
-        return [(self.scheduler_of(replica), _resumed(request_id, request))
-                for request_id, request in self.requests.items() if request.replica == replica]
+            return out
+        for request_id, request in self.requests.items():
+            if request.replica == replica:
+                out.send(self.scheduler_of(replica), _resumed(request_id, request))
+        return out
 
-    def _replica_state(self, message: ReplicaState) -> list[tuple[str, Any]]:
+    def _replica_state(self, message: ReplicaState) -> Outputs:
         """A Ray-placed replica's host went down or came back (from the launcher).
 
         Down: it gets no new request, and each of its open requests goes to the least loaded
@@ -259,7 +267,7 @@ class Controller:
         again, resumed."""
         replica = message.replica
         if not 0 <= replica < self.num_replicas:
-            return []
+            return Outputs()
         if message.up:
             self.hosts_down.discard(replica)
             self.router.set_up(replica, not self._down[replica])
@@ -269,9 +277,9 @@ class Controller:
         self.router.set_up(replica, False)
         self.router.pool_lost(replica)
         others = [r for r in range(self.num_replicas) if r not in self.hosts_down and r != replica]
+        out = Outputs()
         if not others:
-            return []
-        out: list[tuple[str, Any]] = []
+            return out
         views = self.router.replicas
         for request_id, request in list(self.requests.items()):
             if request.replica != replica:
@@ -281,8 +289,8 @@ class Controller:
             views[target].in_flight += 1
             request.replica = target
             self.num_rerouted += 1
-            out.append((self.scheduler_of(target), _resumed(request_id, request)))
-            out.append((BUS, Routed(request_id=request_id, replica=target, reason="rerouted", num_cached_blocks=0)))
+            out.send(self.scheduler_of(target), _resumed(request_id, request))
+            out.emit(Routed(request_id=request_id, replica=target, reason="rerouted", num_cached_blocks=0))
         return out
 
     # ------------------------------------------------------------------ the bus

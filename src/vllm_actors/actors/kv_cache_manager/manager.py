@@ -36,7 +36,8 @@ from vllm_actors.protocol.block_hash import ROOT_HASH
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
 from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
-from vllm_actors.protocol.names import BUS, WORKER
+from vllm_actors.protocol.names import KV_CACHE_MANAGER, WORKER
+from vllm_actors.protocol.outputs import Outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class CacheEntry:
 
 
 class KVCacheManager:
-    name = "kv_cache_manager"
+    name = KV_CACHE_MANAGER
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -62,14 +63,15 @@ class KVCacheManager:
         self._last_pool: KvPool | None = None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
-    def handle(self, message: Message) -> list[tuple[str, Any]]:
+    def handle(self, message: Message) -> Outputs:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the KV-cache manager does not take {type(message).__name__}")
+        outputs = Outputs()
         if message.step_id < self._min_step_id and not message.reset:
-            return []  # planned before the pipeline reset: nothing it names exists any more
-        events: list[Any] = []
-        plan = self.assign_blocks(message, events)
-        return [(WORKER, plan), *((BUS, event) for event in events)]
+            return outputs  # planned before the pipeline reset: nothing it names exists any more
+        plan = self.assign_blocks(message, outputs.events)
+        outputs.send(WORKER, plan)
+        return outputs
 
     # ------------------------------------------------------------------ the plan
     def assign_blocks(self, plan: StepPlan, events: list[Any] | None = None) -> StepPlan:

@@ -1,0 +1,225 @@
+"""The engine's roles, one entry each: how its state machine is built, whom it talks to, what it
+accepts from whom, what it reports when ready, whether clients connect to it.
+
+The process entry point (``actor_main``) builds and wires an actor from its entry; the in-process
+engine (``clients/inprocess.py``) applies the same accept rules, identities and client screening
+to the state machines it builds itself. The bus and the metrics store are no state machine's
+shell: their process bodies are ``bus.run_bus`` and ``metrics_shell.run_metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_actors.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    RecoverPipeline,
+    ReplicaState,
+    StepPlan,
+    StepResult,
+)
+from vllm_actors.protocol.names import (
+    CONTROLLER,
+    KV_CACHE_MANAGER,
+    RAY_LAUNCHER,
+    SCHEDULER,
+    SUPERVISOR,
+    WORKER,
+    replica_actor,
+    worker_id,
+)
+from vllm_actors.protocol.outputs import Outputs
+from vllm_actors.runtime.loop import AcceptRules
+from vllm_actors.runtime.process import ActorSpec
+from vllm_actors.runtime.security import attached_scheduler
+from vllm_actors.runtime.transport import AnyActor
+from vllm_actors.runtime.worker_threads import worker_threads
+
+
+@dataclass(frozen=True)
+class Built:
+    """A role's state machine, and what its process reports with its readiness."""
+
+    actor: AnyActor
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    build: Callable[[ActorSpec], Built]
+    accepts: Callable[[int | None], AcceptRules]  # in replica r (None: a group of one replica)
+    peers: Callable[[ActorSpec], dict[str, list[str]]]  # peer name -> its addresses
+    inbox: Callable[[ActorSpec], str]  # where it receives
+    clients_connect: bool = False  # requests come from clients: screened for request identity
+    follows_bus: bool = False  # it reads the bus too (the controller's shell)
+
+    def actor_id(self, replica: int | None, rank: int = 0) -> str:
+        """Its id (a DEALER identity, a bus topic): a worker's by rank, within its replica."""
+        return replica_actor(worker_id(rank) if self.name == WORKER else self.name, replica)
+
+
+def _own(name: str, replica: int | None) -> bytes:
+    """A peer of this replica, as its DEALER identity reads."""
+    return replica_actor(name, replica).encode()
+
+
+class Checked:
+    """Runs an actor's invariant check after every message it handles (tests turn this on)."""
+
+    def __init__(self, actor: Any, check: Callable[[], None]) -> None:
+        self.actor = actor
+        self.check = check
+        self.name = actor.name
+
+    def handle(self, message: Any) -> Outputs:
+        outputs = Outputs.coerce(self.actor.handle(message))
+        self.check()
+        return outputs
+
+
+# --------------------------------------------------------------------------- worker
+def build_worker(spec: ActorSpec) -> Built:
+    import torch
+
+    from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
+    from vllm_actors.actors.worker.grammar import worker_grammars
+    from vllm_actors.actors.worker.model_runner import ModelRunner, resolve_device
+    from vllm_actors.actors.worker.sampler import Sampler
+    from vllm_actors.actors.worker.worker import Worker
+    from vllm_actors.models.parallel import join_group
+    from vllm_actors.runtime.step_profiler import profiled
+
+    device_type = resolve_device(spec.engine.device).type
+    threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
+    if threads is not None:  # before the model loads: its load runs on these threads too
+        torch.set_num_threads(threads)
+    tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
+    runner = ModelRunner(spec.engine, tp)
+    mc = runner.model_config
+    grammars = worker_grammars(spec.engine.tokenizer or spec.engine.model, mc.vocab_size, mc.eos_token_ids)
+    worker = Worker(
+        runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter, defer=defer_steps(),
+        tp_graph_draws=tp_graph_draws(),
+        grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
+    )
+    profiled_worker = profiled(worker, os.environ, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS
+    info = {
+        "num_blocks": runner.num_blocks,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "vocab_size": mc.vocab_size,
+        "eos_token_ids": list(mc.eos_token_ids),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "rank": tp.rank,
+        "tensor_parallel_size": tp.size,
+    }
+    return Built(profiled_worker, info)
+
+
+def worker_accepts(replica: int | None) -> AcceptRules:
+    return {StepPlan: frozenset({_own(KV_CACHE_MANAGER, replica)})}
+
+
+# --------------------------------------------------------------------------- KV-cache manager
+def build_kv_cache_manager(spec: ActorSpec) -> Built:
+    from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
+
+    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
+    if spec.check_invariants:
+        return Built(Checked(manager, manager.check_invariants))
+    return Built(manager)
+
+
+def kv_cache_manager_accepts(replica: int | None) -> AcceptRules:
+    return {StepPlan: frozenset({_own(SCHEDULER, replica)})}
+
+
+# --------------------------------------------------------------------------- scheduler
+def build_scheduler(spec: ActorSpec) -> Built:
+    from vllm_actors.actors.scheduler.scheduler import Scheduler
+
+    if spec.scheduler is None:
+        raise ValueError("the scheduler needs its SchedulerConfig")
+    # A restarted scheduler numbers its steps above its predecessors' (see Scheduler).
+    scheduler = Scheduler(spec.scheduler, first_step_id=spec.incarnation << 40)
+    if spec.check_invariants:
+        def check() -> None:
+            scheduler.ledger.check_invariants({request.request_id for request in scheduler.running})
+
+        return Built(Checked(scheduler, check))
+    return Built(scheduler)
+
+
+def scheduler_accepts(replica: int | None) -> AcceptRules:
+    # Clients may submit and abort; only rank 0 of the workers returns sampled tokens; only the
+    # supervisor asks for a pipeline reset (after it restarted the KV-cache manager or a worker).
+    return {
+        AddRequest: None,
+        AbortRequests: None,
+        StepResult: frozenset({_own(worker_id(0), replica)}),
+        RecoverPipeline: frozenset({SUPERVISOR.encode()}),
+    }
+
+
+# --------------------------------------------------------------------------- controller
+def _replica_schedulers(spec: ActorSpec) -> list[str]:
+    """The replicas' scheduler endpoints; Ray-placed replicas' from their attach directories."""
+    return [attached_scheduler(path)[0] for path in spec.remote_replicas] \
+        or [replica.scheduler for replica in spec.addresses.replicas]
+
+
+def build_controller(spec: ActorSpec) -> Built:
+    from vllm_actors.actors.controller.controller import Controller
+    from vllm_actors.actors.controller.routing import Router
+
+    engine = spec.engine
+    router = Router(engine.routing_policy, len(_replica_schedulers(spec)), block_size=engine.block_size,
+                    capacity=engine.max_num_seqs)
+    return Built(Controller(router))
+
+
+def controller_accepts(replica: int | None) -> AcceptRules:
+    # Clients submit and abort; only the supervisor reports a replica's scheduler restarted, or
+    # a Ray-placed replica's host down or up again. The replicas' updates come back on the
+    # controller's own DEALERs (controller_shell.py).
+    return {
+        AddRequest: None,
+        AbortRequests: None,
+        RecoverPipeline: frozenset({SUPERVISOR.encode(), RAY_LAUNCHER.encode()}),
+        ReplicaState: frozenset({RAY_LAUNCHER.encode()}),
+    }
+
+
+# --------------------------------------------------------------------------- the table
+ROLES: dict[str, Role] = {
+    role.name: role
+    for role in (
+        Role(WORKER, build_worker, worker_accepts,
+             peers=lambda spec: {SCHEDULER: [spec.addresses.scheduler]},
+             inbox=lambda spec: spec.addresses.workers[spec.rank] if spec.addresses.workers else ""),
+        Role(KV_CACHE_MANAGER, build_kv_cache_manager, kv_cache_manager_accepts,
+             peers=lambda spec: {WORKER: list(spec.addresses.workers)},
+             inbox=lambda spec: spec.addresses.kv_cache_manager),
+        Role(SCHEDULER, build_scheduler, scheduler_accepts,
+             peers=lambda spec: {KV_CACHE_MANAGER: [spec.addresses.kv_cache_manager]},
+             inbox=lambda spec: spec.addresses.scheduler, clients_connect=True),
+        Role(CONTROLLER, build_controller, controller_accepts,
+             peers=lambda spec: {replica_actor(SCHEDULER, index): [entry]
+                                 for index, entry in enumerate(_replica_schedulers(spec))},
+             inbox=lambda spec: spec.addresses.scheduler,  # the clients' entry point
+             clients_connect=True, follows_bus=True),
+    )
+}
+
+
+def role_of(name: str) -> Role:
+    try:
+        return ROLES[name]
+    except KeyError:
+        raise ValueError(f"unknown role {name!r}") from None
