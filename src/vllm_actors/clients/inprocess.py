@@ -9,7 +9,6 @@ client's own (``ClientCore``): its inbox is read by the same loop and its output
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 import weakref
@@ -27,6 +26,7 @@ from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
 from vllm_actors.actors.worker.grammar import worker_grammars
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
+from vllm_actors.envs import envs
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
 from vllm_actors.protocol.events import EventBatch
@@ -122,7 +122,7 @@ class InProcessEngine(SyncClient):
         self._dump_dir: Path | None = None  # made (private) at the first DumpQuery
         self.event_listeners: list[Callable[[EventBatch], None]] = [partial(record_logged, self.metrics_store)]
         InProcessEngine.live.add(self)
-        if os.environ.get("VLLM_ACTORS_CHECK_INVARIANTS", "") not in ("", "0"):
+        if config.check_invariants or envs.VLLM_ACTORS_CHECK_INVARIANTS:
             self.step_hooks.append(InProcessEngine.check_invariants)
 
     def _publish(self, batch: EventBatch) -> None:

@@ -22,9 +22,9 @@ import zmq
 
 from vllm_actors.actors.controller.controller import Controller
 from vllm_actors.actors.scheduler.owners import RequestOwners
+from vllm_actors.envs import envs
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import (
-    DISABLE_EVENTS_ENV,
     ActorDraining,
     ActorReady,
     ActorStarting,
@@ -60,8 +60,9 @@ ProcessBody = Callable[[ActorSpec, zmq.Context, threading.Event, GroupKeys | Non
 def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Event,
                      keys: GroupKeys | None = None) -> None:
     role = role_of(spec.role)
-    # VLLM_ACTORS_DISABLE_EVENTS: the engine actors publish no work events (what they cost).
-    drop_work_events = os.environ.get(DISABLE_EVENTS_ENV, "") not in ("", "0")
+    # The engine actors publish no work events (to measure what they cost); the environment name is
+    # the field's deprecated alias.
+    drop_work_events = spec.engine.disable_events or envs.VLLM_ACTORS_DISABLE_EVENTS
     publisher_for_start = EventPublisher.for_actor(context, spec.addresses, spec.actor_id, keys,
                                                    drop_work_events=drop_work_events)
     pid = os.getpid()

@@ -9,12 +9,12 @@ shell: their process bodies are ``bus.run_bus`` and ``metrics_shell.run_metrics`
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_actors.envs import envs
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -108,7 +108,7 @@ def build_worker(spec: ActorSpec) -> Built:
         tp_graph_draws=tp_graph_draws(),
         grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
     )
-    profiled_worker = profiled(worker, os.environ, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS
+    profiled_worker = profiled(worker, envs, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS
     info = {
         "num_blocks": runner.num_blocks,
         "max_position_embeddings": mc.max_position_embeddings,

@@ -26,14 +26,13 @@ from typing import Any
 
 import structlog
 
+from vllm_actors.envs import Envs
 from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.profile_timeline import device_bursts, format_bursts, format_marginals, marginal_times
 
 log = structlog.get_logger(__name__)
 
-PROFILE_STEPS_ENV = "VLLM_ACTORS_PROFILE_STEPS"
-PROFILE_DIR_ENV = "VLLM_ACTORS_PROFILE_DIR"
 _STEP_BITS = 40  # a restarted scheduler numbers its steps from incarnation << 40 (Scheduler)
 
 
@@ -44,15 +43,13 @@ class ProfileWindow:
     directory: Path
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> ProfileWindow | None:
-        text = environ.get(PROFILE_STEPS_ENV, "").strip()
-        if not text:
+    def from_env(cls, settings: Envs | Mapping[str, str]) -> ProfileWindow | None:
+        """The window ``VLLM_ACTORS_PROFILE_STEPS`` asks for (None: none), from the registry or a mapping."""
+        settings = settings if isinstance(settings, Envs) else Envs(settings)
+        steps = settings.VLLM_ACTORS_PROFILE_STEPS
+        if steps is None:
             return None
-        match = re.fullmatch(r"(\d+):(\d+)", text)
-        if match is None or int(match.group(2)) < 1:
-            raise ValueError(f"{PROFILE_STEPS_ENV} must be FIRST:COUNT with COUNT >= 1 (e.g. 200:8), got {text!r}")
-        directory = Path(environ.get(PROFILE_DIR_ENV, "") or "vllm-actors-profiles")
-        return cls(int(match.group(1)), int(match.group(2)), directory)
+        return cls(steps[0], steps[1], Path(settings.VLLM_ACTORS_PROFILE_DIR))
 
 
 class Profiler:
@@ -142,7 +139,7 @@ class ProfiledWorker:
         log.info("step profile written", files=[str(path) for path in self.written])
 
 
-def profiled(worker: Any, environ: Mapping[str, str], label: str) -> Any:
+def profiled(worker: Any, settings: Envs | Mapping[str, str], label: str) -> Any:
     """``worker`` wrapped when ``VLLM_ACTORS_PROFILE_STEPS`` asks for a window, else as it is."""
-    window = ProfileWindow.from_env(environ)
+    window = ProfileWindow.from_env(settings)
     return worker if window is None else ProfiledWorker(worker, window, label)
