@@ -17,7 +17,7 @@ from vllm_actors.actors.frontend.tokenizer import Tokenizer
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.protocol.sampling import MAX_INT32, MAX_N, MAX_SEED, MIN_SEED
-from vllm_actors.server.serving import EventStreamResponse
+from vllm_actors.server.streaming import EventStreamResponse
 
 TOP = 2**64 - 1  # the seed of the issue: fits msgpack's uint64, its child's seed (+1) does not
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import msgspec
@@ -270,6 +272,15 @@ def frontend_for_group(info: GroupInfo, tokenizer: Tokenizer | None) -> Frontend
         info.max_model_len,
         int(cast(int, facts.get("vocab_size", 0))),
     )
+
+
+def group_info_of(target: str | os.PathLike[str] | GroupInfo | None) -> GroupInfo:
+    """The group to attach to: its ``GroupInfo``, its run directory, or (None) the newest running one."""
+    from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+
+    if isinstance(target, GroupInfo):
+        return target
+    return find_running_group() if target is None else read_group_info(Path(target))
 
 
 def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:

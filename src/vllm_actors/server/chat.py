@@ -31,17 +31,19 @@ from vllm_actors.server.protocol import (
     usage,
 )
 from vllm_actors.server.serving import (
-    SSE_DONE,
-    ClientDisconnected,
-    EventStreamResponse,
     ServerState,
-    abort_all,
     decode_body,
-    final_output,
-    guarded_events,
     request_id,
     sampling_params,
     session_key,
+)
+from vllm_actors.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    EventStreamResponse,
+    abort_all,
+    final_output,
+    guarded_events,
     sse,
     unless_disconnected,
 )

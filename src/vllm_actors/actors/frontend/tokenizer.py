@@ -18,8 +18,8 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from vllm_actors.actors.frontend.chat_template import render_chat_template, select_chat_template
+from vllm_actors.actors.frontend.errors import TooManyTokens
 from vllm_actors.actors.frontend.gguf_tokenizer import is_gguf_file, load_gguf_tokenizer
-from vllm_actors.actors.frontend.text import TooManyTokens
 
 log = structlog.get_logger(__name__)
 
