@@ -23,9 +23,11 @@ from vllm_actors.actors.frontend.frontend import Frontend
 from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
 from vllm_actors.clients.core import ClientCore
+from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.messages import Logprobs, Message, RequestUpdate, RequestUpdates
 from vllm_actors.protocol.names import CLIENT
 from vllm_actors.protocol.outputs import Outputs
+from vllm_actors.server.streaming import merge_streams
 
 PREFILL_CHUNK = 8192  # prompt positions per prefill step (chunked prefill)
 PER_UPDATE_BOUND = 2  # list items a one-token update carries: its token id and its logprob position
@@ -165,3 +167,37 @@ def test_a_request_that_ends_before_any_token_still_gets_its_prompt(tokenizer: T
     assert final.finished and final.error == "gone" and final.prompt_token_ids == [5, 6, 7]
     assert [(c.index, c.token_ids, c.finish_reason) for c in final.outputs] == [(0, [], "error"), (1, [], "error")]
     assert len(cumulative) == 0
+
+
+class NoAborts:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_merged_streams_count_each_outputs_tokens_as_it_came() -> None:
+    """Outputs of one request share their growing lists: an output queued behind the merge is read
+    after later tokens came, so the server slices it up to the counts taken when it arrived."""
+    frontend = Frontend(None, [0], max_model_len=64, vocab_size=97)
+    core = ClientCore(frontend, NoTransport(), "test")
+    prepared = [frontend.prepare_tokens(f"p{i}", None, [1, 2], SamplingParams(max_tokens=8)) for i in range(2)]
+    for request in prepared:
+        core._submit(request)
+    streams = [RequestStream(NoAborts(), request) for request in prepared]
+
+    def feed(index: int, tokens: list[int], finish: str | None = None) -> None:
+        update = RequestUpdate(request_id=f"p{index}", new_token_ids=tokens, finish_reason=finish)
+        for output in core._receive(RequestUpdates(step_id=0, updates=[update])):
+            streams[index]._put(output)
+
+    feed(0, [5])
+    feed(1, [6])
+    merged = merge_streams(streams)
+    first = await anext(merged)  # both first outputs are queued by now
+    feed(0, [7, 8], "length")
+    feed(1, [9], "length")
+    items = [first] + [item async for item in merged]
+    (stale,) = [(output, counts) for index, output, counts in items if index == 1 and not output.finished]
+    assert stale[1] == {0: 1} and stale[0].outputs[0].token_ids == [6, 9]  # read after its list grew
+    finals = {index: (output.outputs[0].token_ids, counts) for index, output, counts in items if output.finished}
+    assert finals == {0: ([5, 7, 8], {0: 3}), 1: ([6, 9], {0: 2})}

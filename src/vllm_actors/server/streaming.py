@@ -31,33 +31,40 @@ async def final_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from several streams as they come."""
+def token_counts(output: RequestOutput) -> dict[int, int]:
+    """Each sequence's number of tokens in ``output``, taken as it arrives: the outputs of one
+    request share their token and logprob lists, which grow as later outputs come, so a consumer
+    that yields between its reads slices them up to these counts."""
+    return {completion.index: len(completion.token_ids) for completion in output.outputs}
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput, dict[int, int]]]:
+    """(stream index, output, its ``token_counts``) from several streams as they come."""
     if len(streams) == 1:
         async for output in streams[0]:
-            yield 0, output
+            yield 0, output, token_counts(output)
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None, dict[int, int]]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                await queue.put((index, output))
+                await queue.put((index, output, token_counts(output)))
         except Exception as error:
-            await queue.put((index, error))
-        await queue.put((index, None))
+            await queue.put((index, error, {}))
+        await queue.put((index, None, {}))
 
     tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
-            index, item = await queue.get()
+            index, item, counts = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                yield index, item, counts
     finally:
         for task in tasks:
             task.cancel()
