@@ -16,8 +16,9 @@ from fake_scheduler import (
 )
 from tiny_models import build_tokenizer
 from vllm_actors import SamplingParams
+from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend
-from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
 from vllm_actors.protocol.messages import (
     AbortRequests,
@@ -28,6 +29,7 @@ from vllm_actors.protocol.messages import (
     RequestUpdates,
 )
 from vllm_actors.protocol.names import CLIENT, SCHEDULER
+from vllm_actors.protocol.outputs import Outputs
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +40,38 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 
+class AssembledFrontend(Frontend):
+    """The frontend with its client deltas assembled into cumulative outputs, as a client does."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer, [tokenizer.eos_token_id or 0], MAX_MODEL_LEN, tokenizer.vocab_size)
+        self.cumulative = CumulativeOutputs()
+
+    def handle(self, message: Message) -> Outputs:
+        return self._assembled(super().handle(message))
+
+    def fail_all(self, error: str) -> Outputs:
+        return self._assembled(super().fail_all(error))
+
+    def _assembled(self, out: Outputs) -> Outputs:
+        return Outputs([(destination, self.cumulative.add(message) if isinstance(message, OutputDelta) else message)
+                        for destination, message in out.messages], out.events)
+
+
 def make_frontend(tokenizer: Tokenizer) -> Frontend:
-    return Frontend(tokenizer, [tokenizer.eos_token_id or 0], MAX_MODEL_LEN, tokenizer.vocab_size)
+    return AssembledFrontend(tokenizer)
 
 
 def updates(*items: RequestUpdate) -> RequestUpdates:
     return RequestUpdates(step_id=0, updates=list(items))
 
 
-def outputs_of(out: list[tuple[str, object]]) -> list[RequestOutput]:
-    return [message for destination, message in out if destination == CLIENT]  # type: ignore[misc]
+def outputs_of(out: Outputs) -> list[RequestOutput]:
+    return out.to(CLIENT)
 
 
-def adds_of(out: list[tuple[str, Message]] | list[tuple[str, object]]) -> list[AddRequest]:
-    return [message for _, message in out if isinstance(message, AddRequest)]
+def adds_of(out: Outputs) -> list[AddRequest]:
+    return [message for message in out.to(SCHEDULER) if isinstance(message, AddRequest)]
 
 
 # =========================================================================== the frontend
@@ -61,10 +81,10 @@ def test_resubmit_sends_each_unfinished_request_with_the_tokens_received(tokeniz
     words = tokenizer.encode(" jumps over the lazy dog. Hello world!", add_special_tokens=False)
     params = SamplingParams(temperature=0.0, max_tokens=len(words), seed=3)
     (original,) = adds_of(frontend.add_request("r", {"prompt_token_ids": prompt}, params))
-    assert frontend.resubmit()[0][1].output_token_ids == []  # nothing received yet: from the start
+    assert frontend.resubmit().messages[0][1].output_token_ids == []  # nothing received yet: from the start
 
     frontend.handle(updates(RequestUpdate(request_id="r", new_token_ids=words[:4])))
-    ((destination, again),) = frontend.resubmit()
+    ((destination, again),) = frontend.resubmit().messages
     assert destination == SCHEDULER and isinstance(again, AddRequest)
     assert again.resume and not original.resume and again.output_token_ids == words[:4]
     assert (again.request_id, again.prompt_token_ids, again.params, again.eos_token_ids) == (
@@ -77,7 +97,7 @@ def test_resubmit_sends_each_unfinished_request_with_the_tokens_received(tokeniz
     completion = final.outputs[0]
     assert final.finished and completion.token_ids == words and completion.finish_reason == "length"
     assert completion.text == tokenizer.decode(words)
-    assert frontend.resubmit() == []
+    assert not frontend.resubmit()
 
 
 def test_resubmit_keeps_priority_and_deadlines_without_an_arrival_time(tokenizer: Tokenizer) -> None:
@@ -125,7 +145,7 @@ def test_a_child_cut_at_a_stop_string_is_finished_and_held_back_text_survives(to
     frontend.add_request("s", {"prompt_token_ids": prompt}, params)
     # Child 0 meets "lazy dog": finished here (abort "stop" to the scheduler), whatever follows.
     out = frontend.handle(updates(RequestUpdate(request_id="s#0", new_token_ids=tokens)))
-    assert any(isinstance(m, AbortRequests) and m.request_ids == ["s#0"] for _, m in out)
+    assert any(isinstance(m, AbortRequests) and m.request_ids == ["s#0"] for _, m in out.messages)
     # Child 1 stops receiving right after "lazy": that text is held back (it may begin a stop string).
     lazy = next(i for i in range(len(tokens)) if tokenizer.decode(tokens[: i + 1]).endswith("lazy"))
     (partial,) = outputs_of(frontend.handle(updates(RequestUpdate(request_id="s#1", new_token_ids=tokens[: lazy + 1]))))
@@ -144,7 +164,7 @@ def test_a_child_cut_at_a_stop_string_is_finished_and_held_back_text_survives(to
     # A request that stopped altogether is not sent again.
     frontend.add_request("t", {"prompt_token_ids": prompt}, params.clone(n=1))
     frontend.handle(updates(RequestUpdate(request_id="t", new_token_ids=tokens)))
-    assert frontend.resubmit() == []
+    assert not frontend.resubmit()
 
 
 def test_logprobs_continue_after_a_resubmission(tokenizer: Tokenizer) -> None:
@@ -182,10 +202,11 @@ def test_fail_all_ends_every_open_request_with_the_reason(tokenizer: Tokenizer) 
     frontend.handle(updates(RequestUpdate(request_id="a", new_token_ids=[305]),
                             RequestUpdate(request_id="b#0", new_token_ids=[306, eos], finish_reason="stop")))
     out = frontend.fail_all("restart budget spent")
-    assert all(destination == CLIENT for destination, _ in out)  # nothing for a dead scheduler
+    # nothing for a dead scheduler
+    assert not out.events and all(destination == CLIENT for destination, _ in out.messages)
     by_id = {o.request_id: o for o in outputs_of(out)}
     assert set(by_id) == {"a", "b"} and all(o.finished and o.error == "restart budget spent" for o in by_id.values())
     assert by_id["a"].outputs[0].finish_reason == "error" and by_id["a"].outputs[0].token_ids == [305]
     assert [c.finish_reason for c in by_id["b"].outputs] == ["stop", "error"]
-    assert frontend.num_unfinished == 0 and frontend.resubmit() == []
-    assert frontend.handle(updates(RequestUpdate(request_id="a", new_token_ids=[307]))) == []
+    assert frontend.num_unfinished == 0 and not frontend.resubmit()
+    assert not frontend.handle(updates(RequestUpdate(request_id="a", new_token_ids=[307])))

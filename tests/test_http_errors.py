@@ -17,7 +17,7 @@ from fake_served import Env, env, served_app, tokenizer, uvicorn_serving  # noqa
 from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.runtime.log_setup import configure_logging
 from vllm_actors.server.errors import edge_context
-from vllm_actors.server.serving import guarded_events
+from vllm_actors.server.streaming import guarded_events
 
 
 @pytest.fixture

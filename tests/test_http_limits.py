@@ -17,7 +17,7 @@ from vllm_actors.actors.frontend.tokenizer import Tokenizer
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.protocol.sampling import MAX_INT32, MAX_N, MAX_SEED, MIN_SEED
-from vllm_actors.server.serving import EventStreamResponse
+from vllm_actors.server.streaming import EventStreamResponse
 
 TOP = 2**64 - 1  # the seed of the issue: fits msgpack's uint64, its child's seed (+1) does not
 
@@ -56,7 +56,7 @@ def test_every_child_seed_fits_the_wire_and_is_a_valid_seed(tokenizer: Tokenizer
     frontend = Frontend(tokenizer, [tokenizer.eos_token_id or 0], 256, tokenizer.vocab_size)
     prepared = frontend.prepare("edge", {"prompt_token_ids": [5, 6]}, params)
     codec = MessageCodec()
-    adds = [m for _, m in frontend.submit(prepared) if isinstance(m, AddRequest)]
+    adds = [m for _, m in frontend.submit(prepared).messages if isinstance(m, AddRequest)]
     decoded = [codec.decode(codec.encode(add)) for add in adds]  # the scheduler validates on decode
     assert [d.params.seed for d in decoded] == [MAX_SEED, MIN_SEED, MIN_SEED + 1]
 

@@ -21,7 +21,7 @@ import torch
 
 from server_helpers import free_port, start_server, stop_process, wait_healthy
 from vllm_actors.server.errors import OpenAIError as OpenAIErrorType
-from vllm_actors.server.fields import BY_NAME, FIELDS, PENDING, markdown_table
+from vllm_actors.server.fields import BY_NAME, FIELDS, markdown_table
 from vllm_actors.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "tiny"
@@ -220,11 +220,10 @@ def test_every_vllm_field_is_in_the_models_the_table_and_the_readme() -> None:
     assert set(VLLM_CHAT) <= chat, set(VLLM_CHAT) - chat
     assert set(VLLM_COMPLETION) | set(VLLM_CHAT) <= set(BY_NAME)
     for field in FIELDS:
-        assert field.status in ("honoured", "rejected", "part 1", "part 2", "part 3"), field
+        assert field.status in ("honoured", "rejected"), field
         assert (field.status == "rejected") == (field.neutral is not None), field
         models = {"both": [completion, chat], "completions": [completion], "chat": [chat]}[field.endpoint]
         assert all(field.name in model for model in models), field
-    assert set(PENDING) <= {f.name for f in FIELDS if f.status.startswith("part")}
     fields_page = README.parent / "docs" / "requests.md"
     assert markdown_table() in fields_page.read_text(), "docs/requests.md's table is stale: paste markdown_table()"
 

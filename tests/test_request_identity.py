@@ -21,7 +21,9 @@ import zmq
 import zmq.asyncio
 
 from vllm_actors import SamplingParams
+from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend
+from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.clients.async_client import AsyncEngineClient
@@ -30,11 +32,13 @@ from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, Queued
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdate, RequestUpdates, StepPlan
 from vllm_actors.protocol.names import (
+    CLIENT,
     FRONTEND,
     MAX_REQUEST_ID_LENGTH,
     engine_request_id_error,
     request_id_error,
 )
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.server import build_app
 
 VOCAB = 97
@@ -77,6 +81,13 @@ def frontend() -> Frontend:
     return Frontend(None, [0], max_model_len=64, vocab_size=VOCAB)
 
 
+def only_output(cumulative: CumulativeOutputs, out: Outputs) -> RequestOutput:
+    """The one thing the frontend produced, a delta for its client, assembled as the client does."""
+    assert len(out.messages) == 1 and not out.events, out
+    (output,) = cumulative.add_all(out.to(CLIENT))
+    return output
+
+
 def test_the_frontend_refuses_bad_ids_before_anything_is_queued() -> None:
     front = frontend()
     for bad in ("y#1", "x" * 10_000, "", "a b"):
@@ -88,13 +99,13 @@ def test_the_frontend_refuses_bad_ids_before_anything_is_queued() -> None:
 def test_the_frontend_takes_each_token_once_by_its_position() -> None:
     """Updates that carry their output position (``output_index``): a catch-up overlapping the
     tokens a request has already gives only the new ones."""
-    front = frontend()
+    front, cumulative = frontend(), CumulativeOutputs()
     front.submit(front.prepare("p", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=8)))
     for tokens, index in (([5, 6], 0), ([6, 7], 1), ([5, 6, 7, 8], 0), ([9], -1)):
-        front.handle(RequestUpdates(step_id=0, updates=[
-            RequestUpdate(request_id="p", new_token_ids=tokens, output_index=index)]))
-    (output,) = [o for _, o in front.handle(RequestUpdates(step_id=0, updates=[
-        RequestUpdate(request_id="p", new_token_ids=[10], output_index=5, finish_reason="length")]))]
+        cumulative.add_all(front.handle(RequestUpdates(step_id=0, updates=[
+            RequestUpdate(request_id="p", new_token_ids=tokens, output_index=index)])).to(CLIENT))
+    output = only_output(cumulative, front.handle(RequestUpdates(step_id=0, updates=[
+        RequestUpdate(request_id="p", new_token_ids=[10], output_index=5, finish_reason="length")])))
     assert output.outputs[0].token_ids == [5, 6, 7, 8, 9, 10]
 
 
@@ -102,7 +113,7 @@ def test_a_child_id_is_never_taken_by_another_request() -> None:
     """The finding: ``y#1`` while ``y`` with n=2 runs took over y's second child, which then hung."""
     front = frontend()
     sent = front.submit(front.prepare("y", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=4)))
-    assert [m.request_id for _, m in sent if isinstance(m, AddRequest)] == ["y#0", "y#1"]
+    assert [m.request_id for _, m in sent.messages if isinstance(m, AddRequest)] == ["y#0", "y#1"]
     with pytest.raises(ValueError, match="^request_id"):
         front.prepare("y#1", {"prompt_token_ids": [3]}, SamplingParams())
     # y's second child still gets its tokens and finishes
@@ -110,7 +121,7 @@ def test_a_child_id_is_never_taken_by_another_request() -> None:
         RequestUpdate(request_id="y#0", new_token_ids=[5], finish_reason="length"),
         RequestUpdate(request_id="y#1", new_token_ids=[6], finish_reason="length"),
     ]))
-    (output,) = [o for _, o in out]
+    output = only_output(CumulativeOutputs(), out)
     assert output.finished and [c.token_ids for c in output.outputs] == [[5], [6]]
     assert front.num_unfinished == 0
 

@@ -30,7 +30,6 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -41,24 +40,26 @@ from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, TextOptions
 from vllm_actors.clients import async_text
-from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, bus_round_trip, follow_bus
+from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, follow_bus
 from vllm_actors.clients.core import (
     ClientCore,
     EngineDeadError,
     ZmqTransport,
     expect_reply,
     frontend_for_group,
+    group_info_of,
     load_group_tokenizer,
 )
 from vllm_actors.clients.latency import LatencyTracker, StatsListener
+from vllm_actors.clients.open_streams import OpenStreams
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.clients.supervision import (
-    READY,
     Health,
     SupervisionView,
+    call_soon,
     classify,
     group_failure,
-    group_states,
+    is_scheduler,
     listen,
 )
 from vllm_actors.protocol.messages import AbortRequests
@@ -70,9 +71,9 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
-from vllm_actors.protocol.names import ENTRY_ACTORS, SCHEDULER, SUPERVISOR, split_replica
+from vllm_actors.protocol.names import ENTRY_ACTORS, SCHEDULER, SUPERVISOR
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+from vllm_actors.runtime.run_dir import GroupInfo
 from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
 
@@ -88,11 +89,6 @@ CONNECT_TIMEOUT = 30.0
 RESTARTED_CLIENT = "client restarted"  # the abort reason of what a dead client under the same identity left
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
 
-
-
-def is_scheduler(topic: str) -> bool:
-    """A scheduler's topic: the group's, or a replica's ("scheduler@1")."""
-    return split_replica(topic)[0] == SCHEDULER
 
 class AsyncEngineClient(ClientCore):
     """The frontend of a process group for asyncio applications (see the module docstring)."""
@@ -128,8 +124,8 @@ class AsyncEngineClient(ClientCore):
         super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
         self._metrics = MetricsChannel(self._context, info.addresses.metrics, self.keys)
         self._health = HealthProbe(info, self._publisher, self._metrics, self.actor_id)
-        self._streams: dict[str, RequestStream] = {}
         self.latency = LatencyTracker()
+        self._streams = OpenStreams(self.latency)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._dead: BaseException | None = None
@@ -175,12 +171,7 @@ class AsyncEngineClient(ClientCore):
         running group. The group keeps running after ``shutdown()``. ``identity``: take over the
         connection of a client that died under that routing id, aborting every request it left
         (reason "client restarted"): nobody reads their tokens any more."""
-        if isinstance(target, GroupInfo):
-            info = target
-        elif target is None:
-            info = find_running_group()
-        else:
-            info = read_group_info(Path(target))
+        info = group_info_of(target)
         tokenizer = await asyncio.to_thread(load_group_tokenizer, info)
         client = cls(info, tokenizer, load_tokenizer=False, identity=identity)
         try:
@@ -197,15 +188,7 @@ class AsyncEngineClient(ClientCore):
         """Start the background tasks and wait until the metrics store sees this client's events
         (PUB/SUB drops what is published before the subscription is in place)."""
         self._ensure_tasks()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if await self._bus_round_trip(timeout=1.0):
-                    return
-            except TimeoutError:  # a store slow to answer (a loaded machine): ask again until the deadline
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the metrics store did not see {self.actor_id}'s events within {timeout:.0f} s")
+        await self._health.wait_seen(timeout)
 
     def _ensure_tasks(self) -> None:
         if self._tasks or self._closed:
@@ -226,11 +209,11 @@ class AsyncEngineClient(ClientCore):
     # The owned group's supervisor calls these on its own thread: hand each call to the loop.
     def _restart_reported(self, actor: str) -> None:
         if self._loop is not None:
-            _call_soon(self._loop, self._on_actor_restarted, actor)
+            call_soon(self._loop, self._on_actor_restarted, actor)
 
     def _failure_reported(self, reason: str) -> None:
         if self._loop is not None:
-            _call_soon(self._loop, self._fail, reason)
+            call_soon(self._loop, self._fail, reason)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -248,7 +231,7 @@ class AsyncEngineClient(ClientCore):
     @property
     def num_unfinished(self) -> int:
         """Engine requests (n>1 counts n) of this client not finished yet."""
-        return sum(stream.prepared.params.n for stream in self._streams.values())
+        return self._streams.num_engine_requests
 
     @property
     def is_closed(self) -> bool:
@@ -278,9 +261,7 @@ class AsyncEngineClient(ClientCore):
         self._ensure_tasks()
         stream = RequestStream(self, prepared, on_wait=self.latency.on_stream_wait)
         self._submit(prepared)
-        self._streams[prepared.request_id] = stream
-        params = prepared.params
-        self.latency.start(prepared.request_id, time.monotonic(), params.n, params.max_tokens)
+        self._streams.open(stream, time.monotonic())
         return stream
 
     async def prepare_async(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
@@ -334,8 +315,7 @@ class AsyncEngineClient(ClientCore):
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Abort a request of this client: the scheduler drops it (ABORTED(reason) on the bus) and
         its KV blocks are freed with the next plan. Unknown or finished ids are ignored."""
-        stream = self._streams.pop(request_id, None)
-        self.latency.forget(request_id)
+        stream = self._streams.close(request_id)
         if self._closed:
             return
         self._abort(request_id, reason)
@@ -359,26 +339,13 @@ class AsyncEngineClient(ClientCore):
         """The group failed: every open stream ends with an error output; new requests are refused."""
         if self.failure is not None or self._closed:
             return
-        self._dispatch(self.fail_open(reason), time.monotonic())
-        for stream in list(self._streams.values()):  # none left, unless one was never submitted
-            stream._errored(reason)
-        self._streams.clear()
-        self.latency.clear()
+        self._streams.dispatch(self.fail_open(reason), time.monotonic())
+        self._streams.end_all(lambda stream: stream._errored(reason))  # none left, unless one was never submitted
         for listener in list(self._failure_listeners):
             try:
                 listener(reason)
             except Exception:
                 log.exception("failure listener failed", actor=self.identity)
-
-    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
-        for output in outputs:
-            self.latency.on_output(output, now)
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            stream._put(output)
-            if output.finished:
-                del self._streams[output.request_id]
 
     # ------------------------------------------------------------------ background tasks
     async def _read_updates(self) -> None:
@@ -394,7 +361,7 @@ class AsyncEngineClient(ClientCore):
             except Exception:  # a bug here must not silence every other request
                 log.exception("updates not handled", actor=self.identity)
                 continue
-            self._dispatch(outputs, now)
+            self._streams.dispatch(outputs, now)
 
     async def _watch_bus(self) -> None:
         """Follow the scheduler's events (queue times for the stats listeners) and, for an attached
@@ -419,10 +386,7 @@ class AsyncEngineClient(ClientCore):
             error = task.exception() or EngineDeadError("the reader stopped")
             log.error("client reader stopped", actor=self.identity, error=repr(error))
         self._dead = error
-        for stream in list(self._streams.values()):
-            stream._fail(EngineDeadError(f"the client lost its engine: {error}"))
-        self._streams.clear()
-        self.latency.clear()
+        self._streams.end_all(lambda stream: stream._fail(EngineDeadError(f"the client lost its engine: {error}")))
 
     # ------------------------------------------------------------------ metrics and health
     async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
@@ -436,9 +400,6 @@ class AsyncEngineClient(ClientCore):
     async def get_timeline(self, request_id: str) -> TimelineReply:
         return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
 
-    async def _bus_round_trip(self, timeout: float) -> bool:
-        return await bus_round_trip(self._publisher, self._metrics, self.actor_id, timeout)
-
     async def health(self, timeout: float = 2.0) -> Health:
         """The verdict ``/health`` serves (``clients/async_health.py`` says how it is reached)."""
         if self._closed:
@@ -447,12 +408,7 @@ class AsyncEngineClient(ClientCore):
         if failure is not None:
             return classify({}, failure=failure)
         extra = {"frontend": f"reader stopped: {self._dead}"} if self._dead is not None else {}
-        if self.group is not None:
-            states = group_states(self.group)
-            if states.get("bus", READY) == READY and states.get("metrics", READY) == READY:
-                states.update(await self._health.store_reachable(timeout))
-        else:
-            states = await self._health.attached_states(dict(self._supervision.down), timeout)
+        states = await self._health.states(self.group, dict(self._supervision.down), timeout)
         return classify(states, extra_unhealthy=extra)
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
@@ -465,7 +421,7 @@ class AsyncEngineClient(ClientCore):
         started the group, stop every actor. Idempotent."""
         if self._closed:
             return
-        for request_id in list(self._streams):
+        for request_id in self._streams.request_ids():
             self.abort(request_id, reason)
         self._closed = True
         for task in self._tasks:
@@ -489,10 +445,3 @@ class AsyncEngineClient(ClientCore):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
-    """Hand a call from another thread to the loop (dropped once the loop is closed)."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        pass

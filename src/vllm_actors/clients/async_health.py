@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from vllm_actors.clients.supervision import READY
+from vllm_actors.clients.supervision import READY, group_states
 from vllm_actors.protocol.events import EventBatch, Heartbeat
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply, SeenQuery, SeenReply
 from vllm_actors.protocol.names import (
@@ -99,6 +99,29 @@ class HealthProbe:
         self.publisher = publisher
         self.metrics = metrics
         self.actor_id = actor_id
+
+    async def wait_seen(self, timeout: float) -> None:
+        """Wait until the metrics store sees this client's events (PUB/SUB drops what is published
+        before the subscription is in place); TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if await bus_round_trip(self.publisher, self.metrics, self.actor_id, timeout=1.0):
+                    return
+            except TimeoutError:  # a store slow to answer (a loaded machine): ask again until the deadline
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the metrics store did not see {self.actor_id}'s events within {timeout:.0f} s")
+
+    async def states(self, group: object | None, down: dict[str, str], timeout: float) -> dict[str, str]:
+        """Each actor's state: an owned group's from its supervisor (with the store's reach while
+        the bus and the store are up), an attached client's from the bus and the store."""
+        if group is None:
+            return await self.attached_states(down, timeout)
+        states = group_states(group)
+        if states.get("bus", READY) == READY and states.get("metrics", READY) == READY:
+            states.update(await self.store_reachable(timeout))
+        return states
 
     async def store_reachable(self, timeout: float) -> dict[str, str]:
         """An event of this client must reach the metrics store through the bus within ``timeout``."""

@@ -1,12 +1,9 @@
 """The asyncio client's text work off the event loop: tokenising prompts, rendering chat
 templates and detokenising long token lists on a small thread pool.
 
-Measured (tiny Qwen3 tokenizer, a 3 MB text, the loop timing 1 ms sleeps meanwhile): HF
-tokenizers' ``encode`` on a worker thread still stopped the loop for up to 290 ms at a time (it
-holds the GIL), ``encode_batch`` for at most 55 ms (it releases the GIL while it works;
-``Tokenizer.encode`` uses it for long texts), ``decode`` for about 2 ms. A thread pool is enough,
-then: a process pool would have to ship the tokenizer and the text across. Short texts stay on the
-loop, where they take microseconds.
+HF tokenizers' batch encoding releases the GIL while it works (``Tokenizer.encode`` uses it for long
+texts), so a thread pool keeps the loop free: a process pool would have to ship the tokenizer and
+the text across. Short texts stay on the loop, where they take microseconds.
 """
 
 from __future__ import annotations

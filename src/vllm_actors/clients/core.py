@@ -6,7 +6,8 @@ reach the engine. ``ClientCore`` owns the frontend and the client's paths, writt
 * send: requests and aborts go through the frontend; its events are published on the bus first
   (ARRIVED happens before the scheduler hears of the request), then its messages go onward;
 * receive: the scheduler's ``RequestUpdates`` (a wire frame, or an object in process) go through
-  the frontend into ``RequestOutput`` objects; a malformed frame is dropped with a log line;
+  the frontend into deltas (``OutputDelta``: what is new per request), assembled here into vLLM's
+  cumulative ``RequestOutput`` objects by appending; a malformed frame is dropped with a log line;
 * metrics: ``expect_reply`` checks what the metrics store answered.
 
 A ``Transport`` says how events and messages leave: the in-memory network (``InProcessEngine``)
@@ -19,17 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import msgspec
 import structlog
 import zmq
 
+from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest
-from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import Message, RequestUpdates
@@ -41,8 +45,9 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
+from vllm_actors.protocol.names import CLIENT
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.runtime.transport import route_frontend_outputs
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
@@ -94,6 +99,7 @@ class ClientCore:
         self.transport = transport
         self.name = name  # for log lines
         self._codec = MessageCodec()
+        self._cumulative = CumulativeOutputs()  # open requests' outputs, assembled from the frontend's deltas
         # Why the engine is gone for good (the group failed), once it is: open requests have
         # ended with finish reason "error" and new ones are refused.
         self.failure: str | None = None
@@ -147,28 +153,34 @@ class ClientCore:
             self._send(messages)
         except BaseException:
             with contextlib.suppress(Exception):
-                self._send(self.frontend.abort(prepared.request_id, "error"))
+                self._abort(prepared.request_id, "error")
             raise
 
     def _abort(self, request_id: str, reason: str = "abort") -> None:
         """Unknown or finished ids are ignored."""
+        self._cumulative.forget(request_id)
         self._send(self.frontend.abort(request_id, reason))
 
-    def _send(self, outputs: list[tuple[str, Any]]) -> list[RequestOutput]:
-        client_outputs, onward = route_frontend_outputs(outputs, self.transport.publish)
-        for destination, message in onward:
-            self.transport.send(destination, message)
-        return client_outputs
+    def _send(self, outputs: Outputs) -> list[RequestOutput]:
+        """Publish the frontend's events first (ARRIVED happens before the scheduler hears of the
+        request), send its messages on, and return the cumulative outputs of its deltas."""
+        client = [self._cumulative.add(cast(OutputDelta, delta)) for delta in outputs.to(CLIENT)]
+        if outputs.events:
+            self.transport.publish(outputs.events)
+        for destination, message in outputs.messages:
+            if destination != CLIENT:
+                self.transport.send(destination, message)
+        return client
 
     # ------------------------------------------------------------------ recovery
     def resubmit_open(self) -> int:
         """The scheduler was restarted: send every unfinished engine request again (resume=True,
         with the tokens received so far). Returns how many were sent."""
-        messages = self.frontend.resubmit()
-        self._send(list(messages))
-        if messages:
-            log.info("requests resubmitted", actor=self.name, count=len(messages))
-        return len(messages)
+        outputs = self.frontend.resubmit()
+        self._send(outputs)
+        if outputs.messages:
+            log.info("requests resubmitted", actor=self.name, count=len(outputs.messages))
+        return len(outputs.messages)
 
     def fail_open(self, reason: str) -> list[RequestOutput]:
         """The engine failed for good: remember why (new requests are refused) and end every open
@@ -260,6 +272,15 @@ def frontend_for_group(info: GroupInfo, tokenizer: Tokenizer | None) -> Frontend
         info.max_model_len,
         int(cast(int, facts.get("vocab_size", 0))),
     )
+
+
+def group_info_of(target: str | os.PathLike[str] | GroupInfo | None) -> GroupInfo:
+    """The group to attach to: its ``GroupInfo``, its run directory, or (None) the newest running one."""
+    from vllm_actors.runtime.run_dir import GroupInfo, find_running_group, read_group_info
+
+    if isinstance(target, GroupInfo):
+        return target
+    return find_running_group() if target is None else read_group_info(Path(target))
 
 
 def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:

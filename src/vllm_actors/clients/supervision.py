@@ -19,6 +19,7 @@ A ``ProcessGroup`` without these (no supervisor) is handled as before: an exited
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -157,3 +158,16 @@ def classify(states: Mapping[str, str], *, failure: str | None = None,
     if unhealthy:
         return Health("unavailable", unhealthy, degraded)
     return Health("degraded" if degraded else "ok", {}, degraded)
+
+
+def is_scheduler(topic: str) -> bool:
+    """A scheduler's topic on the bus: the group's, or a replica's ("scheduler@1")."""
+    return split_replica(topic)[0] == SCHEDULER
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    """Hand a call from the supervisor's thread to the loop (dropped once the loop is closed)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass

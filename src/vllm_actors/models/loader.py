@@ -14,18 +14,6 @@ from vllm_actors.models.parallel import TensorParallel
 
 log = structlog.get_logger(__name__)
 
-
-def load_state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF-named CPU tensors of the checkpoint described by config (float32 for GGUF)."""
-    if config.source == "gguf":
-        from vllm_actors.models.gguf_loader import load_gguf_state_dict
-
-        return load_gguf_state_dict(config.path, config)
-    from vllm_actors.models.hf_loader import load_hf_state_dict
-
-    return load_hf_state_dict(config.path)
-
-
 LOAD_FORMATS = ("auto", "dummy")
 
 

@@ -26,13 +26,12 @@ fails: ``GROUP_FAILED``, the ``on_failure`` listeners, and the group shuts itsel
 from __future__ import annotations
 
 import os
-import selectors
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,12 +51,11 @@ from vllm_actors.runtime.children import (
     Child,
     Stopping,
     cleanup,
-    status_line,
 )
 from vllm_actors.runtime.monitor import SupervisorLink
 from vllm_actors.runtime.ports import PortReservation
 from vllm_actors.runtime.process import ActorSpec
-from vllm_actors.runtime.recovery import POLL_INTERVAL, RESTARTING, Recovery
+from vllm_actors.runtime.recovery import RESTARTING, Recovery
 from vllm_actors.runtime.run_dir import (
     GroupAddresses,
     GroupInfo,
@@ -66,9 +64,7 @@ from vllm_actors.runtime.run_dir import (
     write_group_info,
 )
 from vllm_actors.runtime.security import GroupKeys
-
-if TYPE_CHECKING:
-    from vllm_actors.runtime.ray_launch import RayLauncher
+from vllm_actors.runtime.startup import replica_environment, wait_ready
 from vllm_actors.runtime.supervision import (
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_MAX_BUSY_SECONDS,
@@ -78,28 +74,17 @@ from vllm_actors.runtime.supervision import (
     RestartBudget,
 )
 
+if TYPE_CHECKING:
+    from vllm_actors.runtime.ray_launch import RayLauncher
+
+__all__ = ["ActorDiedError", "ActorStartError", "ProcessGroup", "replica_environment"]
+
 log = structlog.get_logger(__name__)
 
 STOP_GRACE_SECONDS = 5.0
 
 # Actor states, as ``ProcessGroup.state()`` reports them.
 STARTING, READY, FAILED, STOPPED = "starting", "ready", "failed", "stopped"  # and RESTARTING
-
-
-def replica_environment(spec: ActorSpec, environ: Mapping[str, str]) -> dict[str, str] | None:
-    """A replica's worker sees only its own GPUs (data_parallel_size > 1): replica r of tensor
-    parallel size t gets the devices r*t .. r*t+t-1 of ``CUDA_VISIBLE_DEVICES`` (or of the
-    machine's, numbered from 0). None: the supervisor's environment as it is."""
-    if spec.role != WORKER or spec.replica is None:
-        return None
-    size = spec.engine.tensor_parallel_size
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
-    first = spec.replica * size
-    chosen = devices[first:first + size] if devices is not None else [str(first + i) for i in range(size)]
-    if devices is not None and len(chosen) < size:
-        return None  # fewer devices than replicas (a CPU run, a shared GPU): leave it as it is
-    return {**environ, "CUDA_VISIBLE_DEVICES": ",".join(chosen)}
 
 
 def _monitor(group_ref: weakref.ReferenceType[ProcessGroup], stop: threading.Event) -> None:
@@ -344,44 +329,11 @@ class ProcessGroup(Recovery):
         """Wait for the child's READY line (its info); raise ActorStartError if it fails, exits or
         takes longer than ``start_timeout``, or one of ``siblings`` (ranks starting with it, which
         it waits for) exits first; ``Stopping`` if the group shuts down meanwhile."""
-        deadline = time.monotonic() + self.start_timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(child.reader.fd, selectors.EVENT_READ)
-            while True:
-                for line in child.reader.lines():
-                    status = status_line(child, line)
-                    if status is None:
-                        continue
-                    if status.get("status") == "ready":
-                        with self._lock:
-                            self._states[child.actor_id] = READY
-                        return dict(status.get("info") or {})
-                    if status.get("status") == "alive":
-                        continue
-                    error = status.get("error")
-                    raise ActorStartError(f"actor {child.actor_id} failed to start: {error}\n{child.log_tail()}")
-                if child.reader.eof:
-                    child.process.wait(timeout=5)
-                    raise ActorStartError(
-                        f"actor {child.actor_id} exited with code {child.process.returncode} before READY\n"
-                        f"{child.log_tail()}"
-                    )
-                gone = [s for s in siblings or [] if s is not child and s.process.poll() is not None]
-                if gone:
-                    raise ActorStartError(
-                        f"actor {gone[0].actor_id} exited with code {gone[0].process.returncode} while "
-                        f"{child.actor_id} was starting\n{gone[0].log_tail()}"
-                    )
-                if self._stop.is_set() and threading.current_thread() in self._monitor:
-                    raise Stopping()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ActorStartError(
-                        f"actor {child.actor_id} did not report READY within {self.start_timeout:.0f} s\n"
-                        f"{child.log_tail()}"
-                    )
-                if selector.select(min(remaining, POLL_INTERVAL)):
-                    child.reader.fill()
+        info = wait_ready(child, siblings, self.start_timeout,
+                          lambda: self._stop.is_set() and threading.current_thread() in self._monitor)
+        with self._lock:
+            self._states[child.actor_id] = READY
+        return info
 
     # ------------------------------------------------------------------ supervision (monitor thread)
     # _tick, _recover, _restart: recovery.py

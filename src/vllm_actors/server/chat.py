@@ -31,18 +31,21 @@ from vllm_actors.server.protocol import (
     usage,
 )
 from vllm_actors.server.serving import (
-    SSE_DONE,
-    ClientDisconnected,
-    EventStreamResponse,
     ServerState,
-    abort_all,
     decode_body,
-    final_output,
-    guarded_events,
     request_id,
     sampling_params,
     session_key,
+)
+from vllm_actors.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    EventStreamResponse,
+    abort_all,
+    final_output,
+    guarded_events,
     sse,
+    token_counts,
     unless_disconnected,
 )
 from vllm_actors.server.tool_parser import ParsedDelta, ToolParser, merge_calls
@@ -233,7 +236,7 @@ async def _stream(job: _Job, stream: RequestStream,
     parsers: dict[int, ToolParser] = {}
     called: set[int] = set()
 
-    def chunk(choice: ChatStreamChoice, output: RequestOutput | None, first: bool = False) -> bytes:
+    def chunk(choice: ChatStreamChoice, counts: dict[int, int] | None, first: bool = False) -> bytes:
         message = ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model, choices=[choice])
         if first and body.return_token_ids:  # vLLM: the prompt's ids (and text) in the first chunk
             message.prompt_token_ids = list(job.prepared.prompt_token_ids)
@@ -242,8 +245,7 @@ async def _stream(job: _Job, stream: RequestStream,
         if include_usage:  # OpenAI: null on every chunk but the last; vLLM's continuous stats: on each
             message.usage = None
             if continuous:  # vLLM: the prompt and this choice's tokens so far (none yet in the role and echo chunks)
-                generated = next((len(c.token_ids) for c in output.outputs if c.index == choice.index), 0) \
-                    if output is not None else 0
+                generated = counts.get(choice.index, 0) if counts is not None else 0
                 message.usage = usage(len(job.prepared.prompt_token_ids), generated)
         return sse(message)
 
@@ -256,6 +258,7 @@ async def _stream(job: _Job, stream: RequestStream,
     error: OpenAIError | None = None
     async for output in stream:
         last = output
+        counts = token_counts(output)  # its tokens as it came (the lists grow as later outputs come)
         if output.error is not None and error is None:
             error = error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
@@ -263,16 +266,16 @@ async def _stream(job: _Job, stream: RequestStream,
             if index in done:
                 continue
             delta = completion.text[sent_text.get(index, 0):]
-            first_token = sent_tokens.get(index, 0)
-            new_ids = completion.token_ids[first_token:]
+            first_token, end = sent_tokens.get(index, 0), counts[index]
+            new_ids = completion.token_ids[first_token:end]
             sent_text[index] = len(completion.text)
-            sent_tokens[index] = len(completion.token_ids)
+            sent_tokens[index] = end
             finished = completion.finish_reason is not None
             if not delta and not finished and not (new_ids and body.logprobs):
                 continue  # nothing to show yet (text held back: a partial character or stop string)
             logprobs = None
             if body.logprobs and completion.logprobs is not None:
-                logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:], body.top_logprobs or 0,
+                logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:end], body.top_logprobs or 0,
                                          job.as_ids)
             message = DeltaMessage(content=delta)
             finish_reason = completion.finish_reason
@@ -292,7 +295,7 @@ async def _stream(job: _Job, stream: RequestStream,
                                       finish_reason=finish_reason, stop_reason=completion.stop_reason)
             if body.return_token_ids:
                 choice.token_ids = list(new_ids)
-            yield chunk(choice, output)
+            yield chunk(choice, counts)
     if error is not None:  # the choices ended with finish_reason "error"; the error event says why
         raise error
     if include_usage and last is not None:

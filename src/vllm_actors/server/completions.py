@@ -29,18 +29,20 @@ from vllm_actors.server.protocol import (
     usage,
 )
 from vllm_actors.server.serving import (
-    SSE_DONE,
-    ClientDisconnected,
-    EventStreamResponse,
     ServerState,
-    abort_all,
     decode_body,
-    final_output,
-    guarded_events,
-    merge_streams,
     request_id,
     sampling_params,
     session_key,
+)
+from vllm_actors.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    EventStreamResponse,
+    abort_all,
+    final_output,
+    guarded_events,
+    merge_streams,
     sse,
     unless_disconnected,
 )
@@ -198,7 +200,7 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
         return sse(message)
 
     error: OpenAIError | None = None
-    async for prompt_index, output in merge_streams(streams):
+    async for prompt_index, output, counts in merge_streams(streams):
         if output.error is not None and error is None:
             error = job.error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
@@ -206,7 +208,8 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             cursor = cursors.setdefault(index, _Cursor())
             if cursor.done:
                 continue
-            generated[index] = len(completion.token_ids)
+            end = counts[completion.index]  # its tokens as this output came (the lists grow since)
+            generated[index] = end
             cached[prompt_index] = output.num_cached_tokens
             delta = "" if job.echo_only else completion.text[cursor.text:]
             logprobs = None
@@ -217,16 +220,16 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
                     delta = job.prompt_texts[prompt_index] + delta
                     if body.logprobs is not None:
                         logprobs, cursor.offset = _echo_logprobs(job, output)
-            new_ids = completion.token_ids[cursor.tokens:]
+            new_ids = completion.token_ids[cursor.tokens:end]
             if body.logprobs is not None and completion.logprobs is not None and not job.echo_only:
-                more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:], cursor.offset,
-                                                            job.decode, job.as_ids)
+                more, cursor.offset = completion_logprobs(new_ids, completion.logprobs[cursor.tokens:end],
+                                                          cursor.offset, job.decode, job.as_ids)
                 if logprobs is None:
                     logprobs = more
                 else:
                     _extend(logprobs, more)
             cursor.text = len(completion.text)
-            cursor.tokens = len(completion.token_ids)
+            cursor.tokens = end
             finished = completion.finish_reason is not None
             if not delta and not finished and not (new_ids and body.logprobs is not None):
                 continue  # nothing to show yet (text held back: a partial character or stop string)

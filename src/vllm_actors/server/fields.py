@@ -30,7 +30,7 @@ Endpoint = Literal["both", "completions", "chat"]
 class Field:
     name: str
     endpoint: Endpoint
-    status: str  # "honoured", "rejected" (400 unless the value is neutral), "part N" (another part's)
+    status: str  # "honoured" or "rejected" (400 unless the value is neutral)
     note: str
     neutral: Callable[[Any], bool] | None = None  # for "rejected": the values that mean "not used"
 
@@ -142,11 +142,6 @@ FIELDS: list[Field] = [
     Field("vllm_xargs", "both", "rejected", "400 (no custom extensions)", _unset),
 ]
 BY_NAME = {field.name: field for field in FIELDS}
-PART_NAMES = {"part 1": "sampling controls", "part 2": "structured outputs", "part 3": "tools"}
-
-# Fields that other parts of issue 15 honour: refused here (non-neutral) until their part lands;
-# delete a line when its part does.
-PENDING: dict[str, Callable[[Any], bool]] = {}
 
 
 def check_fields(body: msgspec.Struct, endpoint: Literal["completions", "chat"]) -> None:
@@ -158,21 +153,13 @@ def check_fields(body: msgspec.Struct, endpoint: Literal["completions", "chat"])
         if not field.neutral(value):
             raise bad_request(f"{field.name}: not supported by this server ({field.note}); got {value!r}"[:500],
                               field.name)
-    for name, neutral in PENDING.items():
-        value = getattr(body, name, None)
-        if not neutral(value):
-            raise bad_request(f"{name}: not supported by this server yet; got {value!r}"[:500], name)
 
 
 def markdown_table() -> str:
     """The table of request fields in docs/requests.md."""
     lines = ["| field | endpoint | | what this server does |", "| --- | --- | --- | --- |"]
     for field in sorted(FIELDS, key=lambda f: f.name):
-        status = field.status
-        note = field.note
-        if status.startswith("part"):
-            status, note = "honoured", f"issue 15 {field.status} ({PART_NAMES[field.status]})"
-        lines.append(f"| `{field.name}` | {field.endpoint} | {status} | {note} |")
+        lines.append(f"| `{field.name}` | {field.endpoint} | {field.status} | {field.note} |")
     return "\n".join(lines)
 
 

@@ -2,13 +2,12 @@
 before it is tokenised, so that a huge text costs no tokenising) and in tokens (max_model_len,
 the frontend's check; a token-id list is counted before it is converted).
 
-Measured on ``vllm-actors serve`` before these limits (issue 13): a 30 MB text prompt took 36-50 s
-of tokenising on the event loop and 4 GB of memory (HF tokenizers' per-token encoding, about
-170 bytes per input byte), for a prompt that could never fit in max_model_len. The byte limit
+Without them a huge text prompt costs seconds of tokenising and gigabytes of memory (HF
+tokenizers' per-token encoding) for a prompt that could never fit in max_model_len. The byte limit
 defaults to ``max_model_len * DEFAULT_PROMPT_BYTES_PER_TOKEN``: real text averages 2-5 bytes per
 token (English and code about 4, CJK about 2, long whitespace or repeated runs up to about 16), so
 a prompt over 32 bytes per token of the context would not fit anyway, and tokenising the largest
-allowed prompt stays bounded (about 1 s and 200 MB per MB of text, on a worker thread).
+allowed prompt stays bounded (on a worker thread).
 ``--max-prompt-bytes`` raises it for odd tokenizers; nothing in vLLM has this flag.
 """
 

@@ -1,10 +1,9 @@
 """Hand memory back to the system after a large request.
 
-Measured (tiny Qwen3 tokenizer): tokenising a 3 MB text took the process from 48 MB to 478 MB,
-and freeing everything left it there: glibc keeps freed heap pages (and raises its mmap threshold
-after a large block is freed, so later large blocks land on the heap too). ``malloc_trim(0)`` gave
-it back: 478 -> 48 MB. The server calls it, on a thread (ctypes drops the GIL), once a request
-whose body was large has been answered.
+Tokenising a large text grows the heap, and freeing everything leaves it grown: glibc keeps freed
+heap pages (and raises its mmap threshold after a large block is freed, so later large blocks land
+on the heap too). ``malloc_trim(0)`` gives them back. The server calls it, on a thread (ctypes
+drops the GIL), once a request whose body was large has been answered.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    # vLLM's other request fields (issue 15): each honoured, or refused with a 400 naming it
+    # vLLM's other request fields: each honoured, or refused with a 400 naming it
     # (server/fields.py's table says which)
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
@@ -67,7 +67,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
-    ttft_target_ms: Number | None = None  # latency targets from arrival (issue 18; edf, lrs, --reject-unmeetable)
+    ttft_target_ms: Number | None = None  # latency targets from arrival (edf, lrs, --reject-unmeetable)
     e2e_target_ms: Number | None = None
     return_token_offsets: bool | None = False
     cache_salt: str | None = None

@@ -1,20 +1,18 @@
-"""What the completion and chat endpoints share: the server's state, request checks, sampling
-parameters, logprob formatting, Server-Sent Events, stream merging and disconnect handling."""
+"""What the completion and chat endpoints share before streaming: the server's state and options
+(admission, tokenising off the loop, errors of a request), request ids and session keys, the
+JSON body, and sampling parameters from the request's fields (streams: ``streaming.py``)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 import structlog
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
@@ -26,16 +24,13 @@ from vllm_actors.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from vllm_actors.server.errors import (
     OpenAIError,
     bad_request,
-    edge_context,
-    error_body,
     from_decode_error,
-    log_edge_error,
-    one_line,
 )
 from vllm_actors.server.fields import check_media_type, lax_decode
 from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import _SamplingFields
+from vllm_actors.server.streaming import abort_all
 from vllm_actors.server.structured import structured_outputs_of
 from vllm_actors.server.targets import Targets, with_schedule
 
@@ -316,151 +311,3 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         except ValueError:
             raise bad_request(f"logit_bias: keys must be token ids, got {key!r}"[:500], "logit_bias") from None
     return bias
-
-
-# --------------------------------------------------------------------------- streams
-async def final_output(stream: RequestStream) -> RequestOutput:
-    last: RequestOutput | None = None
-    async for output in stream:
-        last = output
-    if last is None:  # an iteration always ends with the finished output
-        raise RuntimeError(f"request {stream.request_id} ended without output")
-    return last
-
-
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from several streams as they come."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except Exception as error:
-            await queue.put((index, error))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def abort_all(streams: Sequence[RequestStream], reason: str) -> None:
-    for stream in streams:
-        stream.abort(reason)
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, streams: Sequence[RequestStream],
-                              work: Callable[[], Awaitable[T]]) -> T:
-    """Run ``work`` while watching the connection; a client that leaves aborts ``streams``
-    (reason "disconnect") and raises ClientDisconnected."""
-    task = asyncio.ensure_future(work())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        abort_all(streams, "disconnect")
-        raise ClientDisconnected()
-    except asyncio.CancelledError:
-        task.cancel()
-        abort_all(streams, "disconnect")
-        raise
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-def sse(body: msgspec.Struct | dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def guarded_events(events: AsyncIterator[bytes], streams: Sequence[RequestStream],
-                         request: Request) -> AsyncIterator[bytes]:
-    """The SSE body: aborts the streams when the client leaves (the iteration is cancelled or
-    closed early) and turns a failure into an error event, then ``[DONE]``, like vLLM. A failure
-    is logged as one line naming the request (the traceback at debug level only)."""
-    reason = "disconnect"
-    try:
-        async for chunk in events:
-            yield chunk
-        reason = "abort"
-    except Exception as error:  # the stream has started: errors go in-band
-        reason = "error"
-        if isinstance(error, OpenAIError):
-            log.warning("stream ended with an error", **edge_context(request.scope), status=error.status,
-                        error=one_line(error.message))
-        else:
-            log_edge_error("stream failed", request.scope, error)
-        status = error.status if isinstance(error, OpenAIError) else 500
-        yield sse(error_body(str(error) or type(error).__name__, status))
-        yield SSE_DONE
-    finally:
-        abort_all(streams, reason)
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-Sent Events, with the disconnect watched while streaming under any ASGI server, so
-    that a client that leaves between two tokens aborts its request at once."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream] = ()) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.streams = streams  # aborted at the end, should the body never have started
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streamer = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if streamer.done():
-                streamer.result()
-        except OSError:
-            pass  # the connection went away under us
-        finally:
-            for task in (streamer, watcher):
-                if not task.done():
-                    task.cancel()
-            for task in (streamer, watcher):
-                try:
-                    await task
-                except (asyncio.CancelledError, OSError, Exception):
-                    pass
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                await closer()
-            # A body generator closed before its first step never runs its own clean-up (a client
-            # that left before the first byte): whatever is still running is aborted here.
-            abort_all(self.streams, "disconnect")

@@ -1,4 +1,4 @@
-"""A request's scheduling fields (issue 18): vLLM's ``priority`` and the latency targets
+"""A request's scheduling fields: vLLM's ``priority`` and the latency targets
 ``ttft_target_ms`` / ``e2e_target_ms`` (relative to arrival), with the server-wide defaults of
 ``--default-ttft-target-ms``, ``--default-e2e-target-ms`` and, per endpoint,
 ``--default-targets chat:ttft=200,e2e=5000``."""

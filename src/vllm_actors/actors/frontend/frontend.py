@@ -1,24 +1,25 @@
 """The frontend's state machine: prompts in, text out.
 
 It owns the client side's text: it tokenises prompts and chats (``text.py``), validates them
-(raising ``ValueError`` naming the field before anything is queued), fans a
+(raising ``ValueError`` naming the field before anything is queued, ``prepared.py``), fans a
 request with ``n > 1`` out into n engine requests, detokenises the scheduler's token updates
 incrementally, applies stop strings (ending the request at the scheduler with an abort of reason
-"stop") and assembles vLLM-shaped ``RequestOutput`` objects for the client. No torch here.
+"stop") and sends its client, per update, what is new for each request (``OutputDelta``; the
+client assembles vLLM's cumulative ``RequestOutput`` from them, ``cumulative.py``). No torch here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_actors.actors.frontend.controls import bad_words_token_ids, check_control_ids
-from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from vllm_actors.actors.frontend.structured import check_structured_outputs
+from vllm_actors.actors.frontend.controls import bad_words_token_ids
+from vllm_actors.actors.frontend.logprobs import LogprobTexts
+from vllm_actors.actors.frontend.outputs import CompletionDelta, OutputDelta, PositionLogprobs, PromptPart
+from vllm_actors.actors.frontend.prepared import PreparedRequest, check_fits, check_prompt
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
-from vllm_actors.protocol.events import Arrived, Event, Finished
+from vllm_actors.protocol.events import Arrived, Finished
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -28,39 +29,20 @@ from vllm_actors.protocol.messages import (
     without_delivered,
 )
 from vllm_actors.protocol.names import (
-    BUS,
     CLIENT,
     SCHEDULER,
     child_request_id,
     describe_request_id,
     request_id_error,
 )
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.detokenizer import IncrementalDetokenizer
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
 
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    session_key: str | None = None  # sticky sessions in a replica set (AddRequest.session_key)
-    # Scheduling (issue 18): vLLM's priority (lower first) and latency targets relative to
-    # arrival; the client stamps ``arrival_time`` (Unix seconds) when it submits, and the
-    # scheduler gets absolute deadlines (arrival + target).
-    priority: int = 0
-    ttft_target_ms: float | None = None
-    e2e_target_ms: float | None = None
-    arrival_time: float | None = None
-
-    def deadline(self, target_ms: float | None) -> float | None:
-        if target_ms is None or self.arrival_time is None:
-            return None
-        return self.arrival_time + target_ms / 1000.0
+__all__ = ["Frontend", "PreparedRequest"]
 
 
 @dataclass
@@ -69,12 +51,23 @@ class _Child:
     index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[PositionLogprobs] | None = None
+    token_ids: list[int] = field(default_factory=list)  # every token so far (a resubmission sends them)
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What the next delta carries: tokens from ``num_sent`` on, and the text and logprobs since then.
+    num_sent: int = 0
+    new_text: str = ""
+    new_logprobs: list[PositionLogprobs] | None = None  # None: logprobs not asked for
+
+    def delta(self) -> CompletionDelta:
+        """What is new since the last delta; taking it marks it sent."""
+        change = CompletionDelta(self.index, self.new_text, self.token_ids[self.num_sent:], self.new_logprobs,
+                                 self.cumulative_logprob, self.finish_reason, self.stop_reason)
+        self.num_sent, self.new_text = len(self.token_ids), ""
+        if self.new_logprobs is not None:
+            self.new_logprobs = []
+        return change
 
 
 @dataclass
@@ -84,16 +77,25 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[_Child]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # the first child's prompt tokens found in the prefix cache
     # (priority, TTFT deadline, end-to-end deadline): sent again with a resubmission
     schedule: tuple[int, float | None, float | None] = (0, None, None)
     session_key: str | None = None
+    prompt_sent: bool = False  # the first delta (with the prompt) has gone to the client
+    new_prompt_logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return all(child.finish_reason is not None for child in self.children)
+
+    def delta(self) -> OutputDelta:
+        """What is new for the client since the last delta (the prompt with the first)."""
+        prompt = None if self.prompt_sent else PromptPart(self.prompt, self.prompt_token_ids)
+        self.prompt_sent = True
+        prompt_logprobs, self.new_prompt_logprobs = self.new_prompt_logprobs or None, []
+        return OutputDelta(self.request_id, [child.delta() for child in self.children], self.finished,
+                           self.num_cached_tokens, self.error, prompt, prompt_logprobs)
 
 
 class Frontend:
@@ -112,7 +114,7 @@ class Frontend:
         self.vocab_size = vocab_size
         self._requests: dict[str, _Request] = {}
         self._child_owner: dict[str, tuple[_Request, _Child]] = {}
-        self._token_texts: dict[int, str] = {}  # decoded tokens for logprobs (at most the vocabulary)
+        self._logprobs = LogprobTexts(tokenizer)
 
     # ------------------------------------------------------------------ requests in
     def prepare(
@@ -166,15 +168,16 @@ class Frontend:
     ) -> PreparedRequest:
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
-        self._validate(prompt_ids, params, field)
+        check_prompt(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                     has_tokenizer=self.tokenizer is not None, field=field)
         requested = params.max_tokens
         if requested is None:
             params = params.clone(max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         if max_tokens_must_fit:
-            self._check_fits(len(prompt_ids), requested, params.max_tokens or 0, field)
+            check_fits(len(prompt_ids), requested, params.max_tokens or 0, self.max_model_len, field)
         return PreparedRequest(request_id, text, prompt_ids, params)
 
-    def submit(self, prepared: PreparedRequest) -> list[tuple[str, Message | Event]]:
+    def submit(self, prepared: PreparedRequest) -> Outputs:
         params = prepared.params
         if prepared.request_id in self._requests or prepared.request_id in self._child_owner:
             raise ValueError(f"request_id {describe_request_id(prepared.request_id)} is already in use")
@@ -182,7 +185,7 @@ class Frontend:
                            schedule=(prepared.priority, prepared.deadline(prepared.ttft_target_ms),
                                      prepared.deadline(prepared.e2e_target_ms)),
                            session_key=prepared.session_key)
-        messages: list[tuple[str, Message | Event]] = []
+        out = Outputs()
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -190,7 +193,7 @@ class Frontend:
             engine_id = request.request_id if params.n == 1 else child_request_id(request.request_id, index)
             child = _Child(engine_id, index, child_params, self._detokenizer(request.prompt_token_ids, child_params))
             if params.logprobs is not None:
-                child.logprobs, child.cumulative_logprob = [], 0.0
+                child.new_logprobs, child.cumulative_logprob = [], 0.0
             request.children.append(child)
             self._child_owner[engine_id] = (request, child)
             add = AddRequest(
@@ -204,55 +207,15 @@ class Frontend:
                 arrival_time=prepared.arrival_time,
                 session_key=request.session_key,
             )
-            messages.append((SCHEDULER, add))
-            messages.append(
-                (BUS, Arrived(request_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids),
-                              max_tokens=child_params.max_tokens or 0, priority=add.priority,
-                              ttft_deadline=add.ttft_deadline, e2e_deadline=add.e2e_deadline))
-            )
+            out.send(SCHEDULER, add)
+            out.emit(Arrived(request_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids),
+                             max_tokens=child_params.max_tokens or 0, priority=add.priority,
+                             ttft_deadline=add.ttft_deadline, e2e_deadline=add.e2e_deadline))
         self._requests[request.request_id] = request
-        return messages
+        return out
 
-    def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams
-    ) -> list[tuple[str, Message | Event]]:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> Outputs:
         return self.submit(self.prepare(request_id, prompt, params))
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, field: str = "prompt") -> None:
-        if not prompt_ids:
-            raise ValueError(f"{field}: the prompt is empty")
-        # min/max run in C: a 2,000-token prompt is checked in microseconds, not a Python loop
-        low, high = min(prompt_ids), max(prompt_ids)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        outside = [token_id for token_id in params.stop_token_ids if token_id >= self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        check_control_ids(params, self.vocab_size)
-        check_structured_outputs(params.structured_outputs, self.tokenizer is not None)
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"{field}: {len(prompt_ids)} tokens is longer than max_model_len ({self.max_model_len})"
-            )
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
-
-    def _check_fits(self, num_prompt: int, requested: int | None, max_tokens: int, field: str) -> None:
-        """The prompt plus max_tokens must fit in max_model_len (vLLM's OpenAI server's words)."""
-        total = num_prompt + max_tokens
-        if total <= self.max_model_len:
-            return
-        blame = "max_tokens" if requested is not None and num_prompt < self.max_model_len else field
-        raise ValueError(
-            f"{blame}: This model's maximum context length is {self.max_model_len} tokens. However, you "
-            f"requested {total} tokens ({num_prompt} in the {field}, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."
-        )
 
     # ------------------------------------------------------------------ text out
     def token_text(self, token_id: int) -> str | None:
@@ -279,33 +242,36 @@ class Frontend:
             min_tokens=params.min_tokens,
         )
 
-    def abort(self, request_id: str, reason: str = "abort") -> list[tuple[str, Message]]:
+    def abort(self, request_id: str, reason: str = "abort") -> Outputs:
         """End a request here and at the scheduler, which publishes ABORTED(reason) ("abort",
         "disconnect", "shutdown", ...)."""
+        out = Outputs()
         request = self._requests.get(request_id)
         if request is None:
-            return []
+            return out
         ids = [child.engine_id for child in request.children if child.finish_reason is None]
         for child in request.children:
             if child.finish_reason is None:
                 child.finish_reason = "abort"
         self._forget(request)
-        return [(SCHEDULER, AbortRequests(request_ids=ids, reason=reason))] if ids else []
+        if ids:
+            out.send(SCHEDULER, AbortRequests(request_ids=ids, reason=reason))
+        return out
 
     # ------------------------------------------------------------------ recovery
-    def resubmit(self) -> list[tuple[str, Message]]:
+    def resubmit(self) -> Outputs:
         """After the scheduler restarted (its state is gone): every unfinished engine request again,
         as ``AddRequest(resume=True)`` with the output tokens received so far, so that the new
         scheduler resumes it by recompute. Same id, prompt, parameters (an n>1 child keeps its own
         seed) and EOS ids. Children already finished here (a stop string, an error) are left out;
         each detokenizer continues where it was, the scheduler sending only tokens after those.
         No ARRIVED event: the request arrived once."""
-        messages: list[tuple[str, Message]] = []
+        out = Outputs()
         for request in self._requests.values():
             for child in request.children:
                 if child.finish_reason is not None:
                     continue
-                messages.append((SCHEDULER, AddRequest(
+                out.send(SCHEDULER, AddRequest(
                     request_id=child.engine_id,
                     prompt_token_ids=request.prompt_token_ids,
                     params=child.params,
@@ -317,28 +283,30 @@ class Frontend:
                     ttft_deadline=request.schedule[1],
                     e2e_deadline=request.schedule[2],
                     session_key=request.session_key,
-                )))
-        return messages
+                ))
+        return out
 
-    def fail_all(self, error: str) -> list[tuple[str, Any]]:
+    def fail_all(self, error: str) -> Outputs:
         """The engine is gone for good: every open request ends now, its unfinished children with
-        finish reason "error" and the request with ``error``. Returns their final outputs (for the
+        finish reason "error" and the request with ``error``. Returns their final deltas (for the
         client); nothing goes to the scheduler."""
-        out: list[tuple[str, Any]] = []
+        out = Outputs()
         for request in list(self._requests.values()):
             for child in request.children:
                 if child.finish_reason is None:
                     child.finish_reason = "error"
             request.error = error
-            out.append((CLIENT, self._output(request)))
+            out.send(CLIENT, request.delta())
             self._forget(request)
         return out
 
     # ------------------------------------------------------------------ updates in
-    def handle(self, message: Message) -> list[tuple[str, Any]]:
+    def handle(self, message: Message) -> Outputs:
+        """The scheduler's updates: one ``OutputDelta`` per request they touch (to ``CLIENT``), and
+        for a child ended here by a stop string its abort (to the scheduler) and FINISHED event."""
         if not isinstance(message, RequestUpdates):
             raise TypeError(f"the frontend does not take {type(message).__name__}")
-        out: list[tuple[str, Any]] = []
+        out = Outputs()
         touched: dict[str, _Request] = {}
         for update in message.updates:
             owner = self._child_owner.get(update.request_id)
@@ -361,32 +329,30 @@ class Frontend:
                 stopped = None
                 if child.detokenizer is not None:
                     step = child.detokenizer.add_tokens(new_ids)
-                    child.text += step.text
+                    child.new_text += step.text
                     if step.stopped:
                         stopped = step
                         new_ids = new_ids[: step.num_tokens]  # nothing after the stop string
                 child.token_ids.extend(new_ids)
-                if update.logprobs is not None and child.logprobs is not None:
+                if update.logprobs is not None and child.new_logprobs is not None:
                     for entry in update.logprobs[: len(new_ids)]:
-                        child.logprobs.append(self._position_logprobs(entry))
+                        child.new_logprobs.append(self._logprobs.position(entry))
                         child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry.logprobs[0]
                 if stopped is not None:
                     child.finish_reason, child.stop_reason = "stop", stopped.stop_reason
                     if update.finish_reason is not None:
                         continue  # the scheduler ended it on this very token and said so on the bus
-                    out.append((SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop")))
-                    out.append(
-                        (BUS, Finished(request_id=child.engine_id, reason="stop",
-                                       num_prompt_tokens=len(request.prompt_token_ids),
-                                       num_output_tokens=len(child.token_ids), stop_reason=stopped.stop_reason))
-                    )
+                    out.send(SCHEDULER, AbortRequests(request_ids=[child.engine_id], reason="stop"))
+                    out.emit(Finished(request_id=child.engine_id, reason="stop",
+                                      num_prompt_tokens=len(request.prompt_token_ids),
+                                      num_output_tokens=len(child.token_ids), stop_reason=stopped.stop_reason))
                     continue
             if update.finish_reason is not None:
                 if child.detokenizer is not None:
-                    child.text += child.detokenizer.finish()
+                    child.new_text += child.detokenizer.finish()
                 child.finish_reason, child.stop_reason = update.finish_reason, update.stop_reason
         for request in touched.values():
-            out.append((CLIENT, self._output(request)))
+            out.send(CLIENT, request.delta())
             if request.finished:
                 self._forget(request)
         return out
@@ -398,58 +364,11 @@ class Frontend:
 
     def _add_prompt_logprobs(self, request: _Request, start: int, entries: list[Logprobs]) -> None:
         # entries[i] belongs to prompt position start + i; after a preemption during prefill the
-        # same positions may come again, so they are placed by position, not appended.
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        # same positions may come again: the client places them by position.
         for offset, entry in enumerate(entries):
             position = start + offset
-            if 0 < position < len(request.prompt_logprobs):
-                request.prompt_logprobs[position] = self._position_logprobs(entry)
-
-    def _position_logprobs(self, entry: Logprobs) -> PositionLogprobs:
-        result: PositionLogprobs = {}
-        texts = self._texts_of(entry.token_ids)
-        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True):
-            if token_id in result:
-                continue
-            result[token_id] = Logprob(logprob=logprob if math.isfinite(logprob) else -math.inf, rank=rank,
-                                       decoded_token=texts.get(token_id))
-        return result
-
-    def _texts_of(self, token_ids: Sequence[int]) -> dict[int, str]:
-        """Each token's text, decoded once per token id for the frontend's life (at most the
-        vocabulary): a position with the whole vocabulary (logprobs -1) then costs lookups. Measured
-        on SmolLM2's 49,152 tokens: 0.05 s of decoding per position saved, half of it."""
-        if self.tokenizer is None:
-            return {}
-        cache = self._token_texts
-        for token_id in token_ids:
-            if token_id not in cache:
-                cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return cache
-
-    def _output(self, request: _Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens,
-            outputs=[
-                CompletionOutput(
-                    index=child.index,
-                    text=child.text,
-                    token_ids=list(child.token_ids),
-                    cumulative_logprob=child.cumulative_logprob,
-                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-                for child in request.children
-            ],
-            finished=request.finished,
-            error=request.error,
-        )
+            if 0 < position < len(request.prompt_token_ids):
+                request.new_prompt_logprobs.append((position, self._logprobs.position(entry)))
 
     @property
     def num_unfinished(self) -> int:

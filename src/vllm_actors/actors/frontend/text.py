@@ -3,7 +3,7 @@
 Every failure is a ``ValueError`` whose message starts with the request field it is about
 ("prompt: ...", "messages: ...", "prompt_token_ids: ..."), so that each caller can map it to its
 own error (the HTTP server answers 400 naming that field). The checks of the resulting token ids
-against the model (vocabulary, max_model_len) are the frontend's: ``Frontend._validate``.
+against the model (vocabulary, max_model_len) are the frontend's: ``prepared.check_prompt``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from vllm_actors.actors.frontend.chat_template import ChatTemplateError
+from vllm_actors.actors.frontend.errors import TooManyTokens
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
@@ -44,15 +45,6 @@ class TextOptions:
         if keep is None or keep >= len(ids):
             return text, ids
         return None, truncate_ids(ids, keep, self.truncation_side)
-
-
-class TooManyTokens(ValueError):
-    """``Tokenizer.encode`` found more tokens than its limit."""
-
-    def __init__(self, count: int, limit: int) -> None:
-        super().__init__(f"{count} tokens, more than {limit}")
-        self.count = count
-        self.limit = limit
 
 
 def tokenize_prompt(

@@ -18,8 +18,8 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from vllm_actors.actors.frontend.chat_template import render_chat_template, select_chat_template
+from vllm_actors.actors.frontend.errors import TooManyTokens
 from vllm_actors.actors.frontend.gguf_tokenizer import is_gguf_file, load_gguf_tokenizer
-from vllm_actors.actors.frontend.text import TooManyTokens
 
 log = structlog.get_logger(__name__)
 
@@ -181,9 +181,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, *, limit: int | None = None) -> list[int]:
         """The token ids of ``text``; more than ``limit`` of them raise ``TooManyTokens`` (before the
         ids become a Python list). A long text goes through ``encode_batch_fast``, which releases the
-        GIL while it works and keeps no offsets: measured on a 3 MB text, ``encode`` held the GIL for
-        up to 290 ms at a time and ``encode_batch`` freed its per-token offsets and strings for
-        410 ms under the GIL, while ``encode_batch_fast`` freed its result in 2 ms."""
+        GIL while it works and keeps no per-token offsets and strings (``encode`` holds the GIL
+        throughout, ``encode_batch`` frees those offsets under it)."""
         if len(text) >= _RELEASE_GIL_CHARS:
             encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         else:
