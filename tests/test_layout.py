@@ -135,7 +135,7 @@ ENVS_PACKAGE = PACKAGE / "envs"
 # Files whose owners convert their reads after the merge (the list is then emptied).
 ENV_READS_NOT_YET_CONVERTED = (
     "actors/worker/deferred.py", "actors/worker/model_runner.py", "actors/worker/padded_forward.py",
-    "runtime/supervisor.py",
+
 )
 _ENV_WRITES = frozenset({"setdefault", "update", "pop", "copy", "clear"})  # os.environ.<these>(...)
 

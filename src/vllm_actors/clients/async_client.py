@@ -45,6 +45,7 @@ from vllm_actors.clients.core import (
     ClientCore,
     EngineDeadError,
     ZmqTransport,
+    drop_work_events,
     expect_reply,
     frontend_for_group,
     group_info_of,
@@ -119,7 +120,8 @@ class AsyncEngineClient(ClientCore):
         connect(self._dealer, info.addresses.scheduler, self.keys)
         # PUB never blocks: a plain socket on the same underlying context.
         self._sync_context: zmq.Context = zmq.Context.shadow(self._context.underlying)
-        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id, keys=self.keys)
+        self._publisher = EventPublisher(self._sync_context, info.addresses.bus_in, self.actor_id, keys=self.keys,
+                                         drop_work_events=drop_work_events(info))
         transport = ZmqTransport(self._dealer, self._publisher)
         super().__init__(frontend_for_group(info, tokenizer), transport, self.identity)
         self._metrics = MetricsChannel(self._context, info.addresses.metrics, self.keys)

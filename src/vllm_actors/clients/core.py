@@ -35,6 +35,7 @@ from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest
 from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.envs import envs
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import Message, RequestUpdates
 from vllm_actors.protocol.metrics import (
@@ -281,6 +282,12 @@ def group_info_of(target: str | os.PathLike[str] | GroupInfo | None) -> GroupInf
     if isinstance(target, GroupInfo):
         return target
     return find_running_group() if target is None else read_group_info(Path(target))
+
+
+def drop_work_events(info: GroupInfo) -> bool:
+    """Whether a client of this group publishes no work events, as the group's actors do (the
+    engine's ``disable_events``; its environment name is the deprecated alias)."""
+    return info.disable_events or envs.VLLM_ACTORS_DISABLE_EVENTS
 
 
 def load_group_tokenizer(info: GroupInfo) -> Tokenizer | None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.clients.core import EngineDeadError, SyncClient, ZmqTransport, frontend_for_group
+from vllm_actors.clients.core import EngineDeadError, SyncClient, ZmqTransport, drop_work_events, frontend_for_group
 from vllm_actors.clients.supervision import group_failure, listen
 from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply
 from vllm_actors.protocol.names import ENTRY_ACTORS
@@ -61,7 +61,7 @@ class EngineClient(SyncClient):
         self._dealer.setsockopt(zmq.LINGER, 0)
         connect(self._dealer, info.addresses.scheduler, keys)
         publisher = EventPublisher(self._context, info.addresses.bus_in, self.identity.replace("client", "frontend"),
-                                   keys=keys)
+                                   keys=keys, drop_work_events=drop_work_events(info))
         self._metrics = self._context.socket(zmq.DEALER)
         self._metrics.setsockopt(zmq.LINGER, 0)
         connect(self._metrics, info.addresses.metrics, keys)

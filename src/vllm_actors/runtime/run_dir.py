@@ -71,6 +71,7 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     max_model_len: int = 0
     tokenizer: str | None = None  # where clients load the tokenizer from (None: skip_tokenizer_init)
     data_parallel_size: int = 1  # replicas; above 1, "scheduler" is the controller's address
+    disable_events: bool = False  # the engine publishes no work events: its clients publish none either
 
 
 def runs_root() -> Path:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_actors.envs import Envs
 from vllm_actors.protocol.names import WORKER
 from vllm_actors.runtime.children import ActorStartError, Child, Stopping, status_line
 from vllm_actors.runtime.process import ActorSpec
@@ -21,7 +22,7 @@ def replica_environment(spec: ActorSpec, environ: Mapping[str, str]) -> dict[str
     if spec.role != WORKER or spec.replica is None:
         return None
     size = spec.engine.tensor_parallel_size
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = Envs(environ).CUDA_VISIBLE_DEVICES
     devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
     first = spec.replica * size
     chosen = devices[first:first + size] if devices is not None else [str(first + i) for i in range(size)]

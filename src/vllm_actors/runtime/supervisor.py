@@ -258,6 +258,7 @@ class ProcessGroup(Recovery):
             max_model_len=self.scheduler_config.max_model_len if self.scheduler_config else self._remote_max_model_len,
             tokenizer=None if self.config.skip_tokenizer_init else (self.config.tokenizer or self.config.model),
             data_parallel_size=self.config.data_parallel_size,
+            disable_events=self.config.disable_events,
         )
 
     def _spec(self, role: str, actor_id: str, replica: int | None = None, **spec_fields: Any) -> ActorSpec:
@@ -316,7 +317,7 @@ class ProcessGroup(Recovery):
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "vllm_actors.runtime.actor_main", msgspec.json.encode(spec).decode()],
-                env=replica_environment(spec, os.environ),
+                env=replica_environment(spec, dict(os.environ)),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,

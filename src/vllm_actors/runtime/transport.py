@@ -168,16 +168,3 @@ def split_events(outputs: Outputs | Iterable[tuple[str, Any]]) -> tuple[list[tup
     ``BUS`` are events."""
     outputs = Outputs.coerce(outputs)
     return outputs.messages, outputs.events
-
-
-def route_frontend_outputs(
-    outputs: Outputs | Iterable[tuple[str, Any]], publish_events: Callable[[list[Any]], object]
-) -> tuple[list[Any], list[tuple[str, Any]]]:
-    """Publish the frontend's events first (ARRIVED happens before the scheduler hears of the
-    request); return (outputs for the client, messages to send on)."""
-    messages, events = split_events(outputs)
-    if events:
-        publish_events(events)
-    client = [message for destination, message in messages if destination == CLIENT]
-    onward = [(destination, message) for destination, message in messages if destination != CLIENT]
-    return client, onward
