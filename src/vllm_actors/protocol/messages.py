@@ -47,7 +47,7 @@ class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
     # (the original may still have been queued on the socket).
     resume: bool = False
     output_token_ids: list[int] = []
-    # Scheduling (issue 18): vLLM's priority (lower runs first; the "priority" policy orders and
+    # Scheduling: vLLM's priority (lower runs first; the "priority" policy orders and
     # preempts by it) and absolute deadlines in seconds on the sender's clock (arrival + the
     # request's TTFT / end-to-end target); the "edf" policy orders by the earliest of them.
     priority: int = 0

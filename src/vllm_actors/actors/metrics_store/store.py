@@ -64,8 +64,8 @@ _NO_NOTICES: tuple[Notice, ...] = ()
 
 
 # What the store retains by default: a few minutes of a busy server (about 15 requests a second
-# here make 10-15 events each), so that its memory levels off within minutes (the 30-minute soak
-# of issue 13: flat after its fifth minute); older history lives in dumps and the bus's taps.
+# make 10-15 events each), so that its memory levels off within minutes; older history lives in
+# dumps and the bus's taps.
 DEFAULT_MAX_EVENTS = 50_000
 DEFAULT_MAX_FINISHED_REQUESTS = 4_096
 MAX_REPLICAS = 64  # replicas summarised one by one (their actors' ids carry "@<replica>")
