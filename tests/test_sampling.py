@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.step_data import SamplingRow
+from vllm_actors.runner.sampler import Sampler
 from vllm_actors.protocol.sampling import SamplingParams
 
 BAD_PARAMS = [
