@@ -154,3 +154,36 @@ def test_penalised_rows_are_deferred_and_match_the_penalty_formulas(
         assert finished[str(index)].outputs[0].token_ids == generated, index  # type: ignore[attr-defined]
         changed += generated != runner.reference(prompt, p.max_tokens or 0)
     assert runner.num_deferred > 0 and changed  # deferred, and the penalties changed some outputs
+
+
+@dataclass
+class _FollowerRanks:
+    """Rank 1 of 2: each broadcast hands over the ids rank 0 drew (here: scripted)."""
+
+    drawn: list[list[int]]
+    rank: int = 1
+    size: int = 2
+    enabled: bool = True
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        x.copy_(torch.tensor(self.drawn.pop(0)))
+        return x
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_follower_rank_appends_the_ids_rank_0_drew_and_answers_nothing(defer: bool, busy_device: None) -> None:
+    """The same step body on a rank above 0, read back at once or deferred: no draw of its own, no
+    result or event (rank 0 answers), its requests' next inputs the broadcast ids."""
+    runner = DeferringFakeRunner(num_blocks=8, block_size=8, tp=_FollowerRanks([[11, 12], [13, 14], [15, 16]]))
+    worker = Worker(runner, Sampler(torch.device("cpu")), clock=lambda: 0.0, defer=defer)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    plans = [StepPlan(step_id=0, new_requests=[_new("a", [5, 6, 7], greedy), _new("b", [8, 9], greedy)],
+                      req_ids=["a", "b"], num_tokens=[3, 2], num_blocks=[1, 1], new_block_ids=[[0], [1]])]
+    plans += [StepPlan(step_id=step, req_ids=["a", "b"], num_tokens=[1, 1], num_blocks=[1, 1],
+                       new_block_ids=[[], []]) for step in (1, 2)]
+    for plan in plans:
+        assert not worker.handle(plan)
+    assert worker.has_pending() == defer and not worker.flush()
+    assert worker.requests["a"].token_ids == [5, 6, 7, 11, 13, 15]
+    assert worker.requests["b"].token_ids == [8, 9, 12, 14, 16]
+    assert runner.num_deferred == (4 if defer else 0)  # deferred: each decode's inputs taken on the device

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_actors.actors.worker.step_data import SamplingRow
-from vllm_actors.runner.sampler import Sampler
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.sampler import Sampler
 
 BAD_PARAMS = [
     ({"n": 0}, "n"),

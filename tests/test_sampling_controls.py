@@ -13,10 +13,10 @@ from vllm_actors import LLM, SamplingParams
 from vllm_actors.actors.frontend.controls import bad_words_token_ids
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 from vllm_actors.actors.worker.step_data import SamplingRow
-from vllm_actors.runner.penalties import apply_controls, banned_by_bad_words
-from vllm_actors.runner.sampler import Sampler
 from vllm_actors.kernels import penalties as penalty_kernel
 from vllm_actors.kernels import sampling as fused_sampling
+from vllm_actors.runner.penalties import apply_controls, banned_by_bad_words
+from vllm_actors.runner.sampler import Sampler
 
 PROMPT = [5, 17, 17, 99, 3, 42]
 OUTPUT = [17, 7, 7, 7, 250, 3]

@@ -168,8 +168,8 @@ class Worker:
         step = build_batch(plan, self.requests, self.tables, pending)
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
-            return PendingStep(plan.step_id, None if read_now else started_at, started, [], None, [], None, 0,
-                               reset=plan.reset)
+            return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
+                               chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset)
         rows = [request.sampling_row() for request in samplers]
         sampling = None if read_now else self._graph_sampling(batch, rows)
         logprobs: list[Logprobs | None] = []
@@ -189,13 +189,14 @@ class Worker:
         for request in samplers:
             request.num_output_tokens += 1
             request.num_pending += 1  # 2 until the previous step (launched before) is read back
-        if read_now or isinstance(chosen, list):
-            return PendingStep(plan.step_id, started_at, started, samplers, None, chosen, None, len(batch.token_ids),
-                               reset=plan.reset, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        host, done = self._copies.start(chosen)
+        if read_now or isinstance(chosen, list):  # the host reads the ids now
+            return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
+                               num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
+        host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
-        return PendingStep(plan.step_id, started_at, started, samplers, chosen, host, done, len(batch.token_ids),
-                           row_of)
+        return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
+                           num_batched_tokens=len(batch.token_ids), row_of=row_of)
 
     def _graph_sampling(self, batch: BatchInput, rows: list[SamplingRow]) -> GraphSampling | None:
         """The draw's inputs where a decode graph can draw this step's tokens itself. Under TP
