@@ -1,4 +1,4 @@
-"""Decode graphs' packed inputs and the graphs that sample inside (actors/worker/graph_inputs.py,
+"""Decode graphs' packed inputs and the graphs that sample inside (runner/graph_inputs.py,
 ModelRunner.execute_sampled, Sampler.graph_params).
 
 CUDA graphs exist only on a GPU; here each "graph" is the same decode pass replayed eagerly over

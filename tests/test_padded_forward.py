@@ -1,4 +1,4 @@
-"""Prefill and mixed steps padded for CUDA graphs (actors/worker/padded_forward.py): the padded pass
+"""Prefill and mixed steps padded for CUDA graphs (runner/padded_forward.py): the padded pass
 gives the same logits as the unpadded one. Run on the CPU with the Triton kernels interpreted (the
 padded rows rely on the Triton KV write skipping slot -1 and on the varlen kernel's empty programs);
 the graphs themselves are captured on a GPU (tests/test_gpu_engine.py)."""
