@@ -14,18 +14,27 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.actors.worker.ranks import Ranks, SingleRank
+from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.runner.build import LoadedRunner
 
 
 @dataclass
 class FakeRunner:
+    """Implements the worker's ``Runner`` interface (and ``build_worker``'s ``LoadedRunner``)."""
+
+    supports_deferred_inputs = False  # a class attribute: DeferringFakeRunner turns it on
+
     num_blocks: int
     block_size: int
     vocab_size: int = 97
     max_position_embeddings: int = 4096
     eos_token_ids: list[int] = field(default_factory=lambda: [0])
     device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
     batches: list[BatchInput] = field(default_factory=list)
+    tp: Ranks = field(default_factory=SingleRank)
+    max_blocks_per_seq: int | None = None  # None: the worker keeps no table array (execute reads the lists)
 
     def __post_init__(self) -> None:
         self.slots = [-1] * (self.num_blocks * self.block_size)
@@ -60,9 +69,20 @@ class FakeRunner:
             logits[row, self.next_token(context)] = 10.0
         return logits
 
+    def samples_in_graph(self, batch: BatchInput) -> bool:
+        return False  # no decode graph draws here: the worker's sampler does
+
+    def execute_sampled(self, batch: BatchInput, sampling: GraphSampling) -> torch.Tensor:
+        raise NotImplementedError("the fake runner samples in no graph (samples_in_graph is False)")
+
     def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         """What greedy decoding of ``prompt`` alone must produce."""
         tokens = list(prompt)
         for _ in range(max_tokens):
             tokens.append(self.next_token(tokens))
         return tokens[len(prompt):]
+
+
+def _implements(runner: FakeRunner) -> LoadedRunner:
+    """Type-checked by mypy (``mypy tests/fake_runner.py``): the fake has every member of the interface."""
+    return runner

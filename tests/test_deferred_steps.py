@@ -1,4 +1,4 @@
-"""Deferred steps (actors/worker/deferred.py): a worker launches step N+1 before reading step N's
+"""Deferred steps (actors/worker/worker.py): a worker launches step N+1 before reading step N's
 tokens back, the pending tokens taken from step N's sampled ids on the device. The fake runner
 (tests/fake_runner.py) turns any wrong input token, slot or block table into different outputs,
 so greedy outputs equal to the reference mean every placeholder was filled with the right token."""
@@ -13,12 +13,12 @@ import torch
 
 from fake_runner import FakeRunner
 from test_scheduler import make_engine, run
-from vllm_actors.actors.worker.deferred import PendingStep
-from vllm_actors.actors.worker.model_runner import BatchInput
-from vllm_actors.actors.worker.sampler import Sampler
+from vllm_actors.actors.worker.step_data import BatchInput, PendingStep
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
+from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.sampler import Sampler
 
 
 @dataclass
@@ -68,17 +68,17 @@ def test_a_plan_launched_while_the_previous_step_is_pending_reads_its_token_on_t
     prompt = [5, 6, 7]
     first = StepPlan(step_id=0, new_requests=[_new("a", prompt, greedy)], req_ids=["a"], num_tokens=[3],
                      num_blocks=[1], new_block_ids=[[0]])
-    assert worker.handle(first) == []  # launched; nothing read back yet
+    assert not worker.handle(first)  # launched; nothing read back yet
     assert worker.has_pending() and not worker.pending_ready()
     second = StepPlan(step_id=1, req_ids=["a"], num_tokens=[1], num_blocks=[1], new_block_ids=[[]])
     outputs = worker.handle(second)  # launched on the pending token, then step 0 read back
-    results = [message for _, message in outputs if type(message).__name__ == "StepResult"]
+    results = outputs.to(SCHEDULER)
     assert [r.step_id for r in results] == [0] and runner.num_deferred == 1
-    last = [message for _, message in worker.flush() if type(message).__name__ == "StepResult"]
+    last = worker.flush().to(SCHEDULER)
     assert [r.step_id for r in last] == [1]
     assert results[0].token_ids + last[0].token_ids == runner.reference(prompt, 2)
     assert worker.requests["a"].token_ids == prompt + runner.reference(prompt, 2)
-    assert not worker.has_pending() and worker.flush() == []
+    assert not worker.has_pending() and not worker.flush()
 
 
 def test_a_step_already_done_is_read_back_before_the_next_is_launched() -> None:
@@ -87,10 +87,10 @@ def test_a_step_already_done_is_read_back_before_the_next_is_launched() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     first = StepPlan(step_id=0, new_requests=[_new("a", [5, 6, 7], greedy)], req_ids=["a"], num_tokens=[3],
                      num_blocks=[1], new_block_ids=[[0]])
-    assert worker.handle(first) == [] and worker.pending_ready()  # on a CPU: done at once
+    assert not worker.handle(first) and worker.pending_ready()  # on a CPU: done at once
     second = StepPlan(step_id=1, req_ids=["a"], num_tokens=[1], num_blocks=[1], new_block_ids=[[]])
     outputs = worker.handle(second)
-    assert [m.step_id for _, m in outputs if type(m).__name__ == "StepResult"] == [0]
+    assert [m.step_id for m in outputs.to(SCHEDULER)] == [0]
     assert runner.num_deferred == 0  # the token was on the host before step 1 was prepared
 
 
@@ -101,7 +101,7 @@ def test_logprobs_rows_are_not_deferred() -> None:
     plan = StepPlan(step_id=0, new_requests=[_new("a", [1, 2], params)], req_ids=["a"], num_tokens=[2],
                     num_blocks=[1], new_block_ids=[[0]])
     outputs = worker.handle(plan)  # read back at once: its logprobs travel with the tokens
-    assert [m.step_id for _, m in outputs if type(m).__name__ == "StepResult"] == [0]
+    assert [m.step_id for m in outputs.to(SCHEDULER)] == [0]
     assert not worker.has_pending()
 
 
@@ -154,3 +154,36 @@ def test_penalised_rows_are_deferred_and_match_the_penalty_formulas(
         assert finished[str(index)].outputs[0].token_ids == generated, index  # type: ignore[attr-defined]
         changed += generated != runner.reference(prompt, p.max_tokens or 0)
     assert runner.num_deferred > 0 and changed  # deferred, and the penalties changed some outputs
+
+
+@dataclass
+class _FollowerRanks:
+    """Rank 1 of 2: each broadcast hands over the ids rank 0 drew (here: scripted)."""
+
+    drawn: list[list[int]]
+    rank: int = 1
+    size: int = 2
+    enabled: bool = True
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        x.copy_(torch.tensor(self.drawn.pop(0)))
+        return x
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_follower_rank_appends_the_ids_rank_0_drew_and_answers_nothing(defer: bool, busy_device: None) -> None:
+    """The same step body on a rank above 0, read back at once or deferred: no draw of its own, no
+    result or event (rank 0 answers), its requests' next inputs the broadcast ids."""
+    runner = DeferringFakeRunner(num_blocks=8, block_size=8, tp=_FollowerRanks([[11, 12], [13, 14], [15, 16]]))
+    worker = Worker(runner, Sampler(torch.device("cpu")), clock=lambda: 0.0, defer=defer)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    plans = [StepPlan(step_id=0, new_requests=[_new("a", [5, 6, 7], greedy), _new("b", [8, 9], greedy)],
+                      req_ids=["a", "b"], num_tokens=[3, 2], num_blocks=[1, 1], new_block_ids=[[0], [1]])]
+    plans += [StepPlan(step_id=step, req_ids=["a", "b"], num_tokens=[1, 1], num_blocks=[1, 1],
+                       new_block_ids=[[], []]) for step in (1, 2)]
+    for plan in plans:
+        assert not worker.handle(plan)
+    assert worker.has_pending() == defer and not worker.flush()
+    assert worker.requests["a"].token_ids == [5, 6, 7, 11, 13, 15]
+    assert worker.requests["b"].token_ids == [8, 9, 12, 14, 16]
+    assert runner.num_deferred == (4 if defer else 0)  # deferred: each decode's inputs taken on the device

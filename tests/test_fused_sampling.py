@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow, row_seed
+from vllm_actors.actors.worker.step_data import SamplingRow
 from vllm_actors.kernels import sampling
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.sampler import Sampler, row_seed
 
 pytestmark = pytest.mark.skipif(not sampling.HAVE_TRITON, reason="triton is not installed")
 

@@ -1,4 +1,4 @@
-"""Decode graphs' packed inputs and the graphs that sample inside (actors/worker/graph_inputs.py,
+"""Decode graphs' packed inputs and the graphs that sample inside (runner/graph_inputs.py,
 ModelRunner.execute_sampled, Sampler.graph_params).
 
 CUDA graphs exist only on a GPU; here each "graph" is the same decode pass replayed eagerly over
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_actors.actors.worker.deferred import DeferredInputs
-from vllm_actors.actors.worker.graph_inputs import GraphInputs
-from vllm_actors.actors.worker.model_runner import BatchInput, ModelRunner, _DecodeGraph
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, SamplingRow
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.graph_inputs import GraphInputs
+from vllm_actors.runner.model_runner import ModelRunner, _DecodeGraph
+from vllm_actors.runner.sampler import Sampler
 
 BLOCK = 4
 

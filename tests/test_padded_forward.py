@@ -1,4 +1,4 @@
-"""Prefill and mixed steps padded for CUDA graphs (actors/worker/padded_forward.py): the padded pass
+"""Prefill and mixed steps padded for CUDA graphs (runner/padded_forward.py): the padded pass
 gives the same logits as the unpadded one. Run on the CPU with the Triton kernels interpreted (the
 padded rows rely on the Triton KV write skipping slot -1 and on the varlen kernel's empty programs);
 the graphs themselves are captured on a GPU (tests/test_gpu_engine.py)."""
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_actors.actors.worker.model_runner import BatchInput, ModelRunner
-from vllm_actors.actors.worker.padded_forward import PaddedForward
+from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runner.model_runner import ModelRunner
+from vllm_actors.runner.padded_forward import PaddedForward
 
 BLOCK = 4
 
@@ -66,7 +67,7 @@ def test_steps_that_do_not_fit_are_not_padded(runner: ModelRunner) -> None:
 
 
 def test_deferred_input_ids_are_filled_in_the_padded_pass(runner: ModelRunner) -> None:
-    from vllm_actors.actors.worker.deferred import DeferredInputs
+    from vllm_actors.actors.worker.step_data import DeferredInputs
 
     padded = PaddedForward(runner, max_num_tokens=64, max_num_seqs=8)
     tables = [[0, 1], [2, 3]]

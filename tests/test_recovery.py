@@ -27,7 +27,6 @@ from test_scheduler import make_engine, record_plans
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.actors.worker.sampler import Sampler
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.codec import MessageCodec
@@ -56,6 +55,7 @@ from vllm_actors.protocol.messages import (
 from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, child_request_id
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.sampler import Sampler
 
 BLOCK_SIZE = 4
 Outcome = dict[str, list[tuple[list[int], str | None, int | str | None]]]
@@ -578,8 +578,7 @@ def test_kv_manager_resets_on_its_pass_through_view_too() -> None:
 
 
 def test_worker_reset_drops_every_request_and_table_row() -> None:
-    runner = FakeRunner(num_blocks=16, block_size=4)
-    runner.max_blocks_per_seq = 4  # type: ignore[attr-defined]  # the worker keeps a table array
+    runner = FakeRunner(num_blocks=16, block_size=4, max_blocks_per_seq=4)  # the worker keeps a table array
     worker = Worker(runner, Sampler(runner.device, 0), clock=time.perf_counter)
     worker.handle(StepPlan(step_id=0, new_requests=[new_request("a", [1] * 6), new_request("b", [2] * 3)],
                            req_ids=["a", "b"], num_tokens=[6, 3], num_blocks=[2, 1], new_block_ids=[[0, 1], [2]]))
@@ -587,14 +586,14 @@ def test_worker_reset_drops_every_request_and_table_row() -> None:
     # A reset plan may schedule an id the worker holds as new, on other blocks: validated as fresh.
     out = worker.handle(StepPlan(step_id=4, reset=True, new_requests=[new_request("b", [2] * 3)], req_ids=["b"],
                                  num_tokens=[3], num_blocks=[1], new_block_ids=[[5]]))
-    (result,) = [m for d, m in pairs(out) if d == SCHEDULER]
+    (result,) = out.to(SCHEDULER)
     assert result.reset and result.step_id == 4 and result.req_ids == ["b"]
     assert set(worker.requests) == {"b"} and worker.requests["b"].block_table == [5]
     assert worker.tables is not None and int(worker.tables.lengths[worker.requests["b"].row]) == 1
     # A plan of before the reset (say, queued behind it from the dead KV manager) is dropped.
-    assert pairs(worker.handle(StepPlan(step_id=3, req_ids=["a"], num_tokens=[1], num_blocks=[2],
-                                        new_block_ids=[[]]))) == []
-    empty = [m for d, m in pairs(worker.handle(StepPlan(step_id=9, reset=True))) if d == SCHEDULER]
+    assert not worker.handle(StepPlan(step_id=3, req_ids=["a"], num_tokens=[1], num_blocks=[2],
+                                      new_block_ids=[[]]))
+    empty = worker.handle(StepPlan(step_id=9, reset=True)).to(SCHEDULER)
     assert empty == [StepResult(step_id=9, reset=True, req_ids=[], token_ids=[])] and not worker.requests
 
 

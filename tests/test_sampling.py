@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.step_data import SamplingRow
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.sampler import Sampler
 
 BAD_PARAMS = [
     ({"n": 0}, "n"),

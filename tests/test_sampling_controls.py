@@ -1,4 +1,4 @@
-"""Issue 15 part 1: vLLM's sampling controls (penalties, logit_bias, allowed_token_ids, bad words)
+"""vLLM's sampling controls (penalties, logit_bias, allowed_token_ids, bad words)
 in the batched sampler, against a float64 reference of vLLM's formulas on the tiny model's logits,
 and end to end through ``LLM``."""
 
@@ -12,10 +12,11 @@ import torch
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.actors.frontend.controls import bad_words_token_ids
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
-from vllm_actors.actors.worker.penalties import apply_controls, banned_by_bad_words
-from vllm_actors.actors.worker.sampler import Sampler, SamplingRow
+from vllm_actors.actors.worker.step_data import SamplingRow
 from vllm_actors.kernels import penalties as penalty_kernel
 from vllm_actors.kernels import sampling as fused_sampling
+from vllm_actors.runner.penalties import apply_controls, banned_by_bad_words
+from vllm_actors.runner.sampler import Sampler
 
 PROMPT = [5, 17, 17, 99, 3, 42]
 OUTPUT = [17, 7, 7, 7, 250, 3]

@@ -1,4 +1,4 @@
-"""Issue 15 part 2: structured outputs (llguidance) - the worker's bitmask against a float64
+"""Structured outputs (llguidance): the worker's bitmask against a float64
 reference, grammars compiled once and replayed on resume, and end to end through ``LLM`` on the
 embedded default model: JSON schemas that validate over seeded samples reaching each bound of the
 schema, regex, choice, a grammar, json_object, constrained and plain rows in one batch, and a
@@ -17,10 +17,11 @@ from lifecycle import settled_metrics
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.actors.frontend.structured import check_structured_outputs
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
-from vllm_actors.actors.worker.grammar import Grammars, apply_bitmask, llguidance_tokenizer
-from vllm_actors.actors.worker.sampler import Sampler
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.sampling import StructuredOutputs
+from vllm_actors.runner.grammar import Grammars, apply_bitmask
+from vllm_actors.runner.grammar_tokenizer import llguidance_tokenizer
+from vllm_actors.runner.sampler import Sampler
 
 PERSON = {
     "type": "object",
@@ -249,7 +250,7 @@ def test_constrained_outputs_stay_valid_while_the_previous_step_is_pending(
     """As on a busy GPU (a launched step never looks done), every step is launched before the
     previous one is read back: its masks must still follow every token drawn, so seeded JSON and
     regex samples validate, and plain rows beside them keep their greedy tokens."""
-    from vllm_actors.actors.worker.deferred import PendingStep
+    from vllm_actors.actors.worker.step_data import PendingStep
 
     monkeypatch.setenv("VLLM_ACTORS_DEFER_STEPS", "1")
     monkeypatch.setattr(PendingStep, "ready", lambda self: False)

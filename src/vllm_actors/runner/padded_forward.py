@@ -1,9 +1,9 @@
 """Whole forward passes of prefill and mixed steps in CUDA graphs, over padded static inputs.
 
-A step that is not pure decode (a prefill chunk, or prefills with decodes mixed in) used to run
-eagerly: ~300 kernel launches from Python, 17-26 ms of host time on an H100 for ~2 ms of GPU
-work. Here such a step is padded to the next of a few token counts (``PADDED_TOKENS``) and to
-``max_num_seqs`` sequences, and replays a graph captured for that count:
+A step that is not pure decode (a prefill chunk, or prefills with decodes mixed in) would run
+eagerly: hundreds of kernel launches from Python for little GPU work. Here such a step is padded to
+the next of a few token counts (``PADDED_TOKENS``) and to ``max_num_seqs`` sequences, and replays a
+graph captured for that count:
 
 - padded tokens have id 0, position 0 and cache slot -1 (the KV write skips them); they belong to
   no sequence, so attention leaves their rows alone and no real row reads them (every other op
@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from vllm_actors.actors.worker.deferred import fill_deferred
+from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.kernels.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from vllm_actors.actors.worker.model_runner import BatchInput, ModelRunner
-
+from vllm_actors.runner.deferred_inputs import fill_deferred
 
 PADDED_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
@@ -40,8 +37,21 @@ def padded_graphs_enabled() -> bool:
     return os.environ.get("VLLM_ACTORS_PADDED_GRAPHS", "1") != "0"
 
 
+class _Runner(Protocol):
+    """What the padded pass reads of its ``ModelRunner``: the model, its KV cache and staging."""
+
+    device: torch.device
+    block_size: int
+    max_blocks_per_seq: int
+    max_model_len: int
+    model: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def _host_inputs(self, batch: BatchInput, rows: int, width: int) -> dict[str, torch.Tensor]: ...
+
+
 class PaddedForward:
-    def __init__(self, runner: ModelRunner, max_num_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, runner: _Runner, max_num_tokens: int, max_num_seqs: int) -> None:
         self.runner = runner
         self.sizes = sorted({size for size in PADDED_TOKENS if size < max_num_tokens} | {max_num_tokens})
         self.max_num_seqs = max_num_seqs

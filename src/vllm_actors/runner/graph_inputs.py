@@ -2,7 +2,7 @@
 
 A decode step (one new token per sequence) replays a CUDA graph that reads its inputs from fixed
 device tensors. Copying each input on its own costs one ``copy_`` call per tensor on the host's
-critical path at batch 1 (six, then the sampler's per-row tensors). Here every static input is a
+critical path (six, then the sampler's per-row tensors). Here every static input is a
 typed view into one byte buffer on the device; the host fills the same layout in a pinned buffer
 (two in turn, so a step can be filled while the previous one's copy may still be queued) and one
 non-blocking copy moves the bytes the bucket needs. The block tables come last, so a small bucket
@@ -14,14 +14,10 @@ travel in the same copy, for the graphs that draw the tokens inside the graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from vllm_actors.actors.worker.model_runner import BatchInput
+from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 
 # (name, dtype, elements per row of the largest bucket): in buffer order, 8-byte fields first
 _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
@@ -34,15 +30,6 @@ _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
     ("noise", torch.float32, 1),
     ("seq_lens", torch.int32, 1),
 )
-
-
-@dataclass
-class GraphSampling:
-    """Per-row inputs of the fused sampling kernel for one decode step (``Sampler.graph_params``)."""
-
-    inv_temperature: list[float]
-    noise: list[float]
-    seeds: list[int]
 
 
 def _offsets(largest: int) -> tuple[dict[str, int], int]:

@@ -18,16 +18,13 @@ the device for this step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_actors.actors.worker.step_data import SamplingRow
 from vllm_actors.actors.worker.uploads import fill_at, upload
 from vllm_actors.kernels import penalties as kernel
-
-if TYPE_CHECKING:
-    from vllm_actors.actors.worker.penalty_pool import PenaltyPool
-    from vllm_actors.actors.worker.sampler import SamplingRow
+from vllm_actors.runner.penalty_pool import PenaltyPool
 
 _MASK = float("-inf")
 MAX_BIAS = 100.0

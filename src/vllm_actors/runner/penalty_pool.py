@@ -2,17 +2,15 @@
 a presence, frequency or repetition penalty, which tokens its prompt holds and how often each token
 occurs in its output.
 
-Rebuilding both from the token lists every step cost the host O(prompt + output) per row: at 230
-penalised rows of nano-vllm's workload about 200,000 ids went through Python lists and
-``torch.tensor`` each step, and, since the lists lag the device under async scheduling, every step
-with such a row waited for the previous step's tokens (``Sampler.needs_host``). Here a request's
-rows are filled once, at admission (its prompt, and the outputs of a resumed request), and each
-token drawn is counted on the device right after the draw (``record``), so a penalised row reads
-nothing from the host and steps with penalties overlap like any other.
+Rebuilding both from the token lists every step would cost the host O(prompt + output) per row,
+and, since the lists lag the device under deferred steps, make every step with such a row wait for
+the previous step's tokens. Here a request's rows are filled once, at admission (its prompt, and
+the outputs of a resumed request), and each token drawn is counted on the device right after the
+draw (``record``), so a penalised row reads nothing from the host and its steps overlap like any other.
 
 One slot per request, in two ``[capacity, vocab]`` tensors (bool and float32: 5 bytes per token of
-the vocabulary, 190 MiB for 256 requests of Qwen3's 151,936 tokens), grown by doubling; the
-vocabulary is that of the first logits seen. Slots are reused once their request is dropped.
+the vocabulary), grown by doubling; the vocabulary is that of the first logits seen. Slots are
+reused once their request is dropped.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""What crosses the worker's files: a step's flattened batch, a request the worker holds, the rows
+the sampler draws, and a step launched whose tokens are not read back yet.
+
+The bottom of the worker folder: it imports no other worker module, and every other worker or
+runner module takes these types from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from vllm_actors.protocol.events import StepStarted
+from vllm_actors.protocol.messages import Logprobs, PromptLogprobs
+from vllm_actors.protocol.sampling import SamplingParams
+
+
+@dataclass
+class DeferredInputs:
+    """Input ids still on the device: token ``flat_index[i]`` of the batch is ``source[source_row[i]]``
+    (the ids the previous step sampled, not yet read back to the host)."""
+
+    flat_index: list[int]
+    source: torch.Tensor
+    source_row: list[int]
+
+
+@dataclass
+class BatchInput:
+    token_ids: list[int]  # flattened new tokens of every scheduled sequence
+    positions: list[int]
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # context length per sequence after this step
+    block_tables: list[list[int]]  # per sequence (the worker's own lists; test runners read these)
+    logits_indices: list[int]  # flat positions whose logits are returned
+    block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
+    deferred: DeferredInputs | None = None  # placeholders in token_ids to fill on the device
+
+    def table_array(self) -> np.ndarray:
+        """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
+        if self.block_table_array is not None:
+            return self.block_table_array
+        tables = np.zeros((len(self.block_tables), max(len(t) for t in self.block_tables) or 1), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            tables[row, : len(table)] = table
+        return tables
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampled: the shape CUDA graphs are captured for."""
+        return len(self.token_ids) == len(self.query_lens) == len(self.logits_indices)
+
+
+@dataclass
+class GraphSampling:
+    """Per-row inputs of the fused sampling kernel for one decode step drawn inside its graph."""
+
+    inv_temperature: list[float]
+    noise: list[float]
+    seeds: list[int]
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    num_output_tokens: int  # outputs before this one: the index of the token being drawn
+    min_tokens_stop_ids: list[int]  # ids masked while num_output_tokens < min_tokens
+    token_ids: Sequence[int] = ()  # prompt then outputs so far: penalties and bad words read them
+    num_prompt_tokens: int = 0
+    penalty_slot: int = -1  # its slot in the sampler's PenaltyPool (penalties read that, not token_ids)
+
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class RowGrammar(Protocol):
+    """A constrained request's matcher, as the worker feeds it the tokens drawn."""
+
+    def consume(self, token_id: int) -> None: ...
+
+
+@dataclass
+class WorkerRequest:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    params: SamplingParams
+    eos_token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    row: int = -1  # its row in the worker's BlockTableArray
+    num_pending: int = 0  # tokens sampled by launched steps, not read back yet
+    grammar: RowGrammar | None = None  # its structured-output matcher, when constrained
+    penalty_slot: int = -1  # its slot in the sampler's PenaltyPool, when it sets penalties
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # Not after a preemption: the prompt's logprobs were delivered on the first pass.
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def min_tokens_stop_ids(self) -> list[int]:
+        if self.params.min_tokens == 0:
+            return []
+        eos = [] if self.params.ignore_eos else self.eos_token_ids
+        return [*eos, *self.params.stop_token_ids]
+
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler reads of it for the token being drawn."""
+        return SamplingRow(self.params, self.num_output_tokens, self.min_tokens_stop_ids, self.token_ids,
+                           self.num_prompt_tokens, self.penalty_slot)
+
+
+@dataclass
+class PromptSpan:
+    """Rows of a step's logits that give a request's prompt logprobs."""
+
+    request: WorkerRequest
+    first_row: int  # first row of this span in the logits
+    first_target: int  # prompt position whose logprob the first row gives
+    count: int
+
+
+@dataclass
+class StepBatch:
+    """A plan turned into the runner's batch, and who samples in it."""
+
+    batch: BatchInput
+    samplers: list[WorkerRequest]  # the requests that draw a token, in row order
+    sample_rows: list[int]  # their rows of the logits
+    spans: list[PromptSpan]  # the prompt-logprob rows
+
+
+@dataclass
+class PendingStep:
+    """A step launched and its tokens drawn: on the host already, or on the device with their copy
+    to the host on its way (``done``); read back by the worker at once or after the next launch."""
+
+    step_id: int
+    started_at: float | None  # the worker's clock at launch; None: nothing ran (no time reported)
+    started: StepStarted
+    samplers: list[WorkerRequest]  # the requests it sampled, in row order
+    chosen: torch.Tensor | None  # [len(samplers)] token ids on the device: the next step's deferred inputs
+    host: torch.Tensor | list[int]  # the ids on the host: valid once ``done`` is set or has completed
+    done: torch.cuda.Event | None
+    num_batched_tokens: int
+    row_of: dict[str, int] = field(default_factory=dict)  # request id -> row in ``chosen``
+    reset: bool = False  # the result of a reset plan
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
+
+    def ready(self) -> bool:
+        """Whether the tokens are on the host (reading them would not wait)."""
+        return self.done is None or self.done.query()
+
+    def token_ids(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host if isinstance(self.host, list) else self.host.tolist()

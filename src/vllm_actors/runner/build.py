@@ -1,0 +1,75 @@
+"""``build_worker``: a worker over its GPU engine, from the engine's configuration, and what the
+worker reports when ready (the process entry point publishes it; the in-process engine reads it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from vllm_actors.actors.worker.engine import Runner
+from vllm_actors.actors.worker.worker import Worker
+from vllm_actors.models.parallel import TensorParallel
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runner.grammar_tokenizer import worker_grammars
+from vllm_actors.runner.sampler import Sampler
+from vllm_actors.runner.settings import defer_steps, tp_graph_draws
+
+
+class ModelShape(Protocol):
+    """What the report reads of the model's configuration (``models.config.ModelConfig``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+
+class LoadedRunner(Runner, Protocol):
+    """A runner with its model loaded (``model_runner.ModelRunner``, or a test's fake)."""
+
+    @property
+    def model_config(self) -> ModelShape: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
+                 runner: LoadedRunner | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[Worker, dict[str, Any]]:
+    """The worker of ``config`` and its readiness report. ``tp``: this worker's rank of a
+    tensor-parallel group, joined already; ``incarnation``: 0 for a first start (a restarted rank of
+    a group drops plans until the reset plan); ``runner``: injected (tests), else a ``ModelRunner``
+    loads ``config.model``."""
+    if runner is None:
+        from vllm_actors.runner.model_runner import ModelRunner
+
+        runner = ModelRunner(config, tp)
+    shape = runner.model_config
+    ranks = runner.tp
+    grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
+    worker = Worker(
+        runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps(),
+        tp_graph_draws=tp_graph_draws(), grammars=grammars, await_reset=ranks.enabled and incarnation > 0,
+    )
+    info = {
+        "num_blocks": runner.num_blocks,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": shape.vocab_size,
+        "eos_token_ids": list(shape.eos_token_ids),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "rank": ranks.rank,
+        "tensor_parallel_size": ranks.size,
+    }
+    return worker, info

@@ -1,0 +1,373 @@
+"""Model runner: the model's weights, the paged KV cache tensors, and one forward pass per step.
+
+The worker hands it flattened batches (token ids, positions, block tables); it builds the attention
+metadata, runs the model and returns the logits of the positions that were asked for.
+
+On a GPU: the step's integer inputs go through pinned host buffers in one non-blocking copy each
+(two sets in turn, so a step can be prepared while the previous one's copies may still be queued);
+input ids that the previous step sampled and the host has not read yet (``DeferredInputs``) are
+gathered from that step's sampled ids on the device. Decode steps (one new token per sequence)
+replay a CUDA graph captured for the next batch-size bucket, padded rows writing nowhere (slot -1),
+their inputs packed in one buffer moved by one copy (``graph_inputs.py``); where the step's rows
+need nothing but the fused sampling kernel, a second graph per bucket draws the tokens too
+(``execute_sampled``; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off). Other steps (prefills, mixed)
+replay a graph of the whole forward pass padded to the next token count (``padded_forward.py``).
+The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and the peak activations
+of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.kernels import sampling as fused_sampling
+from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.loader import load_model
+from vllm_actors.models.parallel import TensorParallel
+from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
+from vllm_actors.runner.deferred_inputs import fill_deferred
+from vllm_actors.runner.devices import resolve_device, resolve_dtype
+from vllm_actors.runner.graph_inputs import GraphInputs
+from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
+
+log = structlog.get_logger(__name__)
+
+# Decode batch sizes with a captured graph (vLLM's choice): 1, 2, 4, then every 8.
+GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
+
+
+class _DecodeGraph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits  # the logits, or (graphs that sample) the chosen ids
+
+
+def graph_sampler_enabled() -> bool:
+    """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
+    host side after the replay; on by default, ``benchmarks/RESULTS.md`` has the comparison)."""
+    return os.environ.get("VLLM_ACTORS_GRAPH_SAMPLER", "1") != "0"
+
+
+class ModelRunner:
+    supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """``tp``: this worker's rank of a tensor-parallel group (joined already): it holds that
+        rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda")."""
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.device = resolve_device(config.device, self.tp.rank if self.tp.enabled else None)
+        self.model_config = ModelConfig.from_path(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        torch.manual_seed(config.seed)
+        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+        self.local_config = self.model.local_config  # this rank's KV heads size the cache
+        self.block_size = config.block_size
+        limits = resolve_scheduler_config(config, self.model_config.max_position_embeddings, num_blocks=1 << 30)
+        self.max_num_tokens = limits.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.num_blocks = self._choose_num_blocks(limits.max_model_len)
+        self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self._staging_turn = 0
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
+        self._static: GraphInputs | None = None
+        self._graph_sizes: list[int] = []
+        self._padded: PaddedForward | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
+        log.info(
+            "model_runner_ready",
+            model=config.model,
+            device=str(self.device),
+            dtype=str(self.dtype),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            cuda_graphs=sorted(self._graphs),
+            padded_graphs=sorted(self._padded.graphs) if self._padded else [],
+        )
+
+    def _wants_padded_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and padded_graphs_enabled()
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def bytes_per_block(self) -> int:
+        mc = self.local_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+
+    def _choose_num_blocks(self, max_model_len: int) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            activations = self._profile_peak_activation_bytes(max_model_len)
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = 512 << 20  # CUDA graphs' pool, sampler buffers, allocator slack
+            if self._wants_padded_graphs():
+                reserve += activations  # the padded graphs' pool holds the largest step's activations
+            budget = free - (1.0 - self.config.gpu_memory_utilization) * total - activations - reserve
+        else:
+            budget = self.config.resolved_cpu_kv_cache_bytes()
+        # Every rank must hold the same pool (block ids are the same on every rank): the smallest.
+        num_blocks = self.tp.min_int(int(budget // self.bytes_per_block), self.device)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
+                f"one block takes {self.bytes_per_block / 2**20:.2f} MiB)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_activation_bytes(self, max_model_len: int) -> int:
+        """Run the largest prefill step once (into a scratch cache) and measure its peak."""
+        tokens = self.max_num_tokens
+        lengths: list[int] = []
+        while sum(lengths) < tokens:
+            lengths.append(min(max_model_len, tokens - sum(lengths)))
+        scratch_blocks = sum(math.ceil(n / self.block_size) for n in lengths)
+        scratch = self._allocate_kv_cache(scratch_blocks)
+        tables, next_block = [], 0
+        for n in lengths:
+            count = math.ceil(n / self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        batch = BatchInput(
+            token_ids=[0] * tokens,
+            positions=[p for n in lengths for p in range(n)],
+            query_lens=lengths,
+            seq_lens=lengths,
+            block_tables=tables,
+            logits_indices=list(np.cumsum(lengths) - 1),
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        saved: Any = getattr(self, "kv_caches", None)
+        self.kv_caches = scratch
+        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self._staging_turn = 0
+        self._run_eager(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = saved
+        del scratch
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.local_config
+        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_hidden_layers)
+        ]
+
+    def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
+        """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables
+        ``width`` blocks wide."""
+        pin = self.device.type == "cuda"
+        seqs = max(self.max_num_seqs, max(GRAPH_BATCH_SIZES))
+
+        def buffer(size: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, pin_memory=pin)
+
+        width = max(width, getattr(self, "max_blocks_per_seq", 1))
+        return {
+            "input_ids": buffer(self.max_num_tokens + seqs, torch.long),
+            "positions": buffer(self.max_num_tokens + seqs, torch.long),
+            "slot_mapping": buffer(self.max_num_tokens + seqs, torch.long),
+            "query_start_loc": buffer(seqs + 1, torch.int32),
+            "seq_lens": buffer(seqs, torch.int32),
+            "logits_indices": buffer(self.max_num_tokens + seqs, torch.long),
+            "block_tables": buffer((seqs, width), torch.int32),
+            "deferred": buffer((2, seqs), torch.long),
+        }
+
+    # ------------------------------------------------------------------ inputs
+    def _host_inputs(self, batch: BatchInput, rows: int, width: int) -> dict[str, torch.Tensor]:
+        """Fill the staging buffers; return host views of ``rows`` sequences (padded rows:
+        sequence length 1, slot -1) and block tables ``width`` blocks wide."""
+        num_tokens = len(batch.token_ids)
+        num_seqs = len(batch.query_lens)
+        self._staging_turn ^= 1
+        staging = self._staging_sets[self._staging_turn]
+        if staging["block_tables"].shape[1] < width or staging["input_ids"].shape[0] < num_tokens + rows:
+            staging = self._staging_sets[self._staging_turn] = self._make_staging(width)
+        tables = batch.table_array()
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        sequence_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        blocks = tables[sequence_of_token, positions // self.block_size].astype(np.int64)
+        pad_tokens = rows - num_seqs if batch.is_decode else 0
+
+        ids = staging["input_ids"].numpy()
+        ids[:num_tokens] = batch.token_ids
+        ids[num_tokens : num_tokens + pad_tokens] = 0
+        pos = staging["positions"].numpy()
+        pos[:num_tokens] = positions
+        pos[num_tokens : num_tokens + pad_tokens] = 0
+        slots = staging["slot_mapping"].numpy()
+        slots[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        slots[num_tokens : num_tokens + pad_tokens] = -1
+        start = staging["query_start_loc"].numpy()
+        start[0] = 0
+        start[1 : num_seqs + 1] = np.cumsum(query_lens)
+        start[num_seqs + 1 : rows + 1] = start[num_seqs] + np.arange(1, rows - num_seqs + 1)
+        lens = staging["seq_lens"].numpy()
+        lens[:num_seqs] = batch.seq_lens
+        lens[num_seqs:rows] = 1
+        table_view = staging["block_tables"].numpy()
+        used = min(tables.shape[1], width)
+        table_view[:num_seqs, :used] = tables[:, :used]
+        table_view[:num_seqs, used:width] = 0
+        table_view[num_seqs:rows, :width] = 0
+        index = staging["logits_indices"].numpy()
+        index[: len(batch.logits_indices)] = batch.logits_indices
+        total = num_tokens + pad_tokens
+        deferred = {}
+        if batch.deferred is not None:
+            count = len(batch.deferred.flat_index)
+            pairs = staging["deferred"].numpy()
+            pairs[0, :count] = batch.deferred.flat_index
+            pairs[1, :count] = batch.deferred.source_row
+            deferred["deferred"] = staging["deferred"][:, :count]
+        return {
+            **deferred,
+            "input_ids": staging["input_ids"][:total],
+            "positions": staging["positions"][:total],
+            "slot_mapping": staging["slot_mapping"][:total],
+            "query_start_loc": staging["query_start_loc"][: rows + 1],
+            "seq_lens": staging["seq_lens"][:rows],
+            "block_tables": staging["block_tables"][:rows, :width],
+            "logits_indices": staging["logits_indices"][: len(batch.logits_indices)],
+        }
+
+    # ------------------------------------------------------------------ running
+    @torch.inference_mode()
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        """Run one forward pass; return the logits of ``batch.logits_indices`` rows, in the model's
+        dtype (a view of a graph's output buffer: read before the next step)."""
+        bucket = self._decode_bucket(batch)
+        if bucket is not None:
+            return self._run_graph(batch, bucket)
+        larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
+        if not larger_decode and self._padded is not None and self._padded.graphs:
+            size = self._padded.bucket(batch)
+            if size is not None:
+                return self._padded.run(batch, size)
+        return self._run_eager(batch)
+
+    def _run_eager(self, batch: BatchInput) -> torch.Tensor:
+        device = self.device
+        num_seqs = len(batch.query_lens)
+        width = max(math.ceil(max(batch.seq_lens) / self.block_size), 1)
+        host = self._host_inputs(batch, num_seqs, width)
+        on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in host.items()}
+        fill_deferred(on_device["input_ids"], batch, on_device.get("deferred"))
+        meta = AttentionMetadata(
+            slot_mapping=on_device["slot_mapping"],
+            query_start_loc=on_device["query_start_loc"],
+            seq_lens=on_device["seq_lens"],
+            block_tables=on_device["block_tables"],
+            max_query_len=max(batch.query_lens),
+            max_seq_len=max(batch.seq_lens),
+            query_lens_cpu=list(batch.query_lens),
+            seq_lens_cpu=list(batch.seq_lens),
+        )
+        hidden = self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"]))
+
+    def _graph_meta(self, inputs: dict[str, torch.Tensor], size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"],
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # an upper bound: the graph serves every length
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+        )
+
+    def _capture_decode_graphs(self) -> None:
+        started = time.perf_counter()
+        largest = min(max(GRAPH_BATCH_SIZES), self.max_num_seqs)
+        sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
+        if largest not in sizes:
+            sizes.append(largest)
+        device = self.device
+        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
+        sample_in_graph = graph_sampler_enabled() and fused_sampling.HAVE_TRITON
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        if self._wants_padded_graphs():  # first: their largest step sizes the shared pool
+            self._padded = PaddedForward(self, self.max_num_tokens, self.max_num_seqs)
+            self._padded.capture(pool, stream)
+        with torch.inference_mode():
+            for size in sorted(sizes, reverse=True):  # largest first: the pool grows once
+                inputs = self._static.for_bucket(size)
+                meta = self._graph_meta(inputs, size)
+                for sampled in (False, True) if sample_in_graph else (False,):
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph
+                            self._decode_pass(inputs, meta, sampled)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        output = self._decode_pass(inputs, meta, sampled)
+                    (self._sampled_graphs if sampled else self._graphs)[size] = _DecodeGraph(graph, output)
+        self._graph_sizes = sorted(self._graphs)
+        torch.cuda.synchronize(device)
+        log.info("cuda_graphs_captured", sizes=len(sizes), seconds=round(time.perf_counter() - started, 2))
+
+    def _decode_pass(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata, sampled: bool) -> torch.Tensor:
+        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        if not sampled:
+            return logits
+        return fused_sampling.gumbel_argmax(logits, inputs["inv_temperature"], inputs["noise"], inputs["seeds"])
+
+    def _run_graph(self, batch: BatchInput, bucket: int, sampling: GraphSampling | None = None) -> torch.Tensor:
+        assert self._static is not None
+        pairs = self._static.upload(batch, bucket, sampling)
+        fill_deferred(self._static.device["input_ids"], batch, pairs)
+        graph = (self._sampled_graphs if sampling is not None else self._graphs)[bucket]
+        graph.graph.replay()
+        return graph.logits[: len(batch.query_lens)]
+
+    def _decode_bucket(self, batch: BatchInput) -> int | None:
+        if not batch.is_decode or not self._graphs:
+            return None
+        return next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
+
+    def samples_in_graph(self, batch: BatchInput) -> bool:
+        """Whether ``execute_sampled`` can run this step (a decode step with a sampling graph)."""
+        bucket = self._decode_bucket(batch)
+        return bucket is not None and bucket in self._sampled_graphs
+
+    @torch.inference_mode()
+    def execute_sampled(self, batch: BatchInput, sampling: GraphSampling) -> torch.Tensor:
+        """Run a decode step and draw its tokens in one graph replay (``samples_in_graph`` first);
+        return the chosen ids on the device (a view of the graph's output: read, or copy, before
+        the next step)."""
+        bucket = self._decode_bucket(batch)
+        assert bucket is not None and bucket in self._sampled_graphs
+        return self._run_graph(batch, bucket, sampling)
+

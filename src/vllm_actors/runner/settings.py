@@ -1,0 +1,17 @@
+"""The worker's switches read from the environment (handed to ``Worker`` by ``build_worker``)."""
+
+from __future__ import annotations
+
+import os
+
+
+def defer_steps() -> bool:
+    """VLLM_ACTORS_DEFER_STEPS=0: workers read every step back before launching the next."""
+    return os.environ.get("VLLM_ACTORS_DEFER_STEPS", "1") != "0"
+
+
+def tp_graph_draws() -> bool:
+    """VLLM_ACTORS_TP_GRAPH_SAMPLER (default 1): under tensor parallelism every rank draws a sampling
+    decode graph's tokens itself (no eager sampler on rank 0, no broadcast); 0: rank 0 draws and
+    broadcasts (``benchmarks/RESULTS.md`` has the comparison)."""
+    return os.environ.get("VLLM_ACTORS_TP_GRAPH_SAMPLER", "1") != "0"
