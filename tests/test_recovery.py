@@ -289,17 +289,16 @@ def add(request_id: str, prompt: list[int], outputs: list[int] | None = None, re
                       resume=resume or outputs is not None, output_token_ids=outputs or [])
 
 
-def pairs(out: Outputs | list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def pairs(out: Outputs) -> list[tuple[str, Any]]:
     """An actor's outputs as (destination, message) pairs, its events addressed to ``BUS``."""
-    outputs = Outputs.coerce(out)
-    return [*outputs.messages, *((BUS, event) for event in outputs.events)]
+    return [*out.messages, *((BUS, event) for event in out.events)]
 
 
-def plans_of(out: Outputs | list[tuple[str, Any]]) -> list[StepPlan]:
+def plans_of(out: Outputs) -> list[StepPlan]:
     return [message for _, message in pairs(out) if isinstance(message, StepPlan)]
 
 
-def updates_of(out: Outputs | list[tuple[str, Any]]) -> list[Any]:
+def updates_of(out: Outputs) -> list[Any]:
     return [u for destination, m in pairs(out) if destination == FRONTEND and isinstance(m, RequestUpdates)
             for u in m.updates]
 
@@ -308,7 +307,7 @@ def events_of(out: Outputs | list[tuple[str, Any]], kind: type) -> list[Any]:
     return [message for _, message in pairs(out) if isinstance(message, kind)]
 
 
-def ignored(out: Outputs | list[tuple[str, Any]]) -> bool:
+def ignored(out: Outputs) -> bool:
     """Nothing for the client and no request event: the message changed nothing (the scheduler
     may still send its next plan, a step being back in flight)."""
     return not updates_of(out) and not any(isinstance(m, (Queued, Aborted, Resumed, Finished)) for _, m in pairs(out))

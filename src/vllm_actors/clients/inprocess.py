@@ -10,7 +10,6 @@ client's own (``ClientCore``): its inbox is read by the same loop and its output
 from __future__ import annotations
 
 import tempfile
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -22,8 +21,6 @@ from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
-from vllm_actors.actors.worker.grammar import worker_grammars
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.clients.core import SyncClient
 from vllm_actors.envs import envs
@@ -34,7 +31,7 @@ from vllm_actors.protocol.messages import Message, StepPlan, StepResult
 from vllm_actors.protocol.metrics import DumpQuery, MetricsQuery, MetricsReply
 from vllm_actors.runtime.loop import ActorLoop
 from vllm_actors.runtime.roles import role_of
-from vllm_actors.runtime.transport import AnyActor, EventStamper, InMemoryEndpoint, InMemoryNetwork
+from vllm_actors.runtime.transport import Actor, EventStamper, InMemoryEndpoint, InMemoryNetwork
 
 if TYPE_CHECKING:
     from vllm_actors.actors.frontend.tokenizer import Tokenizer
@@ -69,14 +66,14 @@ class InProcessEngine(SyncClient):
     ) -> None:
         """``runner`` and ``tokenizer`` may be injected (tests); by default the model runner
         loads ``config.model`` and the tokenizer comes from the same path."""
-        from vllm_actors.actors.worker.sampler import Sampler  # torch lives behind these imports
+        from vllm_actors.runner.build import build_worker  # torch lives behind these imports
 
         self.config = config
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs the process executor (one process per rank); "
                              "the in-process engine runs one worker")
         if runner is None:
-            from vllm_actors.actors.worker.model_runner import ModelRunner
+            from vllm_actors.runner.model_runner import ModelRunner
 
             runner = ModelRunner(config)
         self.model_config: ModelConfig = runner.model_config
@@ -96,12 +93,7 @@ class InProcessEngine(SyncClient):
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
-        mc = self.model_config
-        self.worker = Worker(
-            runner, Sampler(runner.device, config.seed), clock=time.perf_counter, defer=defer_steps(),
-            tp_graph_draws=tp_graph_draws(),
-            grammars=worker_grammars(config.tokenizer or config.model, mc.vocab_size, mc.eos_token_ids),
-        )
+        self.worker, _ = build_worker(config, runner=runner)
         self._network = InMemoryNetwork(serialize=serialize)
         self._frontend_endpoint = self._network.endpoint(frontend.name)
         super().__init__(frontend, InMemoryTransport(self._frontend_endpoint, self._publish), frontend.name)
@@ -178,7 +170,7 @@ class InProcessEngine(SyncClient):
         return outputs
 
     # ------------------------------------------------------------------ faults (tests)
-    def _loop(self, actor: AnyActor, restarted: bool) -> ActorLoop:
+    def _loop(self, actor: Actor, restarted: bool) -> ActorLoop:
         """An actor's loop: in process a rejection is a bug the test should see, except by a
         restarted actor, which meets plans made before its restart (until the scheduler's reset
         plan) and drops each, with REJECTED, as the shell does."""

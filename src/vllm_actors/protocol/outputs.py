@@ -5,11 +5,8 @@ and publish the events as one stamped batch. Order is kept within each list."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from vllm_actors.protocol.names import BUS
 
 
 @dataclass(slots=True)
@@ -37,19 +34,3 @@ class Outputs:
     def to(self, destination: str) -> list[Any]:
         """The messages addressed to ``destination``, in order."""
         return [message for name, message in self.messages if name == destination]
-
-    @classmethod
-    def of_pairs(cls, pairs: Iterable[tuple[str, Any]]) -> Outputs:
-        """From ``(destination, message)`` pairs, those addressed to ``BUS`` as events (the older
-        shape of an actor's outputs, kept for actors not converted yet)."""
-        outputs = cls()
-        for destination, message in pairs:
-            if destination == BUS:
-                outputs.events.append(message)
-            else:
-                outputs.messages.append((destination, message))
-        return outputs
-
-    @classmethod
-    def coerce(cls, value: Outputs | Iterable[tuple[str, Any]]) -> Outputs:
-        return value if isinstance(value, Outputs) else cls.of_pairs(value)

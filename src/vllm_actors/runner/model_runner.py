@@ -19,7 +19,6 @@ of a profiling pass of the largest step (twice that with padded graphs: their po
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ import structlog
 import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.envs import envs
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.models.config import ModelConfig
@@ -54,7 +54,7 @@ class _DecodeGraph:
 def graph_sampler_enabled() -> bool:
     """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
     host side after the replay; on by default, ``benchmarks/RESULTS.md`` has the comparison)."""
-    return os.environ.get("VLLM_ACTORS_GRAPH_SAMPLER", "1") != "0"
+    return envs.VLLM_ACTORS_GRAPH_SAMPLER
 
 
 class ModelRunner:

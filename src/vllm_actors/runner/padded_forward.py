@@ -20,12 +20,12 @@ executes the same padded inputs eagerly: the tests compare it with the unpadded 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Protocol
 
 import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.runner.deferred_inputs import fill_deferred
 
@@ -34,7 +34,7 @@ PADDED_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 def padded_graphs_enabled() -> bool:
     """VLLM_ACTORS_PADDED_GRAPHS=0 runs prefill and mixed steps eagerly (as before)."""
-    return os.environ.get("VLLM_ACTORS_PADDED_GRAPHS", "1") != "0"
+    return envs.VLLM_ACTORS_PADDED_GRAPHS
 
 
 class _Runner(Protocol):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
+from vllm_actors.envs import envs
 
 
 def defer_steps() -> bool:
     """VLLM_ACTORS_DEFER_STEPS=0: workers read every step back before launching the next."""
-    return os.environ.get("VLLM_ACTORS_DEFER_STEPS", "1") != "0"
+    return envs.VLLM_ACTORS_DEFER_STEPS
 
 
 def tp_graph_draws() -> bool:
     """VLLM_ACTORS_TP_GRAPH_SAMPLER (default 1): under tensor parallelism every rank draws a sampling
     decode graph's tokens itself (no eager sampler on rank 0, no broadcast); 0: rank 0 draws and
     broadcasts (``benchmarks/RESULTS.md`` has the comparison)."""
-    return os.environ.get("VLLM_ACTORS_TP_GRAPH_SAMPLER", "1") != "0"
+    return envs.VLLM_ACTORS_TP_GRAPH_SAMPLER

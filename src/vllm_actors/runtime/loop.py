@@ -15,7 +15,7 @@ exception out of the state machine is a bug and propagates.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import structlog
@@ -26,7 +26,7 @@ from vllm_actors.protocol.events import Rejected
 from vllm_actors.protocol.messages import RequestUpdates, StepResult
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.protocol.outputs import Outputs
-from vllm_actors.runtime.transport import AnyActor, Deferring, Endpoint
+from vllm_actors.runtime.transport import Actor, Deferring, Endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class ActorLoop:
     screen, for an actor clients connect to (None: none). ``raise_rejections``: a rejection
     propagates instead of being dropped (the in-process engine, where it is a bug to see)."""
 
-    def __init__(self, actor: AnyActor, endpoint: Endpoint, publisher: Publisher, accepts: AcceptRules, *,
+    def __init__(self, actor: Actor, endpoint: Endpoint, publisher: Publisher, accepts: AcceptRules, *,
                  owners: RequestOwners | None = None, raise_rejections: bool = False) -> None:
         self.actor = actor
         self.endpoint = endpoint
@@ -83,7 +83,7 @@ class ActorLoop:
             if message is None:
                 return None
         try:
-            outputs = Outputs.coerce(self.actor.handle(message))
+            outputs = self.actor.handle(message)
         except MessageRejected as error:  # anything else is a bug: it propagates, the actor crashes
             if self.raise_rejections:
                 raise
@@ -100,9 +100,8 @@ class ActorLoop:
             [Rejected(message_type=message_type, sender=sender[:64].decode(errors="replace"), error=error)]
         )
 
-    def dispatch(self, outputs: Outputs | Iterable[tuple[str, Any]]) -> Outputs:
+    def dispatch(self, outputs: Outputs) -> Outputs:
         """Send the messages (a client's updates to their owner only), then publish the events."""
-        outputs = Outputs.coerce(outputs)
         for destination, message in outputs.messages:
             stamp_departure(message)
             if self.owners is not None and destination == FRONTEND and isinstance(message, RequestUpdates):

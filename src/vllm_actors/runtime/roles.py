@@ -9,7 +9,6 @@ shell: their process bodies are ``bus.run_bus`` and ``metrics_shell.run_metrics`
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.loop import AcceptRules
 from vllm_actors.runtime.process import ActorSpec
 from vllm_actors.runtime.security import attached_scheduler
-from vllm_actors.runtime.transport import AnyActor
+from vllm_actors.runtime.transport import Actor
 from vllm_actors.runtime.worker_threads import worker_threads
 
 
@@ -45,7 +44,7 @@ from vllm_actors.runtime.worker_threads import worker_threads
 class Built:
     """A role's state machine, and what its process reports with its readiness."""
 
-    actor: AnyActor
+    actor: Actor
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,7 +77,7 @@ class Checked:
         self.name = actor.name
 
     def handle(self, message: Any) -> Outputs:
-        outputs = Outputs.coerce(self.actor.handle(message))
+        outputs = self.actor.handle(message)
         self.check()
         return outputs
 
@@ -87,12 +86,9 @@ class Checked:
 def build_worker(spec: ActorSpec) -> Built:
     import torch
 
-    from vllm_actors.actors.worker.deferred import defer_steps, tp_graph_draws
-    from vllm_actors.actors.worker.grammar import worker_grammars
-    from vllm_actors.actors.worker.model_runner import ModelRunner, resolve_device
-    from vllm_actors.actors.worker.sampler import Sampler
-    from vllm_actors.actors.worker.worker import Worker
     from vllm_actors.models.parallel import join_group
+    from vllm_actors.runner.build import build_worker as worker_of
+    from vllm_actors.runner.devices import resolve_device
     from vllm_actors.runtime.step_profiler import profiled
 
     device_type = resolve_device(spec.engine.device).type
@@ -100,26 +96,8 @@ def build_worker(spec: ActorSpec) -> Built:
     if threads is not None:  # before the model loads: its load runs on these threads too
         torch.set_num_threads(threads)
     tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
-    runner = ModelRunner(spec.engine, tp)
-    mc = runner.model_config
-    grammars = worker_grammars(spec.engine.tokenizer or spec.engine.model, mc.vocab_size, mc.eos_token_ids)
-    worker = Worker(
-        runner, Sampler(runner.device, spec.engine.seed), clock=time.perf_counter, defer=defer_steps(),
-        tp_graph_draws=tp_graph_draws(),
-        grammars=grammars, await_reset=tp.enabled and spec.incarnation > 0,
-    )
-    profiled_worker = profiled(worker, envs, spec.actor_id)  # VLLM_ACTORS_PROFILE_STEPS
-    info = {
-        "num_blocks": runner.num_blocks,
-        "max_position_embeddings": mc.max_position_embeddings,
-        "vocab_size": mc.vocab_size,
-        "eos_token_ids": list(mc.eos_token_ids),
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "rank": tp.rank,
-        "tensor_parallel_size": tp.size,
-    }
-    return Built(profiled_worker, info)
+    worker, info = worker_of(spec.engine, tp=tp, incarnation=spec.incarnation)
+    return Built(profiled(worker, envs, spec.actor_id), info)  # VLLM_ACTORS_PROFILE_STEPS wraps it
 
 
 def worker_accepts(replica: int | None) -> AcceptRules:

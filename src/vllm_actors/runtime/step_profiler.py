@@ -111,7 +111,7 @@ class ProfiledWorker:
         return bool(self.worker.pending_ready())
 
     def flush(self) -> Outputs:
-        return Outputs.coerce(self.worker.flush())
+        return self.worker.flush()
 
     def handle(self, message: Any) -> Outputs:
         plan = message if isinstance(message, StepPlan) else None
@@ -120,7 +120,7 @@ class ProfiledWorker:
             self.profiler = self.make_profiler()
             self.profiler.start()
             self.first_step = plan.step_id
-        outputs = Outputs.coerce(self.worker.handle(message))
+        outputs = self.worker.handle(message)
         if plan is not None and self.profiler is not None:
             self.seen += 1
             if self.seen >= self.window.count:

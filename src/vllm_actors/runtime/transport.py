@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import structlog
@@ -30,18 +30,6 @@ class Actor(Protocol):
     name: str
 
     def handle(self, message: Any) -> Outputs: ...
-
-
-class PairsActor(Protocol):
-    """An actor not converted yet: its ``handle`` returns (destination, message) pairs, those to
-    ``BUS`` events. The loop takes it through ``Outputs.coerce``; both go once every actor is converted."""
-
-    name: str
-
-    def handle(self, message: Any) -> list[tuple[str, Any]]: ...
-
-
-AnyActor = Actor | PairsActor
 
 
 @runtime_checkable
@@ -161,10 +149,3 @@ class EventStamper:
         )
         self.next_seq += len(events)
         return batch
-
-
-def split_events(outputs: Outputs | Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[Any]]:
-    """An actor's outputs as (messages to send, events for the bus); old-style pairs addressed to
-    ``BUS`` are events."""
-    outputs = Outputs.coerce(outputs)
-    return outputs.messages, outputs.events

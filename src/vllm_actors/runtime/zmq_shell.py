@@ -26,7 +26,7 @@ from vllm_actors.protocol.events import WORK_EVENTS, ActorCrashed, EventBatch
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.loop import AcceptRules, ActorLoop
 from vllm_actors.runtime.security import GroupKeys, bind, connect
-from vllm_actors.runtime.transport import AnyActor, EventStamper, log_drop
+from vllm_actors.runtime.transport import Actor, EventStamper, log_drop
 
 if TYPE_CHECKING:
     from vllm_actors.runtime.run_dir import GroupAddresses
@@ -182,7 +182,7 @@ class ActorShell:
     def __init__(
         self,
         context: zmq.Context,
-        actor: AnyActor,
+        actor: Actor,
         actor_id: str,
         inbox: str,
         bus_in: str,

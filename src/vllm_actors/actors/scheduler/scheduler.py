@@ -35,9 +35,7 @@ The scheduler's other modules, one concern each:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from vllm_actors.actors.scheduler.admission import admission_error, admit, identity_error
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
@@ -61,7 +59,7 @@ from vllm_actors.protocol.messages import (
     StepPlan,
     StepResult,
 )
-from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER
+from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER
 from vllm_actors.protocol.outputs import Outputs
 
 MAX_ABORT_REASON = 64  # characters of a client's abort reason that reach the bus
@@ -112,7 +110,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ messages
     def handle(self, message: Message) -> Outputs:
-        out = _PairedOutputs()
+        out = Outputs()
         if isinstance(message, AddRequest):
             self._add(message, out)
         elif isinstance(message, AbortRequests):
@@ -314,12 +312,3 @@ class Scheduler:
                               num_cached_tokens=num_hit))
             step.take(request, num_new, needed, new=request.new_request(num_hit, hit_hash))
 
-
-class _PairedOutputs(Outputs):
-    """Also iterable as the older ``(destination, message)`` pairs, events addressed to ``BUS``: for
-    the callers that do not take ``Outputs`` yet (the shells until they call ``Outputs.coerce``).
-    Goes once none is left."""
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        yield from self.messages
-        yield from ((BUS, event) for event in self.events)

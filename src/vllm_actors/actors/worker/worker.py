@@ -35,7 +35,6 @@ from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
-from vllm_actors.actors.worker.outputs_compat import PairedOutputs
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.step_data import (
@@ -86,16 +85,16 @@ class Worker:
         if not isinstance(message, StepPlan):
             raise TypeError(f"the worker does not take {type(message).__name__}")
         if message.step_id < self._min_step_id and not message.reset:
-            return PairedOutputs()  # planned before the pipeline reset: its blocks may be someone else's now
+            return Outputs()  # planned before the pipeline reset: its blocks may be someone else's now
         if self._await_reset and not message.reset:
-            return PairedOutputs()
+            return Outputs()
         self._await_reset = False
         self.validate(message)
         started = self._started(message)
         if self.defer and self._deferrable(message):
             # A step already done is read back first: its result goes out at once, and the GPU
             # is idle anyway. One still running is read back after this plan is launched.
-            outputs = self.flush() if self.pending_ready() else PairedOutputs()
+            outputs = self.flush() if self.pending_ready() else Outputs()
             launched = self._launch(message, started, read_now=False)
             outputs += self.flush()
             self._pending = launched
@@ -113,7 +112,7 @@ class Worker:
         )
 
     def _outputs(self, started: StepStarted, result: StepResult) -> Outputs:
-        outputs = PairedOutputs()
+        outputs = Outputs()
         if self.tp.rank != 0:
             return outputs  # rank 0 answers for the group
         finished = StepFinished(
@@ -138,7 +137,7 @@ class Worker:
         """Read the launched step back: its result and events (nothing when none is pending)."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return PairedOutputs()
+            return Outputs()
         return self._outputs(pending.started, self._read_back(pending))
 
     def _deferrable(self, plan: StepPlan) -> bool:
