@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -16,11 +15,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Every KV-cache manager checks its pool's accounting after every step, in process and in groups.
 os.environ.setdefault("VLLM_ACTORS_CHECK_INVARIANTS", "1")
 
-from tiny_models import build_checkpoint  # noqa: E402
+from tests.support.tiny_models import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
