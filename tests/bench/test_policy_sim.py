@@ -1,5 +1,5 @@
-"""Issue 18's claim on the scheduler alone (``bench/policy_sim.py``: the real Scheduler on a virtual
-clock, H100 step costs, the mixed workload): at a rate where FCFS meets fewer than 80% of the
+"""The deadline policies' claim on the scheduler alone (``bench/policy_sim.py``: the real Scheduler
+on a virtual clock, H100 step costs, the mixed workload): at a rate where FCFS meets fewer than 80% of the
 interactive deadlines, EDF and LRS meet at least 95% while batch throughput stays within 10% of
 FCFS's. Deterministic: a fixed seed, a fixed cost model, no clock."""
 

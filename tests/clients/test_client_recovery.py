@@ -1,8 +1,8 @@
-"""Recovery on the client side (issue 12): after a scheduler restart every client sends its
+"""Recovery on the client side: after a scheduler restart every client sends its
 unfinished requests again (resume=True, with the tokens received so far); when the group fails
 every open request ends at once with finish reason "error" and new ones are refused.
 
-Covered without processes (the frontend state machine alone is in test_client_resubmit.py): the
+Covered without processes (the frontend state machine alone is in state_machines/test_frontend_resubmit.py): the
 sync client and ``LLM``, the asyncio client (owning a group, or attached and following the
 supervisor's events on the bus) and the HTTP server (``/health``, 503, streams ending in an
 error). A fake scheduler on a real ROUTER socket stands in for the scheduler process (its

@@ -1,4 +1,4 @@
-"""No table grows with the number of requests served (issue 13: under five minutes of abusive load
+"""No table grows with the number of requests served (under five minutes of abusive load
 the scheduler grew from 35 MB to 94 MB and the metrics store to 249 MB).
 
 8,000 requests go through the in-process engine (the same state machines as the processes, on

@@ -1,6 +1,6 @@
 """Deferred steps (actors/worker/deferred.py): a worker launches step N+1 before reading step N's
 tokens back, the pending tokens taken from step N's sampled ids on the device. The fake runner
-(tests/fake_runner.py) turns any wrong input token, slot or block table into different outputs,
+(tests/support/fake_runner.py) turns any wrong input token, slot or block table into different outputs,
 so greedy outputs equal to the reference mean every placeholder was filled with the right token."""
 
 from __future__ import annotations

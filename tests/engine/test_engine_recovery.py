@@ -1,4 +1,4 @@
-"""Recovery inside the state machines (issue 12, "let it crash"), driven in process.
+"""Recovery inside the state machines ("let it crash"), driven in process.
 
 An actor of the step pipeline is replaced by a fresh one in the middle of a run, as the supervisor
 restarts a crashed process (the messages queued for it die with it), and recovered as in a group:

@@ -1,4 +1,4 @@
-"""Issue 15 part 2: structured outputs (llguidance) - the worker's bitmask against a float64
+"""Structured outputs (llguidance) - the worker's bitmask against a float64
 reference, grammars compiled once and replayed on resume, and end to end through ``LLM`` on the
 embedded default model: JSON schemas that validate over seeded samples reaching each bound of the
 schema, regex, choice, a grammar, json_object, constrained and plain rows in one batch, and a

@@ -1,4 +1,4 @@
-"""``--api-key`` / ``VLLM_API_KEY`` / ``build_app(api_key=...)`` (issue 13): without
+"""``--api-key`` / ``VLLM_API_KEY`` / ``build_app(api_key=...)``: without
 ``Authorization: Bearer <key>`` every endpoint but ``/health`` answers 401 in OpenAI's error shape;
 with it, requests are served. In process over the fake scheduler (fake_served.py), then once for
 real through ``vllm-actors serve``."""

@@ -1,4 +1,4 @@
-"""Issue 13 at the HTTP edge: integers in range before anything touches shared state (seeds over
+"""Request fields at the HTTP edge: integers in range before anything touches shared state (seeds over
 signed 64 bits, n, logprobs, token counts, top_k, stop token ids against the vocabulary), and
 whatever a request reserved released on every path out, errors included. Served in process over a
 fake scheduler (fake_served.py): no model, no processes."""

@@ -1,4 +1,4 @@
-"""The HTTP fuzzer (issue 13): hypothesis drives ``/v1/completions`` and ``/v1/chat/completions``
+"""The HTTP fuzzer: hypothesis drives ``/v1/completions`` and ``/v1/chat/completions``
 of a real server - the OpenAI app under uvicorn on a loopback port, over a process group of the
 tiny model - with random and boundary values in every field of the bodies, non-JSON bodies,
 hostile ``X-Request-Id`` headers, streams and ``n`` > 1, in concurrent batches, and clients that

@@ -1,4 +1,4 @@
-"""Errors at the HTTP edge (issue 13): each is one log line naming the request id and the path (the
+"""Errors at the HTTP edge: each is one log line naming the request id and the path (the
 traceback at debug level only), a 500 in OpenAI's shape, and the keep-alive connection stays open.
 A real uvicorn server in this event loop over the fake scheduler (fake_served.py)."""
 

@@ -1,10 +1,10 @@
-"""Large and malformed bodies against a real ``vllm-actors serve`` (issue 13): answered with 400 or
+"""Large and malformed bodies against a real ``vllm-actors serve``: answered with 400 or
 413 while ``/health`` and small requests keep answering fast, and the server's memory back near
 its baseline afterwards.
 
 Latency is measured by a poller in a process of its own (``/health`` and ``/v1/models`` in turn,
 each on the same keep-alive connection), so that the test process's own work of sending 30 MB
-does not count. The 100 ms bound is issue 13's; before these changes ``/health`` waited 3+ s
+does not count. The bound is 100 ms; before these changes ``/health`` waited 3+ s
 behind a 3 MB prompt and 36-50 s behind a 30 MB one.
 """
 
@@ -28,8 +28,8 @@ from vllm_actors.server.limits import MAX_BODY_BYTES, MIN_BODY_BYTES, RequestLim
 MAX_MODEL_LEN = 256
 MAX_PROMPT_BYTES = 4_000_000  # raised from the default (8 KB here) so that a 3 MB prompt is tokenised
 MAX_BODY = 6 * MAX_PROMPT_BYTES  # the default body cap that follows from it
-MAX_LATENCY = 0.1  # seconds: issue 13's bound for /health and small requests during a large one
-MEMORY_SLACK = 200 * 1024 * 1024  # issue 13: serve within 200 MB of its baseline after a large request
+MAX_LATENCY = 0.1  # seconds: the bound for /health and small requests during a large one
+MEMORY_SLACK = 200 * 1024 * 1024  # serve within 200 MB of its baseline after a large request
 FILLER = "The quick brown fox jumps over the lazy dog. "
 
 POLLER = r"""

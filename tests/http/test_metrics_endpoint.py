@@ -1,4 +1,4 @@
-"""Issue 15, part 5: ``/metrics`` against vLLM 0.26's ``PrometheusStatLogger`` through the real
+"""``/metrics`` against vLLM 0.26's ``PrometheusStatLogger`` through the real
 server (``vllm-actors serve`` on the tiny checkpoint, float32, CPU): every family vLLM serves by
 default with its type, labels and bucket boundaries, values right for a load of known size, and
 gauges that are fresh at scrape time."""

@@ -1,4 +1,4 @@
-"""Issue 15, part 4: vLLM's request fields through the real server (``vllm-actors serve`` on the
+"""vLLM's request fields through the real server (``vllm-actors serve`` on the
 tiny checkpoint, float32, CPU): prompt_logprobs against transformers' log-softmax, -1 logprobs,
 return_token_ids, return_tokens_as_token_ids, chat echo and continue_final_message,
 truncate_prompt_tokens, every field of vLLM's request models honoured or a 400 naming it, 415,

@@ -1,4 +1,4 @@
-"""Issue 15 part 1 through the real server: presence/frequency/repetition penalties, logit_bias,
+"""Sampling controls through the real server: presence/frequency/repetition penalties, logit_bias,
 allowed_token_ids and bad_words honoured on both endpoints; invalid values a 400 naming the field."""
 
 from __future__ import annotations

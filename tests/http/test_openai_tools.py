@@ -1,4 +1,4 @@
-"""Issue 15, part 3: tools on ``/v1/chat/completions`` through the real app, with a fake scheduler
+"""Tools on ``/v1/chat/completions`` through the real app, with a fake scheduler
 whose output the test writes (no model): the official ``openai`` client's typed models over tool
 calls, streamed and not (tool_choice "auto" with the hermes parser, a named function,
 "required"), the schema a forced call sends to the engine, "none", parallel_tool_calls, tools and
@@ -83,7 +83,7 @@ def scripted(tokenizer: Tokenizer) -> Iterator[Env]:  # noqa: F811
 @pytest.fixture
 def constraints_honoured() -> None:
     """Structured outputs reach the (fake) scheduler, which records what it was sent: the frontend
-    checks the tools' schema (issue 15 part 2 landed: nothing to stand in for any more)."""
+    checks the tools' schema (structured outputs exist: nothing to stand in for any more)."""
 
 
 def script(env: Env, text: str) -> None:

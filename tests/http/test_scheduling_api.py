@@ -1,4 +1,4 @@
-"""Scheduling fields end to end (issue 18): ``LLM.generate(priority=...)`` orders admission under
+"""Scheduling fields end to end: ``LLM.generate(priority=...)`` orders admission under
 the "priority" policy; through the HTTP server ``priority`` and the latency targets reach the
 scheduler (the ARRIVED and QUEUED events carry them) and ``--reject-unmeetable`` answers 503."""
 

@@ -1,7 +1,7 @@
-"""Issue 15 part 2 over HTTP: ``response_format`` (json_schema), vLLM's ``structured_outputs`` and the
+"""Structured outputs over HTTP: ``response_format`` (json_schema), vLLM's ``structured_outputs`` and the
 older ``guided_*`` fields on both endpoints of a real server on the tiny model, outputs checked
 against their constraint; bad specs are a 400 naming the field and the server keeps serving. And a
-named tool call (issue 15 part 3) whose arguments the worker constrains to the tool's schema."""
+named tool call whose arguments the worker constrains to the tool's schema."""
 
 from __future__ import annotations
 

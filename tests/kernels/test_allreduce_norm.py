@@ -1,7 +1,7 @@
 """The fused all-reduce + add + RMSNorm kernel against torch, in one process (Triton's interpreter on
 the CPU, or one GPU): the peers' buffers are local tensors already holding their partial sums, and
 their flags are already set in this rank's signal pad, so the barrier passes at once. The kernel on
-two real GPUs, racing its peer: `test_gpu_allreduce_norm.py`."""
+two real GPUs, racing its peer: `gpu/test_gpu_allreduce_norm.py`."""
 
 from __future__ import annotations
 

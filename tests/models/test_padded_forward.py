@@ -1,7 +1,7 @@
 """Prefill and mixed steps padded for CUDA graphs (actors/worker/padded_forward.py): the padded pass
 gives the same logits as the unpadded one. Run on the CPU with the Triton kernels interpreted (the
 padded rows rely on the Triton KV write skipping slot -1 and on the varlen kernel's empty programs);
-the graphs themselves are captured on a GPU (tests/test_gpu_engine.py)."""
+the graphs themselves are captured on a GPU (tests/gpu/test_gpu_engine.py)."""
 
 from __future__ import annotations
 

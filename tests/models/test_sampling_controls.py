@@ -1,4 +1,4 @@
-"""Issue 15 part 1: vLLM's sampling controls (penalties, logit_bias, allowed_token_ids, bad words)
+"""vLLM's sampling controls (penalties, logit_bias, allowed_token_ids, bad words)
 in the batched sampler, against a float64 reference of vLLM's formulas on the tiny model's logits,
 and end to end through ``LLM``."""
 

@@ -32,7 +32,7 @@ def _assert_close(got: list[dict[int, torch.Tensor]], want: list[dict[int, torch
             assert torch.equal(step_got[seq].argmax(-1), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("tp_size", [3])  # TP=2: the tests below, and tests/test_tensor_parallel.py end to end
+@pytest.mark.parametrize("tp_size", [3])  # TP=2: the tests below, and process_group/test_tensor_parallel.py end to end
 @pytest.mark.parametrize("model", ["tiny_qwen3_tp", "tiny_llama_tp"])
 def test_sharded_logits_match_tp1(model: str, tp_size: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     path = str(request.getfixturevalue(model))

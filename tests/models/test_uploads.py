@@ -4,7 +4,7 @@ A blocking host-to-device copy (``torch.tensor(values, device=...)``, a CUDA ten
 Python list) waits for everything queued on the stream: in the launch path that is the step just
 launched, and the host's work on the next step stops overlapping the GPU's. The sampler did that in
 every step of a batch whose penalised rows were not all of its rows (``_count_penalised``), which
-is the json-penalties mix of issue 15. On the CPU the rule is checked in the source; on a GPU,
+is the throughput benchmark's json-penalties mix. On the CPU the rule is checked in the source; on a GPU,
 under ``torch.cuda.set_sync_debug_mode("error")``, on the sampler itself.
 """
 

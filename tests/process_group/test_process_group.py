@@ -100,7 +100,7 @@ def test_every_request_story_reaches_the_bus_and_the_store(llm: LLM) -> None:
         check_against_outputs(stories, outputs)
         kinds = {event_type(e) for b in recorder.batches for e in b.events}
         # Preemption usually happens with this pool, but across processes it depends on how the
-        # arrivals interleave with steps; test_events.py forces it deterministically in process.
+        # arrivals interleave with steps; engine/test_events.py forces it deterministically in process.
         assert {"ALLOCATED", "FREED", "STEP_STARTED", "STEP_FINISHED", "FIRST_TOKEN", "TOKENS"} <= kinds
     finally:
         recorder.close()

@@ -1,4 +1,4 @@
-"""Request identity and validation at the socket edge (issue 13): request-id rules in one place
+"""Request identity and validation at the socket edge: request-id rules in one place
 (``protocol/names.py``), applied by the frontend and again by the scheduler; every AddRequest from
 the scheduler's socket checked before it touches state (token ids against the vocabulary, lengths,
 sampling values); each client connection owns its request ids (``actors/scheduler/owners.py``).

@@ -1,4 +1,4 @@
-"""Who may talk to a group's sockets (issue 13): CURVE on every TCP socket, with keys made per
+"""Who may talk to a group's sockets: CURVE on every TCP socket, with keys made per
 group and handed over in the run directory (``runtime/security.py``); IPC socket files 0600 in a
 private directory; a metrics-store dump never written where a query says.
 

@@ -1,4 +1,4 @@
-"""Bounded logs (issue 13): rate-limited per (level, event) and in all, with a line saying how many
+"""Bounded logs: rate-limited per (level, event) and in all, with a line saying how many
 were suppressed; errors on one line (tracebacks only at DEBUG, never with local variables); long
 values cut. A flood of malformed frames at an actor shell costs a few lines, not one per frame."""
 

@@ -1,4 +1,4 @@
-"""The `vllm-actors tap` command's process behaviour (its output format: test_tap_format.py)."""
+"""The `vllm-actors tap` command's process behaviour (its output format: state_machines/test_tap_format.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Recovery on the client side (issue 12), the frontend state machine alone: after a scheduler
+"""Recovery on the client side, the frontend state machine alone: after a scheduler
 restart ``Frontend.resubmit`` sends every unfinished request again (resume=True, with the tokens
 received so far, its priority, deadlines, children and seeds); when the group fails ``fail_all``
 ends every open request at once with finish reason "error". The clients and the HTTP server
-across a restart are in test_client_recovery.py.
+across a restart are in clients/test_client_recovery.py.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_resubmit_sends_each_unfinished_request_with_the_tokens_received(tokeniz
 
 
 def test_resubmit_keeps_priority_and_deadlines_without_an_arrival_time(tokenizer: Tokenizer) -> None:
-    """A resubmission after a scheduler restart keeps its scheduling (issue 18) but is never
+    """A resubmission after a scheduler restart keeps its scheduling (priority, deadlines) but is never
     refused as late: it carries no arrival time."""
     frontend = make_frontend(tokenizer)
     prepared = dataclasses.replace(frontend.prepare("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4)),

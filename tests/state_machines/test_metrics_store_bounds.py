@@ -1,5 +1,5 @@
 """The metrics store stays bounded in memory whatever arrives: huge ids, many requests, long
-generations, many clients, made-up reasons (issue 13, "bounded memory wherever a client can push").
+generations, many clients, made-up reasons ("bounded memory wherever a client can push").
 
 Batches go through a msgpack round trip, as on the bus: every batch then holds its own copies of
 the strings it names (the store once kept a 60 KB request id once per step)."""

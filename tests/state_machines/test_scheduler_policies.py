@@ -1,4 +1,4 @@
-"""Scheduling policies (issue 18) driven at the scheduler's unit level: the order each policy
+"""Scheduling policies driven at the scheduler's unit level: the order each policy
 admits and runs requests in, and whom it preempts when KV blocks run short."""
 
 from __future__ import annotations

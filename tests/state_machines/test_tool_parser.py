@@ -1,4 +1,4 @@
-"""Issue 15, part 3: the tool-call parsers (server/tool_parser.py) as pure state machines, fed the
+"""The tool-call parsers (server/tool_parser.py) as pure state machines, fed the
 same outputs whole, split at every position, and one character at a time: the same content and
 calls every way, markup never in the content, a call's first delta carrying its id and name. And
 tools.py's schemas (vLLM's) and history conversion."""
