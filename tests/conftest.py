@@ -4,6 +4,8 @@ the environment every test runs in; the order pytest-xdist hands the files out i
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -26,11 +28,28 @@ os.environ.setdefault("VLLM_ACTORS_CPU_KVCACHE_SPACE", "0.5")
 from tests.support.tiny_models import build_checkpoint  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
+SHORT_BASETEMP = pytest.StashKey[str]()
 # Under pytest-xdist (scripts/test.sh: --dist loadfile --no-loadscope-reorder) each file goes whole to
 # one worker, in collection order: the folders whose files start process groups come first, so the
 # files handed out last are short ones and the workers finish together. Other folders go first.
 XDIST_FOLDER_ORDER = ("process_group", "http", "engine", "bench", "models", "runtime", "kernels", "clients",
                       "state_machines", "layout", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, every temporary folder goes under a short new one (/tmp/pt-XXXXXXXX/popen-gwN):
+    pytest's (/tmp/pytest-of-USER/pytest-N/popen-gwN/TEST_NAME) took a group's IPC socket paths past
+    the 107 bytes of a Unix socket address. Removed at the end of a run that passed."""
+    if config.getoption("dist", "no") != "no" and config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="pt-")
+        config.stash[SHORT_BASETEMP] = config.option.basetemp
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    basetemp = session.config.stash.get(SHORT_BASETEMP, None)
+    if basetemp is not None and exitstatus == 0:
+        shutil.rmtree(basetemp, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
