@@ -13,13 +13,13 @@
 #           (EVENT_PAIRS pairs, default 2):
 #           benchmarks/throughput.py --no-peer --no-batch1 --no-floor [--no-events]; extra
 #           arguments after `--` go to each run), tptests (2 GPUs: TP=2 greedy equal to TP=1,
-#           tests/test_gpu_tensor_parallel.py, and the fused all-reduce + norm on two GPUs,
-#           tests/test_gpu_allreduce_norm.py), allreduce (2+ GPUs: NCCL, symmetric-memory one-shot and
+#           tests/gpu/test_gpu_tensor_parallel.py, and the fused all-reduce + norm on two GPUs,
+#           tests/gpu/test_gpu_allreduce_norm.py), allreduce (2+ GPUs: NCCL, symmetric-memory one-shot and
 #           two-shot, and the fused all-reduce + norm at decode sizes, benchmarks/allreduce.py; results
 #           in $out/allreduce.json), gemv (the batch-1 GEMV against cuBLAS over a grid,
 #           benchmarks/gemv_sweep.py, GEMV_ARGS for its flags; results in $out/gemv.json),
 #           synctests (the worker's launch path and the sampler under set_sync_debug_mode("error"),
-#           tests/test_uploads.py, and the penalties kernel at full size)
+#           tests/models/test_uploads.py, and the penalties kernel at full size)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
 #        bash benchmarks/gpu_session.sh tptests allreduce            # on nvidia-h200-x2
 #        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
@@ -66,17 +66,18 @@ status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage"
   case "$stage" in
-    tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py tests/test_gemv.py \
-               tests/test_allreduce_norm.py
-             timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py tests/test_uploads.py
+    tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py \
+               tests/kernels/test_allreduce_norm.py
+             timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
+               tests/gpu/test_gpu_engine.py tests/models/test_uploads.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
-    tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/test_gpu_allreduce_norm.py \
-               tests/test_gpu_tensor_parallel.py \
+    tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/gpu/test_gpu_allreduce_norm.py \
+               tests/gpu/test_gpu_tensor_parallel.py \
                2>&1 | tee "$out/tptests.log" | tail -40 ;;
     allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
-    synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/test_uploads.py \
-                 tests/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
-    fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
+    synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/models/test_uploads.py \
+                 tests/kernels/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
+    fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;

@@ -15,7 +15,7 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet "${pip[@]}" "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import vllm_actors, pytest, transformers, accelerate, triton, zmq, msgspec, gguf, fastapi, uvicorn, openai, httpx, prometheus_client, mypy, ray, llguidance, jsonschema" 2>/dev/null \
+if ! .venv/bin/python -c "import vllm_actors, pytest, xdist, transformers, accelerate, triton, zmq, msgspec, gguf, fastapi, uvicorn, openai, httpx, prometheus_client, mypy, ray, llguidance, jsonschema" 2>/dev/null \
    || [ ! -x .venv/bin/ruff ] || [ pyproject.toml -nt .venv/.installed ]; then
   quiet "${pip[@]}" -e ".[test,kernels,ray]"
   touch .venv/.installed

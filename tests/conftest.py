@@ -1,9 +1,11 @@
-"""Shared pytest fixtures: tiny HF checkpoints built on the spot and the embedded default GGUF model."""
+"""Shared pytest fixtures: tiny HF checkpoints built on the spot and the embedded default GGUF model;
+the environment every test runs in; the order pytest-xdist hands the files out in."""
 
 from __future__ import annotations
 
 import os
-import sys
+import shutil
+import tempfile
 
 import torch
 
@@ -16,11 +18,49 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Every KV-cache manager checks its pool's accounting after every step, in process and in groups.
 os.environ.setdefault("VLLM_ACTORS_CHECK_INVARIANTS", "1")
+# A CPU worker zero-fills its whole KV pool at start (1 GiB by default). Half of it still holds the
+# embedded model's full context (8,192 tokens take 0.35 GiB in float32) and no test counts on the
+# default size; tests that need a given pool set num_gpu_blocks_override.
+os.environ.setdefault("VLLM_ACTORS_CPU_KVCACHE_SPACE", "0.5")
 
-from tiny_models import build_checkpoint  # noqa: E402
+from tests.support.tiny_models import build_checkpoint  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+SHORT_BASETEMP = pytest.StashKey[str]()
+# Under pytest-xdist (scripts/test.sh: --dist loadfile --no-loadscope-reorder) each file goes whole to
+# one worker, in collection order: the folders whose files start process groups come first, so the
+# files handed out last are short ones and the workers finish together. Other folders go first.
+XDIST_FOLDER_ORDER = ("process_group", "http", "engine", "bench", "models", "runtime", "kernels", "clients",
+                      "state_machines", "layout", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, every temporary folder goes under a short new one (/tmp/pt-XXXXXXXX/popen-gwN):
+    pytest's (/tmp/pytest-of-USER/pytest-N/popen-gwN/TEST_NAME) took a group's IPC socket paths past
+    the 107 bytes of a Unix socket address. Removed at the end of a run that passed."""
+    if config.getoption("dist", "no") != "no" and config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="pt-")
+        config.stash[SHORT_BASETEMP] = config.option.basetemp
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    basetemp = session.config.stash.get(SHORT_BASETEMP, None)
+    if basetemp is not None and exitstatus == 0:
+        shutil.rmtree(basetemp, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # a plain run keeps pytest's order
+        return
+
+    def rank(item: pytest.Item) -> int:
+        folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else ""
+        return XDIST_FOLDER_ORDER.index(folder) if folder in XDIST_FOLDER_ORDER else -1
+
+    items.sort(key=rank)  # stable: inside a folder, pytest's order
 
 
 @pytest.fixture(scope="session")

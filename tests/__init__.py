@@ -1,0 +1,1 @@
+"""The test suite, one folder per layer (tests/README.md); imported as the ``tests`` package."""

@@ -1,0 +1,1 @@
+"""The clients (sync, asyncio, LLM) against a fake scheduler on real sockets."""

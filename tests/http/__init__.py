@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: real vllm-actors serve processes or the app over a fake scheduler."""

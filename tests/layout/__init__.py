@@ -1,0 +1,1 @@
+"""Rules of the source tree: layering, packaging and the wire schemas."""

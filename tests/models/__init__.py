@@ -1,0 +1,1 @@
+"""The worker's model side on the CPU: models, loaders, tokenizers, the sampler, against references."""

@@ -1,0 +1,1 @@
+"""Real process groups: supervision, crashes, sockets and their security, TP and replica sets."""

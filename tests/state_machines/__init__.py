@@ -1,0 +1,1 @@
+"""Pure state machines and pure modules, one at a time: no processes, sockets or model."""
