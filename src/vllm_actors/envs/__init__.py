@@ -6,7 +6,7 @@ monkeypatch the environment without reloading any module; an empty value counts 
 where ``keep_empty`` says it means something, as for ``CUDA_VISIBLE_DEVICES``), and a bad value
 raises a ``ValueError`` that names the variable. ``Envs(mapping)`` reads another mapping instead
 (functions that take an ``environ`` argument for their tests). Nothing else in ``src/`` reads
-``os.environ`` (``tests/test_layout.py``).
+``os.environ`` (``tests/layout/test_layout.py``).
 
 ``python -m vllm_actors.envs --markdown > docs/settings.md`` writes the reference table
 (``envs/table.py``); ``python -m vllm_actors.envs`` prints the values this process would use.

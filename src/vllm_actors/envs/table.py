@@ -14,7 +14,7 @@ def markdown() -> str:
         "# Settings read from the environment",
         "",
         "Generated from `src/vllm_actors/envs/__init__.py` by",
-        "`python -m vllm_actors.envs --markdown > docs/settings.md`; `tests/test_envs.py` fails when this",
+        "`python -m vllm_actors.envs --markdown > docs/settings.md`; `tests/layout/test_envs.py` fails when this",
         "file is out of date. An empty value counts as unset (except `CUDA_VISIBLE_DEVICES`); a bad value",
         "stops the process with an error naming the variable.",
         "Booleans take 1/0, true/false, yes/no or on/off.",

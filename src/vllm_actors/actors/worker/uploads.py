@@ -6,7 +6,7 @@ launch path that is the step just launched, so the host's work on the next step 
 the GPU's. ``upload`` stages the values in pinned memory (PyTorch's caching host allocator, which
 keeps a buffer until its copy is done) and copies asynchronously, ordered on the current stream, as
 vLLM's ``async_tensor_h2d`` does. The worker's modules use it for every list they send to the
-device (a test in tests/test_uploads.py holds them to it).
+device (a test in tests/models/test_uploads.py holds them to it).
 
 Assigning a Python number through index tensors (``logits[rows, ids] = -inf``) blocks too:
 ``index_put_`` copies the number, made a CPU scalar tensor, to the device with a blocking copy.
