@@ -32,6 +32,7 @@ from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, Queued
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdate, RequestUpdates, StepPlan
 from vllm_actors.protocol.names import (
+    BUS,
     CLIENT,
     FRONTEND,
     MAX_REQUEST_ID_LENGTH,
@@ -144,10 +145,15 @@ def with_seed(message: AddRequest, seed: int) -> AddRequest:
     return message
 
 
-def only_error(out: list[tuple[str, Any]]) -> str:
-    updates = [u for d, m in out if d == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
+def pairs(out: Outputs) -> list[tuple[str, Any]]:
+    """An actor's outputs as (destination, message) pairs, its events addressed to ``BUS``."""
+    return [*out.messages, *((BUS, event) for event in out.events)]
+
+
+def only_error(out: Outputs) -> str:
+    updates = [u for d, m in pairs(out) if d == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
     assert len(updates) == 1 and updates[0].finish_reason == "error", out
-    assert not [m for _, m in out if isinstance(m, Queued) or (isinstance(m, StepPlan) and m.req_ids)], out
+    assert not [m for _, m in pairs(out) if isinstance(m, Queued) or (isinstance(m, StepPlan) and m.req_ids)], out
     return updates[0].error or ""
 
 
@@ -190,20 +196,20 @@ def test_a_refused_duplicate_leaves_no_event_in_the_holders_timeline() -> None:
     s = scheduler()
     s.handle(add("a", [1, 2, 3]))
     out = s.handle(add("a", [4, 5]))
-    (update,) = [u for d, m in out if d == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
+    (update,) = [u for d, m in pairs(out) if d == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
     assert update.finish_reason == "error" and "already in use" in (update.error or "")
-    assert not [e for _, e in out if isinstance(e, (Aborted, Queued))]
+    assert not [e for _, e in pairs(out) if isinstance(e, (Aborted, Queued))]
     assert s.requests["a"].prompt_token_ids == [1, 2, 3]
     # a refusal of a fresh, well-formed id does say why in its own timeline
     out = s.handle(add("b", [1, VOCAB]))
-    assert [e.request_id for _, e in out if isinstance(e, Aborted)] == ["b"]
+    assert [e.request_id for _, e in pairs(out) if isinstance(e, Aborted)] == ["b"]
 
 
 def test_a_long_abort_reason_is_cut_before_it_reaches_the_bus() -> None:
     s = scheduler()
     s.handle(add("a", [1, 2, 3]))
     out = s.handle(AbortRequests(request_ids=["a"], reason="x" * 100_000))
-    (aborted,) = [e for _, e in out if isinstance(e, Aborted)]
+    (aborted,) = [e for _, e in pairs(out) if isinstance(e, Aborted)]
     assert len(aborted.reason) <= 64 and not s.requests
 
 

@@ -177,8 +177,7 @@ def test_the_publisher_drops_work_events_only_when_told(zmq_context: zmq.Context
 def test_the_in_process_engine_applies_each_roles_accept_rules_and_request_identity() -> None:
     """The in-process engine runs every actor through the shells' loop: a pipeline reset from
     anyone but the supervisor is dropped, and one client cannot abort or take another's request."""
-    from test_prefix_caching import record_events
-
+    from tests.engine.test_engine_prefix_caching import record_events
     from tests.engine.test_scheduler import make_engine
     from vllm_actors.protocol.events import PipelineReset
     from vllm_actors.protocol.messages import AbortRequests, AddRequest, RecoverPipeline, RequestUpdates
