@@ -24,6 +24,14 @@ os.environ.setdefault("VLLM_ACTORS_CHECK_INVARIANTS", "1")
 # embedded model's full context (8,192 tokens take 0.35 GiB in float32) and no test counts on the
 # default size; tests that need a given pool set num_gpu_blocks_override.
 os.environ.setdefault("VLLM_ACTORS_CPU_KVCACHE_SPACE", "0.5")
+# Under pytest-xdist the test processes share the cores: each takes its share of torch threads, and
+# so do the actor processes it starts (torch's default of one spinning thread per core in every one
+# of them oversubscribed the two cores and made the parallel suite slower than the serial one).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("VLLM_ACTORS_WORKER_THREADS", str(_share))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(_share)
 
 from tests.support.tiny_models import build_checkpoint  # noqa: E402
 
