@@ -218,7 +218,7 @@ class InProcessEngine(SyncClient):
         """A pipeline reset the KV-cache manager has not applied yet: the scheduler has not sent
         the reset plan, or it is still queued for the manager."""
         queued = self._network.inbox(self.kv_cache_manager.name)
-        return self.scheduler._reset_pending or any(isinstance(m, StepPlan) and m.reset for _, m in queued)
+        return self.scheduler.reset_pending or any(isinstance(m, StepPlan) and m.reset for _, m in queued)
 
     def check_idle_invariants(self) -> None:
         """Once nothing is unfinished: no table is left and every block is free or idle in the
@@ -238,7 +238,7 @@ class InProcessEngine(SyncClient):
         total, references match holders, no block held for a request the scheduler no longer
         runs beyond the ones it frees in its next plan), and the two agree on every count."""
         live = {request.request_id for request in self.scheduler.running}
-        pending = set(self.scheduler._departed)
+        pending = set(self.scheduler.departed)
         manager = self.kv_cache_manager
         ledger = self.scheduler.ledger
         ledger.check_invariants(live)

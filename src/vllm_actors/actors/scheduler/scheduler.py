@@ -104,10 +104,6 @@ class Scheduler:
         """Requests that left the worker since the last plan (the next plan's ``finished_ids``)."""
         return self.pipeline.departed
 
-    # The names clients/inprocess.py reads until it uses ``reset_pending`` and ``departed``.
-    _reset_pending = reset_pending
-    _departed = departed
-
     # ------------------------------------------------------------------ messages
     def handle(self, message: Message) -> Outputs:
         out = Outputs()
