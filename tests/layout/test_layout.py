@@ -32,8 +32,6 @@ ACTORS = PACKAGE / "actors"
 # Whole folders of state machines, and single state-machine modules of folders that also hold I/O code.
 STATE_MACHINE_FOLDERS = ("scheduler", "kv_cache_manager", "metrics_store", "controller", "worker")
 STATE_MACHINE_FILES = ("frontend/frontend.py", "frontend/detokenizer.py")
-# Modules of those folders outside the state machine: the runner's Triton-or-torch switch.
-NOT_STATE_MACHINE = ("worker/kernel_choice.py",)
 # The worker's state machine works on torch tensors (the GPU engine itself is vllm_actors/runner).
 TORCH_ALLOWED = {f"vllm_actors.actors.worker.{name}" for name in (
     "worker", "step_data", "engine", "batch", "host_copies", "logprobs", "ranks", "uploads")}
@@ -59,8 +57,7 @@ def module_name(path: Path) -> str:
 
 
 def state_machine_modules() -> list[Path]:
-    paths = [path for folder in STATE_MACHINE_FOLDERS for path in sorted((ACTORS / folder).glob("*.py"))
-             if path.relative_to(ACTORS).as_posix() not in NOT_STATE_MACHINE]
+    paths = [path for folder in STATE_MACHINE_FOLDERS for path in sorted((ACTORS / folder).glob("*.py"))]
     return paths + [ACTORS / name for name in STATE_MACHINE_FILES]
 
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels import penalties as kernel
+from vllm_actors.kernels.choice import use_triton
 
 
 def penalty_kernel_enabled(device: torch.device) -> bool:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_actors.actors.worker.kernel_choice import use_triton
 from vllm_actors.actors.worker.logprobs import top_logprobs
 from vllm_actors.actors.worker.step_data import GraphSampling, SampleResult, SamplingRow
 from vllm_actors.actors.worker.uploads import fill_at, upload
 from vllm_actors.kernels import sampling as fused_sampling
+from vllm_actors.kernels.choice import use_triton
 from vllm_actors.protocol.messages import Logprobs
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runner.penalties import apply_controls
