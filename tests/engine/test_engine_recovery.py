@@ -24,6 +24,7 @@ import pytest
 from tests.engine.test_engine_prefix_caching import record_events
 from tests.engine.test_scheduler import make_engine, record_plans
 from tests.support.fake_runner import FakeRunner
+from tests.support.outputs import pairs
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -52,7 +53,7 @@ from vllm_actors.protocol.messages import (
     StepResult,
     pack_token_ids,
 )
-from vllm_actors.protocol.names import BUS, FRONTEND, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, child_request_id
+from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, child_request_id
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runner.sampler import Sampler
@@ -287,11 +288,6 @@ def add(request_id: str, prompt: list[int], outputs: list[int] | None = None, re
     return AddRequest(request_id=request_id, prompt_token_ids=prompt, eos_token_ids=[0],
                       params=SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params}),
                       resume=resume or outputs is not None, output_token_ids=outputs or [])
-
-
-def pairs(out: Outputs) -> list[tuple[str, Any]]:
-    """An actor's outputs as (destination, message) pairs, its events addressed to ``BUS``."""
-    return [*out.messages, *((BUS, event) for event in out.events)]
 
 
 def plans_of(out: Outputs) -> list[StepPlan]:

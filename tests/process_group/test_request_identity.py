@@ -20,6 +20,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
+from tests.support.outputs import pairs
 from vllm_actors import SamplingParams
 from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend
@@ -32,7 +33,6 @@ from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, Queued
 from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdate, RequestUpdates, StepPlan
 from vllm_actors.protocol.names import (
-    BUS,
     CLIENT,
     FRONTEND,
     MAX_REQUEST_ID_LENGTH,
@@ -143,11 +143,6 @@ def with_seed(message: AddRequest, seed: int) -> AddRequest:
     """A seed set after construction (as in process; over the wire decoding refuses it already)."""
     message.params.seed = seed
     return message
-
-
-def pairs(out: Outputs) -> list[tuple[str, Any]]:
-    """An actor's outputs as (destination, message) pairs, its events addressed to ``BUS``."""
-    return [*out.messages, *((BUS, event) for event in out.events)]
 
 
 def only_error(out: Outputs) -> str:
