@@ -8,6 +8,8 @@
 #           it too, so name it alone when passing them),
 #           vllm (install the vLLM peer from .vllmpeer/ into /tmp/vsite once its pieces are in
 #           /tmp/vllmpeer: see ../shared/device/vllm-peer/fetch.sh; skipped when /tmp/vsite has it),
+#           sglang (install the SGLang peer from /tmp/sglpeer into /tmp/ssite: see
+#           benchmarks/kits/sglang/fetch.sh; skipped when /tmp/ssite has it; then its imports checked),
 #           serve (the online benchmark, benchmarks/serve.py; extra arguments after `--` go to it;
 #           results in $out/serve), events (the offline run with event publishing on, off, on, off
 #           (EVENT_PAIRS pairs, default 2):
@@ -25,6 +27,7 @@
 #        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
 #        bash benchmarks/gpu_session.sh vllm throughput -- --peer vllm --runs 2 --batch1-same-engine-only
 #        bash benchmarks/gpu_session.sh vllm serve -- --engines vllm ours --rates 0.5 20 40 --duration 60
+#        bash benchmarks/gpu_session.sh vllm sglang throughput -- --peer vllm sglang --no-floor
 #        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
@@ -85,6 +88,9 @@ for stage in "${stages[@]}"; do
     prefix) python3 benchmarks/prefix.py --out "$out/prefix" "$@" 2>&1 | tee "$out/prefix.log" | tail -40 ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
+    sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"
+            else bash benchmarks/kits/sglang/assemble.sh; fi
+            PYTHONPATH=/tmp/ssite python3 -c 'import sglang, sgl_kernel, flashinfer; from sglang.srt.entrypoints.engine import Engine; import sglang.launch_server; print("sglang", sglang.__version__, "imports")' 2>&1 | tail -5 ;;
     serve) python3 benchmarks/serve.py --out "$out/serve" "$@" 2>&1 | tee "$out/serve.log" | tail -40 ;;
     events) runs=(); for pair in $(seq 1 "${EVENT_PAIRS:-2}"); do runs+=("on-$pair" "off-$pair"); done
             for run in "${runs[@]}"; do

@@ -1,5 +1,6 @@
 """The throughput benchmark's report with its comparisons: the GPU's floor and ceilings, the
-transformers and vLLM peers, and batch-1 by the client's clock (rows, bars and ``results.json`` keys)."""
+transformers, vLLM and SGLang peers, and batch-1 by the client's clock (rows, bars and
+``results.json`` keys)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from vllm_actors.bench.report import BenchReport
 
 _KEY_ORDER = (
     "config", "ours", "floor", "fraction_of_floor", "ceilings", "peer", "peer_ratio", "metrics", "batch1", "errors",
-    "total_seconds", "ours_runs", "startup_s", "batch1_client", "peer_vllm", "vllm_ratio", "steps",
+    "total_seconds", "ours_runs", "startup_s", "batch1_client", "peer_vllm", "vllm_ratio", "peer_sglang",
+    "sglang_ratio", "best_peer", "steps",
 )
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # the separate-process peers, in the order they run
 
 
 def _ms(seconds: float) -> str:
@@ -25,14 +28,51 @@ class ComparisonReport(BenchReport):
     ceilings: GpuCeilings | None = None
     floor: Floor | None = None
     peer: PeerResult | None = None
-    batch1_client: dict[str, Any] | None = None  # client-clock batch-1 (peer_vllm.client_batch1)
+    batch1_client: dict[str, Any] | None = None  # client-clock batch-1 (peer_common.client_batch1)
     peer_vllm: dict[str, Any] | None = None  # peer_vllm.py's result
+    peer_sglang: dict[str, Any] | None = None  # peer_sglang.py's result
+
+    def engine_peers(self) -> dict[str, dict[str, Any]]:
+        """The separate-process peers that ran: engine -> its result."""
+        found = {engine: getattr(self, f"peer_{engine}") for engine in ENGINE_NAMES}
+        return {engine: result for engine, result in found.items() if result}
+
+    def ratio_to(self, engine: str) -> float | None:
+        """Our output tok/s over ``engine``'s."""
+        peer = getattr(self, f"peer_{engine}")
+        if self.ours is None or not peer or not peer.get("tokens_per_s"):
+            return None
+        return self.ours.tokens_per_s / float(peer["tokens_per_s"])
 
     @property
     def vllm_ratio(self) -> float | None:
-        if self.ours is None or not self.peer_vllm or not self.peer_vllm.get("tokens_per_s"):
+        return self.ratio_to("vllm")
+
+    @property
+    def sglang_ratio(self) -> float | None:
+        return self.ratio_to("sglang")
+
+    @property
+    def best_peer(self) -> dict[str, Any] | None:
+        """Against the better of the engine peers: output tok/s, batch-1 TTFT and decode, each
+        ours over the best peer's figure (tok/s: above 1 is ahead; times: below 1 is ahead)."""
+        peers = self.engine_peers()
+        if not peers:
             return None
-        return self.ours.tokens_per_s / float(self.peer_vllm["tokens_per_s"])
+        best: dict[str, Any] = {}
+        rated = {e: float(r["tokens_per_s"]) for e, r in peers.items() if r.get("tokens_per_s")}
+        if rated and self.ours is not None:
+            engine = max(rated, key=lambda e: rated[e])
+            best["tokens_per_s"] = {"engine": engine, "peer": rated[engine],
+                                    "ours_over_peer": self.ours.tokens_per_s / rated[engine]}
+        ours_b1 = self.batch1_client
+        for key in ("ttft_s", "ms_per_token"):
+            timed = {e: float(r["batch1"][key]) for e, r in peers.items() if r.get("batch1")}
+            if timed and ours_b1:
+                engine = min(timed, key=lambda e: timed[e])
+                best[key] = {"engine": engine, "peer": timed[engine],
+                             "ours_over_peer": float(ours_b1[key]) / timed[engine]}
+        return best
 
     @property
     def fraction_of_floor(self) -> float | None:
@@ -57,6 +97,9 @@ class ComparisonReport(BenchReport):
             "batch1_client": self.batch1_client,
             "peer_vllm": self.peer_vllm,
             "vllm_ratio": self.vllm_ratio,
+            "peer_sglang": self.peer_sglang,
+            "sglang_ratio": self.sglang_ratio,
+            "best_peer": self.best_peer,
         }
         return {key: merged[key] for key in _KEY_ORDER}
 
@@ -66,12 +109,13 @@ class ComparisonReport(BenchReport):
             bars.append(("floor", self.floor.tokens_per_s))
         if self.peer is not None:
             bars.append((f"transformers\n({self.peer.num_requests} req)", self.peer.tokens_per_s))
-        if self.peer_vllm and self.peer_vllm.get("tokens_per_s"):
-            bars.append((f"vLLM {self.peer_vllm.get('version', '')}", float(self.peer_vllm["tokens_per_s"])))
+        for engine, result in self.engine_peers().items():
+            if result.get("tokens_per_s"):
+                bars.append((f"{ENGINE_NAMES[engine]} {result.get('version', '')}", float(result["tokens_per_s"])))
         return bars
 
     def comparison_rows(self) -> list[tuple[str, str]]:
-        rows = self._vllm_rows()
+        rows = self._engine_rows()
         if self.floor is not None:
             floor = self.floor
             rows.append(("floor: output tok/s", f"{floor.tokens_per_s:,.0f} ({floor.seconds:.2f} s: prefill "
@@ -97,26 +141,35 @@ class ComparisonReport(BenchReport):
                 rows.append(("ours / peer (tok/s)", f"{self.peer_ratio:.2f}x"))
         return rows
 
-    def _vllm_rows(self) -> list[tuple[str, str]]:
+    def _engine_rows(self) -> list[tuple[str, str]]:
         rows: list[tuple[str, str]] = []
-        ours_b1, peer = self.batch1_client, self.peer_vllm
+        ours_b1 = self.batch1_client
         if ours_b1:
             rows.append(("ours: batch-1 (client clock)", f"TTFT {_ms(ours_b1['ttft_s'])}, "
                                                          f"{ours_b1['ms_per_token']:.3f} ms/token"))
-        if not peer:
-            return rows
-        if peer.get("tokens_per_s"):
-            runs = ", ".join(f"{run['tokens_per_s']:,.0f}" for run in peer.get("runs", []))
-            rows.append((f"vLLM {peer.get('version', '')}: output tok/s",
-                         f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
-        if peer.get("startup_s") is not None:
-            rows.append(("vLLM: engine start", f"{peer['startup_s']:.1f} s"))
-        if peer.get("batch1"):
-            b1 = peer["batch1"]
-            rows.append(("vLLM: batch-1 (client clock)",
-                         f"TTFT {_ms(b1['ttft_s'])}, {b1['ms_per_token']:.3f} ms/token"))
-        if self.vllm_ratio is not None:
-            rows.append(("ours / vLLM (tok/s)", f"{self.vllm_ratio:.3f}"))
-        if peer.get("error"):
-            rows.append(("error: vLLM", str(peer["error"])))
+        for engine, peer in self.engine_peers().items():
+            name = ENGINE_NAMES[engine]
+            if peer.get("tokens_per_s"):
+                runs = ", ".join(f"{run['tokens_per_s']:,.0f}" for run in peer.get("runs", []))
+                rows.append((f"{name} {peer.get('version', '')}: output tok/s",
+                             f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
+            if peer.get("startup_s") is not None:
+                rows.append((f"{name}: engine start", f"{peer['startup_s']:.1f} s"))
+            if peer.get("settings"):
+                rows.append((f"{name}: settings", ", ".join(f"{k}={v}" for k, v in peer["settings"].items())))
+            if peer.get("batch1"):
+                b1 = peer["batch1"]
+                rows.append((f"{name}: batch-1 (client clock)",
+                             f"TTFT {_ms(b1['ttft_s'])}, {b1['ms_per_token']:.3f} ms/token"))
+            ratio = self.ratio_to(engine)
+            if ratio is not None:
+                rows.append((f"ours / {name} (tok/s)", f"{ratio:.3f}"))
+            if peer.get("error"):
+                rows.append((f"error: {name}", str(peer["error"])))
+        best = self.best_peer or {}
+        for key, label in (("tokens_per_s", "tok/s"), ("ttft_s", "batch-1 TTFT"), ("ms_per_token", "batch-1 decode")):
+            if key in best:
+                entry = best[key]
+                rows.append((f"ours / best peer ({label})",
+                             f"{entry['ours_over_peer']:.3f} (best: {ENGINE_NAMES[entry['engine']]})"))
         return rows

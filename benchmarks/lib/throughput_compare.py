@@ -4,8 +4,9 @@ with, in this order after our engines are shut down (the GPU is left to each par
 1. batch-1 decode by the client's clock, measured as the vLLM peer measures it (while our timed
    run's engine is still up);
 2. the GPU's copy bandwidth and bf16 matmul rate, and the workload's floor from them (floor.py);
-3. the transformers peer on the same requests (peer_transformers.py), or vLLM's offline ``LLM`` in
-   a process of its own (peer_vllm.py);
+3. the peers named by ``--peer`` on the same requests: transformers (peer_transformers.py), vLLM's
+   offline ``LLM`` (peer_vllm.py) and SGLang's offline ``Engine`` (peer_sglang.py), each of the
+   last two in a process of its own under its own packages, one after the other;
 4. ``--mix``: the plain and the mixed workload instead of the parts above (throughput_mix.py).
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from benchmarks.lib import peer_vllm, throughput_mix
+from benchmarks.lib import peer_common, peer_sglang, peer_vllm, throughput_mix
 from benchmarks.lib.compare_report import ComparisonReport
 from benchmarks.lib.floor import Floor, GpuCeilings, ModelShape, measure_ceilings, workload_floor
 from vllm_actors.bench import throughput
@@ -32,6 +33,8 @@ from vllm_actors.bench.throughput_engine import EngineSession
 from vllm_actors.bench.throughput_workload import TEMPERATURE, Workload
 
 log = structlog.get_logger(__name__)
+
+PEERS = ("transformers", "vllm", "sglang", "none")
 
 
 def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +51,10 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
                        help="FLOP/s to compute the floor with instead of the measured bf16 matmul rate")
 
     peer = parser.add_argument_group("peer")
-    peer.add_argument("--peer", choices=("transformers", "vllm", "none"), default="transformers",
-                      help="vllm: vLLM's offline LLM on the same workload, in its own process (peer_vllm.py)")
-    peer.add_argument("--no-peer", dest="peer", action="store_const", const="none", help="same as --peer none")
+    peer.add_argument("--peer", nargs="+", choices=PEERS, default=["transformers"],
+                      help="one or more: vllm / sglang: the engine's offline API on the same workload, each in "
+                           "its own process (peer_vllm.py, peer_sglang.py), one after the other")
+    peer.add_argument("--no-peer", dest="peer", action="store_const", const=["none"], help="same as --peer none")
     peer.add_argument("--peer-num-requests", type=int, default=None,
                       help="run the peer on the first N requests only (default: --num-requests)")
     peer.add_argument("--peer-attn", default=None,
@@ -59,6 +63,10 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
     peer.add_argument("--vllm-python", default=sys.executable, help="the Python that runs vLLM")
     peer.add_argument("--vllm-pythonpath", default="/tmp/vsite",
                       help="PYTHONPATH of vLLM's process (where its packages are; '' to inherit ours)")
+    peer.add_argument("--sglang-python", default=sys.executable, help="the Python that runs SGLang")
+    peer.add_argument("--sglang-pythonpath", default="/tmp/ssite",
+                      help="PYTHONPATH of SGLang's process (benchmarks/kits/sglang installs it there)")
+    peer.add_argument("--sglang-attention-backend", default="fa3", help="SGLang's --attention-backend")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,21 +132,34 @@ def run_peer(args: argparse.Namespace, model_path: str, workload: Workload, rand
     )
 
 
-def run_vllm_peer(
-    args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
+# The separate-process peers: their script, and what their process needs in its environment.
+PEER_MODULES = {"vllm": peer_vllm, "sglang": peer_sglang}
+PEER_ENV = {"vllm": {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                     "HF_HUB_OFFLINE": "1"},
+            "sglang": {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}}
+
+
+def run_engine_peer(
+    engine: str, args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
     vocab_size: int, mix: str = "none",
 ) -> dict[str, Any]:
-    """peer_vllm.py in a process of its own, under vLLM's PYTHONPATH; its JSON result (with
-    ``error`` when it failed, and what it measured before that)."""
-    script = scratch_dir / "peer_vllm.py"  # run from a folder of its own: lib/'s modules shadow nothing
-    shutil.copyfile(peer_vllm.__file__, script)
-    workload_path, result_path = scratch_dir / "vllm_workload.json", scratch_dir / "vllm_result.json"
+    """``engine``'s peer script (peer_vllm.py or peer_sglang.py, with peer_common.py beside it) in a
+    process of its own, under that engine's Python and PYTHONPATH; its JSON result (with ``error``
+    when it failed, and what it measured before that)."""
+    module = PEER_MODULES[engine]
+    folder = scratch_dir / f"peer-{engine}"  # a folder of its own: lib/'s modules shadow nothing
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / Path(str(module.__file__)).name
+    shutil.copyfile(str(module.__file__), script)
+    shutil.copyfile(str(peer_common.__file__), folder / "peer_common.py")
+    workload_path, result_path = folder / "workload.json", folder / "result.json"
     content: dict[str, Any] = {"prompts": workload.prompts, "max_tokens": workload.max_tokens}
     if mix != "none":  # plain and mixed runs, with the tokenizer (throughput_mix.py)
         content["mix"] = throughput_mix.mix_fields(mix, len(workload))
     workload_path.write_text(json.dumps(content))
+    python, pythonpath = getattr(args, f"{engine}_python"), getattr(args, f"{engine}_pythonpath")
     command = [
-        args.vllm_python, str(script), "--model", model_path, "--workload", str(workload_path),
+        python, str(script), "--model", model_path, "--workload", str(workload_path),
         "--out", str(result_path), "--load-format", load_format, "--dtype", args.dtype,
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
@@ -148,24 +169,32 @@ def run_vllm_peer(
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--no-enable-prefix-caching"] if not args.enable_prefix_caching else []),
         *(["--no-batch1"] if args.no_batch1 else []),
+        *(["--attention-backend", args.sglang_attention_backend] if engine == "sglang" else []),
     ]
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1")
-    if args.vllm_pythonpath:
-        env["PYTHONPATH"] = args.vllm_pythonpath
-    log.info("starting the vLLM peer", command=" ".join(command))
+    env = dict(os.environ, **PEER_ENV[engine])
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    log.info("starting a peer", engine=engine, command=" ".join(command))
     completed = subprocess.run(command, env=env, timeout=args.peer_timeout, check=False, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    (Path(args.out) / "vllm_peer.log").write_text(completed.stdout)
+    (Path(args.out) / f"{engine}_peer.log").write_text(completed.stdout)
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.is_file() else {}
     if completed.returncode != 0:
         result["error"] = f"exit {completed.returncode}: " + " | ".join(completed.stdout.splitlines()[-12:])
     return result
 
 
+def run_vllm_peer(
+    args: argparse.Namespace, model_path: str, load_format: str, workload: Workload, scratch_dir: Path,
+    vocab_size: int, mix: str = "none",
+) -> dict[str, Any]:
+    """vLLM's peer (``run_engine_peer``), as ``throughput_mix.run`` calls it."""
+    return run_engine_peer("vllm", args, model_path, load_format, workload, scratch_dir, vocab_size, mix)
+
+
 def batch1_client(args: argparse.Namespace, session: EngineSession, vocab_size: int) -> dict[str, Any]:
-    """Batch-1 by the client's clock, measured as vLLM's peer measures it (peer_vllm.client_batch1)."""
-    result = peer_vllm.client_batch1(lambda prompt, n: session.generate([prompt], [n])[1], args.batch1_input_len,
+    """Batch-1 by the client's clock, measured as the peers measure it (peer_common.client_batch1)."""
+    result = peer_common.client_batch1(lambda prompt, n: session.generate([prompt], [n])[1], args.batch1_input_len,
                                      args.batch1_output_len, args.seed + 7, vocab_size)
     log.info("batch-1 (client clock)", ttft_ms=round(result["ttft_s"] * 1e3, 2),
              ms_per_token=round(result["ms_per_token"], 3))
@@ -200,14 +229,16 @@ class Comparisons(Extension):
         with part(report, "floor", setup.out_json):
             shape = model_shape(setup.model_path, args.dtype)
             report.ceilings, report.floor = compute_floor(args, shape, setup.workload)
-        if ok and args.peer == "transformers":
+        if ok and "transformers" in args.peer:
             with part(report, "peer", setup.out_json):
                 report.peer = run_peer(args, setup.model_path, setup.workload,
                                        random_weights=setup.load_format == "dummy")
-        if args.peer == "vllm":
-            with part(report, "peer_vllm", setup.out_json):
-                report.peer_vllm = run_vllm_peer(args, setup.model_path, setup.load_format, setup.workload,
-                                                 setup.scratch_dir, setup.vocab_size)
+        for engine in PEER_MODULES:
+            if engine in args.peer:
+                with part(report, f"peer_{engine}", setup.out_json):
+                    setattr(report, f"peer_{engine}", run_engine_peer(
+                        engine, args, setup.model_path, setup.load_format, setup.workload, setup.scratch_dir,
+                        setup.vocab_size))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, workload: Workload, load_format: str, scratch_
         log.exception("our mix run failed")
         report["ours"] = {"error": f"{type(exc).__name__}: {exc}"}
     (out / "mix.json").write_text(json.dumps(report, indent=2) + "\n")
-    if args.peer == "vllm":
+    if "vllm" in args.peer:
         report["vllm"] = run_vllm_peer(args, model_path, load_format, workload, scratch_dir,
                                        int(QWEN3_0_6B_CONFIG["vocab_size"]), mix=args.mix)
         (out / "mix.json").write_text(json.dumps(report, indent=2) + "\n")

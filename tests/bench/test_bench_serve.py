@@ -173,6 +173,12 @@ def test_command_line() -> None:
     ours, vllm = (server_command(engine, args, "/m", "dummy") for engine in ("ours", "vllm"))
     assert ours[1:4] == ["-m", "vllm_actors", "serve"] and vllm[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
     assert ours[4:] == vllm[4:] and "--load-format" in ours and ours[ours.index("--port") + 1] == "9"
+    args = build_parser().parse_args(["--engines", "sglang", "--port", "9", "--max-model-len", "8192"])
+    sglang = server_command("sglang", args, "/m", "dummy")
+    assert sglang[1:3] == ["-m", "sglang.launch_server"] and sglang[sglang.index("--model-path") + 1] == "/m"
+    assert sglang[sglang.index("--context-length") + 1] == "8192" and sglang[sglang.index("--port") + 1] == "9"
+    assert sglang[-4:] == ["--log-level", "warning", "--attention-backend", "fa3"]
+    assert "--max-num-seqs" not in sglang  # SGLang at its own defaults for batch size and memory
 
 
 _FAKE_VLLM = '''
@@ -213,6 +219,56 @@ def test_vllm_peer_runs_in_its_own_process(tmp_path: Path) -> None:
     (site / "__init__.py").write_text("raise ImportError('no vllm here')")
     failed = run_vllm_peer(args, str(tmp_path), "dummy", workload, tmp_path / "out", 151936)
     assert failed["error"].startswith("exit 1") and "no vllm here" in failed["error"]
+
+
+_FAKE_SGLANG = '''
+__version__ = "0.0-fake"
+class _Args:
+    def __init__(self, kw): self.__dict__.update(kw, chunked_prefill_size=8192, _hidden=object())
+class Engine:
+    def __init__(self, **kw):
+        assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] and kw["sampling_backend"] == "pytorch"
+        assert kw["attention_backend"] == "fa3" and not kw["disable_radix_cache"] and kw["port"] > 0
+        self.server_args = _Args(kw)
+    def generate(self, input_ids, sampling_params):
+        assert all(p["ignore_eos"] and p["temperature"] == 0.6 for p in sampling_params)
+        return [{"output_ids": [0] * p["max_new_tokens"], "meta_info": {"completion_tokens": p["max_new_tokens"]}}
+                for p in sampling_params]
+    def shutdown(self): pass
+'''
+
+
+def test_sglang_peer_runs_in_its_own_process(tmp_path: Path) -> None:
+    """throughput --peer sglang: peer_sglang.py under SGLang's PYTHONPATH (here a stand-in), with its
+    resolved server arguments in the result."""
+    from benchmarks.lib.throughput_compare import build_parser, run_engine_peer
+
+    from vllm_actors.bench.throughput_workload import make_workload
+
+    site = tmp_path / "site" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(_FAKE_SGLANG)
+    args = build_parser().parse_args(["--peer", "sglang", "--sglang-pythonpath", str(site.parent), "--runs", "1",
+                                      "--batch1-input-len", "8", "--batch1-output-len", "5",
+                                      "--out", str(tmp_path / "out")])
+    Path(args.out).mkdir()
+    workload = make_workload(3, max_input_len=16, max_output_len=4)
+    result = run_engine_peer("sglang", args, str(tmp_path), "dummy", workload, tmp_path, 151936)
+    assert "error" not in result, result.get("error")
+    assert result["engine"] == "sglang" and result["version"] == "0.0-fake" and len(result["runs"]) == 1
+    assert result["output_tokens"] == result["expected_output_tokens"] == workload.output_tokens
+    assert result["settings"]["chunked_prefill_size"] == 8192 and result["settings"]["context_length"] == 4096
+    assert "_hidden" not in result["server_args"] and result["batch1"]["output_len"] == 5
+    assert (Path(args.out) / "sglang_peer.log").is_file()
+
+
+def test_sglang_sampling_parameters_carry_the_mix() -> None:
+    from benchmarks.lib.peer_sglang import output_tokens, sampling_params
+
+    assert sampling_params(5, {"json": "{}", "presence_penalty": 0.5}) == {
+        "temperature": 0.6, "max_new_tokens": 5, "ignore_eos": True, "json_schema": "{}", "presence_penalty": 0.5}
+    assert output_tokens({"output_ids": [1, 2, 3]}) == 3
+    assert output_tokens({"output_ids": [1], "meta_info": {"completion_tokens": 4}}) == 4
 
 
 def test_server_delays_are_the_loads_difference_with_bucket_bounds() -> None:

@@ -226,7 +226,55 @@ def test_the_comparisons_are_options_of_the_benchmarks_script_only() -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args(option)
     args = script_parser().parse_args(["--peer", "vllm", "--no-floor", "--mix", "json", "--num-requests", "4"])
-    assert (args.peer, args.no_floor, args.mix, args.num_requests) == ("vllm", True, "json", 4)
+    assert (args.peer, args.no_floor, args.mix, args.num_requests) == (["vllm"], True, "json", 4)
+    assert script_parser().parse_args(["--peer", "vllm", "sglang"]).peer == ["vllm", "sglang"]
+    assert script_parser().parse_args(["--no-peer"]).peer == ["none"]
+
+
+def test_shared_prefix_workload_groups_prompts_on_one_prefix_each() -> None:
+    """--workload shared-prefix: groups x prompts, each the group's prefix plus a question of its own."""
+    from vllm_actors.bench.throughput import build_parser
+    from vllm_actors.bench.throughput_workload import make_shared_prefix_workload
+
+    workload = make_shared_prefix_workload(groups=3, per_group=4, prefix_len=10, question_len=5, output_len=7)
+    assert len(workload) == 12 and workload.max_tokens == [7] * 12
+    assert all(len(prompt) == 15 for prompt in workload.prompts)
+    for index, prompt in enumerate(workload.prompts):  # request i is of group i % 3
+        assert prompt[:10] == workload.prompts[index % 3][:10]
+    assert len({tuple(prompt[:10]) for prompt in workload.prompts}) == 3
+    assert len({tuple(prompt[10:]) for prompt in workload.prompts}) == 12
+    with pytest.raises(ValueError, match="at least 1"):
+        make_shared_prefix_workload(groups=0)
+    args = build_parser().parse_args(["--workload", "shared-prefix", "--prefix-groups", "2", "--prefix-len", "8"])
+    assert (args.shared_groups, args.shared_prefix_len, args.shared_per_group) == (2, 8, 16)
+
+
+def test_report_names_the_better_peer_for_each_figure() -> None:
+    """Ours against vLLM and SGLang side by side: tok/s against the faster peer, batch-1 times
+    against the quicker one, and each peer's ratio."""
+    from benchmarks.lib.compare_report import ComparisonReport
+
+    from vllm_actors.bench.report import OursResult
+
+    report = ComparisonReport(config={})
+    report.ours = OursResult(num_requests=1, prompt_tokens=10, output_tokens=100, expected_output_tokens=100,
+                             seconds=1.0, enforce_eager=False)
+    report.batch1_client = {"ttft_s": 0.010, "ms_per_token": 2.0}
+    report.peer_vllm = {"tokens_per_s": 80.0, "version": "0.26.0", "output_tokens": 80, "runs": [],
+                        "batch1": {"ttft_s": 0.020, "ms_per_token": 2.5}}
+    report.peer_sglang = {"tokens_per_s": 125.0, "version": "0.5.17", "output_tokens": 125, "runs": [],
+                          "settings": {"attention_backend": "fa3"},
+                          "batch1": {"ttft_s": 0.008, "ms_per_token": 2.6}}
+    best = report.best_peer
+    assert best is not None
+    assert best["tokens_per_s"] == {"engine": "sglang", "peer": 125.0, "ours_over_peer": 0.8}
+    assert best["ttft_s"]["engine"] == "sglang" and best["ttft_s"]["ours_over_peer"] == pytest.approx(1.25)
+    assert best["ms_per_token"]["engine"] == "vllm" and best["ms_per_token"]["ours_over_peer"] == pytest.approx(0.8)
+    assert report.vllm_ratio == pytest.approx(1.25) and report.sglang_ratio == pytest.approx(0.8)
+    rows = dict(report.comparison_rows())
+    assert rows["ours / best peer (tok/s)"] == "0.800 (best: SGLang)"
+    assert rows["SGLang: settings"] == "attention_backend=fa3"
+    assert report.to_dict()["best_peer"] == best
 
 
 # --------------------------------------------------------------------------- end to end

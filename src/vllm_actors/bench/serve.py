@@ -72,6 +72,7 @@ from vllm_actors.bench.serve_server import (  # noqa: F401 - importable from her
     served_model,
     server_command,
     server_env,
+    sglang_settings,
     write_model_dir,
 )
 
@@ -79,7 +80,7 @@ from vllm_actors.bench.serve_server import (  # noqa: F401 - importable from her
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-actors bench serve", description=__doc__.split("\n\n")[0])
     target = parser.add_argument_group("servers")
-    target.add_argument("--engines", nargs="+", choices=("ours", "vllm"), default=["ours"],
+    target.add_argument("--engines", nargs="+", choices=("ours", "vllm", "sglang"), default=["ours"],
                         help="servers to start, in this order (each stopped before the next starts)")
     target.add_argument("--url", default=None, help="drive this running server instead (e.g. http://host:8000)")
     target.add_argument("--label", default=None,
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--vllm-python", default=sys.executable)
     target.add_argument("--vllm-pythonpath", default="/tmp/vsite",
                         help="PYTHONPATH for vLLM's server (its packages; '' to keep ours)")
+    target.add_argument("--sglang-python", default=sys.executable)
+    target.add_argument("--sglang-pythonpath", default="/tmp/ssite",
+                        help="PYTHONPATH for SGLang's server (benchmarks/kits/sglang installs it there)")
+    target.add_argument("--sglang-args", default="--attention-backend fa3",
+                        help="SGLang's server only (one string); its --server-args are not ours "
+                             "(default: fa3, what SGLang picks for dense models on Hopper, named so that no "
+                             "other backend is compiled)")
     target.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for a server to be up")
 
     load = parser.add_argument_group("load")
@@ -234,7 +242,8 @@ def markdown(args: argparse.Namespace) -> str:
         lines.append(f"- {record['name']}: {record.get('version', '')} startup {record.get('startup_s', 0):.1f} s"
                      + (f", error: {record['error']}" if record.get("error") else "")
                      + (f" (from {record['source']})" if record.get("source") else "")
-                     + (f"; server: `{record['command']}`" if record.get("command") else ""))
+                     + (f"; server: `{record['command']}`" if record.get("command") else "")
+                     + (f"; resolved: {record['settings']}" if record.get("settings") else ""))
     lines += ["", HEADER]
     lines += [format_row(record["name"], summary) for record in _RECORDS for summary in record["loads"]]
     lines += slo_markdown(_RECORDS)
@@ -349,6 +358,9 @@ def run(args: argparse.Namespace) -> int:
                 served = server.wait_ready(url, args.server_timeout)
                 record["startup_s"] = server.startup_s
                 record["version"] = _version(url)
+                if engine == "sglang":
+                    record["settings"] = sglang_settings(url)
+                    record["version"] = str(record["settings"].get("version") or "")
                 print(f"{name} up after {server.startup_s:.1f} s", flush=True)
                 measure(args, url, served, name, record, out, server_pid=server.process.pid)
                 if traced is not None:

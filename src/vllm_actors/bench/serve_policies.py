@@ -124,7 +124,7 @@ def servers(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 
 def server_name(engine: str, policy: str | None) -> str:
-    name = "vLLM" if engine == "vllm" else "vllm_actors"
+    name = {"vllm": "vLLM", "sglang": "SGLang"}.get(engine, "vllm_actors")
     return f"{name} {policy}" if policy else name
 
 

@@ -1,5 +1,5 @@
 """``vllm-actors bench serve``'s servers: the model directory of the random Qwen3-0.6B shape and
-the server processes (ours, vLLM's), each in its own session."""
+the server processes (ours, vLLM's, SGLang's), each in its own session."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from vllm_actors.bench.throughput_workload import QWEN3_0_6B_CONFIG
 
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1"}
+SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+# SGLang's resolved server arguments worth a line in the report (what could not be made equal).
+SGLANG_REPORTED = ("attention_backend", "sampling_backend", "context_length", "chunked_prefill_size",
+                   "max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "mem_fraction_static",
+                   "page_size", "schedule_policy", "disable_radix_cache", "version")
 
 
 # --------------------------------------------------------------------------- model directory
@@ -49,7 +54,19 @@ def server_command(engine: str, args: argparse.Namespace, model: str, load_forma
               "--uvicorn-log-level", "warning", *shlex.split(args.server_args)]
     if engine == "vllm":
         return [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", *common]
+    if engine == "sglang":
+        return sglang_command(args, model, load_format)
     return [sys.executable, "-m", "vllm_actors", "serve", *common]
+
+
+def sglang_command(args: argparse.Namespace, model: str, load_format: str) -> list[str]:
+    """SGLang's server at its defaults for the context length (its radix cache on, its own batch
+    limits and memory share), with the PyTorch sampler: FlashInfer's sampling kernels would be
+    compiled with nvcc on every fresh machine. ``--sglang-args`` adds to it (e.g. the attention backend)."""
+    return [args.sglang_python, "-m", "sglang.launch_server", "--model-path", model, "--load-format", load_format,
+            "--dtype", args.dtype, "--context-length", str(args.max_model_len), "--host", "127.0.0.1",
+            "--port", str(args.port), "--sampling-backend", "pytorch", "--log-level", "warning",
+            *shlex.split(args.sglang_args)]
 
 
 def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
@@ -58,7 +75,17 @@ def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
         env.update(VLLM_ENV)
         if args.vllm_pythonpath:
             env["PYTHONPATH"] = args.vllm_pythonpath
+    if engine == "sglang":
+        env.update(SGLANG_ENV)
+        if args.sglang_pythonpath:
+            env["PYTHONPATH"] = args.sglang_pythonpath
     return env
+
+
+def sglang_settings(url: str) -> dict[str, Any]:
+    """The SGLang server's resolved arguments (``/server_info``) that the report names."""
+    info = http_json(f"{url}/server_info", timeout=30.0)
+    return {key: info.get(key) for key in SGLANG_REPORTED}
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:

@@ -44,9 +44,11 @@ from vllm_actors.bench.throughput_workload import (
     OUTPUT_LEN_RANGE,
     PROMPT_LEN_RANGE,
     QWEN3_0_6B_CONFIG,
+    SHARED_PREFIX_DEFAULTS,
     TEMPERATURE,
     TOKEN_ID_RANGE,
     Workload,
+    make_shared_prefix_workload,
     make_workload,
     write_model_dir,
 )
@@ -101,6 +103,15 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
                        choices=("round_robin", "least_loaded", "pull", "cache_aware"))
 
     workload = parser.add_argument_group("workload")
+    workload.add_argument("--workload", choices=("nano-vllm", "shared-prefix"), default="nano-vllm",
+                          help="shared-prefix: --prefix-groups groups of --prompts-per-group prompts, each a "
+                               "shared --prefix-len-token system prompt plus a --question-len-token question, "
+                               "--prefix-output-len tokens out (SGLang's generated-shared-prefix benchmark)")
+    for name, default in SHARED_PREFIX_DEFAULTS.items():
+        flag = {"groups": "prefix-groups", "per_group": "prompts-per-group", "prefix_len": "prefix-len",
+                "question_len": "question-len", "output_len": "prefix-output-len"}[name]
+        workload.add_argument(f"--{flag}", dest=f"shared_{name}", type=int, default=default,
+                              help=f"shared-prefix workload (default {default})")
     workload.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
                           help="the first N requests of the workload")
     workload.add_argument("--max-input-len", type=int, default=PROMPT_LEN_RANGE[1], help="cut prompts to this")
@@ -177,7 +188,7 @@ def _config_record(args: argparse.Namespace, load_format: str, workload: Workloa
         if args.model is None
         else f"{args.model} (load_format={load_format})"
     )
-    record["workload"] = {"num_requests": len(workload), "prompt_tokens": workload.prompt_tokens,
+    record["workload"] = {"name": args.workload, "num_requests": len(workload), "prompt_tokens": workload.prompt_tokens,
                           "output_tokens": workload.output_tokens, "temperature": TEMPERATURE, "ignore_eos": True}
     record["python"] = sys.version.split()[0]
     try:
@@ -258,6 +269,13 @@ def _vocab_size(model_path: str) -> int:
     return int(ModelConfig.from_path(model_path).vocab_size)
 
 
+def _make_workload(args: argparse.Namespace) -> Workload:
+    if args.workload == "shared-prefix":
+        return make_shared_prefix_workload(**{name: getattr(args, f"shared_{name}") for name in SHARED_PREFIX_DEFAULTS},
+                                           seed=args.seed)
+    return make_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
+
+
 def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[BenchReport, int]:
     """Every part in order; returns the report and the exit status (1 if our timed run failed)."""
     extension = extension or Extension()
@@ -265,8 +283,8 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    workload = make_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
-    if is_default_workload(args) and workload.output_tokens != EXPECTED_OUTPUT_TOKENS:
+    workload = _make_workload(args)
+    if args.workload == "nano-vllm" and is_default_workload(args) and workload.output_tokens != EXPECTED_OUTPUT_TOKENS:
         raise AssertionError(f"the default workload has {workload.output_tokens} output tokens, "
                              f"expected {EXPECTED_OUTPUT_TOKENS}")
     load_format = args.load_format or ("dummy" if args.model is None else "auto")

@@ -73,6 +73,28 @@ class Workload:
         return Workload([[token % vocab_size for token in prompt] for prompt in self.prompts], self.max_tokens)
 
 
+# The shared-prefix workload (SGLang's "generated shared prefix" benchmark at its defaults): groups of
+# prompts that share a long system prompt, each with a question of its own.
+SHARED_PREFIX_DEFAULTS = {"groups": 64, "per_group": 16, "prefix_len": 2048, "question_len": 128, "output_len": 256}
+
+
+def make_shared_prefix_workload(
+    groups: int = 64, per_group: int = 16, prefix_len: int = 2048, question_len: int = 128, output_len: int = 256,
+    seed: int = DEFAULT_SEED,
+) -> Workload:
+    """``groups * per_group`` requests: each group's prompts start with the same ``prefix_len``
+    random tokens and end with ``question_len`` of their own; every request asks for ``output_len``
+    tokens. Requests are interleaved across groups (request i is of group i % groups), so an engine
+    meets every prefix early, as a server would."""
+    if min(groups, per_group, prefix_len, question_len, output_len) < 1:
+        raise ValueError("groups, per_group, prefix_len, question_len and output_len must each be at least 1")
+    rng = random.Random(seed)
+    prefixes = [[rng.randint(*TOKEN_ID_RANGE) for _ in range(prefix_len)] for _ in range(groups)]
+    prompts = [prefixes[index % groups] + [rng.randint(*TOKEN_ID_RANGE) for _ in range(question_len)]
+               for index in range(groups * per_group)]
+    return Workload(prompts, [output_len] * len(prompts))
+
+
 def make_workload(
     num_requests: int = DEFAULT_NUM_REQUESTS,
     max_input_len: int | None = None,
