@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-results/peers}
 mkdir -p "$out"
 stage=${1:?offline, serve or tp2}
-peers=(vllm sglang)
+read -r -a peers <<< "${PEERS:-vllm sglang}"
 session() {  # GPU(s), output folder, stages and arguments for gpu_session.sh
   local gpus=$1 dir=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpus OUT=$dir bash benchmarks/gpu_session.sh "$@"
