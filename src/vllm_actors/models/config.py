@@ -118,7 +118,8 @@ class ModelConfig:
         head_dim = config.get("head_dim") or hidden // heads
         rope_theta, scaling_src = rope_sources(config)
         max_positions = int(config.get("max_position_embeddings", 2048))
-        original = config.get("original_max_position_embeddings")
+        original = config.get("original_max_position_embeddings")  # top-level (Phi-3 style): preferred
+        scaling = normalize_rope_scaling(scaling_src, max_positions, None if original is None else int(original))
         eos = None
         if generation_config is not None:
             eos = generation_config.get("eos_token_id")
@@ -139,7 +140,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=normalize_rope_scaling(scaling_src, max_positions, None if original is None else int(original)),
+            rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=arch == "qwen3",
