@@ -46,8 +46,14 @@ def hf_log_probs(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
 
 
 def test_long_prompt_in_chunks_and_a_cached_prefix_match_transformers(checkpoint: Path) -> None:
+    check_long_context(checkpoint)
+
+
+def check_long_context(checkpoint: Path, **engine_args: Any) -> None:
+    """Two greedy requests (the second on the first's cached prefix) against transformers."""
     rng = random.Random(17)
-    with LLM(str(checkpoint), dtype="float32", block_size=16, max_num_batched_tokens=BUDGET, seed=0) as llm:
+    with LLM(str(checkpoint), dtype="float32", block_size=16, max_num_batched_tokens=BUDGET, seed=0,
+             **engine_args) as llm:
         assert llm.max_model_len == 8192  # the derived limit: llama3 as configured, yarn 2048 * 4
         first = [rng.randrange(llm.vocab_size) for _ in range(PROMPT)]
         second = first[:SHARED] + [rng.randrange(llm.vocab_size) for _ in range(OWN)]
