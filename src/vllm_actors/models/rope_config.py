@@ -13,7 +13,7 @@ from typing import Any
 
 # The types the decoder computes (models/rope.py); "default" (plain rotary) normalizes to None.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
-_LLAMA3_KEYS: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_FACTORS: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor")
 # Types whose checkpoints already give the extended length as max_position_embeddings (vLLM's rule).
 _UNSCALED_LIMIT_TYPES: tuple[str, ...] = ("llama3", "longrope", "su")
 
@@ -50,11 +50,11 @@ def normalize_rope_scaling(
     original = int(original_max_position_embeddings or scaling.get("original_max_position_embeddings")
                    or max_position_embeddings)
     if rope_type == "llama3":
-        missing = [k for k in _LLAMA3_KEYS[:3] if k not in scaling]
+        missing = [k for k in _LLAMA3_FACTORS if k not in scaling]
         if missing:
             raise ValueError(f"llama3 rope scaling is missing {missing}: {scaling}")
         out: dict[str, Any] = {"rope_type": "llama3"}
-        for key in _LLAMA3_KEYS[:3]:
+        for key in _LLAMA3_FACTORS:
             out[key] = float(scaling[key])
         out["original_max_position_embeddings"] = original
         return out
