@@ -171,7 +171,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "mistral", "architectures": ["MistralForCausalLM"]}')
     with pytest.raises(ValueError, match="mistral"):
         ModelConfig.from_path(str(tmp_path))
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
         ModelConfig.from_hf_config(
             {
                 "model_type": "llama",
@@ -180,6 +180,6 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
                 "intermediate_size": 8,
                 "num_hidden_layers": 1,
                 "num_attention_heads": 2,
-                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]},
             }
         )

@@ -40,7 +40,7 @@ class FakeRunner:
         self.slots = [-1] * (self.num_blocks * self.block_size)
         self.model_config = SimpleNamespace(
             vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
+            derived_max_model_len=self.max_position_embeddings,
             eos_token_ids=self.eos_token_ids,
         )
 

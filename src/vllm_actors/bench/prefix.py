@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> tuple[PrefixReport, int]:
     with tempfile.TemporaryDirectory(prefix="vllm-actors-bench-prefix-") as scratch:
         model_path = args.model or str(write_model_dir(Path(scratch) / "qwen3-0.6b-shape"))
         model_config = ModelConfig.from_path(model_path)
-        max_model_len = min(args.max_model_len, model_config.max_position_embeddings)
+        max_model_len = min(args.max_model_len, model_config.derived_max_model_len)
         workloads = make_workloads(args, model_config.vocab_size)
         for workload in workloads:
             check_fits(workload, max_model_len)

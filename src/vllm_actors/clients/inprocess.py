@@ -82,8 +82,9 @@ class InProcessEngine(SyncClient):
 
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.scheduler_config: SchedulerConfig = resolve_scheduler_config(
-            config, self.model_config.max_position_embeddings, runner.num_blocks,
+            config, self.model_config.derived_max_model_len, runner.num_blocks,
             vocab_size=self.model_config.vocab_size,
+            allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN,
         )
         frontend = Frontend(
             tokenizer,  # type: ignore[arg-type]

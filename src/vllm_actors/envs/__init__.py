@@ -231,6 +231,9 @@ class Envs:
     VLLM_ACTORS_CPU_KVCACHE_SPACE = Setting[float | None](
         None, positive_number, "GiB of the KV pool on the CPU, where `cpu_kv_cache_gib` is not given.",
         kind="float", group="process", shown_default="1.0")
+    VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN = switch(
+        "Accept a `max_model_len` above the model's derived limit (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN`; "
+        "positions past the limit give wrong outputs).", "process", default=False)
 
     # --------------------------------------------------------------------- engine paths
     VLLM_ACTORS_DEFER_STEPS = switch("The worker launches a step and reads its tokens back at the next one.", "engine")

@@ -11,17 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
+
 Architecture = Literal["llama", "qwen3"]
 Source = Literal["hf", "gguf"]
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3")
 _HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-_LLAMA3_ROPE_KEYS: tuple[str, ...] = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
 
 
 @dataclass(frozen=True)
@@ -69,6 +65,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the config allows (max_position_embeddings, stretched by the rope
+        scaling factor where the type does: `rope_config.derived_max_model_len`)."""
+        return derived_max_model_len(self.max_position_embeddings, self.rope_scaling)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (JSON/msgpack friendly); `from_dict` is its inverse."""
         return dataclasses.asdict(self)
@@ -114,13 +116,10 @@ class ModelConfig:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
-        rope_params = config.get("rope_parameters")
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None and isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta")
-        scaling_src = config.get("rope_scaling")
-        if scaling_src is None and isinstance(rope_params, dict):
-            scaling_src = rope_params
+        rope_theta, scaling_src = rope_sources(config)
+        max_positions = int(config.get("max_position_embeddings", 2048))
+        original = config.get("original_max_position_embeddings")  # top-level (Phi-3 style): preferred
+        scaling = normalize_rope_scaling(scaling_src, max_positions, None if original is None else int(original))
         eos = None
         if generation_config is not None:
             eos = generation_config.get("eos_token_id")
@@ -141,8 +140,8 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=normalize_rope_scaling(scaling_src),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rope_scaling=scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=arch == "qwen3",
             attention_bias=bool(config.get("attention_bias", False)),
@@ -153,25 +152,6 @@ class ModelConfig:
             source="hf",
             path=path,
         )
-
-
-def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Return None for plain rotary, a normalized llama3 dict, or raise for unsupported rope types."""
-    if not scaling:
-        return None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default", "none"):
-        return None
-    if rope_type == "llama3":
-        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
-        if missing:
-            raise ValueError(f"llama3 rope scaling is missing {missing}: {scaling}")
-        out: dict[str, Any] = {"rope_type": "llama3"}
-        for key in _LLAMA3_ROPE_KEYS:
-            out[key] = float(scaling[key])
-        out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
-        return out
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3): {scaling}")
 
 
 def _hf_architecture(config: dict[str, Any]) -> str:

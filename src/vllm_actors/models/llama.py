@@ -11,7 +11,6 @@ all-reduce their partial sums, the embedding is vocabulary-parallel and the logi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -24,28 +23,9 @@ from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
+from vllm_actors.models.rope import RotaryFrequencies, rope_cos_sin, rope_frequencies
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] (float32), with llama3 frequency scaling if configured."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.get("rope_type") != "llama3":
-        raise ValueError(f"unsupported rope scaling {scaling}")
-    factor = float(scaling["factor"])
-    low = float(scaling["low_freq_factor"])
-    high = float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended
-    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -183,12 +163,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn_backend = attn_backend
         # kept out of the buffers so dtype casts and meta-device construction never touch it
-        self._inv_freq: torch.Tensor | None = None
+        self._rope: RotaryFrequencies | None = None
 
-    def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
-        if self._inv_freq is None or self._inv_freq.device != device:
-            self._inv_freq = rope_inv_freq(self.config, device=device)
-        return self._inv_freq
+    def _rope_frequencies(self, device: torch.device) -> RotaryFrequencies:
+        if self._rope is None or self._rope.inv_freq.device != device:
+            self._rope = rope_frequencies(self.config).to(device)
+        return self._rope
 
     def forward(
         self,
@@ -202,9 +182,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} kv caches, got {len(kv_caches)}")
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
-        inv_freq = self._rope_inv_freq(positions.device)
-        angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2], float32
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = rope_cos_sin(positions, self._rope_frequencies(positions.device))  # [T, D/2] float32
         meta = self.attn_backend.prepare(meta)
         x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
         residual: torch.Tensor | None = None

@@ -120,13 +120,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def resolve_scheduler_config(
-    config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None
+    config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None, *,
+    allow_long_max_model_len: bool = False,
 ) -> SchedulerConfig:
-    """Fill in the defaults that depend on the model and on the KV pool the worker made."""
+    """Fill in the defaults that depend on the model and on the KV pool the worker made.
+
+    ``model_max_len``: the model's derived limit (``ModelConfig.derived_max_model_len``); a longer
+    ``max_model_len`` raises unless ``allow_long_max_model_len`` (VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)."""
     max_model_len = config.max_model_len or model_max_len
-    if max_model_len > model_max_len:
+    if max_model_len > model_max_len and not allow_long_max_model_len:
         raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's maximum context length {model_max_len}"
+            f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+            f"({model_max_len}: max_position_embeddings in the model's config.json, times the rope scaling "
+            "factor for the rope types that stretch it). To allow a longer one, set "
+            "VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN=1: positions beyond the model's limit give wrong outputs."
         )
     if config.max_num_batched_tokens is not None:
         budget = config.max_num_batched_tokens

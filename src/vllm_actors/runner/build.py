@@ -25,7 +25,7 @@ class ModelShape(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
-    def max_position_embeddings(self) -> int: ...
+    def derived_max_model_len(self) -> int: ...
 
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
@@ -64,7 +64,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
     )
     info = {
         "num_blocks": runner.num_blocks,
-        "max_position_embeddings": shape.max_position_embeddings,
+        "derived_max_model_len": shape.derived_max_model_len,
         "vocab_size": shape.vocab_size,
         "eos_token_ids": list(shape.eos_token_ids),
         "device": str(runner.device),

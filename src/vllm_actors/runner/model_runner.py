@@ -68,11 +68,13 @@ class ModelRunner:
         self.device = resolve_device(config.device, self.tp.rank if self.tp.enabled else None)
         self.model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        # checked before loading: a max_model_len beyond the model's limit fails at once
+        limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
+                                          allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         torch.manual_seed(config.seed)
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
         self.local_config = self.model.local_config  # this rank's KV heads size the cache
         self.block_size = config.block_size
-        limits = resolve_scheduler_config(config, self.model_config.max_position_embeddings, num_blocks=1 << 30)
         self.max_num_tokens = limits.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.num_blocks = self._choose_num_blocks(limits.max_model_len)

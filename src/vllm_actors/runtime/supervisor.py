@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from vllm_actors.envs import envs
 from vllm_actors.protocol.config import (
     EngineConfig,
     SchedulerConfig,
@@ -236,7 +237,8 @@ class ProcessGroup(Recovery):
         replica, under the bare names)."""
         num_blocks = int(info["num_blocks"])
         scheduler_config = resolve_scheduler_config(
-            self.config, int(info["max_position_embeddings"]), num_blocks, vocab_size=int(info["vocab_size"]),
+            self.config, int(info["derived_max_model_len"]), num_blocks, vocab_size=int(info["vocab_size"]),
+            allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN,
         )
         if replica in (None, 0):
             self.worker_info, self.scheduler_config = info, scheduler_config
