@@ -129,11 +129,9 @@ def test_fused_rotary_write_stores_the_torch_bytes(monkeypatch: pytest.MonkeyPat
     k_cache, v_cache = torch.zeros(shape, dtype=E4M3), torch.zeros(shape, dtype=E4M3)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    write_kv_cache(rotated_k, v, want_k, want_v, slots, *kv_quant.kv_scale_tensors(torch.device("cpu"), k_scale, v_scale))
-    fused_ops.qk_norm_rope(
-        q.clone(), k.clone(), cos, sin, None, None, 1e-6, (v, k_cache, v_cache, slots),
-        kv_quant.kv_scale_tensors(torch.device("cpu"), k_scale, v_scale),
-    )  # fmt: skip
+    kv_scales = kv_quant.kv_scale_tensors(torch.device("cpu"), k_scale, v_scale)
+    write_kv_cache(rotated_k, v, want_k, want_v, slots, *kv_scales)
+    fused_ops.qk_norm_rope(q.clone(), k.clone(), cos, sin, None, None, 1e-6, (v, k_cache, v_cache, slots), kv_scales)
     assert same_bytes(k_cache, want_k) and same_bytes(v_cache, want_v)
 
 

@@ -75,7 +75,9 @@ def calculate_kv_scales(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
         scale.copy_(torch.where(amax > 0, amax, torch.ones_like(amax)).reshape(scale.shape))
 
 
-def kv_scale_tensors(device: torch.device, k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_scale_tensors(
+    device: torch.device, k_scale: float = 1.0, v_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (k_scale, v_scale): float32 tensors of one element on ``device``."""
     return (
         torch.tensor([k_scale], dtype=torch.float32, device=device),

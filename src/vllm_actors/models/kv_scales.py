@@ -14,7 +14,9 @@ log = structlog.get_logger(__name__)
 
 # model.layers.N.self_attn.k_scale / .v_scale (llm-compressor, quark), under k_proj / v_proj
 # (ModelOpt) or qkv_proj or attn, and the older single .kv_scale (used for both k and v, as vLLM does).
-_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj|qkv_proj|attn)\.)?(k_scale|v_scale|kv_scale)$")
+_SCALE_NAME = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj|qkv_proj|attn)\.)?(k_scale|v_scale|kv_scale)$"
+)
 
 
 class ScaleSource(Protocol):

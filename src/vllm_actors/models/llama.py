@@ -239,8 +239,8 @@ class CausalLM(nn.Module):
         dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default); for e5m2 always 1.0."""
         self.kv_cache_dtype = kv_cache_dtype
         if not kv_quant.is_fp8(kv_cache_dtype):
-            for layer in self.model.layers:
-                layer.self_attn.k_scale = layer.self_attn.v_scale = None
+            for attn in self.attention_layers():
+                attn.k_scale = attn.v_scale = None
             return
         device = self.lm_head.weight.device
         from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
@@ -249,17 +249,19 @@ class CausalLM(nn.Module):
                         note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
         elif self.checkpoint_kv_scales and not from_checkpoint:
             log.info("kv_scales_ignored", kv_cache_dtype=str(kv_cache_dtype), note="fp8_e5m2 takes no scales")
-        for index, layer in enumerate(self.model.layers):
+        for index, attn in enumerate(self.attention_layers()):
             given = from_checkpoint.get(index, {})
-            attn = layer.self_attn
             attn.k_scale, attn.v_scale = kv_quant.kv_scale_tensors(device, given.get("k", 1.0), given.get("v", 1.0))
 
     def calculate_kv_scales(self) -> None:
         """The next forward sets every layer's KV scales from its own k and v (vLLM's
         calculate_kv_scales); nothing without an e4m3 cache (init_kv_scales first)."""
         calculate = self.kv_cache_dtype is not None and kv_quant.has_scales(self.kv_cache_dtype)
-        for layer in self.model.layers:
-            layer.self_attn.calculate_kv_scales = calculate
+        for attn in self.attention_layers():
+            attn.calculate_kv_scales = calculate
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
