@@ -10,21 +10,14 @@ range, which saturate); the `gpu` tests write any value and run the kernels at r
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from vllm_actors.kernels import kv_quant  # noqa: E402
-from vllm_actors.kernels import triton_attention as ta  # noqa: E402
-from vllm_actors.kernels.attention import (  # noqa: E402
+from vllm_actors.kernels import kv_quant
+from vllm_actors.kernels import triton_attention as ta  # conftest.py sets TRITON_INTERPRET=1 without CUDA
+from vllm_actors.kernels.attention import (
     AttentionMetadata,
     TorchPagedAttention,
     build_attention_metadata,
@@ -33,8 +26,6 @@ from vllm_actors.kernels.attention import (  # noqa: E402
 )
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and not ta.INTERPRET:  # imported elsewhere before TRITON_INTERPRET was set
-    ta = importlib.reload(ta)
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
