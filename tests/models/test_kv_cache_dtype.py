@@ -47,6 +47,12 @@ def test_flags_and_bad_values() -> None:
     assert engine_kwargs(build_parser().parse_args(["serve"]))["kv_cache_dtype"] == "auto"
     for name in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto"):
         assert EngineConfig(model="m", kv_cache_dtype=name).kv_cache_dtype == name
+    from types import SimpleNamespace
+
+    from vllm_actors.server.app import cache_config_labels
+
+    client = SimpleNamespace(info=None, group=SimpleNamespace(config=EngineConfig(model="m", kv_cache_dtype="fp8")))
+    assert cache_config_labels(client)["cache_dtype"] == "fp8"  # type: ignore[arg-type]  # vllm:cache_config_info's label
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"):
         EngineConfig(model="m", kv_cache_dtype="int8")
 

@@ -234,9 +234,10 @@ class CausalLM(nn.Module):
             x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
         return self.model.norm(x, residual, self.tp, SLOT_MLP)[0]
 
-    def init_kv_scales(self, kv_cache_dtype: torch.dtype) -> None:
+    def init_kv_scales(self, kv_cache_dtype: torch.dtype, calculated: bool = False) -> None:
         """Give every layer the scales of a cache of ``kv_cache_dtype``: none for the model's own
-        dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default); for e5m2 always 1.0."""
+        dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default; ``calculated``: until the first
+        step sets them, so no warning); for e5m2 always 1.0."""
         self.kv_cache_dtype = kv_cache_dtype
         if not kv_quant.is_fp8(kv_cache_dtype):
             for attn in self.attention_layers():
@@ -244,7 +245,7 @@ class CausalLM(nn.Module):
             return
         device = self.lm_head.weight.device
         from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
-        if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint:
+        if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint and not calculated:
             log.warning("kv_scales_default", kv_cache_dtype=str(kv_cache_dtype), k_scale=1.0, v_scale=1.0,
                         note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
         elif self.checkpoint_kv_scales and not from_checkpoint:

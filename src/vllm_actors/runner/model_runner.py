@@ -74,9 +74,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
         self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.model.init_kv_scales(self.kv_cache_dtype)
-        # the scales come from the first real step (not the profiling pass nor graph warm-ups)
+        # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
+        self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
         self.local_config = self.model.local_config  # this rank's KV heads size the cache
         self.block_size = config.block_size
         limits = resolve_scheduler_config(config, self.model_config.max_position_embeddings, num_blocks=1 << 30)
