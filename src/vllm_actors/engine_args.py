@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from vllm_actors.envs import envs
-from vllm_actors.protocol.config import EXECUTOR_BACKENDS, SCHEDULING_POLICIES, EngineConfig
+from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="the KV cache's storage: auto (the model's dtype), fp8 / fp8_e4m3 (float8 e4m3 with "
+                             "per-layer scales: half the bytes of bf16, twice the tokens) or fp8_e5m2")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="fp8 KV cache: take each layer's k/v scales from the first step's amax "
+                             "(else the checkpoint's, else 1.0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -89,8 +95,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
-        "seed", "enforce_eager", "tensor_parallel_size", "device", "enable_prefix_caching",
-        "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
+        "kv_cache_dtype", "calculate_kv_scales", "seed", "enforce_eager", "tensor_parallel_size", "device",
+        "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
         "distributed_executor_backend",
     )
     return {name: getattr(args, name) for name in names}

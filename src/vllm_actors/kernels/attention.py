@@ -1,6 +1,7 @@
 """Paged attention interface and its torch reference implementation.
 
-Layout: per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout: per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`,
+in the model's dtype or in fp8 with the layer's `k_scale` and `v_scale` (`kv_quant.py`).
 A batch step carries the new tokens of B sequences flattened to T tokens (no padding). Each
 sequence's new queries are the last `query_len` positions of its `seq_len` context and attend
 causally to its whole context, read through its block table. Kernels know nothing of actors.
@@ -15,6 +16,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.choice import kernel_choice, use_triton
 
 log = structlog.get_logger(__name__)
@@ -97,9 +99,12 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k/v at meta.slot_mapping (unless the caller did: kv_written), then return the
-        attention output [T, num_heads, head_dim]."""
+        attention output [T, num_heads, head_dim]. k_scale, v_scale: the layer's scales (float32,
+        one element), needed by an fp8 cache and ignored by others."""
         ...
 
 
@@ -109,13 +114,20 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k, v ([T, num_kv_heads, head_dim]) into the paged caches at the flat slots of slot_mapping."""
+    """Store k, v ([T, num_kv_heads, head_dim]) into the paged caches at the flat slots of
+    slot_mapping; into an fp8 cache quantised by k_scale and v_scale."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        if kv_quant.is_fp8(cache.dtype):
+            stored = kv_quant.quantize(x, kv_quant.checked_scale(x_scale, cache), cache.dtype)
+            # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            flat.view(torch.uint8).index_copy_(0, slot_mapping, stored.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -127,7 +139,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 class TorchPagedAttention:
-    """Reference backend: a Python loop over sequences with an explicit causal-with-offset mask."""
+    """Reference backend: a Python loop over sequences with an explicit causal-with-offset mask.
+    An fp8 cache is read back to float32 (times its scale) and attended in float32."""
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
@@ -142,20 +155,30 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_written:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_heads = q.shape[1]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
+        fp8_scales = None
+        if kv_quant.is_fp8(k_cache.dtype):
+            fp8_scales = kv_quant.checked_scale(k_scale, k_cache), kv_quant.checked_scale(v_scale, v_cache)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len == 0:
                 continue
             qi = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-            ki = gather_kv(k_cache, meta.block_tables[i], seq_len).to(q.dtype)
-            vi = gather_kv(v_cache, meta.block_tables[i], seq_len).to(q.dtype)
+            ki = gather_kv(k_cache, meta.block_tables[i], seq_len)
+            vi = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            if fp8_scales is not None:
+                qi = qi.float()
+                ki, vi = kv_quant.dequantize(ki, fp8_scales[0]), kv_quant.dequantize(vi, fp8_scales[1])
+            else:
+                ki, vi = ki.to(q.dtype), vi.to(q.dtype)
             ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
             vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
             # query j sits at absolute position seq_len - q_len + j and sees keys 0..that position
@@ -163,7 +186,7 @@ class TorchPagedAttention:
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos  # [q_len, seq_len], True = attend
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
-            out[start : start + q_len] = oi.transpose(0, 1)
+            out[start : start + q_len] = oi.transpose(0, 1).to(q.dtype)
             start += q_len
         return out
 

@@ -7,7 +7,8 @@ element-wise ops of RMSNorm and rotary embedding. These fuse each group into one
   two writes); returns (normalised, new residual).
 - ``qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)``: per-head RMSNorm of q and
   k (Qwen3) and rotary embedding (the "rotate half" layout), in place, in one launch for q and k;
-  with ``kv_write`` it also stores k and v in the paged KV cache (one launch fewer per layer).
+  with ``kv_write`` it also stores k and v in the paged KV cache (one launch fewer per layer),
+  quantised by ``kv_scales`` into an fp8 cache.
 - ``silu_and_mul(gate_up)``: SiLU(gate) * up for the merged gate/up projection's output.
 
 The torch versions are the reference and the CPU path; tests compare the two.
@@ -83,7 +84,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
     from vllm_actors.kernels import pdl as pdl_module
     from vllm_actors.kernels.pdl import pdl, pdl_enter
-    from vllm_actors.kernels.triton_paged import _check_cache_pair
+    from vllm_actors.kernels.triton_paged import _check_cache_pair, _to_cache, kv_scale_args
 
     @triton.jit
     def _rms_norm_kernel(
@@ -152,6 +153,8 @@ if HAVE_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         slot_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         num_q_heads,
         stride_qt,
         stride_qh,
@@ -170,10 +173,12 @@ if HAVE_TRITON:
         BLOCK_SIZE: tl.constexpr,
         PDL: tl.constexpr,
         EARLY: tl.constexpr,  # the slot (written before the step's first kernel) read before the PDL wait
+        KV_FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
     ):
         """Program (token, head) over the q heads then the k heads; a k head's program also stores
         the rotated k and the token's v at its cache slot (WRITE_CACHE; a negative slot writes
-        nothing), which saves the KV-write kernel."""
+        nothing; an fp8 cache quantised by the scales), which saves the KV-write kernel."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         slot = tl.zeros([], dtype=tl.int64)
@@ -198,11 +203,13 @@ if HAVE_TRITON:
                     half: tl.constexpr = HEAD_DIM // 2
                     offsets = tl.arange(0, half)
                     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-                    tl.store(k_cache_ptr + dst + offsets, y1.to(k_cache_ptr.dtype.element_ty))
-                    tl.store(k_cache_ptr + dst + half + offsets, y2.to(k_cache_ptr.dtype.element_ty))
+                    tl.store(k_cache_ptr + dst + offsets, _to_cache(y1, k_cache_ptr, k_scale_ptr, KV_FP8, FP8_MAX))
+                    tl.store(
+                        k_cache_ptr + dst + half + offsets, _to_cache(y2, k_cache_ptr, k_scale_ptr, KV_FP8, FP8_MAX)
+                    )
                     dims = tl.arange(0, HEAD_DIM)
                     v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims)
-                    tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty))
+                    tl.store(v_cache_ptr + dst + dims, _to_cache(v, v_cache_ptr, v_scale_ptr, KV_FP8, FP8_MAX))
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -256,12 +263,14 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None,
     eps: float,
     kv_write: KVWrite | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (when weights are given) then rotary, on q [T, Hq, D] and k [T, Hk, D]
     (views into the fused QKV output: their last dimension must be contiguous), in one launch.
 
     With ``kv_write`` (Triton path only: check ``fuses_kv_write`` first) the same launch stores
-    the rotated k and the given v at each token's cache slot, as `write_kv_cache_triton` does."""
+    the rotated k and the given v at each token's cache slot, as `write_kv_cache_triton` does
+    (into an fp8 cache quantised by ``kv_scales``: the layer's k_scale and v_scale)."""
     if not use_triton(q) or q.shape[0] == 0:
         if kv_write is not None:
             raise ValueError("qk_norm_rope writes the KV cache only on its Triton path (see fuses_kv_write)")
@@ -276,17 +285,19 @@ def qk_norm_rope(
             raise ValueError("v must match k's shape with a unit last stride")
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         block_size = k_cache.shape[1]
+        scales = kv_scale_args(k_cache, *(kv_scales or (None, None)))
     else:
         v, k_cache, v_cache, slots = k, k, k, cos  # never read
         cache_strides, block_size = (0, 0, 0), 1
+        scales = kv_scale_args(k, None, None)
     _qk_norm_rope_kernel[(tokens, num_q_heads + k.shape[1])](
         q, k, v, cos, sin,
         q_weight if q_weight is not None else cos, k_weight if k_weight is not None else cos,
-        k_cache, v_cache, slots,
+        k_cache, v_cache, slots, scales.k_scale, scales.v_scale,
         num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         *cache_strides, eps,
         HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
-        **pdl(q), EARLY=pdl_module.early_loads(), num_warps=1,
+        **pdl(q), EARLY=pdl_module.early_loads(), KV_FP8=scales.fp8, FP8_MAX=scales.fp8_max, num_warps=1,
     )  # fmt: skip
     return q, k
 

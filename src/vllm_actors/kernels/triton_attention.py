@@ -8,7 +8,8 @@ flattened to T rows; each sequence's new queries are the last `query_len` positi
 Kernels:
 
 * `write_kv_cache_triton` scatters the new tokens' k and v into the caches at `slot_mapping`;
-  a negative slot is skipped (the padding rows of a CUDA-graph batch).
+  a negative slot is skipped (the padding rows of a CUDA-graph batch). An fp8 cache stores them
+  quantised by the layer's k_scale / v_scale and is read back through them (`triton_paged`).
 * `paged_attention_varlen`: flash-attention style (online softmax, fp32 accumulators) over tiles
   of queries x keys. One program takes BLOCK_Q query positions of one sequence for ALL the query
   heads of one KV head (rows = positions x group heads, the group padded to a power of two), so a
@@ -105,9 +106,11 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_written:
-            write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.max_query_len <= 1:
             return paged_attention_decode(
                 q,
@@ -120,6 +123,8 @@ class TritonPagedAttention:
                 scale,
                 num_splits=self.decode_splits,
                 order=meta.decode_order,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return paged_attention_varlen(
             q,
@@ -130,4 +135,6 @@ class TritonPagedAttention:
             meta.block_tables,
             meta.max_query_len,
             scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -20,6 +20,7 @@ from vllm_actors.kernels.triton_paged import (
     TileConfig,
     _attend_tile,
     checked_inputs,
+    kv_scale_args,
 )
 
 _MIN_KEYS_PER_SPLIT = 128
@@ -56,6 +57,8 @@ def _decode_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     order_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_heads,
     num_splits,
     qk_scale,
@@ -78,6 +81,7 @@ def _decode_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,  # the step's metadata (written before its first kernel) read before the PDL wait
+    KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
 ):
     if not EARLY:
         pdl_enter(PDL)
@@ -92,6 +96,9 @@ def _decode_kernel(
     seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
     if EARLY:  # q and the newest token's k and v come from the kernel before: read after the wait
         pdl_enter(PDL)
+    qk = qk_scale
+    if KV_FP8:
+        qk = qk_scale * tl.load(k_scale_ptr)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
@@ -115,11 +122,13 @@ def _decode_kernel(
     for tile in range(tile_begin, tile_end):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
-            seq_len, rows, qk_scale, stride_cb, stride_cs,
-            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP,
+            seq_len, rows, qk, stride_cb, stride_cs,
+            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP, KV_FP8,
         )  # fmt: skip
     # an empty range (short sequence, late split, or no query) leaves l_i == 0: write zeros
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     if SPLIT:
         part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
@@ -210,6 +219,8 @@ def paged_attention_decode(
     num_splits: int | None = None,
     config: TileConfig | None = None,
     order: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
@@ -217,8 +228,10 @@ def paged_attention_decode(
     it). max_seq_len is a host upper bound of seq_lens used only to pick the split count (pass the
     capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
     permutation of the sequences (`decode_order`), is the order in which programs take them.
+    k_scale, v_scale: an fp8 cache's scales.
     """
     q, out = checked_inputs(q, k_cache, v_cache, out)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -248,6 +261,8 @@ def paged_attention_decode(
         seq_lens,
         block_tables,
         seq_lens if order is None else order,  # never read when not ORDERED
+        scales.k_scale,
+        scales.v_scale,
         num_heads,
         num_splits,
         scale * _LOG2E,
@@ -270,6 +285,7 @@ def paged_attention_decode(
         INTERP=INTERPRET,
         **pdl(q),
         EARLY=pdl_module.early_loads(),
+        KV_FP8=scales.fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,6 +1,10 @@
 """What the paged-attention Triton kernels share (`triton_varlen`, `triton_decode`): the KV write,
 the online-softmax step over one tile of keys read through a block table, the tile config, and the
-host-side shape checks. The layout and contracts are in `triton_attention`'s docstring."""
+host-side shape checks. The layout and contracts are in `triton_attention`'s docstring.
+
+An fp8 cache (``KV_FP8``) is written as ``saturate(x / scale)`` cast to the format, as
+`kv_quant.quantize` does; readers convert each tile to the query's dtype and fold the scales in
+outside the inner loop: k_scale into the softmax scale, v_scale into the output."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import triton
 import triton.language as tl
 
 from vllm_actors.envs import envs
+from vllm_actors.kernels import kv_quant
 
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. when this module is imported.
 # The interpreter's tl.dot mishandles bfloat16 (it multiplies the raw uint16 bits), so under it
@@ -33,6 +38,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _to_cache(x, cache_ptr, scale_ptr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as ``cache_ptr``'s cache stores it: cast, or (fp8) divided by the scale (rounded to
+    nearest, like torch's division), saturated to the format's range, then cast."""
+    if KV_FP8:
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
 # ----------------------------------------------------------------------------------------------
 # KV write
 # ----------------------------------------------------------------------------------------------
@@ -45,6 +61,8 @@ def _kv_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_kv_heads,
     stride_kt,
     stride_kh,
@@ -56,6 +74,8 @@ def _kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -67,8 +87,8 @@ def _kv_write_kernel(
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr, k_scale_ptr, KV_FP8, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr, v_scale_ptr, KV_FP8, FP8_MAX), mask=mask)
 
 
 def write_kv_cache_triton(
@@ -77,9 +97,12 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store k, v ([T, num_kv_heads, head_dim]) at the flat cache slots of slot_mapping ([T] int64);
-    rows whose slot is negative are skipped."""
+    rows whose slot is negative are skipped. An fp8 cache stores them quantised by k_scale and
+    v_scale."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -87,12 +110,15 @@ def write_kv_cache_triton(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     _check_head_dim(head_dim)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     _kv_write_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
+        scales.k_scale,
+        scales.v_scale,
         num_kv_heads,
         k.stride(0),
         k.stride(1),
@@ -104,6 +130,8 @@ def write_kv_cache_triton(
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        KV_FP8=scales.fp8,
+        FP8_MAX=scales.fp8_max,
         num_warps=1 if head_dim * num_kv_heads <= 512 else 4,
     )
 
@@ -137,12 +165,14 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) of one sequence.
 
     q [BLOCK_M, D]; acc [BLOCK_M, D], m_i, l_i [BLOCK_M] in float32 (m_i in the log2 domain).
     MASKED drops keys at or past seq_len; CAUSAL (with MASKED) also keys past each row's absolute
-    position q_pos [BLOCK_M].
+    position q_pos [BLOCK_M]. KV_FP8: the tiles are converted to q's dtype, unscaled (the caller
+    folds k_scale into qk_scale and v_scale into the output).
     """
     keys = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -158,6 +188,9 @@ def _attend_tile(
     else:
         k_t = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None])
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :])
+    if KV_FP8:
+        k_t = k_t.to(q.dtype)
+        v = v.to(q.dtype)
     scores = _dot(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERP) * qk_scale
     if MASKED:
         if CAUSAL:
@@ -204,7 +237,7 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None = None) -> None:
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not kv_quant.is_fp8(k_cache.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} with a unit last stride, got {tuple(out.shape)}")
@@ -213,6 +246,28 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | No
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     _check_head_dim(head_dim)
+
+
+@dataclass(frozen=True)
+class KVScaleArgs:
+    """A launch's view of the cache's scales: ``fp8`` (the KV_FP8 constexpr), the format's largest
+    value, and the two scale tensors (the cache itself in their place when not fp8: never read)."""
+
+    fp8: bool
+    fp8_max: float
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def kv_scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> KVScaleArgs:
+    if not kv_quant.is_fp8(k_cache.dtype):
+        return KVScaleArgs(False, 0.0, k_cache, k_cache)
+    return KVScaleArgs(
+        True,
+        kv_quant.fp8_max(k_cache.dtype),
+        kv_quant.checked_scale(k_scale, k_cache),
+        kv_quant.checked_scale(v_scale, k_cache),
+    )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from vllm_actors.kernels.triton_paged import (
     TileConfig,
     _attend_tile,
     checked_inputs,
+    kv_scale_args,
 )
 
 
@@ -29,6 +30,8 @@ def _varlen_kernel(
     query_start_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_seqs,
     qk_scale,
     stride_qt,
@@ -48,6 +51,7 @@ def _varlen_kernel(
     HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,6 +86,9 @@ def _varlen_kernel(
         other=0.0,
     )
     q_pos = prefix_len + query_index
+    qk = qk_scale
+    if KV_FP8:
+        qk = qk_scale * tl.load(k_scale_ptr)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -96,16 +103,18 @@ def _varlen_kernel(
     for key_start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, key_start,
-            seq_len, q_pos, qk_scale, stride_cb, stride_cs,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP,
+            seq_len, q_pos, qk, stride_cb, stride_cs,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8,
         )  # fmt: skip
     for key_start in range(unmasked_end, keys_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, key_start,
-            seq_len, q_pos, qk_scale, stride_cb, stride_cs,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, True, IEEE, INTERP,
+            seq_len, q_pos, qk, stride_cb, stride_cs,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, True, IEEE, INTERP, KV_FP8,
         )  # fmt: skip
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -140,14 +149,17 @@ def paged_attention_varlen(
     scale: float,
     out: torch.Tensor | None = None,
     config: TileConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context (already in the cache).
 
     q, out: [T, num_heads, head_dim]; query_start_loc [B+1] int32; seq_lens [B] int32;
     block_tables [B, max_blocks] int32; max_query_len: a host upper bound of the query lengths
-    (only picks tile sizes, unless config gives them).
+    (only picks tile sizes, unless config gives them); k_scale, v_scale: an fp8 cache's scales.
     """
     q, out = checked_inputs(q, k_cache, v_cache, out)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -168,6 +180,8 @@ def paged_attention_varlen(
         query_start_loc,
         seq_lens,
         block_tables,
+        scales.k_scale,
+        scales.v_scale,
         num_seqs,
         scale * _LOG2E,
         q.stride(0),
@@ -187,6 +201,7 @@ def paged_attention_varlen(
         HEAD_DIM=head_dim,
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
+        KV_FP8=scales.fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -14,18 +14,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+import structlog
 import torch
 from torch import nn
 
+from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope
 from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
+from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
 from vllm_actors.models.rope import RotaryFrequencies, rope_cos_sin, rope_frequencies
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+log = structlog.get_logger(__name__)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,6 +73,11 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        # An fp8 KV cache's scales (float32, one element, on the device; plain attributes that
+        # dtype casts leave alone), set by CausalLM.init_kv_scales; None for a cache in the model's dtype.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.calculate_kv_scales = False  # the next forward sets the scales from its k and v amax
 
     def forward(
         self,
@@ -86,11 +96,20 @@ class Attention(nn.Module):
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        # in place on the GPU, where the same launch also stores k and v in the cache
-        fused = fuses_kv_write(q)
+        scales = None if self.k_scale is None or self.v_scale is None else (self.k_scale, self.v_scale)
+        calculate = self.calculate_kv_scales and scales is not None
+        # in place on the GPU, where the same launch also stores k and v in the cache (not while
+        # the scales are calculated: from the rotated k, before anything is stored)
+        fused = fuses_kv_write(q) and not calculate
         kv_write = (v, kv_cache[0], kv_cache[1], meta.slot_mapping) if fused else None
-        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused)
+        q, k = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write, scales)
+        if calculate and scales is not None:
+            kv_quant.calculate_kv_scales(k, v, *scales)
+            self.calculate_kv_scales = False
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
         return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
 
 
@@ -164,6 +183,9 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         # kept out of the buffers so dtype casts and meta-device construction never touch it
         self._rope: RotaryFrequencies | None = None
+        # per layer, the KV scales the checkpoint holds ({"k": k_scale, "v": v_scale}; load_from)
+        self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
+        self.kv_cache_dtype: torch.dtype | None = None  # the cache init_kv_scales prepared the layers for
 
     def _rope_frequencies(self, device: torch.device) -> RotaryFrequencies:
         if self._rope is None or self._rope.inv_freq.device != device:
@@ -189,6 +211,36 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
         return self.model.norm(x, residual, self.tp, SLOT_MLP)[0]
+
+    def init_kv_scales(self, kv_cache_dtype: torch.dtype, calculated: bool = False) -> None:
+        """Give every layer the scales of a cache of ``kv_cache_dtype``: none for the model's own
+        dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default; ``calculated``: until the first
+        step sets them, so no warning); for e5m2 always 1.0."""
+        self.kv_cache_dtype = kv_cache_dtype
+        if not kv_quant.is_fp8(kv_cache_dtype):
+            for attn in self.attention_layers():
+                attn.k_scale = attn.v_scale = None
+            return
+        device = self.lm_head.weight.device
+        from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
+        if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint and not calculated:
+            log.warning("kv_scales_default", kv_cache_dtype=str(kv_cache_dtype), k_scale=1.0, v_scale=1.0,
+                        note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
+        elif self.checkpoint_kv_scales and not from_checkpoint:
+            log.info("kv_scales_ignored", kv_cache_dtype=str(kv_cache_dtype), note="fp8_e5m2 takes no scales")
+        for index, attn in enumerate(self.attention_layers()):
+            given = from_checkpoint.get(index, {})
+            attn.k_scale, attn.v_scale = kv_quant.kv_scale_tensors(device, given.get("k", 1.0), given.get("v", 1.0))
+
+    def calculate_kv_scales(self) -> None:
+        """The next forward sets every layer's KV scales from its own k and v (vLLM's
+        calculate_kv_scales); nothing without an e4m3 cache (init_kv_scales first)."""
+        calculate = self.kv_cache_dtype is not None and kv_quant.has_scales(self.kv_cache_dtype)
+        for attn in self.attention_layers():
+            attn.calculate_kv_scales = calculate
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
@@ -234,7 +286,8 @@ class CausalLM(nn.Module):
         """Read this rank's part of every weight from ``source`` (only that part: a safetensors
         source reads just those rows or columns); missing or unexpected names raise."""
         targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
-        given = {name: name for name in source.names()}
+        given = {name: name for name in source.names() if not is_kv_scale_name(name)}
+        self.checkpoint_kv_scales = read_kv_scales(source.names(), source, self.config.num_hidden_layers)
         if self.config.tie_word_embeddings:
             lm = given.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" not in given and lm is not None:

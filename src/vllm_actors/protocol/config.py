@@ -11,6 +11,9 @@ import msgspec
 # make_engine_config fills from VLLM_ACTORS_CPU_KVCACHE_SPACE when it is not given).
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+# The KV cache's storage type (vLLM's names): "auto" is the model's dtype; "fp8" and "fp8_e4m3" are
+# float8_e4m3fn with a scale per layer (k_scale, v_scale), "fp8_e5m2" is float8_e5m2 without scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority", "edf", "lrs")
 # How a replica set's controller spreads requests over its replicas (actors/controller/routing.py).
 ROUTING_POLICIES = ("round_robin", "least_loaded", "pull", "cache_aware")
@@ -31,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # fp8 KV cache: each layer's k_scale and v_scale from the first step's amax (vLLM's
+    # calculate_kv_scales) instead of the checkpoint's scales or 1.0
+    calculate_kv_scales: bool = False
     cpu_kv_cache_gib: float | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -69,6 +76,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("model must be a path to a Hugging Face directory or a .gguf file")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "steps_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -13,7 +13,9 @@ need nothing but the fused sampling kernel, a second graph per bucket draws the 
 (``execute_sampled``; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off). Other steps (prefills, mixed)
 replay a graph of the whole forward pass padded to the next token count (``padded_forward.py``).
 The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and the peak activations
-of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more).
+of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more),
+in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
+With ``calculate_kv_scales`` the first real step runs eagerly and sets the fp8 scales from its amax.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 from vllm_actors.envs import envs
+from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.models.config import ModelConfig
@@ -73,6 +76,10 @@ class ModelRunner:
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         torch.manual_seed(config.seed)
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+        self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
+        self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
+        self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
         self.local_config = self.model.local_config  # this rank's KV heads size the cache
         self.block_size = config.block_size
         self.max_num_tokens = limits.max_num_batched_tokens
@@ -95,6 +102,7 @@ class ModelRunner:
             model=config.model,
             device=str(self.device),
             dtype=str(self.dtype),
+            kv_cache_dtype=str(self.kv_cache_dtype),
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             cuda_graphs=sorted(self._graphs),
@@ -108,7 +116,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         mc = self.local_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
 
     def _choose_num_blocks(self, max_model_len: int) -> int:
@@ -174,8 +182,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(mc.num_hidden_layers)
         ]
@@ -265,6 +273,10 @@ class ModelRunner:
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run one forward pass; return the logits of ``batch.logits_indices`` rows, in the model's
         dtype (a view of a graph's output buffer: read before the next step)."""
+        if self._calculate_kv_scales:  # eagerly: the scales are set in place, graphs read them after
+            self._calculate_kv_scales = False
+            self.model.calculate_kv_scales()
+            return self._run_eager(batch)
         bucket = self._decode_bucket(batch)
         if bucket is not None:
             return self._run_graph(batch, bucket)
@@ -362,7 +374,7 @@ class ModelRunner:
     def samples_in_graph(self, batch: BatchInput) -> bool:
         """Whether ``execute_sampled`` can run this step (a decode step with a sampling graph)."""
         bucket = self._decode_bucket(batch)
-        return bucket is not None and bucket in self._sampled_graphs
+        return not self._calculate_kv_scales and bucket is not None and bucket in self._sampled_graphs
 
     @torch.inference_mode()
     def execute_sampled(self, batch: BatchInput, sampling: GraphSampling) -> torch.Tensor:

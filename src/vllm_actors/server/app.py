@@ -43,7 +43,7 @@ def cache_config_labels(client: AsyncEngineClient) -> dict[str, str]:
     if isinstance(config, EngineConfig):
         labels.update(block_size=str(config.block_size), enable_prefix_caching=str(config.enable_prefix_caching),
                       gpu_memory_utilization=str(config.gpu_memory_utilization),
-                      num_gpu_blocks_override=str(config.num_gpu_blocks_override))
+                      num_gpu_blocks_override=str(config.num_gpu_blocks_override), cache_dtype=config.kv_cache_dtype)
     return labels
 
 
