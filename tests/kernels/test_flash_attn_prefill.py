@@ -86,8 +86,8 @@ def test_layouts_flash_attn_cannot_take() -> None:
     assert "float16 or bfloat16" in str(layout_problem(q.float(), cache.float(), cache.float()))
     fp8 = cache.to(torch.float8_e4m3fn)
     assert "float8_e4m3fn" in str(layout_problem(q, fp8, fp8))  # an fp8 cache stays on Triton (SM90)
-    odd = torch.zeros(4, 16, 2, 12, dtype=torch.bfloat16)
-    assert "multiple of 8" in str(layout_problem(q[..., :12], odd, odd))
+    odd = torch.zeros(4, 16, 2, 24, dtype=torch.bfloat16)
+    assert "multiple of 16" in str(layout_problem(q[..., :24], odd, odd))
     assert "multiple of num_kv_heads" in str(layout_problem(q[:, :7], cache, cache))
 
 

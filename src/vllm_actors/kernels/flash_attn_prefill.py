@@ -12,7 +12,8 @@ What it needs, read from flash-attn-4 4.0.0b36's ``interface.py`` and ``flash_fw
 
 * q and the caches of one dtype, float16 or bfloat16 (float8 K/V only on SM100: an fp8 cache stays
   on Triton here);
-* head_dim a multiple of 8 up to 256; num_heads a multiple of num_kv_heads; int32 metadata;
+* head_dim a multiple of 16 up to 256 (its interface takes multiples of 8, but pages loaded by
+  cp.async must fill the padded head dim); num_heads a multiple of num_kv_heads; int32 metadata;
 * any block size: a page of exactly the kernel's key tile (128 at head_dim 64 and 128) loads by TMA,
   any other size by cp.async through the page table (``paged_kv_non_tma``). With TMA a tile loads the
   whole last page of a sequence, so unused rows of a sequence's last page must be finite (the pool is
@@ -68,8 +69,8 @@ def layout_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return f"q is {q.dtype}, flash-attn takes float16 or bfloat16"
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return f"the cache is {k_cache.dtype}, q is {q.dtype}"
-    if head_dim % 8 or not 8 <= head_dim <= 256 or k_cache.shape[-1] != head_dim:
-        return f"head_dim {head_dim} (cache {k_cache.shape[-1]}): flash-attn takes a multiple of 8 up to 256"
+    if head_dim % 16 or not 16 <= head_dim <= 256 or k_cache.shape[-1] != head_dim:
+        return f"head_dim {head_dim} (cache {k_cache.shape[-1]}): flash-attn takes a multiple of 16 up to 256"
     if q.shape[1] % k_cache.shape[2]:
         return f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}"
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
