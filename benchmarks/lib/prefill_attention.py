@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     import structlog
 
-    from benchmarks.lib.prefill_attention_report import markdown, thresholds
+    from benchmarks.lib.prefill_attention_report import markdown, suggested_rule, thresholds
 
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
         f"flash-attn 4: {missing or _flash_attn_version()}; bf16, one sequence per case"
     )
-    report = markdown(cases, title)
     found = thresholds(cases)
+    report = markdown(cases, title) + f"\nAt block size 16: `{suggested_rule(found)}`\n"
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "title": title,
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     (args.out / "prefill.json").write_text(json.dumps(payload, indent=2))
     (args.out / "prefill.md").write_text(report)
-    sys.stdout.write(report + f"\nthresholds (shortest chunk flash-attn wins from): {found}\n")
+    sys.stdout.write(report + f"\nthresholds (shortest chunk flash-attn wins from): {found}\n{suggested_rule(found)}\n")
     bad = [c for c in cases if c.rel_diff is not None and not c.rel_diff <= args.max_rel_diff]
     if bad:
         sys.exit(f"{len(bad)} case(s): flash-attn and Triton differ by more than {args.max_rel_diff}")

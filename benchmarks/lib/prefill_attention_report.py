@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from benchmarks.lib.prefill_attention import Case
+from benchmarks.lib.prefill_attention import SHAPES, Case
 
 
 def crossover(cases: list[Case]) -> int | None:
@@ -32,6 +32,17 @@ def thresholds(cases: list[Case]) -> dict[str, dict[int, int | None]]:
     for (shape, block_size), group in sorted(groups.items()):
         found[shape][block_size] = crossover(group)
     return dict(found)
+
+
+def suggested_rule(found: dict[str, dict[int, int | None]], block_size: int = 16) -> str:
+    """``kernels/prefill_choice.py``'s ``FLASH_ATTN_MIN_QUERY_LEN`` as these thresholds give it at the
+    engine's block size (a head_dim where flash-attn never won gets a threshold above every chunk)."""
+    rule = {}
+    for shape, by_block in sorted(found.items(), key=lambda item: SHAPES[item[0]][2]):
+        if block_size in by_block:
+            threshold = by_block[block_size]
+            rule[SHAPES[shape][2]] = threshold if threshold is not None else 1 << 30
+    return f"FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {rule}"
 
 
 def _cell(case: Case) -> str:

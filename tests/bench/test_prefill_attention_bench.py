@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
 
 from benchmarks.lib.prefill_attention import Case, cases_for, causal_flops, parse_args
-from benchmarks.lib.prefill_attention_report import crossover, markdown, thresholds
+from benchmarks.lib.prefill_attention_report import crossover, markdown, suggested_rule, thresholds
 
 
 def test_causal_flops_count_the_visible_pairs() -> None:
@@ -34,7 +34,10 @@ def test_the_threshold_is_the_shortest_chunk_won_at_every_context_from_there_up(
     cases[2].ms["flash_attn"] = 1.1  # lost at 512 too: from 1024
     assert crossover(cases) == 1024
     assert crossover([_case(0, 8192, 1.0, 1.5)]) is None
-    assert thresholds([*cases, _case(0, 256, 1.0, 0.5, block_size=128)]) == {"qwen3-8b": {16: 1024, 128: 256}}
+    found = thresholds([*cases, _case(0, 256, 1.0, 0.5, block_size=128)])
+    assert found == {"qwen3-8b": {16: 1024, 128: 256}}
+    rule = suggested_rule({**found, "llama-3.2-1b": {16: None}})
+    assert rule == "FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 1073741824, 128: 1024}"
     report = markdown(cases, "test")
     assert "| 4k | 1 / 2 (2.00x) | 1 / 2 (2.00x) | 1 / 2 (2.00x) |" in report
     assert "flash-attn faster from chunk: 1024" in report
