@@ -7,6 +7,9 @@ Skipped elsewhere; run on the GPU machine by ``benchmarks/gpu_session.sh fa4``.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -136,3 +139,42 @@ def test_flash_attn_prefill_replays_from_a_cuda_graph() -> None:
         graph.replay()
         assert_matches(out[: batch.q.shape[0]], expected, batch.meta)
         offset += batch.k_cache.shape[0]
+
+
+def test_the_engine_prefills_through_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 engine, head_dim 64, chunked prefill of 700-token prompts (each chunk over the ones cached
+    before it), CUDA graphs of the padded steps: prompt logprobs through flash-attn agree with the
+    Triton kernels' (both bf16: they differ only in rounding), and flash-attn really ran."""
+    from tests.support.tiny_models import build_checkpoint
+    from vllm_actors import LLM, SamplingParams
+    from vllm_actors.kernels import flash_attn_prefill
+
+    shape = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    path = build_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True, num_shards=1, shape=shape)
+    calls = []
+    original = flash_attn_prefill.FlashAttnPrefill.__call__
+
+    def counted(self: FlashAttnPrefill, *args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(flash_attn_prefill.FlashAttnPrefill, "__call__", counted)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 500, (700,), generator=gen).tolist()
+    prompts = [base, base[:600] + torch.randint(0, 500, (90,), generator=gen).tolist()]
+    logprobs = {}
+    for choice in ("triton", "flash_attn"):
+        monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", choice)
+        calls.clear()
+        with LLM(str(path), executor="inprocess", dtype="bfloat16", max_num_batched_tokens=128,
+                 num_gpu_blocks_override=256) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        values = []
+        for output, prompt in zip(outputs, prompts, strict=True):
+            assert output.prompt_logprobs is not None
+            values += [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+        logprobs[choice] = torch.tensor(values)
+        assert (len(calls) > 0) == (choice == "flash_attn"), choice
+    diff = (logprobs["flash_attn"] - logprobs["triton"]).abs()
+    assert diff.max().item() < 0.1 and diff.mean().item() < 0.01, (diff.max().item(), diff.mean().item())

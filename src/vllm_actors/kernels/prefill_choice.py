@@ -18,9 +18,9 @@ PrefillKernel = Literal["triton", "flash_attn"]
 PREFILL_CHOICES = ("auto", "triton", "flash_attn")
 
 # auto: flash-attn 4 from this longest query of a step (``max_query_len``, the chunk) up, per head_dim;
-# measured on an H100 by benchmarks/prefill_attention.py (benchmarks/RESULTS.md, "Prefill attention").
-# A head_dim not listed takes the larger of the two.
-FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 512, 128: 256}
+# a head_dim not listed takes the largest. Set from the thresholds benchmarks/prefill_attention.py
+# measures at block size 16 (its report prints this line). Provisional: not yet measured on an H100.
+FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 1024, 128: 1024}
 
 
 def prefill_choice() -> str:
