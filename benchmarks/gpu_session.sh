@@ -33,6 +33,8 @@
 #        bash benchmarks/gpu_session.sh vllm throughput -- --peer vllm --runs 2 --batch1-same-engine-only
 #        bash benchmarks/gpu_session.sh vllm serve -- --engines vllm ours --rates 0.5 20 40 --duration 60
 #        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
+#        bash benchmarks/gpu_session.sh fa4 prefillbench              # flash-attn 4's pieces already in /tmp/fa4
+#        PREFILL_ARGS="--shapes qwen3-8b --block-sizes 16" bash benchmarks/gpu_session.sh prefillbench
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
@@ -162,5 +164,6 @@ PY
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  fa4_path  # once the fa4 stage (a subshell, behind its pipe) installed it, the later stages find it
 done
 exit $status
