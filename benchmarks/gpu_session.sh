@@ -21,7 +21,14 @@
 #           in $out/allreduce.json), gemv (the batch-1 GEMV against cuBLAS over a grid,
 #           benchmarks/gemv_sweep.py, GEMV_ARGS for its flags; results in $out/gemv.json),
 #           synctests (the worker's launch path and the sampler under set_sync_debug_mode("error"),
-#           tests/models/test_uploads.py, and the penalties kernel at full size)
+#           tests/models/test_uploads.py, and the penalties kernel at full size),
+#           fa4 (install flash-attn 4 into /tmp/fa4site from the pieces in /tmp/fa4: see
+#           ../shared/device/flash-attn/fetch.sh, whose pieces must be cut to 40 MiB or less to travel
+#           beside the repo; skipped when /tmp/fa4site has it; then its GPU test,
+#           tests/gpu/test_gpu_flash_attn_prefill.py; once installed, every later stage and call on the
+#           warm machine finds it: the engine then attends prefills through it where it measured faster),
+#           prefillbench (Triton varlen vs flash-attn 4 prefill attention at long context,
+#           benchmarks/prefill_attention.py, PREFILL_ARGS for its flags; results in $out/prefill)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
 #        bash benchmarks/gpu_session.sh tptests allreduce            # on nvidia-h200-x2
 #        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
@@ -29,6 +36,8 @@
 #        bash benchmarks/gpu_session.sh vllm serve -- --engines vllm ours --rates 0.5 20 40 --duration 60
 #        bash benchmarks/gpu_session.sh vllm sglang throughput -- --peer vllm sglang --no-floor
 #        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
+#        bash benchmarks/gpu_session.sh fa4 prefillbench              # flash-attn 4's pieces already in /tmp/fa4
+#        PREFILL_ARGS="--shapes qwen3-8b --block-sizes 16" bash benchmarks/gpu_session.sh prefillbench
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
@@ -59,6 +68,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$site" . \
   || { echo "install failed"; exit 1; }
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
+# flash-attn 4, where the fa4 stage installed it: appended (the machine's torch and CUDA packages come first);
+# nvidia-cutlass-dsl's `cutlass` package sits in dsl_packages (its .pth file is skipped by pip --target)
+fa4_path() {
+  [ -d /tmp/fa4site/flash_attn ] || return 0
+  case ":$PYTHONPATH:" in *:/tmp/fa4site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages ;; esac
+}
+fa4_path
 stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -73,7 +89,7 @@ for stage in "${stages[@]}"; do
                tests/kernels/test_allreduce_norm.py
              timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
-               tests/gpu/test_gpu_long_context.py tests/models/test_uploads.py
+               tests/gpu/test_gpu_long_context.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/gpu/test_gpu_allreduce_norm.py \
                tests/gpu/test_gpu_tensor_parallel.py \
@@ -87,6 +103,16 @@ for stage in "${stages[@]}"; do
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
     prefix) python3 benchmarks/prefix.py --out "$out/prefix" "$@" 2>&1 | tee "$out/prefix.log" | tail -40 ;;
+    fa4) { if [ -d /tmp/fa4site/flash_attn ]; then echo "flash-attn 4: already in /tmp/fa4site"
+           elif ls /tmp/fa4/piece-* > /dev/null 2>&1 && [ -f .fa4/assemble.sh ]; then bash .fa4/assemble.sh
+           else echo "flash-attn 4: no pieces in /tmp/fa4 or no .fa4/assemble.sh (see ../shared/device/flash-attn/fetch.sh)"; false; fi \
+           && fa4_path && python3 -c 'import flash_attn.cute as f; print("flash_attn.cute", f.__version__)' \
+           && timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 300 -m gpu tests/gpu/test_gpu_flash_attn_prefill.py
+         } 2>&1 | tee "$out/fa4.log" | tail -30 ;;
+    prefillbench) fa4_path
+                  # shellcheck disable=SC2086 # the flags are word-split on purpose
+                  timeout 580 python3 benchmarks/prefill_attention.py --out "$out/prefill" ${PREFILL_ARGS:-} 2>&1 \
+                    | tee "$out/prefillbench.log" | tail -60 ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
     sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"
@@ -145,5 +171,6 @@ PY
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  fa4_path  # once the fa4 stage (a subshell, behind its pipe) installed it, the later stages find it
 done
 exit $status

@@ -248,6 +248,11 @@ class Envs:
 
     # --------------------------------------------------------------------- kernels
     VLLM_ACTORS_ATTENTION = kernel_switch("Paged attention", "kernels")
+    VLLM_ACTORS_PREFILL_ATTENTION = Setting(
+        "auto", choice("auto", "triton", "flash_attn"),
+        "Prefill attention on Hopper: flash-attn 4 (`flash_attn.cute`) where installed and measured faster "
+        "(`auto`), wherever it can run (`flash_attn`), or never (`triton`).",
+        kind="auto, triton, flash_attn", group="kernels")
     VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")

@@ -194,7 +194,9 @@ class TorchPagedAttention:
 def get_attention_backend(device: torch.device) -> AttentionBackend:
     """Attention backend for device: the Triton kernels on CUDA when triton imports, else the torch
     reference. The environment variable VLLM_ACTORS_ATTENTION=torch|triton overrides the choice
-    (triton on a CPU device needs TRITON_INTERPRET=1, set before triton is first imported)."""
+    (triton on a CPU device needs TRITON_INTERPRET=1, set before triton is first imported). The
+    Triton backend attends prefills through flash-attn 4 where VLLM_ACTORS_PREFILL_ATTENTION and the
+    device allow (``kernels/flash_attn_prefill.py``)."""
     if not use_triton("VLLM_ACTORS_ATTENTION", True, torch.device(device)):  # triton's import is tried below
         return TorchPagedAttention()
     try:
@@ -204,4 +206,6 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
             raise
         log.warning("triton_unavailable_using_torch_attention", error=str(exc))
         return TorchPagedAttention()
-    return TritonPagedAttention()
+    from vllm_actors.kernels.flash_attn_prefill import flash_attn_prefill_for
+
+    return TritonPagedAttention(prefill=flash_attn_prefill_for(torch.device(device)))

@@ -38,6 +38,7 @@ import structlog
 import torch
 
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill
 from vllm_actors.kernels.triton_decode import (
     DECODE_BLOCK_N,
     DECODE_MAX_SPLITS,
@@ -80,15 +81,20 @@ class TritonPagedAttention:
     `meta.max_query_len`) or varlen attention (anything else, decode rows mixed in included).
 
     decode_splits forces the decode split count (None: chosen per call from host integers);
-    ordered takes decode sequences longest context first (default ``DECODE_ORDERED``).
+    ordered takes decode sequences longest context first (default ``DECODE_ORDERED``); prefill, when
+    given, attends the non-decode steps it wants (flash-attn 4 on Hopper) in place of the varlen kernel.
     """
 
-    def __init__(self, decode_splits: int | None = None, ordered: bool | None = None) -> None:
+    def __init__(
+        self, decode_splits: int | None = None, ordered: bool | None = None, prefill: FlashAttnPrefill | None = None
+    ) -> None:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
         self.decode_splits = decode_splits
         self.ordered = DECODE_ORDERED if ordered is None else ordered
-        log.debug("triton_attention_backend", decode_splits=decode_splits, ordered=self.ordered, interpret=INTERPRET)
+        self.prefill = prefill
+        log.debug("triton_attention_backend", decode_splits=decode_splits, ordered=self.ordered, interpret=INTERPRET,
+                  prefill=prefill.choice if prefill is not None else "triton")
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """A decode step's metadata with `decode_order` (longest context first), when ordered."""
@@ -126,6 +132,8 @@ class TritonPagedAttention:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
+        if self.prefill is not None and self.prefill.wants(q, k_cache, v_cache, meta):
+            return self.prefill(q, k_cache, v_cache, meta, scale)
         return paged_attention_varlen(
             q,
             k_cache,

@@ -1,0 +1,159 @@
+"""Prefill attention through flash-attn 4's varlen forward (``flash_attn.cute``, CuTe DSL, JIT-compiled)
+on Hopper, over the paged cache as it is.
+
+The engine's metadata maps one to one onto the kernel's arguments: q packed by ``query_start_loc``
+(``cu_seqlens_q``), the context lengths ``seq_lens`` (``seqused_k``), the block tables
+(``page_table``) over the caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` as pages, and
+``causal=True``, which flash-attn aligns bottom-right (query i of a sequence with q_len queries over
+k_len keys sees keys up to k_len - q_len + i), as the engine's contract puts the queries at the end
+of their context. GQA is native (query head h reads KV head h // group).
+
+What it needs, read from flash-attn-4 4.0.0b36's ``interface.py`` and ``flash_fwd_sm90.py``:
+
+* q and the caches of one dtype, float16 or bfloat16 (float8 K/V only on SM100: an fp8 cache stays
+  on Triton here);
+* head_dim a multiple of 16 up to 256 (its interface takes multiples of 8, but pages loaded by
+  cp.async must fill the padded head dim); num_heads a multiple of num_kv_heads; int32 metadata;
+* any block size: a page of exactly the kernel's key tile (128 at head_dim 64 and 128) loads by TMA,
+  any other size by cp.async through the page table (``paged_kv_non_tma``). With TMA a tile loads the
+  whole last page of a sequence, so unused rows of a sequence's last page must be finite (the pool is
+  zero-filled and only ever holds K/V values);
+* no split-KV on SM90 (decode stays on the Triton decode kernel).
+
+Nothing here syncs with the host or sizes anything from tensor values: a step using it can be
+captured in a CUDA graph (flash-attn compiles on the first call of each kernel variant, outside it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.kernels.prefill_choice import PrefillKernel, prefill_choice, prefill_kernel
+
+log = structlog.get_logger(__name__)
+
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+VarlenFunc = Callable[..., Any]  # flash_attn.cute.flash_attn_varlen_func
+
+
+@functools.cache
+def _unavailable_on(device_index: int) -> str | None:
+    """Why flash-attn 4 cannot run on CUDA device ``device_index``; None when it can."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major != 9:
+        return f"the device is sm{major}{minor}, not Hopper (sm90)"
+    try:
+        import flash_attn.cute  # noqa: F401  # imported only where it can run: it pulls in the CuTe DSL
+    except Exception as exc:  # an installed but broken kit is as good as none: Triton serves
+        return f"flash_attn.cute does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+def flash_attn_unavailable(device: torch.device) -> str | None:
+    """Why flash-attn 4 cannot run on ``device`` (not CUDA, not Hopper, not installed); None when it can."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"the device is {device.type}, not a CUDA GPU"
+    return _unavailable_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def layout_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why flash-attn 4 cannot take these operands (host shapes and dtypes only); None when it can."""
+    head_dim = q.shape[-1]
+    if q.dtype not in FLASH_ATTN_DTYPES:
+        return f"q is {q.dtype}, flash-attn takes float16 or bfloat16"
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"the cache is {k_cache.dtype}, q is {q.dtype}"
+    if head_dim % 16 or not 16 <= head_dim <= 256 or k_cache.shape[-1] != head_dim:
+        return f"head_dim {head_dim} (cache {k_cache.shape[-1]}): flash-attn takes a multiple of 16 up to 256"
+    if q.shape[1] % k_cache.shape[2]:
+        return f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        return "q and the caches need a unit last stride"
+    return None
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int32 (no copy when it already is)."""
+    return t.to(torch.int32).contiguous()
+
+
+def varlen_arguments(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> dict[str, Any]:
+    """The keyword arguments of ``flash_attn_varlen_func`` for one step over the paged cache.
+
+    No ``max_seqlen_q``/``max_seqlen_k``: flash-attn then bounds them by the q rows and the page-table
+    width, so one compiled variant serves every batch (a host hint of the longest query would pick
+    another variant for steps of short queries, compiled mid-serving).
+    """
+    return {
+        "q": q,
+        "k": k_cache,
+        "v": v_cache,
+        "cu_seqlens_q": _int32(meta.query_start_loc),
+        "seqused_k": _int32(meta.seq_lens),
+        "page_table": _int32(meta.block_tables),
+        "softmax_scale": scale,
+        "causal": True,
+    }
+
+
+def _load_varlen() -> VarlenFunc:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+class FlashAttnPrefill:
+    """The prefill path on flash-attn 4: ``wants`` says whether a step goes to it (the choice rule of
+    ``prefill_choice`` with this step's shapes), calling it attends the step (K/V already cached).
+
+    ``varlen_func`` stands in for ``flash_attn.cute.flash_attn_varlen_func`` (tests); None imports it.
+    """
+
+    def __init__(self, choice: str = "auto", varlen_func: VarlenFunc | None = None) -> None:
+        self.choice = choice
+        self._varlen = varlen_func
+
+    def kernel(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> PrefillKernel:
+        ready = layout_problem(q, k_cache, v_cache) is None
+        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1])
+
+    def wants(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.kernel(q, k_cache, v_cache, meta) == "flash_attn"
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
+        if self._varlen is None:
+            self._varlen = _load_varlen()
+        out = self._varlen(**varlen_arguments(q, k_cache, v_cache, meta, scale))
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
+
+
+def flash_attn_prefill_for(device: torch.device) -> FlashAttnPrefill | None:
+    """The flash-attn 4 prefill path for ``device`` as ``VLLM_ACTORS_PREFILL_ATTENTION`` asks: None for
+    ``triton``, and for ``auto`` where flash-attn 4 cannot run; ``flash_attn`` there is an error."""
+    choice = prefill_choice()
+    if choice == "triton":
+        return None
+    reason = flash_attn_unavailable(torch.device(device))
+    if reason is not None:
+        if choice == "flash_attn":
+            raise ValueError(
+                f"VLLM_ACTORS_PREFILL_ATTENTION=flash_attn needs flash-attn 4 (flash_attn.cute) on a Hopper GPU: "
+                f"{reason}; use auto or triton"
+            )
+        log.debug("flash_attn_prefill_off", reason=reason)
+        return None
+    log.info("flash_attn_prefill_on", choice=choice)
+    return FlashAttnPrefill(choice)

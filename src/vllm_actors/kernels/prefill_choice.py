@@ -1,0 +1,45 @@
+"""Which kernel attends a prefill (or mixed) step: the project's Triton varlen kernel, or flash-attn 4's
+SM90 kernel (``kernels/flash_attn_prefill.py``) where it is installed, can take the step and measured
+faster. Pure host logic on integers: no flash-attn, no device work here.
+
+``VLLM_ACTORS_PREFILL_ATTENTION``: ``triton`` never takes flash-attn; ``flash_attn`` takes it for every
+step it can run (and makes its absence an error); ``auto`` (default) takes it from the query lengths
+where ``benchmarks/prefill_attention.py`` measured it faster. Decode steps (every query length <= 1)
+always stay on the Triton decode kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from vllm_actors.envs import envs
+
+PrefillKernel = Literal["triton", "flash_attn"]
+PREFILL_CHOICES = ("auto", "triton", "flash_attn")
+
+# auto: flash-attn 4 from this longest query of a step (``max_query_len``, the chunk) up, per head_dim;
+# a head_dim not listed takes the largest. Set from the thresholds benchmarks/prefill_attention.py
+# measures at block size 16 (its report prints this line). Provisional: not yet measured on an H100.
+FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 1024, 128: 1024}
+
+
+def prefill_choice() -> str:
+    """``auto``, ``triton`` or ``flash_attn``: what ``VLLM_ACTORS_PREFILL_ATTENTION`` asks for."""
+    return str(envs.VLLM_ACTORS_PREFILL_ATTENTION)
+
+
+def min_query_len(head_dim: int) -> int:
+    """The shortest longest-query from which ``auto`` takes flash-attn 4 at this head_dim."""
+    return FLASH_ATTN_MIN_QUERY_LEN.get(head_dim, max(FLASH_ATTN_MIN_QUERY_LEN.values()))
+
+
+def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head_dim: int) -> PrefillKernel:
+    """The kernel of a step whose longest query is ``max_query_len``. ``flash_attn_ready``: flash-attn 4
+    is installed, the device is Hopper and the step's layout suits it (dtype, head_dim)."""
+    if choice not in PREFILL_CHOICES:
+        raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_CHOICES)}, got {choice!r}")
+    if max_query_len <= 1 or choice == "triton" or not flash_attn_ready:
+        return "triton"
+    if choice == "flash_attn" or max_query_len >= min_query_len(head_dim):
+        return "flash_attn"
+    return "triton"
