@@ -27,10 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +35,7 @@ from typing import Any
 from benchmarks.lib import peer_long
 from benchmarks.lib.floor import ModelShape
 from benchmarks.lib.long_context_model import context_label, model_setup, parse_context, samples_plan
+from benchmarks.lib.long_context_process import engine_command, measure_bandwidth, run_process
 from benchmarks.lib.long_context_report import (
     ENGINE_ORDER,
     add_engine_result,
@@ -50,9 +47,9 @@ from benchmarks.lib.long_context_report import (
 )
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 
-REPO = Path(__file__).resolve().parents[2]
 # settings that must match for --append to add to an earlier report
-SAME_SETTINGS = ("model_description", "tensor_parallel_size", "kv_cache_dtype", "output_len", "dtype")
+SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
+                 "kv_cache_dtype", "output_len")
 
 
 def _context(text: str) -> int:
@@ -62,15 +59,26 @@ def _context(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="benchmarks/long_context.py", description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("model and engines")
-    model.add_argument("--model", default=None, help="a Hugging Face directory (default: --model-shape, random weights)")
+    model.add_argument("--model", default=None,
+                       help="a Hugging Face directory (default: --model-shape, random weights)")
     model.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama-3.2-1b")
     model.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                        help="default: dummy without --model, auto with it")
     model.add_argument("--dtype", default="bfloat16")
-    model.add_argument("--rope-scaling", type=json.loads, default=None,
+    model.add_argument("--rope-scaling", type=_json_object, default=None,
                        help="JSON for config.json's rope_scaling, e.g. Qwen3's yarn "
                             "'{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}'")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -102,68 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--append", action="store_true", help="add to the report already under --out")
     output.add_argument("--out", default="results/long_context", help="directory for long_context.json and .md")
     return parser
-
-
-# --------------------------------------------------------------------------- processes
-def _ours_env() -> dict[str, str]:
-    """Our Python's environment with the repository importable (benchmarks.lib)."""
-    path = os.environ.get("PYTHONPATH", "")
-    return dict(os.environ, PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
-
-
-def run_process(command: list[str], env: dict[str, str], log_path: Path, timeout: float) -> str | None:
-    """Run ``command`` in a session of its own, its output into ``log_path``; an error or None. On
-    timeout the whole session (the engine's own processes too) is ended."""
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(process.pid, sig)
-                    process.wait(timeout=grace)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            return f"timed out after {timeout:.0f} s"
-    if code == 0:
-        return None
-    tail = " | ".join(log_path.read_text(errors="replace").splitlines()[-8:])
-    return f"exit {code}: {tail}"
-
-
-def measure_bandwidth(out_dir: Path) -> dict[str, Any] | None:
-    """The copy bandwidth, in a process of its own so that this one holds no GPU memory."""
-    code = ("import json, statistics, torch\n"
-            "from benchmarks.lib.floor import measure_copy_bandwidth\n"
-            "samples = measure_copy_bandwidth() if torch.cuda.is_available() else []\n"
-            "print(json.dumps({'samples': samples, 'device': torch.cuda.get_device_name() if samples else None}))\n")
-    log = out_dir / "bandwidth.log"
-    if run_process([sys.executable, "-c", code], _ours_env(), log, timeout=600) is not None:
-        return None
-    measured = json.loads(log.read_text().strip().splitlines()[-1])
-    if not measured["samples"]:
-        return None
-    samples = sorted(measured["samples"])
-    return {"bytes_per_s": samples[len(samples) // 2], "source": "measured", "device": measured["device"],
-            "samples": measured["samples"]}
-
-
-def engine_command(args: argparse.Namespace, engine: str, scratch: Path, common: list[str]) -> tuple[list[str], dict]:
-    if engine == "ours":
-        return [sys.executable, "-m", "benchmarks.lib.long_context_ours", "--engine", "ours", *common], _ours_env()
-    script = scratch / "peer_long.py"  # run from a folder of its own: lib/'s modules shadow nothing
-    shutil.copyfile(peer_long.__file__, script)
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1")
-    pythonpath = getattr(args, f"{engine}_pythonpath")
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    extra = []
-    if engine == "sglang" and args.sglang_mem_fraction_static is not None:
-        extra = ["--mem-fraction-static", str(args.sglang_mem_fraction_static)]
-    return [getattr(args, f"{engine}_python"), str(script), "--engine", engine, *common, *extra], env
 
 
 def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_size: int, scratch: Path,
@@ -231,10 +177,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         dtype_bytes = 4 if args.dtype in ("float32", "float") else 2
         shape = ModelShape.from_hf_config(setup.config, dtype_bytes=dtype_bytes)
         bandwidth = report["bandwidth"]["bytes_per_s"] if report["bandwidth"] else None
+        write_report(report, out_dir)
         for engine in args.engines:
             result, log, error = run_engine(args, engine, setup.path, int(setup.config["vocab_size"]), scratch,
                                             out_dir, len(report["runs"]))
-            add_engine_result(report, engine, result, log, error)
+            add_engine_result(report, engine, result, log, error, {"max_model_len": max(args.contexts),
+                                                                    "model_description": setup.description})
             build_rows(report, shape, bandwidth, args.tensor_parallel_size, args.kv_cache_dtype)
             write_report(report, out_dir)
             failed = error or result.get("error") or any("error" in c for c in result.get("contexts", {}).values())

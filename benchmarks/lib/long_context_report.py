@@ -22,11 +22,11 @@ def load_report(path: Path) -> dict[str, Any] | None:
 
 
 def add_engine_result(report: dict[str, Any], engine: str, result: dict[str, Any], log: str,
-                      error: str | None) -> None:
-    """One engine process's result: its run (startup, settings) and its contexts, which replace
-    that engine's earlier results at the same contexts."""
+                      error: str | None, setting: dict[str, Any] | None = None) -> None:
+    """One engine process's result: its run (startup, settings, and ``setting``: what this call
+    started it with) and its contexts, which replace that engine's earlier results at the same contexts."""
     run = {key: result.get(key) for key in ("startup_s", "warmup_s", "settings", "python")}
-    run.update({"engine": engine, "log": log, "error": error or result.get("error")})
+    run.update({**(setting or {}), "engine": engine, "log": log, "error": error or result.get("error")})
     report["runs"].append(run)
     entry = report["engines"].setdefault(engine, {"contexts": {}})
     for context, measured in result.get("contexts", {}).items():

@@ -212,7 +212,8 @@ class VllmEngine:
                                 output_kind=RequestOutputKind.CUMULATIVE)
         engine = self.llm.llm_engine
         self.ids += 1
-        request_id, events = f"long-{self.ids}", []
+        request_id = f"long-{self.ids}"
+        events: Events = []
         start = time.perf_counter()
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         while engine.has_unfinished_requests():
