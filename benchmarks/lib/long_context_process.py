@@ -56,7 +56,7 @@ def measure_bandwidth(out_dir: Path) -> dict[str, Any] | None:
     log = out_dir / "bandwidth.log"
     if run_process([sys.executable, "-c", code], ours_env(), log, timeout=600) is not None:
         return None
-    measured = json.loads(log.read_text().strip().splitlines()[-1])
+    measured = json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])
     if not measured["samples"]:
         return None
     samples = sorted(measured["samples"])

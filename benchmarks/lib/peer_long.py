@@ -143,6 +143,10 @@ def run_engine(engine: Engine, args: argparse.Namespace) -> int:
                 print(f"{engine.name} {context}: {entry['error']}", flush=True)
             result["contexts"][str(context)] = entry
             _write(args.out, result)
+    except Exception as error:  # the warm-up failed: nothing else can run
+        result["error"] = f"warm-up: {type(error).__name__}: {error}"
+        _write(args.out, result)
+        raise
     finally:
         engine.shutdown()
     _write(args.out, result)
@@ -206,10 +210,15 @@ class VllmEngine:
 
     def stream(self, prompt: list[int], max_tokens: int) -> Events:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
+        try:  # an update every step (LLM.generate may ask for the final output only)
+            from vllm.sampling_params import RequestOutputKind
+
+            kind: dict[str, Any] = {"output_kind": RequestOutputKind.CUMULATIVE}
+        except ImportError:
+            kind = {}
         params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
-                                output_kind=RequestOutputKind.CUMULATIVE)
+                                **kind)
         engine = self.llm.llm_engine
         self.ids += 1
         request_id = f"long-{self.ids}"

@@ -185,6 +185,13 @@ def test_run_engine_measures_every_context_and_keeps_the_failed_ones(tmp_path: P
     assert len(engine.prompts) == 1 + 1 + 3 and len({tuple(p) for p in engine.prompts}) == 5
     assert all(0 <= token < 512 for prompt in engine.prompts for token in prompt)
 
+    broken = _FakeEngine()
+    broken.stream = lambda prompt, max_tokens: []  # type: ignore[method-assign]  # no token ever comes
+    with pytest.raises(RuntimeError, match="no token"):
+        peer_long.run_engine(broken, args)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert broken.closed and result["error"].startswith("warm-up: RuntimeError") and result["contexts"] == {}
+
 
 def test_peer_script_runs_alone_and_records_a_missing_engine(tmp_path: Path) -> None:
     """Copied to a folder of its own and run without this project on the path, as on the GPU machine."""
