@@ -29,6 +29,11 @@
 #           warm machine finds it: the engine then attends prefills through it where it measured faster),
 #           prefillbench (Triton varlen vs flash-attn 4 prefill attention at long context,
 #           benchmarks/prefill_attention.py, PREFILL_ARGS for its flags; results in $out/prefill)
+#           longctx (TTFT and decode at long contexts against vLLM / SGLang, benchmarks/long_context.py;
+#           not in the default list; extra arguments after `--` go to it, so name it alone when passing
+#           them; it writes to $LONGCTX_DIR (default /tmp/longctx, kept on a warm machine between calls,
+#           so that `--append` adds a later call's engines and contexts to the same report) and copies
+#           long_context.json, long_context.md and its engines' logs (logs.tar.gz) to $out/longctx)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
 #        bash benchmarks/gpu_session.sh tptests allreduce            # on nvidia-h200-x2
 #        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
@@ -38,6 +43,8 @@
 #        bash benchmarks/gpu_session.sh prefix -- --workloads shared --num-requests 128
 #        bash benchmarks/gpu_session.sh fa4 prefillbench              # flash-attn 4's pieces already in /tmp/fa4
 #        PREFILL_ARGS="--shapes qwen3-8b --block-sizes 16" bash benchmarks/gpu_session.sh prefillbench
+#        bash benchmarks/gpu_session.sh vllm longctx -- --engines ours vllm --contexts 16k 32k 64k 128k
+#        bash benchmarks/gpu_session.sh longctx -- --engines ours --contexts 1M --append   # then vllm alone
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
@@ -119,6 +126,12 @@ for stage in "${stages[@]}"; do
             else bash benchmarks/kits/sglang/assemble.sh; fi
             PYTHONPATH=/tmp/ssite python3 -c 'import sglang, sgl_kernel, flashinfer; from sglang.srt.entrypoints.engine import Engine; import sglang.launch_server; print("sglang", sglang.__version__, "imports")' 2>&1 | tail -5 ;;
     serve) python3 benchmarks/serve.py --out "$out/serve" "$@" 2>&1 | tee "$out/serve.log" | tail -40 ;;
+    longctx) dir=${LONGCTX_DIR:-/tmp/longctx}; mkdir -p "$dir" "$out/longctx"
+             python3 benchmarks/long_context.py --out "$dir" "$@" 2>&1 | tee "$out/longctx.log" | tail -40
+             rc=${PIPESTATUS[0]}
+             cp "$dir"/long_context.json "$dir"/long_context.md "$out/longctx/" 2>/dev/null
+             (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longctx/logs.tar.gz"
+             [ "$rc" -eq 0 ] ;;
     events) runs=(); for pair in $(seq 1 "${EVENT_PAIRS:-2}"); do runs+=("on-$pair" "off-$pair"); done
             for run in "${runs[@]}"; do
               flag=; [ "${run%-*}" = off ] && flag=--no-events

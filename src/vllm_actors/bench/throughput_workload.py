@@ -1,5 +1,5 @@
-"""``vllm-actors bench throughput``'s workload: nano-vllm's requests, and the model directory with
-Qwen3-0.6B's shape (random weights)."""
+"""``vllm-actors bench throughput``'s workload: nano-vllm's requests, and the model directories of
+the benchmarks' shapes (Qwen3-0.6B by default, Qwen3-8B, Llama-3.2-1B; random weights)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,37 @@ QWEN3_8B_CONFIG: dict[str, Any] = {
     **QWEN3_0_6B_CONFIG, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
 }
-MODEL_SHAPES: dict[str, dict[str, Any]] = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}
+# Llama-3.2-1B's config.json (long-context benchmarks: llama3 rope scaling, 131,072 positions, head dim 64).
+LLAMA_3_2_1B_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "use_cache": True,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG, "llama-3.2-1b": LLAMA_3_2_1B_CONFIG,
+}
 
 
 def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:

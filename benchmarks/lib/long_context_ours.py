@@ -1,0 +1,102 @@
+"""Our engine's side of ``benchmarks/long_context.py``, in a process of its own like the peers':
+``python -m benchmarks.lib.long_context_ours --engine ours ...`` (peer_long.py's arguments). The
+offline ``LLM``'s process group, driven through its client (``prepare``, ``submit``, ``poll``) so
+that each token's arrival is timed as the peers' are."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
+
+import msgspec
+
+from benchmarks.lib.peer_long import TEMPERATURE, Events, parse_args, run_engine
+
+
+def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM's arguments; the newer ones only when asked for, so older engines still run."""
+    kwargs: dict[str, Any] = {
+        "skip_tokenizer_init": True, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": True,
+    }
+    if args.load_format != "auto":
+        kwargs["load_format"] = args.load_format
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    return kwargs
+
+
+class OursEngine:
+    name = "ours"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.llm: Any = None
+        self.ids = itertools.count()
+
+    def start(self) -> dict[str, Any]:
+        from vllm_actors.llm import LLM
+
+        kwargs = engine_arguments(self.args)
+        self.llm = LLM(model=self.args.model, **kwargs)
+        try:
+            version = metadata.version("vllm-actors")
+        except metadata.PackageNotFoundError:
+            version = "source"
+        settings = {"version": version, "arguments": kwargs, "max_model_len": self.llm.max_model_len,
+                    "engine_config": msgspec.to_builtins(self.llm.config)}
+        group = self.llm.group  # what the group resolved: the scheduler's budget, the KV pool
+        scheduler = getattr(group, "scheduler_config", None)
+        if scheduler is not None:
+            settings["scheduler_config"] = msgspec.to_builtins(scheduler)
+        settings["worker"] = dict(getattr(group, "worker_info", None) or {})
+        return settings
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+        from vllm_actors.protocol.sampling import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
+        events: Events = []
+        start = time.perf_counter()
+        request = engine.prepare(f"long-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
+        engine.submit(request)
+        try:
+            while True:
+                for output in engine.poll(100):
+                    if output.request_id != request.request_id:
+                        continue
+                    if output.error is not None:
+                        raise RuntimeError(f"request failed: {output.error}")
+                    count = len(output.outputs[0].token_ids)
+                    if not events or count > events[-1][1]:
+                        events.append((time.perf_counter() - start, count))
+                    if output.finished:
+                        return events
+                if not engine.has_unfinished:
+                    raise RuntimeError("the engine went idle with the request unfinished")
+        except BaseException:
+            engine.abort(request.request_id)
+            raise
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from vllm_actors.runtime.log_setup import configure_logging
+
+    configure_logging()  # VLLM_ACTORS_LOG_LEVEL's level
+    args = parse_args(argv, engines=("ours",))
+    return run_engine(OursEngine(args), args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

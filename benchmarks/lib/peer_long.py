@@ -1,0 +1,327 @@
+"""``benchmarks/long_context.py``'s measurement, and its vLLM and SGLang sides: one engine in a
+process of its own, one request at a time, TTFT and decode at each long context.
+
+This file runs as a script under the peer's environment (its packages apart, e.g. /tmp/vsite or
+/tmp/ssite) and imports nothing of vllm_actors: ``python3 peer_long.py --engine vllm|sglang --model
+DIR --contexts 16384 131072 --repeats 3 3 --warmup 1 1 --out R.json``. Our engine runs the same
+``run_engine`` loop (long_context_ours.py), so every engine is measured alike, by the client's clock:
+
+* the engine starts once (timed) for ``--max-model-len``, then one short request warms it up;
+* per context: an optional warm-up request at the context (discarded), then ``repeats`` samples,
+  each a fresh random prompt of ``prompt_len(context, output_len)`` tokens (no prefix-cache hit;
+  the same prompts for every engine) streamed for ``--output-len`` tokens at temperature 0.6 with
+  EOS ignored;
+* a sample's TTFT is the time from the call to its first token; its decode ms/token is
+  (last token's time - first token's) / (tokens - 1), from the per-token arrival times (no prefill
+  noise, which at 1M tokens outweighs the whole decode); the subtraction (median full time -
+  median TTFT) / (tokens - 1) is kept beside it as a cross-check.
+
+The result JSON is rewritten after every context, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+TEMPERATURE = 0.6
+PROMPT_MARGIN = 16  # tokens of the context left free beyond the prompt and the output
+WARMUP_PROMPT = 1024  # tokens of the short warm-up request's prompt (less if the context is shorter)
+TOKEN_RANGE = 10000  # prompt token ids are drawn below this (then folded into the vocabulary)
+
+# (seconds since the call, tokens received so far), one entry per update that brought tokens
+Events = list[tuple[float, int]]
+
+
+class Engine(Protocol):
+    name: str
+
+    def start(self) -> dict[str, Any]:
+        """Start the engine; its resolved settings."""
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+        """One request alone, its token arrivals by the client's clock."""
+
+    def shutdown(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- prompts and samples
+def prompt_len(context: int, output_len: int) -> int:
+    """The prompt of a ``context``-token request: the prompt and the output fill the context but a margin."""
+    length = context - output_len - PROMPT_MARGIN
+    if length < 1:
+        raise ValueError(f"context {context} leaves no prompt for {output_len} output tokens "
+                         f"(and a margin of {PROMPT_MARGIN})")
+    return length
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(TOKEN_RANGE) % vocab_size for _ in range(length)]
+
+
+def shape_sample(events: Events, max_tokens: int) -> dict[str, Any]:
+    """One streamed request's figures from its token arrivals."""
+    if not events or events[-1][1] < 1:
+        raise RuntimeError("the request produced no token")
+    (first_s, first_n), (last_s, last_n) = events[0], events[-1]
+    decode = (last_s - first_s) / (last_n - first_n) * 1e3 if last_n > first_n else None
+    return {"ttft_s": first_s, "full_s": last_s, "tokens": last_n, "complete": last_n == max_tokens,
+            "updates": len(events), "decode_ms_per_token": decode,
+            "times_s": [round(t, 6) for t, _ in events]}
+
+
+def summarize(context: int, length: int, output_len: int, samples: Sequence[dict[str, Any]],
+              warmup_s: float | None) -> dict[str, Any]:
+    """A context's medians over its samples (decode from the token arrivals, and the subtraction)."""
+    ttft = statistics.median(s["ttft_s"] for s in samples)
+    full = statistics.median(s["full_s"] for s in samples)
+    streamed = [s["decode_ms_per_token"] for s in samples if s["decode_ms_per_token"] is not None]
+    subtract = (full - ttft) / (output_len - 1) * 1e3 if output_len > 1 else None
+    return {
+        "context": context, "prompt_len": length, "output_len": output_len, "repeats": len(samples),
+        "ttft_ms": ttft * 1e3, "decode_ms_per_token": statistics.median(streamed) if streamed else subtract,
+        "decode_method": "token_times" if streamed else "subtraction",
+        "decode_subtract_ms_per_token": subtract, "full_s": full, "warmup_s": warmup_s,
+        "complete": all(s["complete"] for s in samples), "samples": list(samples),
+    }
+
+
+def measure_context(stream: Callable[[list[int], int], Events], context: int, output_len: int, repeats: int,
+                    warmup: bool, seed: int, vocab_size: int) -> dict[str, Any]:
+    length = prompt_len(context, output_len)
+    rng = random.Random(seed * 1_000_003 + context)  # the same prompts for every engine
+    warmup_s = None
+    if warmup:
+        prompt = random_prompt(rng, length, vocab_size)
+        warmup_s = shape_sample(stream(prompt, output_len), output_len)["full_s"]
+    samples = []
+    for _ in range(repeats):
+        prompt = random_prompt(rng, length, vocab_size)
+        samples.append(shape_sample(stream(prompt, output_len), output_len))
+    return summarize(context, length, output_len, samples, warmup_s)
+
+
+# --------------------------------------------------------------------------- the run
+def _write(path: str, result: dict[str, Any]) -> None:
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1, default=str)
+
+
+def run_engine(engine: Engine, args: argparse.Namespace) -> int:
+    """Start, warm up, every context in order, shut down; the JSON at ``args.out`` after each part."""
+    result: dict[str, Any] = {"engine": engine.name, "python": sys.version.split()[0], "args": vars(args),
+                              "contexts": {}}
+    started = time.perf_counter()
+    try:
+        result["settings"] = engine.start()
+    except Exception as error:
+        result["error"] = f"startup: {type(error).__name__}: {error}"
+        _write(args.out, result)
+        raise
+    result["startup_s"] = time.perf_counter() - started
+    print(f"{engine.name}: engine up after {result['startup_s']:.1f} s", flush=True)
+    _write(args.out, result)
+    try:
+        warm_len = min(WARMUP_PROMPT, prompt_len(min(args.contexts), args.output_len))
+        prompt = random_prompt(random.Random(args.seed - 1), warm_len, args.vocab_size)
+        result["warmup_s"] = shape_sample(engine.stream(prompt, args.output_len), args.output_len)["full_s"]
+        for context, repeats, warmup in zip(args.contexts, args.repeats, args.warmup, strict=True):
+            try:
+                entry = measure_context(engine.stream, context, args.output_len, repeats, bool(warmup), args.seed,
+                                        args.vocab_size)
+                print(f"{engine.name} {context}: TTFT {entry['ttft_ms']:,.1f} ms, "
+                      f"{entry['decode_ms_per_token']:.3f} ms/token", flush=True)
+            except Exception as error:  # the next context may still fit
+                entry = {"context": context, "error": f"{type(error).__name__}: {error}"}
+                print(f"{engine.name} {context}: {entry['error']}", flush=True)
+            result["contexts"][str(context)] = entry
+            _write(args.out, result)
+    except Exception as error:  # the warm-up failed: nothing else can run
+        result["error"] = f"warm-up: {type(error).__name__}: {error}"
+        _write(args.out, result)
+        raise
+    finally:
+        engine.shutdown()
+    _write(args.out, result)
+    return 0 if all("error" not in entry for entry in result["contexts"].values()) else 1
+
+
+# --------------------------------------------------------------------------- the peers
+def sglang_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """vLLM's "fp8" is e4m3; SGLang spells it out."""
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
+def sglang_completion_tokens(chunk: Any) -> int:
+    """Tokens so far in one streamed SGLang chunk (a dict, or a list of one)."""
+    item = chunk[0] if isinstance(chunk, list) else chunk
+    meta = item.get("meta_info") or {}
+    if "completion_tokens" in meta:
+        return int(meta["completion_tokens"])
+    return len(item.get("output_ids") or [])
+
+
+def as_plain_dict(settings: Any) -> dict[str, Any]:
+    """An engine's settings object (a dataclass, or anything with a ``resolved_dict``) as a dict."""
+    if hasattr(settings, "resolved_dict"):
+        return dict(settings.resolved_dict())
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return dict(vars(settings))
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.llm: Any = None
+        self.ids = 0
+
+    def start(self) -> dict[str, Any]:
+        import vllm
+        from vllm import LLM
+
+        a = self.args
+        kwargs = {"model": a.model, "load_format": a.load_format, "dtype": a.dtype, "max_model_len": a.max_model_len,
+                  "enable_prefix_caching": True, "tensor_parallel_size": a.tensor_parallel_size,
+                  "kv_cache_dtype": a.kv_cache_dtype, "gpu_memory_utilization": a.gpu_memory_utilization,
+                  "skip_tokenizer_init": True, "seed": a.seed}
+        self.llm = LLM(**kwargs)
+        settings: dict[str, Any] = {"version": vllm.__version__, "arguments": kwargs}
+        try:  # what vLLM resolved (attribute names move between versions)
+            config = self.llm.llm_engine.vllm_config
+            settings["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
+            settings["max_num_seqs"] = config.scheduler_config.max_num_seqs
+            settings["block_size"] = config.cache_config.block_size
+            settings["num_gpu_blocks"] = config.cache_config.num_gpu_blocks
+            settings["cache_dtype"] = config.cache_config.cache_dtype
+            settings["vllm_config"] = str(config)
+        except Exception as error:
+            settings["resolved_error"] = f"{type(error).__name__}: {error}"
+        return settings
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+        from vllm import SamplingParams
+
+        try:  # an update every step (LLM.generate may ask for the final output only)
+            from vllm.sampling_params import RequestOutputKind
+
+            kind: dict[str, Any] = {"output_kind": RequestOutputKind.CUMULATIVE}
+        except ImportError:
+            kind = {}
+        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
+                                **kind)
+        engine = self.llm.llm_engine
+        self.ids += 1
+        request_id = f"long-{self.ids}"
+        events: Events = []
+        start = time.perf_counter()
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                count = len(output.outputs[0].token_ids)
+                if not events or count > events[-1][1]:
+                    events.append((time.perf_counter() - start, count))
+        return events
+
+    def shutdown(self) -> None:
+        self.llm = None  # vLLM's LLM has no shutdown; the process ends next
+
+
+class SglangEngine:
+    name = "sglang"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engine: Any = None
+
+    def start(self) -> dict[str, Any]:
+        import sglang
+
+        a = self.args
+        kwargs: dict[str, Any] = {
+            "model_path": a.model, "load_format": a.load_format, "dtype": a.dtype, "context_length": a.max_model_len,
+            "tp_size": a.tensor_parallel_size, "kv_cache_dtype": sglang_kv_cache_dtype(a.kv_cache_dtype),
+            "attention_backend": "fa3", "sampling_backend": "pytorch", "skip_tokenizer_init": True,
+            "random_seed": a.seed, "stream_interval": 1, "log_level": "error",
+        }
+        if a.mem_fraction_static is not None:
+            kwargs["mem_fraction_static"] = a.mem_fraction_static
+        self.engine = sglang.Engine(**kwargs)
+        return {"version": sglang.__version__, "arguments": kwargs,
+                "server_args": as_plain_dict(self.engine.server_args)}
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+        params = {"temperature": TEMPERATURE, "max_new_tokens": max_tokens, "ignore_eos": True}
+        events: Events = []
+        start = time.perf_counter()
+        for chunk in self.engine.generate(input_ids=prompt, sampling_params=params, stream=True):
+            count = sglang_completion_tokens(chunk)
+            if count > (events[-1][1] if events else 0):
+                events.append((time.perf_counter() - start, count))
+        return events
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+PEERS: dict[str, Callable[[argparse.Namespace], Engine]] = {"vllm": VllmEngine, "sglang": SglangEngine}
+
+
+def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="one engine's side of the long-context benchmark")
+    parser.add_argument("--engine", required=True, choices=tuple(engines))
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", required=True, help="tokens, in order")
+    parser.add_argument("--repeats", type=int, nargs="+", required=True, help="samples, one per context")
+    parser.add_argument("--warmup", type=int, nargs="+", required=True,
+                        help="1: a discarded request at the context first; one per context")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's; its default if not given")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, required=True)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, engines: Sequence[str] = tuple(PEERS)) -> argparse.Namespace:
+    parser = build_parser(engines)
+    args = parser.parse_args(argv)
+    if not len(args.contexts) == len(args.repeats) == len(args.warmup):
+        parser.error("--contexts, --repeats and --warmup need one value per context")
+    if args.output_len < 2 or min(args.repeats) < 1:
+        parser.error("--output-len must be at least 2 and every --repeats at least 1")
+    for context in args.contexts:
+        if context > args.max_model_len:
+            parser.error(f"context {context} is longer than --max-model-len {args.max_model_len}")
+        try:
+            prompt_len(context, args.output_len)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_engine(PEERS[args.engine](args), args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
