@@ -23,12 +23,13 @@ def _spawned_logits(model_path: str, tp_size: int, tmp_path: Path) -> list[dict[
     return torch.load(out)
 
 
-def _assert_close(got: list[dict[int, torch.Tensor]], want: list[dict[int, torch.Tensor]]) -> None:
+def _assert_close(got: list[dict[int, torch.Tensor]], want: list[dict[int, torch.Tensor]],
+                  tolerance: float = 1e-4) -> None:
     assert len(got) == len(want) == len(STEPS)
     for step_got, step_want in zip(got, want, strict=True):
         for seq, logits in step_want.items():
             assert step_got[seq].shape == logits.shape
-            torch.testing.assert_close(step_got[seq], logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step_got[seq], logits, atol=tolerance, rtol=tolerance)
             assert torch.equal(step_got[seq].argmax(-1), logits.argmax(-1))
 
 
@@ -87,8 +88,10 @@ def test_shard_layout_refuses_uneven_splits(heads: int, kv: int, inter: int, siz
 
 def test_sharded_logits_from_quantized_gguf(default_gguf_path: str, tmp_path: Path) -> None:
     """SmolLM2-135M in Q4_1 (9 heads, 3 KV heads, intermediate 1536) over 3 ranks: each reads its
-    quantized rows (q/k/v, gate/up, vocabulary) or whole rows cut to its columns (o/down)."""
-    _assert_close(_spawned_logits(default_gguf_path, 3, tmp_path), sharded_logits(default_gguf_path, 1))
+    quantized rows (q/k/v, gate/up, vocabulary) or whole rows cut to its columns (o/down). Its 30
+    layers add up more float32 rounding than the tiny models' 2: sums split over 3 ranks differed from
+    one process by 1.4e-4 in one logit of 49,152 under load, so the bound is 5e-4 here."""
+    _assert_close(_spawned_logits(default_gguf_path, 3, tmp_path), sharded_logits(default_gguf_path, 1), 5e-4)
 
 
 def test_the_all_reduce_is_chosen_from_the_environment() -> None:
