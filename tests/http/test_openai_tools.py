@@ -230,6 +230,22 @@ async def test_required_sends_vllms_array_schema_and_returns_the_calls(scripted:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.asyncio
+async def test_forced_calls_have_empty_content_and_none_when_cut_short(scripted: Env, app: FastAPI) -> None:
+    """vLLM's: content "" (not null) beside a named or required call; output cut short (max_tokens)
+    is not a call whose arguments are half a JSON text, and not content either."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with asgi(app) as http:
+        for choice, whole, cut in ((named, '{"city": "Paris"}', '{"city'),
+                                   ("required", '[{"name": "now", "parameters": {}}]', "[")):
+            for text, calls in ((whole, 1), (cut, 0)):
+                script(scripted, text)
+                response = await http.post("/v1/chat/completions", json={
+                    "model": "fake", "messages": ASK, "tools": TOOLS, "tool_choice": choice})
+                message = response.json()["choices"][0]["message"]
+                assert message["content"] == "" and len(message.get("tool_calls", [])) == calls, (choice, message)
+
+
 # --------------------------------------------------------------------------- the template and the history
 @pytest.mark.asyncio
 async def test_tools_and_tool_call_history_reach_the_chat_template(scripted: Env, app: FastAPI) -> None:

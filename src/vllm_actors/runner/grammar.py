@@ -12,8 +12,9 @@ and installs with no dependencies.
 * A ``RowMatcher`` follows its request's output: it replays the outputs a resumed (preempted)
   request already has, and consumes each token the worker samples, before the next step is
   planned (no round trip). With ``start_after`` (a reasoning model's end-of-reasoning token) it
-  stays inactive, masking nothing, until that token is drawn. A request dropped (finished, aborted, preempted) drops its matcher; a
-  preempted one comes back as new and replays its outputs into a fresh copy.
+  stays inactive, masking nothing, until that token is drawn. A request dropped (finished,
+  aborted, preempted) drops its matcher; a preempted one comes back as new and replays its
+  outputs into a fresh copy.
 * ``fill_bitmask`` writes the constrained rows' masks ([rows, ceil(vocab / 32)] int32, bit ``t % 32``
   of word ``t // 32`` allows token ``t``) into a reused (pinned, on a GPU) host buffer; ``apply_bitmask``
   copies it to the device once and sets the disallowed logits of those rows to -inf. A matcher at the
