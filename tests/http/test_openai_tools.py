@@ -66,6 +66,11 @@ class ScriptedScheduler(FakeScheduler):
 
 @pytest.fixture
 def scripted(tokenizer: Tokenizer) -> Iterator[Env]:  # noqa: F811
+    yield from scripted_env(tokenizer)
+
+
+def scripted_env(tokenizer: Tokenizer) -> Iterator[Env]:  # noqa: F811
+    """A ScriptedScheduler's Env over ``tokenizer`` (the body of a fixture: yields once)."""
     run_dir = Path(tempfile.mkdtemp(prefix="tl", dir="/tmp"))  # IPC paths must stay short
     addresses = make_addresses(run_dir, 1)
     info = GroupInfo(pid=0, run_dir=str(run_dir), model="fake", addresses=addresses,

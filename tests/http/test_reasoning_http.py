@@ -7,23 +7,19 @@ pinned pairs (vllm_pairs/reasoning.json)."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 
-from tests.http.test_openai_tools import TOOLS, ScriptedScheduler
-from tests.support.fake_scheduler import MAX_MODEL_LEN, Env, FakeGroup
+from tests.http.test_openai_tools import TOOLS, scripted_env
+from tests.support.fake_scheduler import Env
 from tests.support.fake_served import asgi, served_app
 from tests.support.tiny_models import THINK_TOKENS, build_tokenizer
 from tests.support.tool_calls import ASK
 from vllm_actors.actors.frontend.tokenizer import Tokenizer, load_tokenizer
-from vllm_actors.runtime.run_dir import GroupInfo, make_addresses
 from vllm_actors.server.serving import ServerOptions
 
 THOUGHT = "Let me think about Paris."
@@ -39,18 +35,7 @@ def think_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 @pytest.fixture
 def scripted(think_tokenizer: Tokenizer) -> Iterator[Env]:
-    run_dir = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # IPC paths must stay short
-    addresses = make_addresses(run_dir, 1)
-    info = GroupInfo(pid=0, run_dir=str(run_dir), model="fake", addresses=addresses,
-                     worker={"eos_token_ids": [think_tokenizer.eos_token_id], "vocab_size": think_tokenizer.vocab_size},
-                     max_model_len=MAX_MODEL_LEN, tokenizer=None)
-    scheduler = ScriptedScheduler(addresses.scheduler)
-    scheduler.eos = think_tokenizer.eos_token_id or 0
-    try:
-        yield Env(scheduler, FakeGroup(), info, think_tokenizer)
-    finally:
-        scheduler.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    yield from scripted_env(think_tokenizer)
 
 
 @pytest_asyncio.fixture(params=["qwen3", "deepseek_r1"])
