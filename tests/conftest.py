@@ -33,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
     torch.set_num_threads(_share)
 
-from tests.support.tiny_models import build_checkpoint  # noqa: E402
+from tests.support.tiny_models import THINK_TOKENS, build_checkpoint  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SHORT_BASETEMP = pytest.StashKey[str]()
@@ -75,6 +75,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random Qwen3 checkpoint: tied embeddings, a single safetensors file."""
     return build_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie_word_embeddings=True, num_shards=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_thinking(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Qwen3 whose tokenizer has <think> and </think> tokens (ids 512 and 513): a reasoning model's."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_thinking"), "qwen3", tie_word_embeddings=True,
+                            added_tokens=THINK_TOKENS)
 
 
 @pytest.fixture(scope="session")

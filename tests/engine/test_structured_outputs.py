@@ -215,6 +215,26 @@ def test_plain_rows_beside_constrained_ones_keep_their_greedy_tokens(llm: LLM) -
         jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
 
 
+def test_a_grammar_starting_after_a_token_leaves_the_output_free_until_it(llm: LLM, default_gguf_path: str) -> None:
+    """start_after (the end of a reasoning model's thinking): the tokens up to it are the model's
+    own (greedy: the plain output's), the rest follows the grammar; one never drawn constrains nothing."""
+    prompt = "The capital of France is"
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    trigger = plain[2]
+    free = plain.index(trigger) + 1
+    late = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(
+        regex="[0-9]{3}", start_after=trigger))
+    out = llm.generate([prompt], late, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:free] == plain[:free] and out.finish_reason == "stop"
+    rest = out.text[len(load_tokenizer(default_gguf_path).decode(plain[:free])):]
+    assert re.fullmatch("[0-9]{3}", rest), out.text
+    never = next(t for t in range(1000) if t not in plain)
+    unstarted = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, structured_outputs=StructuredOutputs(
+        regex="[0-9]{3}", start_after=never))
+    assert llm.generate([prompt], unstarted, use_tqdm=False)[0].outputs[0].token_ids == plain
+
+
 @pytest.mark.slow
 def test_a_preempted_constrained_request_still_gives_valid_output(default_gguf_path: str) -> None:
     """Eight constrained requests of up to 8 blocks in a pool of 12: some are preempted and resume by

@@ -188,7 +188,7 @@ def test_echo_truncation_and_continue_final_message(base_url: str) -> None:
 
 
 REJECTED_VALUES: dict[str, Any] = {
-    "suffix": "x", "include_reasoning": False, "use_beam_search": True, "length_penalty": 0.5,
+    "suffix": "x", "use_beam_search": True, "length_penalty": 0.5,
     "logprob_token_ids": [1], "thinking_token_budget": 5, "repetition_detection": {"max_pattern_size": 3},
     "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
     "return_token_offsets": True, "return_assistant_tokens_mask": True, "cache_salt": "salt",

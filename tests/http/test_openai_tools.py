@@ -66,6 +66,11 @@ class ScriptedScheduler(FakeScheduler):
 
 @pytest.fixture
 def scripted(tokenizer: Tokenizer) -> Iterator[Env]:  # noqa: F811
+    yield from scripted_env(tokenizer)
+
+
+def scripted_env(tokenizer: Tokenizer) -> Iterator[Env]:  # noqa: F811
+    """A ScriptedScheduler's Env over ``tokenizer`` (the body of a fixture: yields once)."""
     run_dir = Path(tempfile.mkdtemp(prefix="tl", dir="/tmp"))  # IPC paths must stay short
     addresses = make_addresses(run_dir, 1)
     info = GroupInfo(pid=0, run_dir=str(run_dir), model="fake", addresses=addresses,
@@ -228,6 +233,22 @@ async def test_required_sends_vllms_array_schema_and_returns_the_calls(scripted:
     assert [(t.index, t.function.name) for t in pieces if t.id] == [(0, "now"), (1, "get_weather")]
     assert "".join(t.function.arguments or "" for t in pieces if t.index == 1) == '{"city": "Oslo"}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.asyncio
+async def test_forced_calls_have_empty_content_and_none_when_cut_short(scripted: Env, app: FastAPI) -> None:
+    """vLLM's: content "" (not null) beside a named or required call; output cut short (max_tokens)
+    is not a call whose arguments are half a JSON text, and not content either."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with asgi(app) as http:
+        for choice, whole, cut in ((named, '{"city": "Paris"}', '{"city'),
+                                   ("required", '[{"name": "now", "parameters": {}}]', "[")):
+            for text, calls in ((whole, 1), (cut, 0)):
+                script(scripted, text)
+                response = await http.post("/v1/chat/completions", json={
+                    "model": "fake", "messages": ASK, "tools": TOOLS, "tool_choice": choice})
+                message = response.json()["choices"][0]["message"]
+                assert message["content"] == "" and len(message.get("tool_calls", [])) == calls, (choice, message)
 
 
 # --------------------------------------------------------------------------- the template and the history

@@ -56,9 +56,13 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(path: Path) -> None:
-    """Train a ~512-entry byte-level BPE and write tokenizer.json + tokenizer_config.json to path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+THINK_TOKENS = ("<think>", "</think>")  # a reasoning model's tags (added tokens, not special: they decode)
+
+
+def build_tokenizer(path: Path, added_tokens: tuple[str, ...] = ()) -> None:
+    """Train a ~512-entry byte-level BPE and write tokenizer.json + tokenizer_config.json to path;
+    ``added_tokens`` (e.g. THINK_TOKENS) come after, as non-special added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -74,6 +78,7 @@ def build_tokenizer(path: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tok.save(str(path / "tokenizer.json"))
 
     config = {
@@ -97,6 +102,10 @@ def build_tokenizer(path: Path) -> None:
                 "special": True,
             }
             for t in SPECIAL_TOKENS
+        } | {
+            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
+                                      "single_word": False, "special": False}
+            for t in added_tokens
         },
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -118,6 +127,7 @@ def build_checkpoint(
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
     shape: dict[str, int] | None = None,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Build a tiny random float32 Llama/Qwen3 checkpoint (HF layout) with its tokenizer at path.
 
@@ -134,7 +144,7 @@ def build_checkpoint(
     )
 
     path = Path(path)
-    build_tokenizer(path)
+    build_tokenizer(path, added_tokens)
     vocab_size, ids = _tokenizer_ids(path)
     eos_id = ids[EOS_TOKEN]
     common = dict(

@@ -27,13 +27,16 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen
 
     ``json`` is a JSON schema, serialised (``"{}"`` or ``json_object`` for any JSON object);
     ``grammar`` is an EBNF grammar (the backend's dialect, GBNF-like); ``choice`` lists the only
-    outputs allowed."""
+    outputs allowed. ``start_after``: the output is free until this token is drawn (vLLM's
+    structured outputs after the reasoning)."""
 
     json: str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # the constraint applies after this token (a reasoning model's end of reasoning); None: from the start
+    start_after: int | None = None
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

@@ -11,8 +11,10 @@ and installs with no dependencies.
   that never see one pay nothing; ``grammar_tokenizer.py`` builds it from the model's tokenizer).
 * A ``RowMatcher`` follows its request's output: it replays the outputs a resumed (preempted)
   request already has, and consumes each token the worker samples, before the next step is
-  planned (no round trip). A request dropped (finished, aborted, preempted) drops its matcher; a
-  preempted one comes back as new and replays its outputs into a fresh copy.
+  planned (no round trip). With ``start_after`` (a reasoning model's end-of-reasoning token) it
+  stays inactive, masking nothing, until that token is drawn. A request dropped (finished,
+  aborted, preempted) drops its matcher; a preempted one comes back as new and replays its
+  outputs into a fresh copy.
 * ``fill_bitmask`` writes the constrained rows' masks ([rows, ceil(vocab / 32)] int32, bit ``t % 32``
   of word ``t // 32`` allows token ``t``) into a reused (pinned, on a GPU) host buffer; ``apply_bitmask``
   copies it to the device once and sets the disallowed logits of those rows to -inf. A matcher at the
@@ -43,10 +45,15 @@ CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 class RowMatcher:
     """One request's matcher: follows its output tokens."""
 
-    def __init__(self, compiled: Future[llguidance.LLMatcher], replay: Sequence[int]) -> None:
+    def __init__(self, compiled: Future[llguidance.LLMatcher], replay: Sequence[int],
+                 start_after: int | None = None) -> None:
         self._compiled = compiled
-        self._replay = list(replay)  # outputs to consume once the matcher exists
+        self._replay: list[int] = []  # outputs to consume once the matcher exists
         self._matcher: llguidance.LLMatcher | None = None
+        self._start_after = start_after
+        self.active = start_after is None  # constraining: from the start, or once start_after was drawn
+        for token_id in replay:
+            self.consume(token_id)
 
     def ready(self) -> bool:
         return self._matcher is not None or self._compiled.done()
@@ -62,6 +69,9 @@ class RowMatcher:
         return self._matcher
 
     def consume(self, token_id: int) -> None:
+        if not self.active:  # free output (reasoning) until start_after
+            self.active = token_id == self._start_after
+            return
         if self._matcher is None:
             self._replay.append(token_id)
         else:
@@ -98,7 +108,7 @@ class Grammars:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
-        return RowMatcher(compiled, replay)
+        return RowMatcher(compiled, replay, spec.start_after)
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         import llguidance

@@ -29,6 +29,7 @@ from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
+from vllm_actors.server.reasoning import ReasoningParser
 from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerOptions, ServerState
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,16 @@ def cache_config_labels(client: AsyncEngineClient) -> dict[str, str]:
                       gpu_memory_utilization=str(config.gpu_memory_utilization),
                       num_gpu_blocks_override=str(config.num_gpu_blocks_override), cache_dtype=config.kv_cache_dtype)
     return labels
+
+
+def reasoning_parser(client: AsyncEngineClient, name: str | None) -> ReasoningParser | None:
+    """--reasoning-parser over the model's tokenizer (a ValueError where it lacks the tags)."""
+    if name is None:
+        return None
+    tokenizer = client.frontend.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"--reasoning-parser {name}: needs the model's tokenizer (skip_tokenizer_init is set)")
+    return ReasoningParser.create(name, tokenizer.token_to_id)
 
 
 def build_app(
@@ -77,6 +88,7 @@ def build_app(
         metrics=metrics,
         limits=limits or RequestLimits.for_model(client.max_model_len),
         options=options or ServerOptions(),
+        reasoning=reasoning_parser(client, options.reasoning_parser if options else None),
     )
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state

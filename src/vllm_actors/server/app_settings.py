@@ -31,6 +31,7 @@ class AppSettings(msgspec.Struct, kw_only=True):
     prompt_tokens_details: bool
     enable_auto_tool_choice: bool
     tool_call_parser: str | None
+    reasoning_parser: str | None
     default_ttft_target_ms: float | None
     default_e2e_target_ms: float | None
     default_targets: list[str]
@@ -59,6 +60,7 @@ class AppSettings(msgspec.Struct, kw_only=True):
             prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             default_ttft_target_ms=args.default_ttft_target_ms,
             default_e2e_target_ms=args.default_e2e_target_ms,
             default_targets=list(args.default_targets),
@@ -82,6 +84,7 @@ class AppSettings(msgspec.Struct, kw_only=True):
                                   prompt_tokens_details=self.prompt_tokens_details,
                                   enable_auto_tool_choice=self.enable_auto_tool_choice,
                                   tool_call_parser=self.tool_call_parser,
+                                  reasoning_parser=self.reasoning_parser,
                                   default_targets=Targets(self.default_ttft_target_ms, self.default_e2e_target_ms),
                                   endpoint_targets=parse_default_targets(self.default_targets)),
             cache_config=self.cache_config,

@@ -9,6 +9,7 @@ from typing import Any
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser: the Hermes/Qwen <tool_call>{...}</tool_call> format
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser: <think>...</think> (server/reasoning.py)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                         help="how tool calls are read out of the model's text for tool_choice \"auto\": hermes "
                              "(<tool_call>{...}</tool_call>, Hermes and Qwen models)")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="return the model's <think>...</think> text in the chat message's reasoning field "
+                             "(streamed as reasoning deltas), structured outputs and tool calls after it: qwen3 or "
+                             "deepseek_r1 (vLLM's names; the tags must be tokens of the model)")
     parser.add_argument("--default-ttft-target-ms", type=float, default=None,
                         help="time-to-first-token target of requests that set no ttft_target_ms (edf, lrs, "
                              "--reject-unmeetable)")

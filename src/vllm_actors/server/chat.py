@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -30,6 +32,7 @@ from vllm_actors.server.protocol import (
     now,
     usage,
 )
+from vllm_actors.server.reasoning import ReasoningStream, RequestReasoning
 from vllm_actors.server.serving import (
     ServerState,
     decode_body,
@@ -72,6 +75,7 @@ class _Job:
     prompt_text: str | None  # return_prompt_text: the rendered template
     details: bool = False  # --enable-prompt-tokens-details
     tools: ToolPlan | None = None  # tool calls parsed out of the output
+    reasoning: RequestReasoning | None = None  # --reasoning-parser: the thinking split off the content
 
 
 def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -132,8 +136,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     engine_id = response_id = request_id("chatcmpl", request, body.request_id)
     options = text_options(body, state.client.max_model_len, max_tokens,
                            continue_final_message=body.continue_final_message)
+    template_kwargs = _template_kwargs(body, state, tools)
     prepared = await state.prepare_chat(engine_id, messages, params, body.add_generation_prompt,
-                                        _template_kwargs(body, state, tools), options)
+                                        template_kwargs, options)
+    reasoning = None
+    if state.reasoning is not None:
+        reasoning = state.reasoning.for_request(prepared.prompt_token_ids, template_kwargs)
+        constraint = prepared.params.structured_outputs
+        if constraint is not None and reasoning.grammar_start is not None:  # the grammar after the thinking
+            later = msgspec.structs.replace(constraint, start_after=reasoning.grammar_start)
+            prepared = dataclasses.replace(prepared, params=prepared.params.clone(structured_outputs=later))
     sticky = session_key(request, body.user)
     if sticky is not None:
         prepared = dataclasses.replace(prepared, session_key=sticky)
@@ -145,7 +157,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         prompt_text = prepared.prompt if prepared.prompt is not None else (await state.prompt_texts([prepared]))[0]
     job = _Job(response_id, now(), model, body, prepared, role, echo,
                bool(as_ids if as_ids is not None else state.options.return_tokens_as_token_ids), prompt_text,
-               state.options.prompt_tokens_details, tools.plan)
+               state.options.prompt_tokens_details, tools.plan, reasoning)
     prepared = state.with_schedule([prepared], body, "chat")[0]
     streams = state.submit([prepared])
     if body.stream:
@@ -204,13 +216,26 @@ def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
         if job.body.logprobs:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], job.body.top_logprobs or 0,
                                      job.as_ids)
-        message = AssistantMessage(role=job.role, content=job.echo + completion.text)
+        reasoning, text = None, completion.text
+        if job.reasoning is not None:
+            reasoning, after = job.reasoning.split(completion.text)
+            text = after or ""
+            if not job.body.include_reasoning:
+                reasoning = None
+        message = AssistantMessage(role=job.role, content=job.echo + text, reasoning=reasoning)
+        if job.reasoning is not None and not job.echo + text:
+            message.content = None  # vLLM's: no content after the thinking
         finish_reason = completion.finish_reason
         if job.tools is not None:
-            parsed = _parse(job.tools, job.tools.parser(), completion.text, last=True)
+            parsed = _parse(job.tools, job.tools.parser(), text, last=True)
             calls = merge_calls(parsed.calls)
-            message = AssistantMessage(role=job.role, content=(job.echo + parsed.content) or (None if calls else ""),
-                                       tool_calls=tool_calls_body(calls))
+            if job.tools.mode == "auto":
+                content: str | None = (job.echo + parsed.content) or (None if calls else "")
+            else:  # forced: content "" (vLLM's); output cut short (max_tokens) is not JSON, and no call
+                calls = calls if _is_json(text) else []
+                content = job.echo
+            message = AssistantMessage(role=job.role, content=content, tool_calls=tool_calls_body(calls),
+                                       reasoning=reasoning)
             finish_reason = job.tools.finish_reason(finish_reason, bool(calls))
         choices.append(ChatChoice(
             index=completion.index, message=message,
@@ -224,6 +249,14 @@ def _response(job: _Job, output: RequestOutput) -> ChatCompletionResponse:
                                   prompt_text=job.prompt_text)
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 async def _stream(job: _Job, stream: RequestStream,
                   error_of: Callable[[RequestOutput], OpenAIError]) -> AsyncIterator[bytes]:
     body = job.body
@@ -234,6 +267,7 @@ async def _stream(job: _Job, stream: RequestStream,
     done: set[int] = set()
     last: RequestOutput | None = None
     parsers: dict[int, ToolParser] = {}
+    thinking: dict[int, ReasoningStream] = {}
     called: set[int] = set()
 
     def chunk(choice: ChatStreamChoice, counts: dict[int, int] | None, first: bool = False) -> bytes:
@@ -278,15 +312,22 @@ async def _stream(job: _Job, stream: RequestStream,
                 logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:end], body.top_logprobs or 0,
                                          job.as_ids)
             message = DeltaMessage(content=delta)
+            shown = logprobs or (body.return_token_ids and new_ids)
+            if job.reasoning is not None:
+                thought, content = thinking.setdefault(index, job.reasoning.stream()).feed(delta, new_ids)
+                if thought is None and content is None and not (finished or shown):
+                    continue  # a step of tags only: no chunk (vLLM's)
+                delta = content or ""
+                message = DeltaMessage(content=content, reasoning=thought if body.include_reasoning else None)
             finish_reason = completion.finish_reason
             if job.tools is not None:
                 parser = parsers.setdefault(index, job.tools.parser())
                 parsed = _parse(job.tools, parser, delta, last=finished)
                 if parsed.calls:
                     called.add(index)
-                if not (parsed.content or parsed.calls or finished or logprobs or (body.return_token_ids and new_ids)):
+                if not (parsed.content or parsed.calls or finished or shown or message.reasoning):
                     continue  # held back: markup or whitespace the parser has not placed yet
-                message = DeltaMessage(content=parsed.content or None,
+                message = DeltaMessage(content=parsed.content or None, reasoning=message.reasoning,
                                        tool_calls=delta_tool_calls(parsed.calls) or None)
                 finish_reason = job.tools.finish_reason(finish_reason, index in called)
             if finished:

@@ -80,8 +80,8 @@ FIELDS: list[Field] = [
     Field("parallel_tool_calls", "chat", "honoured", "false: only the first tool call is returned (as vLLM)"),
     Field("reasoning_effort", "chat", "honoured", "passed to the chat template, with enable_thinking = effort != "
           "\"none\" unless chat_template_kwargs sets it (as vLLM)"),
-    Field("include_reasoning", "chat", "rejected", "false: 400 (no reasoning parser: the reasoning stays in the "
-          "content)", _is(True)),
+    Field("include_reasoning", "chat", "honoured", "false: the reasoning is left out (with --reasoning-parser; "
+          "without one the thinking stays in the content, as vLLM)"),
     # vLLM's sampling extras
     Field("use_beam_search", "both", "rejected", "true: 400 (no beam search)", _is(False)),
     Field("length_penalty", "both", "rejected", "other than 1.0: 400 (beam search only)", _is(1.0, 1)),

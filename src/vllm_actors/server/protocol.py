@@ -241,6 +241,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = []
+    reasoning: str | None = None  # vLLM's: the thinking, with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -268,6 +269,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

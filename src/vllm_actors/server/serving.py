@@ -30,6 +30,7 @@ from vllm_actors.server.fields import check_media_type, lax_decode
 from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import _SamplingFields
+from vllm_actors.server.reasoning import ReasoningParser
 from vllm_actors.server.streaming import abort_all
 from vllm_actors.server.structured import structured_outputs_of
 from vllm_actors.server.targets import Targets, with_schedule
@@ -54,6 +55,7 @@ class ServerOptions:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" (with a parser)
     tool_call_parser: str | None = None  # --tool-call-parser: "hermes"
+    reasoning_parser: str | None = None  # --reasoning-parser: "qwen3" or "deepseek_r1"
     # --default-ttft-target-ms / --default-e2e-target-ms, and per endpoint --default-targets
     default_targets: Targets = field(default_factory=Targets)
     endpoint_targets: dict[str, Targets] = field(default_factory=dict)
@@ -69,6 +71,7 @@ class ServerState:
     draining: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
     options: ServerOptions = field(default_factory=lambda: ServerOptions())
+    reasoning: ReasoningParser | None = None  # --reasoning-parser, over the model's tokenizer
 
     @property
     def model_name(self) -> str:

@@ -89,6 +89,8 @@ class SampleResult:
 class RowGrammar(Protocol):
     """A constrained request's matcher, as the worker feeds it the tokens drawn."""
 
+    active: bool  # masks the row's logits (False until a delayed grammar starts)
+
     def consume(self, token_id: int) -> None: ...
 
 

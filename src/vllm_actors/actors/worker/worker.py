@@ -209,10 +209,13 @@ class Worker:
 
     def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None) -> None:
         """Structured outputs: the constrained rows' disallowed tokens to -inf."""
-        constrained = [index for index, request in enumerate(samplers) if request.grammar is not None]
-        if constrained and self.grammars is not None:
-            self._feed_grammars(pending)  # the masks follow every token drawn so far
-            self.grammars.mask(logits, [samplers[i].grammar for i in constrained], constrained)
+        if self.grammars is None or all(request.grammar is None for request in samplers):
+            return
+        self._feed_grammars(pending)  # the masks follow every token drawn so far (which may start a grammar)
+        rows = [(index, request.grammar) for index, request in enumerate(samplers)
+                if request.grammar is not None and request.grammar.active]
+        if rows:
+            self.grammars.mask(logits, [grammar for _, grammar in rows], [index for index, _ in rows])
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow],
               with_logprobs: bool) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
