@@ -68,5 +68,5 @@ def system_env() -> dict[str, str]:
     import torch
 
     return {"vllm_actors_version": __version__, "python_version": sys.version.split()[0],
-            "platform": platform.platform(), "torch_version": torch.__version__,
+            "platform": platform.platform(), "torch_version": str(torch.__version__),
             "cuda_available": str(torch.cuda.is_available())}
