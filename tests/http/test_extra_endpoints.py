@@ -120,7 +120,8 @@ def test_render_returns_what_the_engine_would_run(served: Served) -> None:
         assert len(rendered) == 1 and rendered[0]["token_ids"] == tokens and rendered[0]["model"] == MODEL
         assert rendered[0]["sampling_params"]["max_tokens"] == 5 and rendered[0]["sampling_params"]["temperature"] == 0
         two = ok(http.post("/v1/completions/render", json={"prompt": [[1, 2], [1, 2, 3]]}))
-        assert [item["token_ids"] for item in two] == [[1, 2], [1, 2, 3]] and two[0]["request_id"] != two[1]["request_id"]
+        assert [item["token_ids"] for item in two] == [[1, 2], [1, 2, 3]]
+        assert two[0]["request_id"] != two[1]["request_id"]
         chat_tokens = ok(http.post("/tokenize", json={"messages": CHAT}))["tokens"]
         chat = ok(http.post("/v1/chat/completions/render", json={"messages": CHAT, "max_tokens": 3}))
         assert chat["token_ids"] == chat_tokens and chat["request_id"].startswith("chatcmpl-")
