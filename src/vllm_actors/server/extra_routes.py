@@ -46,7 +46,8 @@ def add_extra_routes(app: FastAPI, state: ServerState, health: Handler) -> None:
     async def ping(request: Request) -> Response:
         return await health()  # type: ignore[no-any-return]
 
-    app.add_api_route("/ping", ping, methods=["GET", "POST"], name="ping")
+    app.add_api_route("/ping", ping, methods=["GET"], name="ping")
+    app.add_api_route("/ping", ping, methods=["POST"], name="ping_post")  # one operation id per method
     add_dev_routes(app, state)
 
 
