@@ -288,6 +288,8 @@ class Envs:
     VLLM_API_KEY = Setting[str | None](
         None, text, "vLLM's: the API key the server requires where `--api-key` is not given.",
         kind="str", group="other")
+    VLLM_SERVER_DEV_MODE = switch(
+        "vLLM's: the server's development endpoints (`/server_info`) are registered.", "other", default=False)
     PROMETHEUS_MULTIPROC_DIR = Setting[str | None](
         None, text, "prometheus_client's: set by `serve --api-server-count` above 1, histograms shared there.",
         kind="path", group="other")

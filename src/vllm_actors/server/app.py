@@ -25,6 +25,7 @@ from vllm_actors.server.auth import ApiKeyMiddleware
 from vllm_actors.server.chat import create_chat_completion
 from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
+from vllm_actors.server.extra_routes import add_extra_routes
 from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -132,6 +133,8 @@ def build_app(
             log.warning("metrics store unavailable for /metrics", error=str(error))
             summary, per_replica = None, []
         return Response(metrics.render(summary, per_replica), media_type=CONTENT_TYPE)
+
+    add_extra_routes(app, state, health)  # tokenize, render, batch, SageMaker, development endpoints
 
     @app.get("/version")
     async def version() -> Response:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server.app import build_app
+from vllm_actors.server.http_args import add_cors, ssl_kwargs
 from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.serving import ServerOptions
 from vllm_actors.server.targets import Targets, parse_default_targets
@@ -38,6 +39,8 @@ class AppSettings(msgspec.Struct, kw_only=True):
     cache_config: dict[str, str] | None = None  # vllm:cache_config_info's labels, the parent's for all
     # uvicorn
     shutdown_timeout: float
+    ssl: dict[str, Any] = {}  # TLS: uvicorn.Config's ssl_* arguments (http_args.ssl_kwargs)
+    cors: dict[str, Any] = {}  # http_args.add_cors's arguments (none: no CORS middleware)
     uvicorn_log_level: str
     access_log: bool
 
@@ -65,11 +68,20 @@ class AppSettings(msgspec.Struct, kw_only=True):
             default_e2e_target_ms=args.default_e2e_target_ms,
             default_targets=list(args.default_targets),
             shutdown_timeout=args.shutdown_timeout,
+            ssl=ssl_kwargs(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs),
+            cors={"origins": args.allowed_origins, "methods": args.allowed_methods,
+                  "headers": args.allowed_headers, "credentials": args.allow_credentials},
             uvicorn_log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
         )
 
     def build(self, client: AsyncEngineClient) -> FastAPI:
+        app = self._build(client)
+        if self.cors:
+            add_cors(app, **self.cors)
+        return app
+
+    def _build(self, client: AsyncEngineClient) -> FastAPI:
         return build_app(
             client,
             served_model_names=self.served_model_names,
@@ -92,4 +104,4 @@ class AppSettings(msgspec.Struct, kw_only=True):
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         return {"timeout_graceful_shutdown": self.shutdown_timeout, "log_level": self.uvicorn_log_level,
-                "access_log": self.access_log, "lifespan": "off"}
+                "access_log": self.access_log, "lifespan": "off", **self.ssl}

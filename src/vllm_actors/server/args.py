@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vllm_actors.server.http_args import add_http_arguments
+
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser: the Hermes/Qwen <tool_call>{...}</tool_call> format
@@ -62,6 +64,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-targets", action="append", default=[], metavar="ENDPOINT:ttft=MS,e2e=MS",
                         help="per-endpoint defaults (completions, chat), e.g. chat:ttft=200,e2e=5000; before "
                              "--default-*-target-ms")
+    add_http_arguments(parser)
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -35,6 +35,7 @@ from vllm_actors.server.app import cache_config_labels, server_state
 from vllm_actors.server.app_settings import AppSettings
 from vllm_actors.server.args import supervision_kwargs
 from vllm_actors.server.auth import api_keys_from
+from vllm_actors.server.http_args import check_ssl
 from vllm_actors.server.http_server import DrainingServer, limit_uvicorn_logs
 from vllm_actors.server.metrics import share_histograms
 from vllm_actors.server.targets import parse_default_targets
@@ -73,6 +74,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     api_keys = api_keys_from(args.api_key)  # an empty key fails here, before the group starts
+    check_ssl(args.ssl_keyfile, args.ssl_certfile, args.ssl_cert_reqs)
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     group = ProcessGroup(config, check_invariants=config.check_invariants, **supervision_kwargs(args))
@@ -120,7 +122,7 @@ async def _serve(group: Any, args: argparse.Namespace, stop: _Stop, api_keys: li
         if stop.requested or client.failed is not None:
             return client.failed
         log.info("serving", host=args.host, port=args.port, model=client.model, run_dir=group.info.run_dir,
-                 api_key=bool(api_keys), api_servers=count)
+                 api_key=bool(api_keys), api_servers=count, tls=bool(settings.ssl))
         freeze_startup_heap()
         await server.serve(sockets=[listener])
         if state.client.num_unfinished:
