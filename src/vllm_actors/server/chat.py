@@ -107,15 +107,23 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
                                    streams)
+    output = await chat_output(request, state, streams)
+    if output is None:
+        return Response(status_code=499)
+    return Response(encode(_response(job, output)), media_type="application/json")
+
+
+async def chat_output(request: Request, state: ServerState, streams: list[RequestStream]) -> RequestOutput | None:
+    """A non-streamed request's finished output (its error raised), or None when the client left."""
     try:
         output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
     except ClientDisconnected:
-        return Response(status_code=499)
+        return None
     finally:
         abort_all(streams, "abort")
     if output.error is not None:
         raise state.output_error(output)
-    return Response(encode(_response(job, output)), media_type="application/json")
+    return output
 
 
 async def start_chat(request: Request, state: ServerState, body: ChatCompletionRequest,

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.envs import envs
-from vllm_actors.server.chat import _Job, _response, _stream, start_chat
+from vllm_actors.server.chat import _Job, _response, _stream, chat_output, start_chat
 from vllm_actors.server.errors import OpenAIError, bad_request, log_edge_error
 from vllm_actors.server.protocol import encode, now
 from vllm_actors.server.responses_items import (
@@ -37,14 +37,7 @@ from vllm_actors.server.responses_protocol import ResponsesRequest, chat_request
 from vllm_actors.server.responses_store import ResponseStore, Stored, history_after
 from vllm_actors.server.responses_stream import ResponseEvents, sse_event
 from vllm_actors.server.serving import ServerState, decode_body
-from vllm_actors.server.streaming import (
-    SSE_DONE,
-    ClientDisconnected,
-    EventStreamResponse,
-    abort_all,
-    final_output,
-    unless_disconnected,
-)
+from vllm_actors.server.streaming import SSE_DONE, EventStreamResponse, abort_all, final_output
 
 log = structlog.get_logger(__name__)
 
@@ -113,14 +106,9 @@ async def create_response(request: Request, state: ServerState, store: ResponseS
         return _json(stored.response)
     if body.stream:
         return EventStreamResponse(_events(job, shell, streams[0], state, keep, messages), streams)
-    try:
-        output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
-    except ClientDisconnected:
+    output = await chat_output(request, state, streams)
+    if output is None:
         return Response(status_code=499)
-    finally:
-        abort_all(streams, "abort")
-    if output.error is not None:
-        raise state.output_error(output)
     response = finished_response(job, shell, output)
     if keep is not None:
         keep.put(response_id, Stored(response, history_after(messages, response["output"])))
