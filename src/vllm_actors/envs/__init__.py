@@ -228,6 +228,10 @@ class Envs:
         kind="FIRST:COUNT", group="process")
     VLLM_ACTORS_PROFILE_DIR = Setting(
         "vllm-actors-profiles", text, "Where the step profiles are written.", kind="path", group="process")
+    VLLM_ACTORS_RESPONSES_STORE_SIZE = Setting(
+        1000, integer(0), "Responses the HTTP server keeps for `previous_response_id` and `GET /v1/responses/{id}` "
+        "(least recently used dropped first); 0: none (`store` is then ignored, as vLLM without its store).",
+        kind="int", group="process")
     VLLM_ACTORS_CPU_KVCACHE_SPACE = Setting[float | None](
         None, positive_number, "GiB of the KV pool on the CPU, where `cpu_kv_cache_gib` is not given.",
         kind="float", group="process", shown_default="1.0")

@@ -31,6 +31,7 @@ from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
 from vllm_actors.server.reasoning import ReasoningParser
+from vllm_actors.server.responses import add_responses_routes
 from vllm_actors.server.serving import DEFAULT_MAX_NUM_SEQS, ServerOptions, ServerState
 
 log = structlog.get_logger(__name__)
@@ -106,6 +107,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    add_responses_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -107,6 +107,33 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
+    job, streams = await start_chat(request, state, body)
+    if body.stream:
+        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
+                                   streams)
+    output = await chat_output(request, state, streams)
+    if output is None:
+        return Response(status_code=499)
+    return Response(encode(_response(job, output)), media_type="application/json")
+
+
+async def chat_output(request: Request, state: ServerState, streams: list[RequestStream]) -> RequestOutput | None:
+    """A non-streamed request's finished output (its error raised), or None when the client left."""
+    try:
+        output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
+    except ClientDisconnected:
+        return None
+    finally:
+        abort_all(streams, "abort")
+    if output.error is not None:
+        raise state.output_error(output)
+    return output
+
+
+async def start_chat(request: Request, state: ServerState, body: ChatCompletionRequest,
+                     engine_id: str | None = None) -> tuple[_Job, list[RequestStream]]:
+    """A chat request checked, prepared and submitted: its job (for ``_response`` and ``_stream``)
+    and its stream. ``engine_id``: the request id to use (default: ``chatcmpl-`` and X-Request-Id)."""
     model = state.check_model(body.model)
     check_fields(body, "chat")
     messages = conversation(body.messages)
@@ -133,7 +160,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             raise bad_request("tool_choice: you can only either use constraints for structured outputs or tools, "
                               "not both", "tool_choice")
         params = params.clone(structured_outputs=tools.constraint)
-    engine_id = response_id = request_id("chatcmpl", request, body.request_id)
+    engine_id = response_id = engine_id or request_id("chatcmpl", request, body.request_id)
     options = text_options(body, state.client.max_model_len, max_tokens,
                            continue_final_message=body.continue_final_message)
     template_kwargs = _template_kwargs(body, state, tools)
@@ -159,19 +186,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                bool(as_ids if as_ids is not None else state.options.return_tokens_as_token_ids), prompt_text,
                state.options.prompt_tokens_details, tools.plan, reasoning)
     prepared = state.with_schedule([prepared], body, "chat")[0]
-    streams = state.submit([prepared])
-    if body.stream:
-        return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
-                                   streams)
-    try:
-        output = await unless_disconnected(request, streams, lambda: final_output(streams[0]))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        abort_all(streams, "abort")
-    if output.error is not None:
-        raise state.output_error(output)
-    return Response(encode(_response(job, output)), media_type="application/json")
+    return job, state.submit([prepared])
 
 
 def _template_kwargs(body: ChatCompletionRequest, state: ServerState, tools: ToolRequest) -> dict[str, Any]:
