@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
+from tests.support.server_helpers import served_url
 
 PAIRS = json.loads((Path(__file__).parent / "vllm_pairs" / "anthropic_messages.json").read_text())
 KEY = PAIRS["serve_args"][PAIRS["serve_args"].index("--api-key") + 1]
@@ -32,16 +32,9 @@ PARIS = {"format": {"type": "json_schema", "schema": {"type": "string", "enum": 
 
 @pytest.fixture(scope="module")
 def base_url(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("anthropic_http")
-    port, log_path = free_port(), tmp / "server.log"
-    process = start_server(tiny_qwen3, port, log_path, tmp / "runs", "--served-model-name", "tiny",
-                           *PAIRS["serve_args"])
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_path)
+    with served_url(tiny_qwen3, tmp_path_factory.mktemp("anthropic_http"), "--served-model-name", "tiny",
+                    *PAIRS["serve_args"]) as url:
         yield url
-    finally:
-        stop_process(process)
 
 
 @pytest.fixture

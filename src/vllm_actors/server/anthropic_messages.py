@@ -10,7 +10,7 @@ status and the ``type`` vLLM gives (its OpenAI error types: ``BadRequestError``,
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import msgspec
@@ -48,10 +48,10 @@ def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         return await _answer(request, lambda: count_message_tokens(request, state))
 
 
-async def _answer(request: Request, handle: Any) -> Response:
+async def _answer(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
     """The handler's response; its errors in Anthropic's shape."""
     try:
-        return cast(Response, await handle())
+        return await handle()
     except OpenAIError as error:
         return _json(anthropic_error_of(error), error.status, error.headers)
     except ClientDisconnect:
