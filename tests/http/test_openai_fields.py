@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
+from tests.support.server_helpers import served_url
 from vllm_actors.server.errors import OpenAIError as OpenAIErrorType
 from vllm_actors.server.fields import BY_NAME, FIELDS, markdown_table
 from vllm_actors.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,18 +46,10 @@ VLLM_CHAT = [*VLLM_COMMON, "messages", "top_logprobs", "max_completion_tokens", 
 
 @pytest.fixture(scope="module")
 def base_url(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("fields")
-    port, log_path = free_port(), directory / "server.log"
-    process: subprocess.Popen[bytes] = start_server(
-        tiny_qwen3, port, log_path, directory / "runs", "--served-model-name", MODEL, "--max-model-len",
-        str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--max-logprobs", "-1",
-        "--enable-prompt-tokens-details")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_path)
+    with served_url(tiny_qwen3, tmp_path_factory.mktemp("fields"), "--served-model-name", MODEL, "--max-model-len",
+                    str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--max-logprobs", "-1",
+                    "--enable-prompt-tokens-details") as url:
         yield url
-    finally:
-        stop_process(process)
 
 
 def post(base_url: str, path: str, body: dict[str, Any], **kwargs: Any) -> httpx.Response:

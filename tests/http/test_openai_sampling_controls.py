@@ -3,7 +3,6 @@ allowed_token_ids and bad_words honoured on both endpoints; invalid values a 400
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
+from tests.support.server_helpers import served_url
 from vllm_actors.actors.frontend.controls import bad_words_token_ids
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 
@@ -22,16 +21,9 @@ ENDPOINTS = [("completions", COMPLETION), ("chat/completions", CHAT)]
 
 @pytest.fixture(scope="module")
 def base_url(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("controls")
-    port, log_path = free_port(), directory / "server.log"
-    process: subprocess.Popen[bytes] = start_server(
-        tiny_qwen3, port, log_path, directory / "runs", "--max-model-len", "256", "--num-gpu-blocks-override", "256")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_path)
+    with served_url(tiny_qwen3, tmp_path_factory.mktemp("controls"), "--max-model-len", "256",
+                    "--num-gpu-blocks-override", "256") as url:
         yield url
-    finally:
-        stop_process(process)
 
 
 def generate(base_url: str, path: str, body: dict[str, Any]) -> list[int]:

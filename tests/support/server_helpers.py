@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -75,6 +76,20 @@ def start_server(model: Path, port: int, log_path: Path, run_root: Path, *extra:
              "--dtype", "float32", "--uvicorn-log-level", "warning", *extra],
             stdout=log_file, stderr=subprocess.STDOUT, env=env,
         )
+
+
+@contextlib.contextmanager
+def served_url(model: Path, tmp: Path, *extra: str) -> Iterator[str]:
+    """``vllm-actors serve`` on a free port with ``extra`` flags (its log and runs under ``tmp``):
+    the base URL once it is healthy; the server stopped at the end."""
+    port, log_path = free_port(), tmp / "server.log"
+    process = start_server(model, port, log_path, tmp / "runs", *extra)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log_path)
+        yield url
+    finally:
+        stop_process(process)
 
 
 class BusRecorder:

@@ -20,6 +20,7 @@ from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.supervision import Health
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.metrics import SummaryReply
+from vllm_actors.server.anthropic_messages import register_anthropic_routes
 from vllm_actors.server.args import DEFAULT_MAX_WAITING_REQUESTS
 from vllm_actors.server.auth import ApiKeyMiddleware
 from vllm_actors.server.chat import create_chat_completion
@@ -109,6 +110,7 @@ def build_app(
         return await create_chat_completion(request, state)
 
     add_responses_routes(app, state)
+    register_anthropic_routes(app, state)  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -1,5 +1,6 @@
 """API keys (``--api-key``, ``VLLM_API_KEY``: vLLM's names): every request but ``/health`` must
-carry ``Authorization: Bearer <key>``, else it gets 401 in OpenAI's error shape.
+carry ``Authorization: Bearer <key>`` (or, on Anthropic's ``/v1/messages`` routes, ``x-api-key:
+<key>``, as Anthropic's clients send it), else it gets 401 in OpenAI's error shape.
 
 The keys are kept as SHA-256 digests and compared with ``hmac.compare_digest`` against the digest
 of what the client sent: the comparison takes the same time whatever the key and whatever was
@@ -26,6 +27,7 @@ log = structlog.get_logger(__name__)
 
 API_KEY_ENV = "VLLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # load balancers and supervisors probe without a key
+X_API_KEY_PATHS = ("/v1/messages",)  # Anthropic's API: its clients send the key as ``x-api-key: <key>``
 
 
 def api_keys_from(flag: Iterable[str] | str | None, environ: Mapping[str, str] | None = None) -> list[str]:
@@ -66,17 +68,26 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = b""
-        for name, value in scope.get("headers") or ():
-            if name == b"authorization":
+        header: bytes | None = None
+        api_key: bytes | None = None
+        for name, value in scope.get("headers") or ():  # the first of each counts
+            if name == b"authorization" and header is None:
                 header = value
-                break
-        scheme, _, token = header.partition(b" ")
+            elif name == b"x-api-key" and api_key is None:
+                api_key = value
+        scheme, _, token = (header or b"").partition(b" ")
         sent = _digest(token.strip()) if scheme.lower() == b"bearer" else _digest(b"\0not a bearer token")
+        if self._matches(sent) and scheme.lower() == b"bearer":
+            return True
+        path = _route_path(scope)
+        anthropic = any(path == prefix or path.startswith(prefix + "/") for prefix in X_API_KEY_PATHS)
+        return api_key is not None and anthropic and self._matches(_digest(api_key.strip()))
+
+    def _matches(self, sent: bytes) -> bool:
         matched = False
         for digest in self._digests:  # every key compared: the time does not say which one matched
             matched |= hmac.compare_digest(sent, digest)
-        return matched and scheme.lower() == b"bearer"
+        return matched
 
 
 def _route_path(scope: Scope) -> str:

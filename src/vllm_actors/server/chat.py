@@ -107,6 +107,12 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     body = await decode_body(request, ChatCompletionRequest, state.limits.max_body_bytes)
+    return await chat_completion(body, request, state)
+
+
+async def chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    """A decoded chat request served: the JSON response, or the SSE stream when ``body.stream``
+    (other APIs served through the chat path, such as Anthropic's Messages, call this)."""
     job, streams = await start_chat(request, state, body)
     if body.stream:
         return EventStreamResponse(guarded_events(_stream(job, streams[0], state.output_error), streams, request),
