@@ -8,7 +8,6 @@ Anthropic's shape, the API key from ``x-api-key``; then the pinned vLLM pairs of
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,10 @@ import httpx
 import pytest
 
 from tests.support.server_helpers import served_url
+from tests.support.vllm_pairs import Pair, load_pairs, run_pair
 
 PAIRS = json.loads((Path(__file__).parent / "vllm_pairs" / "anthropic_messages.json").read_text())
+MODULE_PAIRS = load_pairs(module="test_anthropic_messages")  # run on this module's server
 KEY = PAIRS["serve_args"][PAIRS["serve_args"].index("--api-key") + 1]
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
@@ -141,28 +142,7 @@ def test_the_api_key_from_x_api_key_or_bearer_on_these_routes_only(base_url: str
     assert chat.status_code == 401  # the OpenAI routes take the key as a bearer token only
 
 
-@pytest.mark.parametrize("pair", PAIRS["pairs"], ids=[pair["name"] for pair in PAIRS["pairs"]])
-def test_vllm_pair(base_url: str, pair: dict[str, Any]) -> None:
-    reply = httpx.request(pair.get("method", "POST"), f"{base_url}{pair['path']}", json=pair.get("body"),
-                          headers=pair.get("headers", {}), timeout=300)
-    assert reply.status_code == pair["status"], reply.text
-    document: Any = reply.json() if not reply.headers["content-type"].startswith("text/event-stream") else {
-        "events": [json.loads(line[6:]) for line in reply.text.splitlines()
-                   if line.startswith("data: ") and line != "data: [DONE]"],
-        "done": "data: [DONE]" in reply.text.splitlines()}
-    for check in pair["expect"]:
-        if "header" in check:
-            value: Any = reply.headers.get(check["header"])
-        else:
-            value = document
-            for part in check["pointer"].split("/")[1:]:
-                value = value[int(part)] if isinstance(value, list) else value[part]
-        if "equals" in check:
-            assert value == check["equals"], check
-        elif "regex" in check:
-            assert isinstance(value, str) and re.search(check["regex"], value), (check, value)
-        elif "length" in check:
-            assert len(value) == check["length"], (check, value)
-        else:
-            kinds = {"string": str, "integer": int, "boolean": bool, "object": dict, "array": list}
-            assert isinstance(value, kinds[check["type"]]), (check, value)
+@pytest.mark.parametrize("pair", MODULE_PAIRS, ids=[pair.id for pair in MODULE_PAIRS])
+def test_vllm_pair(base_url: str, pair: Pair) -> None:
+    failures = run_pair(base_url, pair)
+    assert not failures, "\n".join(failures)

@@ -20,8 +20,9 @@ from pydantic import BaseModel
 
 from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
 from tests.support.tool_calls import TOOL_ID
+from tests.support.vllm_pairs import Pair, load_pairs, run_pair
 
-PAIRS = Path(__file__).parent / "vllm_pairs" / "responses.json"
+MODULE_PAIRS = load_pairs(module="test_responses_api")  # vllm_pairs/responses.json, on this module's server
 FORECAST = {"type": "function", "name": "forecast", "description": "The weather forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -231,33 +232,7 @@ def test_retrieve_and_cancel_of_unknown_or_finished_responses(client: openai.Ope
 
 
 # --------------------------------------------------------------------------- vLLM's pairs
-def matches(expected: Any, actual: Any, where: str = "$") -> None:
-    """``expected`` within ``actual``: objects by the keys given, lists item by item; the strings
-    ``<str>``, ``<int>``, ``<any>`` stand for any value of that kind."""
-    if expected == "<any>":
-        return
-    if expected in ("<str>", "<int>"):
-        assert isinstance(actual, str if expected == "<str>" else int), f"{where}: {actual!r}"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict), f"{where}: {actual!r}"
-        for key, value in expected.items():
-            assert key in actual, f"{where}.{key} missing in {actual!r}"
-            matches(value, actual[key], f"{where}.{key}")
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), f"{where}: {actual!r}"
-        for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
-            matches(want, got, f"{where}[{index}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
-def _pairs() -> list[dict[str, Any]]:
-    return json.loads(PAIRS.read_text())["pairs"]  # type: ignore[no-any-return]
-
-
-@pytest.mark.parametrize("pair", _pairs(), ids=lambda pair: pair["name"])
-def test_vllm_pairs(base_url: str, pair: dict[str, Any]) -> None:
-    request = pair["request"]
-    reply = httpx.request(request["method"], f"{base_url}{request['path']}", json=request.get("body"), timeout=300)
-    assert reply.status_code == pair["response"]["status"], reply.text
-    matches(pair["response"]["body"], reply.json())
+@pytest.mark.parametrize("pair", MODULE_PAIRS, ids=[pair.id for pair in MODULE_PAIRS])
+def test_vllm_pairs(base_url: str, pair: Pair) -> None:
+    failures = run_pair(base_url, pair)
+    assert not failures, "\n".join(failures)

@@ -8,6 +8,7 @@ A file is one JSON object; every key but ``pairs`` is optional::
       "model": "tiny_qwen3",                  # a session fixture of tests/conftest.py naming a checkpoint
       "serve_args": ["--reasoning-parser", "qwen3"],   # extra ``vllm-actors serve`` flags
       "env": {"VLLM_SERVER_DEV_MODE": "1"},   # extra environment of the server process
+      "module": "test_responses_api",         # run by that test module on its own server, not here
       "pairs": [
         {
           "name": "chat-reasoning-split",     # unique in the file: the test id is "<file stem>:<name>"
@@ -86,12 +87,16 @@ class Pair:
         return f"{self.file}:{self.name}"
 
 
-def load_pairs(directory: Path = PAIRS_DIR) -> list[Pair]:
-    """Every pair of every file, files in name order; a malformed file is a ValueError naming it."""
+def load_pairs(directory: Path = PAIRS_DIR, module: str | None = None) -> list[Pair]:
+    """The pairs of every file whose ``module`` is ``module`` (None: the files tests/http/test_vllm_pairs.py
+    runs), files in name order; a malformed file is a ValueError naming it. A module that already
+    starts a server with the flags its pairs need runs its own file, saving a server start."""
     pairs: list[Pair] = []
     for path in sorted(directory.glob("*.json")):
         try:
             document = json.loads(path.read_text())
+            if document.get("module") != module:
+                continue
             spec = ServerSpec(model=document.get("model", "tiny_qwen3"),
                               serve_args=tuple(document.get("serve_args", ())),
                               env=tuple(sorted(document.get("env", {}).items())))
