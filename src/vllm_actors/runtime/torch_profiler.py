@@ -66,7 +66,8 @@ class TorchProfiledWorker:
     def _stop(self) -> str | None:
         profiler, self.profiler = self.profiler, None
         if profiler is None:
-            return "the profiler is not running (POST /start_profile first)"
+            log.warning("stop_profile: the torch profiler was not started; nothing written")
+            return None
         self.directory.mkdir(parents=True, exist_ok=True)
         stem = self.directory / f"{self.label}-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6:06d}"
         try:
