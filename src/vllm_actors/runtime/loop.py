@@ -110,9 +110,9 @@ class ActorLoop:
                     self.endpoint.send(owner, updates)
                 continue
             if self.owners is not None and destination == FRONTEND and isinstance(message, ControlReply):
-                owner = self.owners.control_owner(message.control_id)
-                if owner is not None:  # an engine command's answer, to its sender only
-                    self.endpoint.send(owner, message)
+                asker = self.owners.control_owner(message.control_id)
+                if asker is not None:  # an engine command's answer, to its sender only
+                    self.endpoint.send(asker, message)
                 continue
             try:
                 self.endpoint.send(destination, message)
