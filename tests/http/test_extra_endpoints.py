@@ -1,8 +1,9 @@
 """vLLM's endpoints beyond completions and chat, through one real ``vllm-actors serve`` (tiny
 checkpoint, float32, CPU) that serves HTTPS with a self-signed certificate made here, asks for an
 API key, restricts CORS origins and runs with ``VLLM_SERVER_DEV_MODE=1`` and
-``VLLM_TORCH_PROFILER_DIR``: /tokenize, /detokenize, the render endpoints, /v1/chat/completions/batch, /invocations, /ping, /server_info, the engine's
-commands (/reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile, /stop_profile); the
+``VLLM_TORCH_PROFILER_DIR``: /tokenize, /detokenize, the render endpoints,
+/v1/chat/completions/batch, /invocations, /ping, /server_info, the engine's commands
+(/reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile, /stop_profile); the
 ``openai`` client over https; the flags' validation."""
 
 from __future__ import annotations
