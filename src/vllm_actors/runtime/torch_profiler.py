@@ -16,12 +16,12 @@ from vllm_actors.envs import Envs
 from vllm_actors.protocol.messages import ControlReply, EngineControl
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
-from vllm_actors.runtime.step_profiler import Profiler
+from vllm_actors.runtime.step_profiler import Profiler, WorkerWrapper
 
 log = structlog.get_logger(__name__)
 
 
-class TorchProfiledWorker:
+class TorchProfiledWorker(WorkerWrapper):
     """The worker, with the profiler's engine commands carried out here; every other message and
     attribute is the worker's own."""
 
@@ -33,18 +33,6 @@ class TorchProfiledWorker:
         self.make_profiler = make_profiler
         self.profiler: Any = None
         self.written: list[Path] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
-
-    def has_pending(self) -> bool:
-        return bool(self.worker.has_pending())
-
-    def pending_ready(self) -> bool:
-        return bool(self.worker.pending_ready())
-
-    def flush(self) -> Outputs:
-        return self.worker.flush()
 
     def handle(self, message: Any) -> Outputs:
         if not isinstance(message, EngineControl) or message.action not in ("start_profile", "stop_profile"):
