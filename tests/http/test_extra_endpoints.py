@@ -1,8 +1,10 @@
 """vLLM's endpoints beyond completions and chat, through one real ``vllm-actors serve`` (tiny
 checkpoint, float32, CPU) that serves HTTPS with a self-signed certificate made here, asks for an
-API key, restricts CORS origins and runs with ``VLLM_SERVER_DEV_MODE=1``: /tokenize, /detokenize,
-the render endpoints, /v1/chat/completions/batch, /invocations, /ping, /server_info; the ``openai``
-client over https; the flags' validation."""
+API key, restricts CORS origins and runs with ``VLLM_SERVER_DEV_MODE=1`` and
+``VLLM_TORCH_PROFILER_DIR``: /tokenize, /detokenize, the render endpoints,
+/v1/chat/completions/batch, /invocations, /ping, /server_info, the engine's commands
+(/reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile, /stop_profile); the
+``openai`` client over https; the flags' validation."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 class Served:
     base: str
     cert: Path
+    traces: Path
 
     def trusting(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.cert))
@@ -55,14 +58,15 @@ def served(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     directory = tmp_path_factory.mktemp("extra")
     key, cert = self_signed(directory)
     port, log_path = free_port(), directory / "server.log"
-    environ = dict(os.environ, VLLM_ACTORS_RUN_ROOT=str(directory / "runs"), VLLM_SERVER_DEV_MODE="1")
+    environ = dict(os.environ, VLLM_ACTORS_RUN_ROOT=str(directory / "runs"), VLLM_SERVER_DEV_MODE="1",
+                   VLLM_TORCH_PROFILER_DIR=str(directory / "traces"))
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm_actors", "serve", str(tiny_qwen3), "--host", "127.0.0.1", "--port", str(port),
              "--dtype", "float32", "--uvicorn-log-level", "warning", "--served-model-name", MODEL,
              "--max-model-len", "256", "--num-gpu-blocks-override", "128", "--api-key", KEY,
              "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--allowed-origins", f'["{ORIGIN}"]',
-             "--show-hidden-metrics-for-version", "0.25"],
+             "--show-hidden-metrics-for-version", "0.25", "--enable-prompt-tokens-details"],
             stdout=log_file, stderr=subprocess.STDOUT, env=environ)
     base = f"https://127.0.0.1:{port}"
     trusting = ssl.create_default_context(cafile=str(cert))
@@ -76,7 +80,7 @@ def served(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield Served(base, cert)
+        yield Served(base, cert, directory / "traces")
     finally:
         stop_process(process)
 
@@ -170,7 +174,9 @@ def test_every_new_endpoint_wants_the_key(served: Served) -> None:
     with served.client(authorized=False) as http:
         for method, path in [("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions/render"),
                              ("POST", "/v1/chat/completions/render"), ("POST", "/v1/chat/completions/batch"),
-                             ("POST", "/invocations"), ("GET", "/ping"), ("GET", "/server_info")]:
+                             ("POST", "/invocations"), ("GET", "/ping"), ("GET", "/server_info"),
+                             ("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                             ("GET", "/is_sleeping"), ("POST", "/start_profile"), ("POST", "/stop_profile")]:
             assert http.request(method, path, json={"prompt": "x"}).status_code == 401, path
 
 
@@ -210,8 +216,83 @@ def test_the_flags_are_validated() -> None:
 @pytest.mark.asyncio
 async def test_dev_endpoints_are_absent_unless_enabled(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
     async with served_app(env, monkeypatch) as (_, app), asgi(app) as http:
         assert (await http.get("/server_info")).status_code == 404
+        for method, path in [("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                             ("GET", "/is_sleeping"), ("POST", "/start_profile"), ("POST", "/stop_profile")]:
+            assert (await http.request(method, path)).status_code == 404, path
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     async with served_app(env, monkeypatch) as (_, app), asgi(app) as http:
         assert (await http.get("/server_info")).status_code == 200
+
+
+# ------------------------------------------------------------------ the engine's commands
+LONG = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks
+
+
+def _greedy(http: httpx.Client) -> tuple[list[int], int]:
+    """Greedy tokens of ``LONG`` and how many prompt tokens the prefix cache served."""
+    reply = ok(http.post("/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 8, "temperature": 0,
+                                                  "logprobs": 0}))
+    tokens = reply["choices"][0]["logprobs"]["tokens"]
+    return tokens, (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_reset_prefix_cache_drops_the_hits(served: Served) -> None:
+    with served.client() as http:
+        assert ok(http.post("/reset_prefix_cache")) == {"success": True}
+        first, cached = _greedy(http)
+        assert cached == 0
+        again, cached = _greedy(http)
+        assert again == first and cached > 0  # the same prompt hits the cache
+        assert ok(http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})) == {"success": True}
+        after, cached = _greedy(http)
+        assert after == first and cached == 0  # nothing to hit any more
+        assert "reset_running_requests" in error(http.post("/reset_prefix_cache",
+                                                           params={"reset_running_requests": "maybe"}))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_the_greedy_tokens(served: Served, level: int) -> None:
+    with served.client() as http:
+        before, _ = _greedy(http)
+        assert ok(http.get("/is_sleeping")) == {"is_sleeping": False}
+        slept = http.post("/sleep", params={"level": str(level)})
+        assert slept.status_code == 200 and slept.content == b""
+        assert ok(http.get("/is_sleeping")) == {"is_sleeping": True}
+        assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert ok(http.get("/is_sleeping")) == {"is_sleeping": True}  # the KV cache still sleeps
+        assert http.post("/wake_up").status_code == 200
+        assert ok(http.get("/is_sleeping")) == {"is_sleeping": False}
+        after, cached = _greedy(http)
+        assert after == before and cached == 0  # the KV cache (and its prefix cache) was discarded
+        assert "level" in error(http.post("/sleep", params={"level": "3"}))
+        assert "tags" in error(http.post("/wake_up", params={"tags": "everything"}))
+
+
+def test_a_request_sent_while_asleep_waits_for_the_wake(served: Served) -> None:
+    import threading
+
+    with served.client() as http:
+        before, _ = _greedy(http)
+        assert http.post("/sleep", params={"level": "1"}).status_code == 200
+        result: list[list[int]] = []
+        waiting = threading.Thread(target=lambda: result.append(_greedy(served.client())[0]))
+        waiting.start()
+        waiting.join(timeout=1.0)  # an upper bound on nothing: it must still wait, asleep
+        assert not result and waiting.is_alive()
+        assert http.post("/wake_up").status_code == 200
+        waiting.join(timeout=120)
+        assert result == [before]
+
+
+def test_profiler_writes_a_trace(served: Served) -> None:
+    with served.client() as http:
+        assert http.post("/stop_profile").status_code == 200  # not started: nothing to write
+        assert not served.traces.exists()
+        assert http.post("/start_profile").status_code == 200
+        _greedy(http)
+        stopped = http.post("/stop_profile")
+        assert stopped.status_code == 200 and stopped.content == b""
+    assert list(served.traces.glob("*.json.gz")) and list(served.traces.glob("*-top.txt"))

@@ -51,6 +51,7 @@ from vllm_actors.clients.core import (
     group_info_of,
     load_group_tokenizer,
 )
+from vllm_actors.clients.engine_control import ControlCalls
 from vllm_actors.clients.latency import LatencyTracker, StatsListener
 from vllm_actors.clients.open_streams import OpenStreams
 from vllm_actors.clients.request_stream import RequestStream
@@ -63,7 +64,7 @@ from vllm_actors.clients.supervision import (
     is_scheduler,
     listen,
 )
-from vllm_actors.protocol.messages import AbortRequests
+from vllm_actors.protocol.messages import AbortRequests, ControlReply
 from vllm_actors.protocol.metrics import (
     MetricsQuery,
     MetricsReply,
@@ -135,6 +136,7 @@ class AsyncEngineClient(ClientCore):
         self._failure_listeners: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # where the group's listeners hand over
         self._text = async_text.TextPool(self.identity)
+        self._controls = ControlCalls()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -358,6 +360,9 @@ class AsyncEngineClient(ClientCore):
                 message = self._decode_frame(payload)
                 if message is None:
                     continue
+                if isinstance(message, ControlReply):
+                    self._controls.resolve(message)
+                    continue
                 self.latency.on_transit(message, now)
                 outputs = self._receive(message)
             except Exception:  # a bug here must not silence every other request
@@ -388,7 +393,18 @@ class AsyncEngineClient(ClientCore):
             error = task.exception() or EngineDeadError("the reader stopped")
             log.error("client reader stopped", actor=self.identity, error=repr(error))
         self._dead = error
+        self._controls.fail_all(EngineDeadError(f"the client lost its engine: {error}"))
         self._streams.end_all(lambda stream: stream._fail(EngineDeadError(f"the client lost its engine: {error}")))
+
+    async def control(self, action: str, **fields: Any) -> ControlReply:
+        """An engine command (``EngineControl``'s actions and fields: ``"sleep"``, level=1; ``"wake_up"``,
+        tags=[...]; ``"reset_prefix_cache"``; ``"is_sleeping"``; ``"start_profile"``/``"stop_profile"``),
+        answered by the engine; raises TimeoutError when it does not answer."""
+        self._check_alive()
+        self._ensure_tasks()
+        control, answer = self._controls.make(action, **fields)
+        self.transport.send(SCHEDULER, control)
+        return await self._controls.wait(control, answer)
 
     # ------------------------------------------------------------------ metrics and health
     async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:

@@ -37,7 +37,7 @@ from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
 from vllm_actors.envs import envs
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.messages import Message, RequestUpdates
+from vllm_actors.protocol.messages import ControlReply, Message, RequestUpdates
 from vllm_actors.protocol.metrics import (
     MetricsQuery,
     MetricsReply,
@@ -207,15 +207,16 @@ class ClientCore:
     def _receive_frame(self, payload: bytes) -> list[RequestOutput]:
         """``_receive`` for a wire frame; a frame that is not ``RequestUpdates`` is dropped."""
         message = self._decode_frame(payload)
-        return [] if message is None else self._receive(message)
+        return self._receive(message) if isinstance(message, RequestUpdates) else []
 
-    def _decode_frame(self, payload: bytes) -> RequestUpdates | None:
+    def _decode_frame(self, payload: bytes) -> RequestUpdates | ControlReply | None:
+        """The scheduler's updates, or the answer to an engine command; None for anything else."""
         try:
             message = self._codec.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             log.warning("frame dropped", actor=self.name, why="undecodable", error=str(error))
             return None
-        if not isinstance(message, RequestUpdates):
+        if not isinstance(message, (RequestUpdates, ControlReply)):
             log.warning("frame dropped", actor=self.name, why="unexpected type", type=type(message).__name__)
             return None
         return message

@@ -293,7 +293,11 @@ class Envs:
         None, text, "vLLM's: the API key the server requires where `--api-key` is not given.",
         kind="str", group="other")
     VLLM_SERVER_DEV_MODE = switch(
-        "vLLM's: the server's development endpoints (`/server_info`) are registered.", "other", default=False)
+        "vLLM's: the server's development endpoints (`/server_info`, `/reset_prefix_cache`, `/sleep`, "
+        "`/wake_up`, `/is_sleeping`) are registered.", "other", default=False)
+    VLLM_TORCH_PROFILER_DIR = Setting[str | None](
+        None, text, "vLLM's: the workers run torch.profiler between `POST /start_profile` and `/stop_profile` "
+        "(registered only then) and write the trace here.", kind="path", group="other")
     PROMETHEUS_MULTIPROC_DIR = Setting[str | None](
         None, text, "prometheus_client's: set by `serve --api-server-count` above 1, histograms shared there.",
         kind="path", group="other")

@@ -239,7 +239,38 @@ class ReplicaState(msgspec.Struct, tag="replica_state", kw_only=True):
     reason: str = ""
 
 
-Message = AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline | ReplicaState
+class EngineControl(msgspec.Struct, tag="engine_control", kw_only=True):
+    """A client's command to the engine (vLLM's development and profiling endpoints), answered to
+    its sender alone by a ``ControlReply`` of the same ``control_id``. The scheduler answers
+    ``reset_prefix_cache`` and ``is_sleeping`` itself; it passes ``sleep`` (level 1 or 2),
+    ``wake_up`` and the profiler's on through the KV-cache manager to the workers, behind every
+    plan sent before, and rank 0's reply comes back through it."""
+
+    control_id: str
+    action: str  # one of CONTROL_ACTIONS
+    level: int = 1  # sleep: 0 pauses scheduling, 1 offloads the weights, 2 discards them; both discard the KV cache
+    mode: str = "abort"  # sleep: the requests in flight are "abort"ed, "wait"ed for, or "keep" (recomputed)
+    tags: list[str] | None = None  # wake_up: what wakes ("weights", "kv_cache", "scheduling"); None: all
+    reset_running_requests: bool = False  # reset_prefix_cache: preempt the running requests first
+
+
+CONTROL_ACTIONS = ("reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "start_profile", "stop_profile")
+SLEEP_MODES = ("abort", "wait", "keep")
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+
+
+class ControlReply(msgspec.Struct, tag="control_reply", kw_only=True, omit_defaults=True):
+    """The answer to an ``EngineControl``: ``success`` (reset_prefix_cache: false while requests
+    hold blocks, as vLLM), ``is_sleeping`` (after the command), ``error`` (it was not carried out)."""
+
+    control_id: str
+    success: bool = True
+    is_sleeping: bool = False
+    error: str | None = None
+
+
+Message = (AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline | ReplicaState
+           | EngineControl | ControlReply)
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AddRequest,
@@ -249,4 +280,6 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     RequestUpdates,
     RecoverPipeline,
     ReplicaState,
+    EngineControl,
+    ControlReply,
 )

@@ -16,6 +16,8 @@ The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and t
 of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more),
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
 With ``calculate_kv_scales`` the first real step runs eagerly and sets the fp8 scales from its amax.
+Sleep mode (``sleep_mode.py``) frees the weights and the KV cache and brings them back; the CUDA
+graphs are captured again after a wake.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import resolve_device, resolve_dtype
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
+from vllm_actors.runner.sleep_mode import SleepMode
 
 log = structlog.get_logger(__name__)
 
@@ -95,8 +98,8 @@ class ModelRunner:
         self._static: GraphInputs | None = None
         self._graph_sizes: list[int] = []
         self._padded: PaddedForward | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_decode_graphs()
+        self.capture_graphs()
+        self._sleep = SleepMode(self)
         log.info(
             "model_runner_ready",
             model=config.model,
@@ -108,6 +111,43 @@ class ModelRunner:
             cuda_graphs=sorted(self._graphs),
             padded_graphs=sorted(self._padded.graphs) if self._padded else [],
         )
+
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._sleep.asleep)
+
+    def sleep(self, level: int) -> None:
+        """Level 1: the weights to host memory, the KV cache freed; level 2: both freed."""
+        self._sleep.sleep(level)
+        log.info("runner_asleep", level=level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """``tags`` ("weights", "kv_cache") back on the device; graphs captured once both are."""
+        self._sleep.wake_up(tags)
+        log.info("runner_awake", tags=tags, asleep=sorted(self._sleep.asleep))
+
+    def make_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._allocate_kv_cache(self.num_blocks)
+
+    def reload_model(self) -> None:
+        """The weights read from the checkpoint again (a wake after a level-2 sleep)."""
+        config = self.config
+        torch.manual_seed(config.seed)  # dummy weights: the same draw as at the start
+        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+        self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
+        self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
+
+    def capture_graphs(self) -> None:
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_decode_graphs()
+
+    def drop_graphs(self) -> None:
+        self._graphs = {}
+        self._sampled_graphs = {}
+        self._static = None
+        self._graph_sizes = []
+        self._padded = None
 
     def _wants_padded_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and padded_graphs_enabled()

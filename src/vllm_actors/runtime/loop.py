@@ -23,7 +23,7 @@ import structlog
 from vllm_actors.actors.scheduler.owners import RequestOwners
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Rejected
-from vllm_actors.protocol.messages import RequestUpdates, StepResult
+from vllm_actors.protocol.messages import ControlReply, RequestUpdates, StepResult
 from vllm_actors.protocol.names import FRONTEND
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.runtime.transport import Actor, Deferring, Endpoint
@@ -101,12 +101,18 @@ class ActorLoop:
         )
 
     def dispatch(self, outputs: Outputs) -> Outputs:
-        """Send the messages (a client's updates to their owner only), then publish the events."""
+        """Send the messages (a client's updates, an engine command's answer, to their owner only),
+        then publish the events."""
         for destination, message in outputs.messages:
             stamp_departure(message)
             if self.owners is not None and destination == FRONTEND and isinstance(message, RequestUpdates):
                 for owner, updates in self.owners.split(message).items():
                     self.endpoint.send(owner, updates)
+                continue
+            if self.owners is not None and destination == FRONTEND and isinstance(message, ControlReply):
+                asker = self.owners.control_owner(message.control_id)
+                if asker is not None:  # an engine command's answer, to its sender only
+                    self.endpoint.send(asker, message)
                 continue
             try:
                 self.endpoint.send(destination, message)

@@ -17,6 +17,8 @@ from vllm_actors.envs import envs
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
+    ControlReply,
+    EngineControl,
     RecoverPipeline,
     ReplicaState,
     StepPlan,
@@ -90,6 +92,7 @@ def build_worker(spec: ActorSpec) -> Built:
     from vllm_actors.runner.build import build_worker as worker_of
     from vllm_actors.runner.devices import resolve_device
     from vllm_actors.runtime.step_profiler import profiled
+    from vllm_actors.runtime.torch_profiler import torch_profiled
 
     device_type = resolve_device(spec.engine.device).type
     threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
@@ -97,11 +100,13 @@ def build_worker(spec: ActorSpec) -> Built:
         torch.set_num_threads(threads)
     tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
     worker, info = worker_of(spec.engine, tp=tp, incarnation=spec.incarnation)
-    return Built(profiled(worker, envs, spec.actor_id), info)  # VLLM_ACTORS_PROFILE_STEPS wraps it
+    # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
+    return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 
 
 def worker_accepts(replica: int | None) -> AcceptRules:
-    return {StepPlan: frozenset({_own(KV_CACHE_MANAGER, replica)})}
+    return {StepPlan: frozenset({_own(KV_CACHE_MANAGER, replica)}),
+            EngineControl: frozenset({_own(KV_CACHE_MANAGER, replica)})}
 
 
 # --------------------------------------------------------------------------- KV-cache manager
@@ -115,7 +120,7 @@ def build_kv_cache_manager(spec: ActorSpec) -> Built:
 
 
 def kv_cache_manager_accepts(replica: int | None) -> AcceptRules:
-    return {StepPlan: frozenset({_own(SCHEDULER, replica)})}
+    return {StepPlan: frozenset({_own(SCHEDULER, replica)}), EngineControl: frozenset({_own(SCHEDULER, replica)})}
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -137,10 +142,13 @@ def build_scheduler(spec: ActorSpec) -> Built:
 def scheduler_accepts(replica: int | None) -> AcceptRules:
     # Clients may submit and abort; only rank 0 of the workers returns sampled tokens; only the
     # supervisor asks for a pipeline reset (after it restarted the KV-cache manager or a worker).
+    # Clients send engine commands; rank 0 of the workers answers those passed on to the workers.
     return {
         AddRequest: None,
         AbortRequests: None,
+        EngineControl: None,
         StepResult: frozenset({_own(worker_id(0), replica)}),
+        ControlReply: frozenset({_own(worker_id(0), replica)}),
         RecoverPipeline: frozenset({SUPERVISOR.encode()}),
     }
 

@@ -84,7 +84,26 @@ class Profiler:
         return [trace, table]
 
 
-class ProfiledWorker:
+class WorkerWrapper:
+    """A shell's wrapper around the worker: every attribute is the worker's own."""
+
+    worker: Any
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    # The worker's deferred steps (``transport.Deferring``), declared here so the loop sees them.
+    def has_pending(self) -> bool:
+        return bool(self.worker.has_pending())
+
+    def pending_ready(self) -> bool:
+        return bool(self.worker.pending_ready())
+
+    def flush(self) -> Outputs:
+        return self.worker.flush()
+
+
+class ProfiledWorker(WorkerWrapper):
     """The worker, with its plans from ``window.first`` to ``first + count - 1`` profiled; every
     other attribute is the worker's own."""
 
@@ -99,19 +118,6 @@ class ProfiledWorker:
         self.first_step: int | None = None
         self.done = False
         self.written: list[Path] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
-
-    # The worker's deferred steps (``transport.Deferring``), declared here so the loop sees them.
-    def has_pending(self) -> bool:
-        return bool(self.worker.has_pending())
-
-    def pending_ready(self) -> bool:
-        return bool(self.worker.pending_ready())
-
-    def flush(self) -> Outputs:
-        return self.worker.flush()
 
     def handle(self, message: Any) -> Outputs:
         plan = message if isinstance(message, StepPlan) else None

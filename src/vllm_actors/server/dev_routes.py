@@ -1,7 +1,9 @@
 """vLLM's development endpoints, registered only when ``VLLM_SERVER_DEV_MODE=1`` (vLLM's variable,
 as vLLM does: they would let any client holding the API key read the server's configuration).
 ``GET /server_info?config_format=text|json``: ``{"vllm_config", "vllm_env", "system_env"}`` (the
-engine config, the ``VLLM_*`` settings but keys, the platform), vLLM's shape."""
+engine config, the ``VLLM_*`` settings but keys, the platform), vLLM's shape. The commands to the
+engine (``/reset_prefix_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, and the profiler's
+under their own gate) are ``engine_routes.py``'s."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from starlette.responses import Response
 from vllm_actors import __version__
 from vllm_actors.envs import Envs, envs
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.server.engine_routes import add_engine_routes
 from vllm_actors.server.errors import bad_request
 from vllm_actors.server.protocol import encode
 from vllm_actors.server.serving import ServerState
@@ -26,7 +29,9 @@ log = structlog.get_logger(__name__)
 
 
 def add_dev_routes(app: FastAPI, state: ServerState, settings: Envs = envs) -> None:
-    """The development endpoints, where ``VLLM_SERVER_DEV_MODE`` turns them on."""
+    """The development endpoints, where ``VLLM_SERVER_DEV_MODE`` turns them on (and the
+    profiler's, where ``VLLM_TORCH_PROFILER_DIR`` does)."""
+    add_engine_routes(app, state, settings)
     if not settings.VLLM_SERVER_DEV_MODE:
         return
     log.warning("SECURITY WARNING: development endpoints are enabled (VLLM_SERVER_DEV_MODE); "

@@ -19,7 +19,8 @@ first drops every table, cached block and reference - a fresh pool of the same s
 FREED for each table dropped, BLOCK_EVICTED for the cached blocks (deepest first, so a mirror of
 the cache built from the events stays exact) and KV_POOL; the plan goes on to the workers with
 ``reset`` set. Plans with a step id below the last reset plan's were planned before it and are
-dropped unapplied.
+dropped unapplied. An engine command (``EngineControl``: sleep, wake-up, the profiler) goes on to
+the workers as it came, in order with the plans.
 Pure state machine: no sockets, no clock.
 """
 
@@ -35,7 +36,7 @@ from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool
 from vllm_actors.protocol.block_hash import ROOT_HASH
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
-from vllm_actors.protocol.messages import Message, NewRequest, StepPlan
+from vllm_actors.protocol.messages import EngineControl, Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import KV_CACHE_MANAGER, WORKER
 from vllm_actors.protocol.outputs import Outputs
 
@@ -64,6 +65,10 @@ class KVCacheManager:
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
     def handle(self, message: Message) -> Outputs:
+        if isinstance(message, EngineControl):
+            outputs = Outputs()
+            outputs.send(WORKER, message)
+            return outputs
         if not isinstance(message, StepPlan):
             raise TypeError(f"the KV-cache manager does not take {type(message).__name__}")
         outputs = Outputs()

@@ -144,6 +144,20 @@ class BlockLedger:
             self.cache.release(holding.cached)
         self.num_free += holding.num_blocks - len(holding.cached)
 
+    def evict_idle(self) -> int:
+        """Evict every cached block no request holds (a prefix-cache reset); how many."""
+        if self.cache is None:
+            return 0
+        evicted = self.cache.evict(self.cache.num_evictable)
+        self._evicted.extend(block.block_hash for block in evicted)
+        self.num_free += len(evicted)
+        return len(evicted)
+
+    @property
+    def has_evicted(self) -> bool:
+        """Evictions the next plan must carry."""
+        return bool(self._evicted)
+
     def take_evicted(self) -> list[int]:
         """Hashes evicted since the last call, in eviction order (for the next plan)."""
         evicted, self._evicted = self._evicted, []

@@ -12,7 +12,8 @@ can cause is made within its own connection's ids:
 * an ``AbortRequests`` aborts only the sender's own ids; the others are left out (logged,
   ``REJECTED``), so no client can end another's request; ``all_of_sender`` aborts every request
   the sender's connection owns (a client restarted under the routing id of its dead predecessor);
-* updates go to the owning connection only (``split``).
+* updates go to the owning connection only (``split``); so does the answer to an engine command
+  (``EngineControl``), to the connection that sent it (``control_owner``).
 
 Why ownership over one id space rather than per-connection id spaces (``(connection, id)`` keys
 rewritten to ``<connection>/<id>`` in the pipeline): the id the client chose stays the id in every
@@ -40,7 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_actors.protocol.messages import AbortRequests, AddRequest, RequestUpdate, RequestUpdates
+from vllm_actors.protocol.messages import AbortRequests, AddRequest, EngineControl, RequestUpdate, RequestUpdates
 from vllm_actors.protocol.names import describe_request_id, engine_request_id_error
 
 
@@ -63,6 +64,7 @@ class RequestOwners:
 
     def __init__(self) -> None:
         self._owner: dict[str, bytes] = {}
+        self._control_owner: dict[str, bytes] = {}  # an engine command's id -> who sent it, until answered
 
     def owner(self, request_id: str) -> bytes | None:
         return self._owner.get(request_id)
@@ -111,10 +113,16 @@ class RequestOwners:
         """After the scheduler took a screened message: record new owners, forget aborted ids."""
         if isinstance(message, AddRequest):
             self._owner.setdefault(message.request_id, sender)
+        elif isinstance(message, EngineControl):
+            self._control_owner[message.control_id] = sender
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 if self._owner.get(request_id) == sender:
                     del self._owner[request_id]
+
+    def control_owner(self, control_id: str) -> bytes | None:
+        """Who sent the engine command ``control_id`` (forgotten now: it is answered once)."""
+        return self._control_owner.pop(control_id, None)
 
     def split(self, updates: RequestUpdates) -> dict[bytes, RequestUpdates]:
         """The scheduler's updates by owning connection; a finished request is forgotten."""

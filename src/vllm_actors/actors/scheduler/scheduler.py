@@ -29,7 +29,8 @@ The scheduler's other modules, one concern each:
 - ``cost_model``, ``deadlines``: the step cost model; remaining work and admission control;
 - ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
   scheduler counts it;
-- ``owners``: which client connection owns which request (used by the scheduler's shell).
+- ``owners``: which client connection owns which request (used by the scheduler's shell);
+- ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from vllm_actors.actors.scheduler.admission import admission_error, admit, identity_error
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
+from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 from vllm_actors.actors.scheduler.deadlines import observe_step, unmeetable_error
 from vllm_actors.actors.scheduler.owners import refused_request
@@ -53,8 +57,11 @@ from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queue
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
+    ControlReply,
+    EngineControl,
     Message,
     RecoverPipeline,
+    RequestUpdate,
     RequestUpdates,
     StepPlan,
     StepResult,
@@ -93,6 +100,7 @@ class Scheduler:
         self.pipeline = StepPipeline(first_step_id, config.max_steps_in_flight)
         self.stats = SchedulerStats()
         self._num_arrivals = 0
+        self.sleep = SleepState()
 
     @property
     def reset_pending(self) -> bool:
@@ -115,6 +123,10 @@ class Scheduler:
             self._on_step_result(message, out)
         elif isinstance(message, RecoverPipeline):
             self._recover(f"{message.actor}: {message.reason}", out)
+        elif isinstance(message, EngineControl):
+            self._control(message, out)
+        elif isinstance(message, ControlReply):  # rank 0 carried a command out: its sender learns
+            out.send(FRONTEND, msgspec.structs.replace(message, is_sleeping=self.sleep.is_sleeping))
         else:
             raise TypeError(f"the scheduler does not take {type(message).__name__}")
         # Fill the pipeline, not just one slot: with one plan per message a lone request's decode
@@ -184,6 +196,61 @@ class Scheduler:
         if step.updates:
             out.send(FRONTEND, RequestUpdates(step_id=result.step_id, updates=step.updates,
                                               step_finished_at=result.finished_at))
+        if self.sleep.pending is not None and not self.running:  # a sleep of mode "wait": drained
+            self._sleep(self.sleep.pending, out)
+
+    # ------------------------------------------------------------------ engine commands
+    def _control(self, control: EngineControl, out: Outputs) -> None:
+        """An engine command (``controls``): answered here, or passed on to the workers, whose
+        rank 0 answers through this scheduler."""
+        error = control_error(control)
+        if error is not None or control.action == "is_sleeping":
+            out.send(FRONTEND, self.sleep.reply(control, error=error))
+        elif control.action == "reset_prefix_cache":
+            if control.reset_running_requests:
+                while self.running:  # from the back: they return to the queue's front in order
+                    self._preempt(self.running[-1], out)
+            success = not self.running  # as vLLM: not while a request holds blocks
+            if success:
+                self.ledger.evict_idle()  # the next plan evicts them in the KV-cache manager too
+            out.send(FRONTEND, self.sleep.reply(control, success=success))
+        elif control.action == "sleep":
+            if control.mode == "abort":
+                self._abort_all(out)
+            if control.mode == "wait" and self.running:
+                self.sleep.pending = control  # nothing more is admitted; it sleeps once these are done
+                return
+            self._sleep(control, out)
+        elif control.action == "wake_up":
+            waking = self.sleep.wake(control.tags)
+            if waking:  # behind every plan sent before; its answer comes back from rank 0
+                out.send(KV_CACHE_MANAGER, msgspec.structs.replace(control, tags=waking))
+            else:
+                out.send(FRONTEND, self.sleep.reply(control))
+        else:  # the profiler runs in the workers
+            out.send(KV_CACHE_MANAGER, control)
+
+    def _sleep(self, control: EngineControl, out: Outputs) -> None:
+        self.sleep.pending = None
+        self.sleep.paused = True
+        if control.level == 0 or self.sleep.asleep:  # scheduling paused only, or asleep already
+            out.send(FRONTEND, self.sleep.reply(control))
+            return
+        # The KV cache is discarded: the pipeline starts over once awake; what ran is recomputed.
+        self._recover(f"sleep level {control.level}", out)
+        self.sleep.asleep = {"weights", "kv_cache"}
+        out.send(KV_CACHE_MANAGER, control)
+
+    def _abort_all(self, out: Outputs) -> None:
+        """Every request ends with finish reason "abort" (a sleep of mode "abort", as vLLM)."""
+        updates = []
+        for request_id, request in list(self.requests.items()):
+            out.emit(Aborted(request_id=request_id, reason="abort", num_output_tokens=len(request.output_token_ids)))
+            updates.append(RequestUpdate(request_id=request_id, finish_reason="abort",
+                                         num_prompt_tokens=len(request.prompt_token_ids)))
+            self._finish(request_id)
+        if updates:
+            out.send(FRONTEND, RequestUpdates(step_id=-1, updates=updates))
 
     def _recover(self, reason: str, out: Outputs) -> None:
         """The KV-cache manager or a worker was restarted: what the pipeline held is gone."""
@@ -230,12 +297,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _maybe_schedule(self, out: Outputs) -> StepPlan | None:
-        if self.pipeline.is_full:
+        if self.pipeline.is_full or self.sleep.paused:
             return None
-        if not (self.waiting or self.running or self.pipeline.has_news):
+        if not (self.waiting or self.running or self.pipeline.has_news or self.ledger.has_evicted):
             return None
         plan, sampling_ids = self._schedule(out)
-        if not plan.req_ids and not plan.finished_ids and not plan.reset:
+        if not plan.req_ids and not plan.finished_ids and not plan.reset and not plan.evicted_hashes:
             return None  # everything waits for tokens in flight
         self.pipeline.sent(plan, sampling_ids)
         self.stats.num_steps += 1
@@ -246,11 +313,11 @@ class Scheduler:
         step = StepBuilder(self.pipeline.next_step_id, self.config.max_num_batched_tokens, self.ledger)
         self.policy.begin_pass(self.stats.num_steps, len(self.running))
         self.policy.order_running(self.running)  # most urgent first: the last one is preempted
-        if len(self.running) >= self.config.max_num_seqs and self.waiting:
+        if len(self.running) >= self.config.max_num_seqs and self.waiting and self.sleep.admitting:
             self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
                 self._preempt(victim, out)  # a more urgent waiting request takes its slot below
-        if not self._schedule_running(step, out):
+        if not self._schedule_running(step, out) and self.sleep.admitting:
             self._admit_waiting(step, out)
         plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending,
                                                              self.pipeline.take_departed())

@@ -22,6 +22,8 @@ Under tensor parallelism every rank's worker gets every plan and keeps the same 
 tables; only rank 0 answers the scheduler and publishes step events. A ``reset`` plan drops every
 request and block-table row first (the KV tensors are left as they are: every request comes back as
 new and recomputes what it reads); a plan with a step id below the last reset's is dropped unrun.
+An engine command (``EngineControl``: sleep, wake-up; ``controls``) is carried out once the step
+launched before it is read back; rank 0 answers it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
+from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
@@ -46,7 +49,16 @@ from vllm_actors.actors.worker.step_data import (
 )
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.events import StepFinished, StepStarted
-from vllm_actors.protocol.messages import Logprobs, Message, NewRequest, PromptLogprobs, StepPlan, StepResult
+from vllm_actors.protocol.messages import (
+    ControlReply,
+    EngineControl,
+    Logprobs,
+    Message,
+    NewRequest,
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+)
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
@@ -82,6 +94,8 @@ class Worker:
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
     def handle(self, message: Message) -> Outputs:
+        if isinstance(message, EngineControl):
+            return self.control(message)
         if not isinstance(message, StepPlan):
             raise TypeError(f"the worker does not take {type(message).__name__}")
         if message.step_id < self._min_step_id and not message.reset:
@@ -101,6 +115,16 @@ class Worker:
             return outputs
         outputs = self.flush()
         return outputs.extend(self._outputs(started, self.execute(message)))
+
+    def control(self, control: EngineControl) -> Outputs:
+        """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
+        outputs = self.flush()
+        if control.action == "sleep" and control.level > 0:
+            self.reset()  # the KV cache is discarded: the scheduler restarts the pipeline after the wake
+        error = carry_out(self.runner, control)
+        if self.tp.rank == 0:
+            outputs.send(SCHEDULER, ControlReply(control_id=control.control_id, success=error is None, error=error))
+        return outputs
 
     @staticmethod
     def _started(plan: StepPlan) -> StepStarted:
