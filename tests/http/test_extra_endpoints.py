@@ -278,7 +278,12 @@ def test_a_request_sent_while_asleep_waits_for_the_wake(served: Served) -> None:
         before, _ = _greedy(http)
         assert http.post("/sleep", params={"level": "1"}).status_code == 200
         result: list[list[int]] = []
-        waiting = threading.Thread(target=lambda: result.append(_greedy(served.client())[0]))
+
+        def ask() -> None:
+            with served.client() as other:  # closed after: an open keep-alive connection delays the server's stop
+                result.append(_greedy(other)[0])
+
+        waiting = threading.Thread(target=ask)
         waiting.start()
         waiting.join(timeout=1.0)  # an upper bound on nothing: it must still wait, asleep
         assert not result and waiting.is_alive()
