@@ -42,7 +42,8 @@ def moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the latter
         inter = int(config["moe_intermediate_size"])
         renormalize = bool(config.get("norm_topk_prob", False))
-        step = int(config.get("decoder_sparse_step") if config.get("decoder_sparse_step") is not None else 1)
+        given_step = config.get("decoder_sparse_step")
+        step = 1 if given_step is None else int(given_step)
         dense = set(config.get("mlp_only_layers") or [])
         if step < 1:
             raise ValueError(f"decoder_sparse_step must be at least 1, got {step}")
