@@ -30,9 +30,7 @@ except ImportError:  # pragma: no cover - triton is installed with the project
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Triton on CUDA tensors; VLLM_ACTORS_FUSED_MOE=torch forces the torch path, =triton the
-    Triton one on any tensor (tests run it on the CPU under TRITON_INTERPRET=1)."""
-    return choice.use_triton("VLLM_ACTORS_FUSED_MOE", HAVE_TRITON, x.device)
+    return choice.use_triton("VLLM_ACTORS_FUSED_MOE", HAVE_TRITON, x.device)  # =triton: the interpreter on CPUs
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,62 +106,49 @@ if HAVE_TRITON:
         return live, expert, pairs, pairs < num_pairs
 
     @triton.jit
-    def _moe_gate_up_kernel(
-        x_ptr, w_ptr, out_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
-        N, K, num_pairs, stride_x, stride_we, stride_wn, stride_o,
-        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ACC: tl.constexpr,
+    def _rows_tile(ptr, rows, row_mask, stride, ks, k_mask):
+        """[BLOCK_M, BLOCK_K] of the activations: ``rows`` over columns ``ks``."""
+        return tl.load(ptr + rows[:, None] * stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+
+    @triton.jit
+    def _expert_dot(acc, a, w_ptr, cols, col_mask, stride_wn, ks, k_mask):
+        """acc + a @ w[cols, ks].T for one expert's weight rows ``cols`` (its output features)."""
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0)
+        return tl.dot(a, w, acc, input_precision="ieee")
+
+    @triton.jit
+    def _moe_gemm_kernel(
+        a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
+        N, K, num_pairs, stride_a, stride_we, stride_wn, stride_o,
+        GATE_UP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        """out[pair, n] = SiLU(x[pair // k] . gate_e[n]) * (x[pair // k] . up_e[n]) for this block's pairs."""
+        """For this block's pairs: GATE_UP, out[pair, n] = SiLU(a[pair // k] . gate_e[n]) * (a[pair // k] . up_e[n])
+        (``w`` holding gate rows then up rows, N each); else out[pair, n] = weight[pair] * (a[pair] . down_e[n])
+        (TOP_K 1: ``a`` has a row per pair)."""
         live, expert, pairs, pair_mask = _block_rows(sorted_ptr, experts_ptr, num_padded_ptr, num_pairs, BLOCK_M)
         if live:
             rows = pairs // TOP_K
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             w_base = w_ptr + expert * stride_we
-            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_mask = ks < K
-                a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :],
-                            other=0.0)
-                w_mask = k_mask[:, None] & col_mask[None, :]
-                w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-                w_up = tl.load(w_base + (cols[None, :] + N) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-                acc_gate = tl.dot(a, w_gate, acc_gate, input_precision="ieee")
-                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
-            # rounded as silu_and_mul rounds the unfused GEMM's output: gate and up to the dtype first
+                a = _rows_tile(a_ptr, rows, pair_mask, stride_a, ks, k_mask)
+                acc = _expert_dot(acc, a, w_base, cols, col_mask, stride_wn, ks, k_mask)
+                if GATE_UP:
+                    acc_up = _expert_dot(acc_up, a, w_base + N * stride_wn, cols, col_mask, stride_wn, ks, k_mask)
             dtype = out_ptr.dtype.element_ty
-            gate = acc_gate.to(dtype).to(ACC)
-            hidden = (gate / (1.0 + tl.exp(-gate))).to(dtype) * acc_up.to(dtype)
-            tl.store(out_ptr + pairs[:, None] * stride_o + cols[None, :], hidden,
-                     mask=pair_mask[:, None] & col_mask[None, :])
-
-    @triton.jit
-    def _moe_down_kernel(
-        h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
-        N, K, num_pairs, stride_h, stride_we, stride_wn, stride_o,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
-    ):  # fmt: skip
-        """out[pair, n] = weight[pair] * (h[pair] . down_e[n]) for this block's pairs."""
-        live, expert, pairs, pair_mask = _block_rows(sorted_ptr, experts_ptr, num_padded_ptr, num_pairs, BLOCK_M)
-        if live:
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            w_base = w_ptr + expert * stride_we
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                a = tl.load(h_ptr + pairs[:, None] * stride_h + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :],
-                            other=0.0)
-                w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                            other=0.0)
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            dtype = out_ptr.dtype.element_ty
-            weight = tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0).to(dtype)
-            tl.store(out_ptr + pairs[:, None] * stride_o + cols[None, :], acc.to(dtype) * weight[:, None],
+            if GATE_UP:  # rounded as silu_and_mul rounds the unfused GEMM's output: gate and up to the dtype first
+                gate = acc.to(dtype).to(ACC)
+                result = (gate / (1.0 + tl.exp(-gate))).to(dtype) * acc_up.to(dtype)
+            else:
+                result = acc.to(dtype) * tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0).to(dtype)[:, None]
+            tl.store(out_ptr + pairs[:, None] * stride_o + cols[None, :], result,
                      mask=pair_mask[:, None] & col_mask[None, :])
 
 
@@ -186,18 +171,18 @@ def fused_moe_triton(
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     block_n, block_k = 64, 32
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    activated = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(block_experts.numel(), triton.cdiv(inter, block_n))](
-        x, w13, activated, sorted_ids, block_experts, num_padded,
-        inter, hidden, pairs, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
-    )  # fmt: skip
     weights = topk_weights.reshape(-1).float().contiguous()
+    activated = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(block_experts.numel(), triton.cdiv(inter, block_n))](
+        x, w13, weights, activated, sorted_ids, block_experts, num_padded,
+        inter, hidden, pairs, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        GATE_UP=True, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
+    )  # fmt: skip
     per_choice = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(block_experts.numel(), triton.cdiv(hidden, block_n))](
+    _moe_gemm_kernel[(block_experts.numel(), triton.cdiv(hidden, block_n))](
         activated, w2, weights, per_choice, sorted_ids, block_experts, num_padded,
         hidden, inter, pairs, activated.stride(0), w2.stride(0), w2.stride(1), per_choice.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
+        GATE_UP=False, TOP_K=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
     )  # fmt: skip
     return per_choice.view(tokens, top_k, hidden).sum(dim=1)
 
