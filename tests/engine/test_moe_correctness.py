@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.test_correctness import MAX_TOKENS, reference_generate
+from tests.engine.test_correctness import reference_generate
 from tests.support.lifecycle import settled_metrics
 from vllm_actors import LLM, SamplingParams
 
-PROMPT_LENGTHS = [1, 4, 13, 31, 64, 128, 200, 300]
-NUM_BLOCKS = 30  # 480 tokens for 8 prompts of up to 300 (+ 24 generated): preemption
+PROMPT_LENGTHS = [1, 5, 31, 90, 200, 300]
+NUM_BLOCKS = 20  # 320 tokens for 6 prompts of up to 300 (+ 12 generated): preemption
+MAX_TOKENS = 12
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3_moe", "tiny_mixtral"])
@@ -32,7 +33,8 @@ def test_greedy_matches_transformers_under_preemption_and_chunking(
     assert metrics.preemptions > 0, "the KV pool was meant to force preemption"
     assert metrics.prefill_chunks > len(prompts), "the token budget was meant to force chunking"
 
-    for index, (output, (tokens, logits)) in enumerate(zip(outputs, reference_generate(path, prompts), strict=True)):
+    reference = reference_generate(path, prompts, MAX_TOKENS)
+    for index, (output, (tokens, logits)) in enumerate(zip(outputs, reference, strict=True)):
         completion = output.outputs[0]
         assert completion.token_ids == tokens, f"prompt {index} (length {PROMPT_LENGTHS[index]})"
         expected = torch.log_softmax(logits, dim=-1)
