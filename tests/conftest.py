@@ -90,6 +90,19 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=False, num_shards=3)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Qwen3-MoE: 4 experts, top-2 not renormalised, layer 1 dense; tied embeddings."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", tie_word_embeddings=True, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Mixtral: 4 experts in every layer, top-2 renormalised; untied lm_head, 2 shards."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", tie_word_embeddings=False,
+                            num_shards=2, seed=8)
+
+
 # Shapes that split over 2 and 3 ranks: 6 query heads, intermediate 96. Qwen3 with one KV head
 # (replicated on every rank), Llama with six (split).
 TP_QWEN3_SHAPE = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 96}

@@ -20,7 +20,8 @@ def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
 
 
-def reference_generate(path: Path, prompts: list[list[int]], **load: object) -> list[tuple[list[int], torch.Tensor]]:
+def reference_generate(path: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
+                       **load: object) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy generate, one prompt at a time: (tokens, per-step float32 logits)."""
     from transformers import AutoModelForCausalLM
 
@@ -32,7 +33,7 @@ def reference_generate(path: Path, prompts: list[list[int]], **load: object) -> 
             out = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
+                max_new_tokens=max_tokens,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,

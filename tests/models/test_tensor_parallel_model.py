@@ -1,6 +1,7 @@
 """The sharded model alone: TP=2 and TP=3 ranks over gloo (spawned processes, one per rank) give
 the logits of TP=1 within float32 rounding, for Qwen3 (one KV head, replicated) and Llama (KV
-heads split; untied LM head), from safetensors and from GGUF; and the shard layout itself."""
+heads split; untied LM head), from safetensors and from GGUF, and for the mixture-of-experts
+models (every expert's intermediate size split, the router replicated); and the shard layout itself."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.parallel import ShardLayout
 
 
-def _spawned_logits(model_path: str, tp_size: int, tmp_path: Path) -> list[dict[int, torch.Tensor]]:
+def _spawned_logits(model_path: str | list[str], tp_size: int, tmp_path: Path) -> Any:
+    """The ranks' logits of every step (a list of them per model when ``model_path`` is a list)."""
     store, out = tmp_path / f"store-{tp_size}", tmp_path / f"logits-{tp_size}.pt"
     mp.spawn(run_rank, args=(tp_size, str(store), model_path, str(out)), nprocs=tp_size, join=True)
     return torch.load(out)
@@ -40,9 +42,14 @@ def test_sharded_logits_match_tp1(model: str, tp_size: int, tmp_path: Path, requ
     _assert_close(_spawned_logits(path, tp_size, tmp_path), sharded_logits(path, 1))
 
 
-def test_sharded_logits_two_kv_heads_split(tiny_qwen3: Path, tmp_path: Path) -> None:
-    """The default tiny Qwen3 (4 heads, 2 KV heads, tied embeddings): one KV head per rank at TP=2."""
-    _assert_close(_spawned_logits(str(tiny_qwen3), 2, tmp_path), sharded_logits(str(tiny_qwen3), 1))
+def test_sharded_logits_two_kv_heads_split_and_experts(tiny_qwen3: Path, tiny_qwen3_moe: Path, tiny_mixtral: Path,
+                                                        tmp_path: Path) -> None:
+    """The default tiny Qwen3 (4 heads, 2 KV heads, tied embeddings): one KV head per rank at TP=2;
+    Qwen3-MoE (a dense layer among sparse ones) and Mixtral: half of every expert's intermediate
+    size per rank. One spawn of two ranks runs the three models."""
+    paths = [str(tiny_qwen3), str(tiny_qwen3_moe), str(tiny_mixtral)]
+    for got, path in zip(_spawned_logits(paths, 2, tmp_path), paths, strict=True):
+        _assert_close(got, sharded_logits(path, 1))
 
 
 def test_sharded_logits_from_gguf(tiny_llama_tp: Path, tmp_path: Path) -> None:

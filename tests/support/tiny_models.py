@@ -1,4 +1,5 @@
-"""Tiny, deterministic test checkpoints: a byte-level BPE tokenizer and random Llama/Qwen3 models.
+"""Tiny, deterministic test checkpoints: a byte-level BPE tokenizer and random Llama/Qwen3 models
+(and their mixture-of-experts kin, Qwen3-MoE and Mixtral).
 
 Everything here is built on the spot (no downloads) and is deterministic across runs, so tests
 can compare our engine against transformers on exactly the same weights.
@@ -14,6 +15,13 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"
 EOS_TOKEN = "<|im_end|>"
 VOCAB_SIZE = 512
 MODEL_MAX_LENGTH = 1024
+Arch = Literal["llama", "qwen3", "qwen3_moe", "mixtral"]
+# 4 experts of intermediate 32, 2 per token. Qwen3-MoE: layer 1 dense (mlp_only_layers), the top-2
+# probabilities as they are (norm_topk_prob false; Mixtral always renormalises them).
+MOE_SHAPE: dict[str, Any] = {"num_experts_per_tok": 2}
+QWEN3_MOE_SHAPE: dict[str, Any] = {"num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                   "decoder_sparse_step": 1, "norm_topk_prob": False}
+MIXTRAL_SHAPE: dict[str, Any] = {"num_local_experts": 4, "intermediate_size": 32, "sliding_window": None}
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -121,15 +129,16 @@ def _tokenizer_ids(path: Path) -> tuple[int, dict[str, int]]:
 
 def build_checkpoint(
     path: Path,
-    arch: Literal["llama", "qwen3"],
+    arch: Arch,
     tie_word_embeddings: bool,
     num_shards: int = 1,
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
-    shape: dict[str, int] | None = None,
+    shape: dict[str, Any] | None = None,
     added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Build a tiny random float32 Llama/Qwen3 checkpoint (HF layout) with its tokenizer at path.
+    """Build a tiny random float32 Llama/Qwen3/Qwen3-MoE/Mixtral checkpoint (HF layout) with its
+    tokenizer at path (MoE: ``MOE_SHAPE`` and the family's shape; experts saved one tensor each).
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
     shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...).
@@ -139,8 +148,12 @@ def build_checkpoint(
         GenerationConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     path = Path(path)
@@ -164,6 +177,7 @@ def build_checkpoint(
         attention_bias=False,
         torch_dtype="float32",
     )
+    common.update({"qwen3_moe": MOE_SHAPE | QWEN3_MOE_SHAPE, "mixtral": MOE_SHAPE | MIXTRAL_SHAPE}.get(arch, {}))
     common.update(shape or {})
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling:
@@ -177,6 +191,12 @@ def build_checkpoint(
         config = Qwen3Config(**common, rope_parameters=rope)
         config.rope_theta = 10000.0
         model_cls = Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, rope_parameters=rope)
+        model_cls = Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        config = MixtralConfig(**common, rope_parameters=rope)
+        model_cls = MixtralForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
 

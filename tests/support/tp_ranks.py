@@ -31,14 +31,18 @@ def sharded_logits(model_path: str, tp_size: int, rank: int = 0) -> list[dict[in
     return [{seq: logits.clone() for seq, logits in runner.step(chunks).items()} for chunks in STEPS]
 
 
-def run_rank(rank: int, tp_size: int, store: str, model_path: str, out: str) -> None:
-    """One rank: join the gloo group through a file store, run the steps, rank 0 saves the logits."""
+def run_rank(rank: int, tp_size: int, store: str, model_path: str | list[str], out: str) -> None:
+    """One rank: join the gloo group through a file store, run the steps, rank 0 saves the logits
+    (of each model in turn when ``model_path`` is a list: one spawn for several models)."""
     import os
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, above ``tests``
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp_size)
-    results: Any = sharded_logits(model_path, tp_size, rank)
+    if isinstance(model_path, list):
+        results: Any = [sharded_logits(path, tp_size, rank) for path in model_path]
+    else:
+        results = sharded_logits(model_path, tp_size, rank)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()  # every rank is done (and rank 0's file written) before any leaves

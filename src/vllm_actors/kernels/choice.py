@@ -7,7 +7,8 @@ import torch
 
 from vllm_actors.envs import Envs, envs
 
-KERNEL_CHOICES = ("VLLM_ACTORS_ATTENTION", "VLLM_ACTORS_FUSED_OPS", "VLLM_ACTORS_SAMPLER", "VLLM_ACTORS_PENALTIES")
+KERNEL_CHOICES = ("VLLM_ACTORS_ATTENTION", "VLLM_ACTORS_FUSED_OPS", "VLLM_ACTORS_FUSED_MOE", "VLLM_ACTORS_SAMPLER",
+                  "VLLM_ACTORS_PENALTIES")
 _SETTINGS = {name: Envs.setting(name) for name in KERNEL_CHOICES}  # asked at every op in eager mode: one lookup
 
 

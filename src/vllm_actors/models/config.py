@@ -11,13 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_actors.models.moe_config import MOE_ARCHITECTURES, moe_fields
 from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
 
-Architecture = Literal["llama", "qwen3"]
+Architecture = Literal["llama", "qwen3", "qwen3_moe", "mixtral"]
 Source = Literal["hf", "gguf"]
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3")
-_HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# MoE: the entries of MOE_ARCHITECTURES (models/moe_config.py) are added here until the model
+# registry takes over the architecture choice (it then maps them to models/llama.py's CausalLM).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3", *MOE_ARCHITECTURES.values())
+_HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
+_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,13 @@ class ModelConfig:
     torch_dtype: str
     source: Source
     path: str
+    # mixture of experts (models/moe_config.py): experts per MoE layer (0: a dense model), chosen per
+    # token, their intermediate size, whether the top-k probabilities are renormalised, which layers
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -84,6 +95,7 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig fields: {unknown}")
         values = dict(data)
         values["eos_token_ids"] = [int(t) for t in values.get("eos_token_ids", [])]
+        values["moe_layers"] = tuple(int(i) for i in values.get("moe_layers", ()))
         return cls(**values)
 
     @classmethod
@@ -143,7 +155,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             eos_token_ids=_as_id_list(eos),
@@ -151,6 +163,7 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             source="hf",
             path=path,
+            **(moe_fields(config, arch) if arch in MOE_ARCHITECTURES.values() else {}),
         )
 
 
@@ -306,10 +319,12 @@ def _from_gguf(path: Path) -> ModelConfig:
     header = read_gguf_header(path)
     meta = header.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
         )
+    if int(meta.get(f"{arch}.expert_count", 0)):  # Mixtral's GGUF files say "llama"
+        raise ValueError(f"GGUF {path}: mixture-of-experts GGUF files are not supported (load the safetensors)")
 
     def need(key: str) -> Any:
         value = meta.get(f"{arch}.{key}")

@@ -1,4 +1,6 @@
-"""One torch decoder serving Llama and Qwen3 (Qwen3 = Llama + per-head RMSNorm on q and k).
+"""One torch decoder serving Llama and Qwen3 (Qwen3 = Llama + per-head RMSNorm on q and k), and
+their mixture-of-experts kin Mixtral and Qwen3-MoE (a sparse MLP block, `models/moe.py`, in the
+layers `ModelConfig.moe_layers` names).
 
 Tokens of all sequences of a step are flattened to T (no padding); attention goes through the
 paged backend of `vllm_actors.kernels.attention`. Parameter names follow Hugging Face's, so HF
@@ -25,6 +27,7 @@ from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
+from vllm_actors.models.moe import SparseMoeBlock
 from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
 from vllm_actors.models.rope import RotaryFrequencies, rope_cos_sin, rope_frequencies
 
@@ -126,11 +129,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, index: int = 0) -> None:
         super().__init__()
         self.tp = tp or TensorParallel()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if index in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -159,7 +162,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -269,7 +272,14 @@ class CausalLM(nn.Module):
     def hf_named_weights(self) -> dict[str, torch.Tensor]:
         """The weights under the checkpoint's (Hugging Face) names: views into merged parameters."""
         named: dict[str, torch.Tensor] = {}
+        experts: set[int] = set()  # the sparse blocks' parameters: named by the blocks themselves
+        for index, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                named.update(layer.mlp.hf_named_weights(f"model.layers.{index}."))
+                experts.update(id(param) for param in layer.mlp.parameters())
         for name, param in self.named_parameters():
+            if id(param) in experts:
+                continue
             parts = [(merged, part, index) for merged, part, index in self._MERGED if f".{merged}." in name]
             for merged, part, index in parts:
                 named[name.replace(merged, part)] = param[self._merged_slice(merged, index)]

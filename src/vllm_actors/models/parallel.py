@@ -13,7 +13,9 @@ Each of ``size`` ranks holds:
 - the embedding and the LM head split by vocabulary rows, ``ceil(V/size)`` per rank (the last one
   padded with zero rows): a token outside a rank's range embeds to zeros there and one all-reduce
   sums the ranks; the logits are all-gathered and cut back to V columns;
-- norms (and Qwen3's per-head q/k norms) replicated.
+- norms (and Qwen3's per-head q/k norms) replicated;
+- in a mixture-of-experts layer, every expert: a slice of its intermediate size, as the dense MLP
+  (gate/up rows, down columns; vLLM's TP MoE); the router replicated.
 
 ``ShardLayout.slice_of`` names the slice of a checkpoint tensor a rank loads, so a loader can read
 just that (safetensors' ``get_slice``).
@@ -37,6 +39,7 @@ from vllm_actors.kernels.embedding import shard_embedding
 from vllm_actors.kernels.fused_ops import rms_norm
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import FusedAllReduceNorm, fused_from_env
+from vllm_actors.models.moe_config import expert_split
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,9 @@ class ShardLayout:
                              "(fewer KV heads than ranks: each is replicated on size/KV ranks)")
         if c.intermediate_size % size:
             raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({c.intermediate_size})")
+        if c.moe_layers and c.moe_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the experts' intermediate size "
+                             f"({c.moe_intermediate_size})")
         if not 0 <= self.rank < size:
             raise ValueError(f"rank {self.rank} outside a group of {size}")
 
@@ -186,6 +192,7 @@ class ShardLayout:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.config.moe_intermediate_size // self.size,
             vocab_size=self.vocab_per_rank,
         )
 
@@ -200,6 +207,10 @@ class ShardLayout:
             return Part(0, self.rank * self.num_heads * d, (self.rank + 1) * self.num_heads * d, c.q_size)
         if module.endswith(_KEY_VALUE):
             return Part(0, self.first_kv_head * d, (self.first_kv_head + self.num_kv_heads) * d, c.kv_size)
+        split = expert_split(name)
+        if split is not None:  # one expert's gate, up or down: its slice of the experts' intermediate size
+            width, full = c.moe_intermediate_size // self.size, c.moe_intermediate_size
+            return Part(0 if split == "column" else 1, self.rank * width, (self.rank + 1) * width, full)
         inter = self.intermediate_size
         if module.endswith(_COLUMN_MLP):
             return Part(0, self.rank * inter, (self.rank + 1) * inter, c.intermediate_size)

@@ -1,0 +1,63 @@
+"""On a GPU: the fused MoE kernel at Qwen3-30B-A3B's expert shapes (E 128, top-8, H 2048, I 768) in
+bfloat16 against the torch path in float32, eager and replayed from a CUDA graph; and the tiny
+MoE models through the engine with CUDA graphs give the torch path's greedy tokens.
+
+Skipped without CUDA; run on the GPU machine by benchmarks/gpu_session.sh.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_actors import LLM, SamplingParams
+from vllm_actors.kernels import fused_moe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _problem(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    experts, hidden, inter = 128, 2048, 768
+    x = torch.randn((tokens, hidden), generator=gen, device="cuda").bfloat16()
+    w13 = (0.02 * torch.randn((experts, 2 * inter, hidden), generator=gen, device="cuda")).bfloat16()
+    w2 = (0.02 * torch.randn((experts, hidden, inter), generator=gen, device="cuda")).bfloat16()
+    logits = torch.randn((tokens, experts), generator=gen, device="cuda")
+    weights, ids = fused_moe.route(logits, 8, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+def test_bf16_kernel_close_to_float32_torch_and_graph_replay(tokens: int) -> None:
+    x, w13, w2, weights, ids = _problem(tokens, seed=tokens)
+    want = fused_moe.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
+    assert float((got.float() - want).norm() / want.norm()) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no host read of the routing: capturable
+        captured = fused_moe.fused_moe_triton(x, w13, w2, weights, ids)
+    new_x, _, _, new_weights, new_ids = _problem(tokens, seed=tokens + 100)
+    x.copy_(new_x)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.testing.assert_close(captured, fused_moe.fused_moe_triton(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3_moe", "tiny_mixtral"])
+def test_tiny_moe_greedy_triton_with_graphs_matches_torch(checkpoint: str, request: pytest.FixtureRequest,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path: Path = request.getfixturevalue(checkpoint)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (3, 40, 150)]
+    tokens = {}
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("VLLM_ACTORS_FUSED_MOE", choice)
+        with LLM(str(path), executor="inprocess", dtype="float32", max_num_batched_tokens=64, seed=0) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        tokens[choice] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
