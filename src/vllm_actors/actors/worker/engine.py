@@ -48,6 +48,17 @@ class Runner(Protocol):
         ...
 
 
+class HostTierCopies(Protocol):
+    """The host KV tier's memory and its copies (``runner.host_kv_tier.HostKvTier``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int]) -> None:
+        """A plan's block copies (runs), offloads first, done before the next forward pass reads the KV."""
+        ...
+
+
 class PenaltySlots(Protocol):
     """The sampler's per-request penalty counts on the device (``runner.penalty_pool.PenaltyPool``)."""
 

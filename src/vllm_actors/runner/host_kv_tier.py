@@ -1,0 +1,59 @@
+"""The host KV tier's memory: per layer, a key and a value tensor of ``num_blocks`` blocks in host
+memory (pinned on a GPU machine, so copies are DMA), and the block copies between it and the
+paged KV cache that a step plan names (runs, ``protocol.block_runs``).
+
+On a GPU the copies run on a stream of their own: it first waits for the work already queued on
+the compute stream (a block leaving the pool may have been written by the step still running,
+and a block being filled may have been read by it), and the compute stream waits for the copies
+before the step's forward pass. The host thread does not wait: it builds the step's batch while
+the copies run. On a CPU they are plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_actors.protocol.block_runs import iter_runs
+
+
+class HostKvTier:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the host KV tier needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._gpu = kv_caches
+        device = kv_caches[0][0].device
+        self._pinned = device.type == "cuda"
+        shape = (num_blocks, *kv_caches[0][0].shape[1:])
+        self._host = [
+            (torch.empty(shape, dtype=key.dtype, pin_memory=self._pinned),
+             torch.empty(shape, dtype=value.dtype, pin_memory=self._pinned))
+            for key, value in kv_caches
+        ]
+        self._stream = torch.cuda.Stream(device) if self._pinned else None
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int]) -> None:
+        """Offloads (GPU block, slot, count) first, then restores (slot, GPU block, count), ahead
+        of the next forward pass."""
+        if not offloads and not restores:
+            return
+        if self._stream is None:
+            self._copy(offloads, restores, non_blocking=False)
+            return
+        compute = torch.cuda.current_stream(self._gpu[0][0].device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            self._copy(offloads, restores, non_blocking=True)
+        compute.wait_stream(self._stream)
+
+    def _copy(self, offloads: Sequence[int], restores: Sequence[int], non_blocking: bool) -> None:
+        for block, slot, count in iter_runs(offloads):
+            for (key, value), (host_key, host_value) in zip(self._gpu, self._host, strict=True):
+                host_key[slot:slot + count].copy_(key[block:block + count], non_blocking=non_blocking)
+                host_value[slot:slot + count].copy_(value[block:block + count], non_blocking=non_blocking)
+        for slot, block, count in iter_runs(restores):
+            for (key, value), (host_key, host_value) in zip(self._gpu, self._host, strict=True):
+                key[block:block + count].copy_(host_key[slot:slot + count], non_blocking=non_blocking)
+                value[block:block + count].copy_(host_value[slot:slot + count], non_blocking=non_blocking)

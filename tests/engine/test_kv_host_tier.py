@@ -1,0 +1,108 @@
+"""The host KV tier through the engine, in process with the fake runner (whose "KV cache" holds
+token ids: a block restored from the wrong slot, or not copied out before its GPU block was
+reused, changes the generated tokens). Invariants, and the scheduler's and the KV-cache manager's
+agreement on which blocks the host holds, are checked after every step."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.engine.test_engine_prefix_caching import drain, mirror_from_events, record_events, submit
+from tests.support.fake_runner import FakeRunner
+from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.block_runs import num_blocks as run_blocks
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.events import BlockEvicted, BlockOffloaded, BlockRestored, Scheduled
+
+
+def make_engine(num_blocks: int, num_host_blocks: int, block_size: int = 4, budget: int = 64,
+                prefix_caching: bool = True) -> tuple[InProcessEngine, FakeRunner]:
+    runner = FakeRunner(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks)
+    config = EngineConfig(model="fake", block_size=block_size, max_num_batched_tokens=budget, max_model_len=512,
+                          enable_prefix_caching=prefix_caching)
+    engine = InProcessEngine(config, serialize=True, runner=runner, tokenizer=None)
+    engine.step_hooks.append(lambda e: e.check_invariants())
+    return engine, runner
+
+
+def cached_tokens(events: list[Any], request_id: str) -> int:
+    """Prompt tokens the request did not compute at admission (a hit, on the GPU or restored)."""
+    return next(event.num_cached_tokens for event in events if isinstance(event, Scheduled)
+                and event.request_id == request_id)
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_instead_of_being_recomputed() -> None:
+    engine, runner = make_engine(num_blocks=16, num_host_blocks=32)
+    events = record_events(engine)
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 97) for _ in range(40)]  # 10 blocks
+    submit(engine, "a", prefix + [5, 6], max_tokens=2)
+    drain(engine)
+    submit(engine, "b", [rng.randrange(1, 97) for _ in range(60)], max_tokens=2)  # pushes all of a's blocks out
+    drain(engine)
+    offloaded = sum(event.num_blocks for event in events if isinstance(event, BlockOffloaded))
+    assert offloaded >= 10 and not any(isinstance(event, BlockEvicted) for event in events)
+    assert runner.host_tier is not None and runner.host_tier.num_offloaded == offloaded
+    submit(engine, "c", prefix + [7, 8, 9], max_tokens=4)
+    finished = drain(engine)
+    assert finished["c"] == runner.reference(prefix + [7, 8, 9], 4)
+    restored = [event for event in events if isinstance(event, BlockRestored)]
+    assert sum(event.num_blocks for event in restored) == 10
+    assert sum(run_blocks(event.copies) for event in restored) == 10
+    assert len(restored[-1].copies) < 3 * 10, "consecutive blocks travel as runs"
+    assert cached_tokens(events, "c") == 40, "the prefix was restored, only the tail computed"
+
+
+def test_the_host_tier_is_bounded_and_drops_its_oldest_blocks_first() -> None:
+    engine, runner = make_engine(num_blocks=12, num_host_blocks=6)
+    events = record_events(engine)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 97) for _ in range(33)] for _ in range(4)]  # 8 full blocks each
+    for index, prompt in enumerate(prompts):
+        submit(engine, str(index), prompt, max_tokens=1)
+        drain(engine)
+        assert len(engine.scheduler.ledger.host or ()) <= 6
+    # A plan evicting more than fits drops its first (deepest) blocks at once (tier "gpu": they
+    # never reach the host); later the oldest host blocks go (tier "host").
+    assert any(isinstance(event, BlockEvicted) and event.tier == "host" for event in events)
+    ledger = engine.scheduler.ledger
+    assert ledger.host is not None and ledger.cache is not None
+    cached = {ledger.cache.block_hash_of(label) for label in ledger.cache.cached_block_ids()}
+    assert set(mirror_from_events(events)) == cached | set(ledger.host.blocks), "a mirror keeps host blocks cached"
+    # the third prompt's blocks are on the GPU or the newest on the host: all come back
+    submit(engine, "again-2", prompts[2] + [1], max_tokens=2)
+    submit(engine, "again-0", prompts[0] + [1], max_tokens=2)
+    finished = drain(engine)
+    assert finished["again-2"] == runner.reference(prompts[2] + [1], 2)
+    assert finished["again-0"] == runner.reference(prompts[0] + [1], 2)
+    assert cached_tokens(events, "again-2") == 8 * 4
+    assert any(isinstance(event, BlockRestored) for event in events)
+    assert cached_tokens(events, "again-0") == 0, "the oldest blocks were dropped from the host"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_outputs_are_identical_with_and_without_the_host_tier(seed: int) -> None:
+    """Shared prefixes, a pool small enough to evict and preempt, a host tier smaller than the
+    evictions: every output matches greedy decoding alone and runs without the tier."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 97) for _ in range(rng.randint(8, 40))] for _ in range(4)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(1, 97) for _ in range(rng.randint(1, 9))] for _ in range(24)]
+    lengths = [rng.randint(1, 8) for _ in prompts]
+    results = []
+    for host_blocks in (0, 10):
+        engine, runner = make_engine(num_blocks=24, num_host_blocks=host_blocks, budget=32)
+        events = record_events(engine)
+        finished: dict[str, list[int]] = {}
+        for wave in range(0, len(prompts), 6):
+            for index in range(wave, wave + 6):
+                submit(engine, str(index), prompts[index], max_tokens=lengths[index])
+            finished.update(drain(engine))
+        results.append(finished)
+        for index, prompt in enumerate(prompts):
+            assert finished[str(index)] == runner.reference(prompt, lengths[index])
+        if host_blocks:
+            assert any(isinstance(event, BlockRestored) for event in events)
+    assert results[0] == results[1]
