@@ -6,6 +6,7 @@ agreement on which blocks the host holds, are checked after every step."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,31 @@ def test_greedy_outputs_are_identical_with_and_without_the_host_tier(seed: int) 
         if host_blocks:
             assert any(isinstance(event, BlockRestored) for event in events)
     assert results[0] == results[1]
+
+
+def test_a_real_model_restores_an_evicted_prefix_with_identical_greedy_output(tiny_qwen3: Path) -> None:
+    """The real model runner on a tiny model: a prefix pushed out of an 8-block pool between two
+    requests sharing it comes back from host memory (restored, not recomputed) and the second
+    request's greedy tokens are those of a run without the host tier."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(1, 500) for _ in range(80)]  # 5 blocks of 16
+    prompts = [prefix + [rng.randrange(1, 500) for _ in range(5)], [rng.randrange(1, 500) for _ in range(100)],
+               prefix + [rng.randrange(1, 500) for _ in range(7)]]
+    outputs: dict[float, dict[str, list[int]]] = {}
+    for offload_gb in (0.0, 0.01):
+        config = EngineConfig(model=str(tiny_qwen3), dtype="float32", block_size=16, num_gpu_blocks_override=8,
+                              max_num_batched_tokens=128, kv_cache_offload_gb=offload_gb, seed=0)
+        engine = InProcessEngine(config, serialize=True, tokenizer=None)
+        engine.step_hooks.append(lambda e: e.check_invariants())
+        events = record_events(engine)
+        outputs[offload_gb] = {}
+        for index, prompt in enumerate(prompts):  # one after the other: each evicts the one before
+            submit(engine, str(index), prompt, max_tokens=4)
+            outputs[offload_gb].update(drain(engine))
+        restored = sum(event.num_blocks for event in events if isinstance(event, BlockRestored))
+        hit = cached_tokens(events, "2")
+        if offload_gb:
+            assert restored > 0 and hit == 80, "the prefix came back from the host, not recomputed"
+        else:
+            assert restored == 0 and hit < 80, "the pool was meant to evict the prefix"
+    assert outputs[0.01] == outputs[0.0]
