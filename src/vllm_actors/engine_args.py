@@ -98,7 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
-        "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager", "tensor_parallel_size", "device",
+        "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
+        "tensor_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
         "distributed_executor_backend",
     )

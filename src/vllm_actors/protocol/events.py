@@ -265,7 +265,8 @@ class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
 
 Event = (
     Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
-    | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored | KvPool
+    | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored
+    | KvPool
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
     | ActorFailed | ActorRestarted | GroupFailed | PipelineReset
@@ -273,7 +274,8 @@ Event = (
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
-    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool, StepStarted, StepFinished,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
+    StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
 )
@@ -284,7 +286,8 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 # them costs (the metrics store then sees no requests).
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
-    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool, StepStarted, StepFinished,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
+    StepStarted, StepFinished,
 )
 DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"  # the deprecated alias's name (benchmarks set it)
 

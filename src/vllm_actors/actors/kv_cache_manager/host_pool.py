@@ -67,7 +67,8 @@ class HostPool:
         if not gone:
             return
         self._free.extend(entry.slot for _, entry in gone)
-        events.append(BlockEvicted(block_ids=[entry.slot for _, entry in gone], block_hashes=[value for value, _ in gone],
+        events.append(BlockEvicted(block_ids=[entry.slot for _, entry in gone],
+                                   block_hashes=[value for value, _ in gone],
                                    parent_hashes=[entry.parent_hash for _, entry in gone], tier="host"))
 
     def offload(self, moved: list[tuple[int, int, int]], events: list[Any]) -> list[int]:
