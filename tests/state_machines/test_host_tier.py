@@ -55,8 +55,9 @@ def test_evicted_blocks_move_to_the_host_and_back_into_fresh_blocks() -> None:
     offloaded = [event for event in events if isinstance(event, BlockOffloaded)]
     assert offloaded[0].num_blocks == 2 and offloaded[0].num_host_cached == 2
     events.clear()
-    plan = manager.assign_blocks(StepPlan(step_id=2, restored_hashes=[FIRST, SECOND], new_requests=[new("b", 8, SECOND)],
-                                          req_ids=["b"], num_tokens=[1], num_blocks=[3]), events)
+    plan = manager.assign_blocks(StepPlan(step_id=2, restored_hashes=[FIRST, SECOND],
+                                          new_requests=[new("b", 8, SECOND)], req_ids=["b"], num_tokens=[1],
+                                          num_blocks=[3]), events)
     manager.check_invariants({"b"})
     assert not manager.host.entries and set(manager.cached) == {FIRST, SECOND}
     restored = [(slot, block) for slot, block, count in iter_runs(plan.restore_copies) for _ in range(count)]

@@ -49,17 +49,23 @@ class HostPool:
             return {}
         if len(dropped) != len(plan.host_dropped_hashes) or len(set(restored)) != len(restored):
             raise MessageRejected("the plan drops or restores a host block twice")
-        evicted = set(plan.evicted_hashes)
-        if any(value not in self.entries and value not in evicted for value in dropped):
+        if any(value not in self.entries and value not in evicted_parents for value in dropped):
             raise MessageRejected("the plan drops a block the host tier does not hold")
-        parents = {value: entry.parent_hash for value, entry in self.entries.items() if value not in dropped}
-        parents.update({value: evicted_parents[value] for value in plan.evicted_hashes if value not in dropped})
-        if len(parents) > self.num_slots:
-            raise MessageRejected(f"the plan puts {len(parents)} blocks in a host tier of {self.num_slots}")
-        missing = [value for value in restored if value not in parents]
-        if missing:
-            raise MessageRejected(f"the plan restores block hash {missing[0]}, which the host tier does not hold")
-        return {value: parents[value] for value in restored}
+        # in the plan's own order: what the host holds once the drops and offloads are applied
+        arriving = {value: parent for value, parent in evicted_parents.items() if value not in dropped}
+        staying = len(self.entries) - sum(1 for value in dropped if value in self.entries)
+        size = staying + sum(1 for value in arriving if value not in self.entries)  # else it replaces itself
+        if size > self.num_slots:
+            raise MessageRejected(f"the plan puts {size} blocks in a host tier of {self.num_slots}")
+        parents: dict[int, int] = {}
+        for value in restored:
+            if value in arriving:
+                parents[value] = arriving[value]
+            elif value in self.entries and value not in dropped:
+                parents[value] = self.entries[value].parent_hash
+            else:
+                raise MessageRejected(f"the plan restores block hash {value}, which the host tier does not hold")
+        return parents
 
     def drop(self, hashes: list[int], events: list[Any]) -> None:
         """Blocks leave the host tier (and the cache); hashes it does not hold are skipped."""

@@ -54,7 +54,7 @@ class BlockLedger:
         self._labels = itertools.count()
         self._evicted: list[int] = []  # hashes evicted since the last plan
         self.host = HostTier(num_host_blocks) if enable_caching and num_host_blocks > 0 else None
-        self._host_dropped: list[int] = []  # since the last plan: see StepPlan.host_dropped_hashes
+        self._host_dropped: dict[int, None] = {}  # since the last plan, in order: StepPlan.host_dropped_hashes
         self._restored: dict[int, HostBlock] = {}  # since the last plan, parents first
 
     # ------------------------------------------------------------------ queries
@@ -137,12 +137,11 @@ class BlockLedger:
                 self.host.put_back(block.block_hash, taken)
                 continue
             self._evicted.append(block.block_hash)
-            if block.block_hash in self._host_dropped:  # cached again on the GPU and evicted again
-                self._host_dropped.remove(block.block_hash)
+            self._host_dropped.pop(block.block_hash, None)  # cached again on the GPU and evicted again
             kept, dropped = self.host.offer(block.block_hash, block.parent_hash, block.token_ids)
-            self._host_dropped.extend(dropped)
+            self._host_dropped.update(dict.fromkeys(dropped))
             if not kept:
-                self._host_dropped.append(block.block_hash)
+                self._host_dropped[block.block_hash] = None
 
     def _restore(self, holding: Holding, token_ids: Sequence[int]) -> None:
         """Past its GPU hit, a request takes the blocks of its prompt held in the host tier back
@@ -184,7 +183,8 @@ class BlockLedger:
         if len(new) < len(labels):
             holding.stopped = True  # another request cached the same content first
         if self.host is not None:  # content back on the GPU: its host copy is a duplicate
-            self._host_dropped.extend(block.block_hash for block in new if self.host.discard(block.block_hash))
+            self._host_dropped.update(dict.fromkeys(block.block_hash for block in new
+                                                    if self.host.discard(block.block_hash)))
         holding.cached.extend(block.block_id for block in new)
         return [block.block_hash for block in new]
 
@@ -207,7 +207,7 @@ class BlockLedger:
     def take_host_moves(self) -> tuple[list[int], list[int]]:
         """The host tier's decisions since the last call (for the next plan, which ends the pass):
         the hashes dropped from it and those taken back to the GPU pool, parents first."""
-        dropped, self._host_dropped = self._host_dropped, []
+        dropped, self._host_dropped = list(self._host_dropped), {}
         restored, self._restored = list(self._restored), {}
         if self.host is not None:
             self.host.end_pass()
