@@ -106,6 +106,10 @@ def test_greedy_outputs_are_identical_with_and_without_the_host_tier(seed: int) 
             assert finished[str(index)] == runner.reference(prompt, lengths[index])
         if host_blocks:
             assert any(isinstance(event, BlockRestored) for event in events)
+            assert runner.host_tier is not None
+            assert all(fence <= launched for launched, fence in runner.host_tier.fences)
+            assert any(fence > 0 for _, fence in runner.host_tier.fences), "blocks released by leaving requests fence"
+            assert any(fence < launched for launched, fence in runner.host_tier.fences), "no copy overlapped a step"
     assert results[0] == results[1]
 
 

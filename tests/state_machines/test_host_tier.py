@@ -153,3 +153,19 @@ def test_the_metrics_store_counts_blocks_offloaded_restored_and_dropped() -> Non
     reply = store.query(SummaryQuery())
     assert isinstance(reply, SummaryReply)
     assert (reply.kv_blocks_offloaded, reply.kv_blocks_restored, reply.kv_blocks_evicted) == (62_500, 100, 1)
+
+
+def test_copies_fence_on_the_step_that_last_used_their_blocks() -> None:
+    from vllm_actors.actors.worker.copy_fences import CopyFences
+
+    fences = CopyFences()
+    assert fences.launched() == 1
+    fences.release([0, 1])  # a request left after step 1 was launched: step 1 may still read them
+    fences.launched(), fences.launched()
+    assert fences.fence([], [9, 0, 2]) == 1, "a restore into blocks 0 and 1 waits for step 1, not step 3"
+    assert fences.fence([1, 4, 1], []) == 1
+    assert fences.fence([5, 0, 1], [0, 6, 2]) == 0, "blocks nobody left since: no wait"
+    fences.release([6])
+    assert fences.fence([], [0, 6, 1]) == 3
+    fences.reset()
+    assert fences.fence([], [0, 7, 1]) == 3, "after a reset every block waits for the last step before it"

@@ -97,8 +97,13 @@ class FakeHostTier:
         self.slots = [-1] * (num_blocks * runner.block_size)
         self.num_offloaded = 0
         self.num_restored = 0
+        self.fences: list[tuple[int, int]] = []  # (steps launched, the copies' fence) of each copy
 
-    def copy(self, offloads: Sequence[int], restores: Sequence[int]) -> None:
+    def step_launched(self, index: int) -> None:
+        self.num_launched = index
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
+        self.fences.append((getattr(self, "num_launched", 0), fence))
         size = self.runner.block_size
         for block, slot, count in iter_runs(offloads):
             self.slots[slot * size:(slot + count) * size] = self.runner.slots[block * size:(block + count) * size]

@@ -2,15 +2,16 @@
 memory (pinned on a GPU machine, so copies are DMA), and the block copies between it and the
 paged KV cache that a step plan names (runs, ``protocol.block_runs``).
 
-On a GPU the copies run on a stream of their own: it first waits for the work already queued on
-the compute stream (a block leaving the pool may have been written by the step still running,
-and a block being filled may have been read by it), and the compute stream waits for the copies
-before the step's forward pass. The host thread does not wait: it builds the step's batch while
-the copies run. On a CPU they are plain synchronous copies.
+On a GPU the copies run on a stream of their own, beside the step still running: they wait only
+for the step that last used their blocks (the worker's fence, ``actors/worker/copy_fences.py``:
+usually a step done long ago), and the compute stream waits for them before the next forward
+pass reads the KV. Each launched step records an event for that; events of steps done are
+dropped. On a CPU the copies are plain synchronous copies.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -33,17 +34,29 @@ class HostKvTier:
             for key, value in kv_caches
         ]
         self._stream = torch.cuda.Stream(device) if self._pinned else None
+        self._steps: deque[tuple[int, torch.cuda.Event]] = deque()  # launched steps maybe not done, in order
 
-    def copy(self, offloads: Sequence[int], restores: Sequence[int]) -> None:
-        """Offloads (GPU block, slot, count) first, then restores (slot, GPU block, count), ahead
-        of the next forward pass."""
+    def step_launched(self, index: int) -> None:
+        if self._stream is None:
+            return
+        while self._steps and self._steps[0][1].query():
+            self._steps.popleft()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._gpu[0][0].device))
+        self._steps.append((index, done))
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
+        """Offloads (GPU block, slot, count) first, then restores (slot, GPU block, count), after
+        step ``fence`` and ahead of the next forward pass."""
         if not offloads and not restores:
             return
         if self._stream is None:
             self._copy(offloads, restores, non_blocking=False)
             return
         compute = torch.cuda.current_stream(self._gpu[0][0].device)
-        self._stream.wait_stream(compute)
+        waited = next((event for index, event in reversed(self._steps) if index <= fence), None)
+        if waited is not None:  # else that step is done (its event was dropped) or there is none
+            self._stream.wait_event(waited)
         with torch.cuda.stream(self._stream):
             self._copy(offloads, restores, non_blocking=True)
         compute.wait_stream(self._stream)

@@ -54,8 +54,13 @@ class HostTierCopies(Protocol):
     @property
     def num_blocks(self) -> int: ...
 
-    def copy(self, offloads: Sequence[int], restores: Sequence[int]) -> None:
-        """A plan's block copies (runs), offloads first, done before the next forward pass reads the KV."""
+    def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
+        """A plan's block copies (runs), offloads first, done before the next forward pass reads the
+        KV, and after step ``fence`` (``step_launched``'s index; 0: none) is done."""
+        ...
+
+    def step_launched(self, index: int) -> None:
+        """A step's forward pass was queued (the copies' fences name steps by this index)."""
         ...
 
 
