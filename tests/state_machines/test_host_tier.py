@@ -169,3 +169,12 @@ def test_copies_fence_on_the_step_that_last_used_their_blocks() -> None:
     assert fences.fence([], [0, 6, 1]) == 3
     fences.reset()
     assert fences.fence([], [0, 7, 1]) == 3, "after a reset every block waits for the last step before it"
+
+
+def test_a_host_tier_too_small_for_one_block_is_refused() -> None:
+    from vllm_actors.runner.host_kv_tier import num_host_blocks
+
+    assert num_host_blocks(EngineConfig(model="fake"), 4096) == 0
+    assert num_host_blocks(EngineConfig(model="fake", kv_cache_offload_gb=1.0), 1 << 20) == 1024
+    with pytest.raises(ValueError, match="holds no KV block"):
+        num_host_blocks(EngineConfig(model="fake", kv_cache_offload_gb=1e-9), 4096)

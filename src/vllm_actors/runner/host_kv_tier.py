@@ -17,6 +17,18 @@ from collections.abc import Sequence
 import torch
 
 from vllm_actors.protocol.block_runs import iter_runs
+from vllm_actors.protocol.config import EngineConfig
+
+
+def num_host_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """The blocks ``kv_cache_offload_gb`` holds (0: no host tier)."""
+    if not config.kv_cache_offload_gb:
+        return 0
+    count = config.kv_cache_offload_bytes // bytes_per_block
+    if count < 1:
+        raise ValueError(f"kv_cache_offload_gb ({config.kv_cache_offload_gb}) holds no KV block (one block takes "
+                         f"{bytes_per_block / 2**20:.2f} MiB); give it more, or 0 for no host tier")
+    return count
 
 
 class HostKvTier:

@@ -40,7 +40,7 @@ from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import resolve_device, resolve_dtype
 from vllm_actors.runner.graph_inputs import GraphInputs
-from vllm_actors.runner.host_kv_tier import HostKvTier
+from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
 
 log = structlog.get_logger(__name__)
@@ -89,7 +89,8 @@ class ModelRunner:
         self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.num_host_blocks = self._choose_num_host_blocks()
+        # the host tier's blocks, the same on every rank
+        self.num_host_blocks = self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device)
         self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self._staging_sets = [self._make_staging(), self._make_staging()]
         self._staging_turn = 0
@@ -141,18 +142,6 @@ class ModelRunner:
             raise ValueError(
                 f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
                 f"one block takes {self.bytes_per_block / 2**20:.2f} MiB)"
-            )
-        return num_blocks
-
-    def _choose_num_host_blocks(self) -> int:
-        """The host tier's blocks: what ``kv_cache_offload_gb`` holds (the same on every rank)."""
-        if not self.config.kv_cache_offload_gb:
-            return 0
-        num_blocks = self.tp.min_int(self.config.kv_cache_offload_bytes // self.bytes_per_block, self.device)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_offload_gb ({self.config.kv_cache_offload_gb}) holds no KV block "
-                f"(one block takes {self.bytes_per_block / 2**20:.2f} MiB); give it more or 0 for no host tier"
             )
         return num_blocks
 

@@ -14,11 +14,9 @@ A block's reference count is the number of tables holding it, plus one while it 
 cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
 blocks (never shared) return to the free list when a request departs.
 
-With a host tier (``host_pool``), blocks evicted from the GPU pool move to host slots instead of
-leaving the cache, and come back into fresh GPU blocks when the plan restores them: the plan
-forwarded to the workers names the copies (``offload_copies``, ``restore_copies``), made before the
-step reads the KV; BLOCK_OFFLOADED and BLOCK_RESTORED say so, a BLOCK_EVICTED of tier "host" that
-the host tier dropped a block.
+With a host tier (``host_pool``) evicted blocks move to host slots, and restored ones come back
+into fresh GPU blocks; the plan forwarded to the workers names the copies (BLOCK_OFFLOADED,
+BLOCK_RESTORED; a block the host tier drops is a BLOCK_EVICTED of tier "host").
 
 A ``reset`` plan (the pipeline restarts: this actor, a worker or the scheduler was restarted)
 first drops every table, cached block and reference - a fresh pool of the same size - publishing
@@ -265,8 +263,8 @@ class KVCacheManager:
             to_host = self.host.num_slots and block_hash_ not in dropped
             (moved if to_host else gone).append((block_hash_, entry.block_id, entry.parent_hash))
         if gone:
-            events.append(BlockEvicted(block_ids=[block for _, block, _ in gone], block_hashes=[h for h, _, _ in gone],
-                                       parent_hashes=[parent for _, _, parent in gone]))
+            gone_hashes, ids, parents = (list(column) for column in zip(*gone, strict=True))
+            events.append(BlockEvicted(block_ids=ids, block_hashes=gone_hashes, parent_hashes=parents))
         return self.host.offload(moved, events)
 
     def _restore(self, hashes: list[int], events: list[Any]) -> list[int]:
