@@ -69,6 +69,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="fp8 KV cache: take each layer's k/v scales from the first step's amax "
                              "(else the checkpoint's, else 1.0)")
+    parser.add_argument("--kv-cache-offload-gb", type=float, default=0.0,
+                        help="GiB of host memory for a second tier of the prefix cache: blocks evicted from the KV "
+                             "pool are copied there and back on a later hit instead of recomputed (0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -95,7 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
-        "kv_cache_dtype", "calculate_kv_scales", "seed", "enforce_eager", "tensor_parallel_size", "device",
+        "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
+        "tensor_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
         "distributed_executor_backend",
     )

@@ -9,6 +9,7 @@ twice or skipped) changes the generated tokens.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import torch
 
 from vllm_actors.actors.worker.ranks import Ranks, SingleRank
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.protocol.block_runs import iter_runs
 from vllm_actors.runner.build import LoadedRunner
 
 
@@ -35,9 +37,11 @@ class FakeRunner:
     batches: list[BatchInput] = field(default_factory=list)
     tp: Ranks = field(default_factory=SingleRank)
     max_blocks_per_seq: int | None = None  # None: the worker keeps no table array (execute reads the lists)
+    num_host_blocks: int = 0  # a host KV tier of this many blocks (0: none)
 
     def __post_init__(self) -> None:
         self.slots = [-1] * (self.num_blocks * self.block_size)
+        self.host_tier = FakeHostTier(self, self.num_host_blocks) if self.num_host_blocks else None
         self.model_config = SimpleNamespace(
             vocab_size=self.vocab_size,
             derived_max_model_len=self.max_position_embeddings,
@@ -81,6 +85,32 @@ class FakeRunner:
         for _ in range(max_tokens):
             tokens.append(self.next_token(tokens))
         return tokens[len(prompt):]
+
+
+class FakeHostTier:
+    """The host tier of the fake "KV cache": blocks of token ids copied out and back; a slot
+    never written reads -1, so a restore from the wrong slot changes the generated tokens."""
+
+    def __init__(self, runner: FakeRunner, num_blocks: int) -> None:
+        self.runner = runner
+        self.num_blocks = num_blocks
+        self.slots = [-1] * (num_blocks * runner.block_size)
+        self.num_offloaded = 0
+        self.num_restored = 0
+        self.fences: list[tuple[int, int]] = []  # (steps launched, the copies' fence) of each copy
+
+    def step_launched(self, index: int) -> None:
+        self.num_launched = index
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
+        self.fences.append((getattr(self, "num_launched", 0), fence))
+        size = self.runner.block_size
+        for block, slot, count in iter_runs(offloads):
+            self.slots[slot * size:(slot + count) * size] = self.runner.slots[block * size:(block + count) * size]
+            self.num_offloaded += count
+        for slot, block, count in iter_runs(restores):
+            self.runner.slots[block * size:(block + count) * size] = self.slots[slot * size:(slot + count) * size]
+            self.num_restored += count
 
 
 def _implements(runner: FakeRunner) -> LoadedRunner:

@@ -85,6 +85,7 @@ class InProcessEngine(SyncClient):
             config, self.model_config.derived_max_model_len, runner.num_blocks,
             vocab_size=self.model_config.vocab_size,
             allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN,
+            num_host_blocks=getattr(runner, "num_host_blocks", 0),
         )
         frontend = Frontend(
             tokenizer,  # type: ignore[arg-type]
@@ -93,7 +94,8 @@ class InProcessEngine(SyncClient):
             self.model_config.vocab_size,
         )
         self.scheduler = Scheduler(self.scheduler_config)
-        self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(runner.num_blocks, config.block_size,
+                                               self.scheduler_config.num_host_blocks)
         self.worker, _ = build_worker(config, runner=runner)
         self._network = InMemoryNetwork(serialize=serialize)
         self._frontend_endpoint = self._network.endpoint(frontend.name)
@@ -257,3 +259,7 @@ class InProcessEngine(SyncClient):
                 raise AssertionError(
                     f"free, cached, idle blocks: the scheduler counts {ours}, the KV manager {theirs}"
                 )
+            host = set(ledger.host.blocks) if ledger.host is not None else set()
+            if host != set(manager.host.entries):
+                raise AssertionError(f"the host tier: the scheduler holds {len(host)} blocks, the KV manager "
+                                     f"{len(manager.host.entries)}, not the same ones")

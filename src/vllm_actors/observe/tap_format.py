@@ -32,7 +32,8 @@ from vllm_actors.protocol.names import parent_request_id, replica_of
 # Event groups a filter may name instead of single types.
 EVENT_GROUPS: dict[str, frozenset[str]] = {
     "REQUEST": frozenset(REQUEST_EVENTS),
-    "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "KV_POOL"}),
+    "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "BLOCK_OFFLOADED",
+                        "BLOCK_RESTORED", "KV_POOL"}),
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
                         "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET"}),

@@ -39,6 +39,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # calculate_kv_scales) instead of the checkpoint's scales or 1.0
     calculate_kv_scales: bool = False
     cpu_kv_cache_gib: float | None = None
+    # Host memory (GiB, vLLM's spelling) for a second tier of the prefix cache: blocks evicted from
+    # the KV pool are copied there (pinned memory on a GPU) and copied back on a later hit. 0: off.
+    kv_cache_offload_gb: float = 0.0
     seed: int = 0
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False
@@ -90,6 +93,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib is not None and not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if (isinstance(self.kv_cache_offload_gb, bool) or not isinstance(self.kv_cache_offload_gb, (int, float))
+                or not 0 <= self.kv_cache_offload_gb < math.inf):
+            raise ValueError(f"kv_cache_offload_gb must be a number of GiB >= 0 (0: no host tier), "
+                             f"got {self.kv_cache_offload_gb!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.routing_policy not in ROUTING_POLICIES:
@@ -104,6 +111,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    @property
+    def kv_cache_offload_bytes(self) -> int:
+        return int(self.kv_cache_offload_gb * (1 << 30))
 
     def resolved_cpu_kv_cache_bytes(self) -> int:
         gib = DEFAULT_CPU_KV_CACHE_GIB if self.cpu_kv_cache_gib is None else self.cpu_kv_cache_gib
@@ -126,11 +137,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # The model's vocabulary (what the worker reported): token ids arriving on the scheduler's
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
+    num_host_blocks: int = 0  # the host KV tier's size in blocks (0: none)
 
 
 def resolve_scheduler_config(
     config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None, *,
-    allow_long_max_model_len: bool = False,
+    allow_long_max_model_len: bool = False, num_host_blocks: int = 0,
 ) -> SchedulerConfig:
     """Fill in the defaults that depend on the model and on the KV pool the worker made.
 
@@ -173,4 +185,5 @@ def resolve_scheduler_config(
         scheduling_policy=config.scheduling_policy,
         reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
+        num_host_blocks=num_host_blocks,
     )

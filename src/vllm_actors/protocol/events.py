@@ -137,11 +137,34 @@ class BlockCached(msgspec.Struct, tag="BLOCK_CACHED", kw_only=True):
 
 
 class BlockEvicted(msgspec.Struct, tag="BLOCK_EVICTED", kw_only=True):
-    """Unreferenced cached blocks left the cache (least recently used first) to free room."""
+    """Unreferenced cached blocks left the cache (least recently used first) to free room. With a
+    host KV tier, blocks leaving the GPU pool move to the host (BLOCK_OFFLOADED) and stay cached;
+    they leave the cache when the host tier drops them (``tier`` "host", ``block_ids`` its slots)."""
 
     block_ids: list[int]
     block_hashes: list[int]
     parent_hashes: list[int]
+    tier: str = "gpu"  # "gpu" or "host": where the blocks were
+
+
+class BlockOffloaded(msgspec.Struct, tag="BLOCK_OFFLOADED", kw_only=True):
+    """Cached blocks left the GPU pool for the host tier (still cached there). ``copies``: runs of
+    (GPU block, host slot, count), ``protocol.block_runs``."""
+
+    copies: list[int]
+    num_blocks: int
+    num_host_cached: int  # host slots in use after the move
+    num_host_blocks: int
+
+
+class BlockRestored(msgspec.Struct, tag="BLOCK_RESTORED", kw_only=True):
+    """Cached blocks came back from the host tier into the GPU pool (a prefix hit on them) instead
+    of being recomputed. ``copies``: runs of (host slot, GPU block, count)."""
+
+    copies: list[int]
+    num_blocks: int
+    num_host_cached: int
+    num_host_blocks: int
 
 
 class KvPool(msgspec.Struct, tag="KV_POOL", kw_only=True):
@@ -242,7 +265,8 @@ class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
 
 Event = (
     Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
-    | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | KvPool
+    | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored
+    | KvPool
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
     | ActorFailed | ActorRestarted | GroupFailed | PipelineReset
@@ -250,7 +274,8 @@ Event = (
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
-    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
+    StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
 )
@@ -261,7 +286,8 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 # them costs (the metrics store then sees no requests).
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
-    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, KvPool, StepStarted, StepFinished,
+    Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
+    StepStarted, StepFinished,
 )
 DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"  # the deprecated alias's name (benchmarks set it)
 

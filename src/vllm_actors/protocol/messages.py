@@ -134,8 +134,19 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # for it: the hashes of the table's blocks right after its cached front, in order.
     evicted_hashes: list[int] = []
     cached_hashes: dict[str, list[int]] = {}  # request id -> hashes; only requests caching blocks
+    # The host KV tier (``kv_cache_offload_gb``). Evicted blocks move to the host tier, except those
+    # listed in host_dropped_hashes, which also names host blocks dropped (least recently used) to
+    # make room: applied before the evictions. restored_hashes come back from the host into fresh
+    # GPU blocks, cached and idle (parents first), after the evictions and before the cache hits.
+    host_dropped_hashes: list[int] = []
+    restored_hashes: list[int] = []
     # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
     new_block_ids: list[list[int]] = []
+    # Filled in by the KV-cache manager: the worker copies these before the step reads its KV,
+    # offloads first. Runs (``protocol.block_runs``) of (GPU block, host slot, count) and of
+    # (host slot, GPU block, count).
+    offload_copies: list[int] = []
+    restore_copies: list[int] = []
 
 
 # ------------------------------------------------------------------ decode views

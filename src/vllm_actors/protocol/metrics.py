@@ -178,7 +178,9 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     kv_blocks_total: int = 0
     kv_usage: float = 0.0
     kv_blocks_cached: int = 0  # in the prefix cache, in use or idle
-    kv_blocks_evicted: int = 0  # cached blocks evicted so far
+    kv_blocks_evicted: int = 0  # cached blocks evicted so far (from the GPU pool, or the host tier when one is on)
+    kv_blocks_offloaded: int = 0  # cached blocks moved from the GPU pool to the host tier so far
+    kv_blocks_restored: int = 0  # cached blocks brought back from the host tier so far (not recomputed)
     # Prefix cache, in tokens (vLLM's vllm:prefix_cache_queries / _hits): tokens looked up at
     # admission, and tokens found cached and not computed.
     prefix_cache_queries: int = 0

@@ -61,9 +61,11 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
     worker = Worker(
         runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps(),
         tp_graph_draws=tp_graph_draws(), grammars=grammars, await_reset=ranks.enabled and incarnation > 0,
+        host_tier=getattr(runner, "host_tier", None),
     )
     info = {
         "num_blocks": runner.num_blocks,
+        "num_host_blocks": getattr(runner, "num_host_blocks", 0),
         "derived_max_model_len": shape.derived_max_model_len,
         "vocab_size": shape.vocab_size,
         "eos_token_ids": list(shape.eos_token_ids),

@@ -42,6 +42,7 @@ from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import resolve_device, resolve_dtype
 from vllm_actors.runner.graph_inputs import GraphInputs
+from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
 
@@ -91,6 +92,9 @@ class ModelRunner:
         self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # the host tier's blocks, the same on every rank
+        self.num_host_blocks = self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device)
+        self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self._staging_sets = [self._make_staging(), self._make_staging()]
         self._staging_turn = 0
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -107,6 +111,7 @@ class ModelRunner:
             dtype=str(self.dtype),
             kv_cache_dtype=str(self.kv_cache_dtype),
             num_blocks=self.num_blocks,
+            num_host_blocks=self.num_host_blocks,
             block_size=self.block_size,
             cuda_graphs=sorted(self._graphs),
             padded_graphs=sorted(self._padded.graphs) if self._padded else [],

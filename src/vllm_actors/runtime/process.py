@@ -47,6 +47,7 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     engine: EngineConfig
     scheduler: SchedulerConfig | None = None
     num_blocks: int = 0
+    num_host_blocks: int = 0  # the KV-cache manager's host tier, in blocks
     rank: int = 0
     # A tensor-parallel worker's rendezvous (``file://`` in the run directory), new for every
     # start of the worker unit: the ranks of one start meet there.

@@ -113,7 +113,7 @@ def worker_accepts(replica: int | None) -> AcceptRules:
 def build_kv_cache_manager(spec: ActorSpec) -> Built:
     from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
-    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size)
+    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size, spec.num_host_blocks)
     if spec.check_invariants:
         return Built(Checked(manager, manager.check_invariants))
     return Built(manager)

@@ -236,15 +236,16 @@ class ProcessGroup(Recovery):
         report): its KV-cache manager and its scheduler, started together (None: the group's only
         replica, under the bare names)."""
         num_blocks = int(info["num_blocks"])
+        num_host_blocks = int(info.get("num_host_blocks", 0))
         scheduler_config = resolve_scheduler_config(
             self.config, int(info["derived_max_model_len"]), num_blocks, vocab_size=int(info["vocab_size"]),
-            allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN,
+            allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN, num_host_blocks=num_host_blocks,
         )
         if replica in (None, 0):
             self.worker_info, self.scheduler_config = info, scheduler_config
         return [
             self._spawn_child("kv_cache_manager", replica_actor(KV_CACHE_MANAGER, replica), num_blocks=num_blocks,
-                              replica=replica),
+                              num_host_blocks=num_host_blocks, replica=replica),
             self._spawn_child("scheduler", replica_actor(SCHEDULER, replica), scheduler=scheduler_config,
                               num_blocks=num_blocks, replica=replica),
         ]

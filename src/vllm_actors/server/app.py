@@ -42,7 +42,8 @@ def cache_config_labels(client: AsyncEngineClient) -> dict[str, str]:
     from what the group's worker reported and, for a group this client started, its engine config."""
     info = getattr(client, "info", None)
     worker = dict(getattr(info, "worker", {}) or {})
-    labels = {"num_gpu_blocks": str(worker.get("num_blocks")), "cache_dtype": "auto", "num_cpu_blocks": "None"}
+    labels = {"num_gpu_blocks": str(worker.get("num_blocks")), "cache_dtype": "auto",
+              "num_cpu_blocks": str(worker.get("num_host_blocks") or None)}  # the host KV tier's
     config = getattr(getattr(client, "group", None), "config", None)
     if isinstance(config, EngineConfig):
         labels.update(block_size=str(config.block_size), enable_prefix_caching=str(config.enable_prefix_caching),

@@ -14,6 +14,10 @@ A block's reference count is the number of tables holding it, plus one while it 
 cached block nobody holds (count 1) is idle, kept for later hits until evicted; only private
 blocks (never shared) return to the free list when a request departs.
 
+With a host tier (``host_pool``) evicted blocks move to host slots, and restored ones come back
+into fresh GPU blocks; the plan forwarded to the workers names the copies (BLOCK_OFFLOADED,
+BLOCK_RESTORED; a block the host tier drops is a BLOCK_EVICTED of tier "host").
+
 A ``reset`` plan (the pipeline restarts: this actor, a worker or the scheduler was restarted)
 first drops every table, cached block and reference - a fresh pool of the same size - publishing
 FREED for each table dropped, BLOCK_EVICTED for the cached blocks (deepest first, so a mirror of
@@ -33,6 +37,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool
+from vllm_actors.actors.kv_cache_manager.host_pool import HostPool
 from vllm_actors.protocol.block_hash import ROOT_HASH
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
@@ -50,9 +55,11 @@ class CacheEntry:
 class KVCacheManager:
     name = KV_CACHE_MANAGER
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        """``num_host_blocks``: slots of the host tier (0: none)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.host = HostPool(num_host_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_front: dict[str, int] = {}  # leading blocks of each table that are cached
         self.cached: dict[int, CacheEntry] = {}  # block hash -> its block
@@ -85,13 +92,15 @@ class KVCacheManager:
         events = [] if events is None else events
         if plan.reset:
             # Checked against the empty state it will meet, first: a bad plan changes nothing.
-            KVCacheManager(self.pool.num_blocks, self.block_size)._check(plan)
+            KVCacheManager(self.pool.num_blocks, self.block_size, self.host.num_slots)._check(plan)
             self.reset(events)
             self._min_step_id = plan.step_id
         new_requests, hit_hashes = self._check(plan)
         for request_id in plan.finished_ids:
             self._depart(request_id, events)
-        self._evict(plan.evicted_hashes, events)
+        self.host.drop(plan.host_dropped_hashes, events)
+        offload_copies = self._evict(plan.evicted_hashes, set(plan.host_dropped_hashes), events)
+        restore_copies = self._restore(plan.restored_hashes, events)
         new_block_ids: list[list[int]] = []
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
@@ -106,7 +115,8 @@ class KVCacheManager:
             if hashes:
                 self._cache(request_id, hashes, events)
         self._report_pool(events)
-        return msgspec.structs.replace(plan, new_block_ids=new_block_ids)
+        return msgspec.structs.replace(plan, new_block_ids=new_block_ids, offload_copies=offload_copies,
+                                       restore_copies=restore_copies)
 
     def _check(self, plan: StepPlan) -> tuple[dict[str, NewRequest], dict[str, list[int]]]:
         """Reject a plan this state cannot carry out (``MessageRejected``), before anything
@@ -122,6 +132,8 @@ class KVCacheManager:
             raise MessageRejected("a new request is not scheduled")
         departing = set(plan.finished_ids)
         evicted = set(plan.evicted_hashes)
+        if any(h in self.cached and h not in evicted for h in plan.restored_hashes):
+            raise MessageRejected("the plan restores a block that is cached on the GPU")
         if evicted:
             self._chains.clear()  # a memo only: dropping it changes nothing but speed
         if len(evicted) != len(plan.evicted_hashes):
@@ -138,6 +150,7 @@ class KVCacheManager:
             )
             if holders - released > 0:
                 raise MessageRejected(f"plan evicts block {entry.block_id} while a request holds it")
+        restored_parents = self.host.check(plan, {h: self.cached[h].parent_hash for h in plan.evicted_hashes})
         freed = len(plan.evicted_hashes) + sum(
             len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
             for request_id in departing
@@ -149,9 +162,10 @@ class KVCacheManager:
             entry = self.cached.get(block_hash_)
             return None if entry is None or block_hash_ in evicted else entry.parent_hash
 
-        cached_now: dict[int, int] = {}  # cached by requests earlier in this plan: hash -> parent
+        # cached by requests earlier in this plan (or restored from the host first): hash -> parent
+        cached_now: dict[int, int] = dict(restored_parents)
         hit_hashes: dict[str, list[int]] = {}  # shared lists: read only
-        needed = 0
+        needed = len(restored_parents)
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
             if new is not None:
@@ -192,7 +206,9 @@ class KVCacheManager:
     def reset(self, events: list[Any]) -> None:
         """Drop every table, cached block and reference: a fresh pool of the same size."""
         num_blocks = self.pool.num_blocks
-        dropped = bool(self.block_tables or self.cached)
+        dropped = bool(self.block_tables or self.cached or self.host.entries)
+        self.host.drop(list(self.host.entries), events)  # below the GPU blocks: leaves first
+        self.host = HostPool(self.host.num_slots)
         for request_id, table in self.block_tables.items():
             if table:
                 events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=num_blocks))
@@ -237,19 +253,36 @@ class KVCacheManager:
         if table:
             events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
 
-    def _evict(self, hashes: list[int], events: list[Any]) -> None:
+    def _evict(self, hashes: list[int], dropped: set[int], events: list[Any]) -> list[int]:
+        """Uncache these GPU blocks: to the host tier where there is one (not the ``dropped``);
+        returns the offload copies."""
         if not hashes:
-            return
-        block_ids: list[int] = []
-        parents: list[int] = []
+            return []
+        gone: list[tuple[int, int, int]] = []  # (hash, block, parent) leaving the cache
+        moved: list[tuple[int, int, int]] = []  # ... moving to the host tier
         for block_hash_ in hashes:
             entry = self.cached.pop(block_hash_)
             del self.hash_of[entry.block_id]
             self.pool.release([entry.block_id])
             self.num_idle_cached_blocks -= 1
-            block_ids.append(entry.block_id)
-            parents.append(entry.parent_hash)
-        events.append(BlockEvicted(block_ids=block_ids, block_hashes=list(hashes), parent_hashes=parents))
+            to_host = self.host.num_slots and block_hash_ not in dropped
+            (moved if to_host else gone).append((block_hash_, entry.block_id, entry.parent_hash))
+        if gone:
+            gone_hashes, ids, parents = (list(column) for column in zip(*gone, strict=True))
+            events.append(BlockEvicted(block_ids=ids, block_hashes=gone_hashes, parent_hashes=parents))
+        return self.host.offload(moved, events)
+
+    def _restore(self, hashes: list[int], events: list[Any]) -> list[int]:
+        """Host blocks back into fresh GPU blocks, cached and idle; returns the restore copies."""
+        if not hashes:
+            return []
+        taken = self.host.take(hashes)
+        blocks = sorted(self.pool.allocate(len(hashes)))  # its one reference is the cache's
+        for block_hash_, entry, block in zip(hashes, taken, blocks, strict=True):
+            self.cached[block_hash_] = CacheEntry(block_id=block, parent_hash=entry.parent_hash)
+            self.hash_of[block] = block_hash_
+        self.num_idle_cached_blocks += len(blocks)
+        return self.host.restored([entry.slot for entry in taken], blocks, events)
 
     def _take_hit(self, new: NewRequest, hashes: list[int], events: list[Any]) -> list[int]:
         """A new request's cached blocks (``hashes``, checked), now at the front of its table."""
@@ -352,6 +385,7 @@ class KVCacheManager:
                 f"free ({len(free)}) + cached ({len(self.cached)}) + private ({len(private)}) "
                 f"!= total ({self.pool.num_blocks})"
             )
+        self.host.check_invariants(set(self.cached))
         idle = sum(1 for entry in self.cached.values() if self.pool.ref_count(entry.block_id) == 1)
         if idle != self.num_idle_cached_blocks:
             raise AssertionError(f"{idle} idle cached blocks, counted {self.num_idle_cached_blocks}")

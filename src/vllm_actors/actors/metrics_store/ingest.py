@@ -28,6 +28,8 @@ from vllm_actors.protocol.events import (
     Arrived,
     BlockCached,
     BlockEvicted,
+    BlockOffloaded,
+    BlockRestored,
     Event,
     EventBatch,
     Finished,
@@ -103,6 +105,8 @@ class Recorder:
             Routed: self._on_routed,
             BlockCached: self._on_request_block_event,
             BlockEvicted: self._on_block_evicted,
+            BlockOffloaded: self._on_block_offloaded,
+            BlockRestored: self._on_block_restored,
             KvPool: self._on_kv_pool,
             StepStarted: self._ignore,
             StepFinished: self._on_step_finished,
@@ -371,6 +375,12 @@ class Recorder:
 
     def _on_block_evicted(self, actor: str, seq: int, mono: float, wall: float, event: BlockEvicted) -> None:
         self.counters.kv_blocks_evicted += len(event.block_ids)
+
+    def _on_block_offloaded(self, actor: str, seq: int, mono: float, wall: float, event: BlockOffloaded) -> None:
+        self.counters.kv_blocks_offloaded += event.num_blocks
+
+    def _on_block_restored(self, actor: str, seq: int, mono: float, wall: float, event: BlockRestored) -> None:
+        self.counters.kv_blocks_restored += event.num_blocks
 
     def _on_kv_pool(self, actor: str, seq: int, mono: float, wall: float, event: KvPool) -> None:
         self.kv.setdefault(actor, KvPoolState()).state = event

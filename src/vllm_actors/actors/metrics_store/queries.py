@@ -69,6 +69,8 @@ def summary(recorder: Recorder) -> SummaryReply:
         kv_usage=kv.usage,
         kv_blocks_cached=kv.cached,
         kv_blocks_evicted=counters.kv_blocks_evicted,
+        kv_blocks_offloaded=counters.kv_blocks_offloaded,
+        kv_blocks_restored=counters.kv_blocks_restored,
         prefix_cache_queries=counters.prefix_cache_queries,
         prefix_cache_hits=counters.prefix_cache_hits,
         ttft=latencies.ttft.percentiles(),

@@ -22,7 +22,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_actors.actors.scheduler.prefix_cache import PrefixCache
+from vllm_actors.actors.scheduler.host_tier import HostBlock, HostTier
+from vllm_actors.actors.scheduler.prefix_cache import CachedBlock, PrefixCache
+from vllm_actors.protocol.block_hash import ROOT_HASH
 
 
 class LedgerError(RuntimeError):
@@ -40,7 +42,8 @@ class Holding:
 
 
 class BlockLedger:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0) -> None:
+        """``num_host_blocks``: the host KV tier's size (0: none; it needs ``enable_caching``)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.total = num_blocks
@@ -50,6 +53,9 @@ class BlockLedger:
         self._holdings: dict[str, Holding] = {}
         self._labels = itertools.count()
         self._evicted: list[int] = []  # hashes evicted since the last plan
+        self.host = HostTier(num_host_blocks) if enable_caching and num_host_blocks > 0 else None
+        self._host_dropped: dict[int, None] = {}  # since the last plan, in order: StepPlan.host_dropped_hashes
+        self._restored: dict[int, HostBlock] = {}  # since the last plan, parents first
 
     # ------------------------------------------------------------------ queries
     @property
@@ -96,6 +102,8 @@ class BlockLedger:
             return 0, 0
         holding.cached = self.cache.take(token_ids, self._max_hit(len(token_ids)))
         holding.num_blocks = len(holding.cached)
+        if self.host is not None:
+            self._restore(holding, token_ids)
         last = self.cache.block_hash_of(holding.cached[-1]) if holding.cached else 0
         return len(holding.cached), last
 
@@ -106,13 +114,57 @@ class BlockLedger:
             return
         if count > self.num_available:
             raise LedgerError(f"asked for {count} blocks, {self.num_available} available")
+        self._make_free(count)
+        self.num_free -= count
+        self._holdings[request_id].num_blocks += count
+
+    def _make_free(self, count: int) -> None:
+        """Evict idle cached blocks until ``count`` blocks are free (to the host tier, if any)."""
         if count > self.num_free:
             assert self.cache is not None
             evicted = self.cache.evict(count - self.num_free)
-            self._evicted.extend(block.block_hash for block in evicted)
             self.num_free += len(evicted)
-        self.num_free -= count
-        self._holdings[request_id].num_blocks += count
+            if self.host is None:
+                self._evicted.extend(block.block_hash for block in evicted)
+            else:
+                self._offload(evicted)
+
+    def _offload(self, evicted: list[CachedBlock]) -> None:
+        assert self.host is not None
+        for block in evicted:
+            taken = self._restored.pop(block.block_hash, None)
+            if taken is not None:  # taken back this pass and evicted again: the plan never moves it
+                self.host.put_back(block.block_hash, taken)
+                continue
+            self._evicted.append(block.block_hash)
+            self._host_dropped.pop(block.block_hash, None)  # cached again on the GPU and evicted again
+            kept, dropped = self.host.offer(block.block_hash, block.parent_hash, block.token_ids)
+            self._host_dropped.update(dict.fromkeys(dropped))
+            if not kept:
+                self._host_dropped[block.block_hash] = None
+
+    def _restore(self, holding: Holding, token_ids: Sequence[int]) -> None:
+        """Past its GPU hit, a request takes the blocks of its prompt held in the host tier back
+        (as many as the GPU pool can give): cached on the GPU again, held by the request."""
+        assert self.host is not None and self.cache is not None
+        size = self.block_size
+        start = len(holding.cached)
+        parent = self.cache.block_hash_of(holding.cached[-1]) if holding.cached else ROOT_HASH
+        limit = min(self._max_hit(len(token_ids)) - start, self.num_available)
+        hashes = self.host.match(parent, token_ids[start * size:], size, limit)
+        if not hashes:
+            return
+        for value in hashes:
+            self._restored[value] = self.host.blocks[value]
+        self.host.take(hashes)
+        self._make_free(len(hashes))  # the request's GPU hit is held: never evicted here
+        self.num_free -= len(hashes)
+        labels = [next(self._labels) for _ in hashes]
+        tokens = token_ids[start * size:(start + len(hashes)) * size]
+        new = self.cache.extend(holding.cached[-1] if holding.cached else None, tokens, labels)
+        assert len(new) == len(hashes), "a host block's content is also cached on the GPU"
+        holding.cached.extend(labels)
+        holding.num_blocks += len(labels)
 
     def cache_blocks(self, request_id: str, num_full: int, tokens: Callable[[int, int], Sequence[int]]) -> list[int]:
         """Cache the request's first ``num_full`` blocks (their KV computed by now or by the step
@@ -130,6 +182,9 @@ class BlockLedger:
         new = self.cache.extend(parent, tokens(start * size, num_full * size), labels)
         if len(new) < len(labels):
             holding.stopped = True  # another request cached the same content first
+        if self.host is not None:  # content back on the GPU: its host copy is a duplicate
+            self._host_dropped.update(dict.fromkeys(block.block_hash for block in new
+                                                    if self.host.discard(block.block_hash)))
         holding.cached.extend(block.block_id for block in new)
         return [block.block_hash for block in new]
 
@@ -145,12 +200,17 @@ class BlockLedger:
         self.num_free += holding.num_blocks - len(holding.cached)
 
     def evict_idle(self) -> int:
-        """Evict every cached block no request holds (a prefix-cache reset); how many."""
+        """Evict every cached block no request holds (a prefix-cache reset), and drop every block of
+        the host tier, which the reset empties too; how many GPU blocks."""
         if self.cache is None:
             return 0
         evicted = self.cache.evict(self.cache.num_evictable)
         self._evicted.extend(block.block_hash for block in evicted)
         self.num_free += len(evicted)
+        if self.host is not None:
+            for value in list(self.host.blocks):
+                self.host.discard(value)
+                self._host_dropped[value] = None
         return len(evicted)
 
     @property
@@ -162,6 +222,15 @@ class BlockLedger:
         """Hashes evicted since the last call, in eviction order (for the next plan)."""
         evicted, self._evicted = self._evicted, []
         return evicted
+
+    def take_host_moves(self) -> tuple[list[int], list[int]]:
+        """The host tier's decisions since the last call (for the next plan, which ends the pass):
+        the hashes dropped from it and those taken back to the GPU pool, parents first."""
+        dropped, self._host_dropped = list(self._host_dropped), {}
+        restored, self._restored = list(self._restored), {}
+        if self.host is not None:
+            self.host.end_pass()
+        return dropped, restored
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, live_request_ids: set[str] | None = None) -> None:
@@ -181,6 +250,11 @@ class BlockLedger:
         if self.cache is None:
             return
         self.cache.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
+            both = self.cache.cached_hashes() & set(self.host.blocks)
+            if both:
+                raise AssertionError(f"blocks cached both on the GPU and in the host tier: {sorted(both)[:8]}")
         references: dict[int, int] = {}
         for holding in self._holdings.values():
             for label in holding.cached:

@@ -60,6 +60,7 @@ class StepBuilder:
                 chunks.append(PrefillChunk(request_id=request.request_id, step_id=self.step_id, start=start,
                                            num_tokens=num_new, last=start + num_new == target))
             request.num_computed_tokens += num_new
+        dropped, restored = self.ledger.take_host_moves()
         plan = StepPlan(
             step_id=self.step_id,
             reset=reset,
@@ -70,5 +71,7 @@ class StepBuilder:
             num_blocks=[self.ledger.num_blocks(request.request_id) for request, _ in self.scheduled],
             evicted_hashes=self.ledger.take_evicted(),
             cached_hashes=self.cached,
+            host_dropped_hashes=dropped,
+            restored_hashes=restored,
         )
         return plan, sampling_ids, chunks, num_partial

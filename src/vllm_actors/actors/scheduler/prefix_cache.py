@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash
 
@@ -58,6 +58,7 @@ class CachedBlock:
     block_id: int
     block_hash: int
     parent_hash: int
+    token_ids: tuple[int, ...] = field(default=(), compare=False)  # its content (for the host tier)
 
 
 class _Node:
@@ -80,7 +81,8 @@ class _Node:
 
     def to_cached(self) -> CachedBlock:
         assert self.parent is not None, "the root is not a block"
-        return CachedBlock(block_id=self.block_id, block_hash=self.block_hash, parent_hash=self.parent.block_hash)
+        return CachedBlock(block_id=self.block_id, block_hash=self.block_hash, parent_hash=self.parent.block_hash,
+                           token_ids=self.key)
 
 
 class PrefixCache:
@@ -117,6 +119,10 @@ class PrefixCache:
     def ref_count(self, block_id: int) -> int:
         """Live requests holding this cached block; KeyError if it is not cached."""
         return self._nodes[block_id].ref_count
+
+    def cached_hashes(self) -> set[int]:
+        """The hashes of every cached block (a walk: for checks)."""
+        return {node.block_hash for node in self._walk_all()}
 
     def cached_block_ids(self) -> set[int]:
         return set(self._nodes)

@@ -264,7 +264,8 @@ class Scheduler:
         out.emit(PipelineReset(reason=reason, num_preempted=len(running)))
 
     def _new_ledger(self) -> BlockLedger:
-        return BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        return BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                           self.config.num_host_blocks)
 
     def _finish(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

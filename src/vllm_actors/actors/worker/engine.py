@@ -48,6 +48,22 @@ class Runner(Protocol):
         ...
 
 
+class HostTierCopies(Protocol):
+    """The host KV tier's memory and its copies (``runner.host_kv_tier.HostKvTier``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
+        """A plan's block copies (runs), offloads first, done before the next forward pass reads the
+        KV, and after step ``fence`` (``step_launched``'s index; 0: none) is done."""
+        ...
+
+    def step_launched(self, index: int) -> None:
+        """A step's forward pass was queued (the copies' fences name steps by this index)."""
+        ...
+
+
 class PenaltySlots(Protocol):
     """The sampler's per-request penalty counts on the device (``runner.penalty_pool.PenaltyPool``)."""
 

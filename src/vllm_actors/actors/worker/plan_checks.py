@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from vllm_actors.protocol.block_runs import iter_runs
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.messages import StepPlan
 
@@ -22,12 +23,13 @@ class HeldRequest(Protocol):
 
 
 def check_plan(plan: StepPlan, held: Mapping[str, HeldRequest], *, has_grammars: bool, num_blocks: int | None,
-               table_width: int | None) -> None:
+               table_width: int | None, num_host_blocks: int = 0) -> None:
     """Raise ``MessageRejected`` naming what is wrong with ``plan``; ``held``: the worker's requests
     (a reset plan starts from none), ``num_blocks``: the KV pool's size, ``table_width``: the most
-    blocks one sequence's table takes (None: not checked)."""
+    blocks one sequence's table takes (None: not checked), ``num_host_blocks``: the host tier's."""
     if not len(plan.req_ids) == len(plan.num_tokens) == len(plan.new_block_ids):
         raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
+    _check_copies(plan, num_blocks, num_host_blocks)
     held_requests: Mapping[str, HeldRequest] = {} if plan.reset else held
     computed = {
         request_id: (request.num_computed_tokens, len(request.token_ids) + request.num_pending)
@@ -52,6 +54,21 @@ def check_plan(plan: StepPlan, held: Mapping[str, HeldRequest], *, has_grammars:
         already = 0 if fresh else len(held_requests[request_id].block_table)
         if table_width is not None and already + len(blocks) > table_width:
             raise MessageRejected(f"plan gives {request_id!r} more blocks than a sequence may hold")
+
+
+def _check_copies(plan: StepPlan, num_blocks: int | None, num_host_blocks: int) -> None:
+    """Block copies between the pool and the host tier: runs of three, inside both."""
+    try:
+        offloads = list(iter_runs(plan.offload_copies))
+        restores = [(block, slot, count) for slot, block, count in iter_runs(plan.restore_copies)]
+    except ValueError as error:
+        raise MessageRejected(str(error)) from None
+    if (offloads or restores) and not num_host_blocks:
+        raise MessageRejected("plan copies blocks to or from a host tier, and this worker has none")
+    pool = num_blocks if num_blocks is not None else 2**62
+    for block, slot, count in offloads + restores:
+        if count < 1 or block < 0 or slot < 0 or block + count > pool or slot + count > num_host_blocks:
+            raise MessageRejected(f"plan copies blocks outside the pool or the host tier: ({block}, {slot}, {count})")
 
 
 def _check_blocks(request_id: str, blocks: Sequence[int], num_blocks: int | None) -> None:

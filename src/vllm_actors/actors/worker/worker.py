@@ -35,7 +35,8 @@ import torch
 from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.controls import carry_out
-from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
+from vllm_actors.actors.worker.copy_fences import CopyFences
+from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.plan_checks import check_plan
@@ -69,6 +70,7 @@ class Worker:
     def __init__(
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
+        host_tier: HostTierCopies | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -77,7 +79,10 @@ class Worker:
         reset plan (a restarted tensor-parallel rank: a plan queued for its predecessor may reach
         it and not its peers, and a step run by one rank alone would hang the group).
         ``tp_graph_draws``: under tensor parallelism, every rank draws a sampling decode graph's
-        tokens itself (False: rank 0 draws every step and broadcasts)."""
+        tokens itself (False: rank 0 draws every step and broadcasts). ``host_tier``: the host KV
+        tier's memory, where the KV-cache manager has one (the plan's block copies go through it)."""
+        self.host_tier = host_tier
+        self._fences = CopyFences()
         self.graph_draws_under_tp = tp_graph_draws
         self.grammars = grammars
         self._await_reset = await_reset
@@ -188,6 +193,9 @@ class Worker:
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
+        if self.host_tier is not None and (plan.offload_copies or plan.restore_copies):
+            fence = self._fences.fence(plan.offload_copies, plan.restore_copies)
+            self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
         step = build_batch(plan, self.requests, self.tables, pending)
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
@@ -209,6 +217,8 @@ class Worker:
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
                 self._mask(logits, samplers, pending)
             chosen, logprobs = self._draw(logits, rows, read_now)
+        if self.host_tier is not None:  # the host tier's copies may have to wait for this step
+            self.host_tier.step_launched(self._fences.launched())
         for request in samplers:
             request.num_output_tokens += 1
             request.num_pending += 1  # 2 until the previous step (launched before) is read back
@@ -295,10 +305,13 @@ class Worker:
         """Reject a plan that names unknown requests or asks for tokens that do not exist
         (``MessageRejected``), before any state changes (``plan_checks.check_plan``)."""
         check_plan(plan, self.requests, has_grammars=self.grammars is not None, num_blocks=self.runner.num_blocks,
-                   table_width=self.tables.width if self.tables is not None else None)
+                   table_width=self.tables.width if self.tables is not None else None,
+                   num_host_blocks=self.host_tier.num_blocks if self.host_tier is not None else 0)
 
     def _drop(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
+        if request is not None and self.host_tier is not None:
+            self._fences.release(request.block_table)
         if request is not None and self.tables is not None:
             self.tables.remove(request.row)
         if request is not None and request.penalty_slot >= 0:
@@ -332,6 +345,7 @@ class Worker:
         """Drop every request and block-table row (a reset plan: the pipeline starts over; the
         KV tensors are left as they are, nothing will read them before it writes them)."""
         self.requests.clear()
+        self._fences.reset()
         self.sampler.penalties.clear()
         if self.tables is not None:
             self.tables = BlockTableArray(self.tables.width)
