@@ -11,20 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_actors.models import registry
 from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
 
-Architecture = Literal["llama", "qwen3"]
 Source = Literal["hf", "gguf"]
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3")
-_HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture figures for a decoder-only Llama-family model."""
 
-    architecture: Architecture
+    architecture: str  # the registry's model_type (config.json `model_type`): "llama", "qwen3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,10 +44,7 @@ class ModelConfig:
     path: str
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        registry.entry_for_model_type(self.architecture)  # unknown: ValueError naming the supported list
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -112,7 +106,7 @@ class ModelConfig:
         path: str = "",
     ) -> ModelConfig:
         """Build from the contents of a Hugging Face config.json (and optional generation_config.json)."""
-        arch = _hf_architecture(config)
+        arch = registry.resolve(config).model_type
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
@@ -130,7 +124,7 @@ class ModelConfig:
             bos = generation_config.get("bos_token_id")
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         return cls(
-            architecture=arch,  # type: ignore[arg-type]
+            architecture=arch,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
@@ -152,26 +146,6 @@ class ModelConfig:
             source="hf",
             path=path,
         )
-
-
-def _hf_architecture(config: dict[str, Any]) -> str:
-    model_type = config.get("model_type")
-    archs = config.get("architectures") or []
-    if model_type in SUPPORTED_ARCHITECTURES:
-        known = [_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES]
-        if archs and not known:
-            raise ValueError(
-                f"unsupported architectures {archs} for model_type {model_type!r}; "
-                f"supported: {', '.join(_HF_ARCHITECTURES)}"
-            )
-        return str(model_type)
-    for a in archs:
-        if a in _HF_ARCHITECTURES:
-            return _HF_ARCHITECTURES[a]
-    raise ValueError(
-        f"unsupported model: model_type={model_type!r}, architectures={archs}; "
-        f"supported: {', '.join(_HF_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_ARCHITECTURES)})"
-    )
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -306,9 +280,9 @@ def _from_gguf(path: Path) -> ModelConfig:
     header = read_gguf_header(path)
     meta = header.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in registry.gguf_model_types():
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(registry.gguf_model_types())}"
         )
 
     def need(key: str) -> Any:
