@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -121,7 +121,7 @@ def _tokenizer_ids(path: Path) -> tuple[int, dict[str, int]]:
 
 def build_checkpoint(
     path: Path,
-    arch: Literal["llama", "qwen3"],
+    arch: str,
     tie_word_embeddings: bool,
     num_shards: int = 1,
     seed: int = 0,
@@ -129,10 +129,12 @@ def build_checkpoint(
     shape: dict[str, int] | None = None,
     added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Build a tiny random float32 Llama/Qwen3 checkpoint (HF layout) with its tokenizer at path.
+    """Build a tiny random float32 checkpoint (HF layout) with its tokenizer at path: arch "llama",
+    "qwen3", or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text).
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
-    shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...).
+    shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...)
+    and of a family's options (sliding_window, ...).
     """
     import torch
     from transformers import (
@@ -178,7 +180,9 @@ def build_checkpoint(
         config.rope_theta = 10000.0
         model_cls = Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown arch {arch!r}")
+        from tests.support.tiny_families import family_config
+
+        config, model_cls = family_config(arch, common, rope)
 
     gen = torch.Generator().manual_seed(seed)
     model = model_cls(config).to(torch.float32)

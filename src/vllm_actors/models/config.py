@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllm_actors.models import registry
+from vllm_actors.models.families import GEMMA_TYPES, family_fields, rope_overrides
 from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
 
 Source = Literal["hf", "gguf"]
@@ -42,9 +43,22 @@ class ModelConfig:
     torch_dtype: str
     source: Source
     path: str
+    # The dense families' options beyond Llama (`models/families.py`); the defaults are Llama's.
+    qkv_bias: bool = False  # q/k/v projections biased without o_proj (Qwen2)
+    sliding_window: int | None = None  # keys a query of a sliding layer sees (itself included)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"
+    attn_logit_softcapping: float | None = None  # c * tanh(score / c) in attention
+    final_logit_softcapping: float | None = None  # the same on the logits
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5
+    hidden_activation: str = "silu"  # of the gated MLP: silu or gelu_pytorch_tanh
+    gemma_norms: bool = False  # RMSNorm by (1 + w); a norm after attention and around the MLP
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    local_rope_theta: float | None = None  # plain rotary base of the sliding layers (Gemma 3)
 
     def __post_init__(self) -> None:
         registry.entry_for_model_type(self.architecture)  # unknown: ValueError naming the supported list
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -58,6 +72,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``; None: it attends to the whole context."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(scalar) ** -0.5
 
     @property
     def derived_max_model_len(self) -> int:
@@ -111,6 +136,10 @@ class ModelConfig:
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
         rope_theta, scaling_src = rope_sources(config)
+        extra = family_fields(arch, config)
+        two_ropes = rope_overrides(arch, config)
+        if two_ropes is not None:
+            rope_theta, scaling_src, extra["local_rope_theta"] = two_ropes
         max_positions = int(config.get("max_position_embeddings", 2048))
         original = config.get("original_max_position_embeddings")  # top-level (Phi-3 style): preferred
         scaling = normalize_rope_scaling(scaling_src, max_positions, None if original is None else int(original))
@@ -136,8 +165,9 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch == "qwen3",
+            # transformers leaves out a value equal to its defaults: Gemma's tie, the others' not
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in GEMMA_TYPES)),
+            qk_norm=arch in ("qwen3", "gemma3_text"),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             eos_token_ids=_as_id_list(eos),
@@ -145,6 +175,7 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             source="hf",
             path=path,
+            **extra,
         )
 
 

@@ -32,6 +32,16 @@ _DENSE = "vllm_actors.models.llama"
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _DENSE, "CausalLM", True, "Llama 2/3/3.1 (rope scaling per rope_type)"),
     ModelEntry("Qwen3ForCausalLM", "qwen3", _DENSE, "CausalLM", True, "Qwen3 dense (RMSNorm on q and k per head)"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", _DENSE, "CausalLM", False, "Qwen2, Qwen2.5 (q/k/v bias)"),
+    ModelEntry("MistralForCausalLM", "mistral", _DENSE, "CausalLM", False, "Mistral (sliding window where set)"),
+    ModelEntry(
+        "Gemma2ForCausalLM", "gemma2", _DENSE, "CausalLM", False,
+        "Gemma 2 (soft caps, alternate sliding layers, scaled embedding, (1 + w) norms)",
+    ),
+    ModelEntry(
+        "Gemma3ForCausalLM", "gemma3_text", _DENSE, "CausalLM", False,
+        "Gemma 3 text (q/k norms, 5 sliding : 1 global layers, two rotary bases)",
+    ),
 )
 
 
