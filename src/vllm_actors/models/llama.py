@@ -252,8 +252,8 @@ class CausalLM(nn.Module):
         if self.config.gemma_norms:  # the layers take whole sums (DecoderLayer.forward)
             x, norm_tp = self.tp.all_reduce(x) * self._embed_scale(x.dtype), _LOCAL
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            c, s = (local_cos, local_sin) if layer.self_attn.local_rope else (cos, sin)
+        for layer, attn, kv_cache in zip(self.model.layers, self.attention_layers(), kv_caches):
+            c, s = (local_cos, local_sin) if attn.local_rope else (cos, sin)
             x, residual = layer(x, c, s, meta, kv_cache, self.attn_backend, residual)
         return self.model.norm(x, residual, norm_tp, SLOT_MLP)[0]
 
