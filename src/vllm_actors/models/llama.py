@@ -16,6 +16,7 @@ all-reduce their partial sums, the embedding is vocabulary-parallel and the logi
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import structlog
 import torch
@@ -120,10 +121,15 @@ class Attention(nn.Module):
         if calculate and scales is not None:
             kv_quant.calculate_kv_scales(k, v, *scales)
             self.calculate_kv_scales = False
+        # the layer's options only where set: a backend written before them still serves the others
+        options: dict[str, Any] = {}
+        if self.sliding_window is not None:
+            options["sliding_window"] = self.sliding_window
+        if self.logits_soft_cap is not None:
+            options["logits_soft_cap"] = self.logits_soft_cap
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused,
-            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
+            k_scale=self.k_scale, v_scale=self.v_scale, **options,
         )  # fmt: skip
         return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
 
