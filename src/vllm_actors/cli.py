@@ -189,6 +189,19 @@ def _chaos(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _models(args: argparse.Namespace) -> int:
+    from vllm_actors.models import registry
+
+    if args.markdown:
+        sys.stdout.write(registry.markdown_table())
+        return 0
+    width = max(len(entry.architecture) for entry in registry.entries())
+    for entry in registry.entries():
+        gguf = ", gguf" if entry.gguf else ""
+        sys.stdout.write(f"{entry.architecture:<{width}}  {entry.model_type}{gguf}: {entry.summary}\n")
+    return 0
+
+
 def _add_group_location(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--run-dir", default=None, help="the group's run directory (default: the newest running group)")
     parser.add_argument("--address", default=None, help=address_help)
@@ -253,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=list(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
+
+    models = commands.add_parser("models", help="list the supported model architectures (config.json architectures)")
+    models.add_argument("--markdown", action="store_true", help="the table of docs/models.md")
+    models.set_defaults(func=_models)
 
     from vllm_actors.bench.chaos import add_chaos_arguments
 

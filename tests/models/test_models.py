@@ -168,8 +168,8 @@ def test_weights_and_tying(tiny_qwen3: Path, tiny_llama: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "mistral", "architectures": ["MistralForCausalLM"]}')
-    with pytest.raises(ValueError, match="mistral"):
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}')
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
         ModelConfig.from_path(str(tmp_path))
     with pytest.raises(ValueError, match="longrope"):
         ModelConfig.from_hf_config(

@@ -88,10 +88,14 @@ def flash_attn_varlen_model(
     page_table: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, None]:
     """flash_attn_varlen_func's documented semantics for paged K/V, in float32: sequence b's queries are
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], its keys the first seqused_k[b] rows of its pages
-    (page_table[b]) of k/v [num_pages, page_size, Hkv, D]; causal is aligned bottom-right."""
+    (page_table[b]) of k/v [num_pages, page_size, Hkv, D]; causal is aligned bottom-right;
+    window_size[0] = L keeps the L keys before each query's position (and its own); softcap c
+    replaces each scaled score s by c * tanh(s / c)."""
     page_size = k.shape[1]
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     group = q.shape[1] // k.shape[2]
@@ -102,10 +106,18 @@ def flash_attn_varlen_model(
         pages = page_table[b, : -(-k_len // page_size)].long()
         keys = k[pages].reshape(-1, *k.shape[2:])[:k_len].float().repeat_interleave(group, 1).transpose(0, 1)
         values = v[pages].reshape(-1, *v.shape[2:])[:k_len].float().repeat_interleave(group, 1).transpose(0, 1)
-        rows = torch.arange(end - start).unsqueeze(1)
-        mask = torch.arange(k_len).unsqueeze(0) <= rows + (k_len - (end - start)) if causal else None
-        attended = F.scaled_dot_product_attention(
-            q[start:end].float().transpose(0, 1), keys, values, attn_mask=mask, scale=softmax_scale
-        )
+        positions = torch.arange(end - start).unsqueeze(1) + (k_len - (end - start))
+        key_positions = torch.arange(k_len).unsqueeze(0)
+        mask = key_positions <= positions if causal else None
+        if window_size[0] is not None and mask is not None:
+            mask &= key_positions >= positions - window_size[0]
+        queries = q[start:end].float().transpose(0, 1)
+        if softcap:
+            scores = softcap * torch.tanh(queries @ keys.transpose(1, 2) * softmax_scale / softcap)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            attended = torch.softmax(scores, dim=-1) @ values
+        else:
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=softmax_scale)
         out[start:end] = attended.transpose(0, 1).to(q.dtype)
     return out, None

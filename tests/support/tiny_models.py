@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 VOCAB_SIZE = 512
 MODEL_MAX_LENGTH = 1024
-Arch = Literal["llama", "qwen3", "qwen3_moe", "mixtral"]
 # 4 experts of intermediate 32, 2 per token. Qwen3-MoE: layer 1 dense (mlp_only_layers), the top-2
 # probabilities as they are (norm_topk_prob false; Mixtral always renormalises them).
 MOE_SHAPE: dict[str, Any] = {"num_experts_per_tok": 2}
@@ -129,7 +128,7 @@ def _tokenizer_ids(path: Path) -> tuple[int, dict[str, int]]:
 
 def build_checkpoint(
     path: Path,
-    arch: Arch,
+    arch: str,
     tie_word_embeddings: bool,
     num_shards: int = 1,
     seed: int = 0,
@@ -137,11 +136,13 @@ def build_checkpoint(
     shape: dict[str, Any] | None = None,
     added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Build a tiny random float32 Llama/Qwen3/Qwen3-MoE/Mixtral checkpoint (HF layout) with its
-    tokenizer at path (MoE: ``MOE_SHAPE`` and the family's shape; experts saved one tensor each).
+    """Build a tiny random float32 checkpoint (HF layout) with its tokenizer at path: arch "llama",
+    "qwen3", "qwen3_moe", "mixtral" (MoE: ``MOE_SHAPE`` and the family's shape; experts saved one
+    tensor each), or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text).
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
-    shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...).
+    shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...)
+    and of a family's options (sliding_window, ...).
     """
     import torch
     from transformers import (
@@ -198,7 +199,9 @@ def build_checkpoint(
         config = MixtralConfig(**common, rope_parameters=rope)
         model_cls = MixtralForCausalLM
     else:
-        raise ValueError(f"unknown arch {arch!r}")
+        from tests.support.tiny_families import family_config
+
+        config, model_cls = family_config(arch, common, rope)
 
     gen = torch.Generator().manual_seed(seed)
     model = model_cls(config).to(torch.float32)

@@ -5,6 +5,10 @@ in the model's dtype or in fp8 with the layer's `k_scale` and `v_scale` (`kv_qua
 A batch step carries the new tokens of B sequences flattened to T tokens (no padding). Each
 sequence's new queries are the last `query_len` positions of its `seq_len` context and attend
 causally to its whole context, read through its block table. Kernels know nothing of actors.
+
+Two per-layer options (Mistral, Gemma 2/3): ``sliding_window`` W limits the query at position p
+to keys at positions above p - W (Hugging Face's rule: the W most recent tokens, itself included),
+and ``logits_soft_cap`` c replaces each scaled score s by c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -101,11 +105,22 @@ class AttentionBackend(Protocol):
         kv_written: bool = False,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v at meta.slot_mapping (unless the caller did: kv_written), then return the
         attention output [T, num_heads, head_dim]. k_scale, v_scale: the layer's scales (float32,
-        one element), needed by an fp8 cache and ignored by others."""
+        one element), needed by an fp8 cache and ignored by others. sliding_window,
+        logits_soft_cap: the layer's options (module docstring); None: off."""
         ...
+
+
+def check_attention_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """A ValueError for a window below 1 or a soft cap that is not positive."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
 
 
 def write_kv_cache(
@@ -157,7 +172,10 @@ class TorchPagedAttention:
         kv_written: bool = False,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        check_attention_options(sliding_window, logits_soft_cap)
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_heads = q.shape[1]
@@ -185,7 +203,16 @@ class TorchPagedAttention:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos  # [q_len, seq_len], True = attend
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            if logits_soft_cap is None:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            else:
+                # no soft-capping in SDPA: explicit math, in float32 at least
+                wide = torch.promote_types(qi.dtype, torch.float32)
+                raw = (qi.to(wide) @ ki.to(wide).transpose(1, 2)) * scale
+                scores = (logits_soft_cap * torch.tanh(raw / logits_soft_cap)).masked_fill(~mask, float("-inf"))
+                oi = torch.softmax(scores, dim=-1) @ vi.to(wide)
             out[start : start + q_len] = oi.transpose(0, 1).to(q.dtype)
             start += q_len
         return out

@@ -18,7 +18,9 @@ What it needs, read from flash-attn-4 4.0.0b36's ``interface.py`` and ``flash_fw
   any other size by cp.async through the page table (``paged_kv_non_tma``). With TMA a tile loads the
   whole last page of a sequence, so unused rows of a sequence's last page must be finite (the pool is
   zero-filled and only ever holds K/V values);
-* no split-KV on SM90 (decode stays on the Triton decode kernel).
+* no split-KV on SM90 (decode stays on the Triton decode kernel);
+* a layer's sliding window and soft cap go to its ``window_size=(window - 1, 0)`` and ``softcap``
+  arguments; a ``flash_attn_varlen_func`` whose signature lacks them leaves such layers to Triton.
 
 Nothing here syncs with the host or sizes anything from tensor values: a step using it can be
 captured in a CUDA graph (flash-attn compiles on the first call of each kernel variant, outside it).
@@ -27,6 +29,7 @@ captured in a CUDA graph (flash-attn compiles on the first call of each kernel v
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +87,13 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_arguments(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``flash_attn_varlen_func`` for one step over the paged cache.
 
@@ -92,7 +101,7 @@ def varlen_arguments(
     width, so one compiled variant serves every batch (a host hint of the longest query would pick
     another variant for steps of short queries, compiled mid-serving).
     """
-    return {
+    arguments: dict[str, Any] = {
         "q": q,
         "k": k_cache,
         "v": v_cache,
@@ -102,6 +111,20 @@ def varlen_arguments(
         "softmax_scale": scale,
         "causal": True,
     }
+    if sliding_window is not None:  # keys [p - (window - 1), p]: the window's keys, p included
+        arguments["window_size"] = (sliding_window - 1, 0)
+    if logits_soft_cap is not None:
+        arguments["softcap"] = logits_soft_cap
+    return arguments
+
+
+def takes_layer_options(varlen_func: VarlenFunc) -> bool:
+    """Whether ``varlen_func`` has flash-attn 4's ``window_size`` and ``softcap`` arguments."""
+    try:
+        parameters = inspect.signature(varlen_func).parameters
+    except (TypeError, ValueError):
+        return False
+    return "window_size" in parameters and "softcap" in parameters
 
 
 def _load_varlen() -> VarlenFunc:
@@ -127,16 +150,39 @@ class FlashAttnPrefill:
         ready = layout_problem(q, k_cache, v_cache) is None
         return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1])
 
-    def wants(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def wants(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> bool:
+        """Whether this step goes to flash-attn; a layer with a window or a soft cap only when the
+        installed function takes them."""
+        if (sliding_window is not None or logits_soft_cap is not None) and not takes_layer_options(self._func()):
+            return False
         return self.kernel(q, k_cache, v_cache, meta) == "flash_attn"
 
-    def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
+    def _func(self) -> VarlenFunc:
         if self._varlen is None:
             self._varlen = _load_varlen()
-        out = self._varlen(**varlen_arguments(q, k_cache, v_cache, meta, scale))
+        return self._varlen
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
+        arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+        out = self._func()(**arguments)
         return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
 

@@ -114,6 +114,8 @@ class TritonPagedAttention:
         kv_written: bool = False,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
@@ -131,9 +133,11 @@ class TritonPagedAttention:
                 order=meta.decode_order,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
-        if self.prefill is not None and self.prefill.wants(q, k_cache, v_cache, meta):
-            return self.prefill(q, k_cache, v_cache, meta, scale)
+        if self.prefill is not None and self.prefill.wants(q, k_cache, v_cache, meta, sliding_window, logits_soft_cap):
+            return self.prefill(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         return paged_attention_varlen(
             q,
             k_cache,
@@ -145,4 +149,6 @@ class TritonPagedAttention:
             scale,
             k_scale=k_scale,
             v_scale=v_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

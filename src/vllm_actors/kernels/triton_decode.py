@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from vllm_actors.kernels import pdl as pdl_module
+from vllm_actors.kernels.attention import check_attention_options
 from vllm_actors.kernels.pdl import pdl, pdl_enter
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
@@ -70,6 +71,8 @@ def _decode_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    window,
+    soft_cap,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,6 +85,8 @@ def _decode_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,  # the step's metadata (written before its first kernel) read before the PDL wait
     KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
+    WINDOW: tl.constexpr,  # a sliding window of `window` keys: the splits share only its tiles
+    SOFT_CAP: tl.constexpr,  # scores soft-capped at `soft_cap` (log2 domain)
 ):
     if not EARLY:
         pdl_enter(PDL)
@@ -99,10 +104,13 @@ def _decode_kernel(
     qk = qk_scale
     if KV_FP8:
         qk = qk_scale * tl.load(k_scale_ptr)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    end_tile = tl.cdiv(seq_len, BLOCK_N)
+    first_tile = 0
+    if WINDOW:
+        first_tile = tl.maximum(seq_len - window, 0) // BLOCK_N
+    tiles_per_split = tl.cdiv(end_tile - first_tile, num_splits)
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, end_tile)
 
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUP
@@ -119,11 +127,12 @@ def _decode_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
+    q_pos = rows * 0 + seq_len - 1  # every row is the sequence's newest position
     for tile in range(tile_begin, tile_end):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
-            seq_len, rows, qk, stride_cb, stride_cs,
-            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP, KV_FP8,
+            seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
+            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
         )  # fmt: skip
     # an empty range (short sequence, late split, or no query) leaves l_i == 0: write zeros
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -221,6 +230,8 @@ def paged_attention_decode(
     order: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
@@ -228,8 +239,10 @@ def paged_attention_decode(
     it). max_seq_len is a host upper bound of seq_lens used only to pick the split count (pass the
     capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
     permutation of the sequences (`decode_order`), is the order in which programs take them.
-    k_scale, v_scale: an fp8 cache's scales.
+    k_scale, v_scale: an fp8 cache's scales; sliding_window, logits_soft_cap: the layer's options
+    (`kernels/attention.py`), None for off.
     """
+    check_attention_options(sliding_window, logits_soft_cap)
     q, out = checked_inputs(q, k_cache, v_cache, out)
     scales = kv_scale_args(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -240,7 +253,8 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     rows = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
     if num_splits is None:
-        num_splits = choose_decode_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a query reads
+        num_splits = choose_decode_splits(num_seqs, num_kv_heads, keys, q.device)
     cfg = config or decode_config(head_dim)
     split = num_splits > 1
     if split:
@@ -274,6 +288,8 @@ def paged_attention_decode(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        sliding_window or 0,
+        (logits_soft_cap or 1.0) * _LOG2E,
         GROUP=group,
         ROWS=rows,
         BLOCK_N=cfg.block_n,
@@ -286,6 +302,8 @@ def paged_attention_decode(
         **pdl(q),
         EARLY=pdl_module.early_loads(),
         KV_FP8=scales.fp8,
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -157,6 +157,8 @@ def _attend_tile(
     qk_scale,
     stride_cb,
     stride_cs,
+    window,
+    soft_cap,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -166,13 +168,17 @@ def _attend_tile(
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) of one sequence.
 
     q [BLOCK_M, D]; acc [BLOCK_M, D], m_i, l_i [BLOCK_M] in float32 (m_i in the log2 domain).
     MASKED drops keys at or past seq_len; CAUSAL (with MASKED) also keys past each row's absolute
-    position q_pos [BLOCK_M]. KV_FP8: the tiles are converted to q's dtype, unscaled (the caller
-    folds k_scale into qk_scale and v_scale into the output).
+    position q_pos [BLOCK_M]; WINDOW (with MASKED) also keys at or below q_pos - window. KV_FP8:
+    the tiles are converted to q's dtype, unscaled (the caller folds k_scale into qk_scale and
+    v_scale into the output). SOFT_CAP: scores become soft_cap * tanh(score / soft_cap), soft_cap
+    being the cap times log2(e) as the scores are in the log2 domain (the same capping in nats).
     """
     keys = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -192,15 +198,24 @@ def _attend_tile(
         k_t = k_t.to(q.dtype)
         v = v.to(q.dtype)
     scores = _dot(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERP) * qk_scale
+    if SOFT_CAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for any x (exp overflows to inf -> 1)
+        scores = soft_cap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / soft_cap)) + 1.0))
     if MASKED:
-        if CAUSAL:
+        if WINDOW:
+            visible = (
+                key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
+            )
+        elif CAUSAL:
             visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         else:
             visible = key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if WINDOW:  # a row may see no key of this tile yet: keep its exponents finite (-inf - -inf)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERP)
     return acc, m_new, l_i

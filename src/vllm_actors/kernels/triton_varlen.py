@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_actors.kernels.attention import check_attention_options
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
     _MIN_DOT_ROWS,
@@ -42,6 +43,8 @@ def _varlen_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    window,
+    soft_cap,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -52,6 +55,8 @@ def _varlen_kernel(
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
     KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
+    WINDOW: tl.constexpr,  # a sliding window of `window` keys
+    SOFT_CAP: tl.constexpr,  # scores soft-capped at `soft_cap` (log2 domain)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,19 +105,35 @@ def _varlen_kernel(
     first_pos = prefix_len + first_query
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     keys_end = tl.minimum(seq_len, prefix_len + first_query + BLOCK_Q)
-    for key_start in range(0, unmasked_end, BLOCK_N):
+    full_start = 0
+    if WINDOW:
+        # keys below the first row's window are seen by no row: skipped; keys from the last row's
+        # window start on are seen by every row (up to unmasked_end); between them, masked tiles
+        last_pos = prefix_len + tl.minimum(first_query + BLOCK_Q, query_len) - 1
+        window_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_start = tl.minimum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+        for key_start in range(window_start, full_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, key_start,
+                seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
+                BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, True, IEEE, INTERP, KV_FP8, True, SOFT_CAP,
+            )  # fmt: skip
+    for key_start in range(full_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, key_start,
-            seq_len, q_pos, qk, stride_cb, stride_cs,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8,
+            seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8, False, SOFT_CAP,
         )  # fmt: skip
     for key_start in range(unmasked_end, keys_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, key_start,
-            seq_len, q_pos, qk, stride_cb, stride_cs,
-            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, True, IEEE, INTERP, KV_FP8,
+            seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
+            BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, True, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
         )  # fmt: skip
-    out = acc / l_i[:, None]
+    if WINDOW:  # a padding row past the sequence may see no key: no 0/0 there
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    else:
+        out = acc / l_i[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
     tl.store(
@@ -151,13 +172,17 @@ def paged_attention_varlen(
     config: TileConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context (already in the cache).
 
     q, out: [T, num_heads, head_dim]; query_start_loc [B+1] int32; seq_lens [B] int32;
     block_tables [B, max_blocks] int32; max_query_len: a host upper bound of the query lengths
-    (only picks tile sizes, unless config gives them); k_scale, v_scale: an fp8 cache's scales.
+    (only picks tile sizes, unless config gives them); k_scale, v_scale: an fp8 cache's scales;
+    sliding_window, logits_soft_cap: the layer's options (`kernels/attention.py`), None for off.
     """
+    check_attention_options(sliding_window, logits_soft_cap)
     q, out = checked_inputs(q, k_cache, v_cache, out)
     scales = kv_scale_args(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -192,6 +217,8 @@ def paged_attention_varlen(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        sliding_window or 0,
+        (logits_soft_cap or 1.0) * _LOG2E,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -202,6 +229,8 @@ def paged_attention_varlen(
         IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET,
         KV_FP8=scales.fp8,
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

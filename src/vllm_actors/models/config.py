@@ -11,24 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_actors.models import registry
+from vllm_actors.models.families import GEMMA_TYPES, family_fields, rope_overrides
 from vllm_actors.models.moe_config import MOE_ARCHITECTURES, moe_fields
 from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
 
-Architecture = Literal["llama", "qwen3", "qwen3_moe", "mixtral"]
 Source = Literal["hf", "gguf"]
-
-# MoE: the entries of MOE_ARCHITECTURES (models/moe_config.py) are added here until the model
-# registry takes over the architecture choice (it then maps them to models/llama.py's CausalLM).
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3", *MOE_ARCHITECTURES.values())
-_HF_ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
-_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture figures for a decoder-only Llama-family model."""
 
-    architecture: Architecture
+    architecture: str  # the registry's model_type (config.json `model_type`): "llama", "qwen3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,12 +51,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # The dense families' options beyond Llama (`models/families.py`); the defaults are Llama's.
+    qkv_bias: bool = False  # q/k/v projections biased without o_proj (Qwen2)
+    sliding_window: int | None = None  # keys a query of a sliding layer sees (itself included)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"
+    attn_logit_softcapping: float | None = None  # c * tanh(score / c) in attention
+    final_logit_softcapping: float | None = None  # the same on the logits
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5
+    hidden_activation: str = "silu"  # of the gated MLP: silu or gelu_pytorch_tanh
+    gemma_norms: bool = False  # RMSNorm by (1 + w); a norm after attention and around the MLP
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    local_rope_theta: float | None = None  # plain rotary base of the sliding layers (Gemma 3)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        registry.entry_for_model_type(self.architecture)  # unknown: ValueError naming the supported list
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -75,6 +80,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``; None: it attends to the whole context."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(scalar) ** -0.5
 
     @property
     def derived_max_model_len(self) -> int:
@@ -124,11 +140,17 @@ class ModelConfig:
         path: str = "",
     ) -> ModelConfig:
         """Build from the contents of a Hugging Face config.json (and optional generation_config.json)."""
-        arch = _hf_architecture(config)
+        arch = registry.resolve(config).model_type
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden // heads
         rope_theta, scaling_src = rope_sources(config)
+        extra = family_fields(arch, config)
+        if arch in MOE_ARCHITECTURES.values():
+            extra.update(moe_fields(config, arch))
+        two_ropes = rope_overrides(arch, config)
+        if two_ropes is not None:
+            rope_theta, scaling_src, extra["local_rope_theta"] = two_ropes
         max_positions = int(config.get("max_position_embeddings", 2048))
         original = config.get("original_max_position_embeddings")  # top-level (Phi-3 style): preferred
         scaling = normalize_rope_scaling(scaling_src, max_positions, None if original is None else int(original))
@@ -142,7 +164,7 @@ class ModelConfig:
             bos = generation_config.get("bos_token_id")
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         return cls(
-            architecture=arch,  # type: ignore[arg-type]
+            architecture=arch,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
@@ -154,8 +176,9 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            # transformers leaves out a value equal to its defaults: Gemma's tie, the others' not
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in GEMMA_TYPES)),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             eos_token_ids=_as_id_list(eos),
@@ -163,28 +186,8 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             source="hf",
             path=path,
-            **(moe_fields(config, arch) if arch in MOE_ARCHITECTURES.values() else {}),
+            **extra,
         )
-
-
-def _hf_architecture(config: dict[str, Any]) -> str:
-    model_type = config.get("model_type")
-    archs = config.get("architectures") or []
-    if model_type in SUPPORTED_ARCHITECTURES:
-        known = [_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES]
-        if archs and not known:
-            raise ValueError(
-                f"unsupported architectures {archs} for model_type {model_type!r}; "
-                f"supported: {', '.join(_HF_ARCHITECTURES)}"
-            )
-        return str(model_type)
-    for a in archs:
-        if a in _HF_ARCHITECTURES:
-            return _HF_ARCHITECTURES[a]
-    raise ValueError(
-        f"unsupported model: model_type={model_type!r}, architectures={archs}; "
-        f"supported: {', '.join(_HF_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_ARCHITECTURES)})"
-    )
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -319,9 +322,9 @@ def _from_gguf(path: Path) -> ModelConfig:
     header = read_gguf_header(path)
     meta = header.metadata
     arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
+    if arch not in registry.gguf_model_types():
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(registry.gguf_model_types())}"
         )
     if int(meta.get(f"{arch}.expert_count", 0)):  # Mixtral's GGUF files say "llama"
         raise ValueError(f"GGUF {path}: mixture-of-experts GGUF files are not supported (load the safetensors)")

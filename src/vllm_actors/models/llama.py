@@ -1,6 +1,9 @@
-"""One torch decoder serving Llama and Qwen3 (Qwen3 = Llama + per-head RMSNorm on q and k), and
-their mixture-of-experts kin Mixtral and Qwen3-MoE (a sparse MLP block, `models/moe.py`, in the
-layers `ModelConfig.moe_layers` names).
+"""One torch decoder serving Llama and the dense families built like it: Qwen3 (per-head RMSNorm
+on q and k), Qwen2 (q/k/v bias), Mistral (sliding window), Gemma 2 and Gemma 3's text model (soft
+caps, sliding layers, a scaled embedding, GELU, (1 + w) norms around each block; Gemma 3 also q/k
+norms and a second rotary base for its sliding layers); and the mixture-of-experts kin Mixtral
+and Qwen3-MoE (a sparse MLP block, `models/moe.py`, in the layers `ModelConfig.moe_layers` names).
+The options come from `ModelConfig` (`models/families.py` reads them from config.json).
 
 Tokens of all sequences of a step are flattened to T (no padding); attention goes through the
 paged backend of `vllm_actors.kernels.attention`. Parameter names follow Hugging Face's, so HF
@@ -13,11 +16,12 @@ all-reduce their partial sums, the embedding is vocabulary-parallel and the logi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+import dataclasses
+from typing import Any
 
 import structlog
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_actors.kernels import kv_quant
@@ -28,10 +32,14 @@ from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
 from vllm_actors.models.moe import SparseMoeBlock
-from vllm_actors.models.parallel import Part, ShardLayout, TensorParallel, vocab_parallel_embedding
+from vllm_actors.models.parallel import ShardLayout, TensorParallel, vocab_parallel_embedding
 from vllm_actors.models.rope import RotaryFrequencies, rope_cos_sin, rope_frequencies
+from vllm_actors.models.tensor_source import DictSource, TensorSource
+
+__all__ = ["CausalLM", "DictSource", "TensorSource"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+_LOCAL = TensorParallel()  # a norm over values already summed across the ranks: no all-reduce
 
 log = structlog.get_logger(__name__)
 
@@ -59,17 +67,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        """``config``: the rank's local config (its heads and KV heads)."""
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        """``config``: the rank's local config (its heads and KV heads); ``layer``: this layer's index."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.logits_soft_cap = config.attn_logit_softcapping
+        # Gemma 3's sliding layers rotate by their own base (CausalLM computes both)
+        self.local_rope = config.local_rope_theta is not None and config.layer_types is not None and (
+            config.layer_types[layer] == "sliding_attention"
+        )
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # q, k and v projections in one GEMM; loaded from the checkpoint's q_proj/k_proj/v_proj
-        self.qkv_proj = nn.Linear(hidden, config.q_size + 2 * config.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(hidden, config.q_size + 2 * config.kv_size, bias=bias or config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, hidden, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -109,9 +123,15 @@ class Attention(nn.Module):
         if calculate and scales is not None:
             kv_quant.calculate_kv_scales(k, v, *scales)
             self.calculate_kv_scales = False
+        # the layer's options only where set: a backend written before them still serves the others
+        options: dict[str, Any] = {}
+        if self.sliding_window is not None:
+            options["sliding_window"] = self.sliding_window
+        if self.logits_soft_cap is not None:
+            options["logits_soft_cap"] = self.logits_soft_cap
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused,
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, **options,
         )  # fmt: skip
         return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
 
@@ -123,19 +143,29 @@ class MLP(nn.Module):
         # gate and up projections in one GEMM; loaded from the checkpoint's gate_proj/up_proj
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gelu = config.hidden_activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_mul_linear(linear(x, self.gate_up_proj), self.down_proj)  # this rank's partial sum
+        gate_up = linear(x, self.gate_up_proj)
+        if self.gelu:  # Gemma: gelu(gate, tanh approximation) * up
+            gate, up = gate_up.chunk(2, dim=-1)
+            return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
+        return silu_mul_linear(gate_up, self.down_proj)  # this rank's partial sum
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0) -> None:
         super().__init__()
         self.tp = tp or TensorParallel()
-        self.self_attn = Attention(config)
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if index in config.moe_layers else MLP(config)
+        self.self_attn = Attention(config, layer)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if layer in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma: attention and MLP outputs normed before the residual add, the MLP's input by its own norm
+        self.gemma_norms = config.gemma_norms
+        if config.gemma_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -152,6 +182,12 @@ class DecoderLayer(nn.Module):
         stream before that. Outputs are this rank's partial sums: each norm all-reduces its input
         and adds the residual first (one kernel on GPUs, `models/fused_all_reduce.py`)."""
         slot = SLOT_EMBED if residual is None else SLOT_MLP
+        if self.gemma_norms:  # outputs are whole sums here: each post-norm all-reduces its input
+            h, residual = self.input_layernorm(x, residual, _LOCAL, slot)
+            h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
+            h = self.post_attention_layernorm(h, None, self.tp, SLOT_ATTN)[0]
+            h, residual = self.pre_feedforward_layernorm(h, residual, _LOCAL, SLOT_ATTN)
+            return self.post_feedforward_layernorm(self.mlp(h), None, self.tp, SLOT_MLP)[0], residual
         h, residual = self.input_layernorm(x, residual, self.tp, slot)
         h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
         h, residual = self.post_attention_layernorm(h, residual, self.tp, SLOT_ATTN)
@@ -162,7 +198,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp, index) for index in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -186,6 +222,7 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend
         # kept out of the buffers so dtype casts and meta-device construction never touch it
         self._rope: RotaryFrequencies | None = None
+        self._local_rope: RotaryFrequencies | None = None  # Gemma 3's sliding layers
         # per layer, the KV scales the checkpoint holds ({"k": k_scale, "v": v_scale}; load_from)
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.kv_cache_dtype: torch.dtype | None = None  # the cache init_kv_scales prepared the layers for
@@ -194,6 +231,13 @@ class CausalLM(nn.Module):
         if self._rope is None or self._rope.inv_freq.device != device:
             self._rope = rope_frequencies(self.config).to(device)
         return self._rope
+
+    def _local_rope_frequencies(self, device: torch.device) -> RotaryFrequencies | None:
+        theta = self.config.local_rope_theta
+        if theta is not None and (self._local_rope is None or self._local_rope.inv_freq.device != device):
+            local = dataclasses.replace(self.config, rope_theta=theta, rope_scaling=None)
+            self._local_rope = rope_frequencies(local).to(device)
+        return self._local_rope
 
     def forward(
         self,
@@ -208,12 +252,22 @@ class CausalLM(nn.Module):
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
         cos, sin = rope_cos_sin(positions, self._rope_frequencies(positions.device))  # [T, D/2] float32
+        local = self._local_rope_frequencies(positions.device)
+        local_cos, local_sin = (cos, sin) if local is None else rope_cos_sin(positions, local)
         meta = self.attn_backend.prepare(meta)
         x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
+        norm_tp = self.tp
+        if self.config.gemma_norms:  # the layers take whole sums (DecoderLayer.forward)
+            x, norm_tp = self.tp.all_reduce(x) * self._embed_scale(x.dtype), _LOCAL
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, cos, sin, meta, kv_cache, self.attn_backend, residual)
-        return self.model.norm(x, residual, self.tp, SLOT_MLP)[0]
+        for layer, attn, kv_cache in zip(self.model.layers, self.attention_layers(), kv_caches):
+            c, s = (local_cos, local_sin) if attn.local_rope else (cos, sin)
+            x, residual = layer(x, c, s, meta, kv_cache, self.attn_backend, residual)
+        return self.model.norm(x, residual, norm_tp, SLOT_MLP)[0]
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """The embedding scale rounded to the model's dtype, as transformers multiplies by it."""
+        return float(torch.tensor(self.config.embed_scale, dtype=dtype).item())
 
     def init_kv_scales(self, kv_cache_dtype: torch.dtype, calculated: bool = False) -> None:
         """Give every layer the scales of a cache of ``kv_cache_dtype``: none for the model's own
@@ -248,9 +302,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
         is, and converts to float32 only where it computes with them)."""
-        if not self.tp.enabled:
-            return linear(hidden, self.lm_head)
-        return self.tp.all_gather_columns(linear(hidden, self.lm_head))[:, : self.config.vocab_size]
+        logits = linear(hidden, self.lm_head)
+        if self.tp.enabled:
+            logits = self.tp.all_gather_columns(logits)[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # Checkpoint names that fill a slice of one merged parameter: (merged, part, index of the part).
     _MERGED = (
@@ -323,30 +379,5 @@ class CausalLM(nn.Module):
                 rows = tensor.shape[0]  # the last rank's vocabulary shard may be short: zero rows pad it
                 target[:rows].copy_(tensor)
                 target[rows:].zero_()
-
-
-class TensorSource(Protocol):
-    """Checkpoint tensors by Hugging Face name, read whole or in part."""
-
-    def names(self) -> Iterable[str]: ...
-
-    def shape(self, name: str) -> list[int]: ...
-
-    def read(self, name: str, part: Part | None) -> torch.Tensor: ...
-
-
-class DictSource:
-    """A state dict already in memory."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def names(self) -> Iterable[str]:
-        return self.tensors.keys()
-
-    def shape(self, name: str) -> list[int]:
-        return list(self.tensors[name].shape)
-
-    def read(self, name: str, part: Part | None) -> torch.Tensor:
-        tensor = self.tensors[name]
-        return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)
+                if self.config.gemma_norms and name.endswith("norm.weight"):
+                    target.add_(1.0)  # Gemma's RMSNorm scales by (1 + w): folded in once here

@@ -8,6 +8,7 @@ import structlog
 import torch
 
 from vllm_actors.kernels.attention import get_attention_backend
+from vllm_actors.models import registry
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.parallel import TensorParallel
@@ -47,8 +48,9 @@ def load_model(
     start = time.perf_counter()
     device = torch.device(device)
     config = ModelConfig.from_path(path)
+    model_cls = registry.model_class(config.architecture)
     with torch.device("meta"):
-        model = CausalLM(config, attn_backend=get_attention_backend(device), tp=tp)
+        model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
