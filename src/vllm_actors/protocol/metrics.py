@@ -166,7 +166,9 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0  # STEP_FINISHED events
     step_tokens: int = 0  # tokens computed by those steps
-    step_tokens_histogram: BucketCounts = BucketCounts()  # tokens per step (ITERATION_TOKENS_BUCKETS)
+    # tokens per step as vLLM counts them (ITERATION_TOKENS_BUCKETS): sampled tokens plus the
+    # computed prompts of the requests whose first token the step sampled
+    step_tokens_histogram: BucketCounts = BucketCounts()
     # Prompt tokens of admitted requests by where their KV came from, at their first admission
     # (vLLM's vllm:prompt_tokens_by_source): computed, or found in the prefix cache.
     prompt_tokens_computed: int = 0

@@ -83,7 +83,7 @@ class Recorder:
         self.kv: dict[str, KvPoolState] = {}
         self.counters = Counters()
         self.latencies = Latencies(sample_window)
-        self.step_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
+        self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self._itl_cap = sample_window
 
         self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
@@ -316,6 +316,9 @@ class Recorder:
                 requests.set_state(record, running, actor)
         self.counters.generation_tokens += generated
         requests.nbytes += rows * TOKEN_ROW_BYTES
+        # As vLLM's iteration_tokens_total: a step's sampled tokens plus the computed prompts of the
+        # requests whose first token it sampled (a step sampling nothing is not observed).
+        self.iteration_tokens.add(len(event.request_ids) + max(event.num_computed_prompt_tokens, 0))
 
     def _on_finished(self, actor: str, seq: int, mono: float, wall: float, event: Finished) -> None:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
@@ -379,7 +382,6 @@ class Recorder:
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
-        self.step_tokens.add(max(event.num_tokens, 0))
         self.latencies.step_ms.add(event.execute_ms)
 
     def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:

@@ -61,7 +61,7 @@ def summary(recorder: Recorder) -> SummaryReply:
         prefill_chunks=counters.prefill_chunks,
         steps=counters.steps,
         step_tokens=counters.step_tokens,
-        step_tokens_histogram=recorder.step_tokens.snapshot(),
+        step_tokens_histogram=recorder.iteration_tokens.snapshot(),
         prompt_tokens_computed=counters.prompt_tokens_computed,
         prompt_tokens_cached=counters.prompt_tokens_cached,
         kv_blocks_in_use=kv.in_use,
