@@ -160,7 +160,8 @@ async def start_chat(request: Request, state: ServerState, body: ChatCompletionR
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:  # vLLM: echo asks for the prompt's logprobs
         prompt_logprobs = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             vocab_size=state.client.vocab_size)
     if tools.constraint is not None:  # a named function or "required": the output is held to the tools' schema
         if params.structured_outputs is not None:
             raise bad_request("tool_choice: you can only either use constraints for structured outputs or tools, "

@@ -69,6 +69,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_fields(body, "completions")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of: only best_of == n is supported, got best_of={body.best_of}, n={body.n}", "best_of")
+    if body.prompt == "":  # vLLM's words
+        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     try:
         prompts = normalize_prompts(body.prompt, max_tokens=state.client.max_model_len)
     except PromptShapeError as error:
@@ -82,7 +84,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         prompt_logprobs = body.logprobs
     echo_only = body.echo and body.max_tokens == 0  # vLLM: the prompt (and its logprobs), one token generated
     max_tokens = 1 if echo_only else body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+                             vocab_size=state.client.vocab_size)
     engine_id = response_id = request_id("cmpl", request, body.request_id)
     options = text_options(body, state.client.max_model_len, max_tokens)
     prepared = []
