@@ -152,7 +152,8 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     requests_aborted: int = 0
     finished_by_reason: dict[str, int] = {}
     aborted_by_reason: dict[str, int] = {}
-    requests_lost: int = 0  # live when their scheduler restarted
+    requests_interrupted: int = 0  # waiting or running when their scheduler restarted (most then resume)
+    requests_lost: int = 0  # never finished: answered with an error after an interruption, or at a group failure
     requests_evicted: int = 0  # open timelines dropped to stay within bounds (end never seen)
     running: int = 0
     waiting: int = 0

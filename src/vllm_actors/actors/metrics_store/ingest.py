@@ -205,11 +205,13 @@ class Recorder:
         return seen
 
     def _on_restart(self, actor: str) -> None:
-        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
-        lost = self.requests.owned_by(actor)
-        for record in lost:
+        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks). Its
+        requests are interrupted, not lost: their frontend resubmits them and most finish."""
+        interrupted = self.requests.owned_by(actor)
+        for record in interrupted:
             self.requests.set_state(record, RequestState.LOST, actor)
-        self.counters.requests_lost += len(lost)
+            record.interrupted = True
+        self.counters.requests_interrupted += len(interrupted)
         self.kv.pop(actor, None)
 
     def _entry(self, request_id: str, actor: str, seq: int, mono: float, wall: float, event: Event) -> RequestRecord:
@@ -352,6 +354,9 @@ class Recorder:
         counters = self.counters
         counters.requests_aborted += 1
         count_into(counters.aborted_by_reason, event.reason)
+        if event.reason == "error" and record.interrupted and not record.lost:
+            record.lost = True  # a restart took it and it could not go on
+            counters.requests_lost += 1
         record.itl = []
         self.requests.end(record, RequestState.ABORTED, actor)
 
@@ -404,7 +409,13 @@ class Recorder:
         self.latencies.restart.add(event.seconds)
 
     def _on_group_failed(self, actor: str, seq: int, mono: float, wall: float, event: GroupFailed) -> None:
+        """The group is gone for good: every open request is answered with an error (lost)."""
         self.counters.group_failed = event.reason
+        for record in list(self.requests.open.values()):
+            if not record.lost:
+                record.lost = True
+                self.counters.requests_lost += 1
+                self.requests.set_state(record, RequestState.LOST, actor)
 
     def _on_pipeline_reset(self, actor: str, seq: int, mono: float, wall: float, event: PipelineReset) -> None:
         self.counters.pipeline_resets += 1

@@ -48,6 +48,7 @@ def summary(recorder: Recorder) -> SummaryReply:
         requests_aborted=counters.requests_aborted,
         finished_by_reason=dict(counters.finished_by_reason),
         aborted_by_reason=dict(counters.aborted_by_reason),
+        requests_interrupted=counters.requests_interrupted,
         requests_lost=counters.requests_lost,
         requests_evicted=requests.evicted,
         running=len(requests.running),
