@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests.engine.test_scheduler import random_prompts
+import pytest
+
+from tests.engine.test_scheduler import make_engine, random_prompts
 from tests.support.fake_runner import FakeRunner
 from tests.support.lifecycle import check_against_outputs, check_sequences, check_story, request_stories
 from vllm_actors.clients.inprocess import InProcessEngine
@@ -46,3 +48,25 @@ def test_events_tell_every_request_story() -> None:
     # One batch per actor per handling: the scheduler never publishes more batches than it handled messages.
     worker_batches = [batch for batch in batches if batch.actor == "worker"]
     assert all(len(batch.events) == 2 for batch in worker_batches)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_iteration_tokens_count_as_vllms(prefix_caching: bool) -> None:
+    """vLLM's ``vllm:iteration_tokens_total`` (tests/entrypoints/openai/test_metrics.py): 10 requests
+    one after another of one 33-token prompt, max_tokens 10. Each step sampling tokens is observed
+    once, with its sampled tokens (a request's first included) plus the prompt tokens of the requests
+    it sampled a first token for that were computed, not found in the prefix cache."""
+    engine, _ = make_engine(num_blocks=64, block_size=16, prefix_caching=prefix_caching)
+    prompt = list(range(1, 34))
+    for index in range(10):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        engine.submit(engine.prepare(str(index), {"prompt_token_ids": prompt}, params))
+        engine.run_until_idle()
+    summary = engine.metrics_store.summary()
+    histogram = summary.step_tokens_histogram
+    assert histogram.count == 10 * 10  # a step per generated token
+    # without the prefix cache every prompt is computed: vLLM's expected 10 * (33 + 10)
+    computed = 10 * 33 if not prefix_caching else 33 + 9 * (33 - 32)  # two blocks of 16 found cached
+    assert summary.prompt_tokens_computed == computed
+    assert histogram.total == computed + 10 * 10
+    assert histogram.total == (430 if not prefix_caching else 142)

@@ -15,7 +15,8 @@ import torch
 
 from tests.support.lifecycle import settled_metrics
 from vllm_actors import LLM, SamplingParams
-from vllm_actors.actors.frontend.structured import check_structured_outputs
+from vllm_actors.actors.frontend.regex_classes import ascii_classes, ascii_schema_text
+from vllm_actors.actors.frontend.structured import check_structured_outputs, grammar_text
 from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.sampling import StructuredOutputs
@@ -114,6 +115,53 @@ def test_a_finished_grammar_allows_only_eos(grammars: Grammars, default_gguf_pat
         row.consume(token_id)
     assert row.is_stopped()
     assert allowed_ids(grammars, [row]) == [{tokenizer.eos_token_id}]
+
+
+# vLLM's IPv4 regex (tests/entrypoints/conftest.py, sample_regex)
+IPV4 = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
+
+
+@pytest.mark.parametrize("regex,prefix,allowed_first", [(IPV4, "78.", "0123456789"), (r"[a\d]+", "a", "a0123456789")])
+def test_a_regex_digit_is_an_ascii_digit(grammars: Grammars, default_gguf_path: str, regex: str, prefix: str,
+                                         allowed_first: str) -> None:
+    """As vLLM's default backend (xgrammar), ``\\d`` is ``[0-9]``: the mask allows no token starting
+    with another script's digit (llguidance alone allows "꯹" or "߇" there)."""
+    tokenizer = load_tokenizer(default_gguf_path)
+    row = grammars.start(StructuredOutputs(regex=regex))
+    for token_id in tokenizer.encode(prefix, add_special_tokens=False):
+        row.consume(token_id)
+    texts = {tokenizer.decode([token]) for token in allowed_ids(grammars, [row])[0] - {tokenizer.eos_token_id}}
+    assert any(text[:1] in "0123456789" for text in texts)
+    assert all(text[:1] in allowed_first for text in texts), sorted(t for t in texts if t[:1] not in allowed_first)
+
+
+@pytest.mark.parametrize("spec,accepted,refused", [
+    (StructuredOutputs(regex=IPV4), "78.9.7.77", "78.꯹.7߇.77"),
+    (StructuredOutputs(regex=r"\w+ \W"), "action !", "ación !"),
+    (StructuredOutputs(json=json.dumps({"type": "string", "pattern": "^\\s+$"})), '"  "', '" \u2003"'),
+])
+def test_class_escapes_are_xgrammars_ascii_classes(default_gguf_path: str, spec: StructuredOutputs, accepted: str,
+                                                   refused: str) -> None:
+    """``\\w`` and ``\\s`` too, in regexes and JSON schemas' patterns: a whole text is accepted or not."""
+    import llguidance
+
+    tokenizer = load_tokenizer(default_gguf_path)
+    grammar = grammar_text(spec)
+    vocab = llguidance_tokenizer(default_gguf_path, tokenizer.vocab_size, [tokenizer.eos_token_id or 0])
+    for text, whole in ((accepted, True), (refused, False)):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
+        assert (matcher.validate_tokens(ids) == len(ids)) is whole, text
+
+
+def test_ascii_classes_rewrites_only_class_escapes() -> None:
+    assert ascii_classes(r"\d\D\w\W") == "[0-9][^0-9][a-zA-Z0-9_][^a-zA-Z0-9_]"
+    assert ascii_classes(r"[^\s]\\d\p{L}\.") == r"[^[\t\n\v\f\r\x20\xA0]]\\d\p{L}\."  # an escaped backslash stays
+    schema = {"properties": {"pattern": {"type": "string", "pattern": "\\d"}},
+              "const": {"pattern": "\\d"}, "anyOf": [{"pattern": "\\w"}]}
+    assert json.loads(ascii_schema_text(json.dumps(schema))) == {
+        "properties": {"pattern": {"type": "string", "pattern": "[0-9]"}},
+        "const": {"pattern": "\\d"}, "anyOf": [{"pattern": "[a-zA-Z0-9_]"}]}  # data (const) untouched
 
 
 @pytest.mark.parametrize("spec,field", [

@@ -395,7 +395,9 @@ async def test_an_abort_of_another_connections_request_is_ignored(client: AsyncE
 
 
 @pytestmark_sockets
-async def test_http_ids_with_a_hash_or_too_long_get_400_and_disturb_nobody(client: AsyncEngineClient) -> None:
+async def test_http_ids_with_a_hash_or_too_long_are_served_and_disturb_nobody(client: AsyncEngineClient) -> None:
+    """vLLM takes any X-Request-Id: one that is no valid engine id (a '#', 10 KB, 60 KB) is served under
+    an id derived from it, quoted back as sent, and never taken for another request's child."""
     app = build_app(client)
     body = {"model": client.model, "messages": [{"role": "user", "content": "Tell me a story"}],
             "n": 2, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
@@ -406,19 +408,16 @@ async def test_http_ids_with_a_hash_or_too_long_get_400_and_disturb_nobody(clien
             assert not running.done(), running.result().text
             await asyncio.sleep(0.01)
         small = {**body, "n": 1, "max_tokens": 2}
-        refused = []
         for header in ("y#1", "x" * 10_000, "x" * 60_000):
             response = await http.post("/v1/chat/completions", json=small, headers={"X-Request-Id": header})
-            assert response.status_code == 400, response.text
-            refused.append(response.json()["error"])
-        assert not running.done(), "y finished before the bad ids were tried"
-        response = await asyncio.wait_for(running, REPLY_TIMEOUT)  # before: y hung for good
+            assert response.status_code == 200, response.text[:300]
+            assert response.json()["id"] == f"chatcmpl-{header}"
+        assert not running.done(), "y finished before the other ids were tried"
+        response = await asyncio.wait_for(running, REPLY_TIMEOUT)
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
     assert [c["finish_reason"] for c in choices] == ["length", "length"]
     assert client.num_unfinished == 0
-    for error in refused:  # named, and no 60 KB id copied back
-        assert error["param"] == "request_id" and len(error["message"]) < 300, error
 
 
 @pytestmark_sockets

@@ -39,6 +39,7 @@ from vllm_actors.protocol.events import (
     Event,
     EventBatch,
     Finished,
+    GroupFailed,
     Heartbeat,
     Queued,
     Scheduled,
@@ -119,13 +120,16 @@ def test_actor_restart_resets_baseline_and_loses_its_requests() -> None:
     info = reply.actors[SCHEDULER]
     assert (info.restarts, info.gaps, info.stale_batches) == (1, 0, 0)
     assert (info.state, info.pid, info.crashes, info.error) == ("READY", 2, 1, "boom: out of cheese")
-    assert (reply.running, reply.waiting, reply.requests_lost) == (0, 0, 2)
+    # interrupted, not lost yet: the frontend resubmits them
+    assert (reply.running, reply.waiting, reply.requests_interrupted, reply.requests_lost) == (0, 0, 2, 0)
     assert reply.kv_blocks_in_use == 2  # the KV-cache manager did not restart
     assert store.request_state("a") is RequestState.LOST
-    # the frontend aborts what the crash took: counted once, the timelines close
+    # what the crash took ends with an error: lost, counted once, the timelines close
     bus.publish(FRONTEND, Aborted(request_id="a", reason="error"), Aborted(request_id="b", reason="error"))
+    bus.publish(FRONTEND, Aborted(request_id="a", reason="error"))
     reply = summary(store)
     assert reply.aborted_by_reason == {"error": 2} and reply.open_requests == 0
+    assert (reply.requests_interrupted, reply.requests_lost) == (2, 2)
     # a restart of the KV-cache manager whose STARTING batch was lost: a lower seq stamped later
     bus.tick(1.0)
     bus.next_seq[KV] = 0
@@ -317,3 +321,25 @@ def test_summary_text() -> None:
 def test_constructor_rejects_nonsense_bounds() -> None:
     with pytest.raises(ValueError):
         MetricsStore(max_events=0)
+
+
+def test_requests_a_restart_interrupted_and_that_finished_are_not_lost() -> None:
+    """A scheduler restart with 16 requests in flight that all resume and finish: 16 interrupted,
+    none lost; a group failure then loses what is open (answered with an error)."""
+    store = MetricsStore()
+    bus = Bus(store)
+    ids = [f"r{i}" for i in range(16)]
+    bus.publish(SCHEDULER, ActorStarting(pid=1, role="scheduler"),
+                *[Queued(request_id=i, num_waiting=1) for i in ids], *[Scheduled(request_id=i, step_id=0) for i in ids])
+    bus.tick(1.0)
+    bus.next_seq[SCHEDULER] = 0  # a new incarnation
+    bus.publish(SCHEDULER, ActorStarting(pid=2, role="scheduler"), *[Queued(request_id=i, num_waiting=1) for i in ids],
+                *[Finished(request_id=i, reason="length", num_prompt_tokens=3, num_output_tokens=4) for i in ids])
+    reply = summary(store)
+    assert (reply.requests_interrupted, reply.requests_lost, reply.requests_finished) == (16, 0, 16)
+    assert "interrupted by a restart 16" in summary_text(reply) and "lost" not in summary_text(reply)
+    bus.publish(SCHEDULER, Queued(request_id="open", num_waiting=1), Aborted(request_id="r0", reason="error"))
+    bus.publish("supervisor", GroupFailed(reason="restart budget spent"))
+    reply = summary(store)
+    assert (reply.requests_lost, reply.waiting) == (1, 0)  # only the open one: r0 had finished
+    assert "lost 1" in summary_text(reply)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from vllm_actors.actors.metrics_store.store import MetricsStore
-from vllm_actors.protocol.events import Arrived, Event, EventBatch, Preempted, Resumed, Scheduled, StepFinished
+from vllm_actors.protocol.events import Arrived, Event, EventBatch, Preempted, Resumed, Scheduled, StepFinished, Tokens
 from vllm_actors.protocol.metrics import ITERATION_TOKENS_BUCKETS, SummaryReply
 
 # vLLM 0.26, vllm/v1/metrics/loggers.py: histogram_iteration_tokens' buckets.
@@ -28,9 +28,13 @@ class Publisher:
 def test_tokens_per_step_in_vllms_buckets() -> None:
     publish = Publisher(MetricsStore())
     assert list(ITERATION_TOKENS_BUCKETS) == VLLM_ITERATION_TOKENS_BUCKETS
-    for step, tokens in enumerate((1, 8, 9, 300, 16384, 20000)):
-        reply = publish("worker-0", StepFinished(step_id=step, num_seqs=1, num_tokens=tokens, num_sampled=1,
-                                                 execute_ms=1.0))
+    # a step's sampled tokens plus the computed prompts of the requests it sampled a first token for
+    for step, prompt in enumerate((0, 7, 8, 299, 16383, 19999)):
+        reply = publish("scheduler", Tokens(step_id=step, request_ids=["a"], num_output_tokens=[1],
+                                            num_computed_prompt_tokens=prompt))
+    # the worker's steps (the tokens it ran through the model) are the store's own count only
+    reply = publish("worker-0", StepFinished(step_id=0, num_seqs=1, num_tokens=500, num_sampled=1, execute_ms=1.0))
+    assert reply.step_tokens == 500
     histogram = reply.step_tokens_histogram
     assert histogram.bounds == VLLM_ITERATION_TOKENS_BUCKETS
     counts = dict(zip([*histogram.bounds, "inf"], histogram.counts, strict=True))

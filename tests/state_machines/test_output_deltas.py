@@ -197,7 +197,26 @@ async def test_merged_streams_count_each_outputs_tokens_as_it_came() -> None:
     feed(0, [7, 8], "length")
     feed(1, [9], "length")
     items = [first] + [item async for item in merged]
-    (stale,) = [(output, counts) for index, output, counts in items if index == 1 and not output.finished]
-    assert stale[1] == {0: 1} and stale[0].outputs[0].token_ids == [6, 9]  # read after its list grew
-    finals = {index: (output.outputs[0].token_ids, counts) for index, output, counts in items if output.finished}
-    assert finals == {0: ([5, 7, 8], {0: 3}), 1: ([6, 9], {0: 2})}
+    # each step's mark: (text length, token count, finished); no tokenizer here, so no text
+    (stale,) = [(output, mark) for index, output, mark in items if index == 1 and not output.finished]
+    assert stale[1] == {0: (0, 1, False)} and stale[0].outputs[0].token_ids == [6, 9]  # read after its list grew
+    finals = {index: (output.outputs[0].token_ids, mark) for index, output, mark in items if output.finished}
+    assert finals == {0: ([5, 7, 8], {0: (0, 3, True)}), 1: ([6, 9], {0: (0, 2, True)})}
+
+
+@pytest.mark.asyncio
+async def test_a_stream_read_late_still_yields_each_output_step() -> None:
+    """Three outputs put before the reader came: one item per output, each with where it left the
+    sequence (a slow consumer of a stream still sends a chunk per engine step)."""
+    frontend = Frontend(None, [0], max_model_len=64, vocab_size=97)
+    core = ClientCore(frontend, NoTransport(), "test")
+    request = frontend.prepare_tokens("q", None, [1, 2], SamplingParams(max_tokens=3))
+    core._submit(request)
+    stream = RequestStream(NoAborts(), request)
+    for token, finish in ((5, None), (6, None), (7, "length")):
+        update = RequestUpdate(request_id="q", new_token_ids=[token], finish_reason=finish)
+        for output in core._receive(RequestUpdates(step_id=0, updates=[update])):
+            stream._put(output)
+    items = [item async for item in merge_streams([stream])]
+    assert [mark for _, _, mark in items] == [{0: (0, 1, False)}, {0: (0, 2, False)}, {0: (0, 3, True)}]
+    assert all(output.finished for _, output, _ in items)  # the latest output, read once for all three

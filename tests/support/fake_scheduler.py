@@ -58,6 +58,8 @@ class FakeScheduler:
         self.down = False
         self._permits: int | None = None  # None: a step every tick
         self._hold: int | None = None  # no request makes more outputs than this
+        self._script: list[int] | None = None  # the tokens every request makes instead of token_at's
+        self.steps_sent = 0  # steps whose updates have gone out
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -80,6 +82,12 @@ class FakeScheduler:
     def hold_at(self, outputs: int) -> None:
         with self.lock:
             self._hold = outputs
+
+    def script(self, token_ids: list[int]) -> None:
+        """Every request's output token ``i`` is ``token_ids[i]`` from now on (a model whose output the
+        test chooses: a token of no text of its own, say)."""
+        with self.lock:
+            self._script = list(token_ids)
 
     def release(self) -> None:
         with self.lock:
@@ -118,8 +126,12 @@ class FakeScheduler:
                         except zmq.Again:
                             break
                         self._on_message(identity, codec.decode(payload))
-                for identity, items in self._step().items():
+                stepped = self._step()
+                for identity, items in stepped.items():
                     socket.send_multipart([identity, codec.encode(RequestUpdates(step_id=0, updates=items))])
+                if stepped:
+                    with self.lock:
+                        self.steps_sent += 1
         finally:
             socket.close()
             context.term()
@@ -147,7 +159,9 @@ class FakeScheduler:
             for request_id, running in list(self.requests.items()):
                 if self._hold is not None and len(running.outputs) >= self._hold:
                     continue
-                token = token_at(running.add.prompt_token_ids, len(running.outputs))
+                position = len(running.outputs)
+                script = self._script
+                token = script[position] if script else token_at(running.add.prompt_token_ids, position)
                 running.outputs.append(token)
                 done = len(running.outputs) >= (running.add.params.max_tokens or 0)
                 out[running.identity].append(RequestUpdate(request_id=request_id, new_token_ids=[token],

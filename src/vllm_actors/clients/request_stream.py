@@ -15,12 +15,23 @@ class _Aborter(Protocol):
     def abort(self, request_id: str, reason: str = "abort") -> None: ...
 
 
+# Each sequence's state after one output: index -> (text length, token count, finished).
+StepMark = dict[int, tuple[int, int, bool]]
+
+
+def step_mark(output: RequestOutput) -> StepMark:
+    return {c.index: (len(c.text), len(c.token_ids), c.finish_reason is not None) for c in output.outputs}
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative ``RequestOutput``.
 
     Outputs are cumulative, so a consumer slower than the engine loses nothing by seeing only the
     newest one: each ``__anext__`` returns the latest output not yet returned. The iteration ends
-    after the finished output (finish reasons "stop", "length", "abort" or "error")."""
+    after the finished output (finish reasons "stop", "length", "abort" or "error"). ``steps``
+    then holds where each output since the previous one left every sequence (the last: the one
+    returned), so that a streamed response can still send one chunk per engine step; a consumer
+    that ignores it holds only the marks of the outputs it skipped."""
 
     def __init__(self, client: _Aborter, prepared: PreparedRequest,
                  on_wait: Callable[[float], None] | None = None) -> None:
@@ -37,12 +48,15 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._returned_final = False
         self._error: BaseException | None = None
+        self._marks: list[StepMark] = []  # of the outputs put since the last take
+        self.steps: list[StepMark] = []  # of the outputs up to the one ``__anext__`` returned last
 
     def _put(self, output: RequestOutput) -> None:
         if self._waiting_since is None and self._on_wait is not None:
             self._waiting_since = time.monotonic()
         self._latest = output
         self._last = output
+        self._marks.append(step_mark(output))  # now: the token lists grow with the next output
         self.finished = self.finished or output.finished
         self._ready.set()
 
@@ -109,6 +123,7 @@ class RequestStream:
             output, self._latest = self._latest, None
             if output is None:
                 continue
+            self.steps, self._marks = self._marks, []
             if self._waiting_since is not None and self._on_wait is not None:
                 self._on_wait(time.monotonic() - self._waiting_since)
                 self._waiting_since = None

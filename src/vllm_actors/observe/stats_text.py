@@ -28,6 +28,7 @@ def summary_text(reply: SummaryReply) -> str:
         f"open {reply.open_requests}",
         f"           finished {reply.requests_finished} ({_format_reasons(reply.finished_by_reason)}), "
         f"aborted {reply.requests_aborted} ({_format_reasons(reply.aborted_by_reason)})"
+        + (f", interrupted by a restart {reply.requests_interrupted}" if reply.requests_interrupted else "")
         + (f", lost {reply.requests_lost}" if reply.requests_lost else "")
         + (f", dropped {reply.requests_evicted}" if reply.requests_evicted else ""),
         f"tokens     prompt {reply.prompt_tokens}, generated {reply.generation_tokens}, "

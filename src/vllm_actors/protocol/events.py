@@ -75,6 +75,9 @@ class Tokens(msgspec.Struct, tag="TOKENS", kw_only=True):
     step_id: int
     request_ids: list[str]
     num_output_tokens: list[int]  # each request's output length after this step
+    # Prompt tokens computed (not found cached at first admission) by the requests whose first
+    # token is in this step: with len(request_ids), what vLLM's iteration_tokens_total observes.
+    num_computed_prompt_tokens: int = 0
 
 
 class Preempted(msgspec.Struct, tag="PREEMPTED", kw_only=True):

@@ -152,7 +152,8 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     requests_aborted: int = 0
     finished_by_reason: dict[str, int] = {}
     aborted_by_reason: dict[str, int] = {}
-    requests_lost: int = 0  # live when their scheduler restarted
+    requests_interrupted: int = 0  # waiting or running when their scheduler restarted (most then resume)
+    requests_lost: int = 0  # never finished: answered with an error after an interruption, or at a group failure
     requests_evicted: int = 0  # open timelines dropped to stay within bounds (end never seen)
     running: int = 0
     waiting: int = 0
@@ -166,7 +167,9 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0  # STEP_FINISHED events
     step_tokens: int = 0  # tokens computed by those steps
-    step_tokens_histogram: BucketCounts = BucketCounts()  # tokens per step (ITERATION_TOKENS_BUCKETS)
+    # tokens per step as vLLM counts them (ITERATION_TOKENS_BUCKETS): sampled tokens plus the
+    # computed prompts of the requests whose first token the step sampled
+    step_tokens_histogram: BucketCounts = BucketCounts()
     # Prompt tokens of admitted requests by where their KV came from, at their first admission
     # (vLLM's vllm:prompt_tokens_by_source): computed, or found in the prefix cache.
     prompt_tokens_computed: int = 0

@@ -16,6 +16,7 @@ frontend checks the first, the scheduler the second (anything may arrive on its 
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SCHEDULER = "scheduler"
@@ -62,6 +63,21 @@ def request_id_error(request_id: object) -> str | None:
                 f"{describe_request_id(request_id)}")
     return (f"request_id may hold only the characters {REQUEST_ID_CHARACTERS} ('{CHILD_SEPARATOR}' separates "
             f"the children of an n > 1 request), got {describe_request_id(request_id)}")
+
+
+_DERIVED_KEEP = 64  # characters of a client's id a derived engine id keeps (then "~" and a digest)
+_NOT_ID_CHARACTER = re.compile(r"[^A-Za-z0-9._:~-]")
+
+
+def fit_request_id(value: str) -> str:
+    """``value`` when it is a valid request id, else an id derived from it alone: its first
+    characters (others than ``REQUEST_ID_CHARACTERS`` as ``_``), ``~`` and a digest of the whole.
+    The HTTP server's ids (``cmpl-<X-Request-Id>``) go through it: vLLM bounds neither the length
+    nor the characters of the header, which the response still quotes as sent."""
+    if _REQUEST_ID.fullmatch(value):
+        return value
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{_NOT_ID_CHARACTER.sub('_', value[:_DERIVED_KEEP])}~{digest}"
 
 
 def engine_request_id_error(engine_id: object) -> str | None:

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server.app import build_app
-from vllm_actors.server.http_args import add_cors, ssl_kwargs
+from vllm_actors.server.http_args import RequestIdHeaders, add_cors, ssl_kwargs
 from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.serving import ServerOptions
 from vllm_actors.server.targets import Targets, parse_default_targets
@@ -41,6 +41,7 @@ class AppSettings(msgspec.Struct, kw_only=True):
     shutdown_timeout: float
     ssl: dict[str, Any] = {}  # TLS: uvicorn.Config's ssl_* arguments (http_args.ssl_kwargs)
     cors: dict[str, Any] = {}  # http_args.add_cors's arguments (none: no CORS middleware)
+    request_id_headers: bool = False  # --enable-request-id-headers
     uvicorn_log_level: str
     access_log: bool
 
@@ -71,12 +72,15 @@ class AppSettings(msgspec.Struct, kw_only=True):
             ssl=ssl_kwargs(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs),
             cors={"origins": args.allowed_origins, "methods": args.allowed_methods,
                   "headers": args.allowed_headers, "credentials": args.allow_credentials},
+            request_id_headers=args.enable_request_id_headers,
             uvicorn_log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
         )
 
     def build(self, client: AsyncEngineClient) -> FastAPI:
         app = self._build(client)
+        if self.request_id_headers:
+            app.add_middleware(RequestIdHeaders)  # outside the API key: a 401 carries it too, as vLLM's
         if self.cors:
             add_cors(app, **self.cors)
         return app

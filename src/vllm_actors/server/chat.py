@@ -47,8 +47,8 @@ from vllm_actors.server.streaming import (
     abort_all,
     final_output,
     guarded_events,
+    merge_streams,
     sse,
-    token_counts,
     unless_disconnected,
 )
 from vllm_actors.server.tool_parser import ParsedDelta, ToolParser, merge_calls
@@ -160,7 +160,8 @@ async def start_chat(request: Request, state: ServerState, body: ChatCompletionR
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:  # vLLM: echo asks for the prompt's logprobs
         prompt_logprobs = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             vocab_size=state.client.vocab_size)
     if tools.constraint is not None:  # a named function or "required": the output is held to the tools' schema
         if params.structured_outputs is not None:
             raise bad_request("tool_choice: you can only either use constraints for structured outputs or tools, "
@@ -311,23 +312,23 @@ async def _stream(job: _Job, stream: RequestStream,
         for index in range(body.n):
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=job.echo)), None)
     error: OpenAIError | None = None
-    async for output in stream:
+    async for _, output, step in merge_streams([stream]):  # a step at a time, however slowly the client reads
         last = output
-        counts = token_counts(output)  # its tokens as it came (the lists grow as later outputs come)
+        counts = {index: mark[1] for index, mark in step.items()}
         if output.error is not None and error is None:
             error = error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
             index = completion.index
             if index in done:
                 continue
-            delta = completion.text[sent_text.get(index, 0):]
-            first_token, end = sent_tokens.get(index, 0), counts[index]
+            text_end, end, finished = step[index]  # where this step left it (the lists grow since)
+            delta = completion.text[sent_text.get(index, 0):text_end]
+            first_token = sent_tokens.get(index, 0)
             new_ids = completion.token_ids[first_token:end]
-            sent_text[index] = len(completion.text)
+            sent_text[index] = text_end
             sent_tokens[index] = end
-            finished = completion.finish_reason is not None
-            if not delta and not finished and not (new_ids and body.logprobs):
-                continue  # nothing to show yet (text held back: a partial character or stop string)
+            if not delta and not finished and not new_ids:
+                continue  # nothing new for this choice in this step (vLLM: a token of no text gets its "" chunk)
             logprobs = None
             if body.logprobs and completion.logprobs is not None:
                 logprobs = chat_logprobs(new_ids, completion.logprobs[first_token:end], body.top_logprobs or 0,
@@ -340,7 +341,7 @@ async def _stream(job: _Job, stream: RequestStream,
                     continue  # a step of tags only: no chunk (vLLM's)
                 delta = content or ""
                 message = DeltaMessage(content=content, reasoning=thought if body.include_reasoning else None)
-            finish_reason = completion.finish_reason
+            finish_reason = completion.finish_reason if finished else None
             if job.tools is not None:
                 parser = parsers.setdefault(index, job.tools.parser())
                 parsed = _parse(job.tools, parser, delta, last=finished)
@@ -354,7 +355,8 @@ async def _stream(job: _Job, stream: RequestStream,
             if finished:
                 done.add(index)
             choice = ChatStreamChoice(index=index, delta=message, logprobs=logprobs,
-                                      finish_reason=finish_reason, stop_reason=completion.stop_reason)
+                                      finish_reason=finish_reason,
+                                      stop_reason=completion.stop_reason if finished else None)
             if body.return_token_ids:
                 choice.token_ids = list(new_ids)
             yield chunk(choice, counts)

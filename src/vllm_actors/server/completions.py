@@ -69,6 +69,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_fields(body, "completions")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of: only best_of == n is supported, got best_of={body.best_of}, n={body.n}", "best_of")
+    if body.prompt == "":  # vLLM's words
+        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     try:
         prompts = normalize_prompts(body.prompt, max_tokens=state.client.max_model_len)
     except PromptShapeError as error:
@@ -82,7 +84,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         prompt_logprobs = body.logprobs
     echo_only = body.echo and body.max_tokens == 0  # vLLM: the prompt (and its logprobs), one token generated
     max_tokens = 1 if echo_only else body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+                             vocab_size=state.client.vocab_size)
     engine_id = response_id = request_id("cmpl", request, body.request_id)
     options = text_options(body, state.client.max_model_len, max_tokens)
     prepared = []
@@ -200,7 +203,7 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
         return sse(message)
 
     error: OpenAIError | None = None
-    async for prompt_index, output, counts in merge_streams(streams):
+    async for prompt_index, output, step in merge_streams(streams):
         if output.error is not None and error is None:
             error = job.error_of(output)  # raised once every choice has streamed its end
         for completion in output.outputs:
@@ -208,10 +211,10 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
             cursor = cursors.setdefault(index, _Cursor())
             if cursor.done:
                 continue
-            end = counts[completion.index]  # its tokens as this output came (the lists grow since)
+            text_end, end, finished = step[completion.index]  # where this step left it (the lists grow since)
             generated[index] = end
             cached[prompt_index] = output.num_cached_tokens
-            delta = "" if job.echo_only else completion.text[cursor.text:]
+            delta = "" if job.echo_only else completion.text[cursor.text:text_end]
             logprobs = None
             first = not cursor.started
             if first:
@@ -228,14 +231,14 @@ async def _stream(job: _Job, streams: Sequence[RequestStream]) -> AsyncIterator[
                     logprobs = more
                 else:
                     _extend(logprobs, more)
-            cursor.text = len(completion.text)
+            cursor.text = text_end
             cursor.tokens = end
-            finished = completion.finish_reason is not None
-            if not delta and not finished and not (new_ids and body.logprobs is not None):
-                continue  # nothing to show yet (text held back: a partial character or stop string)
-            cursor.done = finished
+            if not delta and not finished and not new_ids:
+                continue  # nothing new for this choice in this step
+            cursor.done = finished  # vLLM: a chunk per step with tokens, its text "" when held back
             choice = CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                      finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                                      finish_reason=completion.finish_reason if finished else None,
+                                      stop_reason=completion.stop_reason if finished else None)
             if body.return_token_ids:  # vLLM: the prompt's ids in a choice's first chunk, then the new ids
                 choice.token_ids = list(new_ids)
                 if first:

@@ -1,16 +1,18 @@
 """The serve command's transport flags, vLLM's names: TLS (``--ssl-*``), CORS (``--allowed-*``,
-``--allow-credentials``) and ``--show-hidden-metrics-for-version``; what uvicorn and the app make
-of them (``ssl_kwargs``, ``add_cors``)."""
+``--allow-credentials``), ``--enable-request-id-headers`` and ``--show-hidden-metrics-for-version``;
+what uvicorn and the app make of them (``ssl_kwargs``, ``add_cors``, ``RequestIdHeaders``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import ssl
+import uuid
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def _json_list(text: str) -> list[str]:
@@ -47,6 +49,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods (JSON list; ["*"])')
     group.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers (JSON list; ["*"])')
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="add an X-Request-Id header to every response: the request's own, else a random one")
     parser.add_argument("--show-hidden-metrics-for-version", type=version_string, default=None,
                         help="show again the metrics hidden since the given version (e.g. 0.25) while they "
                              "are deprecated (vLLM's flag; no metric is deprecated here yet)")
@@ -71,3 +75,26 @@ def add_cors(app: FastAPI, origins: list[str], methods: list[str], headers: list
     """CORS outermost, as in vLLM: a browser's preflight is answered before the API key is asked."""
     app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=methods, allow_headers=headers,
                        allow_credentials=credentials)
+
+
+class RequestIdHeaders:
+    """``--enable-request-id-headers`` (vLLM's ``XRequestIdMiddleware``): every response carries an
+    ``X-Request-Id`` header, the request's as sent (any length), else a random uuid4 in hex."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
+        if value is None:
+            value = uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

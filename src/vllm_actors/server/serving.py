@@ -20,6 +20,7 @@ from vllm_actors.actors.frontend.text import PromptInput, TextOptions
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE
+from vllm_actors.protocol.names import fit_request_id
 from vllm_actors.protocol.sampling import MAX_LOGPROBS, SamplingParams
 from vllm_actors.server.errors import (
     OpenAIError,
@@ -31,6 +32,7 @@ from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import _SamplingFields
 from vllm_actors.server.reasoning import ReasoningParser
+from vllm_actors.server.sampling_checks import check_seed, logit_bias_of
 from vllm_actors.server.streaming import abort_all
 from vllm_actors.server.structured import structured_outputs_of
 from vllm_actors.server.targets import Targets, with_schedule
@@ -140,7 +142,7 @@ class ServerState:
         and max_model_len, plus max_tokens within max_model_len; the frontend's ValueError is a 400
         naming the field it starts with."""
         with _bad_request_on_value_error():
-            return await self.client.prepare_async(request_id, prompt, params, max_tokens_must_fit=True,
+            return await self.client.prepare_async(fit_request_id(request_id), prompt, params, max_tokens_must_fit=True,
                                                    max_prompt_bytes=self.limits.max_prompt_bytes,
                                                    text_options=text_options)
 
@@ -151,7 +153,7 @@ class ServerState:
         """``prepare`` for a conversation, through the model's chat template."""
         with _bad_request_on_value_error():
             return await self.client.prepare_chat_async(
-                request_id, messages, params, add_generation_prompt=add_generation_prompt,
+                fit_request_id(request_id), messages, params, add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs, max_tokens_must_fit=True,
                 max_prompt_bytes=self.limits.max_prompt_bytes, text_options=text_options)
 
@@ -213,8 +215,9 @@ def session_key(request: Request, user: str | None) -> str | None:
 def request_id(prefix: str, request: Request, body_id: str | None = None) -> str:
     """``<prefix>-<X-Request-Id>`` when the client sends that header (it must then be unique among
     its requests in flight, as in vLLM), else ``<prefix>-<request_id>`` for the body's field, else
-    ``<prefix>-<random>``. The response's ``id`` and the engine's request id (events, timelines)
-    are the same."""
+    ``<prefix>-<random>``: the response's ``id``, of any length or characters (vLLM's). The engine's
+    request id (events, timelines) is the same when it is a valid one, else derived from it
+    (``prepare``: ``names.fit_request_id``)."""
     header = request.headers.get("x-request-id") or body_id
     value = f"{prefix}-{header}" if header else f"{prefix}-{secrets.token_hex(16)}"
     request.state.request_id = value  # for the error lines at the edge (errors.edge_context)
@@ -265,9 +268,12 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """OpenAI's and vLLM's request fields -> SamplingParams; invalid values are a 400 naming the field."""
-    logit_bias = _logit_bias(body.logit_bias)
+    """OpenAI's and vLLM's request fields -> SamplingParams; invalid values are a 400 naming the field
+    (``vocab_size``: logit_bias' ids are checked against it here, all of them named)."""
+    check_seed(body.seed)
+    logit_bias = logit_bias_of(body.logit_bias, vocab_size)
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     if max_tokens is not None and max_tokens < 1:
@@ -300,17 +306,3 @@ def sampling_params(
         return SamplingParams(**fields)
     except ValueError as error:
         raise bad_request(str(error)) from None
-
-
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token ids as JSON object keys, strings) -> {id: bias}; 400 naming the
-    field for a key that is not an id."""
-    if not raw:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            bias[int(key)] = value
-        except ValueError:
-            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}"[:500], "logit_bias") from None
-    return bias

@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.clients.request_stream import RequestStream
+from vllm_actors.clients.request_stream import RequestStream, StepMark
 from vllm_actors.server.errors import OpenAIError, edge_context, error_body, log_edge_error, one_line
 
 log = structlog.get_logger(__name__)
@@ -31,40 +31,39 @@ async def final_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
-def token_counts(output: RequestOutput) -> dict[int, int]:
-    """Each sequence's number of tokens in ``output``, taken as it arrives: the outputs of one
-    request share their token and logprob lists, which grow as later outputs come, so a consumer
-    that yields between its reads slices them up to these counts."""
-    return {completion.index: len(completion.token_ids) for completion in output.outputs}
-
-
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput, dict[int, int]]]:
-    """(stream index, output, its ``token_counts``) from several streams as they come."""
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput, StepMark]]:
+    """(stream index, output, one step's mark) from several streams as they come: an output that
+    came after others its consumer had not taken yet comes once per output it stands for, with
+    each one's ``StepMark``, so that a streamed response sends a chunk per engine step however
+    slowly its client reads."""
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output, token_counts(output)
+        stream = streams[0]
+        async for output in stream:
+            for mark in stream.steps:
+                yield 0, output, mark
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None, dict[int, int]]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None, list[StepMark]]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                await queue.put((index, output, token_counts(output)))
+                await queue.put((index, output, stream.steps))
         except Exception as error:
-            await queue.put((index, error, {}))
-        await queue.put((index, None, {}))
+            await queue.put((index, error, []))
+        await queue.put((index, None, []))
 
     tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
-            index, item, counts = await queue.get()
+            index, item, marks = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item, counts
+                for mark in marks:
+                    yield index, item, mark
     finally:
         for task in tasks:
             task.cancel()

@@ -32,10 +32,20 @@ def bad_words_token_ids(tokenizer: Tokenizer | None, bad_words: list[str]) -> li
     return sequences
 
 
+def logit_bias_vocab_error(token_ids: list[int], vocab_size: int) -> str | None:
+    """vLLM's text naming every logit_bias id outside ``[0, vocab_size)``; None: none is."""
+    outside = [token_id for token_id in token_ids if token_id < 0 or token_id >= vocab_size]
+    if not outside:
+        return None
+    return f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}"
+
+
 def check_control_ids(params: SamplingParams, vocab_size: int) -> None:
     """Every token id of logit_bias, allowed_token_ids and bad words within the vocabulary."""
+    error = logit_bias_vocab_error(list(params.logit_bias or {}), vocab_size)
+    if error is not None:
+        raise ValueError(error[:1000])
     fields = (
-        ("logit_bias", list(params.logit_bias or {})),
         ("allowed_token_ids", params.allowed_token_ids or []),
         ("bad_words", [token_id for word in params.bad_words_token_ids for token_id in word]),
     )

@@ -33,13 +33,13 @@ class PreparedRequest:
 def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                  has_tokenizer: bool, field: str = "prompt") -> None:
     """The prompt's token ids and the parameters' token ids against the model."""
-    if not prompt_ids:
-        raise ValueError(f"{field}: the prompt is empty")
+    if not prompt_ids:  # vLLM's words: "The decoder prompt cannot be empty"
+        raise ValueError(f"{field}: the decoder prompt cannot be empty")
     # min/max run in C: a 2,000-token prompt is checked in microseconds, not a Python loop
     low, high = min(prompt_ids), max(prompt_ids)
-    if low < 0 or high >= vocab_size:
+    if low < 0 or high >= vocab_size:  # vLLM's words: "Token id 999999 is out of vocabulary"
         bad = low if low < 0 else high
-        raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"prompt_token_ids: token id {bad} is out of vocabulary (the vocabulary is [0, {vocab_size}))")
     outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
     if outside:
         raise ValueError(f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")

@@ -10,6 +10,7 @@ import hashlib
 import json
 from typing import Any
 
+from vllm_actors.actors.frontend.regex_classes import ascii_classes, ascii_schema_text
 from vllm_actors.protocol.sampling import StructuredOutputs
 
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than 1 MiB is refused
@@ -42,17 +43,19 @@ def check_structured_outputs(spec: StructuredOutputs | None, has_tokenizer: bool
 def grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for a constraint (raises ValueError on JSON that does not parse).
     JSON is compact (no free whitespace between tokens, vLLM's ``disable_any_whitespace``): a small
-    model sampled at temperature 1 otherwise wanders into runs of spaces and newlines."""
+    model sampled at temperature 1 otherwise wanders into runs of spaces and newlines. Regexes (and
+    schemas' patterns) read ``\\d \\w \\s`` as ASCII classes, as vLLM's default backend does."""
     import llguidance
 
     options: dict[str, Any] = {"whitespace_flexible": False}
     if spec.json is not None:
         json.loads(spec.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=options)  # type: ignore[arg-type]
+        schema = ascii_schema_text(spec.json)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)  # type: ignore[arg-type]
     if spec.regex is not None:
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.regex))
     if spec.choice is not None:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     assert spec.grammar is not None

@@ -85,7 +85,7 @@ class Recorder:
         self.kv: dict[str, KvPoolState] = {}
         self.counters = Counters()
         self.latencies = Latencies(sample_window)
-        self.step_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
+        self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self._itl_cap = sample_window
 
         self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
@@ -209,11 +209,13 @@ class Recorder:
         return seen
 
     def _on_restart(self, actor: str) -> None:
-        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks)."""
-        lost = self.requests.owned_by(actor)
-        for record in lost:
+        """A new incarnation of ``actor``: what it held is gone (its requests, its KV blocks). Its
+        requests are interrupted, not lost: their frontend resubmits them and most finish."""
+        interrupted = self.requests.owned_by(actor)
+        for record in interrupted:
             self.requests.set_state(record, RequestState.LOST, actor)
-        self.counters.requests_lost += len(lost)
+            record.interrupted = True
+        self.counters.requests_interrupted += len(interrupted)
         self.kv.pop(actor, None)
 
     def _entry(self, request_id: str, actor: str, seq: int, mono: float, wall: float, event: Event) -> RequestRecord:
@@ -320,6 +322,9 @@ class Recorder:
                 requests.set_state(record, running, actor)
         self.counters.generation_tokens += generated
         requests.nbytes += rows * TOKEN_ROW_BYTES
+        # As vLLM's iteration_tokens_total: a step's sampled tokens plus the computed prompts of the
+        # requests whose first token it sampled (a step sampling nothing is not observed).
+        self.iteration_tokens.add(len(event.request_ids) + max(event.num_computed_prompt_tokens, 0))
 
     def _on_finished(self, actor: str, seq: int, mono: float, wall: float, event: Finished) -> None:
         record = self._entry(event.request_id, actor, seq, mono, wall, event)
@@ -353,6 +358,9 @@ class Recorder:
         counters = self.counters
         counters.requests_aborted += 1
         count_into(counters.aborted_by_reason, event.reason)
+        if event.reason == "error" and record.interrupted and not record.lost:
+            record.lost = True  # a restart took it and it could not go on
+            counters.requests_lost += 1
         record.itl = []
         self.requests.end(record, RequestState.ABORTED, actor)
 
@@ -389,7 +397,6 @@ class Recorder:
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
-        self.step_tokens.add(max(event.num_tokens, 0))
         self.latencies.step_ms.add(event.execute_ms)
 
     def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
@@ -412,7 +419,13 @@ class Recorder:
         self.latencies.restart.add(event.seconds)
 
     def _on_group_failed(self, actor: str, seq: int, mono: float, wall: float, event: GroupFailed) -> None:
+        """The group is gone for good: every open request is answered with an error (lost)."""
         self.counters.group_failed = event.reason
+        for record in list(self.requests.open.values()):
+            if not record.lost:
+                record.lost = True
+                self.counters.requests_lost += 1
+                self.requests.set_state(record, RequestState.LOST, actor)
 
     def _on_pipeline_reset(self, actor: str, seq: int, mono: float, wall: float, event: PipelineReset) -> None:
         self.counters.pipeline_resets += 1

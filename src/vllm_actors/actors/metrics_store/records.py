@@ -65,7 +65,7 @@ class RequestState(str, enum.Enum):
     ARRIVED = "arrived"
     WAITING = "waiting"
     RUNNING = "running"
-    LOST = "lost"  # was live when the actor that scheduled it restarted
+    LOST = "lost"  # was live when the actor that scheduled it restarted (until it resumes, if it does)
     FINISHED = "finished"
     ABORTED = "aborted"
 
@@ -92,6 +92,8 @@ class RequestRecord:
     cached_at_admission: int | None = None  # SCHEDULED's num_cached_tokens (its first admission)
     sources_counted: bool = False  # its prompt tokens counted as computed / cached
     itl: list[float] = field(default_factory=list)
+    interrupted: bool = False  # was live when its scheduler restarted
+    lost: bool = False  # counted lost (ended with an error, never finished)
     nbytes: int = 0  # estimated bytes it holds (see ``RequestTable``)
 
     @property

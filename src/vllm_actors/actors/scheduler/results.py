@@ -36,6 +36,7 @@ def apply_result(requests: Mapping[str, ScheduledRequest], sampling_ids: Iterabl
     tokens_ids: list[str] = []
     tokens_counts: list[int] = []
     first_tokens: list[FirstToken] = []
+    computed_prompt = 0  # prompt tokens the requests getting their first token computed
     finished: list[Finished] = []
     prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
     for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
@@ -48,6 +49,7 @@ def apply_result(requests: Mapping[str, ScheduledRequest], sampling_ids: Iterabl
         tokens_counts.append(num_output)
         if num_output == 1:
             first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
+            computed_prompt += len(request.prompt_token_ids) - request.num_cached_prompt_tokens
         finish_reason, stop_reason = check_stop(request, token_id, max_model_len)
         chunk = prompt_logprobs.pop(request_id, None)
         logprobs = result.logprobs[index] if result.logprobs else None
@@ -70,7 +72,8 @@ def apply_result(requests: Mapping[str, ScheduledRequest], sampling_ids: Iterabl
             step.finished_ids.append(request_id)
     step.events.extend(first_tokens)
     if tokens_ids:
-        step.events.append(Tokens(step_id=result.step_id, request_ids=tokens_ids, num_output_tokens=tokens_counts))
+        step.events.append(Tokens(step_id=result.step_id, request_ids=tokens_ids, num_output_tokens=tokens_counts,
+                                  num_computed_prompt_tokens=computed_prompt))
     step.events.extend(finished)
     for request_id, chunk in prompt_logprobs.items():  # prompt chunks that sampled nothing yet
         if request_id in requests:
