@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
+from tests.support.server_helpers import served_url
 from tests.support.tool_calls import TOOL_ID
 from tests.support.vllm_pairs import Pair, load_pairs, run_pair
 
@@ -45,16 +45,9 @@ PAIRS_OF_EVENT_TYPES = {
 
 @pytest.fixture(scope="module")
 def base_url(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("responses_http")
-    port, log_path = free_port(), tmp / "server.log"
-    process = start_server(tiny_qwen3, port, log_path, tmp / "runs", "--served-model-name", "tiny",
-                           "--max-model-len", "512", "--num-gpu-blocks-override", "256")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_path)
+    with served_url(tiny_qwen3, tmp_path_factory.mktemp("responses_http"), "--served-model-name", "tiny",
+                    "--max-model-len", "512", "--num-gpu-blocks-override", "256") as url:
         yield url
-    finally:
-        stop_process(process)
 
 
 @pytest.fixture(scope="module")
