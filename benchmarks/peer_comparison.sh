@@ -32,7 +32,7 @@ case "$stage" in
     session 0 "$out/$stage" serve -- --engines ours "${peers[@]}" --rates ${RATES:-20 40 80} \
       --duration "${DURATION:-30}" > "$out/$stage/serve-run.log" 2>&1 ;;
   tp2)
-    session 0,1 "$out/$stage" throughput -- --model-shape qwen3-8b -tp 2 --peer "${peers[@]}" --no-floor \
+    session 0,1 "$out/$stage" throughput -- --model-shape qwen3-8b -tp 2 --peer "${peers[@]}" --no-floor --batch1-same-engine-only \
       > "$out/$stage/tp2.log" 2>&1 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
