@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.paged_batch import shuffled_tables
 from vllm_actors.kernels.attention import (
     TorchPagedAttention,
     build_attention_metadata,
@@ -43,13 +44,7 @@ def run_case(
 ) -> None:
     """specs: (cached_len, query_len) per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + q) // block_size) for c, q in specs]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables: list[list[int]] = []
-    for n in need:
-        tables.append(perm[:n])
-        perm = perm[n:]
+    num_blocks, tables = shuffled_tables(specs, block_size, gen)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # garbage everywhere, so reading a slot that was never written shows up
     k_cache = torch.randn(cache_shape, generator=gen)

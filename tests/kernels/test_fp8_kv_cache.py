@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.support.paged_batch import shuffled_tables
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import triton_attention as ta  # conftest.py sets TRITON_INTERPRET=1 without CUDA
 from vllm_actors.kernels.attention import (
@@ -163,13 +164,7 @@ def make_fp8_case(
     quantisation; the expected output is float64 attention over the cache's values times the scales."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
-    need = [-(-(c + q) // block_size) for c, q in specs]
-    num_blocks = sum(need) + 2
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in need:
-        tables.append(perm[:n])
-        perm = perm[n:]
+    num_blocks, tables = shuffled_tables(specs, block_size, gen, spare_blocks=2)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)  # garbage outside the sequences
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from tests.support.paged_batch import shuffled_tables  # noqa: E402
 from vllm_actors.kernels import triton_attention as ta  # noqa: E402
 from vllm_actors.kernels.attention import (  # noqa: E402
     AttentionMetadata,
@@ -74,13 +75,7 @@ def make_case(
     """specs: (cached_len, query_len) per sequence. Block tables are shuffled, the cache is random
     garbage outside the sequences' slots, and the expected output comes from dense float64 math."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + q) // block_size) for c, q in specs]
-    num_blocks = num_blocks or sum(need) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables: list[list[int]] = []
-    for n in need:
-        tables.append(perm[:n])
-        perm = perm[n:]
+    num_blocks, tables = shuffled_tables(specs, block_size, gen, spare_blocks, num_blocks)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)

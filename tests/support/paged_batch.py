@@ -38,6 +38,23 @@ class PagedBatch:
         write_kv_cache(self.k, self.v, self.k_cache, self.v_cache, self.meta.slot_mapping)
 
 
+def shuffled_tables(
+    specs: list[tuple[int, int]], block_size: int, gen: torch.Generator, spare_blocks: int = 3,
+    num_blocks: int | None = None,
+) -> tuple[int, list[list[int]]]:
+    """The pool size (the blocks the sequences need plus ``spare_blocks``, unless ``num_blocks``) and
+    each sequence's blocks, drawn from one random permutation of the pool (specs: (cached_len,
+    query_len) per sequence), so tables are out of order and interleaved."""
+    need = [-(-(cached + new) // block_size) for cached, new in specs]
+    num_blocks = num_blocks or sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for n in need:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    return num_blocks, tables
+
+
 def paged_batch(
     specs: list[tuple[int, int]],
     block_size: int,
@@ -50,13 +67,7 @@ def paged_batch(
 ) -> PagedBatch:
     """specs: (cached_len, query_len) per sequence. Blocks outside the sequences hold random values."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-(cached + new) // block_size) for cached, new in specs]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in need:
-        tables.append(perm[:n])
-        perm = perm[n:]
+    num_blocks, tables = shuffled_tables(specs, block_size, gen)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
