@@ -27,6 +27,8 @@
 #           beside the repo; skipped when /tmp/fa4site has it; then its GPU test,
 #           tests/gpu/test_gpu_flash_attn_prefill.py; once installed, every later stage and call on the
 #           warm machine finds it: the engine then attends prefills through it where it measured faster),
+#           decodelong (batch-1 decode attention at 128k-1M keys: splits and tiles against the copy bandwidth,
+#           benchmarks/decode_long.py, DECODE_LONG_ARGS for its flags; results in $out/decode_long),
 #           prefillbench (Triton varlen vs flash-attn 4 prefill attention at long context,
 #           benchmarks/prefill_attention.py, PREFILL_ARGS for its flags; results in $out/prefill)
 #           longctx (TTFT and decode at long contexts against vLLM / SGLang, benchmarks/long_context.py;
@@ -97,7 +99,8 @@ for stage in "${stages[@]}"; do
              timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
                tests/gpu/test_gpu_long_context.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \
-               tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_sleep_mode.py
+               tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_sleep_mode.py \
+               tests/gpu/test_gpu_attention_options.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/gpu/test_gpu_allreduce_norm.py \
                tests/gpu/test_gpu_tensor_parallel.py \
@@ -117,6 +120,8 @@ for stage in "${stages[@]}"; do
            && fa4_path && python3 -c 'import flash_attn.cute as f; print("flash_attn.cute", f.__version__)' \
            && timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 300 -m gpu tests/gpu/test_gpu_flash_attn_prefill.py
          } 2>&1 | tee "$out/fa4.log" | tail -30 ;;
+    decodelong) timeout 580 python3 benchmarks/decode_long.py --out "$out/decode_long" ${DECODE_LONG_ARGS:-} 2>&1 \
+                  | tee "$out/decodelong.log" | grep -v "^skip" | tail -40 ;;
     prefillbench) fa4_path
                   # shellcheck disable=SC2086 # the flags are word-split on purpose
                   timeout 580 python3 benchmarks/prefill_attention.py --out "$out/prefill" ${PREFILL_ARGS:-} 2>&1 \

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Several gpu_session.sh runs at once, each on its own GPU of the device machine, then their outputs
+# packed into one archive per lane ($OUT/laneN.tgz: a call brings back at most 8 files).
+#   bash benchmarks/lanes.sh "0|longctx -- --engines ours vllm" "1|tests prefillbench"
+# A lane is "GPU|stages and arguments of gpu_session.sh"; its output in $OUT/laneGPU (packed), its
+# console in $OUT/laneGPU.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu}
+pids=()
+for lane in "$@"; do
+  gpu=${lane%%|*}; stages=${lane#*|}
+  mkdir -p "$out/lane$gpu"
+  # shellcheck disable=SC2086 # the stages are word-split on purpose
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$gpu" LONGCTX_DIR=/tmp/longctx-$gpu \
+    bash benchmarks/gpu_session.sh $stages > "$out/lane$gpu.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+for lane in "$@"; do
+  gpu=${lane%%|*}
+  tar -C "$out" -czf "$out/lane$gpu.tgz" "lane$gpu" && rm -rf "${out:?}/lane$gpu"
+  echo "=== lane $gpu: ${lane#*|}"; tail -25 "$out/lane$gpu.log"
+done
+exit $status
