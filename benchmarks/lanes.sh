@@ -3,7 +3,8 @@
 # packed into one archive per lane ($OUT/laneN.tgz: a call brings back at most 8 files).
 #   bash benchmarks/lanes.sh "0|longctx -- --engines ours vllm" "1|tests prefillbench"
 # A lane is "GPU|stages and arguments of gpu_session.sh"; its output in $OUT/laneGPU (packed), its
-# console in $OUT/laneGPU.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart.
+# console in $OUT/laneGPU.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart. A lane still
+# running after LANE_TIMEOUT seconds (default 560) is stopped, so that what it wrote is packed and comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
@@ -13,7 +14,7 @@ for lane in "$@"; do
   mkdir -p "$out/lane$gpu"
   # shellcheck disable=SC2086 # the stages are word-split on purpose
   CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$gpu" LONGCTX_DIR=/tmp/longctx-$gpu \
-    bash benchmarks/gpu_session.sh $stages > "$out/lane$gpu.log" 2>&1 &
+    timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$gpu.log" 2>&1 &
   pids+=($!)
 done
 status=0
