@@ -27,6 +27,8 @@
 #           beside the repo; skipped when /tmp/fa4site has it; then its GPU test,
 #           tests/gpu/test_gpu_flash_attn_prefill.py; once installed, every later stage and call on the
 #           warm machine finds it: the engine then attends prefills through it where it measured faster),
+#           py (python3 with the arguments after `--`, e.g. a probe script; its console in $out/py.log),
+#           pytest (the GPU-marked tests of the files after `--`, -rf: each failure named; results in $out/pytest.log),
 #           decodelong (batch-1 decode attention at 128k-1M keys: splits and tiles against the copy bandwidth,
 #           benchmarks/decode_long.py, DECODE_LONG_ARGS for its flags; results in $out/decode_long),
 #           prefillbench (Triton varlen vs flash-attn 4 prefill attention at long context,
@@ -108,6 +110,8 @@ for stage in "${stages[@]}"; do
     allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
     synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/models/test_uploads.py \
                  tests/kernels/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
+    py) timeout 560 python3 "$@" 2>&1 | tee "$out/py.log" | tail -40 ;;
+    pytest) timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -m gpu "$@" 2>&1 | tee "$out/pytest.log" | tail -30 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;

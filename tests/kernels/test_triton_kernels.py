@@ -344,6 +344,9 @@ def test_choose_decode_splits() -> None:
     for bad in (3, 0, 128):
         with pytest.raises(ValueError, match="max_splits must be a power of two"):
             ta.choose_decode_splits(1, 1, 4096, cuda_like, max_splits=bad)
+    # few (sequence, KV head) pairs for the SMs (batch-1 long contexts): twice the waves, 2-stage tiles
+    assert ta.few_programs(1, 8, 132) and ta.few_programs(2, 8, 132) and not ta.few_programs(3, 8, 132)
+    assert ta.decode_config(64, few=True).num_stages == 2 and ta.decode_config(64).num_stages == 3
     for num_seqs in (1, 3, 17):
         for max_len in (1, 255, 257, 10_000, 1_000_000):
             splits = ta.choose_decode_splits(num_seqs, 2, max_len, cuda_like)

@@ -144,3 +144,28 @@ def test_llm_generates_through_an_fp8_cache(tiny_qwen3: Path) -> None:
     assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12]
     assert all(k.dtype == v.dtype == E4M3 for k, v in caches)
     assert all(k.view(torch.uint8).any() and v.view(torch.uint8).any() for k, v in caches)
+
+
+def test_a_start_that_fails_halfway_frees_its_weights(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner whose start fails after loading (here its graph capture) lets go of the model and the
+    cache before the error reaches the caller, although the error's traceback is still held (on a GPU,
+    the next engine of the process would otherwise find the memory taken)."""
+    import gc
+    import weakref
+
+    models: list[weakref.ref[torch.nn.Module]] = []
+    original = ModelRunner._allocate_kv_cache
+
+    def allocate(self: ModelRunner, num_blocks: int) -> Any:
+        models.append(weakref.ref(self.model))
+        return original(self, num_blocks)
+
+    def capture(self: ModelRunner) -> None:
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", allocate)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", capture)
+    with pytest.raises(RuntimeError, match="capture failed") as caught:
+        make_runner(tiny_qwen3)
+    gc.collect()
+    assert caught.value.__traceback__ is not None and models and models[0]() is None

@@ -236,3 +236,15 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     from vllm_actors.kernels.flash_attn_prefill import flash_attn_prefill_for
 
     return TritonPagedAttention(prefill=flash_attn_prefill_for(torch.device(device)))
+
+
+def describe_attention(backend: object) -> str:
+    """What attends a step, for the worker's readiness report: ``torch``, ``triton``, or
+    ``triton+flash_attn(<choice>)`` where prefills may go to flash-attn 4."""
+    prefill = getattr(backend, "prefill", None)
+    if isinstance(backend, TorchPagedAttention):
+        return "torch"
+    if prefill is None:
+        return "triton"
+    return f"triton+flash_attn({prefill.choice})"
+

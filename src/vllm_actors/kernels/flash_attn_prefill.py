@@ -199,7 +199,9 @@ def flash_attn_prefill_for(device: torch.device) -> FlashAttnPrefill | None:
                 f"VLLM_ACTORS_PREFILL_ATTENTION=flash_attn needs flash-attn 4 (flash_attn.cute) on a Hopper GPU: "
                 f"{reason}; use auto or triton"
             )
-        log.debug("flash_attn_prefill_off", reason=reason)
+        # installed but not importable on a Hopper GPU is worth a warning: prefills lose their fast path
+        broken = "does not import" in reason and "No module named 'flash_attn'" not in reason
+        (log.warning if broken else log.debug)("flash_attn_prefill_off", reason=reason)
         return None
     log.info("flash_attn_prefill_on", choice=choice)
     return FlashAttnPrefill(choice)

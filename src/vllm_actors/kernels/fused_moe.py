@@ -51,12 +51,29 @@ def fused_moe_torch(
     transformers sums them (each expert's weighted output added to the token's running sum)."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _fused_moe_torch_dense(x, w13, w2, topk_weights, topk_ids)
     for expert in topk_ids.unique().tolist():
         tokens, slot = torch.where(topk_ids == expert)
         gate_up = F.linear(x[tokens], w13[expert])
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(hidden, w2[expert]) * topk_weights[tokens, slot, None].to(x.dtype)
         out.index_add_(0, tokens, y)
+    return out
+
+
+def _fused_moe_torch_dense(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The reference in static shapes, for CUDA-graph capture (no host sync): every expert over every
+    token, weighted by the token's weight for it (0 where unrouted), in ascending expert order."""
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True).to(x.dtype)
+        gate_up = F.linear(x, w13[expert])
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out += F.linear(hidden, w2[expert]) * weight
     return out
 
 

@@ -46,6 +46,7 @@ from vllm_actors.kernels.triton_decode import (
     DECODE_WAVES,
     choose_decode_splits,
     decode_config,
+    few_programs,
     paged_attention_decode,
 )
 from vllm_actors.kernels.triton_paged import INTERPRET, TileConfig, write_kv_cache_triton
@@ -61,6 +62,7 @@ __all__ = [
     "TritonPagedAttention",
     "choose_decode_splits",
     "decode_config",
+    "few_programs",
     "paged_attention_decode",
     "paged_attention_varlen",
     "varlen_config",

@@ -32,12 +32,23 @@ DECODE_BLOCK_N = 128
 DECODE_WAVES = 2
 DECODE_MAX_SPLITS = 64  # a power of two: bounds the reduce kernel's compiled variants
 DECODE_ORDERED = True
+# Few (sequence, KV head) programs (batch 1-2 of long contexts): a program a SM cannot keep enough loads
+# in flight, so the context is split for twice the waves and tiles take 2 stages (benchmarks/decode_long.py
+# on an H100: 64 splits, 2 stages, 92-101% of the copy bandwidth at 128k-1M keys against 90-96% before).
+FEW_PROGRAMS_PER_SM = 1 / 8
+FEW_PROGRAMS_WAVES = 4
 
 
-def decode_config(head_dim: int) -> TileConfig:
-    """Decode tiles: ``DECODE_BLOCK_N`` keys a step (32 above head_dim 128), 4 warps, 3 stages."""
+def few_programs(num_seqs: int, num_kv_heads: int, sm_count: int) -> bool:
+    """Whether a decode launch has so few (sequence, KV head) pairs that it takes the few-programs tuning."""
+    return num_seqs * num_kv_heads <= sm_count * FEW_PROGRAMS_PER_SM
+
+
+def decode_config(head_dim: int, few: bool = False) -> TileConfig:
+    """Decode tiles: ``DECODE_BLOCK_N`` keys a step (32 above head_dim 128), 4 warps, 3 stages (2 for
+    ``few`` programs)."""
     block_n = DECODE_BLOCK_N if head_dim <= 128 else 32
-    return TileConfig(block_m=_MIN_DOT_ROWS, block_n=block_n, num_warps=4, num_stages=3)
+    return TileConfig(block_m=_MIN_DOT_ROWS, block_n=block_n, num_warps=4, num_stages=2 if few else 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,22 +205,31 @@ def _decode_reduce_kernel(
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                          waves: int = DECODE_WAVES, max_splits: int = DECODE_MAX_SPLITS) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about ``waves`` waves on
-    the GPU, but no split shorter than _MIN_KEYS_PER_SPLIT keys and at most ``max_splits`` (1: no
-    reduction kernel); rounded down to a power of two (bounds the reduce kernel's compiled variants).
+    the GPU (``FEW_PROGRAMS_WAVES`` for few programs), but no split shorter than _MIN_KEYS_PER_SPLIT
+    keys and at most ``max_splits`` (1: no reduction kernel); rounded down to a power of two (bounds
+    the reduce kernel's compiled variants).
     Chosen at graph capture for CUDA graphs."""
     if waves < 1:
         raise ValueError(f"waves must be a positive integer, got {waves}")
     if not 1 <= max_splits <= DECODE_MAX_SPLITS or max_splits & (max_splits - 1):
         raise ValueError(f"max_splits must be a power of two in 1..{DECODE_MAX_SPLITS}, got {max_splits}")
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = math.ceil(waves * _sm_count(device) / programs)
+    sm_count = _sm_count(device)
+    if waves == DECODE_WAVES and few_programs(num_seqs, num_kv_heads, sm_count):
+        waves = FEW_PROGRAMS_WAVES
+    wanted = math.ceil(waves * sm_count / programs)
     useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, max_splits))
     return 1 << (splits.bit_length() - 1)
@@ -255,7 +275,7 @@ def paged_attention_decode(
     if num_splits is None:
         keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a query reads
         num_splits = choose_decode_splits(num_seqs, num_kv_heads, keys, q.device)
-    cfg = config or decode_config(head_dim)
+    cfg = config or decode_config(head_dim, few_programs(num_seqs, num_kv_heads, _sm_count(q.device)))
     split = num_splits > 1
     if split:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)

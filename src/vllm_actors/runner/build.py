@@ -11,6 +11,7 @@ import torch
 
 from vllm_actors.actors.worker.engine import Runner
 from vllm_actors.actors.worker.worker import Worker
+from vllm_actors.kernels.attention import describe_attention
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.runner.grammar_tokenizer import worker_grammars
@@ -73,5 +74,6 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "dtype": str(runner.dtype).removeprefix("torch."),
         "rank": ranks.rank,
         "tensor_parallel_size": ranks.size,
+        "attention": describe_attention(getattr(runner.model, "attn_backend", None)),
     }
     return worker, info

@@ -22,8 +22,10 @@ graphs are captured again after a wake.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -78,32 +80,36 @@ class ModelRunner:
         # checked before loading: a max_model_len beyond the model's limit fails at once
         limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
-        torch.manual_seed(config.seed)
-        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
-        self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
-        self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
-        self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
-        self.local_config = self.model.local_config  # this rank's KV heads size the cache
-        self.block_size = config.block_size
-        self.max_num_tokens = limits.max_num_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.num_blocks = self._choose_num_blocks(limits.max_model_len)
-        self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
-        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # the host tier's blocks, the same on every rank
-        self.num_host_blocks = self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device)
-        self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
-        self._staging_sets = [self._make_staging(), self._make_staging()]
-        self._staging_turn = 0
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
-        self._static: GraphInputs | None = None
-        self._graph_sizes: list[int] = []
-        self._padded: PaddedForward | None = None
-        self.capture_graphs()
-        self._sleep = SleepMode(self)
+        try:
+            torch.manual_seed(config.seed)
+            self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+            self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+            # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
+            self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
+            self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
+            self.local_config = self.model.local_config  # this rank's KV heads size the cache
+            self.block_size = config.block_size
+            self.max_num_tokens = limits.max_num_batched_tokens
+            self.max_num_seqs = config.max_num_seqs
+            self.num_blocks = self._choose_num_blocks(limits.max_model_len)
+            self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
+            self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+            self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            # the host tier's blocks, the same on every rank
+            self.num_host_blocks = self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device)
+            self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
+            self._staging_sets = [self._make_staging(), self._make_staging()]
+            self._staging_turn = 0
+            self._graphs: dict[int, _DecodeGraph] = {}
+            self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
+            self._static: GraphInputs | None = None
+            self._graph_sizes: list[int] = []
+            self._padded: PaddedForward | None = None
+            self.capture_graphs()
+            self._sleep = SleepMode(self)
+        except BaseException as exc:
+            self._free_after_failed_start(exc)
+            raise
         log.info(
             "model_runner_ready",
             model=config.model,
@@ -116,6 +122,18 @@ class ModelRunner:
             cuda_graphs=sorted(self._graphs),
             padded_graphs=sorted(self._padded.graphs) if self._padded else [],
         )
+
+    def _free_after_failed_start(self, exc: BaseException) -> None:
+        """A start that failed halfway (a graph capture, no memory left) gives its device memory back
+        at once: the error's frames and this half-built runner would otherwise hold it while the caller
+        reports the error (the next engine in the process then finds the GPU full)."""
+        traceback.clear_frames(exc.__traceback__)
+        for name in ("model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
+                     "_padded"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ sleep mode
     @property
