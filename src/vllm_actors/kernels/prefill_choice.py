@@ -19,8 +19,8 @@ PREFILL_CHOICES = ("auto", "triton", "flash_attn")
 
 # auto: flash-attn 4 from this longest query of a step (``max_query_len``, the chunk) up, per head_dim;
 # a head_dim not listed takes the largest. Set from the thresholds benchmarks/prefill_attention.py
-# measures at block size 16 (its report prints this line). Provisional: not yet measured on an H100.
-FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 1024, 128: 1024}
+# measures at block size 16 (its report prints this line); measured on an H100 (benchmarks/RESULTS.md).
+FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 2048, 128: 2048}
 
 
 def prefill_choice() -> str:
