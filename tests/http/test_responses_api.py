@@ -1,9 +1,10 @@
 """The Responses API through a real server on the tiny model, with the official ``openai`` client:
 ``responses.create`` streamed and not (greedy text identical to the chat endpoint's for the same
 conversation), instructions and input items, ``previous_response_id``, ``store``, retrieve and
-cancel, a background stream replayed after a sequence number, a function tool call (named and required, streamed with its argument events, then its
-output sent back), ``text.format`` json_schema (and ``responses.parse``), the error cases, and the
-pinned request/response pairs from vLLM 0.26's tests (``vllm_pairs/responses.json``)."""
+cancel, a background stream replayed after a sequence number, a function tool call (named and
+required, streamed with its argument events, then its output sent back), ``text.format``
+json_schema (and ``responses.parse``), the error cases, and the pinned request/response pairs
+from vLLM 0.26's tests (``vllm_pairs/responses.json``)."""
 
 from __future__ import annotations
 
