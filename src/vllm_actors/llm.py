@@ -100,6 +100,26 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished
 
+    # ------------------------------------------------------------------ engine commands
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: put the engine to sleep. Level 1 offloads the weights to host memory and
+        discards the KV cache, level 2 discards both (reloaded from the checkpoint on waking),
+        level 0 only pauses scheduling. ``mode``: what becomes of requests in flight ("abort",
+        "wait" for them, "keep" them to recompute). Generation waits until ``wake_up``."""
+        self.engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: wake what ``tags`` names ("weights", "kv_cache", "scheduling"; None: all)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: empty the prefix cache; False while requests hold blocks (unless
+        ``reset_running_requests`` preempts them first)."""
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
     # ------------------------------------------------------------------ generation
     def generate(
         self,

@@ -1,4 +1,5 @@
-"""The offline API: vLLM's names, seeded sampling, n > 1, stop strings, bad input."""
+"""The offline API: vLLM's names, seeded sampling, n > 1, stop strings, bad input, and vLLM's engine
+commands (sleep, wake_up, is_sleeping, reset_prefix_cache) of a process group and in process."""
 
 from __future__ import annotations
 
@@ -81,6 +82,44 @@ def test_bad_input_raises_and_the_engine_keeps_serving(llm: LLM, prompts, params
     assert not llm.has_unfinished_requests()  # the good prompt of that call was not queued either
     output = llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == 3
+
+
+def _greedy(llm: LLM, prompt: str = "the cat sat on the mat and looked at the moon in the night sky and more") \
+        -> tuple[list[int], int]:
+    output = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    return list(output.outputs[0].token_ids), output.num_cached_tokens
+
+
+def _sleep_wake_and_reset(llm: LLM, level: int) -> None:
+    """vLLM's LLM.sleep / wake_up / reset_prefix_cache (and is_sleeping) on one engine."""
+    assert llm.reset_prefix_cache() is True
+    first, cached = _greedy(llm)
+    assert cached == 0
+    assert _greedy(llm) == (first, 16)  # the same prompt hits the cache (whole blocks of 16)
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert _greedy(llm) == (first, 0)  # nothing left to hit
+    assert llm.is_sleeping() is False
+    llm.sleep(level=level)
+    assert llm.is_sleeping() is True
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping() is True  # the KV cache still sleeps
+    llm.wake_up()
+    assert llm.is_sleeping() is False
+    assert _greedy(llm) == (first, 0)  # the same tokens; the KV cache came back empty
+    with pytest.raises(ValueError, match="level: must be 0, 1 or 2, got 3"):
+        llm.sleep(level=3)
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(tags=["everything"])
+    assert llm.is_sleeping() is False
+
+
+def test_sleep_wake_up_and_reset_prefix_cache_of_a_process_group(llm: LLM) -> None:
+    _sleep_wake_and_reset(llm, level=1)
+
+
+def test_sleep_wake_up_and_reset_prefix_cache_in_process(tiny_qwen3: Path) -> None:
+    with LLM(str(tiny_qwen3), executor="inprocess", dtype="float32", seed=0) as engine:
+        _sleep_wake_and_reset(engine, level=2)  # level 2 reloads the weights from the checkpoint
 
 
 def test_engine_arguments_use_vllms_names(tiny_qwen3: Path) -> None:

@@ -9,6 +9,7 @@ API key, restricts CORS origins and runs with ``VLLM_SERVER_DEV_MODE=1`` and
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -253,6 +254,20 @@ def test_reset_prefix_cache_drops_the_hits(served: Served) -> None:
                                                            params={"reset_running_requests": "maybe"}))
 
 
+def _sleep_gauge_reads(http: httpx.Client, expected: dict[str, int]) -> None:
+    """vllm:engine_sleep_state's series reach ``expected`` (the scheduler's SLEEP_STATE crosses the bus
+    to the metrics store on its own time)."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = http.get("/metrics").text
+        series = {state: float(value) for state, value in
+                  re.findall(r'^vllm:engine_sleep_state\{[^}]*sleep_state="(\w+)"\} (\S+)$', text, re.M)}
+        if series == {state: float(value) for state, value in expected.items()}:
+            return
+        assert time.monotonic() < deadline, series
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_and_wake_keep_the_greedy_tokens(served: Served, level: int) -> None:
     with served.client() as http:
@@ -261,10 +276,12 @@ def test_sleep_and_wake_keep_the_greedy_tokens(served: Served, level: int) -> No
         slept = http.post("/sleep", params={"level": str(level)})
         assert slept.status_code == 200 and slept.content == b""
         assert ok(http.get("/is_sleeping")) == {"is_sleeping": True}
+        _sleep_gauge_reads(http, {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)})
         assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
         assert ok(http.get("/is_sleeping")) == {"is_sleeping": True}  # the KV cache still sleeps
         assert http.post("/wake_up").status_code == 200
         assert ok(http.get("/is_sleeping")) == {"is_sleeping": False}
+        _sleep_gauge_reads(http, {"awake": 1, "weights_offloaded": 0, "discard_all": 0})
         after, cached = _greedy(http)
         assert after == before and cached == 0  # the KV cache (and its prefix cache) was discarded
         assert "level" in error(http.post("/sleep", params={"level": "3"}))

@@ -1,9 +1,10 @@
 """The Responses API through a real server on the tiny model, with the official ``openai`` client:
 ``responses.create`` streamed and not (greedy text identical to the chat endpoint's for the same
 conversation), instructions and input items, ``previous_response_id``, ``store``, retrieve and
-cancel, a function tool call (named and required, streamed with its argument events, then its
-output sent back), ``text.format`` json_schema (and ``responses.parse``), the error cases, and the
-pinned request/response pairs from vLLM 0.26's tests (``vllm_pairs/responses.json``)."""
+cancel, a background stream replayed after a sequence number, a function tool call (named and
+required, streamed with its argument events, then its output sent back), ``text.format``
+json_schema (and ``responses.parse``), the error cases, and the pinned request/response pairs
+from vLLM 0.26's tests (``vllm_pairs/responses.json``)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,19 @@ def test_streamed_events_are_well_formed_and_end_with_the_response(client: opena
     assert events[0].response.status == "in_progress" and completed.id == events[0].response.id
     assert completed.usage is not None and completed.usage.output_tokens > 0
     assert client.responses.retrieve(completed.id).output_text == text
+
+
+def test_a_background_stream_is_replayed_after_a_sequence_number(client: openai.OpenAI) -> None:
+    """vLLM's test_streaming with background=True: the events after ``starting_after``, equal to the
+    first stream's."""
+    events = list(client.responses.create(model="tiny", input="Hello there", max_output_tokens=8, temperature=0,
+                                          stream=True, background=True))
+    check_event_stack(events)
+    response_id = events[0].response.id
+    starting_after = 3
+    with client.responses.retrieve(response_id, stream=True, starting_after=starting_after) as replay:
+        assert [event.model_dump() for event in replay] == [event.model_dump() for event in events[4:]]
+    assert client.responses.retrieve(response_id).model_dump() == events[-1].response.model_dump()
 
 
 def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:

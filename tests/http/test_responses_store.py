@@ -1,13 +1,16 @@
 """The Responses API's store and background mode through the real app over a fake scheduler (held
 mid-generation, so nothing races): a background response is queued, then in progress, then
-finished or cancelled (its engine request aborted); the store keeps the most recently used
+finished or cancelled (its engine request aborted); a background stream's events are replayed
+from any sequence number while it runs and after; the store keeps the most recently used
 responses up to VLLM_ACTORS_RESPONSES_STORE_SIZE; with size 0 nothing is kept and background is
 refused. And the hooks a reasoning parser feeds: a chat message's ``reasoning`` becomes a reasoning
-item, and streamed reasoning deltas their own events."""
+item, and streamed reasoning deltas their own events; a reasoning item sent back in ``input``
+becomes an assistant turn whose reasoning the chat template sees."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -15,8 +18,11 @@ import pytest
 
 from tests.support.fake_served import Env, asgi, env, served_app, tokenizer, wait_until_async  # noqa: F401
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.server.chat import conversation
+from vllm_actors.server.errors import OpenAIError
+from vllm_actors.server.protocol import ChatMessage
 from vllm_actors.server.responses_items import Shell, output_items
-from vllm_actors.server.responses_protocol import ResponsesRequest
+from vllm_actors.server.responses_protocol import ResponsesRequest, input_messages
 from vllm_actors.server.responses_stream import ResponseEvents
 
 BODY = {"model": "fake", "input": "Hello", "max_output_tokens": 6}
@@ -55,6 +61,65 @@ async def test_a_background_response_runs_to_its_end_or_is_cancelled(
         finished = (await http.get(f"/v1/responses/{second}")).json()
         assert finished["status"] == "incomplete" and finished["usage"]["output_tokens"] == 6  # the fake stops at max
         assert finished["output"][0]["content"][0]["text"]
+
+
+def _events(reply: httpx.Response) -> list[dict[str, Any]]:
+    """The SSE body's events (their ``data:`` payloads), checking each ``event:`` line names its type."""
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream"), reply.text
+    events = []
+    for block in reply.text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert kind == f"event: {events[-1]['type']}"
+    return events
+
+
+@pytest.mark.asyncio
+async def test_a_background_stream_is_replayed_from_any_sequence_number(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    env.scheduler.hold_at(2)
+    async with served_app(env, monkeypatch) as (_, app), asgi(app) as http:
+        body = {**BODY, "background": True, "stream": True, "request_id": "resp_bg"}
+        created = asyncio.create_task(http.post("/v1/responses", json=body))
+        await wait_until_async(lambda: env.scheduler.progress("resp_bg") == 2)
+        assert await _status(http, "resp_bg") == "in_progress"
+        follower = asyncio.create_task(http.get("/v1/responses/resp_bg", params={"stream": "true",
+                                                                                 "starting_after": "1"}))
+        await asyncio.sleep(0.05)
+        assert not created.done() and not follower.done()  # both follow the live events
+        env.scheduler.release()
+        events = _events(await created)
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.completed" and events[-1]["response"]["id"] == "resp_bg"
+        assert _events(await follower) == events[2:]
+        again = await http.get("/v1/responses/resp_bg", params={"stream": "true", "starting_after": "4"})
+        assert _events(again) == events[5:]  # a finished response's events replayed
+        stored = (await http.get("/v1/responses/resp_bg")).json()
+        assert stored == events[-1]["response"] and stored["background"] is True
+
+        plain = (await http.post("/v1/responses", json=BODY)).json()["id"]
+        refused = await http.get(f"/v1/responses/{plain}", params={"stream": "true"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_id"
+        assert refused.json()["error"]["message"].startswith(f"Unknown response_id: {plain}")
+        negative = await http.get("/v1/responses/resp_bg", params={"stream": "true", "starting_after": "-2"})
+        assert negative.status_code == 400 and negative.json()["error"]["param"] == "starting_after"
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_background_stream_ends_its_readers(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    env.scheduler.hold_at(2)
+    async with served_app(env, monkeypatch) as (_, app), asgi(app) as http:
+        body = {**BODY, "background": True, "stream": True, "request_id": "resp_cancel"}
+        created = asyncio.create_task(http.post("/v1/responses", json=body))
+        await wait_until_async(lambda: env.scheduler.progress("resp_cancel") == 2)
+        cancelled = await http.post("/v1/responses/resp_cancel/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        events = _events(await asyncio.wait_for(created, 10))
+        assert events[0]["type"] == "response.created"
+        assert "response.completed" not in [event["type"] for event in events]
+        await wait_until_async(lambda: "resp_cancel" not in env.scheduler.requests)  # the engine request is aborted
+        assert await _status(http, "resp_cancel") == "cancelled"
+        env.scheduler.release()
 
 
 @pytest.mark.asyncio
@@ -116,3 +181,24 @@ def test_streamed_reasoning_then_text_are_two_items_each_closed_before_the_next(
     assert response["output"][0]["content"][0]["text"] == "thinking"
     assert response["output"][1]["content"][0]["text"] == "answer"
     assert response["status"] == "completed" and response["usage"]["output_tokens"] == 4
+
+
+def test_reasoning_items_in_input_become_assistant_turns_the_template_sees() -> None:
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "6 times 7"}]}
+    summarised = {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "short"}]}
+    messages = input_messages([{"role": "user", "content": "q"}, thought, summarised,
+                               {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                                     "text": "42"}]}])
+    assert messages[1:] == [{"role": "assistant", "content": "", "reasoning": "6 times 7"},
+                            {"role": "assistant", "content": "", "reasoning": "short"},
+                            {"role": "assistant", "content": "42"}]
+    with pytest.raises(OpenAIError, match="^Encrypted content is not supported.$"):
+        input_messages([{**thought, "encrypted_content": "gAAAA"}])
+    # the chat path hands an assistant turn's reasoning to the template under both names (vLLM's)
+    chat = conversation([ChatMessage(role="user", content="q", reasoning="ignored"),
+                         ChatMessage(role="assistant", content="42", reasoning="6 times 7"),
+                         ChatMessage(role="assistant", content="", reasoning_content="older name")])
+    assert chat == [{"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "42", "reasoning": "6 times 7", "reasoning_content": "6 times 7"},
+                    {"role": "assistant", "content": "", "reasoning": "older name", "reasoning_content": "older name"}]

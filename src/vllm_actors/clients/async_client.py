@@ -51,6 +51,7 @@ from vllm_actors.clients.core import (
     group_info_of,
     load_group_tokenizer,
 )
+from vllm_actors.clients.engine_commands import AsyncEngineCommands
 from vllm_actors.clients.engine_control import ControlCalls
 from vllm_actors.clients.latency import LatencyTracker, StatsListener
 from vllm_actors.clients.open_streams import OpenStreams
@@ -92,8 +93,10 @@ RESTARTED_CLIENT = "client restarted"  # the abort reason of what a dead client 
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
 
 
-class AsyncEngineClient(ClientCore):
-    """The frontend of a process group for asyncio applications (see the module docstring)."""
+class AsyncEngineClient(ClientCore, AsyncEngineCommands):
+    """The frontend of a process group for asyncio applications (see the module docstring); vLLM's
+    engine commands (``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``) are
+    ``AsyncEngineCommands``'."""
 
     def __init__(
         self,

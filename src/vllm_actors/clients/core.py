@@ -35,6 +35,8 @@ from vllm_actors.actors.frontend.cumulative import CumulativeOutputs
 from vllm_actors.actors.frontend.frontend import Frontend, PreparedRequest
 from vllm_actors.actors.frontend.outputs import OutputDelta, RequestOutput
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput
+from vllm_actors.clients.engine_commands import SyncEngineCommands
+from vllm_actors.clients.engine_control import CONTROL_TIMEOUT, checked_reply, new_control
 from vllm_actors.envs import envs
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.messages import ControlReply, Message, RequestUpdates
@@ -46,7 +48,7 @@ from vllm_actors.protocol.metrics import (
     TimelineQuery,
     TimelineReply,
 )
-from vllm_actors.protocol.names import CLIENT
+from vllm_actors.protocol.names import CLIENT, SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -104,6 +106,8 @@ class ClientCore:
         # Why the engine is gone for good (the group failed), once it is: open requests have
         # ended with finish reason "error" and new ones are refused.
         self.failure: str | None = None
+        self.control_replies: dict[str, ControlReply] = {}  # engine commands answered, until taken
+        self._held: list[RequestOutput] = []  # outputs a sync client's control received, for its next poll
 
     # ------------------------------------------------------------------ facts
     @property
@@ -204,10 +208,17 @@ class ClientCore:
         stop string, the abort and the FINISHED event sent on)."""
         return self._send(self.frontend.handle(message))
 
+    def _receive_any(self, message: RequestUpdates | ControlReply) -> list[RequestOutput]:
+        """``_receive``, or an engine command's answer kept in ``control_replies``."""
+        if isinstance(message, ControlReply):
+            self.control_replies[message.control_id] = message
+            return []
+        return self._receive(message)
+
     def _receive_frame(self, payload: bytes) -> list[RequestOutput]:
-        """``_receive`` for a wire frame; a frame that is not ``RequestUpdates`` is dropped."""
+        """``_receive_any`` for a wire frame; a frame of any other message is dropped."""
         message = self._decode_frame(payload)
-        return self._receive(message) if isinstance(message, RequestUpdates) else []
+        return self._receive_any(message) if message is not None else []
 
     def _decode_frame(self, payload: bytes) -> RequestUpdates | ControlReply | None:
         """The scheduler's updates, or the answer to an engine command; None for anything else."""
@@ -222,8 +233,9 @@ class ClientCore:
         return message
 
 
-class SyncClient(ClientCore, ABC):
-    """A client whose calls return at once: what the offline ``LLM`` drives."""
+class SyncClient(ClientCore, SyncEngineCommands, ABC):
+    """A client whose calls return at once: what the offline ``LLM`` drives (with vLLM's engine
+    commands: ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``)."""
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request; its outputs come from ``poll``. Raises EngineDeadError once
@@ -240,7 +252,31 @@ class SyncClient(ClientCore, ABC):
 
     @abstractmethod
     def poll(self, timeout_ms: int = 100) -> list[RequestOutput]:
-        """Wait up to ``timeout_ms`` for updates; return the outputs they produced."""
+        """Wait up to ``timeout_ms`` for updates; return the outputs they produced (and first
+        those ``control`` received while it waited)."""
+
+    def control(self, action: str, timeout: float = CONTROL_TIMEOUT, **fields: Any) -> ControlReply:
+        """An engine command (``AsyncEngineClient.control``'s actions and fields), sent and polled
+        for until answered: a bad one is a ValueError, one the engine could not carry out a
+        RuntimeError, no answer in ``timeout`` seconds a TimeoutError. Request outputs that come
+        meanwhile are kept for the next ``poll``."""
+        self._check_not_failed()
+        control = new_control(action, **fields)
+        self.transport.send(SCHEDULER, control)
+        deadline = time.monotonic() + timeout
+        while (reply := self.control_replies.pop(control.control_id, None)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not answer {action!r} within {timeout:.0f} s")
+            self._held.extend(self.poll(100))
+            self._check_not_failed()
+        return checked_reply(reply)
+
+    def _with_held(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs`` after those ``control`` received while it waited."""
+        if not self._held:
+            return outputs
+        held, self._held = self._held, []
+        return [*held, *outputs]
 
     @abstractmethod
     def query_metrics(self, query: MetricsQuery) -> MetricsReply:

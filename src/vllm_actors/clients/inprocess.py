@@ -133,7 +133,7 @@ class InProcessEngine(SyncClient):
             update = self._frontend_endpoint.recv()
             progressed = update is not None
             if update is not None:
-                outputs.extend(self._receive(update))
+                outputs.extend(self._receive_any(update))
             stepped = False
             for loop in self._loops:
                 message = loop.endpoint.recv()
@@ -154,7 +154,7 @@ class InProcessEngine(SyncClient):
 
     def poll(self, timeout_ms: int = 0) -> list[RequestOutput]:
         """The client interface: one step's outputs (nothing to wait for in process)."""
-        outputs = self.step()
+        outputs = self._with_held(self.step())
         if not self.has_unfinished:
             outputs.extend(self.run_until_idle())  # let the scheduler hand the last blocks back
         return outputs
@@ -203,7 +203,7 @@ class InProcessEngine(SyncClient):
         a dead scheduler's last messages are in), without running any actor."""
         outputs: list[RequestOutput] = []
         while (update := self._frontend_endpoint.recv()) is not None:
-            outputs.extend(self._receive(update))
+            outputs.extend(self._receive_any(update))
         return outputs
 
     def inject(self, destination: str, message: Message, first: bool = False, *, sender: str | None = None) -> None:

@@ -99,8 +99,8 @@ class EngineClient(SyncClient):
         the old scheduler sent before it died, so that no token is counted twice)."""
         reason = self._group_failure()
         if reason is not None:
-            return self.fail_open(reason)
-        outputs: list[RequestOutput] = []
+            return self._with_held(self.fail_open(reason))
+        outputs = self._with_held([])
         if self._scheduler_restarted.is_set():
             self._scheduler_restarted.clear()
             outputs.extend(self._drain())

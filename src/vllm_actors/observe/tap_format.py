@@ -36,7 +36,8 @@ EVENT_GROUPS: dict[str, frozenset[str]] = {
                         "BLOCK_RESTORED", "KV_POOL"}),
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
-                        "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET"}),
+                        "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET",
+                        "SLEEP_STATE"}),
 }
 ALL_EVENT_TYPES: frozenset[str] = frozenset(cls.__struct_config__.tag for cls in ALL_EVENTS)  # type: ignore[misc]
 

@@ -266,13 +266,21 @@ class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
     num_preempted: int
 
 
+class SleepChanged(msgspec.Struct, tag="SLEEP_STATE", kw_only=True):
+    """Published by the scheduler when the engine falls asleep or wakes up (vLLM's sleep mode):
+    ``level`` 0 pauses scheduling only, 1 offloads the weights, 2 discards them; awake: not sleeping."""
+
+    sleeping: bool
+    level: int = 0
+
+
 Event = (
     Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored
     | KvPool
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
-    | ActorFailed | ActorRestarted | GroupFailed | PipelineReset
+    | ActorFailed | ActorRestarted | GroupFailed | PipelineReset | SleepChanged
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
@@ -280,7 +288,7 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
     StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
-    ActorFailed, ActorRestarted, GroupFailed, PipelineReset,
+    ActorFailed, ActorRestarted, GroupFailed, PipelineReset, SleepChanged,
 )
 
 # What an engine actor reports about its work (requests, KV blocks, steps), as opposed to the

@@ -205,6 +205,9 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     restart_seconds: Percentiles = Percentiles()  # ACTOR_RESTARTED.seconds: failure noticed to READY
     pipeline_resets: int = 0
     group_failed: str | None = None  # GROUP_FAILED's reason
+    # sleep mode, from the scheduler's SLEEP_STATE: asleep (paused at level 0) and the level
+    sleeping: bool = False
+    sleep_level: int = 0
     # replica sets (data_parallel_size > 1): the replicas the store has heard from, and which one
     # this summary covers (None: the whole group, every replica summed)
     replicas: list[int] = []

@@ -79,7 +79,8 @@ class _Job:
 
 
 def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them; text content parts are joined by newlines."""
+    """Messages as the chat template sees them; text content parts are joined by newlines; an
+    assistant turn's ``reasoning`` is given to the template as ``reasoning`` and ``reasoning_content``."""
     if not messages:
         raise bad_request("messages: must hold at least one message", "messages")
     result = []
@@ -101,6 +102,9 @@ def conversation(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                 entry[name] = value
         if message.tool_calls is not None:
             entry["tool_calls"] = history_tool_calls(message.tool_calls, position)
+        reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if reasoning is not None and message.role == "assistant":  # templates read either name (vLLM sets both)
+            entry["reasoning"] = entry["reasoning_content"] = reasoning
         result.append(entry)
     return result
 

@@ -20,6 +20,13 @@ WAITING_REASONS = ("capacity", "deferred")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
+def sleep_state(summary: SummaryReply) -> dict[str, float]:
+    """vLLM's sleep-state series (its PrometheusStatLogger.record_sleep_state)."""
+    level = summary.sleep_level if summary.sleeping else 0
+    return {"awake": 0 if summary.sleeping else 1, "weights_offloaded": int(level == 1),
+            "discard_all": int(level == 2)}
+
+
 class SummaryCollector(Collector):
     """The families of the last ``SummaryReply`` (set just before each scrape; none without one)."""
 
@@ -76,9 +83,9 @@ class SummaryCollector(Collector):
             "equals vllm:num_requests_waiting.", labels=[*LABELS, "reason"]),
             {"capacity": summary.waiting, "deferred": 0})
         yield labelled(GaugeMetricFamily(
-            "vllm:engine_sleep_state", "Engine sleep state; awake = 1 means engine is awake (this engine never "
-            "sleeps).", labels=[*LABELS, "sleep_state"]),
-            {"awake": 1, "weights_offloaded": 0, "discard_all": 0})
+            "vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means "
+            "engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            labels=[*LABELS, "sleep_state"]), sleep_state(summary))
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", summary.kv_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's name before 0.9 for "
                     "vllm:kv_cache_usage_perc).", summary.kv_usage)

@@ -101,6 +101,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None  # an assistant turn's thinking, shown to the chat template (vLLM's)
+    reasoning_content: str | None = None  # the older name, read when reasoning is not given
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):

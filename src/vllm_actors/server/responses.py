@@ -1,5 +1,6 @@
 """The OpenAI Responses API as vLLM serves it for a text model: ``POST /v1/responses`` (streamed or
-not, in the background or not), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``.
+not, in the background or not), ``GET /v1/responses/{id}`` (``stream=true``: a background stream's
+events replayed, ``responses_background``) and ``POST /v1/responses/{id}/cancel``.
 
 A request becomes a chat completion request (``responses_protocol``), runs through the chat path
 (``chat.start_chat``: templates, tools, structured outputs, sampling), and its chat result becomes
@@ -25,6 +26,13 @@ from vllm_actors.envs import envs
 from vllm_actors.server.chat import _Job, _response, _stream, chat_output, start_chat
 from vllm_actors.server.errors import OpenAIError, bad_request, log_edge_error
 from vllm_actors.server.protocol import encode, now
+from vllm_actors.server.responses_background import (
+    Event,
+    EventLog,
+    check_starting_after,
+    log_events,
+    unknown_events,
+)
 from vllm_actors.server.responses_items import (
     Shell,
     new_id,
@@ -55,12 +63,14 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         return await create_response(request, state, store)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, stream: bool = False) -> Response:
+    async def retrieve(response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        check_starting_after(starting_after)
         stored = _stored(store, response_id)
-        if stream:
-            raise bad_request("stream: replaying a stored response's events is not supported; retrieve it "
-                              "without stream", "stream")
-        return _json(stored.response)
+        if not stream:
+            return _json(stored.response)
+        if stored.events is None:
+            raise unknown_events(response_id)
+        return EventStreamResponse(_sse(stored.events.replay(starting_after)))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str) -> Response:
@@ -83,9 +93,6 @@ async def create_response(request: Request, state: ServerState, store: ResponseS
     check_request(body)
     if body.background and not store.enabled:
         raise bad_request(_NO_STORE, "background")
-    if body.background and body.stream:
-        raise bad_request("background: a streamed background response is not supported; set stream or background "
-                          "to false", "background")
     history = _stored(store, body.previous_response_id).history if body.previous_response_id is not None else []
     messages = [*history, *input_messages(body.input)]
     prompt = [{"role": "system", "content": body.instructions}, *messages] if body.instructions else messages
@@ -100,12 +107,17 @@ async def create_response(request: Request, state: ServerState, store: ResponseS
         assert keep is not None
         stored = Stored(shell.response("queued"), messages, streams=streams)
         store.put(response_id, stored)
-        stored.task = asyncio.create_task(_background(job, shell, streams[0], state, store, messages))
+        if body.stream:  # the events are kept for this request and any later GET ?stream=true
+            stored.events = EventLog()
+            work = log_events(_events(job, shell, streams[0], state, store, messages), stored.events, response_id)
+        else:
+            work = _background(job, shell, streams[0], state, store, messages)
+        stored.task = asyncio.create_task(work)
         store.tasks.add(stored.task)
         stored.task.add_done_callback(store.tasks.discard)
-        return _json(stored.response)
+        return EventStreamResponse(_sse(stored.events.replay())) if stored.events else _json(stored.response)
     if body.stream:
-        return EventStreamResponse(_events(job, shell, streams[0], state, keep, messages), streams)
+        return EventStreamResponse(_sse(_events(job, shell, streams[0], state, keep, messages)), streams)
     output = await chat_output(request, state, streams)
     if output is None:
         return Response(status_code=499)
@@ -123,38 +135,54 @@ def finished_response(job: _Job, shell: Shell, output: RequestOutput) -> dict[st
     return shell.response(status_of(choice["finish_reason"]), items, usage_body(chat["usage"]))
 
 
+async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield sse_event(event)
+
+
 async def _events(job: _Job, shell: Shell, stream: RequestStream, state: ServerState, store: ResponseStore | None,
-                  messages: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """The response's events, from the chat stream's chunks; a failure is an ``error`` event."""
+                  messages: list[dict[str, Any]]) -> AsyncIterator[Event]:
+    """The response's events, from the chat stream's chunks; a failure is an ``error`` event (and
+    a background response's stored status "failed")."""
     builder = ResponseEvents(shell)
     try:
         for event in builder.start():
-            yield sse_event(event)
+            yield event
+        if shell.body.background:
+            store_status(store, shell.response_id, shell.response("in_progress"))
         try:
             async for chunk in _stream(job, stream, state.output_error):
                 if chunk != SSE_DONE:
                     for event in builder.feed(msgspec.json.decode(chunk.removeprefix(b"data: "))):
-                        yield sse_event(event)
+                        yield event
         except OpenAIError as error:
             log.warning("response stream ended with an error", request_id=shell.response_id, status=error.status)
+            if shell.body.background and store is not None:
+                failed = shell.response("failed", error={"code": str(error.status), "message": error.message})
+                store.put(shell.response_id, Stored(failed, messages))
             for event in builder.fail(error):
-                yield sse_event(event)
+                yield event
             return
         events, response = builder.finish()
         if store is not None:
             store.put(shell.response_id, Stored(response, history_after(messages, response["output"])))
         for event in events:
-            yield sse_event(event)
+            yield event
     finally:
         stream.abort("abort")
+
+
+def store_status(store: ResponseStore | None, response_id: str, response: dict[str, Any]) -> None:
+    """A running background response's stored state, unless cancelled (or dropped) meanwhile."""
+    stored = store.get(response_id) if store is not None else None
+    if stored is not None and stored.response["status"] != "cancelled":
+        stored.response = response
 
 
 async def _background(job: _Job, shell: Shell, stream: RequestStream, state: ServerState, store: ResponseStore,
                       messages: list[dict[str, Any]]) -> None:
     """A background response: "in_progress" until its request ends, then stored as it ended."""
-    stored = store.get(shell.response_id)
-    if stored is not None:
-        stored.response = shell.response("in_progress")
+    store_status(store, shell.response_id, shell.response("in_progress"))
     try:
         output = await final_output(stream)
         if output.error is not None:

@@ -71,8 +71,9 @@ def check_request(body: ResponsesRequest) -> None:
 
 def input_messages(raw: str | list[Any]) -> list[dict[str, Any]]:
     """The request's ``input`` as chat messages: a string is one user message; items are messages
-    (text parts joined), ``function_call`` (consecutive ones merged into one assistant turn) and
-    ``function_call_output`` (a tool message). Reasoning items are left out of the prompt."""
+    (text parts joined), ``function_call`` (consecutive ones merged into one assistant turn),
+    ``function_call_output`` (a tool message) and ``reasoning`` (an assistant turn of that
+    reasoning alone, which the chat template may show: vLLM's conversion)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     messages: list[dict[str, Any]] = []
@@ -97,13 +98,26 @@ def input_messages(raw: str | list[Any]) -> list[dict[str, Any]]:
                 output = _joined(output, f"{where}.output")
             messages.append({"role": "tool", "content": output, "tool_call_id": _text(item, "call_id", where)})
         elif kind == "reasoning":
-            continue  # the model's earlier thinking: chat templates drop it from past turns too
+            messages.append({"role": "assistant", "content": "", "reasoning": _reasoning(item, where)})
         else:
             raise bad_request(f"{where}: items of type {kind!r} are not supported (message, function_call, "
                               "function_call_output, reasoning)"[:500], "input")
     if not messages:
         raise bad_request("input: must hold at least one message", "input")
     return messages
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text as vLLM reads it: its one summary part, else its one content part,
+    else nothing; encrypted reasoning is refused (this server cannot decrypt it)."""
+    if item.get("encrypted_content"):
+        raise bad_request("Encrypted content is not supported.", "input")
+    summary, content = item.get("summary") or [], item.get("content") or []
+    parts = summary if len(summary) == 1 else content if len(content) == 1 else []
+    for part in parts:
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}: a reasoning item's summary and content parts must hold a text"[:500], "input")
+    return str(parts[0]["text"]) if parts else ""
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

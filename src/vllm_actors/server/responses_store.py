@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_actors.clients.request_stream import RequestStream
+from vllm_actors.server.responses_background import EventLog
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Stored:
     history: list[dict[str, Any]]  # the chat messages up to and including this response's output
     task: asyncio.Task[None] | None = None  # a background response still running
     streams: list[RequestStream] = field(default_factory=list)
+    events: EventLog | None = None  # a background stream's events, for GET ?stream=true
 
 
 class ResponseStore:
@@ -43,10 +45,13 @@ class ResponseStore:
         return found
 
     def put(self, response_id: str, stored: Stored) -> None:
-        """Keep ``stored``, unless the response was cancelled meanwhile (vLLM's rule)."""
+        """Keep ``stored``, unless the response was cancelled meanwhile (vLLM's rule); the events of
+        a background stream stay with the response that replaces its running state."""
         previous = self._entries.get(response_id)
         if previous is not None and previous.response["status"] == "cancelled":
             return
+        if previous is not None and stored.events is None:
+            stored.events = previous.events
         self._entries[response_id] = stored
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.capacity:

@@ -46,6 +46,7 @@ from vllm_actors.protocol.events import (
     Resumed,
     Routed,
     Scheduled,
+    SleepChanged,
     StepFinished,
     StepStarted,
     Tokens,
@@ -84,6 +85,7 @@ class Recorder:
         self._event_bytes = 0  # the estimated size of the event being applied
         self.kv: dict[str, KvPoolState] = {}
         self.counters = Counters()
+        self.sleep = SleepChanged(sleeping=False)  # the scheduler's last word on sleep mode
         self.latencies = Latencies(sample_window)
         self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self._itl_cap = sample_window
@@ -120,6 +122,7 @@ class Recorder:
             ActorRestartedEvent: self._on_actor_restarted,
             GroupFailed: self._on_group_failed,
             PipelineReset: self._on_pipeline_reset,
+            SleepChanged: self._on_sleep_changed,
         }
         self._rejections = Rejections(self.notices)
 
@@ -429,6 +432,9 @@ class Recorder:
 
     def _on_pipeline_reset(self, actor: str, seq: int, mono: float, wall: float, event: PipelineReset) -> None:
         self.counters.pipeline_resets += 1
+
+    def _on_sleep_changed(self, actor: str, seq: int, mono: float, wall: float, event: SleepChanged) -> None:
+        self.sleep = event
 
     def _on_heartbeat(self, actor: str, seq: int, mono: float, wall: float, event: Heartbeat) -> None:
         seen = self.actors[actor]

@@ -86,6 +86,8 @@ def summary(recorder: Recorder) -> SummaryReply:
         actor_restarts=dict(counters.actor_restarts),
         restart_seconds=latencies.restart.percentiles(),
         pipeline_resets=counters.pipeline_resets,
+        sleeping=recorder.sleep.sleeping,
+        sleep_level=recorder.sleep.level,
         group_failed=counters.group_failed,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_actors.protocol.events import SleepChanged
 from vllm_actors.protocol.messages import CONTROL_ACTIONS, SLEEP_MODES, WAKE_TAGS, ControlReply, EngineControl
 
 WORKER_TAGS = frozenset({"weights", "kv_cache"})  # what sleeps in the workers at levels 1 and 2
@@ -37,6 +38,7 @@ class SleepState:
     paused: bool = False  # nothing is planned; new requests wait
     asleep: set[str] = field(default_factory=set)  # what sleeps in the workers
     pending: EngineControl | None = None  # a sleep of mode "wait": once nothing runs; nothing is admitted
+    level: int = 0  # the level of the sleep while anything sleeps in the workers
 
     @property
     def is_sleeping(self) -> bool:
@@ -51,9 +53,15 @@ class SleepState:
         chosen = set(WAKE_TAGS if tags is None else tags)
         waking = [tag for tag in WAKE_TAGS if tag in self.asleep and tag in chosen]
         self.asleep -= chosen
-        if not self.asleep and self.pending is None:
-            self.paused = False
+        if not self.asleep:
+            self.level = 0
+            if self.pending is None:
+                self.paused = False
         return waking
+
+    def event(self) -> SleepChanged:
+        """The state as published (vLLM's vllm:engine_sleep_state reads it)."""
+        return SleepChanged(sleeping=self.is_sleeping, level=self.level)
 
     def reply(self, control: EngineControl, success: bool = True, error: str | None = None) -> ControlReply:
         return ControlReply(control_id=control.control_id, success=success and error is None,

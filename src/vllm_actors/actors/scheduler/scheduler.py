@@ -223,6 +223,7 @@ class Scheduler:
             self._sleep(control, out)
         elif control.action == "wake_up":
             waking = self.sleep.wake(control.tags)
+            out.emit(self.sleep.event())
             if waking:  # behind every plan sent before; its answer comes back from rank 0
                 out.send(KV_CACHE_MANAGER, msgspec.structs.replace(control, tags=waking))
             else:
@@ -234,11 +235,13 @@ class Scheduler:
         self.sleep.pending = None
         self.sleep.paused = True
         if control.level == 0 or self.sleep.asleep:  # scheduling paused only, or asleep already
+            out.emit(self.sleep.event())
             out.send(FRONTEND, self.sleep.reply(control))
             return
         # The KV cache is discarded: the pipeline starts over once awake; what ran is recomputed.
         self._recover(f"sleep level {control.level}", out)
-        self.sleep.asleep = {"weights", "kv_cache"}
+        self.sleep.asleep, self.sleep.level = {"weights", "kv_cache"}, control.level
+        out.emit(self.sleep.event())
         out.send(KV_CACHE_MANAGER, control)
 
     def _abort_all(self, out: Outputs) -> None:
