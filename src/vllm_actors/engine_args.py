@@ -60,6 +60,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="a prompt with more tokens left than this is long: a step gives it at most this many "
+                             "(0: no threshold; 4%% of max_model_len when --max-num-partial-prefills > 1)")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=1,
+                        help="above 1: the most prefills one step carries at once")
+    parser.add_argument("--max-long-partial-prefills", type=int, default=1,
+                        help="with --max-num-partial-prefills > 1: the most long ones among them (shorter prompts "
+                             "pass long ones waiting)")
+    parser.add_argument("--itl-target-ms", type=float, default=None,
+                        help="the inter-token latency running decodes are held to: each step's prefill tokens are "
+                             "sized by the step cost model to keep its predicted time within it (default: none)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -97,7 +108,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-        "enable_chunked_prefill", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
+        "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
+        "max_long_partial_prefills", "itl_target_ms", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
         "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
         "tensor_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_actors.bench import procfs, serve_delays
+from vllm_actors.bench import procfs, serve_delays, serve_long
 from vllm_actors.bench.serve_client import (
     INPUT_LEN_RANGE,
     OUTPUT_LEN_RANGE,
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-itl-ms", type=float, default=50.0, help="bound on each request's p99 inter-token gap")
 
     add_mixed_arguments(parser)
+    serve_long.add_long_arguments(parser)
     parser.add_argument("--out", default="results/serve")
     parser.add_argument("--merge", nargs="+", default=None, metavar="SERVE_JSON",
                         help="measure nothing: put the servers of these serve.json files (e.g. runs of separate "
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     if args.concurrencies:
         return [("concurrency", float(c)) for c in args.concurrencies]
-    return [("rate", rate) for rate in args.rates]
+    return [run for rate in args.rates for run in serve_long.load_kinds(args, "rate", rate)]
 
 
 def load_requests(args: argparse.Namespace, kind: str, value: float, seed: int) -> list[Any]:
@@ -142,6 +143,8 @@ def load_requests(args: argparse.Namespace, kind: str, value: float, seed: int) 
     output_range: tuple[int, int] = (args.output_len[0], args.output_len[1])
     if kind == "rate" and args.workload == "mixed":
         return load_mixed(args, value, seed)
+    if kind == serve_long.LONG_KIND:  # the same short requests as the rate's run alone, and the long one
+        return serve_long.with_long(args, load_requests(args, "rate", value, seed), seed)
     if kind == "rate":
         return poisson_requests(value, args.duration, seed, input_range=input_range, output_range=output_range)
     return make_requests(int(value * args.duration * 4 + 16), seed, input_range, output_range)
@@ -169,8 +172,10 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
     """Every load against ``url``; with ``server_pid`` (a server this benchmark started), also the
     CPU each of its roles used over the load (``server_cpu``: cores, 1.0 a core busy all along)."""
     record["warmup_s"] = warm_up(args, url, model)
+    alone: tuple[list[Any], float] | None = None  # the last rate's run without the long request
     for index, (kind, value) in enumerate(loads(args)):
-        requests = load_requests(args, kind, value, args.seed + 1000 * (index + 1))
+        seed = args.seed + 1000 * (index + (0 if kind == serve_long.LONG_KIND else 1))  # the run alone's
+        requests = load_requests(args, kind, value, seed)
         concurrency = int(value) if kind == "concurrency" else 0
         shards = split_load(completions_url(url), model, requests, args.num_clients, temperature=args.temperature,
                             timeout=args.request_timeout, concurrency=concurrency, duration=args.duration)
@@ -188,6 +193,10 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
             summary["server_cpu"] = cpu
         if args.workload == "mixed":
             summary["slo"] = slo_summary(args, results, requests, start)
+        if kind == serve_long.LONG_KIND:
+            baseline, baseline_start = alone or (None, 0.0)
+            summary["long"] = serve_long.long_summary(results, baseline, start, baseline_start)
+        alone = (results, start) if kind == "rate" else None
         klass = {request.index: getattr(request, "klass", None) for request in requests}
         summary["per_request"] = [
             {"i": r.index, "in": r.prompt_len, "out": r.output_tokens, "t0": round(r.start - start, 4),
@@ -204,6 +213,8 @@ def measure(args: argparse.Namespace, url: str, model: str, name: str, record: d
             print(f"{name} {_load_label(summary)}: server CPU in cores: {shares}", flush=True)
         if "slo" in summary:
             print(slo_row(name, summary, None), flush=True)
+        if "long" in summary:
+            print(serve_long.describe(name, summary), flush=True)
         write_outputs(out, args, None)
 
 
@@ -213,6 +224,8 @@ _RECORDS: list[dict[str, Any]] = []
 
 def _load_label(summary: dict[str, Any]) -> str:
     value = summary["value"]
+    if summary["kind"] == serve_long.LONG_KIND:
+        return f"{value:g}/s + {summary['long']['prompt_tokens']:,}-token request"
     return f"{value:g}/s" if summary["kind"] == "rate" else f"c={int(value)}"
 
 

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
+
 # On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
 # default 4). Ours defaults to 1 GiB, overridable through the cpu_kv_cache_gib argument (which
 # make_engine_config fills from VLLM_ACTORS_CPU_KVCACHE_SPACE when it is not given).
@@ -60,6 +62,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Admission control: refuse at arrival a request whose deadline the step cost model says cannot
     # be met (the server answers 503 with the reason) instead of serving it late.
     reject_unmeetable: bool = False
+    # Prefills sized for their neighbours (protocol/long_prefill.py; vLLM's names for the first three).
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    itl_target_ms: float | None = None
     # Replicas (vLLM's data parallelism): data_parallel_size full groups (scheduler, KV-cache
     # manager, workers) under one controller that routes each request by routing_policy.
     data_parallel_size: int = 1
@@ -99,6 +106,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"got {self.kv_cache_offload_gb!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        error = long_prefill_error(self)
+        if error is not None:
+            raise ValueError(error)
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -138,6 +148,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
     num_host_blocks: int = 0  # the host KV tier's size in blocks (0: none)
+    # Prefill sizing (protocol/long_prefill.py): the threshold resolved; the ITL target in seconds.
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    itl_target: float | None = None
 
 
 def resolve_scheduler_config(
@@ -167,6 +182,7 @@ def resolve_scheduler_config(
             f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}) "
             "while chunked prefill is disabled: long prompts could never be scheduled"
         )
+    threshold = resolve_threshold(config, max_model_len)  # against the limit asked for, as vLLM
     blocks_per_seq = math.ceil(max_model_len / config.block_size)
     if num_blocks < 1:
         raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); give it more memory")
@@ -186,4 +202,8 @@ def resolve_scheduler_config(
         reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
         num_host_blocks=num_host_blocks,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=config.max_num_partial_prefills,
+        max_long_partial_prefills=config.max_long_partial_prefills,
+        itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
     )

@@ -1,6 +1,9 @@
-"""The per-step cost model the deadline policies predict with: ``step_seconds = a +
-b * prefill_tokens + c * decode_seqs``, fitted online by recursive least squares from each step's
-measured execution time (``StepResult.execute_seconds``). A fixed model is injected for tests."""
+"""The per-step cost model the deadline policies and prefill sizing predict with: ``step_seconds =
+a + b * prefill_tokens + c * decode_seqs + d * prefill_pairs``, fitted online by recursive least
+squares from each step's measured execution time (``StepResult.execute_seconds``). ``prefill_pairs``
+is the attention work of the step's prefill chunks, query-key pairs in units of ``PAIRS_UNIT``: a
+chunk late in a 1M-token prompt attends to everything before it and costs more per token than the
+first chunk. A fixed model is injected for tests."""
 
 from __future__ import annotations
 
@@ -9,11 +12,19 @@ from typing import Protocol
 
 import numpy as np
 
+PAIRS_UNIT = float(1 << 20)  # query-key pairs per unit of ``prefill_pairs`` (keeps the features' scales close)
+
+
+def chunk_pairs(start: int, num_tokens: int) -> float:
+    """The attention work of a prefill chunk of ``num_tokens`` after ``start`` computed tokens: each
+    query attends to the keys up to its own position (causal), in units of ``PAIRS_UNIT``."""
+    return num_tokens * (start + (num_tokens + 1) / 2) / PAIRS_UNIT
+
 
 class CostModel(Protocol):
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float: ...
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float: ...
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None: ...
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None: ...
 
 
 @dataclass
@@ -23,11 +34,12 @@ class FixedCostModel:
     a: float = 0.01
     b: float = 0.0001
     c: float = 0.0005
+    d: float = 0.0
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.a + self.b * prefill_tokens + self.c * decode_seqs
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
+        return self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * prefill_pairs
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
         return None
 
 
@@ -36,7 +48,7 @@ class OnlineCostModel:
     """Recursive least squares with a forgetting factor (recent steps weigh more), starting from
     a prior guess; predictions are clamped at zero."""
 
-    prior: tuple[float, float, float] = (0.01, 0.0001, 0.0005)
+    prior: tuple[float, ...] = (0.01, 0.0001, 0.0005, 0.0003)
     forgetting: float = 0.99
     theta: np.ndarray = field(init=False)
     covariance: np.ndarray = field(init=False)
@@ -44,13 +56,13 @@ class OnlineCostModel:
 
     def __post_init__(self) -> None:
         self.theta = np.array(self.prior, dtype=np.float64)
-        self.covariance = np.eye(3) * 1e3
+        self.covariance = np.eye(len(self.theta)) * 1e3
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return max(0.0, float(self.theta @ np.array([1.0, prefill_tokens, decode_seqs])))
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
+        return max(0.0, float(self.theta @ np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs])))
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
-        x = np.array([1.0, prefill_tokens, decode_seqs], dtype=np.float64)
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+        x = np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs], dtype=np.float64)
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)

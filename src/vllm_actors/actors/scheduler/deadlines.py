@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE as UNMEETABLE
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
@@ -25,17 +25,25 @@ def remaining_decodes(request: ScheduledRequest) -> int:
     return max(0, max_tokens - len(request.output_token_ids))
 
 
+def prefill_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
+    """Predicted time of its remaining prefill in one step, its attention over the context it
+    already has included (a long prompt's last tokens cost more than its first)."""
+    prefill = remaining_prefill(request)
+    if not prefill:
+        return 0.0
+    return cost.step_seconds(prefill, batch, chunk_pairs(request.num_computed_tokens, prefill))
+
+
 def first_token_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
     """Predicted time to its first token: its prefill in one step (0 once it has a token)."""
-    prefill = remaining_prefill(request)
-    return cost.step_seconds(prefill, batch) if prefill and not request.output_token_ids else 0.0
+    return 0.0 if request.output_token_ids else prefill_seconds(request, cost, batch)
 
 
 def remaining_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
     """Predicted time left to finish it: its prefill in one step, then one step per token in a
     batch of ``batch`` decoding sequences."""
     decodes = remaining_decodes(request)
-    prefill = cost.step_seconds(remaining_prefill(request), batch) if remaining_prefill(request) else 0.0
+    prefill = prefill_seconds(request, cost, batch)
     return prefill + max(0, decodes - (1 if prefill else 0)) * cost.step_seconds(0, batch)
 
 
@@ -51,7 +59,8 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
     prefill_tokens = sum(remaining_prefill(r) for r in ahead) + len(message.prompt_token_ids)
     batch = min(max_num_seqs, num_running + 1)
     steps = math.ceil(prefill_tokens / budget)
-    ttft = steps * cost.step_seconds(0, batch) + cost.step_seconds(prefill_tokens, 0) - cost.step_seconds(0, 0)
+    pairs = chunk_pairs(0, len(message.prompt_token_ids))  # its own attention; those ahead are apart
+    ttft = steps * cost.step_seconds(0, batch) + cost.step_seconds(prefill_tokens, 0, pairs) - cost.step_seconds(0, 0)
     decodes = (message.params.max_tokens or 1) - 1
     e2e = ttft + decodes * cost.step_seconds(0, batch)
     for what, deadline, predicted in (("time to first token", message.ttft_deadline, ttft),
@@ -62,10 +71,13 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
     return None
 
 
-def observe_step(cost: CostModel, plan: StepPlan, result: StepResult) -> None:
-    """Teach the cost model one step: its prefill tokens (requests given more than one token) and
-    decodes (one token each), and the step's measured execution time (0: not measured)."""
+def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int) -> None:
+    """Teach the cost model one step: its prefill tokens (requests given more than one token), their
+    attention work (each chunk's context taken from the blocks its request holds, to within a block)
+    and decodes (one token each), and the step's measured execution time (0: not measured)."""
     if result.execute_seconds <= 0:
         return
     num_decodes = sum(1 for n in plan.num_tokens if n == 1)
-    cost.observe(sum(plan.num_tokens) - num_decodes, num_decodes, result.execute_seconds)
+    pairs = sum(chunk_pairs(max(0, blocks * block_size - n), n)
+                for n, blocks in zip(plan.num_tokens, plan.num_blocks, strict=True) if n > 1)
+    cost.observe(sum(plan.num_tokens) - num_decodes, num_decodes, result.execute_seconds, pairs)

@@ -37,8 +37,9 @@ How the ledger uses it, for a request with tokens ``T``:
 A shared block is never written again: a request only writes from its first uncomputed token,
 which lies past its matched (full) blocks.
 
-LRU uses a logical clock, no wall clock: every call that takes a path (``take``, ``extend``,
-``release``) advances it and stamps that path. Since one call stamps one root path, two cached
+LRU uses a logical clock, no wall clock: every call that takes a path (``take``, ``release``)
+advances it and stamps that path; ``extend`` stamps the blocks it adds (the path above them is
+held, so unevictable, until its ``release`` stamps it). Since one call stamps one root path, two cached
 leaves never share a stamp, so the eviction order is fully determined.
 """
 
@@ -184,7 +185,10 @@ class PrefixCache:
         if keys and keys[0] in parent.children:
             return []
         new_nodes = self._add_chain(parent, keys, block_ids[:num_full])
-        self._stamp(self._path_to(parent) + new_nodes)
+        # Only the new blocks are stamped: the path above them is held by the caller, so it cannot
+        # be evicted before ``release``, which stamps the whole path (restamping it here would cost
+        # the request's length on every chunk of a long prompt).
+        self._stamp(new_nodes)
         return [n.to_cached() for n in new_nodes]
 
     def evict(self, num_blocks: int) -> list[CachedBlock]:
@@ -283,14 +287,6 @@ class PrefixCache:
             new_nodes.append(child)
             node = child
         return new_nodes
-
-    def _path_to(self, node: _Node) -> list[_Node]:
-        path: list[_Node] = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path
 
     def _hold(self, path: list[_Node]) -> None:
         for node in path:

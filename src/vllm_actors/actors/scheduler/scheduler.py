@@ -49,6 +49,7 @@ from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.plan import StepBuilder
 from vllm_actors.actors.scheduler.policies import make_policy
+from vllm_actors.actors.scheduler.prefill_sizing import PrefillSizer, is_decoding, yielding
 from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.results import apply_result
@@ -188,7 +189,7 @@ class Scheduler:
             self.stats.num_stale_results += 1
             return
         plan, sampling_ids = taken
-        observe_step(self.cost_model, plan, result)  # the step cost model learns from the measured step
+        observe_step(self.cost_model, plan, result, self.config.block_size)  # the cost model learns the step
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
         for request_id in step.finished_ids:
             self._finish(request_id)
@@ -321,25 +322,40 @@ class Scheduler:
             self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
                 self._preempt(victim, out)  # a more urgent waiting request takes its slot below
-        if not self._schedule_running(step, out) and self.sleep.admitting:
-            self._admit_waiting(step, out)
+        sizer = PrefillSizer(self.config, self.cost_model, self.running)
+        # At a chunk boundary a prefill yields to the waiting requests that outrank it: they are
+        # admitted first, it takes what the step has left.
+        deferred = yielding(self.policy, self.waiting, self.running) if self.sleep.admitting else set()
+        if not self._schedule_running(step, out, sizer, deferred) and self.sleep.admitting:
+            self._admit_waiting(step, out, sizer)
+        if deferred:
+            self._schedule_running(step, out, sizer, deferred, deferred_turn=True)
         plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending,
                                                              self.pipeline.take_departed())
         out.emit(*chunks)
         self.stats.num_prefill_chunks += num_partial
         return plan, sampling_ids
 
-    def _schedule_running(self, step: StepBuilder, out: Outputs) -> bool:
-        """Give the running requests, in order, what they still need of the budget, preempting from
-        the back when blocks run short. True when someone was preempted (nobody is admitted then)."""
+    def _schedule_running(self, step: StepBuilder, out: Outputs, sizer: PrefillSizer,
+                          deferred: set[str], deferred_turn: bool = False) -> bool:
+        """Give the running requests, in order, what they still need of the budget (prefills as
+        ``sizer`` sizes them; the ``deferred`` ones only on their turn), preempting from the back
+        when blocks run short. True when someone was preempted (nobody is admitted then)."""
         preempted = False
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
-            if num_new <= 0 or not request.wants_more(self.config.max_model_len):
+            if (num_new <= 0 or not request.wants_more(self.config.max_model_len)
+                    or (request.request_id in deferred) != deferred_turn):
                 index += 1
                 continue
+            prefill = not is_decoding(request)
+            if prefill:
+                num_new = sizer.chunk(request, num_new) if sizer.admits(request) else 0
+                if not num_new:
+                    index += 1
+                    continue
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
             while needed > self.ledger.num_available:
                 victim = self.running[-1]
@@ -349,23 +365,32 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
+            if prefill:
+                sizer.took(request, num_new)
             step.take(request, num_new, needed)
             index += 1
         return preempted
 
-    def _admit_waiting(self, step: StepBuilder, out: Outputs) -> None:
-        """Admit waiting requests, in the policy's order, while slots, budget and blocks allow."""
+    def _admit_waiting(self, step: StepBuilder, out: Outputs, sizer: PrefillSizer) -> None:
+        """Admit waiting requests, in the policy's order, while slots, budget and blocks allow (a
+        prefill the sizer holds back this step is passed over, the ones behind it go on)."""
         self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
+        passed: list[ScheduledRequest] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
+            if not sizer.admits(request):
+                passed.append(self.waiting.popleft())
+                continue
             num_query, num_hit, hit_hash = admit(request, self.ledger)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, step.budget)
+            if remaining > 1:
+                num_new = sizer.chunk(request, num_new)
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
             unchunked = remaining > step.budget and not self.config.enable_chunked_prefill
-            if unchunked or needed > self.ledger.num_available:
+            if unchunked or not num_new or needed > self.ledger.num_available:
                 self.ledger.release(request.request_id)  # not now: give the hit back
                 request.num_computed_tokens = 0
                 break
@@ -377,5 +402,7 @@ class Scheduler:
             admitted = Resumed if request.num_preemptions else Scheduled
             out.emit(admitted(request_id=request.request_id, step_id=step.step_id, num_query_tokens=num_query,
                               num_cached_tokens=num_hit))
+            if remaining > 1:
+                sizer.took(request, num_new)
             step.take(request, num_new, needed, new=request.new_request(num_hit, hit_hash))
-
+        self.waiting.extendleft(reversed(passed))  # back at the front, in their order

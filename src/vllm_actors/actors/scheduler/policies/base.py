@@ -23,6 +23,7 @@ class QueuePolicy:
     """The base: both queues left as they are (arrival order); nobody preempted for a slot."""
 
     name = ""
+    preempts_for_slots = False  # a waiting request that outranks a running one takes its slot
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
@@ -43,6 +44,11 @@ class QueuePolicy:
         queue ahead): all of them, unless the policy orders by a key."""
         return list(waiting)
 
+    def outranks(self, waiting: ScheduledRequest, running: ScheduledRequest) -> bool:
+        """Whether a waiting request goes before a running one: never, unless the policy orders
+        both queues by one key."""
+        return False
+
     def slot_victims(self, waiting: deque[ScheduledRequest], running: list[ScheduledRequest],
                      max_num_seqs: int, budget: int) -> list[ScheduledRequest]:
         """The running requests to preempt so that waiting ones that outrank them get their slots
@@ -55,8 +61,6 @@ class KeyedPolicy(QueuePolicy):
     """A policy that is a sort key, on both queues (stable: equal keys keep their order). A
     request still waiting for a token in flight goes last in the waiting queue: it cannot be
     admitted yet and must not block the others."""
-
-    preempts_for_slots = False  # a waiting request that outranks a running one takes its slot
 
     def key(self, request: ScheduledRequest) -> tuple[float, ...]:
         raise NotImplementedError

@@ -1,0 +1,106 @@
+"""How many prompt tokens each prefill gets in one planning pass, so that a long prompt proceeds
+without taking its neighbours' latency:
+
+- ``long_prefill_token_threshold`` (vLLM's): a prefill gets at most that many tokens a step, and a
+  prompt with more tokens left than that is *long*;
+- ``max_num_partial_prefills`` / ``max_long_partial_prefills`` (vLLM's concurrent partial
+  prefills, on when the first is above 1): at most that many prefills in a step, at most that many
+  of them long (a long waiting prompt is passed over, the shorter ones behind it are admitted);
+- ``itl_target`` (seconds; Medha's adaptive chunking): while decodes run, the step's prefill
+  tokens are sized by the step cost model so the step's predicted time, their decode step, stays
+  within the target. The chunk shrinks as a long prompt's context grows (its attention term). The
+  step's first prefill gets at least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt
+  always moves; the others get nothing once the target is spent.
+
+One ``PrefillSizer`` per planning pass; the scheduler asks it before giving a request tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
+from vllm_actors.actors.scheduler.policies.base import QueuePolicy
+from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.protocol.config import SchedulerConfig
+
+MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
+
+
+def is_decoding(request: ScheduledRequest) -> bool:
+    """One token to compute: its next decode (what the cost model counts as a decode)."""
+    return request.num_tokens_with_pending - request.num_computed_tokens <= 1
+
+
+class PrefillSizer:
+    def __init__(self, config: SchedulerConfig, cost: CostModel, running: Iterable[ScheduledRequest]) -> None:
+        self.cost = cost
+        chunked = config.enable_chunked_prefill  # without it a prompt is never split
+        self.threshold = config.long_prefill_token_threshold if chunked else 0
+        self.max_partial = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.target = config.itl_target if chunked else None
+        decodes = sum(1 for request in running if is_decoding(request))
+        self.num_decodes = min(decodes, config.max_num_seqs)
+        self.prefill_tokens = 0  # taken by this pass's prefills so far
+        self.prefill_pairs = 0.0
+        self.num_prefills = 0
+        self.num_long = 0
+
+    def is_long(self, request: ScheduledRequest) -> bool:
+        return 0 < self.threshold < request.num_tokens - request.num_computed_tokens
+
+    def admits(self, request: ScheduledRequest) -> bool:
+        """Whether the prefill may run in this step (the concurrent partial prefill limits)."""
+        if self.max_partial <= 1:
+            return True
+        if self.num_prefills >= self.max_partial:
+            return False
+        return not (self.is_long(request) and self.num_long >= self.max_long)
+
+    def chunk(self, request: ScheduledRequest, num_new: int) -> int:
+        """The tokens the prefill gets of the ``num_new`` the budget allows (0: none this step)."""
+        if 0 < self.threshold < num_new:
+            num_new = self.threshold
+        if self.target is None or not self.num_decodes:
+            return num_new  # nobody's next token waits on this step
+        start = request.num_computed_tokens
+        fits, low, high = 0, 1, num_new
+        while low <= high:  # the step time grows with the chunk: the largest that keeps the target
+            middle = (low + high) // 2
+            if self._step_seconds(start, middle) <= self.target:
+                fits, low = middle, middle + 1
+            else:
+                high = middle - 1
+        return fits if self.num_prefills else max(fits, min(num_new, MIN_CHUNK))
+
+    def predicted_seconds(self) -> float:
+        """The step's predicted time with the prefills taken so far and its decodes."""
+        return self.cost.step_seconds(self.prefill_tokens, self.num_decodes, self.prefill_pairs)
+
+    def took(self, request: ScheduledRequest, num_new: int) -> None:
+        """The prefill was given ``num_new`` tokens from its computed ones (before they advance)."""
+        if self.is_long(request):
+            self.num_long += 1
+        self.num_prefills += 1
+        self.prefill_tokens += num_new
+        self.prefill_pairs += chunk_pairs(request.num_computed_tokens, num_new)
+
+    def _step_seconds(self, start: int, num_new: int) -> float:
+        return self.cost.step_seconds(self.prefill_tokens + num_new, self.num_decodes,
+                                      self.prefill_pairs + chunk_pairs(start, num_new))
+
+
+def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],
+             running: Sequence[ScheduledRequest]) -> set[str]:
+    """The running prefills that a waiting request (one that can be admitted now) outranks by the
+    policy's key: at this chunk boundary they let it in first. Only under the deadline policies
+    (edf, lrs: those that take slots for more urgent requests); the others keep running requests
+    first, as before."""
+    if not policy.preempts_for_slots or not waiting:
+        return set()
+    prefills = [request for request in running if not is_decoding(request)]
+    if not prefills:
+        return set()
+    ready = [request for request in waiting if not request.num_pending]
+    return {request.request_id for request in prefills
+            if any(policy.outranks(candidate, request) for candidate in ready)}

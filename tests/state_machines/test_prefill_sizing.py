@@ -1,0 +1,192 @@
+"""Prefills sized for their neighbours, on the scheduler's state machine (no processes): chunks of a
+1M-token prompt sized by the step cost model so 32 running decodes keep their inter-token target,
+vLLM's long-prefill threshold and concurrent partial prefill limits, and a prefill yielding to a
+more urgent waiting request at a chunk boundary."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
+from vllm_actors.actors.scheduler.prefill_sizing import MIN_CHUNK
+from vllm_actors.actors.scheduler.scheduler import Scheduler
+from vllm_actors.engine_args import add_engine_arguments, engine_kwargs
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
+from vllm_actors.protocol.events import PrefillChunk
+from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
+from vllm_actors.protocol.names import KV_CACHE_MANAGER
+from vllm_actors.protocol.outputs import Outputs
+from vllm_actors.protocol.sampling import SamplingParams
+
+# An H100-like shape, ten times faster attention than the 1B model's so a 1M prompt moves in a few
+# hundred steps: 5 ms a step, 2 us a prefill token, 0.1 ms a decode, 30 us per 2^20 attention pairs.
+COST = FixedCostModel(a=0.005, b=2e-6, c=1e-4, d=3e-5)
+LONG = 1_000_000
+
+
+def make(budget: int = 16384, max_model_len: int = 4096, num_blocks: int = 4096, **fields: Any) -> Scheduler:
+    config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=budget,
+                             enable_chunked_prefill=True, block_size=16, num_blocks=num_blocks,
+                             max_steps_in_flight=1, enable_prefix_caching=False, **fields)
+    return Scheduler(config, cost_model=COST)
+
+
+def add(request_id: str, prompt_len: int, max_tokens: int = 4, **kwargs: Any) -> AddRequest:
+    return AddRequest(request_id=request_id, prompt_token_ids=[5] * prompt_len,
+                      params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_ids=[0], **kwargs)
+
+
+def the_plan(out: Outputs) -> StepPlan | None:
+    plans = [m for m in out.to(KV_CACHE_MANAGER) if isinstance(m, StepPlan)]
+    assert len(plans) <= 1
+    return plans[0] if plans else None
+
+
+def finish(scheduler: Scheduler, plan: StepPlan) -> Outputs:
+    """The plan's result: each request that completed its tokens samples token 7."""
+    sampled = [rid for rid in plan.req_ids if rid in scheduler.requests and scheduler.requests[rid].num_pending]
+    return scheduler.handle(StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=sampled,
+                                       token_ids=[7] * len(sampled)))
+
+
+def run(scheduler: Scheduler, out: Outputs, until: Callable[[StepPlan], bool] | None = None,
+        max_steps: int = 10_000) -> list[tuple[StepPlan, Outputs]]:
+    """Steps until no plan is left (or ``until(plan)`` holds): each plan with its pass's outputs."""
+    steps = []
+    plan = the_plan(out)
+    while plan is not None and len(steps) < max_steps:
+        steps.append((plan, out))
+        if until is not None and until(plan):
+            break
+        out = finish(scheduler, plan)
+        plan = the_plan(out)
+    return steps
+
+
+def chunks(out: Outputs, request_id: str) -> list[PrefillChunk]:
+    return [e for e in out.events if isinstance(e, PrefillChunk) and e.request_id == request_id]
+
+
+def decoding_beside_a_long_prompt(target: float | None) -> tuple[Scheduler, list[tuple[StepPlan, Outputs]]]:
+    """32 requests decoding, then a 1M-token prompt arrives: the steps until its last chunk."""
+    scheduler = make(max_model_len=LONG + 8, num_blocks=LONG // 16 + 4096, itl_target=target)
+    out = Outputs()
+    for i in range(32):
+        out += scheduler.handle(add(f"d{i}", 16, max_tokens=100_000))
+    decoding = run(scheduler, out, until=lambda plan: len(plan.req_ids) == 32 and sum(plan.num_tokens) == 32)
+    out = scheduler.handle(add("long", LONG, max_tokens=1))  # arrives while their decode step runs
+    out += finish(scheduler, decoding[-1][0])
+    steps = run(scheduler, out, until=lambda plan: scheduler.requests["long"].num_pending > 0)
+    return scheduler, steps
+
+
+def test_a_long_prompts_chunks_keep_the_decodes_inter_token_target() -> None:
+    target = 0.030
+    scheduler, steps = decoding_beside_a_long_prompt(target)
+    sizes, starts = [], []
+    for plan, out in steps:
+        (chunk,) = chunks(out, "long")
+        sizes.append(chunk.num_tokens)
+        starts.append(chunk.start)
+        assert sum(1 for n in plan.num_tokens if n == 1) == 32  # every decode gets its token each step
+        predicted = COST.step_seconds(chunk.num_tokens, 32, chunk_pairs(chunk.start, chunk.num_tokens))
+        assert predicted <= target or chunk.num_tokens == MIN_CHUNK
+    assert starts[-1] + sizes[-1] == LONG  # the whole prompt, chunk after chunk
+    # Chunks shrink as the context grows (attention), from the budget-bound start.
+    assert sizes[0] > 4 * sizes[-2] and sizes[-2] >= MIN_CHUNK
+    assert scheduler.stats.num_preemptions == 0
+
+
+def test_without_a_target_the_long_prompt_takes_the_whole_budget() -> None:
+    _, steps = decoding_beside_a_long_prompt(None)
+    (chunk,) = chunks(steps[0][1], "long")
+    assert chunk.num_tokens == 16384 - 32
+    assert COST.step_seconds(chunk.num_tokens, 32, chunk_pairs(0, chunk.num_tokens)) > 0.030
+
+
+def test_the_threshold_caps_each_prefill_per_step() -> None:
+    scheduler = make(budget=1024, long_prefill_token_threshold=100)
+    out = scheduler.handle(add("a", 350))  # planned at once: b joins the next step
+    out += scheduler.handle(add("b", 60))
+    steps = run(scheduler, out)
+    assert [plan.num_tokens for plan, _ in steps[:4]] == [[100], [100, 60], [100, 1], [50, 1]]
+
+
+def test_concurrent_partial_prefills_cap_long_ones_and_let_short_ones_pass() -> None:
+    scheduler = make(budget=4096, long_prefill_token_threshold=100, max_num_partial_prefills=3,
+                     max_long_partial_prefills=1)
+    out = Outputs()
+    for name, length in (("long1", 1000), ("long2", 1000), ("short1", 80), ("long3", 1000), ("short2", 90)):
+        out += scheduler.handle(add(name, length))
+    steps = run(scheduler, out)
+    first, second = (dict(zip(plan.req_ids, plan.num_tokens, strict=True)) for plan, _ in steps[:2])
+    assert first == {"long1": 100}  # planned on arrival; the others came while it ran
+    assert second == {"long1": 100, "short1": 80, "short2": 90}  # long2, long3 passed over, the short let in
+    for _, out in steps:
+        prefills = [e for e in out.events if isinstance(e, PrefillChunk)]
+        assert len(prefills) <= 3 and all(e.num_tokens <= 100 for e in prefills)
+        # long: more than the threshold left before the step (vLLM's test)
+        assert sum(1 for e in prefills if e.request_id.startswith("long") and 1000 - e.start > 100) <= 1
+    assert not scheduler.requests
+
+
+def test_a_prefill_yields_to_a_more_urgent_request_at_a_chunk_boundary() -> None:
+    def second_plan(policy: str) -> dict[str, int]:
+        scheduler = make(budget=256, scheduling_policy=policy)
+        out = scheduler.handle(add("long", 2000, arrival_time=0.0))
+        plan = the_plan(out)
+        assert plan is not None and plan.num_tokens == [256]
+        out = scheduler.handle(add("short", 200, ttft_deadline=0.5, arrival_time=0.0))
+        out += finish(scheduler, plan)
+        nxt = the_plan(out)
+        assert nxt is not None
+        return dict(zip(nxt.req_ids, nxt.num_tokens, strict=True))
+
+    assert second_plan("lrs") == {"short": 200, "long": 56}  # the long prefill takes what is left
+    assert second_plan("fcfs") == {"long": 256}  # arrival order: running requests first, as before
+
+
+def test_the_online_cost_model_learns_the_attention_term() -> None:
+    model = OnlineCostModel()
+    truth = FixedCostModel(a=0.004, b=3e-6, c=2e-4, d=2e-4)
+    for i in range(400):
+        tokens, decodes, start = 512 + 97 * (i % 41), i % 33, (i * 7919) % 900_000
+        model.observe(tokens, decodes, truth.step_seconds(tokens, decodes, chunk_pairs(start, tokens)),
+                      chunk_pairs(start, tokens))
+    late = chunk_pairs(900_000, 2048)
+    assert model.step_seconds(2048, 32, late) == pytest.approx(truth.step_seconds(2048, 32, late), rel=0.02)
+
+
+def test_the_arguments_are_checked_with_vllms_words() -> None:
+    with pytest.raises(ValueError, match=r"max_num_partial_prefills \(0\) must be greater than or equal to 1"):
+        EngineConfig(model="m", max_num_partial_prefills=0)
+    with pytest.raises(ValueError, match="Chunked prefill must be enabled to set max_num_partial_prefills > 1"):
+        EngineConfig(model="m", max_num_partial_prefills=2, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be .* max_num_partial_prefills \(2\)"):
+        EngineConfig(model="m", max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineConfig(model="m", long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="itl_target_ms must be a number of milliseconds > 0"):
+        EngineConfig(model="m", itl_target_ms=0)
+    with pytest.raises(ValueError, match=r"threshold \(5000\) cannot be greater than the max_model_len \(4096\)"):
+        resolve_scheduler_config(EngineConfig(model="m", long_prefill_token_threshold=5000), 4096, 1024)
+    # vLLM's default threshold with concurrent partial prefills: 4% of max_model_len.
+    config = EngineConfig(model="m", max_num_partial_prefills=2, itl_target_ms=40)
+    resolved = resolve_scheduler_config(config, 4096, 1024)
+    assert (resolved.long_prefill_token_threshold, resolved.itl_target) == (163, 0.04)
+
+
+def test_the_serve_flags_carry_vllms_names() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--long-prefill-token-threshold", "2048", "--max-num-partial-prefills", "4",
+                              "--max-long-partial-prefills", "2", "--itl-target-ms", "50"])
+    kwargs = engine_kwargs(args)
+    assert {k: kwargs[k] for k in ("long_prefill_token_threshold", "max_num_partial_prefills",
+                                   "max_long_partial_prefills", "itl_target_ms")} == {
+        "long_prefill_token_threshold": 2048, "max_num_partial_prefills": 4, "max_long_partial_prefills": 2,
+        "itl_target_ms": 50.0}
