@@ -200,7 +200,8 @@ class MissingLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, stage: PipelineStage | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         """``stage``: this worker's pipeline stage; it builds only its layers (the embedding on the
         first stage, the final norm on the last), the others as ``MissingLayer``."""
         super().__init__()
@@ -290,6 +291,7 @@ class CausalLM(nn.Module):
         if intermediate is not None:
             x, residual = intermediate[0], intermediate[1]
         else:
+            assert isinstance(self.model.embed_tokens, nn.Embedding)  # the first stage's
             x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
             if self.config.gemma_norms:
                 x = self.tp.all_reduce(x) * self._embed_scale(x.dtype)
@@ -338,6 +340,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
         is, and converts to float32 only where it computes with them)."""
+        assert isinstance(self.lm_head, nn.Linear)  # the last stage's
         logits = linear(hidden, self.lm_head)
         if self.tp.enabled:
             logits = self.tp.all_gather_columns(logits)[:, : self.config.vocab_size]

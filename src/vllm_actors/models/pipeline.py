@@ -137,7 +137,8 @@ def make_stage(global_rank: int, tp_size: int, pp_size: int, num_layers: int, gr
 
 
 def run_stage(stage: PipelineStage, forward: Callable[[torch.Tensor | None], torch.Tensor], num_tokens: int,
-              hidden_size: int, dtype: torch.dtype, device: torch.device, communicate: bool = True) -> torch.Tensor | None:
+              hidden_size: int, dtype: torch.dtype, device: torch.device,
+              communicate: bool = True) -> torch.Tensor | None:
     """One step of this stage: ``forward`` over what the previous stage sent (the first stage: None),
     its output sent on to the next stage (None returned) or, on the last stage, returned.
     ``communicate=False`` (a profiling pass, alone on its stage): zeros in, nothing sent."""

@@ -84,8 +84,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "steps_in_flight"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size", "steps_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -2,8 +2,8 @@
 each started on the node Ray gives it.
 
 Ray places; it does not carry the engine's messages. A placement group holds one bundle per
-replica (its GPUs: ``tensor_parallel_size`` x ``pipeline_parallel_size`` of them; one CPU on a machine without GPUs), spread
-over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray actor starts the replica's
+replica (its GPUs: ``tensor_parallel_size`` x ``pipeline_parallel_size`` of them; one CPU on a
+machine without GPUs), spread over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray actor starts the replica's
 process group (``ProcessGroup``: the same bus, metrics store, scheduler, KV-cache manager and
 workers as on one host, under the same supervisor) with TCP endpoints on its node's address.
 
