@@ -87,3 +87,16 @@ def test_a_long_prompts_chunks_enter_back_to_back_and_its_decodes_wait_for_their
     assert decode.input_token_ids == {"long": 9}  # the stages before the last learn their input
     (short,) = _plans(scheduler.handle(_result(second, {"short": 5})))
     assert short.req_ids == ["short"] and short.input_token_ids == {"short": 5}
+
+
+def test_an_earlier_stages_step_event_does_not_count_the_step_again() -> None:
+    from tests.state_machines.test_metrics_store import Bus, summary
+    from vllm_actors.actors.metrics_store.store import MetricsStore
+    from vllm_actors.protocol.events import StepFinished
+
+    store = MetricsStore()
+    bus = Bus(store)
+    bus.publish("worker-0", StepFinished(step_id=0, num_seqs=1, num_tokens=64, num_sampled=0, execute_ms=5.0, stage=0))
+    bus.publish("worker-1", StepFinished(step_id=0, num_seqs=1, num_tokens=64, num_sampled=1, execute_ms=6.0))
+    reply = summary(store)
+    assert reply.steps == 1

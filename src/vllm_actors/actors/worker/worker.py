@@ -147,7 +147,7 @@ class Worker:
 
     def _outputs(self, started: StepStarted, result: StepResult) -> Outputs:
         outputs = Outputs()
-        if not self.answers:
+        if self.tp.rank != 0:
             return outputs  # rank 0 of the last stage answers for the group
         finished = StepFinished(
             step_id=result.step_id,
@@ -155,7 +155,11 @@ class Worker:
             num_tokens=result.num_batched_tokens,
             num_sampled=len(result.req_ids),
             execute_ms=result.execute_seconds * 1e3,
+            stage=None if self.stage.is_last else self.stage.stage,
         )
+        if not self.answers:  # an earlier stage: its part of the step, one track per stage in the trace
+            outputs.emit(started, finished)
+            return outputs
         outputs.send(SCHEDULER, result)
         outputs.emit(started, finished)
         return outputs
