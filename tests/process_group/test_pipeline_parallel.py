@@ -1,6 +1,6 @@
 """Pipeline parallelism through the process group on the CPU (gloo point-to-point between the
 stages): PP=2, PP=3 (uneven layer counts, a VLLM_PP_LAYER_PARTITION split) and PP=2 x TP=2 give
-transformers' greedy tokens (float32) under preemption and chunked prefill; a 2,000-token prompt
+transformers' greedy tokens (float32) under preemption, chunked prefill and prefix-cache hits; a 2,000-token prompt
 in 32 chunks pipelined through the stages (sequence pipeline parallelism) too; a SIGKILLed stage
 takes the replica's stages down, which come back and finish every request; no process outlives the
 group."""
@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import TP_LLAMA_SHAPE, TP_QWEN3_SHAPE
 from tests.engine.test_correctness import reference_generate
+from tests.process_group.test_tensor_parallel import prompts_for
 from tests.support.lifecycle import settled_metrics
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors import LLM, SamplingParams
@@ -81,7 +82,7 @@ def test_pp_greedy_matches_transformers(llama5: Path, pp: int, tp: int, partitio
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     if partition is not None:  # the workers read it from the environment they inherit
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
-    prompts = short_prompts(seed=pp)
+    prompts = prompts_for(500, seed=pp)  # 10 prompts, four sharing a prefix
     with LLM(str(llama5), pipeline_parallel_size=pp, tensor_parallel_size=tp,  # type: ignore[arg-type]
              **ENGINE, **SHORT) as llm:
         got = greedy(llm, prompts)
@@ -89,7 +90,7 @@ def test_pp_greedy_matches_transformers(llama5: Path, pp: int, tp: int, partitio
         assert llm.group is not None
         assert sorted(llm.group.pids()) == sorted([f"worker-{rank}" for rank in range(pp * tp)]
                                                   + ["bus", "metrics", "kv_cache_manager", "scheduler"])
-    assert metrics.preemptions > 0 and metrics.prefill_chunks > len(prompts)
+    assert metrics.preemptions > 0 and metrics.prefill_chunks > len(prompts) and metrics.prefix_cache_hits > 0
     assert got == reference(llama5, prompts)
 
 
