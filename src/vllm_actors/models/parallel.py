@@ -101,11 +101,14 @@ class TensorParallel:
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over the ranks."""
-        if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.long, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return int(tensor.item())
+        return min_over_group(value, device, self.group) if self.enabled else value
+
+
+def min_over_group(value: int, device: torch.device, group: Any) -> int:
+    """The smallest ``value`` over the ranks of ``group`` (an all-reduce MIN)."""
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
 
 
 # Checkpoint names (suffixes) by how they are split: dim 0 (column-parallel) or dim 1 (row-parallel).

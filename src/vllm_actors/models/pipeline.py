@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_actors.envs import envs
+from vllm_actors.models.parallel import min_over_group
 
 _CHECKPOINT_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FIRST_ONLY = ("model.embed_tokens.",)
@@ -119,11 +120,7 @@ class PipelineStage:
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over every rank of every stage (block ids mean the same everywhere)."""
-        if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.long, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return int(tensor.item())
+        return min_over_group(value, device, self.group) if self.enabled else value
 
 
 def make_stage(global_rank: int, tp_size: int, pp_size: int, num_layers: int, group: Any) -> PipelineStage:

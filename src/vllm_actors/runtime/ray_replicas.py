@@ -3,9 +3,10 @@ each started on the node Ray gives it.
 
 Ray places; it does not carry the engine's messages. A placement group holds one bundle per
 replica (its GPUs: ``tensor_parallel_size`` x ``pipeline_parallel_size`` of them; one CPU on a
-machine without GPUs), spread over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray actor starts the replica's
-process group (``ProcessGroup``: the same bus, metrics store, scheduler, KV-cache manager and
-workers as on one host, under the same supervisor) with TCP endpoints on its node's address.
+machine without GPUs), spread over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray
+actor starts the replica's process group (``ProcessGroup``: the same bus, metrics store, scheduler,
+KV-cache manager and workers as on one host, under the same supervisor) with TCP endpoints on its
+node's address.
 
 Keys: the launcher makes one pair of CURVE key pairs per replica (``GroupKeys.generate``) and hands
 them to the host through Ray's call arguments, never a command line; the host writes them into its
