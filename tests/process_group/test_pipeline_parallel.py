@@ -91,6 +91,11 @@ def test_pp_greedy_matches_transformers(llama5: Path, pp: int, tp: int, partitio
     assert got == reference(llama5, prompts)
 
 
+def test_more_stages_than_layers_fail_before_any_process_starts(llama5: Path) -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size 6 is larger than the model's 5 layers"):
+        LLM(str(llama5), pipeline_parallel_size=6, **ENGINE)  # type: ignore[arg-type]
+
+
 def test_sigkill_of_a_stage_restarts_the_stages_and_loses_nothing(pp2: LLM, qwen3_long: Path) -> None:
     prompts = short_prompts(9, count=6)
     group = pp2.group

@@ -9,7 +9,8 @@ import pytest
 
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.engine_args import make_engine_config
-from vllm_actors.models.pipeline import PipelineStage, stage_layers
+from vllm_actors.models.pipeline import PipelineStage
+from vllm_actors.models.stage_split import stage_layers
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER

@@ -39,6 +39,7 @@ import msgspec
 import structlog
 
 from vllm_actors.envs import envs
+from vllm_actors.models.stage_split import check_stages
 from vllm_actors.protocol.config import (
     EngineConfig,
     SchedulerConfig,
@@ -138,6 +139,8 @@ class ProcessGroup(Recovery):
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         max_busy_seconds: float = DEFAULT_MAX_BUSY_SECONDS,
     ) -> None:
+        if config.distributed_executor_backend == "mp":  # before any process: a clear ValueError
+            check_stages(config.model, config.pipeline_parallel_size)
         self.config = config
         self.start_timeout = start_timeout
         self.check_invariants = check_invariants
