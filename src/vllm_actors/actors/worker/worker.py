@@ -212,6 +212,8 @@ class Worker:
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset)
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
             self.runner.execute(batch)
+            if self.host_tier is not None:
+                self.host_tier.step_launched(self._fences.launched())
             return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset)
         rows = [request.sampling_row() for request in samplers]
