@@ -15,7 +15,8 @@
 #           (EVENT_PAIRS pairs, default 2):
 #           benchmarks/throughput.py --no-peer --no-batch1 --no-floor [--no-events]; extra
 #           arguments after `--` go to each run), tptests (2 GPUs: TP=2 greedy equal to TP=1,
-#           tests/gpu/test_gpu_tensor_parallel.py, and the fused all-reduce + norm on two GPUs,
+#           tests/gpu/test_gpu_tensor_parallel.py, PP=2 greedy equal to PP=1 (NCCL point-to-point),
+#           tests/gpu/test_gpu_pipeline_parallel.py, and the fused all-reduce + norm on two GPUs,
 #           tests/gpu/test_gpu_allreduce_norm.py), allreduce (2+ GPUs: NCCL, symmetric-memory one-shot and
 #           two-shot, and the fused all-reduce + norm at decode sizes, benchmarks/allreduce.py; results
 #           in $out/allreduce.json), gemv (the batch-1 GEMV against cuBLAS over a grid,
@@ -105,7 +106,7 @@ for stage in "${stages[@]}"; do
                tests/gpu/test_gpu_attention_options.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/gpu/test_gpu_allreduce_norm.py \
-               tests/gpu/test_gpu_tensor_parallel.py \
+               tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_pipeline_parallel.py \
                2>&1 | tee "$out/tptests.log" | tail -40 ;;
     allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
     synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/models/test_uploads.py \

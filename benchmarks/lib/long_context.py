@@ -10,7 +10,8 @@ TTFT and decode by the client's clock from each token's arrival).
 Each engine starts once per run, with ``max_model_len`` = the largest of ``--contexts`` (how a
 long-context server is configured: one engine for every request up to its window), and takes the
 contexts in increasing order; its startup time and resolved settings go into the report. The
-same arguments go to every engine: dtype, ``--tensor-parallel-size``, ``--kv-cache-dtype`` (ours
+same arguments go to every engine: dtype, ``--tensor-parallel-size``, ``--pipeline-parallel-size`` and
+``--max-num-batched-tokens`` (SGLang's pp_size and chunked_prefill_size), ``--kv-cache-dtype`` (ours
 gets it only when it is not "auto"), prefix caching on, ``--gpu-memory-utilization`` (vLLM's and
 ours; SGLang keeps its own ``mem_fraction_static`` unless ``--sglang-mem-fraction-static``); every
 other setting is each engine's default. A run too long for one call (1M-token prefills take minutes
@@ -49,7 +50,7 @@ from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 
 # settings that must match for --append to add to an earlier report
 SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
-                 "kv_cache_dtype", "output_len")
+                 "pipeline_parallel_size", "max_num_batched_tokens", "kv_cache_dtype", "output_len")
 
 
 def _context(text: str) -> int:
@@ -82,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON for config.json's rope_scaling, e.g. Qwen3's yarn "
                             "'{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}'")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="pipeline stages (ours and vLLM): a prompt's chunks flow through them back to back")
+    model.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="the prefill chunk (ours and vLLM; default: each engine's): C chunks of a prompt over "
+                            "P stages take (C+P-1)/(C*P) of one stage's time at best")
     model.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="ours and vLLM")
     model.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="default: SGLang's")
@@ -123,6 +129,8 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         "--repeats", *map(str, repeats), "--warmup", *map(str, warmups), "--output-len", str(args.output_len),
         "--max-model-len", str(max(args.contexts)), "--load-format", args.load_format, "--dtype", args.dtype,
         "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+        *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--vocab-size", str(vocab_size),
     ]

@@ -27,6 +27,10 @@ def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["load_format"] = args.load_format
     if args.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.pipeline_parallel_size > 1:
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return kwargs

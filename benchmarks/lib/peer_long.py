@@ -194,6 +194,10 @@ class VllmEngine:
                   "enable_prefix_caching": True, "tensor_parallel_size": a.tensor_parallel_size,
                   "kv_cache_dtype": a.kv_cache_dtype, "gpu_memory_utilization": a.gpu_memory_utilization,
                   "skip_tokenizer_init": True, "seed": a.seed}
+        if a.pipeline_parallel_size > 1:
+            kwargs["pipeline_parallel_size"] = a.pipeline_parallel_size
+        if a.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
         self.llm = LLM(**kwargs)
         settings: dict[str, Any] = {"version": vllm.__version__, "arguments": kwargs}
         try:  # what vLLM resolved (attribute names move between versions)
@@ -255,6 +259,10 @@ class SglangEngine:
             "attention_backend": "fa3", "sampling_backend": "pytorch", "skip_tokenizer_init": True,
             "random_seed": a.seed, "stream_interval": 1, "log_level": "error",
         }
+        if a.pipeline_parallel_size > 1:
+            kwargs["pp_size"] = a.pipeline_parallel_size
+        if a.max_num_batched_tokens:
+            kwargs["chunked_prefill_size"] = a.max_num_batched_tokens
         if a.mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = a.mem_fraction_static
         self.engine = sglang.Engine(**kwargs)
@@ -293,6 +301,8 @@ def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentPars
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's; its default if not given")

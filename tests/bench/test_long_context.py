@@ -119,6 +119,17 @@ def test_peer_arguments() -> None:
     assert peer_long.parse_args(_peer_args(engine="ours"), engines=("ours",)).engine == "ours"
 
 
+def test_pipeline_stages_and_chunk_reach_our_engine() -> None:
+    from benchmarks.lib.long_context_ours import engine_arguments
+
+    args = peer_long.parse_args(_peer_args("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "2048",
+                                           engine="ours"), engines=("ours",))
+    kwargs = engine_arguments(args)
+    assert kwargs["pipeline_parallel_size"] == 2 and kwargs["max_num_batched_tokens"] == 2048
+    assert "pipeline_parallel_size" not in engine_arguments(peer_long.parse_args(_peer_args(engine="ours"),
+                                                                                 engines=("ours",)))
+
+
 def test_peer_result_shaping() -> None:
     sample = peer_long.shape_sample([(0.5, 1), (0.51, 2), (0.53, 4), (0.56, 8)], 8)
     assert sample["ttft_s"] == 0.5 and sample["full_s"] == 0.56 and sample["complete"] and sample["updates"] == 4

@@ -72,6 +72,9 @@ class InProcessEngine(SyncClient):
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs the process executor (one process per rank); "
                              "the in-process engine runs one worker")
+        if config.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 needs the process executor (one process per stage); "
+                             "the in-process engine runs one worker")
         if runner is None:
             from vllm_actors.runner.model_runner import ModelRunner
 
@@ -180,7 +183,7 @@ class InProcessEngine(SyncClient):
         role = role_of(actor.name)
         transport = self._transports[actor.name]
         owners = RequestOwners() if role.clients_connect else None  # a restarted shell starts with none
-        return ActorLoop(actor, transport.endpoint, transport, role.accepts(None), owners=owners,
+        return ActorLoop(actor, transport.endpoint, transport, role.accepts(None, 0), owners=owners,
                          raise_rejections=not restarted)
 
     def replace_actor(self, actor: Scheduler | KVCacheManager | Worker) -> None:

@@ -297,6 +297,9 @@ class Envs:
     VLLM_SERVER_DEV_MODE = switch(
         "vLLM's: the server's development endpoints (`/server_info`, `/reset_prefix_cache`, `/sleep`, "
         "`/wake_up`, `/is_sleeping`) are registered.", "other", default=False)
+    VLLM_PP_LAYER_PARTITION = Setting[str | None](
+        None, text, "vLLM's: the layers of each pipeline stage, comma-separated (`10,14`: 10 on the first stage); "
+        "unset, an even split (the first stages take one more where it does not divide).", kind="str", group="other")
     VLLM_TORCH_PROFILER_DIR = Setting[str | None](
         None, text, "vLLM's: the workers run torch.profiler between `POST /start_profile` and `/stop_profile` "
         "(registered only then) and write the trace here.", kind="path", group="other")

@@ -33,6 +33,7 @@ from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
 from vllm_actors.models.moe import SparseMoeBlock
 from vllm_actors.models.parallel import ShardLayout, TensorParallel, vocab_parallel_embedding
+from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.models.rope import RotaryFrequencies, rope_cos_sin, rope_frequencies
 from vllm_actors.models.tensor_source import DictSource, TensorSource
 
@@ -194,31 +195,44 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MissingLayer(nn.Module):
+    """A module another pipeline stage holds (vLLM's PPMissingLayer): no parameters here."""
+
+
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
+        """``stage``: this worker's pipeline stage; it builds only its layers (the embedding on the
+        first stage, the final norm on the last), the others as ``MissingLayer``."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = stage or PipelineStage()
+        own = stage.layers(config.num_hidden_layers)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if stage.is_first else MissingLayer()
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, i) if i in own else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else MissingLayer()
 
 
 class CausalLM(nn.Module):
     """Llama/Qwen3 causal LM over flattened, unpadded tokens with a paged KV cache."""
 
     def __init__(
-        self, config: ModelConfig, attn_backend: AttentionBackend | None = None, tp: TensorParallel | None = None
+        self, config: ModelConfig, attn_backend: AttentionBackend | None = None, tp: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         """``config``: the whole model's; ``tp``: this rank's place in a tensor-parallel group
-        (its modules then hold its shard: ``local_config``)."""
+        (its modules then hold its shard: ``local_config``); ``stage``: its pipeline stage (its
+        layers only; ``forward`` then takes and returns what passes between stages)."""
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
+        self.stage = stage or PipelineStage()
         self.layout = ShardLayout(config, self.tp.rank, self.tp.size)
         self.local_config = local = self.layout.local_config()
-        self.model = Decoder(local, self.tp)
-        self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = Decoder(local, self.tp, self.stage)
+        self.lm_head: nn.Module = nn.Linear(local.hidden_size, local.vocab_size, bias=False) \
+            if self.stage.is_last else MissingLayer()
+        self.tie_weights()
         self.attn_backend = attn_backend
         # kept out of the buffers so dtype casts and meta-device construction never touch it
         self._rope: RotaryFrequencies | None = None
@@ -226,6 +240,19 @@ class CausalLM(nn.Module):
         # per layer, the KV scales the checkpoint holds ({"k": k_scale, "v": v_scale}; load_from)
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.kv_cache_dtype: torch.dtype | None = None  # the cache init_kv_scales prepared the layers for
+
+    @property
+    def ties_embeddings(self) -> bool:
+        """The LM head is the embedding (tied, and one stage holds both)."""
+        return self.config.tie_word_embeddings and self.stage.is_first and self.stage.is_last
+
+    def tie_weights(self) -> None:
+        if self.ties_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def stage_layers(self) -> list[DecoderLayer]:
+        """The decoder layers this stage holds, in order."""
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def _rope_frequencies(self, device: torch.device) -> RotaryFrequencies:
         if self._rope is None or self._rope.inv_freq.device != device:
@@ -245,24 +272,35 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] long; returns final-norm hidden states [T, hidden]."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"expected {len(self.model.layers)} kv caches, got {len(kv_caches)}")
+        """input_ids, positions: [T] long; returns final-norm hidden states [T, hidden]. A pipeline
+        stage after the first takes ``intermediate`` (the previous stage's output and residual,
+        [2, T, hidden]) instead of embedding ``input_ids``; one before the last returns its own."""
+        layers = self.stage_layers()
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} kv caches, got {len(kv_caches)}")
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
         cos, sin = rope_cos_sin(positions, self._rope_frequencies(positions.device))  # [T, D/2] float32
         local = self._local_rope_frequencies(positions.device)
         local_cos, local_sin = (cos, sin) if local is None else rope_cos_sin(positions, local)
         meta = self.attn_backend.prepare(meta)
-        x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
-        norm_tp = self.tp
-        if self.config.gemma_norms:  # the layers take whole sums (DecoderLayer.forward)
-            x, norm_tp = self.tp.all_reduce(x) * self._embed_scale(x.dtype), _LOCAL
+        norm_tp = _LOCAL if self.config.gemma_norms else self.tp  # Gemma's layers take whole sums
         residual: torch.Tensor | None = None
-        for layer, attn, kv_cache in zip(self.model.layers, self.attention_layers(), kv_caches):
-            c, s = (local_cos, local_sin) if attn.local_rope else (cos, sin)
+        if intermediate is not None:
+            x, residual = intermediate[0], intermediate[1]
+        else:
+            assert isinstance(self.model.embed_tokens, nn.Embedding)  # the first stage's
+            x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
+            if self.config.gemma_norms:
+                x = self.tp.all_reduce(x) * self._embed_scale(x.dtype)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            c, s = (local_cos, local_sin) if layer.self_attn.local_rope else (cos, sin)
             x, residual = layer(x, c, s, meta, kv_cache, self.attn_backend, residual)
+        if not self.stage.is_last:
+            assert residual is not None
+            return torch.stack((x, residual))
         return self.model.norm(x, residual, norm_tp, SLOT_MLP)[0]
 
     def _embed_scale(self, dtype: torch.dtype) -> float:
@@ -278,14 +316,14 @@ class CausalLM(nn.Module):
             for attn in self.attention_layers():
                 attn.k_scale = attn.v_scale = None
             return
-        device = self.lm_head.weight.device
+        device = next(self.parameters()).device
         from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
         if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint and not calculated:
             log.warning("kv_scales_default", kv_cache_dtype=str(kv_cache_dtype), k_scale=1.0, v_scale=1.0,
                         note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
         elif self.checkpoint_kv_scales and not from_checkpoint:
             log.info("kv_scales_ignored", kv_cache_dtype=str(kv_cache_dtype), note="fp8_e5m2 takes no scales")
-        for index, attn in enumerate(self.attention_layers()):
+        for index, attn in zip(self.stage.layers(self.config.num_hidden_layers), self.attention_layers(), strict=True):
             given = from_checkpoint.get(index, {})
             attn.k_scale, attn.v_scale = kv_quant.kv_scale_tensors(device, given.get("k", 1.0), given.get("v", 1.0))
 
@@ -297,11 +335,12 @@ class CausalLM(nn.Module):
             attn.calculate_kv_scales = calculate
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        return [layer.self_attn for layer in self.stage_layers()]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads bfloat16 as it
         is, and converts to float32 only where it computes with them)."""
+        assert isinstance(self.lm_head, nn.Linear)  # the last stage's
         logits = linear(hidden, self.lm_head)
         if self.tp.enabled:
             logits = self.tp.all_gather_columns(logits)[:, : self.config.vocab_size]
@@ -330,7 +369,7 @@ class CausalLM(nn.Module):
         named: dict[str, torch.Tensor] = {}
         experts: set[int] = set()  # the sparse blocks' parameters: named by the blocks themselves
         for index, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, SparseMoeBlock):
+            if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, SparseMoeBlock):
                 named.update(layer.mlp.hf_named_weights(f"model.layers.{index}."))
                 experts.update(id(param) for param in layer.mlp.parameters())
         for name, param in self.named_parameters():
@@ -358,6 +397,9 @@ class CausalLM(nn.Module):
             lm = given.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" not in given and lm is not None:
                 given["model.embed_tokens.weight"] = lm
+            if "lm_head.weight" in targets:  # a last stage without the embedding: its own copy
+                given["lm_head.weight"] = given["model.embed_tokens.weight"]
+        given = {name: read for name, read in given.items() if self.stage.owns(name, self.config.num_hidden_layers)}
         missing = sorted(set(targets) - set(given))
         unexpected = sorted(set(given) - set(targets))
         if missing or unexpected:

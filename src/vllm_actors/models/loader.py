@@ -12,6 +12,7 @@ from vllm_actors.models import registry
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.parallel import TensorParallel
+from vllm_actors.models.pipeline import PipelineStage
 
 log = structlog.get_logger(__name__)
 
@@ -37,12 +38,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load weights at path into a CausalLM of the given dtype on device, in eval mode.
     ``load_format="dummy"`` reads only the configuration and draws random weights. ``tp``: load
     this rank's shard only (safetensors: only its rows or columns are read; GGUF: only its rows, or
     of a row-parallel weight whole rows dequantized then cut to its columns: quantized blocks run
-    along the rows; one tensor at a time)."""
+    along the rows; one tensor at a time); ``stage``: only that pipeline stage's layers."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     start = time.perf_counter()
@@ -50,10 +52,9 @@ def load_model(
     config = ModelConfig.from_path(path)
     model_cls = registry.model_class(config.architecture)
     with torch.device("meta"):
-        model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp)
+        model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp, stage=stage)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()  # to_empty re-creates parameters: tie them again
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif config.source == "gguf":

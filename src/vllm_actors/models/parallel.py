@@ -93,18 +93,22 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``x`` on every rank, in place."""
+        """Rank ``src``'s ``x`` on every rank, in place (``src`` within the group: under pipeline
+        parallelism a stage's group holds other global ranks)."""
         if self.enabled:
-            dist.broadcast(x, src=src, group=self.group)
+            dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
         return x
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over the ranks."""
-        if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.long, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return int(tensor.item())
+        return min_over_group(value, device, self.group) if self.enabled else value
+
+
+def min_over_group(value: int, device: torch.device, group: Any) -> int:
+    """The smallest ``value`` over the ranks of ``group`` (an all-reduce MIN)."""
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
 
 
 # Checkpoint names (suffixes) by how they are split: dim 0 (column-parallel) or dim 1 (row-parallel).
@@ -294,20 +298,29 @@ def symm_all_reduce_from_env(environ: Mapping[str, str] | None, group: Any, on_c
 TP_TIMEOUT = timedelta(minutes=10)  # a collective that waits this long gives up (a rank is gone)
 
 
-def join_group(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
+def join_group(rank: int, size: int, init_method: str, device: str, pipeline_size: int = 1) -> TensorParallel:
     """Join the ``size`` ranks of a tensor-parallel group at ``init_method`` (a ``file://`` path in
     the run directory or a ``tcp://`` address the supervisor handed out): NCCL where the engine runs
-    on CUDA (rank ``r`` on GPU ``r``), gloo on the CPU. ``size == 1``: no group."""
-    if size == 1:
+    on CUDA (rank ``r`` on GPU ``r``), gloo on the CPU. ``size == 1``: no group. ``pipeline_size``:
+    stages of ``size`` ranks each (``rank`` is then global, ``stage * size + tp_rank``): one world of
+    every rank (``dist.group.WORLD``: the stages' point-to-point), one tensor-parallel group per stage."""
+    world = size * pipeline_size
+    if world == 1:
         return TensorParallel()
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if on_cuda:
         torch.cuda.set_device(rank)
     kwargs: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if on_cuda else {}
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=TP_TIMEOUT, **kwargs)
+    group = dist.group.WORLD
+    if pipeline_size > 1:  # every rank creates every stage's group, in the same order
+        groups = [dist.new_group(list(range(stage * size, (stage + 1) * size))) for stage in range(pipeline_size)]
+        group = groups[rank // size]
+    if size == 1:
+        return TensorParallel()
     if on_cuda:
         os.environ.setdefault(NO_MULTICAST_ENV, "1")  # read when the first symmetric buffer is allocated
-    symm = symm_all_reduce_from_env(None, dist.group.WORLD, on_cuda)
-    fused = fused_from_env(None, dist.group.WORLD, torch.device("cuda", rank) if on_cuda else None)
-    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, symm=symm, fused=fused)
+    symm = symm_all_reduce_from_env(None, group, on_cuda)
+    fused = fused_from_env(None, group, torch.device("cuda", rank) if on_cuda else None)
+    return TensorParallel(rank=rank % size, size=size, group=group, symm=symm, fused=fused)

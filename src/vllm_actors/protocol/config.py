@@ -49,6 +49,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = False
     # Workers worker-0..N-1 as the ranks of one tensor-parallel group (the process executor only).
     tensor_parallel_size: int = 1
+    # Stages of a pipeline (vLLM's pipeline_parallel_size): each a contiguous range of the layers,
+    # held by tensor_parallel_size workers; pipeline_parallel_size x tensor_parallel_size workers in all.
+    pipeline_parallel_size: int = 1
     device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
     load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random, real shapes)
     async_scheduling: bool = True  # plan step N+1 while step N runs
@@ -88,7 +91,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "steps_in_flight"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size", "steps_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -123,6 +127,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
     @property
+    def world_size(self) -> int:
+        """The workers of one replica: every rank of every pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def answering_rank(self) -> int:
+        """The worker that samples and answers the scheduler: the last stage's first rank."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    @property
     def kv_cache_offload_bytes(self) -> int:
         return int(self.kv_cache_offload_gb * (1 << 30))
 
@@ -153,6 +167,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     itl_target: float | None = None
+    # Pipeline stages: above 1, a request's next step is planned only once its sampled token is
+    # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
+    pipeline_parallel_size: int = 1
 
 
 def resolve_scheduler_config(
@@ -196,7 +213,7 @@ def resolve_scheduler_config(
         enable_chunked_prefill=config.enable_chunked_prefill,
         block_size=config.block_size,
         num_blocks=num_blocks,
-        max_steps_in_flight=config.steps_in_flight if config.async_scheduling else 1,
+        max_steps_in_flight=steps_in_flight(config),
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
         reject_unmeetable=config.reject_unmeetable,
@@ -206,4 +223,14 @@ def resolve_scheduler_config(
         max_num_partial_prefills=config.max_num_partial_prefills,
         max_long_partial_prefills=config.max_long_partial_prefills,
         itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
+
+
+def steps_in_flight(config: EngineConfig) -> int:
+    """Plans sent ahead of their results: ``steps_in_flight`` under async scheduling (else 1); with
+    P pipeline stages at least P micro-batches, one more under async scheduling (it covers the
+    round trip of a result to the scheduler and of the next plan to the first stage)."""
+    depth = config.steps_in_flight if config.async_scheduling else 1
+    pp = config.pipeline_parallel_size
+    return depth if pp == 1 else max(depth, pp + int(config.async_scheduling))

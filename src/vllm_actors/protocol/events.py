@@ -195,6 +195,9 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     num_tokens: int
     num_sampled: int
     execute_ms: float  # forward pass and sampling, as timed by the worker
+    # A pipeline stage before the last: its part of the step (its layers; the step is counted once,
+    # by the last stage's event, which has None). The step id is the micro-batch's.
+    stage: int | None = None
 
 
 # --------------------------------------------------------------------------- actor lifecycle

@@ -147,6 +147,10 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # (host slot, GPU block, count).
     offload_copies: list[int] = []
     restore_copies: list[int] = []
+    # Pipeline parallelism: each decoding request's input token (the last one it sampled). Only the
+    # last stage samples; the stages before it learn the token here (a request's next step is
+    # planned only once its token is back, so the scheduler has it).
+    input_token_ids: dict[str, int] = {}
 
 
 # ------------------------------------------------------------------ decode views

@@ -13,6 +13,7 @@ from vllm_actors.actors.worker.engine import Runner
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.kernels.attention import describe_attention
 from vllm_actors.models.parallel import TensorParallel
+from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.runner.grammar_tokenizer import worker_grammars
 from vllm_actors.runner.sampler import Sampler
@@ -46,23 +47,25 @@ class LoadedRunner(Runner, Protocol):
 
 
 def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
-                 runner: LoadedRunner | None = None,
+                 runner: LoadedRunner | None = None, stage: PipelineStage | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> tuple[Worker, dict[str, Any]]:
     """The worker of ``config`` and its readiness report. ``tp``: this worker's rank of a
     tensor-parallel group, joined already; ``incarnation``: 0 for a first start (a restarted rank of
     a group drops plans until the reset plan); ``runner``: injected (tests), else a ``ModelRunner``
-    loads ``config.model``."""
+    loads ``config.model``; ``stage``: its pipeline stage (none: the whole model)."""
+    stage = stage or PipelineStage()
     if runner is None:
         from vllm_actors.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(config, tp)
+        runner = ModelRunner(config, tp, stage)
     shape = runner.model_config
     ranks = runner.tp
     grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
     worker = Worker(
-        runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps(),
-        tp_graph_draws=tp_graph_draws(), grammars=grammars, await_reset=ranks.enabled and incarnation > 0,
-        host_tier=getattr(runner, "host_tier", None),
+        runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps() and not stage.enabled,
+        tp_graph_draws=tp_graph_draws(), grammars=grammars,
+        await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
+        host_tier=getattr(runner, "host_tier", None), stage=stage,
     )
     info = {
         "num_blocks": runner.num_blocks,
@@ -75,5 +78,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "rank": ranks.rank,
         "tensor_parallel_size": ranks.size,
         "attention": describe_attention(getattr(runner.model, "attn_backend", None)),
+        "pipeline_stage": stage.stage,
+        "pipeline_parallel_size": stage.size,
     }
     return worker, info

@@ -40,6 +40,7 @@ from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
 from vllm_actors.models.parallel import TensorParallel
+from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import resolve_device, resolve_dtype
@@ -69,12 +70,17 @@ def graph_sampler_enabled() -> bool:
 class ModelRunner:
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         """``tp``: this worker's rank of a tensor-parallel group (joined already): it holds that
-        rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda")."""
+        rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda"). ``stage``: its
+        pipeline stage (its layers and their KV only, on GPU ``stage.global_rank``; runs eagerly)."""
         self.config = config
         self.tp = tp or TensorParallel()
-        self.device = resolve_device(config.device, self.tp.rank if self.tp.enabled else None)
+        self.stage = stage or PipelineStage()
+        self._profiling = False  # a profiling pass: the stage runs alone (nothing sent or received)
+        index = self.stage.global_rank if self.stage.enabled else self.tp.rank if self.tp.enabled else None
+        self.device = resolve_device(config.device, index)
         self.model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         # checked before loading: a max_model_len beyond the model's limit fails at once
@@ -82,7 +88,8 @@ class ModelRunner:
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         try:
             torch.manual_seed(config.seed)
-            self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+            self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
+                                       self.stage)
             self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
             # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
             self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
@@ -96,7 +103,8 @@ class ModelRunner:
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
             # the host tier's blocks, the same on every rank
-            self.num_host_blocks = self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device)
+            self.num_host_blocks = self.stage.min_int(
+                self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device), self.device)
             self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
             self._staging_sets = [self._make_staging(), self._make_staging()]
             self._staging_turn = 0
@@ -157,12 +165,13 @@ class ModelRunner:
         """The weights read from the checkpoint again (a wake after a level-2 sleep)."""
         config = self.config
         torch.manual_seed(config.seed)  # dummy weights: the same draw as at the start
-        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
+        self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
+                                   self.stage)
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
 
     def capture_graphs(self) -> None:
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled:
             self._capture_decode_graphs()
 
     def drop_graphs(self) -> None:
@@ -173,14 +182,15 @@ class ModelRunner:
         self._padded = None
 
     def _wants_padded_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and padded_graphs_enabled()
+        return self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled \
+            and padded_graphs_enabled()
 
     # ------------------------------------------------------------------ memory
     @property
     def bytes_per_block(self) -> int:
         mc = self.local_config
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        return 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
 
     def _choose_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -195,7 +205,7 @@ class ModelRunner:
         else:
             budget = self.config.resolved_cpu_kv_cache_bytes()
         # Every rank must hold the same pool (block ids are the same on every rank): the smallest.
-        num_blocks = self.tp.min_int(int(budget // self.bytes_per_block), self.device)
+        num_blocks = self.stage.min_int(self.tp.min_int(int(budget // self.bytes_per_block), self.device), self.device)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
@@ -232,7 +242,9 @@ class ModelRunner:
         self.kv_caches = scratch
         self._staging_sets = [self._make_staging(), self._make_staging()]
         self._staging_turn = 0
+        self._profiling = True
         self._run_eager(batch)
+        self._profiling = False
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = saved
@@ -248,7 +260,7 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
-            for _ in range(mc.num_hidden_layers)
+            for _ in self.model.stage_layers()
         ]
 
     def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
@@ -367,7 +379,13 @@ class ModelRunner:
             query_lens_cpu=list(batch.query_lens),
             seq_lens_cpu=list(batch.seq_lens),
         )
-        hidden = self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches)
+        def forward(intermediate: torch.Tensor | None) -> torch.Tensor:
+            return self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches, intermediate)
+
+        hidden = run_stage(self.stage, forward, len(batch.token_ids), self.local_config.hidden_size, self.dtype,
+                           device, communicate=not self._profiling)
+        if hidden is None:  # a stage before the last: its output went on to the next stage
+            return torch.empty((0, 0), dtype=self.dtype, device=device)
         return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"]))
 
     def _graph_meta(self, inputs: dict[str, torch.Tensor], size: int) -> AttentionMetadata:

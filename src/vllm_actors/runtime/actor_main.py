@@ -72,7 +72,7 @@ def run_engine_actor(spec: ActorSpec, context: zmq.Context, stop: threading.Even
     bus_in = spec.addresses.publish_address(spec.actor_id)  # its own endpoint: the bus forwards only its id there
     codec = MessageCodec.for_actor(spec.role)
     owners = RequestOwners() if role.clients_connect else None
-    peers, accepts = role.peers(spec), role.accepts(spec.replica)
+    peers, accepts = role.peers(spec), role.accepts(spec.replica, spec.engine.answering_rank)
     shell: ActorShell
     if role.follows_bus:
         if not isinstance(built.actor, Controller):

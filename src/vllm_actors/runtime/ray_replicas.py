@@ -2,10 +2,11 @@
 each started on the node Ray gives it.
 
 Ray places; it does not carry the engine's messages. A placement group holds one bundle per
-replica (its GPUs: ``tensor_parallel_size`` of them; one CPU on a machine without GPUs), spread
-over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray actor starts the replica's
-process group (``ProcessGroup``: the same bus, metrics store, scheduler, KV-cache manager and
-workers as on one host, under the same supervisor) with TCP endpoints on its node's address.
+replica (its GPUs: ``tensor_parallel_size`` x ``pipeline_parallel_size`` of them; one CPU on a
+machine without GPUs), spread over the nodes where it can be. In each bundle a ``ReplicaHost`` Ray
+actor starts the replica's process group (``ProcessGroup``: the same bus, metrics store, scheduler,
+KV-cache manager and workers as on one host, under the same supervisor) with TCP endpoints on its
+node's address.
 
 Keys: the launcher makes one pair of CURVE key pairs per replica (``GroupKeys.generate``) and hands
 them to the host through Ray's call arguments, never a command line; the host writes them into its
@@ -114,7 +115,7 @@ class RayReplicaSet:
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
             self._initialised_ray = True
-        gpus = config.tensor_parallel_size if config.device != "cpu" and _cluster_gpus(ray) else 0
+        gpus = config.world_size if config.device != "cpu" and _cluster_gpus(ray) else 0
         bundle = {"GPU": float(gpus), "CPU": 1.0} if gpus else {"CPU": 1.0}
         self.replicas: list[RayReplica] = []
         self._group = placement_group([dict(bundle) for _ in range(num_replicas)], strategy=strategy)

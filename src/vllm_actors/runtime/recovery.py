@@ -185,7 +185,7 @@ class Recovery:
         """The failures plus the ranks of a tensor-parallel group that did not fail themselves
         (``how`` "unit": they go down with the failed one, waiting in its collectives otherwise)."""
         failed_workers = [child for child, _, _ in failures if child.role == WORKER]
-        if not failed_workers or self.config.tensor_parallel_size == 1:
+        if not failed_workers or self.config.world_size == 1:
             return failures
         culprit = failed_workers[0].actor_id
         failed = {child.actor_id for child, _, _ in failures}

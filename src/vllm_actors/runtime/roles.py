@@ -54,7 +54,8 @@ class Built:
 class Role:
     name: str
     build: Callable[[ActorSpec], Built]
-    accepts: Callable[[int | None], AcceptRules]  # in replica r (None: a group of one replica)
+    # in replica r (None: a group of one replica), the worker rank that answers (the last stage's first)
+    accepts: Callable[[int | None, int], AcceptRules]
     peers: Callable[[ActorSpec], dict[str, list[str]]]  # peer name -> its addresses
     inbox: Callable[[ActorSpec], str]  # where it receives
     clients_connect: bool = False  # requests come from clients: screened for request identity
@@ -95,16 +96,26 @@ def build_worker(spec: ActorSpec) -> Built:
     from vllm_actors.runtime.torch_profiler import torch_profiled
 
     device_type = resolve_device(spec.engine.device).type
-    threads = worker_threads(device_type, spec.engine.tensor_parallel_size * spec.engine.data_parallel_size)
+    engine = spec.engine
+    threads = worker_threads(device_type, engine.world_size * engine.data_parallel_size)
     if threads is not None:  # before the model loads: its load runs on these threads too
         torch.set_num_threads(threads)
-    tp = join_group(spec.rank, spec.engine.tensor_parallel_size, spec.tp_init, spec.engine.device)
-    worker, info = worker_of(spec.engine, tp=tp, incarnation=spec.incarnation)
+    tp = join_group(spec.rank, engine.tensor_parallel_size, spec.tp_init, engine.device, engine.pipeline_parallel_size)
+    stage = None
+    if engine.pipeline_parallel_size > 1:
+        import torch.distributed as dist
+
+        from vllm_actors.models.config import ModelConfig
+        from vllm_actors.models.pipeline import make_stage
+
+        stage = make_stage(spec.rank, engine.tensor_parallel_size, engine.pipeline_parallel_size,
+                           ModelConfig.from_path(engine.model).num_hidden_layers, dist.group.WORLD)
+    worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
     return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 
 
-def worker_accepts(replica: int | None) -> AcceptRules:
+def worker_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
     return {StepPlan: frozenset({_own(KV_CACHE_MANAGER, replica)}),
             EngineControl: frozenset({_own(KV_CACHE_MANAGER, replica)})}
 
@@ -119,7 +130,7 @@ def build_kv_cache_manager(spec: ActorSpec) -> Built:
     return Built(manager)
 
 
-def kv_cache_manager_accepts(replica: int | None) -> AcceptRules:
+def kv_cache_manager_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
     return {StepPlan: frozenset({_own(SCHEDULER, replica)}), EngineControl: frozenset({_own(SCHEDULER, replica)})}
 
 
@@ -139,16 +150,17 @@ def build_scheduler(spec: ActorSpec) -> Built:
     return Built(scheduler)
 
 
-def scheduler_accepts(replica: int | None) -> AcceptRules:
-    # Clients may submit and abort; only rank 0 of the workers returns sampled tokens; only the
+def scheduler_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
+    # Clients may submit and abort; only rank 0 of the workers (of the last pipeline stage:
+    # ``answering``) returns sampled tokens; only the
     # supervisor asks for a pipeline reset (after it restarted the KV-cache manager or a worker).
     # Clients send engine commands; rank 0 of the workers answers those passed on to the workers.
     return {
         AddRequest: None,
         AbortRequests: None,
         EngineControl: None,
-        StepResult: frozenset({_own(worker_id(0), replica)}),
-        ControlReply: frozenset({_own(worker_id(0), replica)}),
+        StepResult: frozenset({_own(worker_id(answering), replica)}),
+        ControlReply: frozenset({_own(worker_id(answering), replica)}),
         RecoverPipeline: frozenset({SUPERVISOR.encode()}),
     }
 
@@ -170,7 +182,7 @@ def build_controller(spec: ActorSpec) -> Built:
     return Built(Controller(router))
 
 
-def controller_accepts(replica: int | None) -> AcceptRules:
+def controller_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
     # Clients submit and abort; only the supervisor reports a replica's scheduler restarted, or
     # a Ray-placed replica's host down or up again. The replicas' updates come back on the
     # controller's own DEALERs (controller_shell.py).

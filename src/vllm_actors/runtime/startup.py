@@ -16,12 +16,12 @@ from vllm_actors.runtime.recovery import POLL_INTERVAL
 
 
 def replica_environment(spec: ActorSpec, environ: Mapping[str, str]) -> dict[str, str] | None:
-    """A replica's worker sees only its own GPUs (data_parallel_size > 1): replica r of tensor
-    parallel size t gets the devices r*t .. r*t+t-1 of ``CUDA_VISIBLE_DEVICES`` (or of the
+    """A replica's worker sees only its own GPUs (data_parallel_size > 1): replica r of t workers
+    (tensor x pipeline parallel size) gets the devices r*t .. r*t+t-1 of ``CUDA_VISIBLE_DEVICES`` (or of the
     machine's, numbered from 0). None: the supervisor's environment as it is."""
     if spec.role != WORKER or spec.replica is None:
         return None
-    size = spec.engine.tensor_parallel_size
+    size = spec.engine.world_size
     visible = Envs(environ).CUDA_VISIBLE_DEVICES
     devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
     first = spec.replica * size

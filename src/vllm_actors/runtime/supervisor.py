@@ -39,6 +39,7 @@ import msgspec
 import structlog
 
 from vllm_actors.envs import envs
+from vllm_actors.models.stage_split import check_stages
 from vllm_actors.protocol.config import (
     EngineConfig,
     SchedulerConfig,
@@ -138,6 +139,8 @@ class ProcessGroup(Recovery):
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         max_busy_seconds: float = DEFAULT_MAX_BUSY_SECONDS,
     ) -> None:
+        if config.distributed_executor_backend == "mp":  # before any process: a clear ValueError
+            check_stages(config.model, config.pipeline_parallel_size)
         self.config = config
         self.start_timeout = start_timeout
         self.check_invariants = check_invariants
@@ -149,7 +152,7 @@ class ProcessGroup(Recovery):
         # TCP: the group's ports stay held (runtime/ports.py) until it stops, so that no one
         # takes one before its actor binds it or while the actor restarts.
         self._ports = PortReservation(tcp_host) if tcp_host is not None else None
-        self.addresses: GroupAddresses = make_addresses(self.run_dir, config.tensor_parallel_size, tcp_host,
+        self.addresses: GroupAddresses = make_addresses(self.run_dir, config.world_size, tcp_host,
                                                         num_replicas=config.data_parallel_size, ports=self._ports)
         # TCP: CURVE keys made for this group (or handed to it by a launcher: ``keys``), in its run
         # directory (0600) for actors and clients.
@@ -287,7 +290,7 @@ class ProcessGroup(Recovery):
         tp_init = self._tp_rendezvous()
         children = [self._spawn(self._spec(WORKER, replica_actor(worker_id(rank), replica), replica, rank=rank,
                                            tp_init=tp_init))
-                    for rank in range(self.config.tensor_parallel_size)]
+                    for rank in range(self.config.world_size)]
         self.children.extend(children)
         return children
 
@@ -308,7 +311,7 @@ class ProcessGroup(Recovery):
     def _tp_rendezvous(self) -> str:
         """A fresh rendezvous for one start of the worker ranks: a file store in the run
         directory (never a fixed port); "" without tensor parallelism."""
-        if self.config.tensor_parallel_size == 1:
+        if self.config.world_size == 1:
             return ""
         self._tp_starts += 1
         return f"file://{self.run_dir}/tp-{self._tp_starts}.store"
@@ -393,7 +396,7 @@ class ProcessGroup(Recovery):
         if self.ray_launcher is not None:  # a Ray-placed replica's pipeline: as its host is
             for replica, host in self.ray_launcher.states().items():
                 shown = READY if host == READY else f"{host} (replica {replica}'s Ray host)"
-                for name in (*(worker_id(rank) for rank in range(self.config.tensor_parallel_size)),
+                for name in (*(worker_id(rank) for rank in range(self.config.world_size)),
                              KV_CACHE_MANAGER, SCHEDULER):
                     states[replica_actor(name, replica)] = shown
         if self.stopped:

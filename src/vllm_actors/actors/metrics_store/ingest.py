@@ -398,6 +398,8 @@ class Recorder:
 
     # ------------------------------------------------------------------ worker and lifecycle
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
+        if event.stage is not None:  # an earlier pipeline stage's part: the last stage's event counts the step
+            return
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
         self.latencies.step_ms.add(event.execute_ms)

@@ -24,6 +24,7 @@ The scheduler's other modules, one concern each:
   priority, edf, lrs), behind one interface (``policies/base.py``);
 - ``plan``: a planning pass's decisions turned into a ``StepPlan``;
 - ``pipeline``: the steps in flight, results matched to plans, the pipeline reset;
+- ``stages``: pipeline parallelism (micro-batches, tokens carried to the stages before the last);
 - ``results``: a step's tokens, stops and updates;
 - ``recovery``: what a restart elsewhere in the group does to the requests; resubmissions;
 - ``cost_model``, ``deadlines``: the step cost model; remaining work and admission control;
@@ -53,6 +54,7 @@ from vllm_actors.actors.scheduler.prefill_sizing import PrefillSizer, is_decodin
 from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.results import apply_result
+from vllm_actors.actors.scheduler.stages import carry_input_tokens, waits_for_its_token
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued, Resumed, Scheduled
 from vllm_actors.protocol.messages import (
@@ -332,6 +334,8 @@ class Scheduler:
             self._schedule_running(step, out, sizer, deferred, deferred_turn=True)
         plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending,
                                                              self.pipeline.take_departed())
+        if self.config.pipeline_parallel_size > 1:
+            carry_input_tokens(plan, (request for request, _ in step.scheduled))
         out.emit(*chunks)
         self.stats.num_prefill_chunks += num_partial
         return plan, sampling_ids
@@ -347,7 +351,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
             if (num_new <= 0 or not request.wants_more(self.config.max_model_len)
-                    or (request.request_id in deferred) != deferred_turn):
+                    or (request.request_id in deferred) != deferred_turn
+                    or waits_for_its_token(request, self.config.pipeline_parallel_size)):
                 index += 1
                 continue
             prefill = not is_decoding(request)

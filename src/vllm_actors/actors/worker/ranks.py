@@ -32,3 +32,21 @@ class SingleRank:
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return x
+
+
+class Stage(Protocol):
+    """The worker's pipeline stage (``models.pipeline.PipelineStage``): only the last one samples."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class OnlyStage:
+    """No pipeline: the one stage, first and last."""
+
+    stage: int = 0
+    is_last: bool = True

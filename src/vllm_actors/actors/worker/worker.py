@@ -40,7 +40,7 @@ from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Runn
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.plan_checks import check_plan
-from vllm_actors.actors.worker.ranks import Ranks
+from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
     BatchInput,
     GraphSampling,
@@ -70,7 +70,7 @@ class Worker:
     def __init__(
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
-        host_tier: HostTierCopies | None = None,
+        host_tier: HostTierCopies | None = None, stage: Stage | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -80,7 +80,9 @@ class Worker:
         it and not its peers, and a step run by one rank alone would hang the group).
         ``tp_graph_draws``: under tensor parallelism, every rank draws a sampling decode graph's
         tokens itself (False: rank 0 draws every step and broadcasts). ``host_tier``: the host KV
-        tier's memory, where the KV-cache manager has one (the plan's block copies go through it)."""
+        tier's memory, where the KV-cache manager has one (the plan's block copies go through it).
+        ``stage``: its pipeline stage; a stage before the last runs its layers and hands its output
+        on (``runner.execute``), samples nothing and answers nothing."""
         self.host_tier = host_tier
         self._fences = CopyFences()
         self.graph_draws_under_tp = tp_graph_draws
@@ -91,6 +93,8 @@ class Worker:
         self._copies = HostCopies()
         self.runner = runner
         self.tp: Ranks = runner.tp
+        self.stage: Stage = stage or OnlyStage()
+        self.answers = self.tp.rank == 0 and self.stage.is_last  # the rank that answers the scheduler
         self.sampler = sampler
         self.clock = clock
         self.requests: dict[str, WorkerRequest] = {}
@@ -108,6 +112,7 @@ class Worker:
         if self._await_reset and not message.reset:
             return Outputs()
         self._await_reset = False
+        self._take_input_tokens(message)
         self.validate(message)
         started = self._started(message)
         if self.defer and self._deferrable(message):
@@ -127,7 +132,7 @@ class Worker:
         if control.action == "sleep" and control.level > 0:
             self.reset()  # the KV cache is discarded: the scheduler restarts the pipeline after the wake
         error = carry_out(self.runner, control)
-        if self.tp.rank == 0:
+        if self.answers:
             outputs.send(SCHEDULER, ControlReply(control_id=control.control_id, success=error is None, error=error))
         return outputs
 
@@ -143,14 +148,18 @@ class Worker:
     def _outputs(self, started: StepStarted, result: StepResult) -> Outputs:
         outputs = Outputs()
         if self.tp.rank != 0:
-            return outputs  # rank 0 answers for the group
+            return outputs  # rank 0 of the last stage answers for the group
         finished = StepFinished(
             step_id=result.step_id,
             num_seqs=started.num_seqs,
             num_tokens=result.num_batched_tokens,
             num_sampled=len(result.req_ids),
             execute_ms=result.execute_seconds * 1e3,
+            stage=None if self.stage.is_last else self.stage.stage,
         )
+        if not self.answers:  # an earlier stage: its part of the step, one track per stage in the trace
+            outputs.emit(started, finished)
+            return outputs
         outputs.send(SCHEDULER, result)
         outputs.emit(started, finished)
         return outputs
@@ -201,6 +210,12 @@ class Worker:
         if not batch.token_ids:
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset)
+        if not self.stage.is_last:  # its output goes on to the next stage, which samples
+            self.runner.execute(batch)
+            if self.host_tier is not None:
+                self.host_tier.step_launched(self._fences.launched())
+            return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
+                               num_batched_tokens=len(batch.token_ids), reset=plan.reset)
         rows = [request.sampling_row() for request in samplers]
         sampling = None if read_now else self._graph_sampling(batch, rows)
         logprobs: list[Logprobs | None] = []
@@ -301,6 +316,14 @@ class Worker:
         )
 
     # ------------------------------------------------------------------ membership
+    def _take_input_tokens(self, plan: StepPlan) -> None:
+        """Under pipeline parallelism a decoding request's input token comes with the plan: a
+        stage that did not sample it (all but the last) appends it (the last one has it already)."""
+        for request_id, token_id in plan.input_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and len(request.token_ids) == request.num_computed_tokens:
+                request.token_ids.append(token_id)
+
     def validate(self, plan: StepPlan) -> None:
         """Reject a plan that names unknown requests or asks for tokens that do not exist
         (``MessageRejected``), before any state changes (``plan_checks.check_plan``)."""
