@@ -77,7 +77,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "dtype": str(runner.dtype).removeprefix("torch."),
         "rank": ranks.rank,
         "tensor_parallel_size": ranks.size,
-        "attention": describe_attention(getattr(runner.model, "attn_backend", None)),
+        "attention": describe_attention(getattr(getattr(runner, "model", None), "attn_backend", None)),
         "pipeline_stage": stage.stage,
         "pipeline_parallel_size": stage.size,
     }
