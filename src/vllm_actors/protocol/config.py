@@ -71,6 +71,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     disable_events: bool = False
     # Check the scheduler's and KV-cache manager's invariants after every message (tests; slow).
     check_invariants: bool = False
+    # LoRA adapters (vLLM's): up to max_loras adapters in one batch (their slots on the device),
+    # max_cpu_loras (None: max_loras) kept loaded on the host, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # (make_engine_config also takes the last three from their deprecated environment aliases,
     # VLLM_ACTORS_STEPS_IN_FLIGHT, VLLM_ACTORS_DISABLE_EVENTS and VLLM_ACTORS_CHECK_INVARIANTS.)
 
@@ -111,6 +117,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @property
     def kv_cache_offload_bytes(self) -> int:
