@@ -150,6 +150,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
     num_host_blocks: int = 0  # the host KV tier's size in blocks (0: none)
+    max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
 
 
 def resolve_scheduler_config(
@@ -198,4 +199,5 @@ def resolve_scheduler_config(
         reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
         num_host_blocks=num_host_blocks,
+        max_loras=config.max_loras if config.enable_lora else 0,
     )

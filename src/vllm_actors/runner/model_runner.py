@@ -35,6 +35,7 @@ from vllm_actors.envs import envs
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.lora.manager import LoRAManager
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
 from vllm_actors.models.parallel import TensorParallel
@@ -102,6 +103,7 @@ class ModelRunner:
         self._static: GraphInputs | None = None
         self._graph_sizes: list[int] = []
         self._padded: PaddedForward | None = None
+        self.lora = self._lora_manager()
         self.capture_graphs()
         self._sleep = SleepMode(self)
         log.info(
@@ -142,6 +144,16 @@ class ModelRunner:
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp)
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
+        self.lora = self._lora_manager()  # the new model's hooks; adapters load again on use
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """LoRA's device slots and hooks (``enable_lora``), sized for the largest step's rows."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        rows = self.max_num_tokens + max(self.max_num_seqs, max(GRAPH_BATCH_SIZES))
+        return LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, rows,
+                           self.device, self.dtype)
 
     def capture_graphs(self) -> None:
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -318,6 +330,8 @@ class ModelRunner:
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run one forward pass; return the logits of ``batch.logits_indices`` rows, in the model's
         dtype (a view of a graph's output buffer: read before the next step)."""
+        if self.lora is not None:
+            self.lora.prepare(batch.loras, batch.query_lens)
         if self._calculate_kv_scales:  # eagerly: the scales are set in place, graphs read them after
             self._calculate_kv_scales = False
             self.model.calculate_kv_scales()
@@ -428,5 +442,7 @@ class ModelRunner:
         the next step)."""
         bucket = self._decode_bucket(batch)
         assert bucket is not None and bucket in self._sampled_graphs
+        if self.lora is not None:
+            self.lora.prepare(batch.loras, batch.query_lens)
         return self._run_graph(batch, bucket, sampling)
 

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vllm_actors.actors.scheduler.admission import admission_error, admit, identity_error
+from vllm_actors.actors.scheduler.admission import (
+    adapter_fits,
+    admission_error,
+    admit,
+    identity_error,
+    running_adapters,
+)
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
@@ -160,7 +166,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         out.emit(Queued(request_id=request.request_id, num_waiting=len(self.waiting), priority=message.priority,
-                        ttft_deadline=message.ttft_deadline, e2e_deadline=message.e2e_deadline))
+                        ttft_deadline=message.ttft_deadline, e2e_deadline=message.e2e_deadline,
+                        lora_int_id=request.lora_int_id))
 
     def _unmeetable_error(self, message: AddRequest) -> str | None:
         """Admission control: its deadlines against the queue the policy puts ahead of it."""
@@ -353,10 +360,13 @@ class Scheduler:
     def _admit_waiting(self, step: StepBuilder, out: Outputs) -> None:
         """Admit waiting requests, in the policy's order, while slots, budget and blocks allow."""
         self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
+        adapters = running_adapters(self.running)
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
+            if not adapter_fits(request, adapters, self.config.max_loras):
+                break  # its adapter would be one more than a step may use: once one finishes
             num_query, num_hit, hit_hash = admit(request, self.ledger)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, step.budget)
@@ -369,6 +379,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                adapters.add(request.lora_int_id)
             if not request.num_preemptions and not request.output_token_ids:
                 request.num_cached_prompt_tokens = min(num_hit, len(request.prompt_token_ids))
             admitted = Resumed if request.num_preemptions else Scheduled
