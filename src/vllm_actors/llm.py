@@ -44,7 +44,7 @@ class LLM:
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         self.config = make_engine_config(model, engine_args)
-        self._check_adapter = AdapterCheck(self.config)
+        self._check_adapter = AdapterCheck.of(self.config)
         self.executor = executor
         self._group: ProcessGroup | None = None
         self._ids = itertools.count()

@@ -3,6 +3,7 @@ random non-zero B, so each adapter changes the outputs), and transformers + PEFT
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ def build_adapter(base: Path, out: Path, targets: tuple[str, ...] = ALL_TARGETS,
     return out
 
 
-def reference_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers (+ PEFT with ``adapter``) in float32, greedy: the generated token ids."""
+@functools.lru_cache(maxsize=4)
+def reference_model(base: Path, adapter: Path | None) -> Any:
+    """transformers' float32 model of ``base`` (with PEFT's ``adapter``), loaded once per pair."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -40,7 +42,14 @@ def reference_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], ma
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
+    return model.eval()
+
+
+def reference_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers (+ PEFT with ``adapter``) in float32, greedy: the generated token ids."""
+    import torch
+
+    model = reference_model(base, adapter)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
@@ -50,13 +59,6 @@ def reference_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], ma
 def reference_logits(base: Path, adapter: Path | None, token_ids: list[int]) -> Any:
     """transformers (+ PEFT) float32 logits of every position of ``token_ids``."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
     with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0]
+        return reference_model(base, adapter)(torch.tensor([token_ids])).logits[0]

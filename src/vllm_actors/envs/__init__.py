@@ -299,6 +299,9 @@ class Envs:
     VLLM_SERVER_DEV_MODE = switch(
         "vLLM's: the server's development endpoints (`/server_info`, `/reset_prefix_cache`, `/sleep`, "
         "`/wake_up`, `/is_sleeping`) are registered.", "other", default=False)
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING = switch(
+        "vLLM's: the server's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` endpoints are registered.",
+        "other", default=False)
     VLLM_TORCH_PROFILER_DIR = Setting[str | None](
         None, text, "vLLM's: the workers run torch.profiler between `POST /start_profile` and `/stop_profile` "
         "(registered only then) and write the trace here.", kind="path", group="other")
