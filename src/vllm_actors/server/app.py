@@ -85,6 +85,7 @@ def build_app(
     from the client's group). ``adapters``: the LoRA adapters served by name (default: none, LoRA as
     the client's group has it)."""
     names = list(served_model_names or [client.model])
+    adapters = adapters or ServedAdapters(lora_check(client), [])
     metrics = ServerMetrics(names[0], client.max_model_len or 4096, cache_config or cache_config_labels(client))
     client.add_stats_listener(metrics)
     state = ServerState(
@@ -96,7 +97,7 @@ def build_app(
         limits=limits or RequestLimits.for_model(client.max_model_len),
         options=options or ServerOptions(),
         reasoning=reasoning_parser(client, options.reasoning_parser if options else None),
-        adapters=adapters or ServedAdapters(lora_check(client), []),
+        adapters=adapters,
     )
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state
@@ -121,8 +122,7 @@ def build_app(
     async def models() -> Response:
         cards = [ModelCard(id=name, created=now(), root=client.model, max_model_len=client.max_model_len)
                  for name in names]
-        if state.adapters is not None:
-            cards += state.adapters.cards(names[0], now())
+        cards += adapters.cards(names[0], now())
         return Response(encode(ModelList(data=cards)), media_type="application/json")
 
     @app.get("/health")
@@ -146,7 +146,7 @@ def build_app(
             summary, per_replica = None, []
         return Response(metrics.render(summary, per_replica), media_type=CONTENT_TYPE)
 
-    add_lora_routes(app, state.adapters)
+    add_lora_routes(app, adapters)
     add_extra_routes(app, state, health)  # tokenize, render, batch, SageMaker, development endpoints
 
     @app.get("/version")

@@ -12,9 +12,9 @@ import msgspec
 from fastapi import FastAPI
 
 from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.lora.check import AdapterCheck
 from vllm_actors.server.app import build_app
 from vllm_actors.server.http_args import RequestIdHeaders, add_cors, ssl_kwargs
-from vllm_actors.lora.check import AdapterCheck
 from vllm_actors.server.limits import RequestLimits
 from vllm_actors.server.lora_routes import LoRAModule, ServedAdapters, parse_lora_modules
 from vllm_actors.server.serving import ServerOptions

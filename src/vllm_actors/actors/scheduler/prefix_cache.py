@@ -173,10 +173,10 @@ class PrefixCache:
     def extend(self, parent_block: int | None, token_ids: Sequence[int], block_ids: Sequence[int],
                lora_int_id: int = 0) -> list[CachedBlock]:
         """Cache a request's next full blocks: its cached front ends at ``parent_block`` (None:
-        the root of adapter ``lora_int_id``'s tree), ``token_ids`` are the tokens right after that front and ``block_ids[i]`` holds
-        ``token_ids[i*bs:(i+1)*bs]`` (extra ids, such as a partial last block, are ignored). Walks
-        only the new part, so a request caches its blocks as they fill at a cost independent of
-        its length. The parent must be held by the caller. If the first block's content is
+        the root of adapter ``lora_int_id``'s tree), ``token_ids`` are the tokens right after that
+        front and ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]`` (extra ids, such as a partial
+        last block, are ignored). Walks only the new part, so a request caches its blocks as they
+        fill at a cost independent of its length. The parent must be held by the caller. If the first block's content is
         already cached under another id (two requests computed the same prefix concurrently),
         the cached one is kept and nothing is cached: the caller's blocks stay private. Returns
         the blocks newly cached, in order; each starts with one reference, the caller's."""
