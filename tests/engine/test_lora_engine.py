@@ -58,11 +58,12 @@ def test_prefix_cache_is_kept_apart_per_adapter(qwen3_llm: LLM, qwen3_adapters: 
     """A long prompt cached under adapter a, then under b, then the base: every request computes
     its own blocks (no hit across adapters), and a repeat under a hits a's."""
     first, second = qwen3_adapters
-    prompt = list(range(10, 50))
+    prompt = list(range(10, 30))
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
     cached = []
     for lora in (LoRARequest("a", 1, str(first)), LoRARequest("b", 2, str(second)), None,
                  LoRARequest("a", 1, str(first))):
-        output = qwen3_llm.generate(_inputs([prompt]), GREEDY, use_tqdm=False, lora_request=lora)[0]
+        output = qwen3_llm.generate(_inputs([prompt]), one_token, use_tqdm=False, lora_request=lora)[0]
         cached.append(output.num_cached_tokens)
     assert cached[:3] == [0, 0, 0] and cached[3] > 0
 

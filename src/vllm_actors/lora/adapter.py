@@ -23,11 +23,12 @@ from vllm_actors.models.parallel import ShardLayout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# each supported PEFT module: its fused module in the engine and its slice there
-TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+# the engine's fused projections and the PEFT (Hugging Face) modules each holds, in output order
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",),
 }
+TARGETS = tuple(module for parts in FUSED_PARTS.values() for module in parts)
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

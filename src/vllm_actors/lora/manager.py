@@ -17,17 +17,11 @@ import numpy as np
 import structlog
 import torch
 
-from vllm_actors.lora.adapter import TARGETS, load_adapter, read_adapter
+from vllm_actors.lora.adapter import FUSED_PARTS, load_adapter, read_adapter
 from vllm_actors.lora.slots import FusedLoRA, LayerLoRA, LoRABatch
 from vllm_actors.protocol.lora import LoRARequest
 
 log = structlog.get_logger(__name__)
-
-# the parts of each fused module, in its output order
-FUSED_PARTS: dict[str, tuple[str, ...]] = {}
-for _module, (_fused, _index) in TARGETS.items():
-    FUSED_PARTS.setdefault(_fused, ())
-    FUSED_PARTS[_fused] = FUSED_PARTS[_fused] + (_module,)
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 

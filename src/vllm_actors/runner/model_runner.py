@@ -89,6 +89,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_tokens = limits.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.lora = self._lora_manager()  # its device slots before the KV pool takes what is left
         self.num_blocks = self._choose_num_blocks(limits.max_model_len)
         self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -103,7 +104,6 @@ class ModelRunner:
         self._static: GraphInputs | None = None
         self._graph_sizes: list[int] = []
         self._padded: PaddedForward | None = None
-        self.lora = self._lora_manager()
         self.capture_graphs()
         self._sleep = SleepMode(self)
         log.info(
