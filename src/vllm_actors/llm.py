@@ -202,7 +202,8 @@ class LLM:
             if len(loras) != count:
                 raise ValueError(f"lora_request has {len(loras)} values for {count} prompts")
         for lora in loras:
-            self._check_adapter(lora)
+            if lora is not None:
+                self._check_adapter(lora)
         return loras
 
     @staticmethod
