@@ -361,12 +361,14 @@ class Scheduler:
         """Admit waiting requests, in the policy's order, while slots, budget and blocks allow."""
         self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
         adapters = running_adapters(self.running)
+        skipped: list[ScheduledRequest] = []  # their adapter would be one more than a step may use
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
             if not adapter_fits(request, adapters, self.config.max_loras):
-                break  # its adapter would be one more than a step may use: once one finishes
+                skipped.append(self.waiting.popleft())  # as vLLM: the requests behind it may go first
+                continue
             num_query, num_hit, hit_hash = admit(request, self.ledger)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, step.budget)
@@ -387,4 +389,5 @@ class Scheduler:
             out.emit(admitted(request_id=request.request_id, step_id=step.step_id, num_query_tokens=num_query,
                               num_cached_tokens=num_hit))
             step.take(request, num_new, needed, new=request.new_request(num_hit, hit_hash))
+        self.waiting.extendleft(reversed(skipped))  # every exit above is a break: back in their place
 
