@@ -2,7 +2,9 @@
 adapter's slot (-1: no adapter, ``y[t]`` untouched). vLLM's punica kernels, two launches:
 
 - shrink: ``buf[t] = x[t] @ A[s].T`` ([T, K] x [L, R, K] -> [T, R], float32, float64 for float64 inputs);
-- expand: ``y[t] += buf[t] @ B[s].T`` ([T, R] x [L, N, R], added to ``y`` [T, N] in place).
+  for a few tokens (decode) K is split over ``SPLIT_K`` programs that add their parts atomically;
+- expand: ``y[t] += buf[t] @ B[s].T`` ([T, R] x [L, N, R], added to ``y`` [T, N] in place; in the
+  model's dtype for bf16/fp16 models, as vLLM, else exact).
 
 The tokens are sorted by slot once per forward (``LoRAMetadata``: static shapes, no host read), and
 each program takes ``BLOCK_M`` tokens of one slot, so a slot's weights are read once per token
@@ -68,6 +70,10 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         lora_torch(x, y, a, b, meta)
 
 
+SPLIT_K = 8  # K pieces per shrink program group at few tokens: a batch-1 shrink spread over 8 programs
+SPLIT_K_TOKENS = 64  # up to this many tokens
+
+
 def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 256 else 64
 
@@ -77,15 +83,16 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMetadata) -> torch.T
     tokens, k = x.shape
     num_slots, rank, _ = a.shape
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = torch.empty((tokens, rank), dtype=acc_dtype, device=x.device)
+    split_k = SPLIT_K if tokens <= SPLIT_K_TOKENS else 1
+    out = (torch.zeros if split_k > 1 else torch.empty)((tokens, rank), dtype=acc_dtype, device=x.device)
     if tokens == 0:
         return out
     block_m, block_r = _block_m(tokens), 16 if rank <= 16 else 32 if rank <= 32 else 64
-    grid = (triton.cdiv(tokens, block_m), triton.cdiv(rank, block_r), num_slots)
+    grid = (triton.cdiv(tokens, block_m), triton.cdiv(rank, block_r) * split_k, num_slots)
     _shrink_kernel[grid](
         x, a, out, meta.sorted_tokens, meta.counts, meta.starts, k, rank,
         x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, SPLIT_K=split_k,
     )  # fmt: skip
     return out
 
@@ -101,7 +108,7 @@ def lora_expand(buf: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta: LoRAM
     _expand_kernel[grid](
         buf, b, y, meta.sorted_tokens, meta.counts, meta.starts, n, rank,
         buf.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=16,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=16, LOW_PRECISION=y.dtype in (torch.bfloat16, torch.float16),
     )  # fmt: skip
 
 
@@ -119,28 +126,36 @@ if HAVE_TRITON:
     @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, counts_ptr, starts_ptr, K, R,
                        stride_x, stride_al, stride_ar, stride_out,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_r, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        pid_m, pid_rk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if pid_m * BLOCK_M >= tl.load(counts_ptr + slot):
             return
+        pid_r, pid_k = pid_rk // SPLIT_K, pid_rk % SPLIT_K
         rows, m_mask = _slot_rows(sorted_ptr, counts_ptr, starts_ptr, pid_m, slot, BLOCK_M)
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=out_ptr.dtype.element_ty)
-        for k0 in range(0, K, BLOCK_K):
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_K pieces each
+        k_end = tl.minimum(K, (pid_k + 1) * k_per_split)
+        for k0 in range(pid_k * k_per_split, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
+            k_mask = offs_k < k_end
             x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0)
             a = tl.load(a_ptr + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None],
                         mask=r_mask[None, :] & k_mask[:, None], other=0.0)
             acc = tl.dot(x, a.to(x.dtype), acc, input_precision="ieee")
-        tl.store(out_ptr + rows[:, None] * stride_out + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
+        out_ptrs = out_ptr + rows[:, None] * stride_out + offs_r[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
     @triton.jit
     def _expand_kernel(buf_ptr, b_ptr, y_ptr, sorted_ptr, counts_ptr, starts_ptr, N, R,
                        stride_buf, stride_bl, stride_bn, stride_y,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                       LOW_PRECISION: tl.constexpr):
         pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if pid_m * BLOCK_M >= tl.load(counts_ptr + slot):
             return
@@ -155,7 +170,10 @@ if HAVE_TRITON:
                           mask=m_mask[:, None] & r_mask[None, :], other=0.0)
             b = tl.load(b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
                         mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-            acc = tl.dot(buf, b.to(buf.dtype), acc, input_precision="ieee")
+            if LOW_PRECISION:  # the shrink's float32 output rounded to the model's dtype: tensor cores
+                acc = tl.dot(buf.to(b.dtype), b, acc)
+            else:
+                acc = tl.dot(buf, b.to(buf.dtype), acc, input_precision="ieee")
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
