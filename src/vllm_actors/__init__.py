@@ -3,6 +3,7 @@
 import structlog as _structlog
 
 from vllm_actors.actors.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs, StructuredOutputsParams
 from vllm_actors.runtime.log_setup import configure_logging as _configure_logging
 
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 if not _structlog.is_configured():
     _configure_logging()
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "__version__"]
+           "Logprob", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: importing the package must not import torch

@@ -103,6 +103,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who runs first: arrival (fcfs), longest cached prefix (lpm), the request's priority "
                              "(priority: lower first, preempting higher values; vLLM's), earliest deadline (edf) or "
                              "least remaining slack by the step cost model (lrs)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT): --lora-modules, or a request's lora_request")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="LoRA adapters one batch may use (their slots on the device)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank taken")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept loaded in host memory (default: --max-loras)")
     parser.add_argument("--reject-unmeetable", action="store_true",
                         help="admission control: refuse at arrival (HTTP 503 with the reason) a request whose "
                              "deadline the step cost model says cannot be met")
@@ -116,6 +123,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
         "tensor_parallel_size", "pipeline_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
-        "distributed_executor_backend",
+        "distributed_executor_backend", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     )
     return {name: getattr(args, name) for name in names}

@@ -13,6 +13,8 @@ from vllm_actors.actors.frontend.frontend import PreparedRequest
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.clients.core import EngineDeadError, SyncClient
 from vllm_actors.engine_args import make_engine_config
+from vllm_actors.lora.check import AdapterCheck
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.metrics import SummaryReply, TimelineReply
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -42,6 +44,7 @@ class LLM:
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         self.config = make_engine_config(model, engine_args)
+        self._check_adapter = AdapterCheck.of(self.config)
         self.executor = executor
         self._group: ProcessGroup | None = None
         self._ids = itertools.count()
@@ -129,11 +132,14 @@ class LLM:
         priority: Sequence[int] | None = None,
         ttft_target_ms: float | Sequence[float | None] | None = None,
         e2e_target_ms: float | Sequence[float | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``priority``: one per prompt, as vLLM (lower runs first; the "priority" scheduling
         policy honours it). ``ttft_target_ms`` / ``e2e_target_ms``: latency targets from arrival,
         one for all or one per prompt (the "edf" and "lrs" policies order by them; with
-        ``reject_unmeetable`` a request that cannot meet its target raises ValueError)."""
+        ``reject_unmeetable`` a request that cannot meet its target raises ValueError).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs ``enable_lora``."""
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         count = len(prompt_list)
@@ -142,12 +148,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * count
         ttfts, e2es = _per_prompt("ttft_target_ms", ttft_target_ms, count), _per_prompt("e2e_target_ms",
                                                                                          e2e_target_ms, count)
+        loras = self._loras(lora_request, count)
         engine = self.engine
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
         prepared = [
             dataclasses.replace(engine.prepare(str(next(self._ids)), prompt, params), priority=rank,
-                                ttft_target_ms=ttft, e2e_target_ms=e2e)
-            for prompt, params, rank, ttft, e2e in zip(prompt_list, params_list, priorities, ttfts, e2es, strict=True)
+                                ttft_target_ms=ttft, e2e_target_ms=e2e, lora_request=lora)
+            for prompt, params, rank, ttft, e2e, lora in zip(prompt_list, params_list, priorities, ttfts, e2es, loras,
+                                                             strict=True)
         ]
         return self._run(prepared, use_tqdm)
 
@@ -158,14 +166,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
+        loras = self._loras(lora_request, len(conversations))
         engine = self.engine
         prepared = [
-            engine.prepare_chat(str(next(self._ids)), conversation, params,  # type: ignore[arg-type]
-                                add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
-            for conversation, params in zip(conversations, params_list, strict=True)
+            dataclasses.replace(
+                engine.prepare_chat(str(next(self._ids)), conversation, params,  # type: ignore[arg-type]
+                                    add_generation_prompt=add_generation_prompt,
+                                    chat_template_kwargs=chat_template_kwargs),
+                lora_request=lora)
+            for conversation, params, lora in zip(conversations, params_list, loras, strict=True)
         ]
         return self._run(prepared, use_tqdm)
 
@@ -198,6 +211,20 @@ class LLM:
         finally:
             progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+    def _loras(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+               count: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the base model."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * count
+        else:
+            loras = list(lora_request)
+            if len(loras) != count:
+                raise ValueError(f"lora_request has {len(loras)} values for {count} prompts")
+        for lora in loras:
+            if lora is not None:
+                self._check_adapter(lora)
+        return loras
 
     @staticmethod
     def _params_list(

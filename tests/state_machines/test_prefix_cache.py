@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm_actors.actors.scheduler.prefix_cache import CachedBlock, PrefixCache
-from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash
+from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash, root_hash
 
 BS = 4
 
@@ -82,6 +82,30 @@ def test_hashes_chain_through_parents_and_do_not_depend_on_block_ids() -> None:
     assert len(cache.evict(4)) == 4
     again = cache.extend(None, toks("aaaa", "bbbb"), [7, 5])
     assert [(b.block_hash, b.parent_hash) for b in again] == [(b.block_hash, b.parent_hash) for b in first]
+    cache.check_invariants()
+
+
+def test_each_lora_adapter_caches_under_its_own_root() -> None:
+    """The same tokens under adapters 1 and 2 and the base model: three chains, hashed apart from
+    their roots (``root_hash``: blake2b personalised ``lora`` over the id), never matched across;
+    releasing and evicting works on any root."""
+    cache = PrefixCache(BS)
+    base = cache.extend(None, toks("aaaa", "bbbb"), [0, 1])
+    one = cache.extend(None, toks("aaaa", "bbbb"), [2, 3], lora_int_id=1)
+    two = cache.extend(None, toks("aaaa"), [4], lora_int_id=2)
+    digest = hashlib.blake2b(struct.pack("<Q", 1), digest_size=8, person=b"lora").digest()
+    assert root_hash(0) == ROOT_HASH and root_hash(1) == int.from_bytes(digest, "little")
+    assert one[0].parent_hash == root_hash(1) and two[0].parent_hash == root_hash(2)
+    assert len({base[0].block_hash, one[0].block_hash, two[0].block_hash}) == 3
+    assert cache.match_length(toks("aaaa", "bbbb", "c")) == 2
+    assert cache.match_length(toks("aaaa", "bbbb", "c"), lora_int_id=1) == 2
+    assert cache.match_length(toks("aaaa", "bbbb", "c"), lora_int_id=2) == 1
+    assert cache.match_length(toks("aaaa", "bbbb", "c"), lora_int_id=3) == 0
+    assert cache.take(toks("aaaa", "bbbb", "c"), lora_int_id=1) == [2, 3]
+    for blocks in ([0, 1], [2, 3], [2, 3], [4]):
+        cache.release(blocks)
+    cache.check_invariants()
+    assert sorted(block.block_id for block in cache.evict(5)) == [0, 1, 2, 3, 4]
     cache.check_invariants()
 
 

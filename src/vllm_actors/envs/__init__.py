@@ -260,6 +260,8 @@ class Envs:
     VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
     VLLM_ACTORS_FUSED_MOE = kernel_switch("Fused mixture-of-experts MLP (grouped GEMM over the tokens of each expert)",
                                           "kernels")
+    VLLM_ACTORS_LORA_KERNEL = kernel_switch("Batched LoRA shrink and expand (the tokens of each adapter together)",
+                                            "kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
     VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")
@@ -300,6 +302,9 @@ class Envs:
     VLLM_PP_LAYER_PARTITION = Setting[str | None](
         None, text, "vLLM's: the layers of each pipeline stage, comma-separated (`10,14`: 10 on the first stage); "
         "unset, an even split (the first stages take one more where it does not divide).", kind="str", group="other")
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING = switch(
+        "vLLM's: the server's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` endpoints are registered.",
+        "other", default=False)
     VLLM_TORCH_PROFILER_DIR = Setting[str | None](
         None, text, "vLLM's: the workers run torch.profiler between `POST /start_profile` and `/stop_profile` "
         "(registered only then) and write the trace here.", kind="path", group="other")

@@ -26,7 +26,7 @@ from torch import nn
 
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope
+from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
 from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.calculate_kv_scales = False  # the next forward sets the scales from its k and v amax
+        self.lora: Any = None  # LoRA adapters' hooks (lora/manager.py), when the engine serves them
 
     def forward(
         self,
@@ -108,6 +109,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj)
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -134,7 +137,11 @@ class Attention(nn.Module):
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=fused,
             k_scale=self.k_scale, v_scale=self.v_scale, **options,
         )  # fmt: skip
-        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)  # this rank's partial sum
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        o = linear(out, self.o_proj)  # this rank's partial sum
+        if self.lora is not None:
+            self.lora.add("o", out, o)
+        return o
 
 
 class MLP(nn.Module):
@@ -145,13 +152,28 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = config.hidden_activation == "gelu_pytorch_tanh"
+        self.lora: Any = None  # LoRA adapters' hooks (lora/manager.py), when the engine serves them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
+        if self.lora is not None:
+            return self._forward_lora(x, gate_up)
         if self.gelu:  # Gemma: gelu(gate, tanh approximation) * up
             gate, up = gate_up.chunk(2, dim=-1)
             return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
         return silu_mul_linear(gate_up, self.down_proj)  # this rank's partial sum
+
+    def _forward_lora(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """The same with the adapters' products added to gate_up and down (the activation kept)."""
+        self.lora.add("gate_up", x, gate_up)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = silu_and_mul(gate_up)
+        out = linear(hidden, self.down_proj)
+        self.lora.add("down", hidden, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -240,6 +262,7 @@ class CausalLM(nn.Module):
         # per layer, the KV scales the checkpoint holds ({"k": k_scale, "v": v_scale}; load_from)
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.kv_cache_dtype: torch.dtype | None = None  # the cache init_kv_scales prepared the layers for
+        self.lora_batch: Any = None  # the step's LoRA slots per token (lora/slots.py), when adapters are served
 
     @property
     def ties_embeddings(self) -> bool:
@@ -286,6 +309,8 @@ class CausalLM(nn.Module):
         local = self._local_rope_frequencies(positions.device)
         local_cos, local_sin = (cos, sin) if local is None else rope_cos_sin(positions, local)
         meta = self.attn_backend.prepare(meta)
+        if self.lora_batch is not None:
+            self.lora_batch.begin(input_ids.shape[0])
         norm_tp = _LOCAL if self.config.gemma_norms else self.tp  # Gemma's layers take whole sums
         residual: torch.Tensor | None = None
         if intermediate is not None:

@@ -9,7 +9,17 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-ROOT_HASH = 0  # the parent hash of a sequence's first block
+ROOT_HASH = 0  # the parent hash of a sequence's first block (of the base model: see root_hash)
+
+
+def root_hash(lora_int_id: int = 0) -> int:
+    """The parent hash of the first block of a request with LoRA adapter ``lora_int_id`` (0: none,
+    ``ROOT_HASH``): each adapter's blocks hash apart, so two adapters never share a block. blake2b
+    with an 8-byte digest and the personalisation ``lora`` over the id (8 bytes, little-endian)."""
+    if lora_int_id == 0:
+        return ROOT_HASH
+    data = struct.pack("<Q", lora_int_id)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"lora").digest(), "little")
 
 
 def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:

@@ -81,6 +81,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     disable_events: bool = False
     # Check the scheduler's and KV-cache manager's invariants after every message (tests; slow).
     check_invariants: bool = False
+    # LoRA adapters (vLLM's): up to max_loras adapters in one batch (their slots on the device),
+    # max_cpu_loras (None: max_loras) kept loaded on the host, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # (make_engine_config also takes the last three from their deprecated environment aliases,
     # VLLM_ACTORS_STEPS_IN_FLIGHT, VLLM_ACTORS_DISABLE_EVENTS and VLLM_ACTORS_CHECK_INVARIANTS.)
 
@@ -125,6 +131,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
+                             "serve the adapters with tensor_parallel_size instead")
 
     @property
     def world_size(self) -> int:
@@ -170,6 +185,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Pipeline stages: above 1, a request's next step is planned only once its sampled token is
     # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
     pipeline_parallel_size: int = 1
+    max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
 
 
 def resolve_scheduler_config(
@@ -224,6 +240,7 @@ def resolve_scheduler_config(
         max_long_partial_prefills=config.max_long_partial_prefills,
         itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
 
 

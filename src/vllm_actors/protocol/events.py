@@ -43,6 +43,7 @@ class Queued(msgspec.Struct, tag="QUEUED", kw_only=True):
     priority: int = 0  # the request's scheduling priority and absolute deadlines (AddRequest's)
     ttft_deadline: float | None = None
     e2e_deadline: float | None = None
+    lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
 
 
 class Scheduled(msgspec.Struct, tag="SCHEDULED", kw_only=True):

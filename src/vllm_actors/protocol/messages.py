@@ -1,4 +1,4 @@
-"""Messages between the actors: the wire contract (imports nothing of the project but sampling).
+"""Messages between the actors: the wire contract (imports nothing of the project but sampling and lora).
 
 The flow of one engine step (one message per hop):
 
@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from vllm_actors.protocol.block_hash import root_hash
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -59,6 +61,8 @@ class AddRequest(msgspec.Struct, tag="add_request", kw_only=True):
     # Sticky sessions (a replica set's controller): requests with the same key go to the same
     # replica. From HTTP: the ``X-Session-Id`` header, else the body's ``user`` field.
     session_key: str | None = None
+    # The LoRA adapter the request runs with (None: the base model); its blocks are cached apart.
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
@@ -105,6 +109,12 @@ class NewRequest(msgspec.Struct, kw_only=True):
     # KV-cache manager puts those blocks first in the request's table and the worker starts there.
     num_cached_tokens: int = 0
     cached_block_hash: int = 0  # the hash of the hit's last block: the KV manager walks back from it
+    lora_request: LoRARequest | None = None  # its adapter: the worker loads it on first use
+
+    @property
+    def root_hash(self) -> int:
+        """The parent hash of its first block (its adapter's root)."""
+        return root_hash(self.lora_request.lora_int_id if self.lora_request is not None else 0)
 
     @property
     def num_tokens(self) -> int:

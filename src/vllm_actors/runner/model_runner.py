@@ -37,6 +37,7 @@ from vllm_actors.envs import envs
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.lora.manager import LoRAManager
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.loader import load_model
 from vllm_actors.models.parallel import TensorParallel
@@ -98,6 +99,7 @@ class ModelRunner:
             self.block_size = config.block_size
             self.max_num_tokens = limits.max_num_batched_tokens
             self.max_num_seqs = config.max_num_seqs
+            self.lora = self._lora_manager()  # its device slots before the KV pool takes what is left
             self.num_blocks = self._choose_num_blocks(limits.max_model_len)
             self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -169,6 +171,16 @@ class ModelRunner:
                                    self.stage)
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
+        self.lora = self._lora_manager()  # the new model's hooks; adapters load again on use
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """LoRA's device slots and hooks (``enable_lora``), sized for the largest step's rows."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        rows = self.max_num_tokens + max(self.max_num_seqs, max(GRAPH_BATCH_SIZES))
+        return LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, rows,
+                           self.device, self.dtype)
 
     def capture_graphs(self) -> None:
         if self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled:
@@ -348,6 +360,8 @@ class ModelRunner:
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run one forward pass; return the logits of ``batch.logits_indices`` rows, in the model's
         dtype (a view of a graph's output buffer: read before the next step)."""
+        if self.lora is not None:
+            self.lora.prepare(batch.loras, batch.query_lens)
         if self._calculate_kv_scales:  # eagerly: the scales are set in place, graphs read them after
             self._calculate_kv_scales = False
             self.model.calculate_kv_scales()
@@ -464,5 +478,7 @@ class ModelRunner:
         the next step)."""
         bucket = self._decode_bucket(batch)
         assert bucket is not None and bucket in self._sampled_graphs
+        if self.lora is not None:
+            self.lora.prepare(batch.loras, batch.query_lens)
         return self._run_graph(batch, bucket, sampling)
 

@@ -28,6 +28,7 @@ from vllm_actors.server.completions import create_completion
 from vllm_actors.server.errors import error_body, install_error_handlers
 from vllm_actors.server.extra_routes import add_extra_routes
 from vllm_actors.server.limits import RequestLimits
+from vllm_actors.server.lora_routes import ServedAdapters, add_lora_routes, lora_check
 from vllm_actors.server.memory import TrimAfterLargeBodies
 from vllm_actors.server.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_actors.server.protocol import ModelCard, ModelList, encode, now
@@ -72,6 +73,7 @@ def build_app(
     limits: RequestLimits | None = None,
     options: ServerOptions | None = None,
     cache_config: dict[str, str] | None = None,
+    adapters: ServedAdapters | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``served_model_names`` default to the model path; requests
     beyond ``max_num_seqs + max_waiting_requests`` in flight get 503 with Retry-After
@@ -80,8 +82,10 @@ def build_app(
     the body and prompt sizes taken (default: ``RequestLimits.for_model(max_model_len)``).
     ``options``: vLLM's flags for request fields (--max-logprobs, --return-tokens-as-token-ids,
     --trust-request-chat-template). ``cache_config``: ``vllm:cache_config_info``'s labels (default:
-    from the client's group)."""
+    from the client's group). ``adapters``: the LoRA adapters served by name (default: none, LoRA as
+    the client's group has it)."""
     names = list(served_model_names or [client.model])
+    adapters = adapters or ServedAdapters(lora_check(client), [])
     metrics = ServerMetrics(names[0], client.max_model_len or 4096, cache_config or cache_config_labels(client))
     client.add_stats_listener(metrics)
     state = ServerState(
@@ -93,6 +97,7 @@ def build_app(
         limits=limits or RequestLimits.for_model(client.max_model_len),
         options=options or ServerOptions(),
         reasoning=reasoning_parser(client, options.reasoning_parser if options else None),
+        adapters=adapters,
     )
     app = FastAPI(title="vllm_actors OpenAI-compatible server", version=__version__)
     app.state.server = state
@@ -117,6 +122,7 @@ def build_app(
     async def models() -> Response:
         cards = [ModelCard(id=name, created=now(), root=client.model, max_model_len=client.max_model_len)
                  for name in names]
+        cards += adapters.cards(names[0], now())
         return Response(encode(ModelList(data=cards)), media_type="application/json")
 
     @app.get("/health")
@@ -140,6 +146,7 @@ def build_app(
             summary, per_replica = None, []
         return Response(metrics.render(summary, per_replica), media_type=CONTENT_TYPE)
 
+    add_lora_routes(app, adapters)
     add_extra_routes(app, state, health)  # tokenize, render, batch, SageMaker, development endpoints
 
     @app.get("/version")

@@ -12,9 +12,11 @@ import msgspec
 from fastapi import FastAPI
 
 from vllm_actors.clients.async_client import AsyncEngineClient
+from vllm_actors.lora.check import AdapterCheck
 from vllm_actors.server.app import build_app
 from vllm_actors.server.http_args import RequestIdHeaders, add_cors, ssl_kwargs
 from vllm_actors.server.limits import RequestLimits
+from vllm_actors.server.lora_routes import LoRAModule, ServedAdapters, parse_lora_modules
 from vllm_actors.server.serving import ServerOptions
 from vllm_actors.server.targets import Targets, parse_default_targets
 
@@ -42,6 +44,10 @@ class AppSettings(msgspec.Struct, kw_only=True):
     ssl: dict[str, Any] = {}  # TLS: uvicorn.Config's ssl_* arguments (http_args.ssl_kwargs)
     cors: dict[str, Any] = {}  # http_args.add_cors's arguments (none: no CORS middleware)
     request_id_headers: bool = False  # --enable-request-id-headers
+    # LoRA (the engine's --enable-lora, --max-lora-rank) and the adapters served from the start
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    lora_modules: list[LoRAModule] = []
     uvicorn_log_level: str
     access_log: bool
 
@@ -73,6 +79,9 @@ class AppSettings(msgspec.Struct, kw_only=True):
             cors={"origins": args.allowed_origins, "methods": args.allowed_methods,
                   "headers": args.allowed_headers, "credentials": args.allow_credentials},
             request_id_headers=args.enable_request_id_headers,
+            enable_lora=bool(getattr(args, "enable_lora", False)),
+            max_lora_rank=getattr(args, "max_lora_rank", 16),
+            lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
             uvicorn_log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
         )
@@ -104,6 +113,8 @@ class AppSettings(msgspec.Struct, kw_only=True):
                                   default_targets=Targets(self.default_ttft_target_ms, self.default_e2e_target_ms),
                                   endpoint_targets=parse_default_targets(self.default_targets)),
             cache_config=self.cache_config,
+            adapters=ServedAdapters(AdapterCheck(self.enable_lora, self.max_lora_rank, client.model),
+                                    self.lora_modules),
         )
 
     def uvicorn_kwargs(self) -> dict[str, Any]:

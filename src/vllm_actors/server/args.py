@@ -20,6 +20,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API processes serving HTTP on the one port (vLLM's flag): each tokenises, "
                              "detokenises and streams for its share of the connections (default 1)")
+    parser.add_argument("--lora-modules", nargs="+", default=None,
+                        help="LoRA adapters served as model names (with --enable-lora): name=path, or vLLM's JSON "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use; the first is reported (default: the model path)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,

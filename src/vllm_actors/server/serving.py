@@ -5,6 +5,7 @@ JSON body, and sampling parameters from the request's fields (streams: ``streami
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from vllm_actors.server.errors import (
 )
 from vllm_actors.server.fields import check_media_type, lax_decode
 from vllm_actors.server.limits import MAX_BODY_BYTES, RequestLimits
+from vllm_actors.server.lora_routes import ServedAdapters
 from vllm_actors.server.metrics import ServerMetrics
 from vllm_actors.server.protocol import _SamplingFields
 from vllm_actors.server.reasoning import ReasoningParser
@@ -74,6 +76,7 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)
     options: ServerOptions = field(default_factory=lambda: ServerOptions())
     reasoning: ReasoningParser | None = None  # --reasoning-parser, over the model's tokenizer
+    adapters: ServedAdapters | None = None  # LoRA adapters served by name (--enable-lora)
 
     @property
     def model_name(self) -> str:
@@ -110,6 +113,8 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
             return self.model_name
+        if self.adapters is not None and self.adapters.get(model) is not None:
+            return model
         raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
 
     def admit(self, num_engine_requests: int) -> None:
@@ -187,8 +192,11 @@ class ServerState:
 
     def with_schedule(self, prepared: list[PreparedRequest], body: _SamplingFields,
                       endpoint: str) -> list[PreparedRequest]:
-        """The body's priority and latency targets (else the server's defaults) on the requests."""
-        return with_schedule(prepared, body, endpoint, self.options.endpoint_targets, self.options.default_targets)
+        """The body's priority and latency targets (else the server's defaults) on the requests, and
+        the LoRA adapter its ``model`` names."""
+        prepared = with_schedule(prepared, body, endpoint, self.options.endpoint_targets, self.options.default_targets)
+        lora = self.adapters.get(getattr(body, "model", None)) if self.adapters is not None else None
+        return [dataclasses.replace(p, lora_request=lora) for p in prepared] if lora is not None else prepared
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from vllm_actors.actors.frontend.outputs import CompletionDelta, OutputDelta, Po
 from vllm_actors.actors.frontend.prepared import PreparedRequest, check_fits, check_prompt
 from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, tokenize_chat, tokenize_prompt
 from vllm_actors.protocol.events import Arrived, Finished
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -82,6 +83,7 @@ class _Request:
     # (priority, TTFT deadline, end-to-end deadline): sent again with a resubmission
     schedule: tuple[int, float | None, float | None] = (0, None, None)
     session_key: str | None = None
+    lora_request: LoRARequest | None = None
     prompt_sent: bool = False  # the first delta (with the prompt) has gone to the client
     new_prompt_logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
 
@@ -184,7 +186,7 @@ class Frontend:
         request = _Request(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, children=[],
                            schedule=(prepared.priority, prepared.deadline(prepared.ttft_target_ms),
                                      prepared.deadline(prepared.e2e_target_ms)),
-                           session_key=prepared.session_key)
+                           session_key=prepared.session_key, lora_request=prepared.lora_request)
         out = Outputs()
         for index in range(params.n):
             child_params = params
@@ -206,6 +208,7 @@ class Frontend:
                 e2e_deadline=request.schedule[2],
                 arrival_time=prepared.arrival_time,
                 session_key=request.session_key,
+                lora_request=request.lora_request,
             )
             out.send(SCHEDULER, add)
             out.emit(Arrived(request_id=engine_id, num_prompt_tokens=len(request.prompt_token_ids),
@@ -283,6 +286,7 @@ class Frontend:
                     ttft_deadline=request.schedule[1],
                     e2e_deadline=request.schedule[2],
                     session_key=request.session_key,
+                    lora_request=request.lora_request,
                 ))
         return out
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from vllm_actors.actors.frontend.controls import check_control_ids
 from vllm_actors.actors.frontend.structured import check_structured_outputs
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -23,6 +24,7 @@ class PreparedRequest:
     ttft_target_ms: float | None = None
     e2e_target_ms: float | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def deadline(self, target_ms: float | None) -> float | None:
         if target_ms is None or self.arrival_time is None:

@@ -68,6 +68,7 @@ class KVCacheManager:
         # Hit chains already walked, by their last hash: requests sharing a prompt prefix hit the
         # same chain, walked once. A chain stays valid until a block is evicted (then all go).
         self._chains: dict[int, list[int]] = {}
+        self.roots: dict[str, int] = {}  # request id -> the parent hash of its first block (its adapter's)
         self._last_pool: KvPool | None = None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
 
@@ -177,19 +178,20 @@ class KVCacheManager:
                 front = held
                 chain = self._chains.get(new.cached_block_hash)
                 if chain is None or len(chain) != held:
-                    chain = self._chain(new.cached_block_hash, held, parent_of)
+                    chain = self._chain(new.cached_block_hash, held, parent_of, new.root_hash)
                     if chain is not None and held:
                         self._chains[new.cached_block_hash] = chain
                 if chain is None:
                     raise MessageRejected(f"plan gives {request_id!r} a cache hit on blocks that are not cached")
                 hit_hashes[request_id] = chain
-                parent = chain[-1] if chain else ROOT_HASH
+                parent = chain[-1] if chain else new.root_hash
             else:
                 if request_id not in self.block_tables or request_id in departing:
                     raise MessageRejected(f"plan schedules {request_id!r}, which holds no blocks here")
                 held = len(self.block_tables[request_id])
                 front = self.num_cached_front.get(request_id, 0)
-                parent = self.hash_of[self.block_tables[request_id][front - 1]] if front else ROOT_HASH
+                parent = (self.hash_of[self.block_tables[request_id][front - 1]] if front
+                          else self.roots.get(request_id, ROOT_HASH))
             hashes = plan.cached_hashes.get(request_id, [])
             if front + len(hashes) > max(wanted, held):
                 raise MessageRejected(f"plan caches more blocks of {request_id!r} than it holds")
@@ -218,6 +220,9 @@ class KVCacheManager:
             def depth_of(block_hash_: int) -> int:
                 chain = []
                 while block_hash_ not in depth:
+                    if block_hash_ not in self.cached:  # an adapter's root
+                        depth[block_hash_] = 0
+                        break
                     chain.append(block_hash_)
                     block_hash_ = self.cached[block_hash_].parent_hash
                 for known in reversed(chain):
@@ -240,6 +245,7 @@ class KVCacheManager:
         self.hash_of = {}
         self.num_idle_cached_blocks = 0
         self._chains = {}
+        self.roots = {}
         self._last_pool = None  # the plan's end state is reported whatever it was before
         if dropped:
             self._report_pool(events)
@@ -248,6 +254,7 @@ class KVCacheManager:
     def _depart(self, request_id: str, events: list[Any]) -> None:
         table = self.block_tables.pop(request_id, [])
         front = self.num_cached_front.pop(request_id, 0)
+        self.roots.pop(request_id, None)
         self.pool.release(table)  # private blocks go free, cached ones lose a holder
         self.num_idle_cached_blocks += sum(1 for block in table[:front] if self.pool.ref_count(block) == 1)
         if table:
@@ -292,6 +299,8 @@ class KVCacheManager:
         self.pool.share(blocks)
         self.block_tables[new.request_id] = list(blocks)
         self.num_cached_front[new.request_id] = len(blocks)
+        if new.lora_request is not None:
+            self.roots[new.request_id] = new.root_hash
         if blocks:
             events.append(
                 PrefixHit(
@@ -309,7 +318,7 @@ class KVCacheManager:
         front = self.num_cached_front.get(request_id, 0)
         if front + len(hashes) > len(table):
             raise ValueError(f"{request_id!r} caches {front + len(hashes)} blocks but holds {len(table)}")
-        parent = self.hash_of[table[front - 1]] if front else ROOT_HASH
+        parent = self.hash_of[table[front - 1]] if front else self.roots.get(request_id, ROOT_HASH)
         first_parent = parent
         blocks = table[front : front + len(hashes)]
         for block, block_hash_ in zip(blocks, hashes, strict=True):
@@ -338,9 +347,9 @@ class KVCacheManager:
             self._last_pool = pool
 
     @staticmethod
-    def _chain(last: int, length: int, parent_of: Callable[[int], int | None]) -> list[int] | None:
-        """The hashes from the root down to ``last``, if that is a chain of ``length`` cached
-        blocks; None otherwise."""
+    def _chain(last: int, length: int, parent_of: Callable[[int], int | None], root: int) -> list[int] | None:
+        """The hashes from the root (``root``: its adapter's) down to ``last``, if that is a chain
+        of ``length`` cached blocks; None otherwise."""
         if length == 0:
             return [] if last == ROOT_HASH else None
         chain = [last]
@@ -348,7 +357,7 @@ class KVCacheManager:
             parent = parent_of(chain[-1])
             if parent is None:
                 return None
-            if parent == ROOT_HASH:
+            if parent == root:
                 break
             chain.append(parent)
         if len(chain) != length:
@@ -393,7 +402,7 @@ class KVCacheManager:
             raise AssertionError("the hash index and the block index disagree")
         for request_id, table in self.block_tables.items():
             front = self.num_cached_front.get(request_id, 0)
-            parent = ROOT_HASH
+            parent = self.roots.get(request_id, ROOT_HASH)
             for position, block in enumerate(table):
                 cached = block in self.hash_of
                 if cached != (position < front):

@@ -3,7 +3,7 @@ with or compute from), and admission itself, with its prefix-cache lookup."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.request import ScheduledRequest
@@ -40,7 +40,7 @@ def admission_error(message: AddRequest, config: SchedulerConfig) -> str | None:
         return f"the prompt has {num_prompt} tokens, more than max_model_len ({max_model_len})"
     error = _token_ids_error("prompt token ids", message.prompt_token_ids, token_limit)
     error = error or _token_ids_error("eos_token_ids", message.eos_token_ids, token_limit)
-    error = error or sampling_error(message.params)
+    error = error or sampling_error(message.params) or lora_error(message, config)
     if error is not None:
         return error
     outputs = message.output_token_ids
@@ -82,6 +82,23 @@ def sampling_error(params: SamplingParams) -> str | None:
     return None
 
 
+def lora_error(message: AddRequest, config: SchedulerConfig) -> str | None:
+    if message.lora_request is not None and config.max_loras == 0:
+        return f"LoRA adapter {message.lora_request.lora_name!r} asked for, but LoRA is not enabled (enable_lora)"
+    return None
+
+
+def running_adapters(running: Iterable[ScheduledRequest]) -> set[int]:
+    """The LoRA adapters of the running requests (a step uses each of them at most)."""
+    return {request.lora_int_id for request in running if request.lora_int_id}
+
+
+def adapter_fits(request: ScheduledRequest, adapters: set[int], max_loras: int) -> bool:
+    """Whether the request may join the running ones: its adapter is theirs, or one more fits
+    in the worker's ``max_loras`` device slots."""
+    return not request.lora_int_id or request.lora_int_id in adapters or len(adapters) < max_loras
+
+
 def looks_up(request: ScheduledRequest, ledger: BlockLedger) -> bool:
     """Whether admission looks the request up in the prefix cache: not when it wants prompt
     logprobs, which need every prompt position computed."""
@@ -96,7 +113,7 @@ def admit(request: ScheduledRequest, ledger: BlockLedger) -> tuple[int, int, int
         request.cache_check_at = ledger.next_cache_check(request.request_id)
         return 0, 0, 0
     tokens = request.all_token_ids
-    num_blocks, last_hash = ledger.admit(request.request_id, tokens)
+    num_blocks, last_hash = ledger.admit(request.request_id, tokens, request.lora_int_id)
     request.num_computed_tokens = num_blocks * ledger.block_size
     request.cache_check_at = ledger.next_cache_check(request.request_id)
     return len(tokens), request.num_computed_tokens, last_hash

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.host_tier import HostBlock, HostTier
 from vllm_actors.actors.scheduler.prefix_cache import CachedBlock, PrefixCache
-from vllm_actors.protocol.block_hash import ROOT_HASH
+from vllm_actors.protocol.block_hash import root_hash
 
 
 class LedgerError(RuntimeError):
@@ -39,6 +39,7 @@ class Holding:
     num_blocks: int = 0
     cached: list[int] = field(default_factory=list)
     stopped: bool = False  # a block of it was already cached under another id: cache no more
+    lora_int_id: int = 0  # its LoRA adapter: its blocks are cached in that adapter's tree
 
 
 class BlockLedger:
@@ -83,24 +84,25 @@ class BlockLedger:
             return sys.maxsize
         return (len(holding.cached) + 1) * self.block_size
 
-    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_blocks(self, token_ids: Sequence[int], lora_int_id: int = 0) -> int:
         """Blocks a lookup of ``token_ids`` would hit now, without touching the LRU order."""
         if self.cache is None:
             return 0
-        return self.cache.match_length(token_ids, self._max_hit(len(token_ids)))
+        return self.cache.match_length(token_ids, self._max_hit(len(token_ids)), lora_int_id)
 
     # ------------------------------------------------------------------ changes
-    def admit(self, request_id: str, token_ids: Sequence[int] | None) -> tuple[int, int]:
+    def admit(self, request_id: str, token_ids: Sequence[int] | None, lora_int_id: int = 0) -> tuple[int, int]:
         """A request starts holding blocks. With ``token_ids`` (None: no lookup), it takes the
-        longest cached prefix of them, leaving at least one token to compute. Returns the number
-        of blocks hit, now at the front of its table, and the hash of the last (0: none)."""
+        longest cached prefix of them (in its adapter's tree), leaving at least one token to
+        compute. Returns the number of blocks hit, now at the front of its table, and the hash of
+        the last (0: none)."""
         if request_id in self._holdings:
             raise LedgerError(f"request {request_id!r} already holds blocks")
-        holding = Holding()
+        holding = Holding(lora_int_id=lora_int_id)
         self._holdings[request_id] = holding
         if self.cache is None or token_ids is None:
             return 0, 0
-        holding.cached = self.cache.take(token_ids, self._max_hit(len(token_ids)))
+        holding.cached = self.cache.take(token_ids, self._max_hit(len(token_ids)), lora_int_id)
         holding.num_blocks = len(holding.cached)
         if self.host is not None:
             self._restore(holding, token_ids)
@@ -149,7 +151,7 @@ class BlockLedger:
         assert self.host is not None and self.cache is not None
         size = self.block_size
         start = len(holding.cached)
-        parent = self.cache.block_hash_of(holding.cached[-1]) if holding.cached else ROOT_HASH
+        parent = self.cache.block_hash_of(holding.cached[-1]) if holding.cached else root_hash(holding.lora_int_id)
         limit = min(self._max_hit(len(token_ids)) - start, self.num_available)
         hashes = self.host.match(parent, token_ids[start * size:], size, limit)
         if not hashes:
@@ -161,7 +163,7 @@ class BlockLedger:
         self.num_free -= len(hashes)
         labels = [next(self._labels) for _ in hashes]
         tokens = token_ids[start * size:(start + len(hashes)) * size]
-        new = self.cache.extend(holding.cached[-1] if holding.cached else None, tokens, labels)
+        new = self.cache.extend(holding.cached[-1] if holding.cached else None, tokens, labels, holding.lora_int_id)
         assert len(new) == len(hashes), "a host block's content is also cached on the GPU"
         holding.cached.extend(labels)
         holding.num_blocks += len(labels)
@@ -179,7 +181,7 @@ class BlockLedger:
         size = self.block_size
         labels = [next(self._labels) for _ in range(num_full - start)]
         parent = holding.cached[-1] if holding.cached else None
-        new = self.cache.extend(parent, tokens(start * size, num_full * size), labels)
+        new = self.cache.extend(parent, tokens(start * size, num_full * size), labels, holding.lora_int_id)
         if len(new) < len(labels):
             holding.stopped = True  # another request cached the same content first
         if self.host is not None:  # content back on the GPU: its host copy is a duplicate

@@ -8,7 +8,9 @@ node per block keeps every operation a plain walk with no node splitting. Matchi
 lookup per block. Each node carries a stable block hash, ``block_hash(parent_hash, token_ids)``
 (``vllm_actors.protocol.block_hash``), the root's being ``ROOT_HASH``, so a router outside the
 engine can mirror the tree from the events alone. Keys are the token tuples themselves, so a hash
-collision can never make two different prefixes share a block here.
+collision can never make two different prefixes share a block here. Requests of a LoRA adapter
+(``lora_int_id``) grow their own tree under a root of their own (``root_hash``): two adapters, or
+an adapter and the base model, never share a block.
 
 Block ids here are labels (the scheduler's ``BlockLedger`` hands them out): the KV-cache manager
 owns the real blocks and learns the decisions by block hash. A block is, as far as the ledger is
@@ -49,7 +51,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash
+from vllm_actors.protocol.block_hash import ROOT_HASH, block_hash, root_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class PrefixCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._root = _Node(key=(), block_id=-1, parent=None, serial=0)
+        self._roots: dict[int, _Node] = {0: self._root}  # by LoRA adapter id (0: the base model)
         self._nodes: dict[int, _Node] = {}  # block id -> node, every cached block
         self._num_evictable = 0  # cached blocks with ref_count 0
         self._clock = 0
@@ -130,16 +133,24 @@ class PrefixCache:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def match_length(self, token_ids: Sequence[int], max_blocks: int | None = None) -> int:
+    def root(self, lora_int_id: int = 0) -> _Node:
+        """The root of an adapter's tree (made on first use; never removed)."""
+        node = self._roots.get(lora_int_id)
+        if node is None:
+            node = self._roots[lora_int_id] = _Node(key=(), block_id=-1, parent=None, serial=0)
+            node.block_hash = root_hash(lora_int_id)
+        return node
+
+    def match_length(self, token_ids: Sequence[int], max_blocks: int | None = None, lora_int_id: int = 0) -> int:
         """How many blocks ``take`` would take (at most ``max_blocks``, below 0 counting as 0),
         without taking or stamping anything (for ordering)."""
-        return len(self._match_path(token_ids, max_blocks))
+        return len(self._match_path(token_ids, max_blocks, self.root(lora_int_id)))
 
-    def take(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
+    def take(self, token_ids: Sequence[int], max_blocks: int | None = None, lora_int_id: int = 0) -> list[int]:
         """The ids of the longest cached prefix of ``token_ids`` made of full blocks (at most
-        ``max_blocks`` blocks, below 0 counting as 0), each now holding one more reference and
-        stamped as used."""
-        path = self._match_path(token_ids, max_blocks)
+        ``max_blocks`` blocks, below 0 counting as 0) in the tree of adapter ``lora_int_id``, each
+        now holding one more reference and stamped as used."""
+        path = self._match_path(token_ids, max_blocks, self.root(lora_int_id))
         self._hold(path)
         return [node.block_id for node in path]
 
@@ -160,17 +171,18 @@ class PrefixCache:
                 self._num_evictable += 1
         self._stamp(path)
 
-    def extend(self, parent_block: int | None, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[CachedBlock]:
+    def extend(self, parent_block: int | None, token_ids: Sequence[int], block_ids: Sequence[int],
+               lora_int_id: int = 0) -> list[CachedBlock]:
         """Cache a request's next full blocks: its cached front ends at ``parent_block`` (None:
-        the root), ``token_ids`` are the tokens right after that front and ``block_ids[i]`` holds
-        ``token_ids[i*bs:(i+1)*bs]`` (extra ids, such as a partial last block, are ignored). Walks
-        only the new part, so a request caches its blocks as they fill at a cost independent of
-        its length. The parent must be held by the caller. If the first block's content is
+        the root of adapter ``lora_int_id``'s tree), ``token_ids`` are the tokens right after that
+        front and ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]`` (extra ids, such as a partial
+        last block, are ignored). Walks only the new part, so a request caches its blocks as they
+        fill at a cost independent of its length. The parent must be held by the caller. If the first block's content is
         already cached under another id (two requests computed the same prefix concurrently),
         the cached one is kept and nothing is cached: the caller's blocks stay private. Returns
         the blocks newly cached, in order; each starts with one reference, the caller's."""
         if parent_block is None:
-            parent = self._root
+            parent = self.root(lora_int_id)
         else:
             found = self._nodes.get(parent_block)
             if found is None:
@@ -245,20 +257,21 @@ class PrefixCache:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _match_path(self, token_ids: Sequence[int], max_blocks: int | None) -> list[_Node]:
+    def _match_path(self, token_ids: Sequence[int], max_blocks: int | None, root: _Node) -> list[_Node]:
         size = self.block_size
         limit = len(token_ids) // size
         if max_blocks is not None:
             limit = min(limit, max(max_blocks, 0))
         path: list[_Node] = []
-        node = self._root
+        node = root
         # Requests sharing a prompt prefix come in runs: when this one starts with the tokens of
         # the previous match, reuse that path (one list comparison in C instead of a tuple and
         # a lookup per block). An alive node's ancestors are alive: eviction takes leaves only.
         previous_tokens, previous_path = self._last_match
         reuse = min(len(previous_path), limit)
         prefix = reuse * size
-        if reuse and previous_path[reuse - 1].alive and list(token_ids[:prefix]) == previous_tokens[:prefix]:
+        if (reuse and previous_path[reuse - 1].alive and previous_path[0].parent is root
+                and list(token_ids[:prefix]) == previous_tokens[:prefix]):
             path = previous_path[:reuse]
             node = path[-1]
         for key in self._keys(token_ids[len(path) * size :], limit - len(path)):
@@ -303,12 +316,13 @@ class PrefixCache:
     def _path(self, blocks: Sequence[int]) -> list[_Node]:
         """The nodes of ``blocks``, checked to be cached and to form a path from the root."""
         path: list[_Node] = []
-        parent = self._root
+        parent: _Node | None = None  # the first block's: any root
         for block_id in blocks:
             node = self._nodes.get(block_id)
             if node is None:
                 raise ValueError(f"block {block_id} is not cached")
-            if node.parent is not parent:
+            if node.parent is not parent and (parent is not None or node.parent is None or
+                                              node.parent.parent is not None):
                 raise ValueError(f"blocks {list(blocks)[:8]} do not form a path from the root")
             path.append(node)
             parent = node
@@ -324,7 +338,7 @@ class PrefixCache:
         self._offer(path[-1])
 
     def _offer(self, node: _Node) -> None:
-        if node is self._root or not node.evictable_leaf:
+        if node.parent is None or not node.evictable_leaf:
             return
         heapq.heappush(self._heap, (node.last_used, node.serial, node))
         if len(self._heap) > 2 * len(self._nodes) + 64:
@@ -332,7 +346,7 @@ class PrefixCache:
             heapq.heapify(self._heap)
 
     def _walk_all(self) -> Iterator[_Node]:
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

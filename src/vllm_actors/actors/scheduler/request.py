@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.messages import AddRequest, NewRequest, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class ScheduledRequest:
     e2e_deadline: float | None = None
     arrival: int = 0  # arrival sequence number: the tie-break of every policy's order
     queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue (aging)
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     @classmethod
     def arriving(cls, message: AddRequest, arrival: int, queued_at_step: int) -> ScheduledRequest:
@@ -55,7 +57,12 @@ class ScheduledRequest:
             e2e_deadline=message.e2e_deadline,
             arrival=arrival,
             queued_at_step=queued_at_step,
+            lora_request=message.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def deadline(self) -> float | None:
@@ -109,6 +116,7 @@ class ScheduledRequest:
             eos_token_ids=self.eos_token_ids,
             num_cached_tokens=num_cached_tokens,
             cached_block_hash=cached_block_hash,
+            lora_request=self.lora_request,
         )
 
 

@@ -41,7 +41,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vllm_actors.actors.scheduler.admission import admission_error, admit, identity_error
+from vllm_actors.actors.scheduler.admission import (
+    adapter_fits,
+    admission_error,
+    admit,
+    identity_error,
+    running_adapters,
+)
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
@@ -163,7 +169,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         out.emit(Queued(request_id=request.request_id, num_waiting=len(self.waiting), priority=message.priority,
-                        ttft_deadline=message.ttft_deadline, e2e_deadline=message.e2e_deadline))
+                        ttft_deadline=message.ttft_deadline, e2e_deadline=message.e2e_deadline,
+                        lora_int_id=request.lora_int_id))
 
     def _unmeetable_error(self, message: AddRequest) -> str | None:
         """Admission control: its deadlines against the queue the policy puts ahead of it."""
@@ -381,11 +388,16 @@ class Scheduler:
         prefill the sizer holds back this step is passed over, the ones behind it go on)."""
         self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
         passed: list[ScheduledRequest] = []
+        adapters = running_adapters(self.running)
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step was in flight: resume once its token is here
             if not sizer.admits(request):
+                passed.append(self.waiting.popleft())
+                continue
+            if not adapter_fits(request, adapters, self.config.max_loras):
+                # one adapter more than a step may use: as vLLM, the requests behind it may go first
                 passed.append(self.waiting.popleft())
                 continue
             num_query, num_hit, hit_hash = admit(request, self.ledger)
@@ -402,6 +414,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                adapters.add(request.lora_int_id)
             if not request.num_preemptions and not request.output_token_ids:
                 request.num_cached_prompt_tokens = min(num_hit, len(request.prompt_token_ids))
             admitted = Resumed if request.num_preemptions else Scheduled
@@ -410,4 +424,4 @@ class Scheduler:
             if remaining > 1:
                 sizer.took(request, num_new)
             step.take(request, num_new, needed, new=request.new_request(num_hit, hit_hash))
-        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
+        self.waiting.extendleft(reversed(passed))  # every exit above is a break: back at the front, in order

@@ -49,6 +49,10 @@ def build_batch(plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: B
         batch.query_lens.append(num_new)
         batch.seq_lens.append(end)
         batch.block_tables.append(request.block_table)
+        if request.lora_request is not None and batch.loras is None:
+            batch.loras = [None] * (len(batch.query_lens) - 1)
+        if batch.loras is not None:
+            batch.loras.append(request.lora_request)
         if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
             last = min(end, request.num_prompt_tokens - 1)
             step.spans.append(PromptSpan(request, len(batch.logits_indices), start + 1, last - start))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_actors.protocol.events import StepStarted
+from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.messages import Logprobs, PromptLogprobs
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -39,6 +40,7 @@ class BatchInput:
     logits_indices: list[int]  # flat positions whose logits are returned
     block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
     deferred: DeferredInputs | None = None  # placeholders in token_ids to fill on the device
+    loras: list[LoRARequest | None] | None = None  # per sequence, its LoRA adapter (None: no sequence has one)
 
     def table_array(self) -> np.ndarray:
         """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
@@ -108,6 +110,7 @@ class WorkerRequest:
     num_pending: int = 0  # tokens sampled by launched steps, not read back yet
     grammar: RowGrammar | None = None  # its structured-output matcher, when constrained
     penalty_slot: int = -1  # its slot in the sampler's PenaltyPool, when it sets penalties
+    lora_request: LoRARequest | None = None  # its LoRA adapter
 
     @property
     def wants_prompt_logprobs(self) -> bool:

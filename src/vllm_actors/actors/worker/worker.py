@@ -362,6 +362,7 @@ class Worker:
             eos_token_ids=list(new.eos_token_ids),
             num_computed_tokens=new.num_cached_tokens,  # a prefix-cache hit: its KV is in the table
             row=self.tables.add() if self.tables is not None else -1,
+            lora_request=new.lora_request,
         )
 
     def reset(self) -> None:

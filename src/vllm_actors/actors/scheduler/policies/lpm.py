@@ -24,7 +24,7 @@ class LongestPrefixMatch(QueuePolicy):
         if not 1 < len(waiting) <= LPM_MAX_WAITING:
             return waiting
         hits = {
-            request.request_id: ledger.cached_prefix_blocks(request.all_token_ids)
+            request.request_id: ledger.cached_prefix_blocks(request.all_token_ids, request.lora_int_id)
             for request in waiting
             if looks_up(request, ledger)
         }

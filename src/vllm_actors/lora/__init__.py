@@ -1,0 +1,3 @@
+"""LoRA adapters: PEFT adapters read and checked (``adapter``), their device slots (``slots``) and the
+worker's manager (``manager``).
+"""
