@@ -8,7 +8,8 @@ import structlog
 import torch
 
 from vllm_actors.kernels.attention import get_attention_backend
-from vllm_actors.models import registry
+from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
+from vllm_actors.models import fp8, registry
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.parallel import TensorParallel
@@ -23,7 +24,12 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     and embeddings, norms at 1. For benchmarks on machines without the checkpoint."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, fp8.Fp8Linear):
+                module.init_dummy(generator)
         for name, parameter in model.named_parameters():
+            if parameter.dtype == FP8_DTYPE or name.endswith(("weight_scale", "weight_scale_inv")):
+                continue  # an Fp8Linear's, drawn above
             if name.endswith("norm.weight"):
                 parameter.fill_(1.0)
             else:
@@ -51,7 +57,10 @@ def load_model(
     model_cls = registry.model_class(config.architecture)
     with torch.device("meta"):
         model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if config.quantization is not None and fp8.keeps_fp8(device):  # FP8 projections (after the cast)
+        fp8.use_fp8_linears(model, model.local_config, config.quantization, model.tp.size)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":
