@@ -313,8 +313,9 @@ _GGUF_BLOCK_TENSORS: dict[str, str] = {
 }
 
 
-def build_gguf(hf_dir: Path, out_path: Path) -> Path:
-    """Convert a tiny HF checkpoint of build_checkpoint to an all-F32 GGUF file the way llama.cpp lays it out."""
+def build_gguf(hf_dir: Path, out_path: Path, raw: dict[str, tuple[Any, Any]] | None = None) -> Path:
+    """Convert a tiny HF checkpoint of build_checkpoint to an all-F32 GGUF file the way llama.cpp lays it out;
+    ``raw``: HF name -> (quantized bytes in llama.cpp's row order, GGMLQuantizationType) written instead."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -367,6 +368,9 @@ def build_gguf(hf_dir: Path, out_path: Path) -> Path:
                 array = llama_cpp_permute_qk(array, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 array = llama_cpp_permute_qk(array, kv_heads)
+        if raw is not None and name in raw:
+            w.add_tensor(gname, raw[name][0], raw_dtype=raw[name][1])
+            continue
         w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
