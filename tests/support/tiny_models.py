@@ -138,7 +138,7 @@ def build_checkpoint(
 ) -> Path:
     """Build a tiny random float32 checkpoint (HF layout) with its tokenizer at path: arch "llama",
     "qwen3", "qwen3_moe", "mixtral" (MoE: ``MOE_SHAPE`` and the family's shape; experts saved one
-    tensor each), or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text).
+    tensor each), or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text, phi3).
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
     shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...)

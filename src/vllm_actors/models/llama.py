@@ -32,6 +32,7 @@ from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.fp8 import Fp8Source, merged_rows
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
+from vllm_actors.models.fused_names import split_fused
 from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
 from vllm_actors.models.moe import SparseMoeBlock
 from vllm_actors.models.parallel import ShardLayout, TensorParallel, vocab_parallel_embedding
@@ -355,6 +356,7 @@ class CausalLM(nn.Module):
         """Read this rank's part of every weight from ``source`` (only that part: a safetensors
         source reads just those rows or columns); missing or unexpected names raise."""
         targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
+        source = split_fused(source, self.config)  # Phi-3's fused qkv_proj and gate_up_proj, by part
         if self.config.quantization is not None:  # FP8 weights: kept where the model holds FP8, else dequantized
             fp8_names = {name for name, target in targets.items() if target.dtype == FP8_DTYPE}
             source = Fp8Source(source, self.config.quantization, fp8_names)
