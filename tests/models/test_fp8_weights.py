@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,13 @@ def test_dequantized_at_load_matches_transformers(checkpoints: tuple[str, Path, 
     assert (got - expected).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert _greedy(ours, PROMPT[:12], 16) == generated.tolist()
+
+
+def test_model_config_round_trip(checkpoints: tuple[str, Path, Path]) -> None:
+    """The scheme travels with the config between the engine's processes (msgpack of ``to_dict``)."""
+    config = ModelConfig.from_path(str(checkpoints[1]))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(config.to_dict()))
+    assert ModelConfig.from_dict(wire) == config and config.quantization is not None
 
 
 def _emulated_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
