@@ -15,6 +15,8 @@ weight byte once, the same tile sums and scales.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -195,7 +197,21 @@ if HAVE_TRITON:
 
 
 _ROWS = 8  # rows of the activations a quantization program takes (of one group)
-_GEMV_COLUMNS = 16  # output columns of a GEMV program (the interpreter: 128)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Launch tiles: the GEMM's for up to ``small_rows`` rows and above, the GEMV's columns per program.
+    First choices, not yet tuned on a GPU (``benchmarks/fp8_gemm.py --sweep`` times others)."""
+
+    small_rows: int = 16
+    small: tuple[int, int, int, int] = (16, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
+    large: tuple[int, int, int, int] = (64, 128, 4, 3)
+    gemv_columns: int = 16  # the interpreter: 128 (it runs programs one at a time)
+    group_m: int = 8  # rows of tiles visited together (L2 reuse of the weight)
+
+
+_CONFIG = Fp8GemmConfig()
 
 
 def _require_triton() -> None:
@@ -231,11 +247,12 @@ def tile_k(group_k: int, k: int) -> int:
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
     quantized per token and group of ``block[1]`` (per token without ``block``)."""
     _require_triton()
+    config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_linear takes x [M, K] and a float8_e4m3fn weight [N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)} {weight.dtype}")
@@ -247,18 +264,18 @@ def fp8_linear(
     bias_arg = bias if bias is not None else out
     block_k = tile_k(group_k, k)
     if rows == 1:
-        block_n = _GEMV_COLUMNS if x.is_cuda else 128
+        block_n = config.gemv_columns if x.is_cuda else 128
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             x_q, x_s, weight, weight_scale, bias_arg, out, n, k, group_n, group_k, weight.stride(0),
             weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
-    block_m, block_n, warps, stages = (16, 64, 4, 3) if rows <= 16 else (64, 128, 4, 3)
+    block_m, block_n, warps, stages = config.small if rows <= config.small_rows else config.large
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](
         x_q, weight, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
         x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), weight_scale.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=warps, num_stages=stages,
     )
     return out
