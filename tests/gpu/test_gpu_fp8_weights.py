@@ -72,3 +72,18 @@ def test_tiny_fp8_engine_graphs_match_eager(strategy: str, tiny_qwen3: Path, tmp
                                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         tokens[name] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["graphs"] == tokens["eager"]
+
+
+def test_qwen3_fp8_shape_with_dummy_weights(tmp_path: Path) -> None:
+    """Qwen3-0.6B's shape with Qwen3-FP8's quantization_config, random weights (the benchmarks'
+    load_format="dummy"): every attention and MLP projection FP8, greedy decode through CUDA graphs."""
+    from vllm_actors.bench.throughput_workload import QWEN3_8B_FP8_CONFIG, write_model_dir
+
+    config = {**QWEN3_8B_FP8_CONFIG, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
+              "num_attention_heads": 16, "num_key_value_heads": 8}
+    path = write_model_dir(tmp_path / "qwen3-fp8", config)
+    with LLM(str(path), executor="inprocess", dtype="bfloat16", load_format="dummy", max_model_len=512,
+             skip_tokenizer_init=True, seed=0) as llm:
+        outputs = llm.generate([{"prompt_token_ids": list(range(10, 300))}, {"prompt_token_ids": [5, 6, 7]}],
+                               SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]

@@ -171,4 +171,20 @@ def test_quantization_config_readings() -> None:
     channel = fp8_scheme({"quantization_config": {**CT, "ignore": ["re:.*\\.mlp\\.down_proj$"]}})
     assert channel is not None and (channel.strategy, channel.scale_name) == ("channel", "weight_scale")
     assert channel.ignores("model.layers.3.mlp.down_proj") and not channel.ignores("model.layers.3.mlp.up_proj")
+    groups = {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                          "dynamic": True}}}
+    ct_block = fp8_scheme({"quantization_config": {**CT, "config_groups": groups}})
+    assert ct_block is not None and (ct_block.block_size, ct_block.scale_name) == ((128, 128), "weight_scale")
     assert fp8_scheme({}) is None
+
+
+def test_dummy_weights_are_quantized(checkpoints: tuple[str, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_format="dummy" (benchmarks' random weights) draws an FP8 projection as normal(0, 0.02) quantized."""
+    strategy, path, _ = checkpoints
+    monkeypatch.setenv("VLLM_ACTORS_FP8_GEMM", "triton")
+    model, _ = load_model(str(path), torch.float32, CPU, load_format="dummy")
+    projection = model.get_submodule("model.layers.1.mlp.gate_up_proj")
+    assert isinstance(projection, fp8.Fp8Linear) and projection.weight.dtype == torch.float8_e4m3fn
+    weight = fp8_gemm.dequantize_weight(projection.weight, projection.scales, projection.block)
+    assert 0.015 < weight.std().item() < 0.025 and projection.scales.min().item() > 0
