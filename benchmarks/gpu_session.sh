@@ -98,13 +98,14 @@ for stage in "${stages[@]}"; do
   echo "=== $stage"
   case "$stage" in
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py \
-               tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_lora_kernels.py
+               tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py
              timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
                tests/gpu/test_gpu_long_context.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \
                tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_sleep_mode.py \
                tests/gpu/test_gpu_attention_options.py \
-               tests/gpu/test_gpu_lora.py
+               tests/gpu/test_gpu_lora.py \
+               tests/gpu/test_gpu_fp8_weights.py
            } 2>&1 | tee "$out/tests.log" | tail -40 ;;
     tptests) timeout 580 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/gpu/test_gpu_allreduce_norm.py \
                tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_pipeline_parallel.py \

@@ -19,7 +19,11 @@ PROMPT_LENGTHS = [3, 18, 64, 150, 258, 300]
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+# Phi-3 differs from Mistral only in its checkpoint's fused names: tests/models/test_dense_families.py
+ENGINE_FAMILIES = tuple(arch for arch in FAMILIES if arch != "phi3")
+
+
+@pytest.mark.parametrize("arch", ENGINE_FAMILIES)
 def test_greedy_matches_transformers_under_preemption_and_chunking(
     arch: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -14,6 +14,7 @@ import torch
 from tests.support.tiny_families import FAMILIES
 from tests.support.tiny_models import PagedRunner, build_checkpoint
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.llama import DictSource
 from vllm_actors.models.loader import load_model
 
 ATOL = 2e-4
@@ -117,3 +118,22 @@ def test_config_spellings() -> None:
         ModelConfig.from_hf_config({**BASE, "model_type": "gemma2", "hidden_activation": "relu"})
     with pytest.raises(ValueError, match="layer_types"):
         dataclasses.replace(gemma3, layer_types=["full_attention"])
+
+
+def test_phi3_fused_projections_by_rank(tmp_path: Path) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj are read by rows as their parts: rank 1 of 2 holds q
+    rows 32..63, its KV head's k and v rows 16..31 and up rows 64..127 of the whole model's."""
+    from vllm_actors.models.fused_names import SplitFusedSource
+    from vllm_actors.models.parallel import TensorParallel
+
+    path = build_checkpoint(tmp_path, "phi3", tie_word_embeddings=False, seed=3, shape={"num_hidden_layers": 1})
+    whole = load_model(str(path), torch.float32, torch.device("cpu"))[0].hf_named_weights()
+    rank, config = load_model(str(path), torch.float32, torch.device("cpu"), tp=TensorParallel(rank=1, size=2))
+    part = rank.hf_named_weights()
+    for name, rows in (("self_attn.q_proj", slice(32, 64)), ("self_attn.k_proj", slice(16, 32)),
+                       ("self_attn.v_proj", slice(16, 32)), ("mlp.up_proj", slice(64, 128))):
+        key = f"model.layers.0.{name}.weight"
+        assert torch.equal(part[key], whole[key][rows]), name
+    short = {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(10, 64)}
+    with pytest.raises(ValueError, match="10 rows, expected 128"):
+        SplitFusedSource(DictSource(short), config)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("qwen2", "mistral", "gemma2", "gemma3_text")
+FAMILIES = ("qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
 
 # The options per family; build_checkpoint's ``shape`` overrides them.
 FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     # sliding on layers from max_window_layers on (transformers' rule), so both kinds are present
     "qwen2": {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
     "mistral": {"sliding_window": 8},
+    "phi3": {"sliding_window": 10},  # its checkpoint fuses q/k/v and gate/up
     "gemma2": {
         "sliding_window": 8, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
         "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh",
@@ -47,6 +48,7 @@ def family_config(arch: str, common: dict[str, Any], rope: dict[str, Any]) -> tu
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     config = config_cls(**sizes, **options, rope_parameters=dict(rope))

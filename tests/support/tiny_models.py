@@ -138,7 +138,7 @@ def build_checkpoint(
 ) -> Path:
     """Build a tiny random float32 checkpoint (HF layout) with its tokenizer at path: arch "llama",
     "qwen3", "qwen3_moe", "mixtral" (MoE: ``MOE_SHAPE`` and the family's shape; experts saved one
-    tensor each), or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text).
+    tensor each), or one of `tiny_families.FAMILIES` (qwen2, mistral, gemma2, gemma3_text, phi3).
 
     rope_scaling: extra HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
     shape: overrides of the sizes (num_attention_heads, num_key_value_heads, intermediate_size, ...)
@@ -313,8 +313,9 @@ _GGUF_BLOCK_TENSORS: dict[str, str] = {
 }
 
 
-def build_gguf(hf_dir: Path, out_path: Path) -> Path:
-    """Convert a tiny HF checkpoint of build_checkpoint to an all-F32 GGUF file the way llama.cpp lays it out."""
+def build_gguf(hf_dir: Path, out_path: Path, raw: dict[str, tuple[Any, Any]] | None = None) -> Path:
+    """Convert a tiny HF checkpoint of build_checkpoint to an all-F32 GGUF file the way llama.cpp lays it out;
+    ``raw``: HF name -> (quantized bytes in llama.cpp's row order, GGMLQuantizationType) written instead."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -367,6 +368,9 @@ def build_gguf(hf_dir: Path, out_path: Path) -> Path:
                 array = llama_cpp_permute_qk(array, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 array = llama_cpp_permute_qk(array, kv_heads)
+        if raw is not None and name in raw:
+            w.add_tensor(gname, raw[name][0], raw_dtype=raw[name][1])
+            continue
         w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -153,8 +153,14 @@ LLAMA_3_2_1B_CONFIG: dict[str, Any] = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+# Qwen3-8B-FP8's: block-wise FP8 weights as Qwen ships them (random, quantized at load_format=dummy).
+QWEN3_8B_FP8_CONFIG: dict[str, Any] = {
+    **QWEN3_8B_CONFIG, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                               "weight_block_size": [128, 128]},
+}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG, "llama-3.2-1b": LLAMA_3_2_1B_CONFIG,
+    "qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-8b-fp8": QWEN3_8B_FP8_CONFIG,
+    "llama-3.2-1b": LLAMA_3_2_1B_CONFIG,
 }
 
 

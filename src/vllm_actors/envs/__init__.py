@@ -262,6 +262,8 @@ class Envs:
                                           "kernels")
     VLLM_ACTORS_LORA_KERNEL = kernel_switch("Batched LoRA shrink and expand (the tokens of each adapter together)",
                                             "kernels")
+    VLLM_ACTORS_FP8_GEMM = kernel_switch(
+        "FP8 checkpoints' projections kept in FP8 (Triton FP8 GEMMs; `torch`: dequantized at load)", "kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
     VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")

@@ -8,7 +8,7 @@ import torch
 from vllm_actors.envs import Envs, envs
 
 KERNEL_CHOICES = ("VLLM_ACTORS_ATTENTION", "VLLM_ACTORS_FUSED_OPS", "VLLM_ACTORS_FUSED_MOE", "VLLM_ACTORS_SAMPLER",
-                  "VLLM_ACTORS_PENALTIES", "VLLM_ACTORS_LORA_KERNEL")
+                  "VLLM_ACTORS_PENALTIES", "VLLM_ACTORS_LORA_KERNEL", "VLLM_ACTORS_FP8_GEMM")
 _SETTINGS = {name: Envs.setting(name) for name in KERNEL_CHOICES}  # asked at every op in eager mode: one lookup
 
 

@@ -206,6 +206,8 @@ def silu_mul_linear(gate_up: torch.Tensor, module: torch.nn.Linear) -> torch.Ten
 
 def linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
     """``module(x)``, through ``gemv`` where it ``takes`` the product."""
+    if module.weight.dtype == torch.float8_e4m3fn:  # an FP8 projection (`models/fp8.py`) runs its own GEMM
+        return module(x)
     if takes(x, module.weight):
         return gemv(x, module.weight, module.bias)
     return F.linear(x, module.weight, module.bias)

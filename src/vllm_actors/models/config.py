@@ -14,6 +14,7 @@ from typing import Any, Literal
 from vllm_actors.models import registry
 from vllm_actors.models.families import GEMMA_TYPES, family_fields, rope_overrides
 from vllm_actors.models.moe_config import MOE_ARCHITECTURES, moe_fields
+from vllm_actors.models.quant_config import Fp8Scheme, fp8_scheme
 from vllm_actors.models.rope_config import derived_max_model_len, normalize_rope_scaling, rope_sources
 
 Source = Literal["hf", "gguf"]
@@ -62,6 +63,7 @@ class ModelConfig:
     gemma_norms: bool = False  # RMSNorm by (1 + w); a norm after attention and around the MLP
     embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
     local_rope_theta: float | None = None  # plain rotary base of the sliding layers (Gemma 3)
+    quantization: Fp8Scheme | None = None  # FP8 weights (`models/quant_config.py`); None: in torch_dtype
 
     def __post_init__(self) -> None:
         registry.entry_for_model_type(self.architecture)  # unknown: ValueError naming the supported list
@@ -112,6 +114,8 @@ class ModelConfig:
         values = dict(data)
         values["eos_token_ids"] = [int(t) for t in values.get("eos_token_ids", [])]
         values["moe_layers"] = tuple(int(i) for i in values.get("moe_layers", ()))
+        if isinstance(values.get("quantization"), dict):
+            values["quantization"] = Fp8Scheme.from_dict(values["quantization"])
         return cls(**values)
 
     @classmethod
@@ -186,6 +190,7 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             source="hf",
             path=path,
+            quantization=fp8_scheme(config),
             **extra,
         )
 

@@ -55,7 +55,7 @@ def family_fields(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
             types = _layer_types(config, layers, [i >= first for i in range(layers)])
             if SLIDING in types:
                 fields.update(sliding_window=_window(config), layer_types=types)
-    elif model_type == "mistral":  # transformers' Mistral windows every layer
+    elif model_type in ("mistral", "phi3"):  # transformers' Mistral and Phi-3 window every layer
         if _window(config) is not None:
             fields.update(sliding_window=_window(config), layer_types=[SLIDING] * layers)
     elif model_type in GEMMA_TYPES:

@@ -26,10 +26,13 @@ from torch import nn
 
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
 from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.fp8 import Fp8Source, merged_rows
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
+from vllm_actors.models.fused_names import split_fused
 from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
 from vllm_actors.models.moe import SparseMoeBlock
 from vllm_actors.models.parallel import ShardLayout, TensorParallel, vocab_parallel_embedding
@@ -401,8 +404,9 @@ class CausalLM(nn.Module):
             if id(param) in experts:
                 continue
             parts = [(merged, part, index) for merged, part, index in self._MERGED if f".{merged}." in name]
-            for merged, part, index in parts:
-                named[name.replace(merged, part)] = param[self._merged_slice(merged, index)]
+            for merged, part, index in parts:  # (an FP8 block scale: those rows in blocks)
+                rows = merged_rows(name, self._merged_slice(merged, index), self.config.quantization)
+                named[name.replace(merged, part)] = param[rows]
             if not parts:
                 named[name] = param
         return named
@@ -416,6 +420,10 @@ class CausalLM(nn.Module):
         """Read this rank's part of every weight from ``source`` (only that part: a safetensors
         source reads just those rows or columns); missing or unexpected names raise."""
         targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
+        source = split_fused(source, self.config)  # Phi-3's fused qkv_proj and gate_up_proj, by part
+        if self.config.quantization is not None:  # FP8 weights: kept where the model holds FP8, else dequantized
+            fp8_names = {name for name, target in targets.items() if target.dtype == FP8_DTYPE}
+            source = Fp8Source(source, self.config.quantization, fp8_names)
         given = {name: name for name in source.names() if not is_kv_scale_name(name)}
         self.checkpoint_kv_scales = read_kv_scales(source.names(), source, self.config.num_hidden_layers)
         if self.config.tie_word_embeddings:

@@ -8,7 +8,8 @@ import structlog
 import torch
 
 from vllm_actors.kernels.attention import get_attention_backend
-from vllm_actors.models import registry
+from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
+from vllm_actors.models import fp8, registry
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.parallel import TensorParallel
@@ -24,7 +25,12 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     and embeddings, norms at 1. For benchmarks on machines without the checkpoint."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, fp8.Fp8Linear):
+                module.init_dummy(generator)
         for name, parameter in model.named_parameters():
+            if parameter.dtype == FP8_DTYPE or name.endswith(("weight_scale", "weight_scale_inv")):
+                continue  # an Fp8Linear's, drawn above
             if name.endswith("norm.weight"):
                 parameter.fill_(1.0)
             else:
@@ -53,7 +59,10 @@ def load_model(
     model_cls = registry.model_class(config.architecture)
     with torch.device("meta"):
         model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp, stage=stage)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if config.quantization is not None and fp8.keeps_fp8(device):  # FP8 projections (after the cast)
+        fp8.use_fp8_linears(model, model.local_config, config.quantization, model.tp.size)
+    model = model.to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters: tie them again
     if load_format == "dummy":
         init_dummy_weights(model, seed)

@@ -206,6 +206,8 @@ class ShardLayout:
         if self.size == 1:
             return None
         c, module, kind = self.config, *name.rpartition(".")[::2]
+        if c.quantization is not None and kind == c.quantization.scale_name:  # an FP8 weight's scales
+            return self._scale_part(self.slice_of(f"{module}.weight"), name)
         d = c.head_dim
         if module.endswith(_QUERY):
             return Part(0, self.rank * self.num_heads * d, (self.rank + 1) * self.num_heads * d, c.q_size)
@@ -224,6 +226,22 @@ class ShardLayout:
         if module in _VOCAB:
             return Part(0, self.vocab_start, self.vocab_start + self.vocab_rows, c.vocab_size)
         return None
+
+    def _scale_part(self, weight_part: Part | None, name: str) -> Part | None:
+        """The part of an FP8 weight's scales that goes with ``weight_part`` of the weight: the same
+        rows of a per-channel scale (all of it for a column split), whole blocks of a block scale."""
+        scheme = self.config.quantization
+        if weight_part is None or scheme is None:
+            return None
+        if scheme.block_size is None:
+            return weight_part if weight_part.dim == 0 else None
+        block = scheme.block_size[weight_part.dim]
+        start, stop, full = weight_part.start, weight_part.stop, weight_part.full
+        if start % block or (stop % block and stop != full):
+            raise ValueError(f"{name}: this rank's rows/columns [{start}, {stop}) of the weight are not whole "
+                             f"blocks of {block} (weight_block_size {list(scheme.block_size)}); choose a "
+                             "tensor_parallel_size that splits it into whole blocks")
+        return Part(weight_part.dim, start // block, -(-stop // block), -(-full // block))
 
     def rank0_only(self, name: str) -> bool:
         """A row-parallel bias: added once, by rank 0 (zeros elsewhere)."""

@@ -42,6 +42,8 @@ MODELS: tuple[ModelEntry, ...] = (
         "Gemma3ForCausalLM", "gemma3_text", _DENSE, "CausalLM", False,
         "Gemma 3 text (q/k norms, 5 sliding : 1 global layers, two rotary bases)",
     ),
+    ModelEntry("Phi3ForCausalLM", "phi3", _DENSE, "CausalLM", False,
+               "Phi-3 (fused qkv_proj and gate_up_proj; sliding window where set)"),
     ModelEntry(
         "Qwen3MoeForCausalLM", "qwen3_moe", _DENSE, "CausalLM", False,
         "Qwen3 mixture of experts (top-k of num_experts, norm_topk_prob; fused MoE kernel)",

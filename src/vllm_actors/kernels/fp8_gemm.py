@@ -1,0 +1,281 @@
+"""FP8 weight GEMMs: ``x [M, K] @ dequantize(weight)[N, K].T`` with float8_e4m3fn weights and scales.
+
+A weight's scales are indexed as ``scale[n // group_n, k // group_k]``: ``(group_n, group_k)`` is the
+block (Qwen3-FP8's ``[128, 128]``), or ``(1, K)`` for a scale per output channel. The activations are
+quantized on the fly the same way along K: a float32 scale per token and group of ``group_k``
+inputs (``amax / 448``, vLLM's ``per_token_group_quant_fp8``; a group of K is per token), so each
+``BLOCK_K`` tile of a product is an FP8 dot product scaled by one activation scale per row and one
+weight scale per column, accumulated in float32 (vLLM's ``w8a8_block_fp8_matmul``). A one-row
+product (batch-1 decode) goes to a GEMV instead: a program per ``BLOCK_N`` columns reading each
+weight byte once, the same tile sums and scales.
+
+``fp8_linear_reference`` computes the same in float64 (tests); ``quantize_weight`` and
+``dequantize_weight`` convert in torch (the CPU path dequantizes at load; tests quantize with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is installed with the project
+    HAVE_TRITON = False
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest e4m3 value
+AMAX_FLOOR = 1e-10  # an all-zero group gets a tiny scale, not a division by zero (vLLM's eps)
+
+
+# ------------------------------------------------------------------------------------ torch
+def _expand(scale: torch.Tensor, shape: torch.Size, group_n: int, group_k: int) -> torch.Tensor:
+    """Per-element scales of a ``shape`` weight from its per-block ``scale``."""
+    rows, cols = shape
+    return scale.repeat_interleave(group_n, 0)[:rows].repeat_interleave(group_k, 1)[:, :cols]
+
+
+def weight_groups(shape: torch.Size | list[int], block: tuple[int, int] | None) -> tuple[int, int]:
+    """``(group_n, group_k)`` of a weight's scales: the block, or one scale per row (channel)."""
+    return block if block is not None else (1, int(shape[1]))
+
+
+def quantize_weight(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale) with ``scale`` per block ``[ceil(N/bn), ceil(K/bk)]``, or per
+    row ``[N, 1]`` when ``block`` is None: ``weight / scale`` saturated to e4m3, ``scale = amax / 448``."""
+    w = weight.float()
+    group_n, group_k = weight_groups(w.shape, block)
+    rows, cols = w.shape
+    pad = torch.zeros(-(-rows // group_n) * group_n, -(-cols // group_k) * group_k, dtype=torch.float32,
+                      device=w.device)
+    pad[:rows, :cols] = w
+    blocks = pad.view(pad.shape[0] // group_n, group_n, pad.shape[1] // group_k, group_k)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR) / FP8_MAX
+    quantized = (w / _expand(scale, w.shape, group_n, group_k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 ``weight * scale``, ``scale`` per block (``block``), per row ``[N, 1]`` or one element."""
+    w = weight.float()
+    if scale.numel() == 1:
+        return w * scale.float().reshape(())
+    group_n, group_k = weight_groups(w.shape, block)
+    return w * _expand(scale.float().reshape(-1, scale.shape[-1]), w.shape, group_n, group_k)
+
+
+def quantize_activations_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 x, float32 scales [M, ceil(K/group)]): what ``quantize_activations`` computes."""
+    quantized, scale = quantize_weight(x, (1, group))
+    return quantized, scale
+
+
+def fp8_linear_reference(
+    x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    block: tuple[int, int] | None, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 ``dequantize(x_q) @ dequantize(weight).T + bias`` (the kernels' result up to rounding)."""
+    group_k = weight_groups(weight.shape, block)[1]
+    x = x_q.double() * _expand(x_s.double(), x_q.shape, 1, group_k)
+    w = dequantize_weight(weight, weight_scale, block).double()
+    out = x @ w.T
+    return out if bias is None else out + bias.double()
+
+
+# ------------------------------------------------------------------------------------ triton
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_e4m3(x):
+        """x (float32, within +-448) rounded to the nearest e4m3 value, ties to even, in float32
+        arithmetic (adding then subtracting a power of two 2^20 above its e4m3 step): the cast after
+        it is exact. Triton's interpreter casts values just below a power of two to half of it."""
+        bits = x.to(tl.int32, bitcast=True) & 0x7F800000  # |x|'s power of two (exponent bits only)
+        step = tl.maximum(bits.to(tl.float32, bitcast=True), 0.015625)  # e4m3's subnormals share 2^-6's step
+        magic = step * 1048576.0
+        return tl.where(x < 0, -((-x + magic) - magic), (x + magic) - magic)
+
+    @triton.jit
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP, stride_x, stride_q, stride_s, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+        """``ROWS`` rows of one group: each row's amax over the group, then x / scale saturated to e4m3."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        group = tl.program_id(1)
+        start = group * GROUP
+        row_mask = rows < M
+        if ONE_PASS:  # the group fits one tile: loaded once
+            cols = start + tl.arange(0, BLOCK)
+            mask = row_mask[:, None] & ((cols < K) & (tl.arange(0, BLOCK) < GROUP))[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+            q = _round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + rows * stride_s + group, scale, mask=row_mask)
+        else:
+            amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+            for off in range(0, GROUP, BLOCK):
+                cols = start + off + tl.arange(0, BLOCK)
+                mask = row_mask[:, None] & ((cols < K) & (off + tl.arange(0, BLOCK) < GROUP))[None, :]
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=1), 1e-10) / 448.0
+            for off in range(0, GROUP, BLOCK):
+                cols = start + off + tl.arange(0, BLOCK)
+                mask = row_mask[:, None] & ((cols < K) & (off + tl.arange(0, BLOCK) < GROUP))[None, :]
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                q = _round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+                tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + rows * stride_s + group, scale, mask=row_mask)
+
+    @triton.jit
+    def _gemm_kernel(
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, group_n, group_k,
+        stride_am, stride_bn, stride_cm, stride_as, stride_bs,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """C [M, N] = sum over K tiles of (A_q tile @ B_q tile.T) * a_scale[m, k] * b_scale[n, k]."""
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n  # rows of tiles visited together (L2 reuse of B)
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+        as_ptrs = as_ptr + offs_m * stride_as
+        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bs
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+            group = k * BLOCK_K // group_k
+            a_s = tl.load(as_ptrs + group)
+            b_s = tl.load(bs_ptrs + group)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gemv_kernel(
+        xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, group_n, group_k, stride_w, stride_ws,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """One row: ``BLOCK_N`` columns, each K tile summed in float32 then scaled as the GEMM does."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_mask = k < K
+            w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(xq_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            group = k0 // group_k
+            x_s = tl.load(xs_ptr + group)
+            w_s = tl.load(ws_ptr + (cols // group_n) * stride_ws + group, mask=col_mask, other=0.0)
+            acc += tl.sum(w * x[None, :], axis=1) * x_s * w_s
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+_ROWS = 8  # rows of the activations a quantization program takes (of one group)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Launch tiles: the GEMM's for up to ``small_rows`` rows and above, the GEMV's columns per program.
+    First choices, not yet tuned on a GPU (``benchmarks/fp8_gemm.py --sweep`` times others)."""
+
+    small_rows: int = 16
+    small: tuple[int, int, int, int] = (16, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
+    large: tuple[int, int, int, int] = (64, 128, 4, 3)
+    gemv_columns: int = 16  # the interpreter: 128 (it runs programs one at a time)
+    group_m: int = 8  # rows of tiles visited together (L2 reuse of the weight)
+
+
+_CONFIG = Fp8GemmConfig()
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:  # pragma: no cover
+        raise RuntimeError("the FP8 GEMMs need triton")
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: (float8 x [M, K], float32 scales [M, ceil(K / group)]), one scale per row and group."""
+    _require_triton()
+    rows, k = x.shape
+    groups = -(-k // group)
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    per_program = _ROWS if x.is_cuda else 32  # the interpreter runs programs one by one: fewer, larger ones
+    block = min(triton.next_power_of_2(group), 4096 // per_program)
+    _quant_kernel[(triton.cdiv(rows, per_program), groups)](
+        x, q, s, rows, k, group, x.stride(0), q.stride(0), s.stride(0), ROWS=per_program, BLOCK=block,
+        ONE_PASS=group <= block, num_warps=4,
+    )
+    return q, s
+
+
+def tile_k(group_k: int, k: int) -> int:
+    """The K tile of the kernels: it may not straddle two scale groups (so it divides ``group_k``,
+    or covers all of K)."""
+    if group_k >= k:
+        return max(16, min(triton.next_power_of_2(k), 128))
+    if group_k & (group_k - 1) or group_k < 16:
+        raise ValueError(f"the FP8 GEMM takes scale blocks of a power-of-two width of at least 16, got {group_k}")
+    return min(group_k, 128)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
+    quantized per token and group of ``block[1]`` (per token without ``block``)."""
+    _require_triton()
+    config = config or _CONFIG
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear takes x [M, K] and a float8_e4m3fn weight [N, K], got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)} {weight.dtype}")
+    rows, k = x.shape
+    n = weight.shape[0]
+    group_n, group_k = weight_groups(weight.shape, block)
+    x_q, x_s = quantize_activations(x if x.stride(1) == 1 else x.contiguous(), group_k)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else out
+    block_k = tile_k(group_k, k)
+    if rows == 1:
+        block_n = config.gemv_columns if x.is_cuda else 128
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            x_q, x_s, weight, weight_scale, bias_arg, out, n, k, group_n, group_k, weight.stride(0),
+            weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )
+        return out
+    block_m, block_n, warps, stages = config.small if rows <= config.small_rows else config.large
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
+    _gemm_kernel[grid](
+        x_q, weight, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
+        x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), weight_scale.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        num_warps=warps, num_stages=stages,
+    )
+    return out

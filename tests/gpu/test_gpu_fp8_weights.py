@@ -1,0 +1,89 @@
+"""On a GPU: the FP8 weight GEMMs at Qwen3-8B's projection shapes (block-wise [128, 128] and per
+channel) in bfloat16 against float64 on the same quantized activations, eager and replayed from a
+CUDA graph; and tiny FP8 checkpoints through the engine (FP8 projections): CUDA graphs give the
+eager tokens.
+
+Skipped without CUDA; run on the GPU machine by benchmarks/gpu_session.sh.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.fp8_checkpoints import quantize_checkpoint
+from vllm_actors import LLM, SamplingParams
+from vllm_actors.kernels import fp8_gemm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# Qwen3-8B's projections: qkv (4096 + 2 * 1024 rows), o, gate_up, down
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+def _problem(rows: int, n: int, k: int, block: tuple[int, int] | None, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((rows, k), generator=gen, device="cuda").bfloat16()
+    weight, scale = fp8_gemm.quantize_weight(0.02 * torch.randn((n, k), generator=gen, device="cuda"), block)
+    return x, weight, scale
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block128", "channel"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 1000])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None) -> None:
+    x, weight, scale = _problem(rows, *shape, block, seed=rows)
+    got = fp8_gemm.fp8_linear(x, weight, scale, block)
+    x_q, x_s = fp8_gemm.quantize_activations(x, fp8_gemm.weight_groups(weight.shape, block)[1])
+    want = fp8_gemm.fp8_linear_reference(x_q, x_s, weight, scale, block)
+    assert got.dtype == torch.bfloat16
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2  # bfloat16's rounding of the output
+    exact = x.double() @ fp8_gemm.dequantize_weight(weight, scale, block).double().T
+    assert float((got.double() - exact).norm() / exact.norm()) < 6e-2  # the activations' e4m3 rounding
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_fp8_gemm_graph_replay(rows: int) -> None:
+    x, weight, scale = _problem(rows, 6144, 4096, (128, 128), seed=rows)
+    fp8_gemm.fp8_linear(x, weight, scale, (128, 128))  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemm.fp8_linear(x, weight, scale, (128, 128))
+    x.copy_(_problem(rows, 6144, 4096, (128, 128), seed=rows + 100)[0])
+    graph.replay()
+    torch.testing.assert_close(captured, fp8_gemm.fp8_linear(x, weight, scale, (128, 128)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", ["block", "channel"])
+def test_tiny_fp8_engine_graphs_match_eager(strategy: str, tiny_qwen3: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = quantize_checkpoint(tiny_qwen3, tmp_path / strategy, strategy, block_size=(32, 32))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (3, 40, 150)]
+    tokens = {}
+    monkeypatch.setenv("VLLM_ACTORS_FP8_GEMM", "triton")
+    for name, eager in (("graphs", False), ("eager", True)):
+        with LLM(str(path), executor="inprocess", dtype="bfloat16", max_num_batched_tokens=64, seed=0,
+                 enforce_eager=eager) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        tokens[name] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["graphs"] == tokens["eager"]
+
+
+def test_qwen3_fp8_shape_with_dummy_weights(tmp_path: Path) -> None:
+    """Qwen3-0.6B's shape with Qwen3-FP8's quantization_config, random weights (the benchmarks'
+    load_format="dummy"): every attention and MLP projection FP8, greedy decode through CUDA graphs."""
+    from vllm_actors.bench.throughput_workload import QWEN3_8B_FP8_CONFIG, write_model_dir
+
+    config = {**QWEN3_8B_FP8_CONFIG, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
+              "num_attention_heads": 16, "num_key_value_heads": 8}
+    path = write_model_dir(tmp_path / "qwen3-fp8", config)
+    with LLM(str(path), executor="inprocess", dtype="bfloat16", load_format="dummy", max_model_len=512,
+             skip_tokenizer_init=True, seed=0) as llm:
+        outputs = llm.generate([{"prompt_token_ids": list(range(10, 300))}, {"prompt_token_ids": [5, 6, 7]}],
+                               SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
