@@ -252,7 +252,8 @@ class InProcessEngine(SyncClient):
         for plan in queued:  # made but not applied yet: they free what they name
             pending.update(plan.finished_ids)
         manager.check_invariants(live | pending)
-        if not pending and not queued:  # the KV manager has applied every plan made so far
+        trimming = self.scheduler.spec is not None and self.scheduler.spec.has_trims  # the next plan gives blocks back
+        if not pending and not queued and not trimming:  # the KV manager has applied every plan made so far
             ours = (ledger.num_free, ledger.num_cached, ledger.cache.num_evictable if ledger.cache else 0)
             theirs = (manager.num_free_blocks, len(manager.cached), manager.num_idle_cached_blocks)
             if ours != theirs:

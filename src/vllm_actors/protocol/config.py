@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from vllm_actors.protocol.speculative import RUNNABLE_METHODS, SpeculativeConfig, parse_speculative_config
+
 # On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
 # default 4). Ours defaults to 1 GiB, overridable through the cpu_kv_cache_gib argument (which
 # make_engine_config fills from VLLM_ACTORS_CPU_KVCACHE_SPACE when it is not given).
@@ -71,6 +73,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     disable_events: bool = False
     # Check the scheduler's and KV-cache manager's invariants after every message (tests; slow).
     check_invariants: bool = False
+    # Speculative decoding (vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...};
+    # protocol/speculative.py); a dict given here is parsed and checked by __post_init__.
+    speculative_config: SpeculativeConfig | None = None
     # (make_engine_config also takes the last three from their deprecated environment aliases,
     # VLLM_ACTORS_STEPS_IN_FLIGHT, VLLM_ACTORS_DISABLE_EVENTS and VLLM_ACTORS_CHECK_INVARIANTS.)
 
@@ -111,6 +116,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.speculative_config is not None:
+            self.speculative_config = _runnable_speculation(self.speculative_config)
 
     @property
     def kv_cache_offload_bytes(self) -> int:
@@ -138,6 +145,17 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
     num_host_blocks: int = 0  # the host KV tier's size in blocks (0: none)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+
+
+def _runnable_speculation(given: object) -> SpeculativeConfig:
+    """The speculative config parsed and checked, refused (``ValueError``) where its method does
+    not run here yet (``make_engine_config`` checks a draft checkpoint's path before)."""
+    config = parse_speculative_config(given)  # type: ignore[arg-type]  # checked there: a dict or the Struct
+    if config.method not in RUNNABLE_METHODS:
+        raise ValueError(f"speculative_config: method {config.method!r} is not supported yet; "
+                         f"supported: {list(RUNNABLE_METHODS)}")
+    return config
 
 
 def resolve_scheduler_config(
@@ -186,4 +204,5 @@ def resolve_scheduler_config(
         reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
         num_host_blocks=num_host_blocks,
+        speculative=config.speculative_config,
     )

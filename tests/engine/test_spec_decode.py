@@ -1,0 +1,88 @@
+"""Speculative decoding (n-gram) through the in-process engine on the fake model: outputs identical
+to decoding without it (greedy and seeded sampling), drafts accepted and rejected, KV blocks of
+rejected drafts given back (the invariants are checked after every step)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from tests.support.fake_runner import FakeRunner
+from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.events import StepFinished
+from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.speculative import parse_speculative_config
+
+
+class CopyingRunner(FakeRunner):
+    """The fake model, copying its context with period 7 except where a hash of it says otherwise
+    (one position in five): n-gram drafts are often right and sometimes wrong."""
+
+    def next_token(self, context: list[int]) -> int:
+        if len(context) > 7 and zlib.crc32(bytes(str(context), "ascii")) % 5:
+            return context[-7]
+        return super().next_token(context)
+
+
+def make_engine(spec: dict[str, int | str] | None, num_blocks: int = 64, budget: int = 64,
+                prefix_caching: bool = True) -> tuple[InProcessEngine, list[StepFinished]]:
+    runner = CopyingRunner(num_blocks=num_blocks, block_size=4)
+    config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=budget, max_model_len=512,
+                          enable_prefix_caching=prefix_caching,
+                          speculative_config=parse_speculative_config(spec, adaptive=False) if spec else None)
+    engine = InProcessEngine(config, serialize=True, runner=runner, tokenizer=None)
+    engine.step_hooks.append(lambda e: e.check_invariants())
+    steps: list[StepFinished] = []
+    engine.event_listeners.append(lambda batch: steps.extend(e for e in batch.events if isinstance(e, StepFinished)))
+    return engine, steps
+
+
+def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.submit(engine.prepare(str(index), {"prompt_token_ids": prompt}, p))
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+    engine.check_idle_invariants()
+    return finished
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = [[(i * 5 + j * 3) % 97 for j in range(9 + i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("num_blocks", [64, 18], ids=["roomy", "preempting"])
+def test_ngram_outputs_equal_no_speculation_greedy_and_seeded(num_blocks: int) -> None:
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=30 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    expected = run(make_engine(None, num_blocks=num_blocks)[0], PROMPTS, params)
+    engine, steps = make_engine(NGRAM, num_blocks=num_blocks)
+    assert run(engine, PROMPTS, params) == expected
+    drafted = sum(step.num_draft_tokens for step in steps)
+    accepted = sum(step.num_accepted_tokens for step in steps)
+    assert 0 < accepted < drafted  # drafts both accepted and rejected
+    counters = engine.scheduler.spec.counters  # type: ignore[union-attr]  # speculating engine
+    assert (counters.num_draft_tokens, counters.num_accepted_tokens) == (drafted, accepted)
+    assert sum(counters.accepted_per_pos) == accepted
+    if num_blocks == 18:
+        assert engine.scheduler.stats.num_preemptions > 0
+
+
+def test_stops_min_tokens_and_chunked_prefill_under_speculation() -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=40, min_tokens=5 + i, stop_token_ids=[PROMPTS[i][2]])
+              for i in range(len(PROMPTS))]
+    expected = run(make_engine(None, budget=8)[0], PROMPTS, params)
+    engine, steps = make_engine(NGRAM, budget=8)
+    assert run(engine, PROMPTS, params) == expected
+    assert sum(step.num_accepted_tokens for step in steps) > 0
+
+
+def test_requests_with_penalties_do_not_speculate() -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5)]
+    engine, steps = make_engine(NGRAM)
+    run(engine, PROMPTS[:1], params)
+    assert sum(step.num_draft_tokens for step in steps) == 0
