@@ -7,6 +7,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+import torch
 
 from tests.support.fake_runner import FakeRunner
 from vllm_actors.clients.inprocess import InProcessEngine
@@ -86,3 +87,80 @@ def test_requests_with_penalties_do_not_speculate() -> None:
     engine, steps = make_engine(NGRAM)
     run(engine, PROMPTS[:1], params)
     assert sum(step.num_draft_tokens for step in steps) == 0
+
+
+class BranchingRunner(FakeRunner):
+    """A fake model with a real distribution: after any context, three tokens with logits 1.5 (the
+    token two back: copying, so n-gram drafts are often right), 1.0 and 0.5; every other -inf."""
+
+    def candidates(self, context: list[int]) -> dict[int, float]:
+        found: dict[int, float] = {}
+        for token, logit in ((context[-2], 1.5), (sum(context) % 5 + 10, 1.0), (20, 0.5)):
+            found.setdefault(token, logit)
+        return found
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:
+        logits = torch.full((self.vocab_size,), float("-inf"))
+        for token, logit in self.candidates(context).items():
+            logits[token] = logit
+        return logits
+
+
+def exact_distribution(runner: BranchingRunner, prompt: list[int], length: int) -> dict[tuple[int, ...], float]:
+    """Every output sequence of ``length`` tokens and its probability under the fake model."""
+    import math
+
+    sequences: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        grown: dict[tuple[int, ...], float] = {}
+        for sequence, probability in sequences.items():
+            candidates = runner.candidates(prompt + list(sequence))
+            total = sum(math.exp(logit) for logit in candidates.values())
+            for token, logit in candidates.items():
+                grown[(*sequence, token)] = grown.get((*sequence, token), 0.0) + probability * math.exp(logit) / total
+        sequences = grown
+    return sequences
+
+
+def chi_square(observed: list[int], expected: list[float]) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom, the cells expected fewer than 5 times
+    pooled into one."""
+    small = [i for i, e in enumerate(expected) if e < 5]
+    cells = [(observed[i], expected[i]) for i in range(len(expected)) if expected[i] >= 5]
+    cells.append((sum(observed[i] for i in small), sum(expected[i] for i in small)))
+    cells = [(o, e) for o, e in cells if e > 0]
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty; z is the normal's)."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_sampled_outputs_follow_the_models_distribution_with_and_without_speculation() -> None:
+    """Unseeded sampling (fresh noise per verified row): the frequencies of 600 four-token outputs
+    against their exact probabilities (chi-square), speculating and not."""
+    prompt, length, draws = [3, 4, 3, 4, 3, 4], 4, 600
+    params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True)
+    for spec in (None, NGRAM):
+        runner = BranchingRunner(num_blocks=1024, block_size=4)
+        config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=2048, max_model_len=64,
+                              speculative_config=parse_speculative_config(spec, adaptive=False) if spec else None)
+        engine = InProcessEngine(config, serialize=False, runner=runner, tokenizer=None)
+        steps: list[StepFinished] = []
+        engine.event_listeners.append(
+            lambda batch, steps=steps: steps.extend(e for e in batch.events if isinstance(e, StepFinished)))
+        outputs = run(engine, [prompt] * draws, [params] * draws)
+        exact = exact_distribution(runner, prompt, length)
+        seen: dict[tuple[int, ...], int] = {}
+        for tokens in outputs.values():
+            seen[tuple(tokens)] = seen.get(tuple(tokens), 0) + 1
+        assert set(seen) <= set(exact)
+        keys = sorted(exact)
+        observed = [seen.get(key, 0) for key in keys]
+        expected = [exact[key] * draws for key in keys]
+        statistic, dof = chi_square(observed, expected)
+        assert statistic < chi_square_critical(dof), (spec, statistic, dof)
+        if spec is not None:
+            accepted = sum(step.num_accepted_tokens for step in steps)
+            assert 0 < accepted < sum(step.num_draft_tokens for step in steps)

@@ -10,7 +10,8 @@ the overlap lost is not in the cost model). At large batches ``b * B * k`` outgr
 and the answer falls to 0, smoothly: no cliff at a batch-size threshold.
 
 The acceptance: accepted drafted tokens over drafted tokens, with a prior of ``PRIOR_ACCEPTED``
-in ``PRIOR_DRAFTED`` (so a fresh engine tries), forgetting old steps (``DECAY`` per step).
+in ``PRIOR_DRAFTED`` (so a fresh engine tries), old steps decaying toward the prior (``DECAY`` per
+step).
 """
 
 from __future__ import annotations
@@ -63,5 +64,7 @@ class Acceptance:
         return self.accepted / self.drafted if self.drafted > 0 else 0.0
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.drafted = self.drafted * DECAY + num_drafted
+        """One step's drafts; the past decays toward the prior (a step without drafts moves the
+        estimate back toward it, so a request that stopped drafting is tried again later)."""
+        self.accepted = self.accepted * DECAY + PRIOR_ACCEPTED * (1 - DECAY) + num_accepted
+        self.drafted = self.drafted * DECAY + PRIOR_DRAFTED * (1 - DECAY) + num_drafted

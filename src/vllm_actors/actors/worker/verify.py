@@ -14,9 +14,11 @@ target's probability of it, as rejection sampling would.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from vllm_actors.actors.worker.step_data import SamplingRow, WorkerRequest
-from vllm_actors.protocol.messages import Logprobs
+if TYPE_CHECKING:  # the types only: this module runs without torch
+    from vllm_actors.actors.worker.step_data import SamplingRow, WorkerRequest
+    from vllm_actors.protocol.messages import Logprobs
 
 
 @dataclass
@@ -29,7 +31,8 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def expand_rows(samplers: list[WorkerRequest], drafts: list[list[int]]) -> tuple[list[SamplingRow], list[WorkerRequest]]:
+def expand_rows(samplers: list[WorkerRequest],
+                drafts: list[list[int]]) -> tuple[list[SamplingRow], list[WorkerRequest]]:
     """One sampler row per verified position (output index counting on), and the request of each."""
     rows: list[SamplingRow] = []
     owners: list[WorkerRequest] = []
