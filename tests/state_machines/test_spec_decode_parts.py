@@ -79,3 +79,14 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_observed() -> None:
         acceptance.observe(0, 0)
     assert acceptance.alpha == pytest.approx(0.5, abs=0.01)
     assert expected_tokens(3, 1.0) == 4 and expected_tokens(3, 0.0) == 1
+
+
+def test_serve_takes_speculative_config_as_json() -> None:
+    from vllm_actors.cli import build_parser, engine_kwargs
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", "--speculative-config", text]))
+    assert kwargs["speculative_config"] == text
+    spec = make_engine_config("m", kwargs).speculative_config
+    assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("ngram", 3, 1)
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["speculative_config"] is None
