@@ -47,9 +47,9 @@ def prompts(model: str, count: int, words: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    return [list(tokenizer.apply_chat_template(spec_measure.copy_messages(passage), add_generation_prompt=True,
-                                               tokenize=True))
-            for passage in spec_measure.passages(count, words)]
+    texts = [tokenizer.apply_chat_template(spec_measure.copy_messages(passage), add_generation_prompt=True,
+                                           tokenize=False) for passage in spec_measure.passages(count, words)]
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
 
 
 def run_ours(args: argparse.Namespace, spec: dict[str, Any], speculative: bool) -> dict[str, Any]:
