@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram) on the embedded SmolLM2-135M (real weights, float32, in process):
 greedy output identical to decoding without it, on a prompt that repeats text (drafts accepted,
-counted by the metrics store) and on one that does not."""
+counted by the metrics store) and on one that does not. One engine: the reference rows carry a zero
+``logit_bias``, which leaves their logits as they are and keeps them from speculating."""
 
 from __future__ import annotations
 
@@ -15,23 +16,22 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 REPEATING = ("Copy the list exactly.\nList: red, green, blue, yellow, orange, purple, black, white.\n"
              "Copy: red, green, blue, yellow,")
 PLAIN = "The capital of France is"
-PARAMS = SamplingParams(temperature=0.0, max_tokens=16)
 
 
 @pytest.fixture(scope="module")
-def engines(default_gguf_path: str) -> Iterator[tuple[LLM, LLM]]:
+def llm(default_gguf_path: str) -> Iterator[LLM]:
     spec = parse_speculative_config(NGRAM, adaptive=False)  # drafts whenever found: no timing in the test
-    with LLM(dtype="float32", executor="inprocess") as plain, \
-            LLM(dtype="float32", executor="inprocess", speculative_config=spec) as speculating:
-        yield plain, speculating
+    with LLM(dtype="float32", executor="inprocess", speculative_config=spec) as engine:
+        yield engine
 
 
-def test_greedy_ngram_equals_no_speculation_and_drafts_are_accepted(engines: tuple[LLM, LLM]) -> None:
-    plain, speculating = engines
-    expected = [o.outputs[0].token_ids for o in plain.generate([REPEATING, PLAIN], PARAMS, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in speculating.generate([REPEATING, PLAIN], PARAMS, use_tqdm=False)]
-    assert got == expected
-    spec = speculating.get_metrics().spec_decode
+def test_greedy_ngram_equals_no_speculation_and_drafts_are_accepted(llm: LLM) -> None:
+    speculating = SamplingParams(temperature=0.0, max_tokens=16)
+    reference = SamplingParams(temperature=0.0, max_tokens=16, logit_bias={0: 0.0})  # does not speculate
+    prompts = [REPEATING, PLAIN]
+    outputs = llm.generate(prompts * 2, [speculating] * 2 + [reference] * 2, use_tqdm=False)
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    assert tokens[:2] == tokens[2:]
+    spec = llm.get_metrics().spec_decode
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens <= spec.num_draft_tokens
-    assert plain.get_metrics().spec_decode.num_drafts == 0
