@@ -164,3 +164,23 @@ def test_sampled_outputs_follow_the_models_distribution_with_and_without_specula
         if spec is not None:
             accepted = sum(step.num_accepted_tokens for step in steps)
             assert 0 < accepted < sum(step.num_draft_tokens for step in steps)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_restarts_n2_and_prefix_hits_under_speculation_give_the_same_outputs(seed: int) -> None:
+    """The recovery tests' workload (greedy, seeded, n = 2, stops, shared prefixes) under speculation
+    with a KV-manager, worker or scheduler restart every few steps: the outputs of a clean run
+    without speculation."""
+    from tests.engine.test_engine_recovery import restart_kv_manager, restart_scheduler, restart_worker, workload
+    from tests.engine.test_engine_recovery import run as run_with_faults
+
+    jobs = workload(seed)
+    expected, _ = run_with_faults(make_engine(None, num_blocks=40, budget=24)[0], jobs)
+    clean, num_steps = run_with_faults(make_engine(NGRAM, num_blocks=40, budget=24)[0], jobs)
+    assert clean == expected
+    engine, steps = make_engine(NGRAM, num_blocks=40, budget=24)
+    cycle = [restart_kv_manager(), restart_worker("stale"), restart_scheduler()]
+    # faults inside the run (as the recovery tests place them), one every third step
+    got, _ = run_with_faults(engine, jobs, {k: cycle[(k // 3) % 3] for k in range(2, num_steps - 1, 3)})
+    assert got == expected
+    assert sum(step.num_accepted_tokens for step in steps) > 0
