@@ -90,3 +90,36 @@ def test_serve_takes_speculative_config_as_json() -> None:
     spec = make_engine_config("m", kwargs).speculative_config
     assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("ngram", 3, 1)
     assert engine_kwargs(build_parser().parse_args(["serve"]))["speculative_config"] is None
+
+
+def test_a_request_whose_text_never_matches_stops_holding_its_second_step() -> None:
+    """Adaptive drafting: a speculating request waits for its step in flight (None); text without
+    n-gram matches counts as rejected drafts, and within a few steps it decodes with two steps in
+    flight again ([]), while repeating text keeps drafting."""
+    from vllm_actors.actors.scheduler.request import ScheduledRequest
+    from vllm_actors.actors.scheduler.speculation import Speculator
+    from vllm_actors.protocol.sampling import SamplingParams
+    from vllm_actors.protocol.speculative import SpeculativeConfig
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+    speculator = Speculator(config, FixedCostModel(a=0.010, b=0.0002, c=0.0001))
+
+    def request(tokens: list[int], pending: int) -> ScheduledRequest:
+        from vllm_actors.protocol.messages import pack_token_ids
+
+        return ScheduledRequest(request_id="r", prompt_token_ids=tokens[:-1], output_token_ids=tokens[-1:],
+                                params=SamplingParams(temperature=0.0), eos_token_ids=[], num_pending=pending,
+                                packed_prompt=pack_token_ids(tokens[:-1]))
+
+    plain = list(range(1, 40))
+    assert speculator.drafts(request(plain, 1), 64, 1000, 1) is None  # waits for its step in flight
+    misses = 0
+    while speculator.drafts(request(plain, 1), 64, 1000, 1) is None:
+        speculator.begin_pass()
+        assert speculator.drafts(request(plain, 0), 64, 1000, 1) == []  # nothing to draft: a miss
+        misses += 1
+        assert misses < 10
+    assert misses >= 1
+    repeating = [5, 6, 7, 8, 9, 5, 6, 7]
+    fresh = Speculator(config, FixedCostModel(a=0.010, b=0.0002, c=0.0001))
+    assert fresh.drafts(request(repeating, 0), 64, 1000, 1) == [8, 9, 5, 6]

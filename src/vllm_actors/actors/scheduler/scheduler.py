@@ -30,7 +30,8 @@ The scheduler's other modules, one concern each:
 - ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
   scheduler counts it;
 - ``owners``: which client connection owns which request (used by the scheduler's shell);
-- ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state.
+- ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state;
+- ``speculation``, ``ngram``, ``spec_policy``: speculative decoding (drafts, rollback, drafts per step).
 """
 
 from __future__ import annotations

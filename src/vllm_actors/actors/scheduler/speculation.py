@@ -93,7 +93,9 @@ class Speculator:
         packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
         found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not found and self.config.adaptive:
-            self._acceptance[request.request_id].observe(1, 0)  # a step without drafts: counts as one miss
+            # A step held to one in flight for nothing: counted as num_speculative_tokens rejected
+            # drafts, so text without matches stops speculating within a few steps.
+            self._acceptance[request.request_id].observe(self.config.num_speculative_tokens, 0)
         return found
 
     def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest]) -> None:
