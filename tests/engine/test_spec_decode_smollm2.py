@@ -26,8 +26,8 @@ def llm(default_gguf_path: str) -> Iterator[LLM]:
 
 
 def test_greedy_ngram_equals_no_speculation_and_drafts_are_accepted(llm: LLM) -> None:
-    speculating = SamplingParams(temperature=0.0, max_tokens=16)
-    reference = SamplingParams(temperature=0.0, max_tokens=16, logit_bias={0: 0.0})  # does not speculate
+    speculating = SamplingParams(temperature=0.0, max_tokens=12)
+    reference = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={0: 0.0})  # does not speculate
     prompts = [REPEATING, PLAIN]
     outputs = llm.generate(prompts * 2, [speculating] * 2 + [reference] * 2, use_tqdm=False)
     tokens = [output.outputs[0].token_ids for output in outputs]
