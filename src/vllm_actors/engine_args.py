@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from vllm_actors.protocol.speculative import SpeculativeConfig, parse_speculative_config
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +36,24 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
         from vllm_actors.default_model import default_model_path
 
         model = default_model_path()
-    return EngineConfig(model=model, **{**environment_defaults(engine_args), **engine_args})
+    args = {**environment_defaults(engine_args), **engine_args}
+    if args.get("speculative_config") is not None:
+        args["speculative_config"] = speculative_config(args["speculative_config"])
+    return EngineConfig(model=model, **args)
+
+
+def speculative_config(given: Any) -> SpeculativeConfig:
+    """``speculative_config`` (a dict, or the JSON text of ``--speculative-config``) checked, with
+    its draft checkpoint's path and the adaptive-drafts setting (``VLLM_ACTORS_SPEC_ADAPTIVE``)."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config must be a JSON object: {error}") from None
+    config = parse_speculative_config(given, adaptive=envs.VLLM_ACTORS_SPEC_ADAPTIVE)
+    if config.model is not None and not Path(config.model).exists():
+        raise ValueError(f"speculative_config: model {config.model!r} does not exist (a directory or file path)")
+    return config
 
 
 def environment_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +133,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reject-unmeetable", action="store_true",
                         help="admission control: refuse at arrival (HTTP 503 with the reason) a request whose "
                              "deadline the step cost model says cannot be met")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,5 +147,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size", "pipeline_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
         "distributed_executor_backend", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+        "speculative_config",
     )
     return {name: getattr(args, name) for name in names}

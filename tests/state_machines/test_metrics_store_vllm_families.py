@@ -63,3 +63,34 @@ def test_prompt_tokens_by_source_once_per_request_whatever_the_order_of_arrival_
     for before, after in pairwise(replies):  # counters: they only grow
         assert after.prompt_tokens_cached >= before.prompt_tokens_cached
         assert after.prompt_tokens_computed >= before.prompt_tokens_computed
+
+
+def test_spec_decode_counters_from_the_steps_in_vllms_families() -> None:
+    """STEP_FINISHED's drafted and accepted counts summed by the store and served under vLLM's
+    spec_decode names (the per-position counter labelled by position); none before a draft."""
+    from vllm_actors.server.metrics_summary import SummaryCollector
+
+    publish = Publisher(MetricsStore())
+    collector = SummaryCollector("m")
+    collector.summary = publish("worker-0", StepFinished(step_id=0, num_seqs=1, num_tokens=1, num_sampled=1,
+                                                         execute_ms=1.0))
+    assert not [f for f in collector.collect() if f.name.startswith("vllm:spec_decode")]
+    publish("worker-0", StepFinished(step_id=1, num_seqs=2, num_tokens=9, num_sampled=5, execute_ms=1.0,
+                                     num_drafts=2, num_draft_tokens=7, num_accepted_tokens=3,
+                                     accepted_per_pos=[2, 1, 0, 0]))
+    collector.summary = publish("worker-0", StepFinished(step_id=2, num_seqs=1, num_tokens=3, num_sampled=2,
+                                                         execute_ms=1.0, num_drafts=1, num_draft_tokens=2,
+                                                         num_accepted_tokens=1, accepted_per_pos=[1, 0]))
+    spec = collector.summary.spec_decode
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (3, 9, 4)
+    assert spec.accepted_per_pos == [3, 1, 0, 0]
+    found = {f.name: f for f in collector.collect()}
+    values = {name: [(dict(s.labels).get("position"), s.value) for s in found[name].samples
+                     if s.name.endswith("_total")]
+              for name in found if name.startswith("vllm:spec_decode")}
+    assert values == {
+        "vllm:spec_decode_num_drafts": [(None, 3)],
+        "vllm:spec_decode_num_draft_tokens": [(None, 9)],
+        "vllm:spec_decode_num_accepted_tokens": [(None, 4)],
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [("0", 3), ("1", 1), ("2", 0), ("3", 0)],
+    }

@@ -70,7 +70,14 @@ class FakeRunner:
             sequence, position = owner[index]
             table = batch.block_tables[sequence]
             context = [self.slots[self._slot(table, p)] for p in range(position + 1)]
-            logits[row, self.next_token(context)] = 10.0
+            logits[row] = self.next_logits(context)
+        return logits
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:
+        """The logits after ``context``: 10 for ``next_token``'s, 0 elsewhere (a subclass may
+        give a real distribution)."""
+        logits = torch.zeros(self.vocab_size)
+        logits[self.next_token(context)] = 10.0
         return logits
 
     def samples_in_graph(self, batch: BatchInput) -> bool:

@@ -27,7 +27,7 @@ from vllm_actors.envs import envs
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
 from vllm_actors.protocol.events import EventBatch
-from vllm_actors.protocol.messages import Message, StepPlan, StepResult
+from vllm_actors.protocol.messages import Message, RecoverPipeline, StepPlan, StepResult
 from vllm_actors.protocol.metrics import DumpQuery, MetricsQuery, MetricsReply
 from vllm_actors.runtime.loop import ActorLoop
 from vllm_actors.runtime.roles import role_of
@@ -222,9 +222,13 @@ class InProcessEngine(SyncClient):
     # ------------------------------------------------------------------ checks
     def _resetting(self) -> bool:
         """A pipeline reset the KV-cache manager has not applied yet: the scheduler has not sent
-        the reset plan, or it is still queued for the manager."""
+        the reset plan, or it is still queued for the manager, or the scheduler has yet to learn of
+        a restart (a ``RecoverPipeline`` queued for it: a fresh manager may have taken a plan made
+        for its predecessor)."""
         queued = self._network.inbox(self.kv_cache_manager.name)
-        return self.scheduler.reset_pending or any(isinstance(m, StepPlan) and m.reset for _, m in queued)
+        recovering = any(isinstance(m, RecoverPipeline) for _, m in self._network.inbox(self.scheduler.name))
+        return (self.scheduler.reset_pending or recovering
+                or any(isinstance(m, StepPlan) and m.reset for _, m in queued))
 
     def check_idle_invariants(self) -> None:
         """Once nothing is unfinished: no table is left and every block is free or idle in the
@@ -255,7 +259,8 @@ class InProcessEngine(SyncClient):
         for plan in queued:  # made but not applied yet: they free what they name
             pending.update(plan.finished_ids)
         manager.check_invariants(live | pending)
-        if not pending and not queued:  # the KV manager has applied every plan made so far
+        trimming = self.scheduler.spec is not None and self.scheduler.spec.has_trims  # the next plan gives blocks back
+        if not pending and not queued and not trimming:  # the KV manager has applied every plan made so far
             ours = (ledger.num_free, ledger.num_cached, ledger.cache.num_evictable if ledger.cache else 0)
             theirs = (manager.num_free_blocks, len(manager.cached), manager.num_idle_cached_blocks)
             if ours != theirs:

@@ -247,6 +247,9 @@ class Envs:
         "Decode graphs also draw the tokens where every row needs only the fused sampler.", "engine")
     VLLM_ACTORS_TP_GRAPH_SAMPLER = switch(
         "Every tensor-parallel rank draws a sampling graph's tokens itself (0: rank 0 broadcasts).", "engine")
+    VLLM_ACTORS_SPEC_ADAPTIVE = switch(
+        "Speculative decoding drafts per step as many tokens as the step cost model and the observed acceptance "
+        "say pay (0: always `num_speculative_tokens` where a draft is found).", "engine")
     VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
     VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 

@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
+from vllm_actors.protocol.speculative import RUNNABLE_METHODS, SpeculativeConfig, parse_speculative_config
 
 # On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
 # default 4). Ours defaults to 1 GiB, overridable through the cpu_kv_cache_gib argument (which
@@ -87,6 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...};
+    # protocol/speculative.py); a dict given here is parsed and checked by __post_init__.
+    speculative_config: SpeculativeConfig | None = None
     # (make_engine_config also takes the last three from their deprecated environment aliases,
     # VLLM_ACTORS_STEPS_IN_FLIGHT, VLLM_ACTORS_DISABLE_EVENTS and VLLM_ACTORS_CHECK_INVARIANTS.)
 
@@ -137,6 +141,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.speculative_config is not None:
+            self.speculative_config = _runnable_speculation(self.speculative_config)
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("speculative_config does not compose with pipeline_parallel_size > 1 yet")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
                              "serve the adapters with tensor_parallel_size instead")
@@ -186,6 +194,17 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
     pipeline_parallel_size: int = 1
     max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+
+
+def _runnable_speculation(given: object) -> SpeculativeConfig:
+    """The speculative config parsed and checked, refused (``ValueError``) where its method does
+    not run here yet (``make_engine_config`` checks a draft checkpoint's path before)."""
+    config = parse_speculative_config(given)  # type: ignore[arg-type]  # checked there: a dict or the Struct
+    if config.method not in RUNNABLE_METHODS:
+        raise ValueError(f"speculative_config: method {config.method!r} is not supported yet; "
+                         f"supported: {list(RUNNABLE_METHODS)}")
+    return config
 
 
 def resolve_scheduler_config(
@@ -241,6 +260,7 @@ def resolve_scheduler_config(
         itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
         pipeline_parallel_size=config.pipeline_parallel_size,
         max_loras=config.max_loras if config.enable_lora else 0,
+        speculative=config.speculative_config,
     )
 
 

@@ -100,6 +100,9 @@ class Finished(msgspec.Struct, tag="FINISHED", kw_only=True):
     num_prompt_tokens: int
     num_output_tokens: int
     stop_reason: int | str | None = None
+    # Speculative decoding: tokens drafted for it and accepted (its acceptance; 0 when it did not draft).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Aborted(msgspec.Struct, tag="ABORTED", kw_only=True):
@@ -199,6 +202,12 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     # A pipeline stage before the last: its part of the step (its layers; the step is counted once,
     # by the last stage's event, which has None). The step id is the micro-batch's.
     stage: int | None = None
+    # Speculative decoding: requests that verified drafts, their drafted tokens, those accepted,
+    # and the accepted ones by draft position (vLLM's spec_decode counters).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
 
 
 # --------------------------------------------------------------------------- actor lifecycle

@@ -150,6 +150,12 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # GPU blocks, cached and idle (parents first), after the evictions and before the cache hits.
     host_dropped_hashes: list[int] = []
     restored_hashes: list[int] = []
+    # Speculative decoding: per drafting request, its drafted tokens (the last of its num_tokens;
+    # the worker verifies them and returns the accepted ones plus one).
+    draft_token_ids: dict[str, list[int]] = {}
+    # Blocks each listed request keeps, the rest of its table given back (they held rejected drafts
+    # only): applied after the departures, before anything else of the plan.
+    trimmed_blocks: dict[str, int] = {}
     # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
     new_block_ids: list[list[int]] = []
     # Filled in by the KV-cache manager: the worker copies these before the step reads its KV,
@@ -191,7 +197,9 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     # id alone cannot tell its reset plan's result from a result of its predecessor's plans still
     # in the pipeline: this flag does.
     reset: bool = False
-    req_ids: list[str]  # requests that sampled a token this step
+    # Requests that sampled a token this step, aligned with token_ids; a request that verified
+    # drafts appears once per token it gained, consecutively, in output order.
+    req_ids: list[str]
     token_ids: list[int]
     logprobs: list[Logprobs | None] = []  # aligned with req_ids when any request asked for them
     prompt_logprobs: list[PromptLogprobs] = []

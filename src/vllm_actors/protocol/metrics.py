@@ -119,6 +119,25 @@ class ActorSeen(msgspec.Struct, kw_only=True):
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class SpecDecodeCounts(msgspec.Struct, kw_only=True):
+    """Speculative decoding's totals from the STEP_FINISHED events (vLLM's spec_decode counters):
+    request-steps that drafted, tokens drafted, tokens accepted, and accepted by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+    def add(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int, per_pos: list[int]) -> None:
+        self.num_drafts += num_drafts
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        if len(per_pos) > len(self.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
+        for position, count in enumerate(per_pos):
+            self.accepted_per_pos[position] += count
+
+
 class BucketCounts(msgspec.Struct, kw_only=True, frozen=True):
     """A histogram of every value seen (not a window): ``counts[i]`` values at most ``bounds[i]``
     and above the bound before it; ``counts[-1]`` those above the last bound (Prometheus' +Inf
@@ -184,6 +203,7 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     kv_blocks_evicted: int = 0  # cached blocks evicted so far (from the GPU pool, or the host tier when one is on)
     kv_blocks_offloaded: int = 0  # cached blocks moved from the GPU pool to the host tier so far
     kv_blocks_restored: int = 0  # cached blocks brought back from the host tier so far (not recomputed)
+    spec_decode: SpecDecodeCounts = msgspec.field(default_factory=SpecDecodeCounts)
     # Prefix cache, in tokens (vLLM's vllm:prefix_cache_queries / _hits): tokens looked up at
     # admission, and tokens found cached and not computed.
     prefix_cache_queries: int = 0

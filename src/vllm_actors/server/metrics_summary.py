@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from vllm_actors.protocol.metrics import BucketCounts, SummaryReply
+from vllm_actors.protocol.metrics import BucketCounts, SpecDecodeCounts, SummaryReply
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # one engine (scheduler) per group: vLLM's engine index 0
@@ -118,6 +118,20 @@ class SummaryCollector(Collector):
             reasons)
         yield self._histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                               summary.step_tokens_histogram)
+        yield from self._spec_decode(summary.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeCounts) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, once a step has drafted (vLLM serves them when
+        speculative decoding is configured)."""
+        if not spec.num_drafts:
+            return
+        yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                            spec.num_accepted_tokens)
+        yield self._labelled(CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"]), {str(pos): count for pos, count in enumerate(spec.accepted_per_pos)})
 
     def _histogram(self, name: str, documentation: str, counts: BucketCounts) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, documentation, labels=LABELS)

@@ -99,6 +99,8 @@ class KVCacheManager:
         new_requests, hit_hashes = self._check(plan)
         for request_id in plan.finished_ids:
             self._depart(request_id, events)
+        for request_id, keep in plan.trimmed_blocks.items():
+            self._trim(request_id, keep, events)
         self.host.drop(plan.host_dropped_hashes, events)
         offload_copies = self._evict(plan.evicted_hashes, set(plan.host_dropped_hashes), events)
         restore_copies = self._restore(plan.restored_hashes, events)
@@ -156,6 +158,13 @@ class KVCacheManager:
             len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
             for request_id in departing
         )
+        for request_id, keep in plan.trimmed_blocks.items():
+            table = self.block_tables.get(request_id)
+            if table is None or request_id in departing:
+                raise MessageRejected(f"plan trims {request_id!r}, which holds no blocks here")
+            if not self.num_cached_front.get(request_id, 0) <= keep <= len(table):
+                raise MessageRejected(f"plan trims {request_id!r} to {keep} of its {len(table)} blocks")
+            freed += len(table) - keep
         def parent_of(block_hash_: int) -> int | None:
             """The block's parent hash if it is cached at this point of the plan, else None."""
             if block_hash_ in cached_now:
@@ -188,7 +197,7 @@ class KVCacheManager:
             else:
                 if request_id not in self.block_tables or request_id in departing:
                     raise MessageRejected(f"plan schedules {request_id!r}, which holds no blocks here")
-                held = len(self.block_tables[request_id])
+                held = plan.trimmed_blocks.get(request_id, len(self.block_tables[request_id]))
                 front = self.num_cached_front.get(request_id, 0)
                 parent = (self.hash_of[self.block_tables[request_id][front - 1]] if front
                           else self.roots.get(request_id, ROOT_HASH))
@@ -259,6 +268,15 @@ class KVCacheManager:
         self.num_idle_cached_blocks += sum(1 for block in table[:front] if self.pool.ref_count(block) == 1)
         if table:
             events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=self.pool.num_free))
+
+    def _trim(self, request_id: str, keep: int, events: list[Any]) -> None:
+        """Speculative decoding: the blocks past ``keep`` (they held rejected drafts only) go free."""
+        table = self.block_tables[request_id]
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.release(tail)
+        if tail:
+            events.append(Freed(request_id=request_id, num_blocks=len(tail), num_free_blocks=self.pool.num_free))
 
     def _evict(self, hashes: list[int], dropped: set[int], events: list[Any]) -> list[int]:
         """Uncache these GPU blocks: to the host tier where there is one (not the ``dropped``);

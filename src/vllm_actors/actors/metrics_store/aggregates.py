@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm_actors.protocol.events import KvPool
-from vllm_actors.protocol.metrics import BucketCounts, Percentiles
+from vllm_actors.protocol.metrics import BucketCounts, Percentiles, SpecDecodeCounts
 
 
 class Samples:
@@ -123,6 +123,7 @@ class Counters(msgspec.Struct, kw_only=True):
     kv_blocks_evicted: int = 0
     kv_blocks_offloaded: int = 0
     kv_blocks_restored: int = 0
+    spec_decode: SpecDecodeCounts = msgspec.field(default_factory=SpecDecodeCounts)
     rejected_batches: int = 0
     rejected_events: int = 0
     actor_failures: dict[str, int] = {}

@@ -403,6 +403,9 @@ class Recorder:
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
         self.latencies.step_ms.add(event.execute_ms)
+        if event.num_drafts:
+            self.counters.spec_decode.add(event.num_drafts, event.num_draft_tokens, event.num_accepted_tokens,
+                                          event.accepted_per_pos)
 
     def _ignore(self, actor: str, seq: int, mono: float, wall: float, event: Event) -> None:
         pass

@@ -72,6 +72,8 @@ def summary(recorder: Recorder) -> SummaryReply:
         kv_blocks_evicted=counters.kv_blocks_evicted,
         kv_blocks_offloaded=counters.kv_blocks_offloaded,
         kv_blocks_restored=counters.kv_blocks_restored,
+        spec_decode=msgspec.structs.replace(counters.spec_decode,
+                                            accepted_per_pos=list(counters.spec_decode.accepted_per_pos)),
         prefix_cache_queries=counters.prefix_cache_queries,
         prefix_cache_hits=counters.prefix_cache_hits,
         ttft=latencies.ttft.percentiles(),

@@ -190,6 +190,14 @@ class BlockLedger:
         holding.cached.extend(block.block_id for block in new)
         return [block.block_hash for block in new]
 
+    def trim(self, request_id: str, keep: int) -> None:
+        """The request keeps its first ``keep`` blocks; the private ones after are free."""
+        holding = self._holdings[request_id]
+        if not len(holding.cached) <= keep <= holding.num_blocks:
+            raise LedgerError(f"{request_id!r} cannot keep {keep} of its {holding.num_blocks} blocks")
+        self.num_free += holding.num_blocks - keep
+        holding.num_blocks = keep
+
     def release(self, request_id: str) -> None:
         """The request holds nothing any more: private blocks are free, cached ones lose a
         reference (idle once nobody holds them, kept for later hits)."""

@@ -18,11 +18,16 @@ class StepBuilder:
         self.scheduled: list[tuple[ScheduledRequest, int]] = []
         self.new_requests: list[NewRequest] = []
         self.cached: dict[str, list[int]] = {}  # hashes of the blocks each request caches this step
+        self.drafts: dict[str, list[int]] = {}  # speculative decoding: drafted tokens per request
 
-    def take(self, request: ScheduledRequest, num_new: int, num_blocks: int, new: NewRequest | None = None) -> None:
+    def take(self, request: ScheduledRequest, num_new: int, num_blocks: int, new: NewRequest | None = None,
+             drafts: list[int] | None = None) -> None:
         """The request computes ``num_new`` tokens this step with ``num_blocks`` more blocks
-        (``new``: the worker learns of it with this step)."""
+        (``new``: the worker learns of it with this step; ``drafts``: the last of its tokens are
+        these drafted ones, verified by the worker)."""
         self._allocate(request, num_new, num_blocks)
+        if drafts:
+            self.drafts[request.request_id] = drafts
         if new is not None:
             self.new_requests.append(new)
         self.scheduled.append((request, num_new))
@@ -42,7 +47,8 @@ class StepBuilder:
         if hashes:
             self.cached[request.request_id] = hashes
 
-    def build(self, reset: bool, finished_ids: list[str]) -> tuple[StepPlan, list[str], list[PrefillChunk], int]:
+    def build(self, reset: bool, finished_ids: list[str],
+              trimmed: dict[str, int] | None = None) -> tuple[StepPlan, list[str], list[PrefillChunk], int]:
         """The plan; the requests it samples a token for (each now has one more pending); the
         prefill events; the number of prefills it leaves unfinished (chunked)."""
         sampling_ids: list[str] = []
@@ -51,7 +57,7 @@ class StepBuilder:
         for request, num_new in self.scheduled:
             start = request.num_computed_tokens
             target = request.num_tokens_with_pending
-            if start + num_new < target:
+            if start + num_new - len(self.drafts.get(request.request_id, ())) < target:
                 num_partial += 1
             else:
                 sampling_ids.append(request.request_id)
@@ -73,5 +79,7 @@ class StepBuilder:
             cached_hashes=self.cached,
             host_dropped_hashes=dropped,
             restored_hashes=restored,
+            draft_token_ids=self.drafts,
+            trimmed_blocks=trimmed or {},
         )
         return plan, sampling_ids, chunks, num_partial

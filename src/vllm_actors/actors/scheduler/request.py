@@ -39,6 +39,8 @@ class ScheduledRequest:
     arrival: int = 0  # arrival sequence number: the tie-break of every policy's order
     queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue (aging)
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it, and accepted
+    num_accepted_tokens: int = 0
 
     @classmethod
     def arriving(cls, message: AddRequest, arrival: int, queued_at_step: int) -> ScheduledRequest:

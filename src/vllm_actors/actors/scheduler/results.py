@@ -4,7 +4,7 @@ matches the result to its plan first (``pipeline``) and finishes the requests th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,15 @@ class StepTokens:
     finished_ids: list[str] = field(default_factory=list)
 
 
+def token_runs(req_ids: list[str]) -> Iterator[tuple[str, int, int]]:
+    """(request id, start, end) of each run of one request's consecutive entries."""
+    start = 0
+    for index in range(1, len(req_ids) + 1):
+        if index == len(req_ids) or req_ids[index] != req_ids[start]:
+            yield req_ids[start], start, index
+            start = index
+
+
 def apply_result(requests: Mapping[str, ScheduledRequest], sampling_ids: Iterable[str], result: StepResult,
                  max_model_len: int) -> StepTokens:
     """``sampling_ids``: the requests the step's plan samples for (their token is no longer
@@ -39,36 +48,46 @@ def apply_result(requests: Mapping[str, ScheduledRequest], sampling_ids: Iterabl
     computed_prompt = 0  # prompt tokens the requests getting their first token computed
     finished: list[Finished] = []
     prompt_logprobs = {chunk.request_id: chunk for chunk in result.prompt_logprobs}
-    for index, (request_id, token_id) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
+    for request_id, start, end in token_runs(result.req_ids):
         request = requests.get(request_id)
         if request is None:
             continue
-        request.output_token_ids.append(token_id)
+        new_token_ids: list[int] = []
+        finish_reason: str | None = None
+        stop_reason: int | None = None
+        for token_id in result.token_ids[start:end]:  # several after verified drafts; the first stop ends them
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            finish_reason, stop_reason = check_stop(request, token_id, max_model_len)
+            if finish_reason is not None:
+                break
         num_output = len(request.output_token_ids)
         tokens_ids.append(request_id)
         tokens_counts.append(num_output)
-        if num_output == 1:
+        if num_output == len(new_token_ids):
             first_tokens.append(FirstToken(request_id=request_id, step_id=result.step_id))
             computed_prompt += len(request.prompt_token_ids) - request.num_cached_prompt_tokens
-        finish_reason, stop_reason = check_stop(request, token_id, max_model_len)
         chunk = prompt_logprobs.pop(request_id, None)
-        logprobs = result.logprobs[index] if result.logprobs else None
+        logprobs = [e for e in result.logprobs[start : start + len(new_token_ids)] if e is not None] \
+            if result.logprobs else []
         step.updates.append(RequestUpdate(
             request_id=request_id,
-            new_token_ids=[token_id],
-            output_index=num_output - 1,
-            logprobs=[logprobs] if logprobs else None,
+            new_token_ids=new_token_ids,
+            output_index=num_output - len(new_token_ids),
+            logprobs=logprobs if logprobs and len(logprobs) == len(new_token_ids) else None,
             prompt_logprobs=chunk.entries if chunk else None,
             prompt_logprobs_start=chunk.start if chunk else 0,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=request.num_cached_prompt_tokens if num_output == 1 else 0,
+            num_cached_tokens=request.num_cached_prompt_tokens if num_output == len(new_token_ids) else 0,
         ))
         if finish_reason is not None:
             finished.append(Finished(request_id=request_id, reason=finish_reason,
                                      num_prompt_tokens=len(request.prompt_token_ids),
-                                     num_output_tokens=num_output, stop_reason=stop_reason))
+                                     num_output_tokens=num_output, stop_reason=stop_reason,
+                                     num_draft_tokens=request.num_draft_tokens,
+                                     num_accepted_tokens=request.num_accepted_tokens))
             step.finished_ids.append(request_id)
     step.events.extend(first_tokens)
     if tokens_ids:

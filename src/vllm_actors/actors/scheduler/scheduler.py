@@ -31,7 +31,8 @@ The scheduler's other modules, one concern each:
 - ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
   scheduler counts it;
 - ``owners``: which client connection owns which request (used by the scheduler's shell);
-- ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state.
+- ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state;
+- ``speculation``, ``ngram``, ``spec_policy``: speculative decoding (drafts, rollback, drafts per step).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from vllm_actors.actors.scheduler.prefill_sizing import PrefillSizer, is_decodin
 from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.results import apply_result
+from vllm_actors.actors.scheduler.speculation import Speculator
 from vllm_actors.actors.scheduler.stages import carry_input_tokens, waits_for_its_token
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued, Resumed, Scheduled
@@ -110,6 +112,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._num_arrivals = 0
         self.sleep = SleepState()
+        self.spec = Speculator(config.speculative, self.cost_model) if config.speculative is not None else None
 
     @property
     def reset_pending(self) -> bool:
@@ -199,9 +202,13 @@ class Scheduler:
             return
         plan, sampling_ids = taken
         observe_step(self.cost_model, plan, result, self.config.block_size)  # the cost model learns the step
+        if self.spec is not None:
+            self.spec.account(plan, result, self.requests)
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
         for request_id in step.finished_ids:
             self._finish(request_id)
+        if self.spec is not None:
+            self.spec.trim(plan, self.requests, self.ledger)
         out.emit(*step.events)
         if step.updates:
             out.send(FRONTEND, RequestUpdates(step_id=result.step_id, updates=step.updates,
@@ -273,6 +280,8 @@ class Scheduler:
         self.stats.num_preemptions += len(running)
         self.ledger = self._new_ledger()
         self.pipeline.reset()
+        if self.spec is not None:
+            self.spec.take_trims([])  # the new ledger and pipeline start from nothing
         self.stats.num_resets += 1
         out.emit(PipelineReset(reason=reason, num_preempted=len(running)))
 
@@ -290,6 +299,8 @@ class Scheduler:
             self.running.remove(request)
         self._release(request)
         request.status = Status.FINISHED
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def _release(self, request: ScheduledRequest) -> None:
         self.ledger.release(request.request_id)
@@ -327,6 +338,8 @@ class Scheduler:
         step = StepBuilder(self.pipeline.next_step_id, self.config.max_num_batched_tokens, self.ledger)
         self.policy.begin_pass(self.stats.num_steps, len(self.running))
         self.policy.order_running(self.running)  # most urgent first: the last one is preempted
+        if self.spec is not None:
+            self.spec.begin_pass()
         if len(self.running) >= self.config.max_num_seqs and self.waiting and self.sleep.admitting:
             self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
@@ -339,8 +352,9 @@ class Scheduler:
             self._admit_waiting(step, out, sizer)
         if deferred:
             self._schedule_running(step, out, sizer, deferred, deferred_turn=True)
-        plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending,
-                                                             self.pipeline.take_departed())
+        departed = self.pipeline.take_departed()
+        trimmed = self.spec.take_trims(departed) if self.spec is not None else None
+        plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending, departed, trimmed)
         if self.config.pipeline_parallel_size > 1:
             carry_input_tokens(plan, (request for request, _ in step.scheduled))
         out.emit(*chunks)
@@ -368,6 +382,11 @@ class Scheduler:
                 if not num_new:
                     index += 1
                     continue
+            drafts = self._drafts(request, num_new, step.budget)
+            if drafts is None:  # it speculates: planned again once its step in flight is back
+                index += 1
+                continue
+            num_new += len(drafts)
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
             while needed > self.ledger.num_available:
                 victim = self.running[-1]
@@ -379,9 +398,15 @@ class Scheduler:
                 break  # it preempted itself: everything after it is gone too
             if prefill:
                 sizer.took(request, num_new)
-            step.take(request, num_new, needed)
+            step.take(request, num_new, needed, drafts=drafts)
             index += 1
         return preempted
+
+    def _drafts(self, request: ScheduledRequest, num_new: int, budget: int) -> list[int] | None:
+        """Speculative decoding: a decoding request's drafted tokens ([]: none; None: it waits)."""
+        if self.spec is None or num_new != 1 or request.num_computed_tokens + 1 < request.num_tokens:
+            return []
+        return self.spec.drafts(request, budget, self.config.max_model_len, len(self.running))
 
     def _admit_waiting(self, step: StepBuilder, out: Outputs, sizer: PrefillSizer) -> None:
         """Admit waiting requests, in the policy's order, while slots, budget and blocks allow (a

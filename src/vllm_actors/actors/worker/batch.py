@@ -27,27 +27,30 @@ def build_batch(plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: B
     deferred_index: list[int] = []
     deferred_row: list[int] = []
     source = pending.chosen if pending is not None else None
+    no_drafts: list[int] = []
     for request_id, num_new, new_blocks in zip(plan.req_ids, plan.num_tokens, plan.new_block_ids, strict=True):
         request = requests[request_id]
         request.block_table.extend(new_blocks)
         if tables is not None:
             tables.append(request.row, new_blocks)
         start = request.num_computed_tokens
-        end = start + num_new
+        drafts = plan.draft_token_ids.get(request_id, no_drafts) if plan.draft_token_ids else no_drafts
+        end = start + num_new - len(drafts)  # the known tokens' end; the drafts follow
         known = len(request.token_ids)
-        if end > known + request.num_pending:
+        if end > known + request.num_pending or (drafts and request.num_pending):
             raise ValueError(f"{request_id}: asked to compute {end} tokens, {known} known")
         flat_start = len(batch.token_ids)
         batch.token_ids.extend(request.token_ids[start:end])
+        batch.token_ids.extend(drafts)
         if end > known:  # the last input is the token the pending step sampled
             if pending is None or pending.chosen is None or request_id not in pending.row_of:
                 raise ValueError(f"{request_id}: its last token is pending in no launched step")
             batch.token_ids.append(0)
             deferred_index.append(len(batch.token_ids) - 1)
             deferred_row.append(pending.row_of[request_id])
-        batch.positions.extend(range(start, end))
+        batch.positions.extend(range(start, start + num_new))
         batch.query_lens.append(num_new)
-        batch.seq_lens.append(end)
+        batch.seq_lens.append(start + num_new)
         batch.block_tables.append(request.block_table)
         if request.lora_request is not None and batch.loras is None:
             batch.loras = [None] * (len(batch.query_lens) - 1)
@@ -57,11 +60,14 @@ def build_batch(plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: B
             last = min(end, request.num_prompt_tokens - 1)
             step.spans.append(PromptSpan(request, len(batch.logits_indices), start + 1, last - start))
             batch.logits_indices.extend(range(flat_start, flat_start + last - start))
-        request.num_computed_tokens = end
+        request.num_computed_tokens = start + num_new  # verification rolls rejected drafts back
         if end == known + request.num_pending:
             step.samplers.append(request)
-            step.sample_rows.append(len(batch.logits_indices))
-            batch.logits_indices.append(flat_start + num_new - 1)
+            if plan.draft_token_ids:
+                step.drafts.append(drafts)
+            for position in range(flat_start + num_new - 1 - len(drafts), flat_start + num_new):
+                step.sample_rows.append(len(batch.logits_indices))
+                batch.logits_indices.append(position)
     if deferred_index and source is not None:
         batch.deferred = DeferredInputs(deferred_index, source, deferred_row)
     if batch.token_ids and tables is not None:

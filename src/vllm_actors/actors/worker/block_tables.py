@@ -39,6 +39,10 @@ class BlockTableArray:
         self.table[row, start:end] = blocks
         self.lengths[row] = end
 
+    def truncate(self, row: int, length: int) -> None:
+        """The row keeps its first ``length`` blocks."""
+        self.lengths[row] = min(int(self.lengths[row]), length)
+
     def remove(self, row: int) -> None:
         self.lengths[row] = 0
         self._free_rows.append(row)

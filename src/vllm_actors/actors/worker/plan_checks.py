@@ -31,6 +31,13 @@ def check_plan(plan: StepPlan, held: Mapping[str, HeldRequest], *, has_grammars:
         raise MessageRejected("req_ids, num_tokens and new_block_ids differ in length")
     _check_copies(plan, num_blocks, num_host_blocks)
     held_requests: Mapping[str, HeldRequest] = {} if plan.reset else held
+    for request_id, keep in plan.trimmed_blocks.items():
+        if request_id not in held_requests or request_id in plan.finished_ids:
+            raise MessageRejected(f"plan trims {request_id!r}, which this worker does not hold")
+        if not 0 <= keep <= len(held_requests[request_id].block_table):
+            raise MessageRejected(f"plan trims {request_id!r} to {keep} blocks, it holds fewer")
+    if not set(plan.draft_token_ids) <= set(plan.req_ids):
+        raise MessageRejected("draft_token_ids names a request that is not scheduled")
     computed = {
         request_id: (request.num_computed_tokens, len(request.token_ids) + request.num_pending)
         for request_id, request in held_requests.items()
@@ -47,8 +54,11 @@ def check_plan(plan: StepPlan, held: Mapping[str, HeldRequest], *, has_grammars:
         if request_id not in computed:
             raise MessageRejected(f"plan schedules unknown request {request_id!r}")
         done, known = computed[request_id]
-        if not 1 <= num_new <= known - done:
+        drafts = plan.draft_token_ids.get(request_id, ()) if plan.draft_token_ids else ()
+        if not 1 <= num_new - len(drafts) <= known - done:
             raise MessageRejected(f"plan schedules {num_new} tokens for {request_id!r}, {known - done} pending")
+        if drafts and done + num_new - len(drafts) != known:
+            raise MessageRejected(f"plan drafts for {request_id!r} before its last token")
         _check_blocks(request_id, blocks, num_blocks)
         fresh = request_id in plan.finished_ids or request_id not in held_requests or request_id in new_ids
         already = 0 if fresh else len(held_requests[request_id].block_table)

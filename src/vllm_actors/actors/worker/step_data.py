@@ -88,6 +88,15 @@ class SampleResult:
     logprobs: list[Logprobs | None]
 
 
+class SpecCounts(Protocol):
+    """A step's drafting counts (``verify.SpecStats``)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+
+
 class RowGrammar(Protocol):
     """A constrained request's matcher, as the worker feeds it the tokens drawn."""
 
@@ -148,6 +157,9 @@ class StepBatch:
     samplers: list[WorkerRequest]  # the requests that draw a token, in row order
     sample_rows: list[int]  # their rows of the logits
     spans: list[PromptSpan]  # the prompt-logprob rows
+    # Speculative decoding: each sampler's drafted tokens (empty: none), its rows 1 + len after
+    # its first in sample_rows; empty when nobody drafts.
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -168,6 +180,7 @@ class PendingStep:
     logprobs: list[Logprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
+    spec: SpecCounts | None = None  # speculative decoding: the step's drafted and accepted tokens
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

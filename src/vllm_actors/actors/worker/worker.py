@@ -46,9 +46,11 @@ from vllm_actors.actors.worker.step_data import (
     GraphSampling,
     PendingStep,
     SamplingRow,
+    SpecCounts,
     WorkerRequest,
 )
 from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.actors.worker.verify import expand_rows, verify
 from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import (
     ControlReply,
@@ -124,7 +126,8 @@ class Worker:
             self._pending = launched
             return outputs
         outputs = self.flush()
-        return outputs.extend(self._outputs(started, self.execute(message)))
+        launched = self._launch(message, started, read_now=True)
+        return outputs.extend(self._outputs(started, self._read_back(launched), launched.spec))
 
     def control(self, control: EngineControl) -> Outputs:
         """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
@@ -145,7 +148,7 @@ class Worker:
             num_prefill_seqs=sum(1 for new in plan.new_requests if new.request_id in plan.req_ids),
         )
 
-    def _outputs(self, started: StepStarted, result: StepResult) -> Outputs:
+    def _outputs(self, started: StepStarted, result: StepResult, spec: SpecCounts | None = None) -> Outputs:
         outputs = Outputs()
         if self.tp.rank != 0:
             return outputs  # rank 0 of the last stage answers for the group
@@ -157,6 +160,9 @@ class Worker:
             execute_ms=result.execute_seconds * 1e3,
             stage=None if self.stage.is_last else self.stage.stage,
         )
+        if spec is not None:
+            finished.num_drafts, finished.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            finished.num_accepted_tokens, finished.accepted_per_pos = spec.num_accepted_tokens, spec.accepted_per_pos
         if not self.answers:  # an earlier stage: its part of the step, one track per stage in the trace
             outputs.emit(started, finished)
             return outputs
@@ -176,11 +182,11 @@ class Worker:
         pending, self._pending = self._pending, None
         if pending is None:
             return Outputs()
-        return self._outputs(pending.started, self._read_back(pending))
+        return self._outputs(pending.started, self._read_back(pending), pending.spec)
 
     def _deferrable(self, plan: StepPlan) -> bool:
         """Whether every row's draw is all the step needs (no logprobs to read back)."""
-        if plan.reset:
+        if plan.reset or plan.draft_token_ids:  # verified drafts decide the next step's inputs
             return False
         if any(self.sampler.needs_host(new.params) for new in plan.new_requests):
             return False
@@ -216,7 +222,11 @@ class Worker:
                 self.host_tier.step_launched(self._fences.launched())
             return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset)
-        rows = [request.sampling_row() for request in samplers]
+        row_owners = samplers
+        if step.drafts:  # speculative decoding: a row per verified position
+            rows, row_owners = expand_rows(samplers, step.drafts)
+        else:
+            rows = [request.sampling_row() for request in samplers]
         sampling = None if read_now else self._graph_sampling(batch, rows)
         logprobs: list[Logprobs | None] = []
         prompt_logprobs: list[PromptLogprobs] = []
@@ -230,8 +240,12 @@ class Worker:
                 if samplers and step.sample_rows != list(range(logits.shape[0])):
                     # not when every row samples (decode): no copy of batch x vocab
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
-                self._mask(logits, samplers, pending)
+                self._mask(logits, row_owners, pending)
             chosen, logprobs = self._draw(logits, rows, read_now)
+        spec = None
+        if step.drafts:  # read at once (never deferred): the tokens each request keeps
+            drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
+            samplers, chosen, logprobs, spec = verify(samplers, step.drafts, drawn, logprobs)
         if self.host_tier is not None:  # the host tier's copies may have to wait for this step
             self.host_tier.step_launched(self._fences.launched())
         for request in samplers:
@@ -240,7 +254,7 @@ class Worker:
         if read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs)
+                               prompt_logprobs=prompt_logprobs, spec=spec)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
@@ -380,5 +394,10 @@ class Worker:
             self._min_step_id = plan.step_id
         for request_id in plan.finished_ids:
             self._drop(request_id)
+        for request_id, keep in plan.trimmed_blocks.items():  # blocks that held rejected drafts only
+            request = self.requests[request_id]
+            del request.block_table[keep:]
+            if self.tables is not None:
+                self.tables.truncate(request.row, keep)
         for new in plan.new_requests:
             self._admit(new)

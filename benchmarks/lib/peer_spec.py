@@ -1,0 +1,49 @@
+"""vLLM's side of ``benchmarks/spec_decode.py``: vLLM's offline ``LLM`` without and with n-gram
+speculation on the same prompts, measured by ``spec_measure.measure``. Runs as a script under
+vLLM's environment with spec_measure.py beside it, importing nothing of vllm_actors:
+``python3 peer_spec.py --model DIR --prompts P.json --out R.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec_measure, beside this file
+import spec_measure  # noqa: E402
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON: prompts (token ids), output_len, repeats, "
+                        "concurrency, speculative_config")
+    parser.add_argument("--mode", choices=["off", "ngram"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(args.prompts).read_text())
+    speculative_config = spec["speculative_config"] if args.mode == "ngram" else None
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=spec["max_model_len"],
+              speculative_config=speculative_config, enable_prefix_caching=False)
+
+    def generate(batch: Sequence[Sequence[int]], max_tokens: int) -> tuple[int, float]:
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+        inputs: list[Any] = [{"prompt_token_ids": list(p)} for p in batch]
+        return spec_measure.timed(lambda: sum(len(o.outputs[0].token_ids)
+                                              for o in llm.generate(inputs, params, use_tqdm=False)))
+
+    result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "mode": args.mode}
+    result.update(spec_measure.measure(generate, spec["prompts"], spec["output_len"], spec["repeats"],
+                                       spec["concurrency"]))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""N-gram drafts (prompt lookup, vLLM's ``ngram`` method): the tokens that followed the latest
+earlier occurrence of the request's last n tokens, for n from ``max_n`` down to ``min_n``.
+
+The search runs over the tokens packed as int32 bytes (``bytes.rfind`` in C), so a request with a
+long context costs a memchr-speed scan per step, not a Python loop over its tokens.
+"""
+
+from __future__ import annotations
+
+from vllm_actors.protocol.messages import pack_token_ids, unpack_token_ids
+
+
+def propose_ngram(packed: bytes, num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``num_drafts`` tokens to try after the tokens in ``packed`` (``pack_token_ids``):
+    those that followed the latest earlier match of its longest matching suffix of ``min_n`` to
+    ``max_n`` tokens. Empty when no suffix of at least ``min_n`` tokens occurs earlier."""
+    num_tokens = len(packed) // 4
+    if num_drafts < 1 or num_tokens < min_n + 1:
+        return []
+    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
+        suffix = packed[-4 * n:]
+        end = len(packed) - 1  # the suffix itself does not count: a match starts before it
+        while True:
+            found = packed.rfind(suffix, 0, end)
+            if found < 0:
+                break
+            if found % 4 == 0:  # aligned on a token
+                start = found + 4 * n
+                return unpack_token_ids(packed[start : start + 4 * num_drafts])
+            end = found + 4 * n - 1  # an unaligned hit: look further back
+    return []
+
+
+def propose_for(token_ids: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """``propose_ngram`` over a token list (tests and callers without a packed copy)."""
+    return propose_ngram(pack_token_ids(token_ids), num_drafts, min_n, max_n)
