@@ -124,7 +124,8 @@ def worker_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
 def build_kv_cache_manager(spec: ActorSpec) -> Built:
     from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
-    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size, spec.num_host_blocks)
+    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size, spec.num_host_blocks,
+                             spec.engine.kv_parallel_size)
     if spec.check_invariants:
         return Built(Checked(manager, manager.check_invariants))
     return Built(manager)
