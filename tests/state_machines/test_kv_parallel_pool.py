@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool, BlockPoolExhausted
 from tests.state_machines.test_host_tier import FIRST, SECOND, new
+from vllm_actors.actors.kv_cache_manager.block_pool import BlockPool, BlockPoolExhausted
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.engine_args import make_engine_config
 from vllm_actors.protocol.messages import StepPlan
