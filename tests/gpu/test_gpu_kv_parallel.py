@@ -16,19 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu.test_gpu_pipeline_parallel import MAX_TOKENS, _prompts, pytestmark  # noqa: F401 (2 GPUs, marked gpu)
 from vllm_actors import LLM, SamplingParams
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
-
-MAX_TOKENS = 24
-
-
-def _prompts(vocab: int, count: int = 24, longest: int = 300) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for _ in range(count)]
 
 
 def _generate(path: Path, prompts: list[list[int]], **engine: Any) -> tuple[list[list[int]], list[list[float]]]:
