@@ -50,7 +50,9 @@ from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 
 # settings that must match for --append to add to an earlier report
 SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
-                 "pipeline_parallel_size", "max_num_batched_tokens", "kv_cache_dtype", "output_len")
+                 "pipeline_parallel_size", "kv_parallel_size", "max_num_batched_tokens", "kv_cache_dtype",
+                 "output_len")
+SETTING_DEFAULTS = {"kv_parallel_size": 1}  # for reports written before the setting
 
 
 def _context(text: str) -> int:
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     model.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="pipeline stages (ours and vLLM): a prompt's chunks flow through them back to back")
+    model.add_argument("--kv-parallel-size", type=int, default=1,
+                       help="KV-parallel ranks (ours only: vLLM and SGLang have none): each request's KV "
+                            "interleaved over them, attention merged by log-sum-exp; KVP x TP GPUs")
     model.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="the prefill chunk (ours and vLLM; default: each engine's): C chunks of a prompt over "
                             "P stages take (C+P-1)/(C*P) of one stage's time at best")
@@ -130,6 +135,7 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         "--max-model-len", str(max(args.contexts)), "--load-format", args.load_format, "--dtype", args.dtype,
         "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype,
         "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+        *(["--kv-parallel-size", str(args.kv_parallel_size)] if args.kv_parallel_size > 1 else []),
         *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--vocab-size", str(vocab_size),
@@ -158,7 +164,8 @@ def _start_report(args: argparse.Namespace, config: dict[str, Any], path: Path) 
     previous = load_report(path) if args.append else None
     if previous is None:
         return new_report(config)
-    differ = [key for key in SAME_SETTINGS if previous["config"].get(key) != config.get(key)]
+    differ = [key for key in SAME_SETTINGS
+              if previous["config"].get(key, SETTING_DEFAULTS.get(key)) != config.get(key)]
     if differ:
         raise ValueError(f"--append: {path} was measured with other settings ({', '.join(differ)}); "
                          "give another --out")
@@ -168,6 +175,9 @@ def _start_report(args: argparse.Namespace, config: dict[str, Any], path: Path) 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     args.contexts = sorted(set(args.contexts))
+    if args.kv_parallel_size > 1 and set(args.engines) != {"ours"}:
+        raise ValueError(f"--kv-parallel-size {args.kv_parallel_size} runs ours only (vLLM and SGLang have no KV "
+                         "parallelism): give --engines ours, and their TP or context parallelism in another run")
     args.load_format = args.load_format or ("dummy" if args.model is None else "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

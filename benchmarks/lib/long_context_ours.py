@@ -29,6 +29,8 @@ def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.pipeline_parallel_size > 1:
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.kv_parallel_size > 1:
+        kwargs["kv_parallel_size"] = args.kv_parallel_size
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_dtype != "auto":

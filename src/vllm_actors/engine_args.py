@@ -109,6 +109,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="pipeline stages, each a contiguous range of the layers on its own worker(s) "
                              "(VLLM_PP_LAYER_PARTITION sets the split); PP x TP workers in all")
+    parser.add_argument("--kv-parallel-size", type=int, default=1,
+                        help="KV parallelism: each request's KV blocks interleaved over this many ranks, each "
+                             "holding the whole model (or a TP group of it); KVP x TP workers in all")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="replicas, each a full scheduler, KV-cache manager and workers, under one controller")
     parser.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "pull", "cache_aware"],
@@ -144,7 +147,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill", "long_prefill_token_threshold", "max_num_partial_prefills",
         "max_long_partial_prefills", "itl_target_ms", "block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
         "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
-        "tensor_parallel_size", "pipeline_parallel_size", "device",
+        "tensor_parallel_size", "pipeline_parallel_size", "kv_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
         "distributed_executor_backend", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
         "speculative_config",

@@ -31,7 +31,7 @@ class LLM:
     (SmolLM2-135M-Instruct, GGUF) is used. Engine arguments take vLLM's names (dtype, max_model_len,
     max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size,
     num_gpu_blocks_override, gpu_memory_utilization, seed, enforce_eager, skip_tokenizer_init,
-    tensor_parallel_size, pipeline_parallel_size, data_parallel_size, routing_policy,
+    tensor_parallel_size, pipeline_parallel_size, kv_parallel_size, data_parallel_size, routing_policy,
     distributed_executor_backend ("mp", or "ray": the replicas placed by Ray), ...).
 
     The process group's supervisor restarts an actor that dies or hangs; ``generate`` goes on and

@@ -75,6 +75,9 @@ class InProcessEngine(SyncClient):
         if config.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size > 1 needs the process executor (one process per stage); "
                              "the in-process engine runs one worker")
+        if config.kv_parallel_size > 1:
+            raise ValueError("kv_parallel_size > 1 needs the process executor (one process per rank); "
+                             "the in-process engine runs one worker")
         if runner is None:
             from vllm_actors.runner.model_runner import ModelRunner
 

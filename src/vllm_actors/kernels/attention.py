@@ -240,8 +240,11 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
 
 def describe_attention(backend: object) -> str:
     """What attends a step, for the worker's readiness report: ``torch``, ``triton``, or
-    ``triton+flash_attn(<choice>)`` where prefills may go to flash-attn 4."""
+    ``triton+flash_attn(<choice>)`` where prefills may go to flash-attn 4; another backend's ``name``."""
     prefill = getattr(backend, "prefill", None)
+    name = getattr(backend, "name", None)
+    if isinstance(name, str):
+        return name
     if isinstance(backend, TorchPagedAttention):
         return "torch"
     if prefill is None:

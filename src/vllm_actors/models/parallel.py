@@ -320,8 +320,9 @@ def join_group(rank: int, size: int, init_method: str, device: str, pipeline_siz
     """Join the ``size`` ranks of a tensor-parallel group at ``init_method`` (a ``file://`` path in
     the run directory or a ``tcp://`` address the supervisor handed out): NCCL where the engine runs
     on CUDA (rank ``r`` on GPU ``r``), gloo on the CPU. ``size == 1``: no group. ``pipeline_size``:
-    stages of ``size`` ranks each (``rank`` is then global, ``stage * size + tp_rank``): one world of
-    every rank (``dist.group.WORLD``: the stages' point-to-point), one tensor-parallel group per stage."""
+    groups of ``size`` ranks each, pipeline stages or KV-parallel ranks (``rank`` is then global,
+    ``group * size + tp_rank``): one world of every rank (``dist.group.WORLD``: the stages'
+    point-to-point), one tensor-parallel group per stage or KV-parallel rank."""
     world = size * pipeline_size
     if world == 1:
         return TensorParallel()

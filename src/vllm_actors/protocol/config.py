@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from vllm_actors.protocol.kv_parallel import kv_parallel_error
 from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
 from vllm_actors.protocol.speculative import RUNNABLE_METHODS, SpeculativeConfig, parse_speculative_config
 
@@ -53,6 +54,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Stages of a pipeline (vLLM's pipeline_parallel_size): each a contiguous range of the layers,
     # held by tensor_parallel_size workers; pipeline_parallel_size x tensor_parallel_size workers in all.
     pipeline_parallel_size: int = 1
+    # KV parallelism (Vajra's kv_parallel_size): each request's KV blocks spread over this many
+    # ranks, each holding the whole model (or a TP group of it), attention merged by log-sum-exp
+    # (kernels/kv_parallel.py); kv_parallel_size x tensor_parallel_size workers in all.
+    kv_parallel_size: int = 1
     device: str = "auto"  # "auto", "cpu" or "cuda[:N]"
     load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random, real shapes)
     async_scheduling: bool = True  # plan step N+1 while step N runs
@@ -102,7 +107,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
-                     "data_parallel_size", "steps_in_flight"):
+                     "kv_parallel_size", "data_parallel_size", "steps_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -148,11 +153,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
                              "serve the adapters with tensor_parallel_size instead")
+        error = kv_parallel_error(self)
+        if error is not None:
+            raise ValueError(error)
+        if self.kv_parallel_size > 1 and (self.enable_lora or self.speculative_config is not None):
+            raise ValueError("kv_parallel_size > 1 does not compose with enable_lora or speculative_config yet")
 
     @property
     def world_size(self) -> int:
-        """The workers of one replica: every rank of every pipeline stage."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """The workers of one replica: every rank of every pipeline stage (or KV-parallel rank)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.kv_parallel_size
 
     @property
     def answering_rank(self) -> int:

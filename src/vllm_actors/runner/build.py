@@ -7,11 +7,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from vllm_actors.actors.worker.engine import Runner
+from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.kernels.attention import describe_attention
+from vllm_actors.models.kv_parallel import KvParallel
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.protocol.config import EngineConfig
@@ -48,24 +51,29 @@ class LoadedRunner(Runner, Protocol):
 
 def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
                  runner: LoadedRunner | None = None, stage: PipelineStage | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> tuple[Worker, dict[str, Any]]:
+                 clock: Callable[[], float] = time.perf_counter,
+                 kvp: KvParallel | None = None) -> tuple[Worker, dict[str, Any]]:
     """The worker of ``config`` and its readiness report. ``tp``: this worker's rank of a
     tensor-parallel group, joined already; ``incarnation``: 0 for a first start (a restarted rank of
     a group drops plans until the reset plan); ``runner``: injected (tests), else a ``ModelRunner``
-    loads ``config.model``; ``stage``: its pipeline stage (none: the whole model)."""
+    loads ``config.model``; ``stage``: its pipeline stage (none: the whole model); ``kvp``: its
+    KV-parallel rank (its attention runs eagerly: no CUDA graphs; global rank 0 samples)."""
     stage = stage or PipelineStage()
+    kvp = kvp or KvParallel()
     if runner is None:
         from vllm_actors.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(config, tp, stage)
+        if kvp.enabled:
+            config = msgspec.structs.replace(config, enforce_eager=True)
+        runner = ModelRunner(config, tp, stage, kvp)
     shape = runner.model_config
-    ranks = runner.tp
+    ranks: Ranks = kvp.world_ranks() if kvp.enabled else runner.tp
     grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
     worker = Worker(
         runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps() and not stage.enabled,
         tp_graph_draws=tp_graph_draws(), grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
-        host_tier=getattr(runner, "host_tier", None), stage=stage,
+        host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
     )
     info = {
         "num_blocks": runner.num_blocks,
@@ -75,10 +83,12 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "eos_token_ids": list(shape.eos_token_ids),
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
-        "rank": ranks.rank,
-        "tensor_parallel_size": ranks.size,
+        "rank": runner.tp.rank,
+        "tensor_parallel_size": runner.tp.size,
         "attention": describe_attention(getattr(getattr(runner, "model", None), "attn_backend", None)),
         "pipeline_stage": stage.stage,
         "pipeline_parallel_size": stage.size,
+        "kv_parallel_rank": kvp.rank,
+        "kv_parallel_size": kvp.size,
     }
     return worker, info

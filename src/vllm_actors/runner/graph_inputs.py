@@ -137,3 +137,11 @@ class GraphInputs:
         used_bytes = self._tables_offset + bucket * self.width * 4
         self._device_bytes[:used_bytes].copy_(self._host_bytes[self._turn][:used_bytes], non_blocking=True)
         return self.device["deferred"][:, :count] if count else None
+
+
+class DecodeGraph:
+    """A captured decode graph and its output buffer."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits  # the logits, or (graphs that sample) the chosen ids

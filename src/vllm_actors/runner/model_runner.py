@@ -39,15 +39,18 @@ from vllm_actors.kernels import sampling as fused_sampling
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.lora.manager import LoRAManager
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.kv_parallel import KvParallel
 from vllm_actors.models.loader import load_model
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import resolve_device, resolve_dtype
+from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
+from vllm_actors.runner.settings import graph_sampler_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
 
 log = structlog.get_logger(__name__)
@@ -56,31 +59,22 @@ log = structlog.get_logger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
-class _DecodeGraph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
-        self.graph = graph
-        self.logits = logits  # the logits, or (graphs that sample) the chosen ids
-
-
-def graph_sampler_enabled() -> bool:
-    """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
-    host side after the replay; on by default, ``benchmarks/RESULTS.md`` has the comparison)."""
-    return envs.VLLM_ACTORS_GRAPH_SAMPLER
-
-
 class ModelRunner:
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, kvp: KvParallel | None = None) -> None:
         """``tp``: this worker's rank of a tensor-parallel group (joined already): it holds that
         rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda"). ``stage``: its
-        pipeline stage (its layers and their KV only, on GPU ``stage.global_rank``; runs eagerly)."""
+        pipeline stage (its layers and their KV only, on GPU ``stage.global_rank``; runs eagerly).
+        ``kvp``: its KV-parallel rank (its share of the pool: ``num_blocks`` is every rank's)."""
         self.config = config
         self.tp = tp or TensorParallel()
         self.stage = stage or PipelineStage()
+        self.kvp = kvp or KvParallel()
         self._profiling = False  # a profiling pass: the stage runs alone (nothing sent or received)
-        index = self.stage.global_rank if self.stage.enabled else self.tp.rank if self.tp.enabled else None
+        index = self.stage.global_rank if self.stage.enabled else self.kvp.global_rank if self.kvp.enabled \
+            else self.tp.rank if self.tp.enabled else None
         self.device = resolve_device(config.device, index)
         self.model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
@@ -91,6 +85,7 @@ class ModelRunner:
             torch.manual_seed(config.seed)
             self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                        self.stage)
+            self.kvp.install(self.model, config.block_size)
             self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
             # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
             self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
@@ -169,6 +164,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)  # dummy weights: the same draw as at the start
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                    self.stage)
+        self.kvp.install(self.model, config.block_size)
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
         self.lora = self._lora_manager()  # the new model's hooks; adapters load again on use
@@ -216,8 +212,10 @@ class ModelRunner:
             budget = free - (1.0 - self.config.gpu_memory_utilization) * total - activations - reserve
         else:
             budget = self.config.resolved_cpu_kv_cache_bytes()
-        # Every rank must hold the same pool (block ids are the same on every rank): the smallest.
+        # Every rank must hold the same pool (block ids are the same on every rank): the smallest;
+        # under KV parallelism the pool is every KV-parallel rank's together.
         num_blocks = self.stage.min_int(self.tp.min_int(int(budget // self.bytes_per_block), self.device), self.device)
+        num_blocks = self.kvp.min_int(num_blocks, self.device) * self.kvp.size
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
@@ -266,7 +264,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.local_config
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (self.kvp.local_blocks(num_blocks), self.block_size, mc.num_key_value_heads, mc.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),

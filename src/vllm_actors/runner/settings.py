@@ -15,3 +15,9 @@ def tp_graph_draws() -> bool:
     decode graph's tokens itself (no eager sampler on rank 0, no broadcast); 0: rank 0 draws and
     broadcasts (``benchmarks/RESULTS.md`` has the comparison)."""
     return envs.VLLM_ACTORS_TP_GRAPH_SAMPLER
+
+
+def graph_sampler_enabled() -> bool:
+    """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
+    host side after the replay; on by default, ``benchmarks/RESULTS.md`` has the comparison)."""
+    return envs.VLLM_ACTORS_GRAPH_SAMPLER

@@ -89,6 +89,7 @@ class Checked:
 def build_worker(spec: ActorSpec) -> Built:
     import torch
 
+    from vllm_actors.models.kv_parallel import join_kv_parallel
     from vllm_actors.models.parallel import join_group
     from vllm_actors.runner.build import build_worker as worker_of
     from vllm_actors.runner.devices import resolve_device
@@ -100,7 +101,9 @@ def build_worker(spec: ActorSpec) -> Built:
     threads = worker_threads(device_type, engine.world_size * engine.data_parallel_size)
     if threads is not None:  # before the model loads: its load runs on these threads too
         torch.set_num_threads(threads)
-    tp = join_group(spec.rank, engine.tensor_parallel_size, spec.tp_init, engine.device, engine.pipeline_parallel_size)
+    tp = join_group(spec.rank, engine.tensor_parallel_size, spec.tp_init, engine.device,
+                    engine.world_size // engine.tensor_parallel_size)
+    kvp = join_kv_parallel(spec.rank, engine.tensor_parallel_size, engine.kv_parallel_size)
     stage = None
     if engine.pipeline_parallel_size > 1:
         import torch.distributed as dist
@@ -110,7 +113,7 @@ def build_worker(spec: ActorSpec) -> Built:
 
         stage = make_stage(spec.rank, engine.tensor_parallel_size, engine.pipeline_parallel_size,
                            ModelConfig.from_path(engine.model).num_hidden_layers, dist.group.WORLD)
-    worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage)
+    worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage, kvp=kvp)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
     return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 
@@ -124,7 +127,8 @@ def worker_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
 def build_kv_cache_manager(spec: ActorSpec) -> Built:
     from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 
-    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size, spec.num_host_blocks)
+    manager = KVCacheManager(spec.num_blocks, spec.engine.block_size, spec.num_host_blocks,
+                             spec.engine.kv_parallel_size)
     if spec.check_invariants:
         return Built(Checked(manager, manager.check_invariants))
     return Built(manager)

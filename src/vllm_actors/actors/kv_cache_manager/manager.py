@@ -55,10 +55,11 @@ class CacheEntry:
 class KVCacheManager:
     name = KV_CACHE_MANAGER
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
-        """``num_host_blocks``: slots of the host tier (0: none)."""
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, kv_parallel_size: int = 1) -> None:
+        """``num_host_blocks``: slots of the host tier (0: none); ``kv_parallel_size``: the ranks
+        the pool spreads over (``block_pool``: a request's blocks interleaved over them)."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, kv_parallel_size)
         self.host = HostPool(num_host_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_front: dict[str, int] = {}  # leading blocks of each table that are cached
@@ -93,7 +94,7 @@ class KVCacheManager:
         events = [] if events is None else events
         if plan.reset:
             # Checked against the empty state it will meet, first: a bad plan changes nothing.
-            KVCacheManager(self.pool.num_blocks, self.block_size, self.host.num_slots)._check(plan)
+            KVCacheManager(self.pool.num_blocks, self.block_size, self.host.num_slots, self.pool.ranks)._check(plan)
             self.reset(events)
             self._min_step_id = plan.step_id
         new_requests, hit_hashes = self._check(plan)
@@ -109,7 +110,7 @@ class KVCacheManager:
             new = new_requests.get(request_id)
             hit = self._take_hit(new, hit_hashes[request_id], events) if new is not None else None
             table = self.block_tables.setdefault(request_id, [])
-            added = self.pool.allocate(wanted - len(table)) if wanted > len(table) else []
+            added = self.pool.allocate(wanted - len(table), len(table)) if wanted > len(table) else []
             table.extend(added)
             new_block_ids.append(hit + added if hit else added)
             if added:
@@ -247,7 +248,7 @@ class KVCacheManager:
                     parent_hashes=[self.cached[h].parent_hash for h in order],
                 )
             )
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, self.pool.ranks)
         self.block_tables = {}
         self.num_cached_front = {}
         self.cached = {}

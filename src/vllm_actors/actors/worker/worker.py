@@ -72,7 +72,7 @@ class Worker:
     def __init__(
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
-        host_tier: HostTierCopies | None = None, stage: Stage | None = None,
+        host_tier: HostTierCopies | None = None, stage: Stage | None = None, ranks: Ranks | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -84,7 +84,9 @@ class Worker:
         tokens itself (False: rank 0 draws every step and broadcasts). ``host_tier``: the host KV
         tier's memory, where the KV-cache manager has one (the plan's block copies go through it).
         ``stage``: its pipeline stage; a stage before the last runs its layers and hands its output
-        on (``runner.execute``), samples nothing and answers nothing."""
+        on (``runner.execute``), samples nothing and answers nothing. ``ranks``: who samples and
+        who takes the broadcast ids (default: the runner's TP group; under KV parallelism every
+        rank of the replica)."""
         self.host_tier = host_tier
         self._fences = CopyFences()
         self.graph_draws_under_tp = tp_graph_draws
@@ -94,7 +96,7 @@ class Worker:
         self._pending: PendingStep | None = None
         self._copies = HostCopies()
         self.runner = runner
-        self.tp: Ranks = runner.tp
+        self.tp: Ranks = ranks or runner.tp
         self.stage: Stage = stage or OnlyStage()
         self.answers = self.tp.rank == 0 and self.stage.is_last  # the rank that answers the scheduler
         self.sampler = sampler
