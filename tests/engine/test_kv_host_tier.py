@@ -15,10 +15,10 @@ import pytest
 
 from tests.engine.test_engine_prefix_caching import drain, mirror_from_events, record_events, submit
 from tests.support.fake_runner import FakeRunner
+from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.block_runs import num_blocks as run_blocks
 from vllm_actors.protocol.config import EngineConfig
-from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.protocol.events import BlockEvicted, BlockOffloaded, BlockRestored, PrefillChunk, Resumed, Scheduled
 
 

@@ -47,7 +47,8 @@ def num_host_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return count
 
 
-def map_shared(fd: int, layout: list[tuple[tuple[int, ...], torch.dtype]], pin: bool) -> tuple[mmap.mmap, list[torch.Tensor]]:
+def map_shared(fd: int, layout: list[tuple[tuple[int, ...], torch.dtype]],
+               pin: bool) -> tuple[mmap.mmap, list[torch.Tensor]]:
     """The tensors of ``layout`` (shape, dtype), in order, in the shared file ``fd`` (grown to fit;
     its content kept): the mapping and the tensors. ``pin``: registered with CUDA, for DMA."""
     offsets, size = [], 0

@@ -324,10 +324,11 @@ class ProcessGroup(Recovery):
         log_path = self.log_dir / f"{spec.actor_id}.log"
         with self._lock:
             self._states[spec.actor_id] = STARTING if spec.actor_id not in self._states else RESTARTING
-        env = replica_environment(spec, dict(os.environ))
+        inherited = dict(os.environ)
+        env = replica_environment(spec, inherited)
         pass_fds: tuple[int, ...] = ()
-        if self.host_memory is not None and spec.role == WORKER:
-            env = self.host_memory.environment(spec.actor_id, env or os.environ)
+        if self.host_memory is not None and spec.role == WORKER:  # the host KV tier's shared memory
+            env = self.host_memory.environment(spec.actor_id, inherited if env is None else env)
             pass_fds = (self.host_memory.fd_for(spec.actor_id),)
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(

@@ -155,4 +155,5 @@ class HostPool:
         if both:
             raise AssertionError(f"blocks cached both on the GPU and in the host tier: {sorted(both)[:8]}")
         if not set(self.backups) <= gpu_hashes:
-            raise AssertionError(f"backups of blocks not cached on the GPU: {sorted(set(self.backups) - gpu_hashes)[:8]}")
+            missing = sorted(set(self.backups) - gpu_hashes)[:8]
+            raise AssertionError(f"backups of blocks not cached on the GPU: {missing}")
