@@ -99,8 +99,8 @@ class Scheduler:
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
         self.policy = make_policy(config.scheduling_policy, self.cost_model)
-        self.ledger = self._new_ledger()
         self.pipeline = StepPipeline(first_step_id, config.max_steps_in_flight)
+        self.ledger = self._new_ledger()
         self.stats = SchedulerStats()
         self._num_arrivals = 0
         self.sleep = SleepState()
@@ -277,7 +277,7 @@ class Scheduler:
     def _new_ledger(self) -> BlockLedger:
         return BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
                            self.config.num_host_blocks, self.config.host_write_through_tokens,
-                           self.pipeline.next_step_id if hasattr(self, "pipeline") else 0)
+                           self.pipeline.next_step_id)
 
     def _finish(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
