@@ -6,17 +6,20 @@ agreement on which blocks the host holds, are checked after every step."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from tests.engine.test_engine_prefix_caching import drain, mirror_from_events, record_events, submit
 from tests.support.fake_runner import FakeRunner
+from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.block_runs import num_blocks as run_blocks
 from vllm_actors.protocol.config import EngineConfig
-from vllm_actors.protocol.events import BlockEvicted, BlockOffloaded, BlockRestored, Scheduled
+from vllm_actors.protocol.events import BlockEvicted, BlockOffloaded, BlockRestored, PrefillChunk, Resumed, Scheduled
 
 
 def make_engine(num_blocks: int, num_host_blocks: int, block_size: int = 4, budget: int = 64,
@@ -139,3 +142,78 @@ def test_a_real_model_restores_an_evicted_prefix_with_identical_greedy_output(ti
         else:
             assert restored == 0 and hit < 80, "the pool was meant to evict the prefix"
     assert outputs[0.01] == outputs[0.0]
+
+
+def restart_worker(engine: InProcessEngine, runner: FakeRunner, host: str) -> FakeRunner:
+    """A fresh worker on a runner whose "GPU" holds garbage; ``host`` "kept": the host tier's memory
+    outlived the old worker (the supervisor's shared file), "garbage": it did not."""
+    from tests.engine.test_engine_recovery import recover
+    from vllm_actors.actors.worker.worker import Worker
+    from vllm_actors.protocol.names import WORKER
+    from vllm_actors.runner.sampler import Sampler
+
+    assert runner.host_tier is not None
+    fresh = FakeRunner(num_blocks=runner.num_blocks, block_size=runner.block_size,
+                       num_host_blocks=runner.host_tier.num_blocks)
+    rng = random.Random(9)
+    fresh.slots = [rng.randrange(97) for _ in fresh.slots]
+    assert fresh.host_tier is not None
+    fresh.host_tier.slots = (list(runner.host_tier.slots) if host == "kept"
+                             else [rng.randrange(97) for _ in fresh.host_tier.slots])
+    engine.replace_actor(Worker(fresh, Sampler(fresh.device, 0), clock=time.perf_counter, host_tier=fresh.host_tier))
+    recover(engine, WORKER, first=False)
+    return fresh
+
+
+@pytest.mark.parametrize("host", ["kept", "garbage"])
+def test_a_restarted_worker_resumes_a_long_prompt_from_the_host_tier(host: str) -> None:
+    """A long prompt's blocks are written through to the host tier as its chunks are computed; the
+    worker dies mid-prefill (its "GPU" garbage). With the host memory kept, the resumed request
+    restores the blocks known complete and recomputes only the rest; every output is the greedy
+    reference (a restore from the wrong slot, or of a copy not made, would change it). With the
+    host memory lost too, the output would differ: the tokens come from the host copy."""
+    engine, runner = make_engine(num_blocks=48, num_host_blocks=48, budget=16)
+    scheduler = engine.scheduler
+    scheduler.config = msgspec.structs.replace(scheduler.config, host_write_through_tokens=64)
+    scheduler.ledger.write_through_tokens = 64
+    events = record_events(engine)
+    rng = random.Random(4)
+    prompt = [rng.randrange(1, 97) for _ in range(120)]  # 30 blocks of 4, 8 chunks of 16
+    submit(engine, "long", prompt, max_tokens=4)
+    while sum(1 for event in events if isinstance(event, PrefillChunk)) < 5:
+        engine.step()
+    written = sum(event.num_blocks for event in events if isinstance(event, BlockOffloaded) and event.write_through)
+    assert written >= 12, "the computed chunks' blocks were written through"
+    fresh = restart_worker(engine, runner, host)
+    finished = drain(engine)
+    resumed = next(event for event in events if isinstance(event, Resumed) and event.request_id == "long")
+    restored = sum(event.num_blocks for event in events if isinstance(event, BlockRestored))
+    assert 0 < restored * 4 == resumed.num_cached_tokens < len(prompt), "fewer tokens recomputed than the prompt"
+    assert restored <= written - 4, "the copies of the last two steps' plans were not trusted"
+    assert fresh.host_tier is not None and fresh.host_tier.num_restored == restored
+    if host == "kept":
+        assert finished["long"] == runner.reference(prompt, 4)
+    else:
+        assert finished["long"] != runner.reference(prompt, 4)
+
+
+def test_a_restarted_kv_cache_manager_takes_the_host_tier_with_it() -> None:
+    """Only a worker's restart keeps the host tier: after the KV-cache manager's, whose bookkeeping
+    of the slots is gone, the request is recomputed whole."""
+    engine, runner = make_engine(num_blocks=48, num_host_blocks=48, budget=16)
+    engine.scheduler.ledger.write_through_tokens = 64
+    events = record_events(engine)
+    prompt = [random.Random(4).randrange(1, 97) for _ in range(120)]
+    submit(engine, "long", prompt, max_tokens=4)
+    while sum(1 for event in events if isinstance(event, PrefillChunk)) < 5:
+        engine.step()
+    old = engine.kv_cache_manager
+    engine.replace_actor(KVCacheManager(old.pool.num_blocks, old.block_size, old.host.num_slots))
+    from tests.engine.test_engine_recovery import recover
+    from vllm_actors.protocol.names import KV_CACHE_MANAGER
+
+    recover(engine, KV_CACHE_MANAGER, first=False)
+    finished = drain(engine)
+    assert finished["long"] == runner.reference(prompt, 4)
+    resumed = next(event for event in events if isinstance(event, Resumed) and event.request_id == "long")
+    assert resumed.num_cached_tokens == 0 and not any(isinstance(event, BlockRestored) for event in events)

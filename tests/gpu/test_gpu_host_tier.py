@@ -40,3 +40,26 @@ def test_restored_prefixes_on_gpu_give_the_outputs_of_a_run_without_the_tier(tin
                 assert metrics.kv_blocks_offloaded > 0 and metrics.kv_blocks_restored > 0
             results[offload_gb] = outputs
     assert results[0.05] == results[0.0]
+
+
+def test_long_prompts_written_through_on_gpu_give_the_outputs_of_a_run_without_the_tier(
+        tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a supervisor the tier is the supervisor's shared memory, pinned by the worker; long
+    prompts' blocks are written through to it on the copy stream beside the next step. Outputs match
+    a run without the tier, and the copies were made (a worker killed mid-request:
+    tests/process_group/test_supervision.py, which runs on the GPU where there is one)."""
+    monkeypatch.setenv("VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS", "256")
+    rng = random.Random(4)
+    results: dict[float, list[list[int]]] = {}
+    prompts: list[list[int]] = []
+    for offload_gb in (0.0, 0.05):
+        with LLM(str(tiny_qwen3), executor="group", dtype="float32", num_gpu_blocks_override=200,
+                 max_num_batched_tokens=128, kv_cache_offload_gb=offload_gb) as llm:
+            if not prompts:
+                prompts = [[rng.randrange(llm.vocab_size) for _ in range(n)] for n in (300, 700, 900)]
+            outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+            results[offload_gb] = [output.outputs[0].token_ids for output in outputs]
+            if offload_gb:
+                assert llm.get_metrics().kv_blocks_offloaded >= (300 + 700 + 900) // 16 - 3
+    assert results[0.05] == results[0.0]

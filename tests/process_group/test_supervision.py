@@ -2,7 +2,8 @@
 
 The policy (``runtime/supervision.py``) in process with a fake clock; then real groups on the
 tiny model: a killed metrics store and bus come back, a stopped worker is found hung and replaced,
-and a group past its restart budget fails, tells its listeners and leaves no process behind.
+a worker killed mid-request resumes it from the host KV tier, and a group past its
+restart budget fails, tells its listeners and leaves no process behind.
 Every wait is on an event or a condition, with a generous safety deadline.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,8 +23,10 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tests.engine.test_engine_prefix_caching import drain, submit
 from tests.support.server_helpers import BusRecorder, gone
 from vllm_actors import SamplingParams
+from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.clients.sync_client import EngineClient
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import ActorFailed, ActorRestarted, event_type
@@ -233,11 +237,19 @@ def all_ready(group: ProcessGroup) -> bool:
     return set(group.state().values()) == {"ready"} and all(group.alive().values())
 
 
+def group_config(model: Path, offload_gb: float = 0.004) -> EngineConfig:
+    """The module's group: prefills in chunks of 128 tokens, a host KV tier (long prompts' blocks
+    written through to it from 256 tokens: the fixture's environment)."""
+    return EngineConfig(model=str(model), dtype="float32", block_size=16, num_gpu_blocks_override=80,
+                        max_num_batched_tokens=128, kv_cache_offload_gb=offload_gb, seed=0)
+
+
 @pytest.fixture(scope="module")
 def group(tiny_qwen3: Path) -> Iterator[ProcessGroup]:
-    config = EngineConfig(model=str(tiny_qwen3), dtype="float32", num_gpu_blocks_override=32)
-    with ProcessGroup(config, max_restarts=20, liveness_timeout=LIVENESS_TIMEOUT) as started:
-        yield started
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS", "256")
+        with ProcessGroup(group_config(tiny_qwen3), max_restarts=20, liveness_timeout=LIVENESS_TIMEOUT) as started:
+            yield started
 
 
 @pytest.fixture
@@ -323,6 +335,44 @@ def test_a_stopped_worker_is_found_hung_killed_and_replaced(group: ProcessGroup,
     until(scheduler_told, "the scheduler's reaction to RecoverPipeline")
     until(lambda: all_ready(group), "every actor ready")
     answers(group, "after-worker")
+
+
+def test_a_worker_killed_mid_request_resumes_from_the_host_tier(group: ProcessGroup, recorder: BusRecorder,
+                                                                tiny_qwen3: Path) -> None:
+    """The host tier's memory is the supervisor's (a memfd per worker rank): the SIGKILLed worker's
+    successor maps it again, and the re-queued request's prefix hits the blocks written through
+    before the kill whose copies are known complete: restored, not recomputed. The greedy tokens
+    are those of an uninterrupted run; the events count the tokens recomputed."""
+    num_prompt, max_tokens = 960, 16  # 60 blocks of 16, 8 chunks of 128
+    prompt = [random.Random(7).randrange(1, 500) for _ in range(num_prompt)]
+    reference = InProcessEngine(group_config(tiny_qwen3, offload_gb=0.0), tokenizer=None)
+    submit(reference, "uninterrupted", prompt, max_tokens=max_tokens, ignore_eos=True)
+    expected = drain(reference)["uninterrupted"]
+    client = EngineClient(group.info)
+    try:
+        client.submit(client.prepare("long", {"prompt_token_ids": prompt},
+                                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+        until(lambda: len(recorder.events("STEP_FINISHED")) >= 5, "five chunks computed")
+        old = group.pids()["worker-0"]
+        os.kill(old, signal.SIGKILL)
+        written = sum(e.num_blocks for e in recorder.events("BLOCK_OFFLOADED") if e.write_through)
+        finished = []
+        deadline = time.monotonic() + DEADLINE
+        while not finished:
+            assert time.monotonic() < deadline, "the request did not finish"
+            finished = [output for output in client.poll(100) if output.finished]
+        assert gone(old) and finished[0].error is None
+        assert finished[0].outputs[0].token_ids == expected, "the resumed request's greedy tokens"
+        resumed = recorder.wait_for("RESUMED", "long")
+        restored = sum(e.num_blocks for e in recorder.events("BLOCK_RESTORED"))
+        recomputed = num_prompt - resumed.num_cached_tokens  # prompt tokens computed again after the restart
+        print(f"\nwritten through before the kill: {written} blocks; restored {restored}; recomputed "
+              f"{recomputed} of {num_prompt} prompt tokens")
+        assert 0 < restored <= written and resumed.num_cached_tokens == restored * 16
+        assert recomputed < num_prompt
+        until(lambda: all_ready(group), "every actor ready")
+    finally:
+        client.close()
 
 
 def test_past_the_budget_the_group_fails_tells_its_listeners_and_stops(tiny_qwen3: Path) -> None:

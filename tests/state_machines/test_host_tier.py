@@ -198,3 +198,38 @@ def test_a_host_tier_too_small_for_one_block_is_refused() -> None:
     assert num_host_blocks(EngineConfig(model="fake", kv_cache_offload_gb=1.0), 1 << 20) == 1024
     with pytest.raises(ValueError, match="holds no KV block"):
         num_host_blocks(EngineConfig(model="fake", kv_cache_offload_gb=1e-9), 4096)
+
+
+def test_the_host_tiers_shared_memory_outlives_the_worker_that_mapped_it() -> None:
+    """The supervisor's memfd: a second host tier mapping it (a restarted worker) finds the blocks
+    the first one copied there; the owner's descriptors are closed by ``close`` and by garbage
+    collection alike."""
+    import gc
+    import os
+
+    import torch
+
+    from vllm_actors.runner.host_kv_tier import HostKvTier
+    from vllm_actors.runtime.host_memory import FD_VARIABLE, HostKvMemory
+
+    memory = HostKvMemory()
+    fd = memory.fd_for("worker-0")
+    assert memory.fd_for("worker-0") == fd and memory.environment("worker-0", {})[FD_VARIABLE] == str(fd)
+    kv = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(2)]
+    first = HostKvTier(kv, num_blocks=3, memory_fd=fd)
+    first.write_through(to_runs([4, 5], [1, 2]), fence=1)
+    del first
+    fresh = [(torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)) for _ in range(2)]
+    second = HostKvTier(fresh, num_blocks=3, memory_fd=fd)
+    second.copy([], to_runs([1, 2], [0, 1]), fence=0)
+    for (key, value), (new_key, new_value) in zip(kv, fresh, strict=True):
+        assert torch.equal(new_key[:2], key[4:6]) and torch.equal(new_value[:2], value[4:6])
+    memory.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    other = HostKvMemory()
+    fd = other.fd_for("worker-1")
+    del other
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -104,10 +104,23 @@ class FakeHostTier:
         self.slots = [-1] * (num_blocks * runner.block_size)
         self.num_offloaded = 0
         self.num_restored = 0
+        self.num_written_through = 0
         self.fences: list[tuple[int, int]] = []  # (steps launched, the copies' fence) of each copy
 
     def step_launched(self, index: int) -> None:
         self.num_launched = index
+
+    def write_through(self, copies: Sequence[int], fence: int) -> None:
+        self.num_written_through += sum(count for _, _, count in iter_runs(copies))
+        self._copy_out(copies)
+
+    def settle(self, reuse: bool) -> None:
+        pass
+
+    def _copy_out(self, copies: Sequence[int]) -> None:
+        size = self.runner.block_size
+        for block, slot, count in iter_runs(copies):
+            self.slots[slot * size:(slot + count) * size] = self.runner.slots[block * size:(block + count) * size]
 
     def copy(self, offloads: Sequence[int], restores: Sequence[int], fence: int) -> None:
         self.fences.append((getattr(self, "num_launched", 0), fence))

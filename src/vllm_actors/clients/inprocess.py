@@ -271,6 +271,8 @@ class InProcessEngine(SyncClient):
                     f"free, cached, idle blocks: the scheduler counts {ours}, the KV manager {theirs}"
                 )
             host = set(ledger.host.blocks) if ledger.host is not None else set()
-            if host != set(manager.host.entries):
-                raise AssertionError(f"the host tier: the scheduler holds {len(host)} blocks, the KV manager "
-                                     f"{len(manager.host.entries)}, not the same ones")
+            backups = set(ledger.host.backups) if ledger.host is not None else set()
+            if host != set(manager.host.entries) or backups != set(manager.host.backups):
+                raise AssertionError(f"the host tier: the scheduler holds {len(host)} blocks and {len(backups)} "
+                                     f"backups, the KV manager {len(manager.host.entries)} and "
+                                     f"{len(manager.host.backups)}, not the same ones")

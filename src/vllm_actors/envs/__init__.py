@@ -235,6 +235,13 @@ class Envs:
     VLLM_ACTORS_CPU_KVCACHE_SPACE = Setting[float | None](
         None, positive_number, "GiB of the KV pool on the CPU, where `cpu_kv_cache_gib` is not given.",
         kind="float", group="process", shown_default="1.0")
+    VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS = Setting(
+        16384, integer(0), "With a host KV tier, the KV blocks of prompts this long are copied there as they are "
+        "computed, so that a restarted worker resumes them from host memory instead of recomputing them; 0: never.",
+        kind="int", group="process")
+    VLLM_ACTORS_KV_OFFLOAD_FD = Setting[int | None](
+        None, integer(0), "Set by the supervisor for its workers: the descriptor of the host KV tier's shared memory, "
+        "which outlives a worker (unset: the worker's own memory).", kind="int", group="process")
     VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN = switch(
         "Accept a `max_model_len` above the model's derived limit (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN`; "
         "positions past the limit give wrong outputs).", "process", default=False)

@@ -195,6 +195,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # socket must lie below it. None: not known (tests); ids are then only checked against int32.
     vocab_size: int | None = None
     num_host_blocks: int = 0  # the host KV tier's size in blocks (0: none)
+    # Prompts of at least this many tokens have their blocks copied to the host tier as they are
+    # computed (a restarted worker resumes them from there); 0: none.
+    host_write_through_tokens: int = 0
     # Prefill sizing (protocol/long_prefill.py): the threshold resolved; the ITL target in seconds.
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
@@ -219,7 +222,7 @@ def _runnable_speculation(given: object) -> SpeculativeConfig:
 
 def resolve_scheduler_config(
     config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None, *,
-    allow_long_max_model_len: bool = False, num_host_blocks: int = 0,
+    allow_long_max_model_len: bool = False, num_host_blocks: int = 0, host_write_through_tokens: int = 0,
 ) -> SchedulerConfig:
     """Fill in the defaults that depend on the model and on the KV pool the worker made.
 
@@ -264,6 +267,7 @@ def resolve_scheduler_config(
         reject_unmeetable=config.reject_unmeetable,
         vocab_size=vocab_size,
         num_host_blocks=num_host_blocks,
+        host_write_through_tokens=host_write_through_tokens if num_host_blocks else 0,
         long_prefill_token_threshold=threshold,
         max_num_partial_prefills=config.max_num_partial_prefills,
         max_long_partial_prefills=config.max_long_partial_prefills,

@@ -156,12 +156,14 @@ class BlockEvicted(msgspec.Struct, tag="BLOCK_EVICTED", kw_only=True):
 
 class BlockOffloaded(msgspec.Struct, tag="BLOCK_OFFLOADED", kw_only=True):
     """Cached blocks left the GPU pool for the host tier (still cached there). ``copies``: runs of
-    (GPU block, host slot, count), ``protocol.block_runs``."""
+    (GPU block, host slot, count), ``protocol.block_runs``. ``write_through``: copies of blocks
+    just computed, which stay cached on the GPU too (a restarted worker resumes from them)."""
 
     copies: list[int]
     num_blocks: int
     num_host_cached: int  # host slots in use after the move
     num_host_blocks: int
+    write_through: bool = False
 
 
 class BlockRestored(msgspec.Struct, tag="BLOCK_RESTORED", kw_only=True):

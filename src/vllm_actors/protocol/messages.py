@@ -156,6 +156,12 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # Blocks each listed request keeps, the rest of its table given back (they held rejected drafts
     # only): applied after the departures, before anything else of the plan.
     trimmed_blocks: dict[str, int] = {}
+    # Write-through: blocks this plan caches (their KV written by its step) that are also copied to
+    # the host tier after the step, staying cached on the GPU (a restarted worker resumes from them).
+    backup_hashes: list[int] = []
+    # With ``reset`` after a worker's restart: the host tier's blocks stay (its memory outlived the
+    # worker); the GPU's backed-up blocks are then held there alone. Applied before host_dropped_hashes.
+    keep_host_tier: bool = False
     # Filled in by the KV-cache manager: block ids appended to each scheduled request's table.
     new_block_ids: list[list[int]] = []
     # Filled in by the KV-cache manager: the worker copies these before the step reads its KV,
@@ -163,6 +169,9 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # (host slot, GPU block, count).
     offload_copies: list[int] = []
     restore_copies: list[int] = []
+    # Filled in by the KV-cache manager: the backups' copies, runs of (GPU block, host slot, count),
+    # made once the step has written them.
+    write_through_copies: list[int] = []
     # Pipeline parallelism: each decoding request's input token (the last one it sampled). Only the
     # last stage samples; the stages before it learn the token here (a request's next step is
     # planned only once its token is back, so the scheduler has it).

@@ -146,6 +146,12 @@ def _is_replica_actor(name: str) -> bool:
     return name in REPLICA_ACTORS or name == WORKER or name.startswith(f"{WORKER}-")
 
 
+def is_worker(actor_id: str) -> bool:
+    """Whether the actor is a worker rank (of any replica)."""
+    name = split_replica(actor_id)[0]
+    return name == WORKER or name.startswith(f"{WORKER}-")
+
+
 def is_engine_actor(actor_id: str) -> bool:
     """Whether an actor id belongs to the group itself (its processes and the supervisor), not to
     a client: only the group's own processes may publish under these ids (clients publish as

@@ -54,6 +54,7 @@ from vllm_actors.runtime.children import (
     Stopping,
     cleanup,
 )
+from vllm_actors.runtime.host_memory import HostKvMemory
 from vllm_actors.runtime.monitor import SupervisorLink
 from vllm_actors.runtime.ports import PortReservation
 from vllm_actors.runtime.process import ActorSpec
@@ -184,6 +185,8 @@ class ProcessGroup(Recovery):
         self._finalizer = weakref.finalize(
             self, cleanup, self.children, self.run_dir, STOP_GRACE_SECONDS, self._stop, self._monitor, self._stopped
         )
+        # The host KV tier's memory outlives the workers (a restarted one resumes from it): ours.
+        self.host_memory = HostKvMemory() if config.kv_cache_offload_gb else None
 
     # ------------------------------------------------------------------ start
     def start(self) -> ProcessGroup:
@@ -243,6 +246,7 @@ class ProcessGroup(Recovery):
         scheduler_config = resolve_scheduler_config(
             self.config, int(info["derived_max_model_len"]), num_blocks, vocab_size=int(info["vocab_size"]),
             allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN, num_host_blocks=num_host_blocks,
+            host_write_through_tokens=envs.VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS,
         )
         if replica in (None, 0):
             self.worker_info, self.scheduler_config = info, scheduler_config
@@ -320,10 +324,17 @@ class ProcessGroup(Recovery):
         log_path = self.log_dir / f"{spec.actor_id}.log"
         with self._lock:
             self._states[spec.actor_id] = STARTING if spec.actor_id not in self._states else RESTARTING
+        inherited = dict(os.environ)
+        env = replica_environment(spec, inherited)
+        pass_fds: tuple[int, ...] = ()
+        if self.host_memory is not None and spec.role == WORKER:  # the host KV tier's shared memory
+            env = self.host_memory.environment(spec.actor_id, inherited if env is None else env)
+            pass_fds = (self.host_memory.fd_for(spec.actor_id),)
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "vllm_actors.runtime.actor_main", msgspec.json.encode(spec).decode()],
-                env=replica_environment(spec, dict(os.environ)),
+                env=env,
+                pass_fds=pass_fds,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
@@ -428,6 +439,8 @@ class ProcessGroup(Recovery):
         if self.ray_launcher is not None:
             self.ray_launcher.close()
         self._finalizer()
+        if self.host_memory is not None:
+            self.host_memory.close()
         if self._ports is not None:
             self._ports.close()
 

@@ -94,8 +94,11 @@ class KVCacheManager:
         events = [] if events is None else events
         if plan.reset:
             # Checked against the empty state it will meet, first: a bad plan changes nothing.
-            KVCacheManager(self.pool.num_blocks, self.block_size, self.host.num_slots, self.pool.ranks)._check(plan)
-            self.reset(events)
+            fresh = KVCacheManager(self.pool.num_blocks, self.block_size, self.host.num_slots, self.pool.ranks)
+            if plan.keep_host_tier:
+                fresh.host = self.host.resumed()
+            fresh._check(plan)
+            self.reset(events, keep_host=plan.keep_host_tier)
             self._min_step_id = plan.step_id
         new_requests, hit_hashes = self._check(plan)
         for request_id in plan.finished_ids:
@@ -118,9 +121,12 @@ class KVCacheManager:
             hashes = plan.cached_hashes.get(request_id)
             if hashes:
                 self._cache(request_id, hashes, events)
+        write_through = self.host.back_up(
+            [(value, self.cached[value].block_id, self.cached[value].parent_hash) for value in plan.backup_hashes],
+            events)
         self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids, offload_copies=offload_copies,
-                                       restore_copies=restore_copies)
+                                       restore_copies=restore_copies, write_through_copies=write_through)
 
     def _check(self, plan: StepPlan) -> tuple[dict[str, NewRequest], dict[str, list[int]]]:
         """Reject a plan this state cannot carry out (``MessageRejected``), before anything
@@ -154,7 +160,8 @@ class KVCacheManager:
             )
             if holders - released > 0:
                 raise MessageRejected(f"plan evicts block {entry.block_id} while a request holds it")
-        restored_parents = self.host.check(plan, {h: self.cached[h].parent_hash for h in plan.evicted_hashes})
+        restored_parents = self.host.check(plan, {h: self.cached[h].parent_hash for h in plan.evicted_hashes},
+                                           {h for hashes in plan.cached_hashes.values() for h in hashes})
         freed = len(plan.evicted_hashes) + sum(
             len(self.block_tables.get(request_id, ())) - self.num_cached_front.get(request_id, 0)
             for request_id in departing
@@ -215,12 +222,19 @@ class KVCacheManager:
             raise MessageRejected(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
         return new_requests, hit_hashes
 
-    def reset(self, events: list[Any]) -> None:
-        """Drop every table, cached block and reference: a fresh pool of the same size."""
+    def reset(self, events: list[Any], keep_host: bool = False) -> None:
+        """Drop every table, cached block and reference: a fresh pool of the same size. The host
+        tier too, unless ``keep_host`` (a worker's restart: its memory outlived it), where the GPU's
+        backed-up blocks stay cached, held by the host tier alone."""
         num_blocks = self.pool.num_blocks
         dropped = bool(self.block_tables or self.cached or self.host.entries)
-        self.host.drop(list(self.host.entries), events)  # below the GPU blocks: leaves first
-        self.host = HostPool(self.host.num_slots)
+        if keep_host:
+            kept = set(self.host.backups)
+            self.host = self.host.resumed()
+        else:
+            kept = set()
+            self.host.drop(list(self.host.entries), events)  # below the GPU blocks: leaves first
+            self.host = HostPool(self.host.num_slots)
         for request_id, table in self.block_tables.items():
             if table:
                 events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=num_blocks))
@@ -240,14 +254,11 @@ class KVCacheManager:
                     block_hash_ = known
                 return depth[block_hash_]
 
-            order = sorted(self.cached, key=lambda h: (-depth_of(h), self.cached[h].block_id))
-            events.append(
-                BlockEvicted(
-                    block_ids=[self.cached[h].block_id for h in order],
-                    block_hashes=order,
-                    parent_hashes=[self.cached[h].parent_hash for h in order],
-                )
-            )
+            order = sorted((h for h in self.cached if h not in kept),
+                           key=lambda h: (-depth_of(h), self.cached[h].block_id))
+            if order:
+                events.append(BlockEvicted(block_ids=[self.cached[h].block_id for h in order], block_hashes=order,
+                                           parent_hashes=[self.cached[h].parent_hash for h in order]))
         self.pool = BlockPool(num_blocks, self.pool.ranks)
         self.block_tables = {}
         self.num_cached_front = {}

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.host_tier import HostBlock, HostTier
 from vllm_actors.actors.scheduler.prefix_cache import CachedBlock, PrefixCache
 from vllm_actors.protocol.block_hash import root_hash
+from vllm_actors.protocol.write_through import LAG
 
 
 class LedgerError(RuntimeError):
@@ -43,8 +45,11 @@ class Holding:
 
 
 class BlockLedger:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0) -> None:
-        """``num_host_blocks``: the host KV tier's size (0: none; it needs ``enable_caching``)."""
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0,
+                 write_through_tokens: int = 0, first_step_id: int = 0) -> None:
+        """``num_host_blocks``: the host KV tier's size (0: none; it needs ``enable_caching``);
+        ``write_through_tokens``: prompts this long have their blocks copied there as they are
+        cached (0: none); ``first_step_id``: the step id of the first plan built on this ledger."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.total = num_blocks
@@ -57,6 +62,12 @@ class BlockLedger:
         self.host = HostTier(num_host_blocks) if enable_caching and num_host_blocks > 0 else None
         self._host_dropped: dict[int, None] = {}  # since the last plan, in order: StepPlan.host_dropped_hashes
         self._restored: dict[int, HostBlock] = {}  # since the last plan, parents first
+        self.write_through_tokens = write_through_tokens if self.host is not None else 0
+        self._backups: dict[int, None] = {}  # backed up since the last plan: StepPlan.backup_hashes
+        self._arrivals: list[int] = []  # copied to the host tier since the last plan (stamped with its step)
+        self._first_step_id = first_step_id
+        self._launched: deque[int] = deque(maxlen=LAG)  # step ids of the last results of plans that ran a step
+        self.host_resumed = False  # the host tier outlived a worker restart (the reset plan keeps it)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -140,10 +151,20 @@ class BlockLedger:
                 continue
             self._evicted.append(block.block_hash)
             self._host_dropped.pop(block.block_hash, None)  # cached again on the GPU and evicted again
+            backed_up = block.block_hash in self.host.backups  # already there: it stays, uncopied
             kept, dropped = self.host.offer(block.block_hash, block.parent_hash, block.token_ids)
-            self._host_dropped.update(dict.fromkeys(dropped))
+            self._drop_from_host(dropped)
             if not kept:
                 self._host_dropped[block.block_hash] = None
+            elif not backed_up:
+                self._arrivals.append(block.block_hash)
+
+    def _drop_from_host(self, hashes: list[int]) -> None:
+        """Blocks the host tier dropped: the next plan says so (a backup of this pass is just not made)."""
+        for value in hashes:
+            if self._backups.pop(value, 0) is None:
+                continue
+            self._host_dropped[value] = None
 
     def _restore(self, holding: Holding, token_ids: Sequence[int]) -> None:
         """Past its GPU hit, a request takes the blocks of its prompt held in the host tier back
@@ -168,10 +189,16 @@ class BlockLedger:
         holding.cached.extend(labels)
         holding.num_blocks += len(labels)
 
-    def cache_blocks(self, request_id: str, num_full: int, tokens: Callable[[int, int], Sequence[int]]) -> list[int]:
+    def writes_through(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt this long has its blocks copied to the host tier as they are cached."""
+        return 0 < self.write_through_tokens <= num_prompt_tokens
+
+    def cache_blocks(self, request_id: str, num_full: int, tokens: Callable[[int, int], Sequence[int]],
+                     back_up: bool = False) -> list[int]:
         """Cache the request's first ``num_full`` blocks (their KV computed by now or by the step
         being planned; ``tokens(start, end)`` gives their token ids). Only blocks past its cached
-        front are looked at. Returns the hashes of the blocks newly cached, in table order."""
+        front are looked at. Returns the hashes of the blocks newly cached, in table order.
+        ``back_up``: they are also copied to the host tier (as room allows), after the step."""
         holding = self._holdings[request_id]
         start = len(holding.cached)
         if self.cache is None or holding.stopped or num_full <= start:
@@ -187,6 +214,14 @@ class BlockLedger:
         if self.host is not None:  # content back on the GPU: its host copy is a duplicate
             self._host_dropped.update(dict.fromkeys(block.block_hash for block in new
                                                     if self.host.discard(block.block_hash)))
+            if back_up:
+                for block in new:
+                    kept, dropped = self.host.back_up(block.block_hash, block.parent_hash, block.token_ids)
+                    self._host_dropped.update(dict.fromkeys(dropped))
+                    if not kept:
+                        break
+                    self._backups[block.block_hash] = None
+                    self._arrivals.append(block.block_hash)
         holding.cached.extend(block.block_id for block in new)
         return [block.block_hash for block in new]
 
@@ -217,7 +252,12 @@ class BlockLedger:
         evicted = self.cache.evict(self.cache.num_evictable)
         self._evicted.extend(block.block_hash for block in evicted)
         self.num_free += len(evicted)
-        if self.host is not None:
+        if self.host is not None:  # nothing goes there, and what was there goes (backups of idle blocks too)
+            for block in evicted:
+                self.host.backups.pop(block.block_hash, None)
+                self.host.arrived.pop(block.block_hash, None)
+                self._backups.pop(block.block_hash, None)
+                self._host_dropped[block.block_hash] = None
             for value in list(self.host.blocks):
                 self.host.discard(value)
                 self._host_dropped[value] = None
@@ -233,14 +273,41 @@ class BlockLedger:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def take_host_moves(self) -> tuple[list[int], list[int]]:
-        """The host tier's decisions since the last call (for the next plan, which ends the pass):
-        the hashes dropped from it and those taken back to the GPU pool, parents first."""
+    def take_host_moves(self, step_id: int = 0) -> tuple[list[int], list[int]]:
+        """The host tier's decisions since the last call (for the next plan, of ``step_id``, which
+        ends the pass): the hashes dropped from it and those taken back to the GPU pool, parents
+        first. (``take_backups``: those copied there.)"""
         dropped, self._host_dropped = list(self._host_dropped), {}
         restored, self._restored = list(self._restored), {}
         if self.host is not None:
             self.host.end_pass()
+            self.host.stamp(self._arrivals, step_id)
+            self._arrivals = []
         return dropped, restored
+
+    def take_backups(self) -> list[int]:
+        """Hashes of the blocks backed up since the last call, in caching order (for the next plan)."""
+        backups, self._backups = list(self._backups), {}
+        return backups
+
+    def step_done(self, step_id: int) -> None:
+        """The result of a plan that ran a step is back (its copies and older ones' are done, as
+        ``protocol.write_through`` says)."""
+        self._launched.append(step_id)
+
+    def resume_host(self, old: BlockLedger) -> None:
+        """A worker was restarted (this ledger replaces ``old``): the host tier outlived it. Its
+        blocks stay, with the GPU's backed-up blocks now held there alone, less the copies not known
+        complete (plans without ``LAG`` later results back), which the next plan drops."""
+        if self.host is None or old.host is None or old.host.capacity != self.host.capacity:
+            return
+        launched = old._launched
+        trusted_below = launched[0] if len(launched) == LAG else old._first_step_id
+        self._host_dropped.update(old._host_dropped)
+        doubtful = old.host.resume(trusted_below)
+        self.host = old.host
+        self._host_dropped.update(dict.fromkeys(doubtful))
+        self.host_resumed = True
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, live_request_ids: set[str] | None = None) -> None:
@@ -262,9 +329,12 @@ class BlockLedger:
         self.cache.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
-            both = self.cache.cached_hashes() & set(self.host.blocks)
+            gpu = self.cache.cached_hashes()
+            both = gpu & set(self.host.blocks)
             if both:
                 raise AssertionError(f"blocks cached both on the GPU and in the host tier: {sorted(both)[:8]}")
+            if not set(self.host.backups) <= gpu:
+                raise AssertionError(f"backups of blocks not cached: {sorted(set(self.host.backups) - gpu)[:8]}")
         references: dict[int, int] = {}
         for holding in self._holdings.values():
             for label in holding.cached:

@@ -42,7 +42,8 @@ class StepBuilder:
         computed = min(request.num_computed_tokens + num_new, request.num_tokens)
         if ledger.cache is None or computed < request.cache_check_at:
             return
-        hashes = ledger.cache_blocks(request.request_id, computed // ledger.block_size, request.token_slice)
+        hashes = ledger.cache_blocks(request.request_id, computed // ledger.block_size, request.token_slice,
+                                     back_up=ledger.writes_through(len(request.prompt_token_ids)))
         request.cache_check_at = ledger.next_cache_check(request.request_id)
         if hashes:
             self.cached[request.request_id] = hashes
@@ -66,7 +67,7 @@ class StepBuilder:
                 chunks.append(PrefillChunk(request_id=request.request_id, step_id=self.step_id, start=start,
                                            num_tokens=num_new, last=start + num_new == target))
             request.num_computed_tokens += num_new
-        dropped, restored = self.ledger.take_host_moves()
+        dropped, restored = self.ledger.take_host_moves(self.step_id)
         plan = StepPlan(
             step_id=self.step_id,
             reset=reset,
@@ -81,5 +82,7 @@ class StepBuilder:
             restored_hashes=restored,
             draft_token_ids=self.drafts,
             trimmed_blocks=trimmed or {},
+            backup_hashes=self.ledger.take_backups(),
+            keep_host_tier=reset and self.ledger.host_resumed,
         )
         return plan, sampling_ids, chunks, num_partial

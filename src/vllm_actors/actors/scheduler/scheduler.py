@@ -77,7 +77,7 @@ from vllm_actors.protocol.messages import (
     StepPlan,
     StepResult,
 )
-from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER
+from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, is_worker
 from vllm_actors.protocol.outputs import Outputs
 
 MAX_ABORT_REASON = 64  # characters of a client's abort reason that reach the bus
@@ -107,8 +107,8 @@ class Scheduler:
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
         self.policy = make_policy(config.scheduling_policy, self.cost_model)
-        self.ledger = self._new_ledger()
         self.pipeline = StepPipeline(first_step_id, config.max_steps_in_flight)
+        self.ledger = self._new_ledger()
         self.stats = SchedulerStats()
         self._num_arrivals = 0
         self.sleep = SleepState()
@@ -133,8 +133,8 @@ class Scheduler:
             self._abort(message, out)
         elif isinstance(message, StepResult):
             self._on_step_result(message, out)
-        elif isinstance(message, RecoverPipeline):
-            self._recover(f"{message.actor}: {message.reason}", out)
+        elif isinstance(message, RecoverPipeline):  # a restarted worker leaves the host KV tier as it was
+            self._recover(f"{message.actor}: {message.reason}", out, keep_host=is_worker(message.actor))
         elif isinstance(message, EngineControl):
             self._control(message, out)
         elif isinstance(message, ControlReply):  # rank 0 carried a command out: its sender learns
@@ -201,6 +201,8 @@ class Scheduler:
             self.stats.num_stale_results += 1
             return
         plan, sampling_ids = taken
+        if plan.req_ids:
+            self.ledger.step_done(plan.step_id)
         observe_step(self.cost_model, plan, result, self.config.block_size)  # the cost model learns the step
         if self.spec is not None:
             self.spec.account(plan, result, self.requests)
@@ -272,13 +274,16 @@ class Scheduler:
         if updates:
             out.send(FRONTEND, RequestUpdates(step_id=-1, updates=updates))
 
-    def _recover(self, reason: str, out: Outputs) -> None:
-        """The KV-cache manager or a worker was restarted: what the pipeline held is gone."""
+    def _recover(self, reason: str, out: Outputs, keep_host: bool = False) -> None:
+        """The KV-cache manager or a worker was restarted: what the pipeline held is gone (but for
+        the host KV tier, after a worker's restart: ``keep_host``)."""
         running, self.running = self.running, []
         out.emit(*start_over(running, self.requests.values(), self.pipeline.next_step_id))
         self.waiting.extendleft(reversed(running))  # at the front, in batch order
         self.stats.num_preemptions += len(running)
-        self.ledger = self._new_ledger()
+        old, self.ledger = self.ledger, self._new_ledger()
+        if keep_host:
+            self.ledger.resume_host(old)
         self.pipeline.reset()
         if self.spec is not None:
             self.spec.take_trims([])  # the new ledger and pipeline start from nothing
@@ -287,7 +292,8 @@ class Scheduler:
 
     def _new_ledger(self) -> BlockLedger:
         return BlockLedger(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                           self.config.num_host_blocks)
+                           self.config.num_host_blocks, self.config.host_write_through_tokens,
+                           self.pipeline.next_step_id)
 
     def _finish(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -327,7 +333,8 @@ class Scheduler:
         if not (self.waiting or self.running or self.pipeline.has_news or self.ledger.has_evicted):
             return None
         plan, sampling_ids = self._schedule(out)
-        if not plan.req_ids and not plan.finished_ids and not plan.reset and not plan.evicted_hashes:
+        if not (plan.req_ids or plan.finished_ids or plan.reset or plan.evicted_hashes or plan.host_dropped_hashes
+                or plan.restored_hashes):
             return None  # everything waits for tokens in flight
         self.pipeline.sent(plan, sampling_ids)
         self.stats.num_steps += 1

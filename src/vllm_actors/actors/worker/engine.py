@@ -63,6 +63,14 @@ class HostTierCopies(Protocol):
         """A step's forward pass was queued (the copies' fences name steps by this index)."""
         ...
 
+    def write_through(self, copies: Sequence[int], fence: int) -> None:
+        """Copies (GPU block, slot, count) of blocks step ``fence`` writes, made after it."""
+        ...
+
+    def settle(self, reuse: bool) -> None:
+        """Before a forward pass: wait for the write-throughs it must (all of them: ``reuse``)."""
+        ...
+
 
 class PenaltySlots(Protocol):
     """The sampler's per-request penalty counts on the device (``runner.penalty_pool.PenaltyPool``)."""

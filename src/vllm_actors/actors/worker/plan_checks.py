@@ -68,8 +68,10 @@ def check_plan(plan: StepPlan, held: Mapping[str, HeldRequest], *, has_grammars:
 
 def _check_copies(plan: StepPlan, num_blocks: int | None, num_host_blocks: int) -> None:
     """Block copies between the pool and the host tier: runs of three, inside both."""
+    if plan.write_through_copies and not plan.req_ids:
+        raise MessageRejected("plan writes blocks through to the host tier without a step to compute them")
     try:
-        offloads = list(iter_runs(plan.offload_copies))
+        offloads = list(iter_runs(plan.offload_copies)) + list(iter_runs(plan.write_through_copies))
         restores = [(block, slot, count) for slot, block, count in iter_runs(plan.restore_copies)]
     except ValueError as error:
         raise MessageRejected(str(error)) from None

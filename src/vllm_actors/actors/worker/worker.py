@@ -210,9 +210,11 @@ class Worker:
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
-        if self.host_tier is not None and (plan.offload_copies or plan.restore_copies):
-            fence = self._fences.fence(plan.offload_copies, plan.restore_copies)
-            self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
+        if self.host_tier is not None:
+            if plan.offload_copies or plan.restore_copies:
+                fence = self._fences.fence(plan.offload_copies, plan.restore_copies)
+                self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
+            self.host_tier.settle(reuse=plan.reset or bool(plan.evicted_hashes))
         step = build_batch(plan, self.requests, self.tables, pending)
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
@@ -220,8 +222,7 @@ class Worker:
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset)
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
             self.runner.execute(batch)
-            if self.host_tier is not None:
-                self.host_tier.step_launched(self._fences.launched())
+            self._step_launched(plan)
             return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset)
         row_owners = samplers
@@ -248,8 +249,7 @@ class Worker:
         if step.drafts:  # read at once (never deferred): the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
             samplers, chosen, logprobs, spec = verify(samplers, step.drafts, drawn, logprobs)
-        if self.host_tier is not None:  # the host tier's copies may have to wait for this step
-            self.host_tier.step_launched(self._fences.launched())
+        self._step_launched(plan)
         for request in samplers:
             request.num_output_tokens += 1
             request.num_pending += 1  # 2 until the previous step (launched before) is read back
@@ -261,6 +261,13 @@ class Worker:
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
                            num_batched_tokens=len(batch.token_ids), row_of=row_of)
+
+    def _step_launched(self, plan: StepPlan) -> None:
+        """The host tier's copies may have to wait for this step; its write-through follows it."""
+        if self.host_tier is not None:
+            index = self._fences.launched()
+            self.host_tier.step_launched(index)
+            self.host_tier.write_through(plan.write_through_copies, index)
 
     def _graph_sampling(self, batch: BatchInput, rows: list[SamplingRow]) -> GraphSampling | None:
         """The draw's inputs where a decode graph can draw this step's tokens itself. Under TP
