@@ -4,7 +4,10 @@ The chunks of one prompt flow through the stages back to back, so the prefill ta
 ``sum(t_i) + (P - 1) * max(t_i)`` for chunk times ``t_i`` over ``P`` stages: for a given number of
 chunks, equal predicted times are the fastest. A chunk's time grows with the keys it attends to
 (the cost model's ``prefill_pairs``), so equal times mean larger chunks early and smaller ones
-late. The count is the smallest whose first (largest) chunk keeps within the token budget.
+late. The count is the smallest whose first (largest) chunk keeps within the token budget. No
+chunk is smaller than ``1 / MIN_SHARE`` of the budget: a device runs tiny chunks inefficiently (the
+linear model does not see it), and a model fitted online from noisy step times can ask for chunks
+of a few tokens.
 
 The sizes are solved in closed form at every chunk (a pass re-solves the chunks left from where
 the prompt is, with the model as it has learnt since), so planning costs the same at 1M tokens
@@ -16,6 +19,7 @@ import math
 
 from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, CostModel, chunk_pairs
 
+MIN_SHARE = 4  # a chunk takes at least this share of the budget (1 / MIN_SHARE), where the prompt has it left
 _PROBE_TOKENS = 4096  # probe points far from zero: a model clamped at zero is linear there
 _PROBE_PAIRS = 64.0
 
@@ -79,7 +83,11 @@ def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int) -> 
             low = middle + 1
     per_chunk = _work(coefficients, length) / low  # each chunk's share of the work
     num_left = max(1, round(low - _work(coefficients, start) / per_chunk)) if per_chunk > 0.0 else 1
-    return min(budget, remaining, _first_chunk(coefficients, start, remaining, num_left))
+    floor = max(1, budget // MIN_SHARE)
+    size = min(budget, remaining, max(floor, _first_chunk(coefficients, start, remaining, num_left)))
+    if 0 < remaining - size < floor:  # no chunk of a few tokens at the end
+        size = remaining if remaining <= budget else remaining - floor
+    return size
 
 
 def balanced_chunks(cost: CostModel, start: int, length: int, budget: int) -> list[int]:
