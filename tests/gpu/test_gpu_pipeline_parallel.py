@@ -1,7 +1,9 @@
 """On two GPUs: PP=2 (NCCL point-to-point between the stages) greedy token-identical to PP=1 in
 float32, with logprobs within 1e-3, on the tiny Qwen3 (tied embeddings: the last stage holds its
 own LM head) and Llama checkpoints of the CPU tests; a 2,000-token prompt in chunks pipelined
-through the stages (sequence pipeline parallelism) too.
+through the stages (sequence pipeline parallelism) too. Each stage replays decode CUDA graphs (the
+hand-over outside them): greedy and seeded sampled tokens the same as the stages run eagerly
+(``enforce_eager``) and as PP=1.
 
 Skipped without two CUDA devices; run on nvidia-h100-x2 by ``benchmarks/gpu_session.sh pp``.
 """
@@ -30,10 +32,15 @@ def _prompts(vocab: int, count: int = 24, longest: int = 300) -> list[list[int]]
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for _ in range(count)]
 
 
-def _generate(path: Path, pp_size: int, prompts: list[list[int]], **engine: Any) -> tuple[list[list[int]], Any]:
+def _generate(path: Path, pp_size: int, prompts: list[list[int]], params: SamplingParams | None = None,
+              captured: list[str] | None = None, **engine: Any) -> tuple[list[list[int]], Any]:
+    """Tokens and logprobs; ``captured``: gets the workers that logged their CUDA graphs captured."""
     with LLM(str(path), dtype="float32", pipeline_parallel_size=pp_size, seed=0, **engine) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+        params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
         scored = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if captured is not None and llm.group is not None:
+            captured.extend(sorted(log.stem for log in Path(llm.group.log_dir).glob("worker-*.log")
+                                   if "cuda_graphs_captured" in log.read_text(errors="replace")))
     logprobs = [[entry[token].logprob for entry, token in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids,
                                                                strict=True)] for o in scored]
     return [list(o.outputs[0].token_ids) for o in scored], logprobs
@@ -57,4 +64,21 @@ def test_pp2_long_prompt_in_many_chunks_equals_pp1(tiny_qwen3_tp: Path) -> None:
     engine = dict(max_num_batched_tokens=64, max_model_len=1024)  # the long prompt in 16 chunks
     want, _ = _generate(tiny_qwen3_tp, 1, prompts, **engine)
     got, _ = _generate(tiny_qwen3_tp, 2, prompts, **engine)
+    assert got == want
+
+
+def test_pp2_stages_replay_decode_graphs(tiny_qwen3_tp: Path) -> None:
+    prompts = _prompts(500, count=12, longest=120)
+    engine = dict(num_gpu_blocks_override=64, max_num_batched_tokens=256)
+    captured: list[str] = []
+    graphs, graphs_logprobs = _generate(tiny_qwen3_tp, 2, prompts, captured=captured, **engine)
+    assert captured == ["worker-0", "worker-1"], "every stage captures its decode graphs"
+    eager, eager_logprobs = _generate(tiny_qwen3_tp, 2, prompts, enforce_eager=True, **engine)
+    assert graphs == eager
+    for ours, theirs in zip(graphs_logprobs, eager_logprobs, strict=True):
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
+    # seeded sampling: the last stage's graphs draw the tokens (the graph sampler), as PP=1's do
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    want, _ = _generate(tiny_qwen3_tp, 1, prompts, params=sampled, **engine)
+    got, _ = _generate(tiny_qwen3_tp, 2, prompts, params=sampled, **engine)
     assert got == want

@@ -45,7 +45,7 @@ def runner(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     runner._static = GraphInputs(4, runner.max_blocks_per_seq, BLOCK, runner.device)
     for size in (1, 2, 4):
         inputs = runner._static.for_bucket(size)
-        meta = runner._graph_meta(inputs, size)
+        meta = runner._static.meta(inputs, size, runner.max_model_len)
         for sampled, graphs in ((False, runner._graphs), (True, runner._sampled_graphs)):
             replay = _EagerReplay(lambda i=inputs, m=meta, s=sampled: runner._decode_pass(i, m, s))
             graphs[size] = _DecodeGraph(replay, replay.output)  # type: ignore[arg-type]

@@ -1,13 +1,15 @@
 """Pipeline parallelism through the process group on the CPU (gloo point-to-point between the
 stages): PP=2, PP=3 (uneven layer counts, a VLLM_PP_LAYER_PARTITION split) and PP=2 x TP=2 give
 transformers' greedy tokens (float32) under preemption, chunked prefill and prefix-cache hits; a 2,000-token prompt
-in 32 chunks pipelined through the stages (sequence pipeline parallelism) too; a SIGKILLed stage
-takes the replica's stages down, which come back and finish every request; no process outlives the
-group."""
+in 32 chunks pipelined through the stages (sequence pipeline parallelism) too; structured outputs
+and penalties on the last stage (seeded samples in the grammar, penalised greedy outputs as vLLM's
+formulas give them over transformers' logits); a SIGKILLed stage takes the replica's stages down,
+which come back and finish every request; no process outlives the group."""
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +22,11 @@ from tests.process_group.test_tensor_parallel import _kill_when, prompts_for
 from tests.support.lifecycle import settled_metrics
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors import LLM, SamplingParams
+from vllm_actors.protocol.sampling import StructuredOutputs
 from vllm_actors.runtime.run_dir import pid_alive
 
 MAX_TOKENS = 12
+LONG_OUTPUTS = 100  # beside the long prompt: running for longer than its prefill at any chunk size
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, seed=0)
 SHORT = dict(num_gpu_blocks_override=16, max_num_batched_tokens=32, max_model_len=256)  # preemption, chunks
 LONG = dict(num_gpu_blocks_override=140, max_num_batched_tokens=64, max_model_len=2100)  # 2,000 tokens: 32 chunks
@@ -66,12 +70,66 @@ def pp2(qwen3_long: Path) -> Iterator[LLM]:
 
 def test_pp2_long_prompt_in_chunks_matches_transformers(pp2: LLM, qwen3_long: Path) -> None:
     rng = random.Random(5)
-    prompts = [[rng.randrange(500) for _ in range(2000)], *short_prompts(6)]
-    got = greedy(pp2, prompts)
+    long, shorts = [rng.randrange(500) for _ in range(2000)], short_prompts(6)
+    # The chunk sizes follow the cost model fitted from the measured steps, so who runs beside the
+    # long prefill depends on timing: the short requests decode long enough (each token waits for
+    # the one before it) to be running when the long prompt needs the pool, which forces preemption.
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+              for tokens in [MAX_TOKENS] + [LONG_OUTPUTS] * len(shorts)]
+    outputs = pp2.generate([{"prompt_token_ids": prompt} for prompt in [long, *shorts]], params, use_tqdm=False)
+    got = [list(output.outputs[0].token_ids) for output in outputs]
+    prompts = [long, *shorts]
     metrics = settled_metrics(pp2, lambda m: m.requests_finished == len(prompts) and m.kv_blocks_in_use == 0)
     assert metrics.preemptions > 0, "the KV pool was meant to force preemption"
     assert metrics.prefill_chunks >= 2000 // 64, "the token budget was meant to split the long prompt"
-    assert got == reference(qwen3_long, prompts)
+    assert set(metrics.pipeline_bubbles) == {"stage 0", "stage 1"}  # from both stages' step events
+    assert all(0.0 <= fraction < 1.0 for fraction in metrics.pipeline_bubbles.values())
+    # greedy: the first MAX_TOKENS of each longer output are transformers' MAX_TOKENS
+    assert [tokens[:MAX_TOKENS] for tokens in got] == reference(qwen3_long, prompts)
+
+
+def penalised_reference(path: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Greedy outputs under each request's penalties: transformers' float32 logits of every step,
+    penalised by vLLM's formulas (tests/models/test_sampling_controls.py) in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_sampling_controls import reference as penalised
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt, p in zip(prompts, params, strict=True):
+            generated: list[int] = []
+            for _ in range(p.max_tokens or 0):
+                logits = model(torch.tensor([prompt + generated])).logits[0, -1]
+                generated.append(int(penalised(logits, p, prompt, generated).argmax()))
+            outputs.append(generated)
+    return outputs
+
+
+def test_pp2_structured_outputs_and_penalties(pp2: LLM, qwen3_long: Path) -> None:
+    """The last stage masks and penalises its rows; the stages before it only carry the tokens."""
+    choices, number = ["alpha", "beta", "gamma"], r"[1-9][0-9]{2}-[a-c]{2}"
+    shapes = (StructuredOutputs(choice=choices), StructuredOutputs(regex=number))
+    constrained = [SamplingParams(temperature=1.0, seed=seed, max_tokens=16, structured_outputs=shape)
+                   for seed in range(2) for shape in shapes]
+    penalised = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=rep,
+                                frequency_penalty=frequency, presence_penalty=presence)
+                 for rep, frequency, presence in ((1.8, 0.0, 0.0), (1.0, 1.5, 0.5), (0.7, 0.0, -1.0))]
+    prompts = short_prompts(11, count=3)
+    outputs = pp2.generate([{"prompt_token_ids": prompts[i % 3]} for i in range(len(constrained))] +
+                           [{"prompt_token_ids": prompt} for prompt in prompts], constrained + penalised,
+                           use_tqdm=False)
+    for output, params in zip(outputs, constrained, strict=False):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        shape = params.structured_outputs
+        assert shape is not None
+        assert completion.text in choices if shape.choice else re.fullmatch(number, completion.text), completion.text
+    got = [list(output.outputs[0].token_ids) for output in outputs[len(constrained):]]
+    assert got == penalised_reference(qwen3_long, prompts, penalised)
+    assert got != reference(qwen3_long, prompts)  # the penalties changed the outputs
 
 
 @pytest.mark.parametrize(("pp", "tp", "partition"), [(3, 1, "1,3,1"), (2, 2, None)])
@@ -88,6 +146,18 @@ def test_pp_greedy_matches_transformers(llama5: Path, pp: int, tp: int, partitio
         assert sorted(llm.group.pids()) == sorted([f"worker-{rank}" for rank in range(pp * tp)]
                                                   + ["bus", "metrics", "kv_cache_manager", "scheduler"])
     assert metrics.preemptions > 0 and metrics.prefill_chunks > len(prompts) and metrics.prefix_cache_hits > 0
+    assert got == reference(llama5, prompts)
+
+
+def test_pp2_in_each_of_two_replicas_matches_transformers(llama5: Path) -> None:
+    """Data parallelism over pipelines: each replica's stages start, meet and serve on their own."""
+    prompts = prompts_for(500, seed=7)[:6]
+    with LLM(str(llama5), pipeline_parallel_size=2, data_parallel_size=2, **ENGINE, **SHORT) as llm:  # type: ignore[arg-type]
+        got = greedy(llm, prompts)
+        metrics = settled_metrics(llm, lambda m: m.requests_finished == len(prompts) and m.kv_blocks_in_use == 0)
+        assert llm.group is not None
+        assert {f"worker-{rank}@{replica}" for rank in (0, 1) for replica in (0, 1)} <= set(llm.group.pids())
+    assert {stage.split("@")[1] for stage in metrics.pipeline_bubbles} == {"0", "1"}  # both replicas served
     assert got == reference(llama5, prompts)
 
 

@@ -76,8 +76,9 @@ def _result(plan: StepPlan, sampled: dict[str, int]) -> StepResult:
 def test_a_long_prompts_chunks_enter_back_to_back_and_its_decodes_wait_for_their_token() -> None:
     scheduler = _scheduler()
     chunks = _plans(scheduler.handle(_add("long", 40)))
-    # three chunks in flight at once: none waits for the one before it (it samples nothing)
-    assert [(plan.req_ids, plan.num_tokens) for plan in chunks] == [(["long"], [16]), (["long"], [16]), (["long"], [8])]
+    # three chunks in flight at once: none waits for the one before it (it samples nothing); of
+    # equal predicted time within the budget of 16 (the prior's attention term is small here)
+    assert [(plan.req_ids, plan.num_tokens) for plan in chunks] == [(["long"], [n]) for n in (13, 14, 13)]
     assert _plans(scheduler.handle(_add("short", 4))) == []  # the pipeline is full
     # the first chunk's result frees a slot: the short prompt enters; "long" waits for its token
     (second,) = _plans(scheduler.handle(_result(chunks[0], {})))

@@ -46,6 +46,9 @@ def summary_text(reply: SummaryReply) -> str:
         _format_percentiles("queue", reply.queue, 1e3, "ms"),
         _format_percentiles("step", reply.step_ms, 1.0, "ms"),
     ]
+    if reply.pipeline_bubbles:
+        lines.append("pipeline   bubble fraction " + ", ".join(f"{stage} {fraction:.1%}"
+                                                           for stage, fraction in reply.pipeline_bubbles.items()))
     if reply.actor_failures or reply.actor_restarts or reply.pipeline_resets or reply.group_failed:
         restarts = reply.restart_seconds
         lines.append(

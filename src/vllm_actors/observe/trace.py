@@ -10,7 +10,9 @@ first event. Two processes:
   step is launched before the one before it is read back), with the batch in their args; every
   other event without a request id is an instant on its actor's thread. Counters: ``kv cache``
   (blocks in use, cached idle, free, from KV_POOL), ``kv usage %``, ``requests`` (running and
-  waiting, from the lifecycle events) and ``batch`` (sequences and tokens per step).
+  waiting, from the lifecycle events) and ``batch`` (sequences and tokens per step). Under
+  pipeline parallelism each stage's first worker has its thread: its bubbles are the gaps between
+  its steps, and ``otherData.pipeline_bubbles`` holds each stage's bubble fraction (as ``stats``).
 * ``requests`` (pid 2): a thread per request, by first appearance: a ``request`` slice from
   arrival to its end holding ``queued`` (QUEUED or PREEMPTED to SCHEDULED or RESUMED),
   ``prefill`` chunks and ``decode`` slices placed on the worker's step they ran in (args: step id,
@@ -33,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_actors.actors.metrics_store.bubbles import PipelineBubbles
 from vllm_actors.observe.trace_parts import (
     RequestTrack,
     Slice,
@@ -43,7 +46,7 @@ from vllm_actors.observe.trace_parts import (
     sequential,
     source_key,
 )
-from vllm_actors.protocol.events import Event, event_type
+from vllm_actors.protocol.events import Event, StepFinished, event_type
 
 TraceRow = tuple[str, int, float, float, Event]  # (actor, seq, mono, wall, event), as the store logs them
 ACTORS_PID, REQUESTS_PID = 1, 2
@@ -112,10 +115,13 @@ class _Builder:
         # STEP_FINISHED, which can be before the first event logged (a step launched while the
         # scheduler's events of the same turn were still unpublished).
         self.t0 = min((row[3] - step_seconds(row[4]) for row in rows), default=0.0)
+        bubbles = PipelineBubbles()  # a pipeline's stages: each one's track, its bubbles the gaps
         for actor, seq, _, wall, event in rows:  # the workers' steps first: request slices are placed on them
             kind = event_type(event)
             if kind in ("STEP_STARTED", "STEP_FINISHED"):
                 self.add_step(actor, seq, self.us(wall), event)
+            if isinstance(event, StepFinished):
+                bubbles.step(actor, wall, event)
         for actor, seq, _, wall, event in rows:
             self.add(actor, source_key(actor, seq), self.us(wall), event)
         self.finish_requests()
@@ -128,6 +134,7 @@ class _Builder:
                 "requests": len(self.requests),
                 "requests_shown": sum(1 for request in self.requests.values() if request.shown),
                 "detail": self.options.detail, "request_stride": self.options.request_stride,
+                **({"pipeline_bubbles": fractions} if (fractions := bubbles.fractions()) else {}),
             },
         }
 

@@ -214,6 +214,9 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     e2e: Percentiles = Percentiles()
     queue: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
+    # pipeline parallelism: each stage's bubble fraction, the share of the pipeline's working time
+    # it was not busy ("stage 0", ...; "stage 0@1" for replica 1 of a set); empty without stages
+    pipeline_bubbles: dict[str, float] = {}
     actors: dict[str, ActorSeen] = {}
     # trust: batches whose actor is not their bus topic, and events of types clients may not
     # publish that came from a client; neither is applied

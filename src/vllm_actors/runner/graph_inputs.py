@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.kernels.attention import AttentionMetadata
 
 # (name, dtype, elements per row of the largest bucket): in buffer order, 8-byte fields first
 _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
@@ -89,6 +90,20 @@ class GraphInputs:
             "noise": views["noise"][:size],
             "seeds": views["seeds"][:size],
         }
+
+    @staticmethod
+    def meta(inputs: dict[str, torch.Tensor], size: int, max_model_len: int) -> AttentionMetadata:
+        """The attention metadata a bucket's graph is captured with (over its static inputs)."""
+        return AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"],
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            max_query_len=1,
+            max_seq_len=max_model_len,  # an upper bound: the graph serves every length
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[max_model_len] * size,
+        )
 
     def upload(self, batch: BatchInput, bucket: int, sampling: GraphSampling | None) -> torch.Tensor | None:
         """Fill the host buffer for a decode ``batch`` padded to ``bucket`` rows (padded rows: slot

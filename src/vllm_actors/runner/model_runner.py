@@ -52,6 +52,7 @@ from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
 from vllm_actors.runner.settings import graph_sampler_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
+from vllm_actors.runner.stage_graphs import StageGraphIO
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +67,7 @@ class ModelRunner:
                  stage: PipelineStage | None = None, kvp: KvParallel | None = None) -> None:
         """``tp``: this worker's rank of a tensor-parallel group (joined already): it holds that
         rank's shard and KV heads, on GPU ``rank`` (``device`` "auto" or "cuda"). ``stage``: its
-        pipeline stage (its layers and their KV only, on GPU ``stage.global_rank``; runs eagerly).
+        pipeline stage (its layers and their KV only, on GPU ``stage.global_rank``; decode graphs only).
         ``kvp``: its KV-parallel rank (its share of the pool: ``num_blocks`` is every rank's)."""
         self.config = config
         self.tp = tp or TensorParallel()
@@ -110,6 +111,7 @@ class ModelRunner:
             self._static: GraphInputs | None = None
             self._graph_sizes: list[int] = []
             self._padded: PaddedForward | None = None
+            self._stage_io: StageGraphIO | None = None  # a pipeline stage's hand-over around its graphs
             self.capture_graphs()
             self._sleep = SleepMode(self)
         except BaseException as exc:
@@ -134,7 +136,7 @@ class ModelRunner:
         reports the error (the next engine in the process then finds the GPU full)."""
         traceback.clear_frames(exc.__traceback__)
         for name in ("model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
-                     "_padded"):
+                     "_padded", "_stage_io"):
             self.__dict__.pop(name, None)
         gc.collect()
         if self.device.type == "cuda":
@@ -179,7 +181,8 @@ class ModelRunner:
                            self.device, self.dtype)
 
     def capture_graphs(self) -> None:
-        if self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled:
+        # KV parallelism attends through a torch loop per rank: eager (GPU kernels with LSE output are to come)
+        if self.device.type == "cuda" and not self.config.enforce_eager and not self.kvp.enabled:
             self._capture_decode_graphs()
 
     def drop_graphs(self) -> None:
@@ -400,18 +403,6 @@ class ModelRunner:
             return torch.empty((0, 0), dtype=self.dtype, device=device)
         return self.model.compute_logits(hidden.index_select(0, on_device["logits_indices"]))
 
-    def _graph_meta(self, inputs: dict[str, torch.Tensor], size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=inputs["slot_mapping"],
-            query_start_loc=inputs["query_start_loc"],
-            seq_lens=inputs["seq_lens"],
-            block_tables=inputs["block_tables"],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,  # an upper bound: the graph serves every length
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[self.max_model_len] * size,
-        )
-
     def _capture_decode_graphs(self) -> None:
         started = time.perf_counter()
         largest = min(max(GRAPH_BATCH_SIZES), self.max_num_seqs)
@@ -420,7 +411,10 @@ class ModelRunner:
             sizes.append(largest)
         device = self.device
         self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
-        sample_in_graph = graph_sampler_enabled() and fused_sampling.HAVE_TRITON
+        # only the last stage samples (stage_graphs.py)
+        self._stage_io = StageGraphIO(self.stage, largest, self.local_config.hidden_size, self.dtype, device) \
+            if self.stage.enabled else None
+        sample_in_graph = graph_sampler_enabled() and fused_sampling.HAVE_TRITON and self.stage.is_last
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         if self._wants_padded_graphs():  # first: their largest step sizes the shared pool
@@ -429,7 +423,8 @@ class ModelRunner:
         with torch.inference_mode():
             for size in sorted(sizes, reverse=True):  # largest first: the pool grows once
                 inputs = self._static.for_bucket(size)
-                meta = self._graph_meta(inputs, size)
+                inputs = self._stage_io.bucket_inputs(inputs, size) if self._stage_io is not None else inputs
+                meta = self._static.meta(inputs, size, self.max_model_len)
                 for sampled in (False, True) if sample_in_graph else (False,):
                     stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream):
@@ -445,7 +440,9 @@ class ModelRunner:
         log.info("cuda_graphs_captured", sizes=len(sizes), seconds=round(time.perf_counter() - started, 2))
 
     def _decode_pass(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata, sampled: bool) -> torch.Tensor:
-        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], meta, self.kv_caches, inputs.get("intermediate"))
+        if not self.stage.is_last:
+            return hidden  # [2, size, hidden]: sent on after the replay
         logits = self.model.compute_logits(hidden)
         if not sampled:
             return logits
@@ -456,6 +453,8 @@ class ModelRunner:
         pairs = self._static.upload(batch, bucket, sampling)
         fill_deferred(self._static.device["input_ids"], batch, pairs)
         graph = (self._sampled_graphs if sampling is not None else self._graphs)[bucket]
+        if self._stage_io is not None:  # a pipeline stage: its input received before the replay, its output sent after
+            return self._stage_io.replay(graph.graph, graph.logits, bucket, len(batch.query_lens))
         graph.graph.replay()
         return graph.logits[: len(batch.query_lens)]
 

@@ -10,6 +10,7 @@ import msgspec
 
 from vllm_actors.actors.metrics_store.aggregates import Buckets, Counters, KvPoolState, Latencies
 from vllm_actors.actors.metrics_store.bounds import MAX_ID_CHARS, bounded, cap_id, count_into, event_bytes
+from vllm_actors.actors.metrics_store.bubbles import PipelineBubbles
 from vllm_actors.actors.metrics_store.event_log import EventLog
 from vllm_actors.actors.metrics_store.notices import ActorRestarted, EventGap, Notice, StaleBatch
 from vllm_actors.actors.metrics_store.records import ENDED, RequestRecord, RequestState, Stamp, elapsed, new_tokens
@@ -88,6 +89,7 @@ class Recorder:
         self.sleep = SleepChanged(sleeping=False)  # the scheduler's last word on sleep mode
         self.latencies = Latencies(sample_window)
         self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
+        self.bubbles = PipelineBubbles()  # each pipeline stage's share of the pipeline's time not busy
         self._itl_cap = sample_window
 
         self._handlers: dict[type, Callable[[str, int, float, float, Any], None]] = {
@@ -398,6 +400,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ worker and lifecycle
     def _on_step_finished(self, actor: str, seq: int, mono: float, wall: float, event: StepFinished) -> None:
+        self.bubbles.step(actor, wall, event)
         if event.stage is not None:  # an earlier pipeline stage's part: the last stage's event counts the step
             return
         self.counters.steps += 1

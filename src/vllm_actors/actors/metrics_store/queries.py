@@ -81,6 +81,7 @@ def summary(recorder: Recorder) -> SummaryReply:
         e2e=latencies.e2e.percentiles(),
         queue=latencies.queue.percentiles(),
         step_ms=latencies.step_ms.percentiles(),
+        pipeline_bubbles=recorder.bubbles.fractions(),
         actors=_actors_copy(recorder),
         rejected_batches=counters.rejected_batches,
         rejected_events=counters.rejected_events,

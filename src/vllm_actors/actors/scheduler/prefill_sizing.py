@@ -10,7 +10,9 @@ without taking its neighbours' latency:
   tokens are sized by the step cost model so the step's predicted time, their decode step, stays
   within the target. The chunk shrinks as a long prompt's context grows (its attention term). The
   step's first prefill gets at least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt
-  always moves; the others get nothing once the target is spent.
+  always moves; the others get nothing once the target is spent;
+- under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
+  chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late.
 
 One ``PrefillSizer`` per planning pass; the scheduler asks it before giving a request tokens."""
 
@@ -21,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.actors.scheduler.spp_chunks import balanced_chunk
 from vllm_actors.protocol.config import SchedulerConfig
 
 MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
@@ -39,6 +42,9 @@ class PrefillSizer:
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
         self.target = config.itl_target if chunked else None
+        # the largest chunk of a prompt pipelined through the stages (None: no pipeline)
+        self.pipelined = (self.threshold or config.max_num_batched_tokens) \
+            if chunked and config.pipeline_parallel_size > 1 else None
         decodes = sum(1 for request in running if is_decoding(request))
         self.num_decodes = min(decodes, config.max_num_seqs)
         self.prefill_tokens = 0  # taken by this pass's prefills so far
@@ -61,6 +67,9 @@ class PrefillSizer:
         """The tokens the prefill gets of the ``num_new`` the budget allows (0: none this step)."""
         if 0 < self.threshold < num_new:
             num_new = self.threshold
+        if self.pipelined is not None:
+            remaining = max(request.num_tokens - request.num_computed_tokens, num_new)
+            num_new = min(num_new, balanced_chunk(self.cost, request.num_computed_tokens, remaining, self.pipelined))
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens

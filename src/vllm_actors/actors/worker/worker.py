@@ -367,11 +367,12 @@ class Worker:
         self._drop(new.request_id)
         token_ids = new.token_list()
         grammar = None
-        if new.params.structured_outputs is not None and self.grammars is not None:
+        samples = self.stage.is_last  # a pipeline stage before the last draws nothing: no grammar, no penalties
+        if new.params.structured_outputs is not None and self.grammars is not None and samples:
             # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
             grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
         penalty_slot = -1
-        if new.params.has_penalties:
+        if new.params.has_penalties and samples:
             penalty_slot = self.sampler.penalties.add(
                 new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
         self.requests[new.request_id] = WorkerRequest(
