@@ -26,7 +26,6 @@ import gc
 import math
 import time
 import traceback
-from typing import Any
 
 import numpy as np
 import structlog
@@ -49,6 +48,7 @@ from vllm_actors.runner.devices import resolve_device, resolve_dtype
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
+from vllm_actors.runner.kv_pool_sizing import KvPoolSizing
 from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabled
 from vllm_actors.runner.settings import graph_sampler_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
@@ -60,7 +60,7 @@ log = structlog.get_logger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
-class ModelRunner:
+class ModelRunner(KvPoolSizing):
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
@@ -195,86 +195,6 @@ class ModelRunner:
     def _wants_padded_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled \
             and padded_graphs_enabled()
-
-    # ------------------------------------------------------------------ memory
-    @property
-    def bytes_per_block(self) -> int:
-        mc = self.local_config
-        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
-
-    def _choose_num_blocks(self, max_model_len: int) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            activations = self._profile_peak_activation_bytes(max_model_len)
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 512 << 20  # CUDA graphs' pool, sampler buffers, allocator slack
-            if self._wants_padded_graphs():
-                reserve += activations  # the padded graphs' pool holds the largest step's activations
-            budget = free - (1.0 - self.config.gpu_memory_utilization) * total - activations - reserve
-        else:
-            budget = self.config.resolved_cpu_kv_cache_bytes()
-        # Every rank must hold the same pool (block ids are the same on every rank): the smallest;
-        # under KV parallelism the pool is every KV-parallel rank's together.
-        num_blocks = self.stage.min_int(self.tp.min_int(int(budget // self.bytes_per_block), self.device), self.device)
-        num_blocks = self.kvp.min_int(num_blocks, self.device) * self.kvp.size
-        if num_blocks < 1:
-            raise ValueError(
-                f"no memory is left for the KV cache (budget {budget / 2**20:.0f} MiB, "
-                f"one block takes {self.bytes_per_block / 2**20:.2f} MiB)"
-            )
-        return num_blocks
-
-    @torch.inference_mode()
-    def _profile_peak_activation_bytes(self, max_model_len: int) -> int:
-        """Run the largest prefill step once (into a scratch cache) and measure its peak."""
-        tokens = self.max_num_tokens
-        lengths: list[int] = []
-        while sum(lengths) < tokens:
-            lengths.append(min(max_model_len, tokens - sum(lengths)))
-        scratch_blocks = sum(math.ceil(n / self.block_size) for n in lengths)
-        scratch = self._allocate_kv_cache(scratch_blocks)
-        tables, next_block = [], 0
-        for n in lengths:
-            count = math.ceil(n / self.block_size)
-            tables.append(list(range(next_block, next_block + count)))
-            next_block += count
-        batch = BatchInput(
-            token_ids=[0] * tokens,
-            positions=[p for n in lengths for p in range(n)],
-            query_lens=lengths,
-            seq_lens=lengths,
-            block_tables=tables,
-            logits_indices=list(np.cumsum(lengths) - 1),
-        )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        saved: Any = getattr(self, "kv_caches", None)
-        self.kv_caches = scratch
-        self._staging_sets = [self._make_staging(), self._make_staging()]
-        self._staging_turn = 0
-        self._profiling = True
-        self._run_eager(batch)
-        self._profiling = False
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv_caches = saved
-        del scratch
-        torch.cuda.empty_cache()
-        return int(peak)
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mc = self.local_config
-        shape = (self.kvp.local_blocks(num_blocks), self.block_size, mc.num_key_value_heads, mc.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-            )
-            for _ in self.model.stage_layers()
-        ]
 
     def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
         """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables
