@@ -8,19 +8,21 @@ process outlives the group."""
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TP_LLAMA_SHAPE, TP_QWEN3_SHAPE
-from tests.process_group.test_pipeline_parallel import greedy, reference, short_prompts
-from tests.process_group.test_tensor_parallel import _kill_when
+from tests.process_group.test_pipeline_parallel import (
+    greedy,
+    reference,
+    short_prompts,
+    sigkill_under_load_loses_nothing,
+)
 from tests.support.lifecycle import settled_metrics
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors import LLM
-from vllm_actors.runtime.run_dir import pid_alive
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, seed=0, max_num_batched_tokens=512, max_model_len=3300)
 LONG_TOKENS = 3000  # 188 blocks of 16: the pool below holds it and little beside it (preemption)
@@ -78,21 +80,5 @@ def test_kvp3_on_llama_matches_transformers(llama_long: Path) -> None:
 
 
 def test_sigkill_of_a_kv_parallel_rank_restarts_the_ranks_and_loses_nothing(kvp2: LLM, qwen3_long: Path) -> None:
-    prompts = short_prompts(10, count=6)  # transformers' 16 tokens each: none ends at EOS
-    group = kvp2.group
-    assert group is not None
-    before = group.pids()
-    generated = settled_metrics(kvp2, lambda m: True).generation_tokens
-    killed = threading.Event()
-    killer = threading.Thread(target=_kill_when, args=(kvp2, before["worker-1"], generated + 30, killed), daemon=True)
-    killer.start()
-    got = greedy(kvp2, prompts, max_tokens=16)
-    killer.join(timeout=10)
-    assert killed.is_set(), "the second KV-parallel rank was not killed during the run"
-    after = group.pids()
-    assert after["worker-0"] != before["worker-0"] and after["worker-1"] != before["worker-1"]
-    assert group.restarts() == {"worker-0": 1, "worker-1": 1}
-    kvp2.shutdown()
-    assert got == reference(qwen3_long, prompts, max_tokens=16)
-    assert group.stopped
-    assert not [pid for pid in set(before.values()) | set(after.values()) if pid_alive(pid)]
+    # transformers' 16 tokens each: none of the prompts ends at EOS
+    sigkill_under_load_loses_nothing(kvp2, "worker-1", 30, short_prompts(10, count=6), qwen3_long)

@@ -166,24 +166,31 @@ def test_more_stages_than_layers_fail_before_any_process_starts(llama5: Path) ->
         LLM(str(llama5), pipeline_parallel_size=6, **ENGINE)  # type: ignore[arg-type]
 
 
-def test_sigkill_of_a_stage_restarts_the_stages_and_loses_nothing(pp2: LLM, qwen3_long: Path) -> None:
-    prompts = short_prompts(9, count=6)
-    group = pp2.group
+def sigkill_under_load_loses_nothing(llm: LLM, victim: str, extra_tokens: int, prompts: list[list[int]],
+                                     model: Path) -> None:
+    """SIGKILL worker ``victim`` once ``extra_tokens`` more tokens are out while ``prompts`` run greedily:
+    both workers restart once, the outputs are transformers', no process is left after shutdown."""
+    group = llm.group
     assert group is not None
     before = group.pids()
-    generated = settled_metrics(pp2, lambda m: True).generation_tokens
+    generated = settled_metrics(llm, lambda m: True).generation_tokens
     killed = threading.Event()
-    killer = threading.Thread(target=_kill_when, args=(pp2, before["worker-0"], generated + 40, killed), daemon=True)
+    killer = threading.Thread(target=_kill_when, args=(llm, before[victim], generated + extra_tokens, killed),
+                              daemon=True)
     killer.start()
-    got = greedy(pp2, prompts, max_tokens=16)
+    got = greedy(llm, prompts, max_tokens=16)
     killer.join(timeout=10)
-    assert killed.is_set(), "the first stage was not killed during the run"
+    assert killed.is_set(), f"{victim} was not killed during the run"
     after = group.pids()
     assert after["worker-0"] != before["worker-0"] and after["worker-1"] != before["worker-1"]
     assert group.restarts() == {"worker-0": 1, "worker-1": 1}
-    pp2.shutdown()
-    assert got == reference(qwen3_long, prompts, max_tokens=16)
+    llm.shutdown()
+    assert got == reference(model, prompts, max_tokens=16)
     assert group.stopped
     assert not [pid for pid in set(before.values()) | set(after.values()) if pid_alive(pid)]
+
+
+def test_sigkill_of_a_stage_restarts_the_stages_and_loses_nothing(pp2: LLM, qwen3_long: Path) -> None:
+    sigkill_under_load_loses_nothing(pp2, "worker-0", 40, short_prompts(9, count=6), qwen3_long)
 
 
