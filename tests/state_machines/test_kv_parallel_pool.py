@@ -65,6 +65,9 @@ def test_manager_interleaves_and_prefix_hits_keep_their_ranks() -> None:
     (dict(kv_parallel_size=2, kv_cache_offload_gb=1.0), "with kv_cache_offload_gb 1.0 is not supported yet"),
     (dict(kv_parallel_size=2, num_gpu_blocks_override=7), r"must be a multiple of kv_parallel_size \(2\)"),
     (dict(kv_parallel_size=0), "kv_parallel_size must be a positive integer"),
+    (dict(kv_parallel_size=2, enable_lora=True), "with enable_lora or speculative_config is not supported yet"),
+    (dict(kv_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "with enable_lora or speculative_config is not supported yet"),
 ])
 def test_unsupported_kv_parallel_arguments_are_value_errors(args: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -37,6 +37,15 @@ def test_more_stages_than_layers_is_refused() -> None:
         EngineConfig(model="m", pipeline_parallel_size=0)
 
 
+
+def test_lora_and_speculation_are_refused_under_pipeline_parallelism() -> None:
+    with pytest.raises(ValueError, match="enable_lora does not compose with pipeline_parallel_size > 1"):
+        EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="speculative_config does not compose with pipeline_parallel_size > 1"):
+        EngineConfig(model="m", pipeline_parallel_size=2,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
 def test_a_stage_loads_only_its_checkpoint_tensors() -> None:
     first, last = PipelineStage(stage=0, size=2, start=0, end=2), PipelineStage(stage=1, size=2, start=2, end=3)
     assert first.owns("model.embed_tokens.weight", 3) and not last.owns("model.embed_tokens.weight", 3)

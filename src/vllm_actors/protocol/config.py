@@ -156,8 +156,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         error = kv_parallel_error(self)
         if error is not None:
             raise ValueError(error)
-        if self.kv_parallel_size > 1 and (self.enable_lora or self.speculative_config is not None):
-            raise ValueError("kv_parallel_size > 1 does not compose with enable_lora or speculative_config yet")
 
     @property
     def world_size(self) -> int:

@@ -17,6 +17,9 @@ def kv_parallel_error(config: Any) -> str | None:
     if config.kv_cache_offload_gb:
         return (f"kv_parallel_size {size} with kv_cache_offload_gb {config.kv_cache_offload_gb} is not "
                 "supported yet: the host KV tier copies whole blocks of one rank's pool (set it to 0)")
+    if config.enable_lora or config.speculative_config is not None:
+        return (f"kv_parallel_size {size} with enable_lora or speculative_config is not supported yet: "
+                "every rank would need the adapters' slots or the drafts' rollback")
     if config.distributed_executor_backend != "mp":
         return (f"kv_parallel_size {size} with distributed_executor_backend "
                 f"{config.distributed_executor_backend!r} is not supported yet: use 'mp'")
