@@ -28,6 +28,8 @@
 #           beside the repo; skipped when /tmp/fa4site has it; then its GPU test,
 #           tests/gpu/test_gpu_flash_attn_prefill.py; once installed, every later stage and call on the
 #           warm machine finds it: the engine then attends prefills through it where it measured faster),
+#           prefillprof (where a long prefill's time goes: benchmarks/prefill_profile.py once per PROFILE_RUNS entry,
+#           "name|ENV=V ...|arguments" separated by ";"; results in $out/prefill_profile-NAME.json and prefill_profile.log),
 #           py (python3 with the arguments after `--`, e.g. a probe script; its console in $out/py.log),
 #           pytest (the GPU-marked tests of the files after `--`, -rf: each failure named; results in $out/pytest.log),
 #           decodelong (batch-1 decode attention at 128k-1M keys: splits and tiles against the copy bandwidth,
@@ -113,6 +115,13 @@ for stage in "${stages[@]}"; do
     allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
     synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/models/test_uploads.py \
                  tests/kernels/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
+    prefillprof) # PROFILE_RUNS: "name|ENV=V ...|arguments" entries separated by ";" (default: one plain run)
+      IFS=';' read -r -a runs <<< "${PROFILE_RUNS:-base||}"
+      for run in "${runs[@]}"; do IFS='|' read -r name envs args <<< "$run"
+        echo "--- prefill profile $name: $envs $args" | tee -a "$out/prefill_profile.log"
+        # shellcheck disable=SC2086 # the settings and arguments are word-split on purpose
+        env $envs timeout 300 python3 benchmarks/prefill_profile.py $args --out "$out/prefill_profile-$name.json" 2>&1 \
+          | tee -a "$out/prefill_profile.log" | tail -45; done ;;
     py) timeout 560 python3 "$@" 2>&1 | tee "$out/py.log" | tail -40 ;;
     pytest) timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -m gpu "$@" 2>&1 | tee "$out/pytest.log" | tail -30 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;

@@ -10,18 +10,18 @@ cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
 pids=()
 for lane in "$@"; do
-  gpu=${lane%%|*}; stages=${lane#*|}
-  mkdir -p "$out/lane$gpu"
+  gpu=${lane%%|*}; stages=${lane#*|}; name=${gpu//,/-}  # "2,3": two GPUs, lane2-3
+  mkdir -p "$out/lane$name"
   # shellcheck disable=SC2086 # the stages are word-split on purpose
-  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$gpu" LONGCTX_DIR=/tmp/longctx-$gpu \
-    timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$gpu.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$name" LONGCTX_DIR=/tmp/longctx-$name \
+    timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$name.log" 2>&1 &
   pids+=($!)
 done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 for lane in "$@"; do
-  gpu=${lane%%|*}
-  tar -C "$out" -czf "$out/lane$gpu.tgz" "lane$gpu" && rm -rf "${out:?}/lane$gpu"
-  echo "=== lane $gpu: ${lane#*|}"; tail -25 "$out/lane$gpu.log"
+  gpu=${lane%%|*}; name=${gpu//,/-}
+  tar -C "$out" -czf "$out/lane$name.tgz" "lane$name" && rm -rf "${out:?}/lane$name"
+  echo "=== lane $name: ${lane#*|}"; tail -25 "$out/lane$name.log"
 done
 exit $status
