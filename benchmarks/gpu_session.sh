@@ -123,7 +123,7 @@ for stage in "${stages[@]}"; do
         env $envs timeout 300 python3 benchmarks/prefill_profile.py $args --out "$out/prefill_profile-$name.json" 2>&1 \
           | tee -a "$out/prefill_profile.log" | tail -45; done ;;
     py) timeout 560 python3 "$@" 2>&1 | tee "$out/py.log" | tail -40 ;;
-    pytest) timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -m gpu "$@" 2>&1 | tee "$out/pytest.log" | tail -30 ;;
+    pytest) timeout 560 python3 -m pytest -v -p no:cacheprovider -rf --timeout 200 -m gpu "$@" 2>&1 | tee "$out/pytest.log" | tail -30 ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;

@@ -15,7 +15,7 @@ for lane in "$@"; do
   # shellcheck disable=SC2086 # the stages are word-split on purpose
   CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$name" LONGCTX_DIR=/tmp/longctx-$name \
     timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$name.log" 2>&1 &
-  pids+=($!)
+  pids+=($!); sleep 25  # one install at a time: concurrent `pip install .` share its build folder
 done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done

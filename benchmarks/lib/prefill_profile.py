@@ -116,8 +116,9 @@ def padded_call(runner: Any, recorder: LastCall) -> dict[str, Any]:
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
+    positions = 2 * max(args.context, 131072)  # above max_model_len (context + 16)
     model = write_model_dir(Path(tempfile.mkdtemp()) / "model",
-                            {**MODEL_SHAPES[args.model_shape], "max_position_embeddings": max(args.context, 131072)})
+                            {**MODEL_SHAPES[args.model_shape], "max_position_embeddings": positions})
     config = EngineConfig(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           max_model_len=args.context + 16, enable_prefix_caching=False,
                           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85)

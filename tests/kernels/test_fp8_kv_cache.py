@@ -103,11 +103,14 @@ def test_triton_write_stores_the_torch_bytes(dtype: torch.dtype, cache_dtype: to
     assert want_k.float().abs().max().item() == kv_quant.fp8_max(cache_dtype)
 
 
-def test_fused_rotary_write_stores_the_torch_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rotary launch that also writes the cache (GPU decode path) quantises as the torch write."""
-    from vllm_actors.kernels import fused_ops
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
+def test_fused_rotary_write_stores_the_torch_bytes(monkeypatch: pytest.MonkeyPatch, tiled: bool) -> None:
+    """The rotary launch that also writes the cache quantises as the torch write, in both launch forms
+    (a program per token, for decode; per tile of tokens, for prefill chunks)."""
+    from vllm_actors.kernels import fused_ops, qk_rope_tiles
 
     monkeypatch.setenv("VLLM_ACTORS_FUSED_OPS", "triton")
+    monkeypatch.setattr(qk_rope_tiles, "TILED_FROM_TOKENS", 1 if tiled else 1 << 30)
     gen = torch.Generator().manual_seed(5)
     tokens, q_heads, kv_heads, head_dim, block_size, num_blocks = 9, 4, 2, 32, 16, 4
     k_scale, v_scale = 2.0**-4, 2.0**-6

@@ -40,9 +40,20 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
     assert torch.equal(got_residual, want_residual)
 
 
+def _launch(monkeypatch: pytest.MonkeyPatch, tiled: bool) -> None:
+    """qk_norm_rope's launch: a program per (tile of tokens, head) from one token on, or per (token, head)."""
+    from vllm_actors.kernels import qk_rope_tiles
+
+    monkeypatch.setattr(qk_rope_tiles, "TILED_FROM_TOKENS", 1 if tiled else 1 << 30)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_qk_norm_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dtype, with_norm: bool) -> None:
+def test_qk_norm_rope_in_place_on_views_of_the_fused_projection(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, with_norm: bool, tiled: bool
+) -> None:
+    _launch(monkeypatch, tiled)
     generator = torch.Generator().manual_seed(1)
     tokens, q_heads, kv_heads, dim = 4, 4, 2, 32
     qkv = torch.randn((tokens, (q_heads + 2 * kv_heads) * dim), generator=generator).to(dtype).to(DEVICE)
@@ -61,9 +72,10 @@ def test_qk_norm_rope_in_place_on_views_of_the_fused_projection(dtype: torch.dty
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["late", "early-loads"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_stores_k_and_v_in_the_cache_in_the_same_launch(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, early: bool
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, early: bool, tiled: bool
 ) -> None:
     """The fused KV write: the rotated k and v land at each token's slot, exactly as the separate
     rope and KV-write kernels put them; a negative slot (a graph's padding row) writes nothing. Also
@@ -90,6 +102,7 @@ def test_qk_norm_rope_stores_k_and_v_in_the_cache_in_the_same_launch(
     keep = slots >= 0
     write_kv_cache(want_k[keep], v[keep], want_k_cache, want_v_cache, slots[keep])
 
+    _launch(monkeypatch, tiled)  # the per-token launch made the reference; the tiled one must match it
     got_q, got_k = fused_ops.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, 1e-6, (v, k_cache, v_cache, slots))
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)

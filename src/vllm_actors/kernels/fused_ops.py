@@ -83,6 +83,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ kernels
 if HAVE_TRITON:
     from vllm_actors.kernels import pdl as pdl_module
+    from vllm_actors.kernels import qk_rope_tiles
     from vllm_actors.kernels.pdl import pdl, pdl_enter
     from vllm_actors.kernels.triton_paged import _check_cache_pair, _to_cache, kv_scale_args
 
@@ -290,15 +291,20 @@ def qk_norm_rope(
         v, k_cache, v_cache, slots = k, k, k, cos  # never read
         cache_strides, block_size = (0, 0, 0), 1
         scales = kv_scale_args(k, None, None)
-    _qk_norm_rope_kernel[(tokens, num_q_heads + k.shape[1])](
+    arguments = (
         q, k, v, cos, sin,
         q_weight if q_weight is not None else cos, k_weight if k_weight is not None else cos,
         k_cache, v_cache, slots, scales.k_scale, scales.v_scale,
         num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         *cache_strides, eps,
-        HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None, BLOCK_SIZE=block_size,
-        **pdl(q), EARLY=pdl_module.early_loads(), KV_FP8=scales.fp8, FP8_MAX=scales.fp8_max, num_warps=1,
     )  # fmt: skip
+    options = dict(HAS_NORM=q_weight is not None, HEAD_DIM=head_dim, WRITE_CACHE=kv_write is not None,
+                   BLOCK_SIZE=block_size, **pdl(q), EARLY=pdl_module.early_loads(), KV_FP8=scales.fp8,
+                   FP8_MAX=scales.fp8_max, num_warps=1)
+    if tokens >= qk_rope_tiles.TILED_FROM_TOKENS:  # prefill chunks: a program per tile of tokens
+        qk_rope_tiles.launch_tiles(q, k, arguments, options)
+    else:
+        _qk_norm_rope_kernel[(tokens, num_q_heads + k.shape[1])](*arguments, **options)
     return q, k
 
 
