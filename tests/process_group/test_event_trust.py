@@ -20,6 +20,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.support.lifecycle import settled_metrics
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.actors.metrics_store.ingest import client_may_publish
 from vllm_actors.actors.metrics_store.notices import Untrusted
@@ -272,9 +273,11 @@ def llm(tiny_qwen3: Path) -> Iterator[LLM]:
 
 
 def _gauges(reply: SummaryReply) -> tuple[object, ...]:
-    worker = reply.actors["worker-0"]
-    return (reply.kv_blocks_in_use, reply.kv_blocks_total, reply.kv_usage, reply.steps, reply.generation_tokens,
-            worker.state, worker.num_events, worker.last_seq, reply.actors["kv_cache_manager"].state)
+    """What a forged KV_POOL, STOPPED or TOKENS would move; the worker's step counters are left
+    out: its last STEP_FINISHED (the step that drops a finished request) may reach the store after
+    the client got the request's last token, and after any snapshot taken then."""
+    return (reply.kv_blocks_in_use, reply.kv_blocks_total, reply.kv_usage, reply.generation_tokens,
+            reply.requests_finished, reply.actors["worker-0"].state, reply.actors["kv_cache_manager"].state)
 
 
 def _bus_logged(llm: LLM, topic: str, endpoint: str) -> bool:
@@ -286,25 +289,19 @@ def _bus_logged(llm: LLM, topic: str, endpoint: str) -> bool:
 _probe_numbers = itertools.count()
 
 
-def _settled(query) -> SummaryReply:  # noqa: ANN001
-    """The summary once its gauges stood still for half a second (the worker's last STEP_FINISHED
-    may reach the store after the client got the request's last token)."""
-    last: tuple[object, ...] | None = None
-    deadline = time.monotonic() + 60
-    while True:
-        reply = query(SummaryQuery())
-        assert isinstance(reply, SummaryReply)
-        if _gauges(reply) == last or time.monotonic() > deadline:
-            return reply
-        last = _gauges(reply)
-        time.sleep(0.5)
-
-
 def test_forged_events_never_reach_the_store_and_the_group_keeps_serving(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     reference = llm.generate("before forgery", params, use_tqdm=False)[0].outputs[0].token_ids
     query = llm.engine.query_metrics
-    before = _settled(query)
+    # The store hears each actor on its own pipe, after the client heard the scheduler: wait for the
+    # group's first request to end (the scheduler's FINISHED), its blocks to be freed (the KV-cache
+    # manager's KV_POOL) and a step per token (the worker's STEP_FINISHED, after its READY).
+    def first_request_recorded(m: SummaryReply) -> bool:
+        return (m.requests_finished, m.kv_blocks_in_use) == (1, 0) and m.kv_blocks_total > 0 \
+            and m.steps >= params.max_tokens
+
+    before = settled_metrics(llm, first_request_recorded)
+    assert first_request_recorded(before), before
     addresses = llm.group.addresses
     encoder = msgspec.msgpack.Encoder()
     forged_events: list[Event] = [FORGED_POOL, ActorStopped(reason="forged")]
@@ -331,7 +328,7 @@ def test_forged_events_never_reach_the_store_and_the_group_keeps_serving(llm: LL
     publisher = _socket(zmq.PUB, addresses.bus_in)
     probe = f"probe-{os.getpid()}-trust-{next(_probe_numbers)}"
     deadline = time.monotonic() + 60
-    for seq in itertools.count(1, 2):
+    for seq in itertools.count(1, len(engine_events) + 1):  # one batch after the other: no overlap
         publisher.send_multipart(forged(probe))
         publisher.send_multipart([probe.encode(), encoder.encode(batch(probe, seq, *engine_events, Heartbeat(pid=1)))])
         after = query(SummaryQuery())
@@ -344,13 +341,18 @@ def test_forged_events_never_reach_the_store_and_the_group_keeps_serving(llm: LL
     publisher.close()
 
     assert _gauges(after) == _gauges(before)
+    worker = after.actors["worker-0"]
+    assert worker.last_seq < 10_000 and (worker.gaps, worker.stale_batches) == (0, 0), worker  # no forged sequence
     assert after.rejected_batches >= 1 and after.rejected_events >= len(engine_events)
-    assert after.actors[probe].rejected_events >= len(engine_events)
-    assert after.actors["worker-0"].state == "READY"
+    # each of the probe's batches applied its heartbeat only: its KV_POOL and STEP_FINISHED never counted
+    seen = after.actors[probe]
+    assert seen.num_events >= 1 and seen.rejected_events == len(engine_events) * seen.num_events, seen
     assert all(llm.group.alive().values()), llm.group.alive()
     assert llm.generate("before forgery", params, use_tqdm=False)[0].outputs[0].token_ids == reference
-    served = query(SummaryQuery())
-    assert isinstance(served, SummaryReply) and served.steps > before.steps
+    # The store still counts the worker's steps: at least one per token of the new request (a
+    # forged worker sequence would have the real one dropped as stale). Waited for, as above.
+    served = settled_metrics(llm, lambda m: m.requests_finished == 2 and m.steps >= before.steps + params.max_tokens)
+    assert served.requests_finished == 2 and served.steps >= before.steps + params.max_tokens, (before, served)
     assert served.kv_blocks_total == before.kv_blocks_total and served.actors["worker-0"].state == "READY"
 
 
