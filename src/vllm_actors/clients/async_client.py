@@ -29,24 +29,20 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from vllm_actors.actors.frontend.frontend import PreparedRequest
-from vllm_actors.actors.frontend.outputs import RequestOutput
-from vllm_actors.actors.frontend.text import ChatMessages, PromptInput, TextOptions
 from vllm_actors.clients import async_text
-from vllm_actors.clients.async_health import HealthProbe, MetricsChannel, follow_bus
+from vllm_actors.clients.async_health import AsyncQueries, HealthProbe, MetricsChannel, follow_bus
+from vllm_actors.clients.async_requests import AsyncRequests
 from vllm_actors.clients.core import (
-    ClientCore,
     EngineDeadError,
     ZmqTransport,
     drop_work_events,
-    expect_reply,
     frontend_for_group,
     group_info_of,
     load_group_tokenizer,
@@ -57,25 +53,14 @@ from vllm_actors.clients.latency import LatencyTracker, StatsListener
 from vllm_actors.clients.open_streams import OpenStreams
 from vllm_actors.clients.request_stream import RequestStream
 from vllm_actors.clients.supervision import (
-    Health,
     SupervisionView,
     call_soon,
-    classify,
     group_failure,
     is_scheduler,
     listen,
 )
 from vllm_actors.protocol.messages import AbortRequests, ControlReply
-from vllm_actors.protocol.metrics import (
-    MetricsQuery,
-    MetricsReply,
-    SummaryQuery,
-    SummaryReply,
-    TimelineQuery,
-    TimelineReply,
-)
 from vllm_actors.protocol.names import ENTRY_ACTORS, SCHEDULER, SUPERVISOR
-from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.runtime.run_dir import GroupInfo
 from vllm_actors.runtime.security import connect, keys_for
 from vllm_actors.runtime.zmq_shell import EventPublisher
@@ -93,10 +78,11 @@ RESTARTED_CLIENT = "client restarted"  # the abort reason of what a dead client 
 CLOSE_LINGER_MS = 500  # aborts sent just before closing still leave
 
 
-class AsyncEngineClient(ClientCore, AsyncEngineCommands):
+class AsyncEngineClient(AsyncRequests, AsyncQueries, AsyncEngineCommands):
     """The frontend of a process group for asyncio applications (see the module docstring); vLLM's
     engine commands (``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``) are
-    ``AsyncEngineCommands``'."""
+    ``AsyncEngineCommands``', the request calls ``AsyncRequests``' (``async_requests.py``), the metrics
+    and health calls ``AsyncQueries``' (``async_health.py``)."""
 
     def __init__(
         self,
@@ -261,74 +247,7 @@ class AsyncEngineClient(ClientCore, AsyncEngineCommands):
     def add_stats_listener(self, listener: StatsListener) -> None:
         self.latency.listeners.append(listener)
 
-    # ------------------------------------------------------------------ requests
-    def submit(self, prepared: PreparedRequest) -> RequestStream:
-        """Send a prepared request to the scheduler; its outputs arrive on the returned stream."""
-        self._check_alive()
-        self._ensure_tasks()
-        stream = RequestStream(self, prepared, on_wait=self.latency.on_stream_wait)
-        self._submit(prepared)
-        self._streams.open(stream, time.monotonic())
-        return stream
-
-    async def prepare_async(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                            max_tokens_must_fit: bool = False, max_prompt_bytes: int | None = None,
-                            text_options: TextOptions | None = None) -> PreparedRequest:
-        """``prepare`` that keeps the loop free: a long text is tokenised on a worker thread
-        (``clients/async_text.py``); a text over ``max_prompt_bytes`` is refused before tokenising,
-        a token-id list over max_model_len before it is converted."""
-        return await async_text.prepare_prompt(self.frontend, self._text, request_id, prompt, params,
-                                               max_tokens_must_fit=max_tokens_must_fit,
-                                               max_prompt_bytes=max_prompt_bytes, text_options=text_options)
-
-    async def prepare_chat_async(self, request_id: str, messages: ChatMessages, params: SamplingParams, *,
-                                 add_generation_prompt: bool = True,
-                                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                                 max_tokens_must_fit: bool = False,
-                                 max_prompt_bytes: int | None = None,
-                                 text_options: TextOptions | None = None) -> PreparedRequest:
-        """``prepare_chat`` that keeps the loop free (the template and tokenising of a long chat on a
-        worker thread)."""
-        return await async_text.prepare_chat(self.frontend, self._text, request_id, messages, params,
-                                             add_generation_prompt=add_generation_prompt,
-                                             chat_template_kwargs=chat_template_kwargs,
-                                             max_tokens_must_fit=max_tokens_must_fit,
-                                             max_prompt_bytes=max_prompt_bytes, text_options=text_options)
-
-    async def detokenize_async(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids``, special tokens spelled out; a long list decoded off the loop."""
-        return await async_text.detokenize(self.frontend, self._text, token_ids)
-
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> RequestStream:
-        return self.submit(self.prepare(request_id, prompt, params))
-
-    async def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        cancel_reason: str = "abort",
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request, the last one finished. Leaving the iteration early
-        (break, cancellation, a closed generator) aborts the request with ``cancel_reason``."""
-        stream = self.add_request(request_id or secrets.token_hex(8), prompt, sampling_params or SamplingParams())
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort(cancel_reason)
-
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Abort a request of this client: the scheduler drops it (ABORTED(reason) on the bus) and
-        its KV blocks are freed with the next plan. Unknown or finished ids are ignored."""
-        stream = self._streams.close(request_id)
-        if self._closed:
-            return
-        self._abort(request_id, reason)
-        if stream is not None:
-            stream._aborted()
-
+    # ------------------------------------------------------------------ requests (the calls: async_requests.py)
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("the client has been shut down")
@@ -408,33 +327,6 @@ class AsyncEngineClient(ClientCore, AsyncEngineCommands):
         control, answer = self._controls.make(action, **fields)
         self.transport.send(SCHEDULER, control)
         return await self._controls.wait(control, answer)
-
-    # ------------------------------------------------------------------ metrics and health
-    async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
-        """One query to the metrics store; raises TimeoutError when it does not answer."""
-        return await self._metrics.query(query, timeout)
-
-    async def get_metrics(self, replica: int | None = None) -> SummaryReply:
-        """The metrics store's summary: the whole group's, or one replica's."""
-        return expect_reply(await self.query_metrics(SummaryQuery(replica=replica)), SummaryReply)
-
-    async def get_timeline(self, request_id: str) -> TimelineReply:
-        return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
-
-    async def health(self, timeout: float = 2.0) -> Health:
-        """The verdict ``/health`` serves (``clients/async_health.py`` says how it is reached)."""
-        if self._closed:
-            return Health("unavailable", {"frontend": "shut down"})
-        failure = self.failed
-        if failure is not None:
-            return classify({}, failure=failure)
-        extra = {"frontend": f"reader stopped: {self._dead}"} if self._dead is not None else {}
-        states = await self._health.states(self.group, dict(self._supervision.down), timeout)
-        return classify(states, extra_unhealthy=extra)
-
-    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
-        """What is wrong, per part (empty: healthy): ``health()``'s problems, degraded ones included."""
-        return (await self.health(timeout)).problems()
 
     # ------------------------------------------------------------------ lifetime
     async def shutdown(self, reason: str = "shutdown") -> None:

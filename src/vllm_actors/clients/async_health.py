@@ -8,6 +8,7 @@ the bus or the metrics store down, or an event of this client not reaching the s
 "degraded" (serving goes on); a group given up, "failed". With an owned group the actors' states
 are the supervisor's (``ProcessGroup.state()``), never taken from events on the bus; an attached
 client combines the supervisor's events with the metrics store's view of each actor.
+``AsyncQueries``: the client's calls over both (metrics queries, ``health``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,26 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from vllm_actors.clients.supervision import READY, group_states
+from vllm_actors.clients.core import expect_reply
+from vllm_actors.clients.supervision import READY, Health, SupervisionView, classify, group_states
 from vllm_actors.protocol.events import EventBatch, Heartbeat
-from vllm_actors.protocol.metrics import MetricsCodec, MetricsQuery, MetricsReply, SeenQuery, SeenReply
+from vllm_actors.protocol.metrics import (
+    MetricsCodec,
+    MetricsQuery,
+    MetricsReply,
+    SeenQuery,
+    SeenReply,
+    SummaryQuery,
+    SummaryReply,
+    TimelineQuery,
+    TimelineReply,
+)
 from vllm_actors.protocol.names import (
     CONTROLLER,
     KV_CACHE_MANAGER,
@@ -35,6 +48,9 @@ from vllm_actors.protocol.names import (
 from vllm_actors.runtime.run_dir import GroupInfo, pid_alive
 from vllm_actors.runtime.security import GroupKeys, connect
 from vllm_actors.runtime.zmq_shell import EventPublisher
+
+if TYPE_CHECKING:
+    from vllm_actors.runtime.supervisor import ProcessGroup
 
 
 class MetricsChannel:
@@ -193,3 +209,44 @@ async def follow_bus(context: zmq.asyncio.Context, bus_out: str, keys: GroupKeys
                 yield topic, batch
     finally:
         subscriber.close()
+
+
+class AsyncQueries:
+    """The metrics and health calls of ``AsyncEngineClient``."""
+
+    if TYPE_CHECKING:  # provided by AsyncEngineClient
+        group: ProcessGroup | None
+        _metrics: MetricsChannel
+        _health: HealthProbe
+        _supervision: SupervisionView
+        _closed: bool
+        _dead: BaseException | None
+
+        @property
+        def failed(self) -> str | None: ...
+
+    async def query_metrics(self, query: MetricsQuery, timeout: float = 5.0) -> MetricsReply:
+        """One query to the metrics store; raises TimeoutError when it does not answer."""
+        return await self._metrics.query(query, timeout)
+
+    async def get_metrics(self, replica: int | None = None) -> SummaryReply:
+        """The metrics store's summary: the whole group's, or one replica's."""
+        return expect_reply(await self.query_metrics(SummaryQuery(replica=replica)), SummaryReply)
+
+    async def get_timeline(self, request_id: str) -> TimelineReply:
+        return expect_reply(await self.query_metrics(TimelineQuery(request_id=request_id)), TimelineReply)
+
+    async def health(self, timeout: float = 2.0) -> Health:
+        """The verdict ``/health`` serves (``clients/async_health.py`` says how it is reached)."""
+        if self._closed:
+            return Health("unavailable", {"frontend": "shut down"})
+        failure = self.failed
+        if failure is not None:
+            return classify({}, failure=failure)
+        extra = {"frontend": f"reader stopped: {self._dead}"} if self._dead is not None else {}
+        states = await self._health.states(self.group, dict(self._supervision.down), timeout)
+        return classify(states, extra_unhealthy=extra)
+
+    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
+        """What is wrong, per part (empty: healthy): ``health()``'s problems, degraded ones included."""
+        return (await self.health(timeout)).problems()

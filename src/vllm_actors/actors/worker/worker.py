@@ -36,16 +36,14 @@ from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
+from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
-    BatchInput,
-    GraphSampling,
     PendingStep,
-    SamplingRow,
     SpecCounts,
     WorkerRequest,
 )
@@ -66,7 +64,7 @@ from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
 
-class Worker:
+class Worker(Draw):
     name = "worker"
 
     def __init__(
@@ -268,57 +266,6 @@ class Worker:
             index = self._fences.launched()
             self.host_tier.step_launched(index)
             self.host_tier.write_through(plan.write_through_copies, index)
-
-    def _graph_sampling(self, batch: BatchInput, rows: list[SamplingRow]) -> GraphSampling | None:
-        """The draw's inputs where a decode graph can draw this step's tokens itself. Under TP
-        every rank draws in its own graph from the same all-gathered logits with the same keys:
-        the same ids everywhere, no broadcast and no eager sampler on rank 0."""
-        if self.tp.enabled and not self.graph_draws_under_tp:
-            return None
-        if not self.runner.samples_in_graph(batch):
-            return None
-        return self.sampler.graph_params(rows)
-
-    def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None) -> None:
-        """Structured outputs: the constrained rows' disallowed tokens to -inf."""
-        if self.grammars is None or all(request.grammar is None for request in samplers):
-            return
-        self._feed_grammars(pending)  # the masks follow every token drawn so far (which may start a grammar)
-        rows = [(index, request.grammar) for index, request in enumerate(samplers)
-                if request.grammar is not None and request.grammar.active]
-        if rows:
-            self.grammars.mask(logits, [grammar for _, grammar in rows], [index for index, _ in rows])
-
-    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow],
-              with_logprobs: bool) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
-        """The chosen ids, drawn by rank 0 and broadcast to the others: on the host with their
-        logprobs (``with_logprobs``), else left on the device."""
-        if not rows:
-            return torch.empty(0, dtype=torch.long), []
-        if self.tp.rank != 0:
-            self.sampler.follow_draw(rows)
-            return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device)), []
-        if not with_logprobs:
-            return self.tp.broadcast(self.sampler.draw(logits, rows).long()), []
-        sampled = self.sampler(logits, rows)
-        if self.tp.enabled:  # the other ranks take their next inputs from these
-            self.tp.broadcast(upload(sampled.token_ids, logits.device))
-        logprobs = sampled.logprobs if any(entry is not None for entry in sampled.logprobs) else []
-        return sampled.token_ids, logprobs
-
-    @staticmethod
-    def _feed_grammars(pending: PendingStep | None) -> None:
-        """The pending step's tokens to its constrained requests' matchers, once (waits for them
-        on the host: a deferred step with a constrained row does so after its forward pass is
-        launched, so the GPU runs it while the host reads the tokens and fills the masks)."""
-        if pending is None or pending.grammars_fed:
-            return
-        pending.grammars_fed = True
-        if not any(request.grammar is not None for request in pending.samplers):
-            return
-        for request, token_id in zip(pending.samplers, pending.token_ids(), strict=True):
-            if request.grammar is not None:
-                request.grammar.consume(token_id)
 
     def _read_back(self, pending: PendingStep) -> StepResult:
         """The launched step's tokens appended to their requests, and its result."""

@@ -1,0 +1,77 @@
+"""A step's draw as the worker makes it: the decode graph's sampling inputs where the graph draws
+itself, the structured-output masks, and rank 0's draw broadcast to the other ranks (``Worker``
+mixes this in)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
+from vllm_actors.actors.worker.ranks import Ranks
+from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling, PendingStep, SamplingRow, WorkerRequest
+from vllm_actors.actors.worker.uploads import upload
+from vllm_actors.protocol.messages import Logprobs
+
+
+class Draw:
+    """The draw of ``Worker``'s step body."""
+
+    if TYPE_CHECKING:  # provided by Worker
+        runner: Runner
+        sampler: TokenSampler
+        grammars: GrammarSource | None
+        tp: Ranks
+        graph_draws_under_tp: bool
+
+    def _graph_sampling(self, batch: BatchInput, rows: list[SamplingRow]) -> GraphSampling | None:
+        """The draw's inputs where a decode graph can draw this step's tokens itself. Under TP
+        every rank draws in its own graph from the same all-gathered logits with the same keys:
+        the same ids everywhere, no broadcast and no eager sampler on rank 0."""
+        if self.tp.enabled and not self.graph_draws_under_tp:
+            return None
+        if not self.runner.samples_in_graph(batch):
+            return None
+        return self.sampler.graph_params(rows)
+
+    def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None) -> None:
+        """Structured outputs: the constrained rows' disallowed tokens to -inf."""
+        if self.grammars is None or all(request.grammar is None for request in samplers):
+            return
+        self._feed_grammars(pending)  # the masks follow every token drawn so far (which may start a grammar)
+        rows = [(index, request.grammar) for index, request in enumerate(samplers)
+                if request.grammar is not None and request.grammar.active]
+        if rows:
+            self.grammars.mask(logits, [grammar for _, grammar in rows], [index for index, _ in rows])
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow],
+              with_logprobs: bool) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
+        """The chosen ids, drawn by rank 0 and broadcast to the others: on the host with their
+        logprobs (``with_logprobs``), else left on the device."""
+        if not rows:
+            return torch.empty(0, dtype=torch.long), []
+        if self.tp.rank != 0:
+            self.sampler.follow_draw(rows)
+            return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device)), []
+        if not with_logprobs:
+            return self.tp.broadcast(self.sampler.draw(logits, rows).long()), []
+        sampled = self.sampler(logits, rows)
+        if self.tp.enabled:  # the other ranks take their next inputs from these
+            self.tp.broadcast(upload(sampled.token_ids, logits.device))
+        logprobs = sampled.logprobs if any(entry is not None for entry in sampled.logprobs) else []
+        return sampled.token_ids, logprobs
+
+    @staticmethod
+    def _feed_grammars(pending: PendingStep | None) -> None:
+        """The pending step's tokens to its constrained requests' matchers, once (waits for them
+        on the host: a deferred step with a constrained row does so after its forward pass is
+        launched, so the GPU runs it while the host reads the tokens and fills the masks)."""
+        if pending is None or pending.grammars_fed:
+            return
+        pending.grammars_fed = True
+        if not any(request.grammar is not None for request in pending.samplers):
+            return
+        for request, token_id in zip(pending.samplers, pending.token_ids(), strict=True):
+            if request.grammar is not None:
+                request.grammar.consume(token_id)
