@@ -18,7 +18,6 @@ import torch
 from tests.support.paged_batch import shuffled_tables
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import triton_attention as ta  # conftest.py sets TRITON_INTERPRET=1 without CUDA
-from vllm_actors.kernels.triton_decode import FP8_TILES
 from vllm_actors.kernels.attention import (
     AttentionMetadata,
     TorchPagedAttention,
@@ -26,6 +25,7 @@ from vllm_actors.kernels.attention import (
     gather_kv,
     write_kv_cache,
 )
+from vllm_actors.kernels.triton_decode import FP8_TILES
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -43,7 +43,7 @@ FEW_PROGRAMS_WAVES = 4
 # pipe of 16 a clock per SM. "float16": one conversion per two elements; the query carries the softmax
 # scale and k_scale and is cast to fp16 once (saturated at its range), the probabilities are fp16 (finer
 # than bf16 in [0, 1]), and only the tiles reaching past the sequence's end are masked: a third fewer
-# instructions a loop (benchmarks/decode_sass.py). Float32 queries always take "query".
+# instructions a loop in sm_90 SASS (docs/performance.md). Float32 queries always take "query".
 FP8_TILES = ("query", "float16")
 DECODE_FP8_TILES = "float16"
 
