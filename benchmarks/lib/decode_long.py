@@ -4,7 +4,10 @@ copy bandwidth, so the split rule for few long sequences is set by measurement.
 
 One layer's paged cache (blocks scattered by a permutation), one query, replayed from a CUDA graph.
 GB/s counts the K and V bytes a step reads; ``of_copy`` is that over the copy bandwidth (read +
-written bytes per second of a device-to-device copy), the engine's floor model.
+written bytes per second of a device-to-device copy), the engine's floor model. An fp8 cache's cases
+also sweep how its tiles meet the query (``--fp8-tiles``: the kernel's ``FP8_TILES``, "query" being
+the old path), and the summary sets each variant's best and the engine's choice against the bf16
+cache's at the same shape and context.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from benchmarks.lib.floor import measure_copy_bandwidth
 from benchmarks.lib.kernels_timing import do_bench_graph, spin_up
+from vllm_actors.kernels.triton_decode import DECODE_FP8_TILES, FP8_TILES
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 
@@ -31,6 +35,7 @@ class Cell:
     shape: str
     context: int
     kv_dtype: str
+    fp8_tiles: str  # "-" for a bf16 cache
     splits: int
     block_n: int
     num_warps: int
@@ -38,7 +43,8 @@ class Cell:
     us: float
     gb_s: float
     of_copy: float
-    chosen: bool  # the split count and config the engine picks today
+    engine_config: bool  # the split count and tile config the engine picks today
+    chosen: bool  # and the engine's fp8 variant
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1 << 20])
     p.add_argument("--kv-dtypes", nargs="+", choices=("bfloat16", "fp8"), default=["bfloat16", "fp8"])
+    p.add_argument("--fp8-tiles", nargs="+", choices=FP8_TILES, default=list(FP8_TILES),
+                   help="the fp8 cache's tile variants to sweep (the kernel's fp8_tiles)")
     p.add_argument("--splits", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     p.add_argument("--block-ns", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -75,7 +83,13 @@ def _cache(context: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype
 
 def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str, copy_bw: float) -> list[Cell]:
     """Every (splits, tile config) of the grid on one sequence of ``context`` keys."""
-    from vllm_actors.kernels.triton_decode import choose_decode_splits, decode_config, paged_attention_decode
+    from vllm_actors.kernels.triton_decode import (
+        _sm_count,
+        choose_decode_splits,
+        decode_config,
+        few_programs,
+        paged_attention_decode,
+    )
     from vllm_actors.kernels.triton_paged import TileConfig
 
     heads, kv_heads, head_dim = SHAPES[shape]
@@ -88,27 +102,55 @@ def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str
              "block_tables": table, "max_seq_len": context, "scale": 0.125}
     kv_bytes = 2 * context * kv_heads * head_dim * k.element_size()
     chosen_splits = choose_decode_splits(1, kv_heads, context, q.device)
-    default = decode_config(head_dim)
+    default = decode_config(head_dim, few_programs(1, kv_heads, _sm_count(q.device)))
+    variants = args.fp8_tiles if kv_dtype == "fp8" else ["-"]
     cells: list[Cell] = []
     spin_up()
-    for splits, block_n, warps, stages in itertools.product(args.splits, args.block_ns, args.warps, args.stages):
+    grid = itertools.product(variants, args.splits, args.block_ns, args.warps, args.stages)
+    for tiles, splits, block_n, warps, stages in grid:
         cfg = TileConfig(block_m=default.block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-        step = functools.partial(paged_attention_decode, num_splits=splits, config=cfg, **fixed)
+        step = functools.partial(paged_attention_decode, num_splits=splits, config=cfg,
+                                 fp8_tiles=None if tiles == "-" else tiles, **fixed)
         try:
             ms = do_bench_graph(step, args)
         except Exception as exc:  # a config the GPU cannot run (shared memory): recorded as skipped
-            print(f"skip {shape} {context} {kv_dtype} s{splits} n{block_n} w{warps} st{stages}: {exc!r:.80}")
+            print(f"skip {shape} {context} {kv_dtype} {tiles} s{splits} n{block_n} w{warps} st{stages}: {exc!r:.80}")
             continue
         rate = kv_bytes / (ms / 1e3)
-        cells.append(Cell(shape, context, kv_dtype, splits, block_n, warps, stages, ms * 1e3, rate / 1e9,
-                          rate / copy_bw, splits == chosen_splits and cfg == default))
-    if cells:
-        best = max(cells, key=lambda c: c.of_copy)
-        now = [c.of_copy for c in cells if c.chosen]
-        print(f"{shape} {context} {kv_dtype}: best {best.of_copy:.3f} of copy (s{best.splits} n{best.block_n} "
-              f"w{best.num_warps} st{best.num_stages}, {best.us:.1f} us); engine's choice "
-              f"{now[0] if now else float('nan'):.3f} (s{chosen_splits})", flush=True)
+        engine = splits == chosen_splits and cfg == default
+        cells.append(Cell(shape, context, kv_dtype, tiles, splits, block_n, warps, stages, ms * 1e3, rate / 1e9,
+                          rate / copy_bw, engine, engine and tiles in ("-", DECODE_FP8_TILES)))
+    for tiles in variants:
+        of = [c for c in cells if c.fp8_tiles == tiles]
+        if of:
+            best = max(of, key=lambda c: c.of_copy)
+            now = [c.of_copy for c in of if c.engine_config]
+            print(f"{shape} {context} {kv_dtype} {tiles}: best {best.of_copy:.3f} of copy (s{best.splits} "
+                  f"n{best.block_n} w{best.num_warps} st{best.num_stages}, {best.us:.1f} us); engine's config "
+                  f"{now[0] if now else float('nan'):.3f} (s{chosen_splits})", flush=True)
     return cells
+
+
+def summary(cells: list[Cell]) -> list[str]:
+    """Per shape and context, for each cache and fp8 variant: the engine's splits and tile config
+    (microseconds and fraction of the copy bandwidth), the best cell, and the bf16 cache's engine time
+    over these (the fp8 cache's speed-up; 2x is the bytes' bound). fp8/query at the engine's config is
+    the engine's choice before the fp16 tiles."""
+    lines = ["shape context kv/variant: engine config us (of copy) | best us (of copy) | bf16 engine / this"]
+    for shape, context in sorted({(c.shape, c.context) for c in cells}):
+        case = [c for c in cells if c.shape == shape and c.context == context]
+        bf16 = [c.us for c in case if c.kv_dtype == "bfloat16" and c.chosen]
+        for kv_dtype, tiles in sorted({(c.kv_dtype, c.fp8_tiles) for c in case}):
+            of = [c for c in case if c.kv_dtype == kv_dtype and c.fp8_tiles == tiles]
+            best = min(of, key=lambda c: c.us)
+            engine = next((c for c in of if c.engine_config), None)
+            ratios = [f"{bf16[0] / c.us:.2f}x {name}" for c, name in ((engine, "engine"), (best, "best")) if c and bf16]
+            now = f"{engine.us:.1f} ({engine.of_copy:.3f})" if engine else "- (not in the grid)"
+            mark = " (the engine's)" if engine and engine.chosen and kv_dtype == "fp8" else ""
+            lines.append(f"{shape} {context} {kv_dtype}/{tiles}{mark}: {now} | {best.us:.1f} ({best.of_copy:.3f}) "
+                         f"s{best.splits} n{best.block_n} w{best.num_warps} st{best.num_stages} | "
+                         f"{', '.join(ratios) or '-'}")
+    return lines
 
 
 def sweep(args: argparse.Namespace) -> list[Cell]:
@@ -126,3 +168,6 @@ def main(argv: list[str] | None = None) -> None:
     cells = sweep(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_long.json").write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    lines = summary(cells)
+    (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)

@@ -25,6 +25,7 @@ from vllm_actors.kernels.attention import (
     gather_kv,
     write_kv_cache,
 )
+from vllm_actors.kernels.triton_decode import FP8_TILES
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -212,11 +213,14 @@ def run_varlen(case: Fp8Case) -> torch.Tensor:
     )  # fmt: skip
 
 
-def run_decode(case: Fp8Case, num_splits: int | None) -> torch.Tensor:
+def run_decode(
+    case: Fp8Case, num_splits: int | None, fp8_tiles: str | None = None, config: ta.TileConfig | None = None
+) -> torch.Tensor:
     m = case.meta
     return ta.paged_attention_decode(
         case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables, m.max_seq_len,
-        case.scale, num_splits=num_splits, k_scale=case.k_scale, v_scale=case.v_scale,
+        case.scale, num_splits=num_splits, k_scale=case.k_scale, v_scale=case.v_scale, fp8_tiles=fp8_tiles,
+        config=config,
     )  # fmt: skip
 
 
@@ -242,6 +246,25 @@ def test_varlen_reads_fp8(cache_dtype: torch.dtype) -> None:
 def test_decode_reads_fp8(num_splits: int) -> None:
     case = make_fp8_case([(40, 1), (0, 1), (300, 1)], 16, (4, 2), 32, torch.float32, E4M3, seed=3)
     assert_close(run_decode(case, num_splits), case, torch.float32)
+
+
+@pytest.mark.parametrize("cache_dtype,fp8_tiles", [(E4M3, "query"), (E4M3, "float16"), (E5M2, "float16")])
+def test_decode_fp8_tiles_with_bf16_queries(cache_dtype: torch.dtype, fp8_tiles: str) -> None:
+    """Each way of meeting bf16 queries (fp16 tiles: q scaled and cast once, only the last tile
+    masked): sequences ending inside a tile, on a tile's end, and empty, split in 3."""
+    specs = [(40, 1), (255, 1), (300, 1), (0, 1)]
+    case = make_fp8_case(specs, 16, (4, 2), 32, torch.bfloat16, cache_dtype, seed=11, kv_scales=(0.05, 0.3))
+    out = run_decode(case, 3, fp8_tiles, ta.TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2))
+    assert_close(out, case, torch.bfloat16)
+
+
+def test_decode_fp16_tiles_saturate_the_query() -> None:
+    """A query past fp16's range once scaled is saturated, not infinite (no NaN scores)."""
+    case = make_fp8_case([(20, 1)], 16, (4, 2), 32, torch.bfloat16, E4M3, seed=12, kv_scales=(1.0, 1.0))
+    case.q[0, 0, :4] = 1e9
+    assert torch.isfinite(run_decode(case, 1, "float16")).all()
+    with pytest.raises(ValueError, match="fp8_tiles must be one of"):
+        run_decode(case, 1, "bfloat16")
 
 
 def test_backend_writes_and_reads_fp8() -> None:
@@ -299,7 +322,10 @@ def test_gpu_varlen_fp8_long_prefix(head_dim: int, heads: tuple[int, int], cache
 @needs_cuda
 @pytest.mark.parametrize("head_dim,heads", [(64, (32, 8)), (128, (32, 8))])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_gpu_decode_fp8_long_context(head_dim: int, heads: tuple[int, int], num_splits: int | None) -> None:
+@pytest.mark.parametrize("fp8_tiles", FP8_TILES)
+def test_gpu_decode_fp8_long_context(
+    head_dim: int, heads: tuple[int, int], num_splits: int | None, fp8_tiles: str
+) -> None:
     """bf16 decode over fp8 caches at 32k (split over the context) next to short sequences."""
     case = make_fp8_case([(32767, 1), (100, 1), (5000, 1)], 16, heads, head_dim, torch.bfloat16, E4M3, seed=9)
-    assert_close(run_decode(case, num_splits), case, torch.bfloat16)
+    assert_close(run_decode(case, num_splits, fp8_tiles), case, torch.bfloat16)

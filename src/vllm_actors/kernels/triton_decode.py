@@ -25,6 +25,7 @@ from vllm_actors.kernels.triton_paged import (
 )
 
 _MIN_KEYS_PER_SPLIT = 128
+F16_MAX = tl.constexpr(65504.0)
 # The decode kernel's tuning, from sweeps over the decode batches of a serving workload
 # (benchmarks/RESULTS.md): keys a tile, programs per SM the context split aims at, the most splits
 # per (sequence, KV head), and sequences taken longest context first (the last wave ends evenly).
@@ -37,6 +38,14 @@ DECODE_ORDERED = True
 # on an H100: 64 splits, 2 stages, 92-101% of the copy bandwidth at 128k-1M keys against 90-96% before).
 FEW_PROGRAMS_PER_SM = 1 / 8
 FEW_PROGRAMS_WAVES = 4
+# How an fp8 cache's tiles meet the query in the dots (`fp8_tiles`). "query": converted to the query's
+# dtype; for bf16 on Hopper three conversions per two elements (e4m3 -> f16x2, each half -> bf16), on a
+# pipe of 16 a clock per SM. "float16": one conversion per two elements; the query carries the softmax
+# scale and k_scale and is cast to fp16 once (saturated at its range), the probabilities are fp16 (finer
+# than bf16 in [0, 1]), and only the tiles reaching past the sequence's end are masked: a third fewer
+# instructions a loop in sm_90 SASS (docs/performance.md). Float32 queries always take "query".
+FP8_TILES = ("query", "float16")
+DECODE_FP8_TILES = "float16"
 
 
 def few_programs(num_seqs: int, num_kv_heads: int, sm_count: int) -> bool:
@@ -96,6 +105,8 @@ def _decode_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,  # the step's metadata (written before its first kernel) read before the PDL wait
     KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
+    Q_F16: tl.constexpr,  # fp8 tiles read as fp16: q carries qk_scale (and k_scale) and is cast to fp16
+    TAIL_MASK: tl.constexpr,  # only tiles reaching past the sequence's end are masked (not with WINDOW)
     WINDOW: tl.constexpr,  # a sliding window of `window` keys: the splits share only its tiles
     SOFT_CAP: tl.constexpr,  # scores soft-capped at `soft_cap` (log2 domain)
 ):
@@ -133,13 +144,25 @@ def _decode_kernel(
         mask=row_out[:, None],
         other=0.0,
     )
+    if Q_F16:  # the scores come out of the dot in the log2 domain: no multiply a tile
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * qk, -F16_MAX), F16_MAX).to(tl.float16)
+        qk = 1.0
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
     q_pos = rows * 0 + seq_len - 1  # every row is the sequence's newest position
-    for tile in range(tile_begin, tile_end):
+    masked_from = tile_begin
+    if TAIL_MASK:  # the tiles wholly inside the sequence skip the key mask (none in a window)
+        masked_from = tl.maximum(tl.minimum(tile_end, seq_len // BLOCK_N), tile_begin)
+        for tile in range(tile_begin, masked_from):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
+                seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
+                ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
+            )  # fmt: skip
+    for tile in range(masked_from, tile_end):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
             seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
@@ -252,6 +275,7 @@ def paged_attention_decode(
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    fp8_tiles: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
@@ -260,11 +284,16 @@ def paged_attention_decode(
     capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
     permutation of the sequences (`decode_order`), is the order in which programs take them.
     k_scale, v_scale: an fp8 cache's scales; sliding_window, logits_soft_cap: the layer's options
-    (`kernels/attention.py`), None for off.
+    (`kernels/attention.py`), None for off. fp8_tiles: how an fp8 cache's tiles are converted
+    (``FP8_TILES``; None: ``DECODE_FP8_TILES``).
     """
     check_attention_options(sliding_window, logits_soft_cap)
     q, out = checked_inputs(q, k_cache, v_cache, out)
     scales = kv_scale_args(k_cache, k_scale, v_scale)
+    fp8_tiles = fp8_tiles or DECODE_FP8_TILES
+    if fp8_tiles not in FP8_TILES:
+        raise ValueError(f"fp8_tiles must be one of {FP8_TILES}, got {fp8_tiles!r}")
+    q_f16 = scales.fp8 and fp8_tiles == "float16" and q.dtype != torch.float32
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -322,6 +351,8 @@ def paged_attention_decode(
         **pdl(q),
         EARLY=pdl_module.early_loads(),
         KV_FP8=scales.fp8,
+        Q_F16=q_f16,
+        TAIL_MASK=q_f16 and sliding_window is None,
         WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         num_warps=cfg.num_warps,
