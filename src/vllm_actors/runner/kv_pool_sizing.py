@@ -47,9 +47,12 @@ class KvPoolSizing:
 
     @property
     def bytes_per_block(self) -> int:
+        """A block's bytes over every layer, a draft model's layers included (they share the block ids)."""
         mc = self.local_config
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        own = 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        drafter = getattr(self, "drafter", None)
+        return own + (drafter.bytes_per_block if drafter is not None else 0)
 
     def _choose_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_gpu_blocks_override is not None:

@@ -83,6 +83,10 @@ class ModelRunner(KvPoolSizing):
         limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         try:
+            from vllm_actors.runner.draft_model import load_draft  # a ModelRunner itself
+
+            # speculative decoding's draft model: its weights before the pool, which holds its KV too
+            self.drafter = load_draft(config, self.model_config, limits.max_model_len)
             torch.manual_seed(config.seed)
             self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                        self.stage)
@@ -100,6 +104,8 @@ class ModelRunner(KvPoolSizing):
             self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.take_pool(self.num_blocks, self.max_model_len, config.enforce_eager)
             # the host tier's blocks, the same on every rank
             self.num_host_blocks = self.stage.min_int(
                 self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device), self.device)
@@ -135,7 +141,7 @@ class ModelRunner(KvPoolSizing):
         at once: the error's frames and this half-built runner would otherwise hold it while the caller
         reports the error (the next engine in the process then finds the GPU full)."""
         traceback.clear_frames(exc.__traceback__)
-        for name in ("model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
+        for name in ("drafter", "model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
                      "_padded", "_stage_io"):
             self.__dict__.pop(name, None)
         gc.collect()
