@@ -11,8 +11,8 @@ vocabulary or a shorter context is refused.
 from __future__ import annotations
 
 import json
-import zlib
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,8 @@ def one_layer_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPT_IDS = [[(i * 7 + j * 3) % 500 for j in range(5 + 9 * i)] for i in range(4)]
 
 
-def generate(target: Path, draft: Path, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], Any]:
+def generate(target: Path, draft: Path, prompts: list[list[int]],
+             params: list[SamplingParams]) -> tuple[list[list[int]], Any]:
     spec = parse_speculative_config({"model": str(draft), "num_speculative_tokens": 3},  # vLLM's spelling: no method
                                     adaptive=False)
     with LLM(str(target), dtype="float32", executor="inprocess", speculative_config=spec, block_size=4,

@@ -17,15 +17,14 @@ of a profiling pass of the largest step (twice that with padded graphs: their po
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
 With ``calculate_kv_scales`` the first real step runs eagerly and sets the fp8 scales from its amax.
 Sleep mode (``sleep_mode.py``) frees the weights and the KV cache and brings them back; the CUDA
-graphs are captured again after a wake.
+graphs are captured again after a wake. A draft model (speculative decoding) runs beside the model
+in ``drafter`` (``draft_model.py``), its KV under the same block ids.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import time
-import traceback
 
 import numpy as np
 import structlog
@@ -44,7 +43,7 @@ from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
-from vllm_actors.runner.devices import resolve_device, resolve_dtype
+from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -121,7 +120,7 @@ class ModelRunner(KvPoolSizing):
             self.capture_graphs()
             self._sleep = SleepMode(self)
         except BaseException as exc:
-            self._free_after_failed_start(exc)
+            free_after_failed_start(self, exc)
             raise
         log.info(
             "model_runner_ready",
@@ -135,18 +134,6 @@ class ModelRunner(KvPoolSizing):
             cuda_graphs=sorted(self._graphs),
             padded_graphs=sorted(self._padded.graphs) if self._padded else [],
         )
-
-    def _free_after_failed_start(self, exc: BaseException) -> None:
-        """A start that failed halfway (a graph capture, no memory left) gives its device memory back
-        at once: the error's frames and this half-built runner would otherwise hold it while the caller
-        reports the error (the next engine in the process then finds the GPU full)."""
-        traceback.clear_frames(exc.__traceback__)
-        for name in ("drafter", "model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
-                     "_padded", "_stage_io"):
-            self.__dict__.pop(name, None)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ sleep mode
     @property
