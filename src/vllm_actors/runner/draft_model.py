@@ -1,12 +1,13 @@
 """The draft model of speculative decoding (``method: draft_model``): a second model runner beside
-the target's, in the same worker, on the same device.
+the target's, in the same worker, on the same device (``ModelRunner.drafter``).
 
 Its KV tensors have the target's block size and the same number of blocks, addressed by the same
 block ids: a request's block table holds its draft KV too, so the KV-cache manager, the prefix
 cache and the trims of rejected drafts need no change. Its weights are loaded before the target
 sizes its pool (which then leaves them their memory and counts the draft's bytes in each block);
 the draft's pool and its decode CUDA graphs (the autoregressive drafting steps are decode-shaped)
-come once the target knows the number of blocks. Prefills and catch-ups of the draft run eagerly.
+come once the target knows the number of blocks (``KvPoolSizing.take_pool``). Its catch-up passes
+run eagerly (no padded graphs).
 
 The draft must share the target's vocabulary and reach its ``max_model_len``; it runs unsharded
 (the target's ``tensor_parallel_size`` is 1: ``protocol/config.py``).
@@ -18,24 +19,6 @@ import msgspec
 
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.config import EngineConfig
-from vllm_actors.runner.model_runner import ModelRunner
-
-
-class DraftRunner(ModelRunner):
-    """The draft's runner: ``ModelRunner`` with a pool sized by the target (``take_pool``)."""
-
-    def _wants_padded_graphs(self) -> bool:
-        return False  # catch-up passes run eagerly: no second pool of padded graphs
-
-    def take_pool(self, num_blocks: int, max_model_len: int, enforce_eager: bool) -> None:
-        """The draft's KV pool: the target's number of blocks; then its decode graphs."""
-        self.num_blocks = num_blocks
-        self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
-        self._staging_sets = [self._make_staging(), self._make_staging()]
-        self.config = msgspec.structs.replace(self.config, enforce_eager=enforce_eager)
-        self.capture_graphs()
 
 
 def check_draft(target: ModelConfig, draft: ModelConfig, max_model_len: int, path: str) -> None:
@@ -50,14 +33,13 @@ def check_draft(target: ModelConfig, draft: ModelConfig, max_model_len: int, pat
                          f"{max_model_len}; pass max_model_len <= {draft.derived_max_model_len}")
 
 
-def load_draft(config: EngineConfig, target: ModelConfig, max_model_len: int) -> DraftRunner | None:
-    """The draft model's runner (weights only: its pool comes with ``take_pool``), or None when the
-    engine does not speculate with a draft model."""
+def draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> EngineConfig | None:
+    """The draft model's runner configuration (checked; a one-block pool until ``take_pool``, no
+    graphs until then), or None when the engine does not speculate with a draft model."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model" or spec.model is None:
         return None
     check_draft(target, ModelConfig.from_path(spec.model), max_model_len, spec.model)
-    draft_config = msgspec.structs.replace(
+    return msgspec.structs.replace(
         config, model=spec.model, tokenizer=None, max_model_len=max_model_len, num_gpu_blocks_override=1,
         enforce_eager=True, enable_lora=False, kv_cache_offload_gb=0.0, speculative_config=None)
-    return DraftRunner(draft_config)

@@ -44,6 +44,7 @@ from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
+from vllm_actors.runner.draft_model import draft_config
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -61,6 +62,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 class ModelRunner(KvPoolSizing):
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
+    padded_graphs = True  # False for a draft model: its catch-ups run eagerly
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
                  stage: PipelineStage | None = None, kvp: KvParallel | None = None) -> None:
@@ -82,10 +84,9 @@ class ModelRunner(KvPoolSizing):
         limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         try:
-            from vllm_actors.runner.draft_model import load_draft  # a ModelRunner itself
-
             # speculative decoding's draft model: its weights before the pool, which holds its KV too
-            self.drafter = load_draft(config, self.model_config, limits.max_model_len)
+            drafting = draft_config(config, self.model_config, limits.max_model_len)
+            self.drafter = ModelRunner(drafting) if drafting is not None else None
             torch.manual_seed(config.seed)
             self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                        self.stage)
@@ -187,7 +188,7 @@ class ModelRunner(KvPoolSizing):
 
     def _wants_padded_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled \
-            and padded_graphs_enabled()
+            and self.padded_graphs and padded_graphs_enabled()
 
     def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
         """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables
