@@ -1,9 +1,14 @@
-"""Speculative decoding (n-gram) on a prompt-copying workload: batch-1 ms/token and output tok/s at
-several concurrencies, without and with speculation, on this engine and optionally on vLLM
-(``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same checkpoint and prompts.
+"""Speculative decoding (n-gram, draft model) on a prompt-copying workload: batch-1 ms/token and
+output tok/s at several concurrencies, without and with speculation, on this engine and optionally
+on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same checkpoint and prompts.
 
     python benchmarks/spec_decode.py --convert-default /tmp/smollm2-hf     # the embedded GGUF as HF
     python benchmarks/spec_decode.py --model /tmp/smollm2-hf --out /tmp/spec [--peer vllm]
+
+``--draft-layers N`` adds the mode ``draft``: a draft model of the target's shape with N layers and
+random weights (``--out``/draft-N), drafting ``--num-speculative-tokens`` every step (its drafts are
+mostly rejected: the step cost is what it measures). ``--model-shape qwen3-8b`` runs a model shape
+with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer).
 
 Writes ``results.json`` in ``--out`` and prints one line per engine and mode.
 """
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +28,7 @@ from typing import Any
 # The repository instead of this folder (whose kernels.py would shadow the package transformers imports).
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 from benchmarks.lib import spec_measure  # noqa: E402
+from vllm_actors.bench.throughput_workload import MODEL_SHAPES, write_model_dir  # noqa: E402
 
 
 def convert_default(target: str) -> None:
@@ -43,7 +51,10 @@ def convert_default(target: str) -> None:
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(target)
 
 
-def prompts(model: str, count: int, words: int) -> list[list[int]]:
+def prompts(model: str, count: int, words: int, tokenizer: bool = True) -> list[list[int]]:
+    if not tokenizer:  # a shape without a tokenizer: random ids of about a passage's length
+        rng = random.Random(0)
+        return [[rng.randrange(1000, 30000) for _ in range(2 * words)] for _ in range(count)]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -52,11 +63,40 @@ def prompts(model: str, count: int, words: int) -> list[list[int]]:
     return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
 
 
-def run_ours(args: argparse.Namespace, spec: dict[str, Any], speculative: bool) -> dict[str, Any]:
-    from vllm_actors import LLM, SamplingParams
+def write_draft(target: str, layers: int, folder: Path, load_format: str) -> Path:
+    """A draft model of ``target``'s shape with ``layers`` layers: its config (and, unless the run
+    uses dummy weights, random bfloat16 weights and the target's tokenizer files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(target) / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:layers]
+    if "max_window_layers" in config:
+        config["max_window_layers"] = min(config["max_window_layers"], layers)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "vocab.json", "merges.txt"):
+        if (Path(target) / name).is_file():
+            shutil.copy(Path(target) / name, folder / name)
+    if load_format != "dummy":
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+    return folder
+
+
+def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str) -> dict[str, Any]:
+    from vllm_actors import LLM, SamplingParams
+    from vllm_actors.protocol.speculative import parse_speculative_config
+
+    speculative = spec["speculative_configs"].get(mode)
+    if speculative is not None:  # the draft model drafts every step (as vLLM does): its cost is the point
+        speculative = parse_speculative_config(speculative, adaptive=mode != "draft")
     with LLM(args.model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
-             speculative_config=spec["speculative_config"] if speculative else None) as llm:
+             load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
+             speculative_config=speculative) as llm:
         def generate(batch: Any, max_tokens: int) -> tuple[int, float]:
             params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
             inputs = [{"prompt_token_ids": list(p)} for p in batch]
@@ -100,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16, 64, 256])
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a model shape with dummy weights instead of --model (no tokenizer)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="add the mode 'draft': a random draft of the target's shape with this many layers")
+    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft"], default=None,
+                        help="default: off and ngram, and draft with --draft-layers")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite")
@@ -107,22 +153,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.convert_default:
         convert_default(args.convert_default)
         return 0
-    if not args.model:
-        parser.error("--model is required (make one with --convert-default DIR)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.model_shape:
+        args.model = str(write_model_dir(Path(args.out) / args.model_shape, MODEL_SHAPES[args.model_shape]))
+    if not args.model:
+        parser.error("--model or --model-shape is required (make a model with --convert-default DIR)")
+    modes = args.modes or ["off", "ngram"] + (["draft"] if args.draft_layers else [])
+    if "draft" in modes and not args.draft_layers:
+        parser.error("the mode 'draft' needs --draft-layers N")
+    load_format = "dummy" if args.model_shape else "auto"
+    ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    configs: dict[str, Any] = {"ngram": ngram}
+    if args.draft_layers:
+        draft = write_draft(args.model, args.draft_layers, Path(args.out) / f"draft-{args.draft_layers}", load_format)
+        configs["draft"] = {"method": "draft_model", "model": str(draft),
+                            "num_speculative_tokens": args.num_speculative_tokens}
+    count = max(args.repeats, max(args.concurrency, default=1))
     spec: dict[str, Any] = {
-        "prompts": prompts(args.model, max(args.repeats, max(args.concurrency, default=1)), args.passage_words),
+        "prompts": prompts(args.model, count, args.passage_words, tokenizer=not args.model_shape),
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
-        "max_model_len": 2048,
-        "speculative_config": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                               "prompt_lookup_max": args.prompt_lookup_max,
-                               "prompt_lookup_min": args.prompt_lookup_min},
+        "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
+        "speculative_config": ngram, "speculative_configs": configs,
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
     results: dict[str, Any] = {"settings": {k: v for k, v in spec.items() if k != "prompts"}}
-    for mode in ("off", "ngram"):
-        results[f"ours_{mode}"] = run_ours(args, spec, mode == "ngram")
+    for mode in modes:
+        results[f"ours_{mode}"] = run_ours(args, spec, mode)
         print(f"ours {mode}: {json.dumps({k: v for k, v in results[f'ours_{mode}'].items() if 'samples' not in k})}",
               flush=True)
         if args.peer:

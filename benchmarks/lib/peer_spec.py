@@ -1,5 +1,5 @@
-"""vLLM's side of ``benchmarks/spec_decode.py``: vLLM's offline ``LLM`` without and with n-gram
-speculation on the same prompts, measured by ``spec_measure.measure``. Runs as a script under
+"""vLLM's side of ``benchmarks/spec_decode.py``: vLLM's offline ``LLM`` without and with n-gram or
+draft-model speculation on the same prompts, measured by ``spec_measure.measure``. Runs as a script under
 vLLM's environment with spec_measure.py beside it, importing nothing of vllm_actors:
 ``python3 peer_spec.py --model DIR --prompts P.json --out R.json``."""
 
@@ -21,16 +21,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON: prompts (token ids), output_len, repeats, "
                         "concurrency, speculative_config")
-    parser.add_argument("--mode", choices=["off", "ngram"], required=True)
+    parser.add_argument("--mode", choices=["off", "ngram", "draft"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import vllm
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(args.prompts).read_text())
-    speculative_config = spec["speculative_config"] if args.mode == "ngram" else None
+    speculative_config = spec.get("speculative_configs", {"ngram": spec["speculative_config"]}).get(args.mode)
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=spec["max_model_len"],
-              speculative_config=speculative_config, enable_prefix_caching=False)
+              speculative_config=speculative_config, enable_prefix_caching=False,
+              load_format=spec.get("load_format", "auto"), skip_tokenizer_init=not spec.get("tokenizer", True))
 
     def generate(batch: Sequence[Sequence[int]], max_tokens: int) -> tuple[int, float]:
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)

@@ -22,6 +22,7 @@ from vllm_actors.protocol.speculative import parse_speculative_config
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "eagle3"}, "needs 'model'"),
+    ({"model": "draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "must be 1"),
     ("not a dict", "must be a dict"),
 ])
 def test_bad_speculative_configs_are_refused_with_what_is_allowed(given: object, message: str) -> None:
@@ -43,6 +44,8 @@ def test_engine_config_takes_vllms_dict_and_the_cli_json(tmp_path) -> None:  # t
                                                         "num_speculative_tokens": 2}})
     with pytest.raises(ValueError, match="not supported yet"):
         make_engine_config("m", {"speculative_config": {"method": "eagle3", "model": str(tmp_path)}})
+    draft = make_engine_config("m", {"speculative_config": {"model": str(tmp_path), "num_speculative_tokens": 2}})
+    assert draft.speculative_config is not None and draft.speculative_config.method == "draft_model"  # vLLM's spelling
     with pytest.raises(ValueError, match="JSON object"):
         make_engine_config("m", {"speculative_config": "{method: ngram}"})
 

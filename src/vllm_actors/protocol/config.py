@@ -150,6 +150,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.speculative_config = _runnable_speculation(self.speculative_config)
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative_config does not compose with pipeline_parallel_size > 1 yet")
+            if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only "
+                                 "for now (every rank would need the same drafts)")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
                              "serve the adapters with tensor_parallel_size instead")

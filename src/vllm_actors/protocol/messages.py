@@ -151,7 +151,8 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     host_dropped_hashes: list[int] = []
     restored_hashes: list[int] = []
     # Speculative decoding: per drafting request, its drafted tokens (the last of its num_tokens;
-    # the worker verifies them and returns the accepted ones plus one).
+    # the worker verifies them and returns the accepted ones plus one; WORKER_DRAFT (-1) entries:
+    # the worker's draft model proposes them first, protocol/speculative.py).
     draft_token_ids: dict[str, list[int]] = {}
     # Blocks each listed request keeps, the rest of its table given back (they held rejected drafts
     # only): applied after the departures, before anything else of the plan.

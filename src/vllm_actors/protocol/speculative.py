@@ -1,8 +1,9 @@
 """Speculative decoding's configuration in vLLM's keys (``speculative_config={"method": ...}``).
 
 Methods: ``ngram`` (prompt lookup: drafts copied from earlier in the request's own tokens),
-``draft_model`` and ``eagle3`` (a draft model or EAGLE-3 heads at ``model``; accepted and
-validated here, not run yet: the engine refuses them at start with a clear error).
+``draft_model`` (a smaller model of the same vocabulary at ``model``, run by the worker; vLLM's
+spelling without ``method`` means it too) and ``eagle3`` (EAGLE-3 heads at ``model``; validated
+here, not run yet: the engine refuses it at start with a clear error).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any
 import msgspec
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-RUNNABLE_METHODS = ("ngram",)  # the methods this engine runs today
+RUNNABLE_METHODS = ("ngram", "draft_model")  # the methods this engine runs today
 MAX_SPECULATIVE_TOKENS = 32
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+# A drafted token the worker proposes (draft_model): the plan says how many, the worker fills them in.
+WORKER_DRAFT = -1
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+         "draft_tensor_parallel_size")
 _DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min/max when neither is given
 
 
@@ -50,6 +54,8 @@ def parse_speculative_config(config: Mapping[str, Any] | SpeculativeConfig, adap
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {list(_KEYS)}")
     method = config.get("method")
+    if method is None and config.get("model") is not None:
+        method = "draft_model"  # vLLM: a model without a method is a draft model
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config['method'] must be one of {SPECULATIVE_METHODS}, got {method!r}")
     model = config.get("model")
@@ -69,5 +75,8 @@ def parse_speculative_config(config: Mapping[str, Any] | SpeculativeConfig, adap
         raise ValueError(f"speculative_config: method {method!r} needs 'model', the path of the draft checkpoint")
     if "prompt_lookup_max" in config or "prompt_lookup_min" in config:
         raise ValueError(f"speculative_config: prompt_lookup_max/min are for method 'ngram', not {method!r}")
+    if config.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError("speculative_config['draft_tensor_parallel_size'] must be 1: the draft runs unsharded, "
+                         f"got {config['draft_tensor_parallel_size']!r}")
     k = _positive(config, "num_speculative_tokens", 1 if method == "eagle3" else None, MAX_SPECULATIVE_TOKENS)
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=model, adaptive=adaptive)

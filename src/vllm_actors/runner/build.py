@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from vllm_actors.actors.worker.draft_model import DraftProposer
 from vllm_actors.actors.worker.engine import Runner
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.worker import Worker
@@ -74,6 +75,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         tp_graph_draws=tp_graph_draws(), grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
+        drafter=DraftProposer(drafter) if (drafter := getattr(runner, "drafter", None)) is not None else None,
     )
     info = {
         "num_blocks": runner.num_blocks,

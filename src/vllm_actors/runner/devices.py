@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import traceback
+from typing import Any
+
 import torch
 
 _DTYPES = {
@@ -39,3 +43,20 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     if checkpoint_dtype in ("float16", "bfloat16"):
         return _DTYPES[checkpoint_dtype]
     return torch.bfloat16
+
+
+# What a runner holds on the device (a half-built one may lack some)
+_DEVICE_ATTRIBUTES = ("drafter", "model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs",
+                      "_static", "_padded", "_stage_io")
+
+
+def free_after_failed_start(runner: Any, exc: BaseException) -> None:
+    """A runner's start that failed halfway (a graph capture, no memory left) gives its device memory
+    back at once: the error's frames and the half-built runner would otherwise hold it while the
+    caller reports the error (the next engine in the process then finds the GPU full)."""
+    traceback.clear_frames(exc.__traceback__)
+    for name in _DEVICE_ATTRIBUTES:
+        runner.__dict__.pop(name, None)
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()

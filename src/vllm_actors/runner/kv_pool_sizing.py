@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -32,6 +33,10 @@ class KvPoolSizing:
     stage: PipelineStage
     kvp: KvParallel
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_blocks: int
+    max_model_len: int
+    max_blocks_per_seq: int
+    padded_graphs: bool
     _staging_sets: list[dict[str, torch.Tensor]]
     _staging_turn: int
     _profiling: bool
@@ -45,11 +50,29 @@ class KvPoolSizing:
     def _wants_padded_graphs(self) -> bool:
         raise NotImplementedError
 
+    def capture_graphs(self) -> None:
+        raise NotImplementedError
+
+    def take_pool(self, num_blocks: int, max_model_len: int, enforce_eager: bool) -> None:
+        """A draft model's pool, once the target sized its own: the same number of blocks (the
+        same block ids); then its decode graphs (``draft_model.py``)."""
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self.config = msgspec.structs.replace(self.config, enforce_eager=enforce_eager)
+        self.padded_graphs = False
+        self.capture_graphs()
+
     @property
     def bytes_per_block(self) -> int:
+        """A block's bytes over every layer, a draft model's layers included (they share the block ids)."""
         mc = self.local_config
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        own = 2 * len(self.model.stage_layers()) * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        drafter = getattr(self, "drafter", None)
+        return own + (drafter.bytes_per_block if drafter is not None else 0)
 
     def _choose_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_gpu_blocks_override is not None:

@@ -17,15 +17,14 @@ of a profiling pass of the largest step (twice that with padded graphs: their po
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
 With ``calculate_kv_scales`` the first real step runs eagerly and sets the fp8 scales from its amax.
 Sleep mode (``sleep_mode.py``) frees the weights and the KV cache and brings them back; the CUDA
-graphs are captured again after a wake.
+graphs are captured again after a wake. A draft model (speculative decoding) runs beside the model
+in ``drafter`` (``draft_model.py``), its KV under the same block ids.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import time
-import traceback
 
 import numpy as np
 import structlog
@@ -44,7 +43,8 @@ from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
-from vllm_actors.runner.devices import resolve_device, resolve_dtype
+from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
+from vllm_actors.runner.draft_model import draft_config
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -62,6 +62,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 class ModelRunner(KvPoolSizing):
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
+    padded_graphs = True  # False for a draft model: its catch-ups run eagerly
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
                  stage: PipelineStage | None = None, kvp: KvParallel | None = None) -> None:
@@ -83,6 +84,9 @@ class ModelRunner(KvPoolSizing):
         limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         try:
+            # speculative decoding's draft model: its weights before the pool, which holds its KV too
+            drafting = draft_config(config, self.model_config, limits.max_model_len)
+            self.drafter = ModelRunner(drafting) if drafting is not None else None
             torch.manual_seed(config.seed)
             self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                        self.stage)
@@ -100,6 +104,8 @@ class ModelRunner(KvPoolSizing):
             self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.take_pool(self.num_blocks, self.max_model_len, config.enforce_eager)
             # the host tier's blocks, the same on every rank
             self.num_host_blocks = self.stage.min_int(
                 self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device), self.device)
@@ -115,7 +121,7 @@ class ModelRunner(KvPoolSizing):
             self.capture_graphs()
             self._sleep = SleepMode(self)
         except BaseException as exc:
-            self._free_after_failed_start(exc)
+            free_after_failed_start(self, exc)
             raise
         log.info(
             "model_runner_ready",
@@ -129,18 +135,6 @@ class ModelRunner(KvPoolSizing):
             cuda_graphs=sorted(self._graphs),
             padded_graphs=sorted(self._padded.graphs) if self._padded else [],
         )
-
-    def _free_after_failed_start(self, exc: BaseException) -> None:
-        """A start that failed halfway (a graph capture, no memory left) gives its device memory back
-        at once: the error's frames and this half-built runner would otherwise hold it while the caller
-        reports the error (the next engine in the process then finds the GPU full)."""
-        traceback.clear_frames(exc.__traceback__)
-        for name in ("model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs", "_static",
-                     "_padded", "_stage_io"):
-            self.__dict__.pop(name, None)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ sleep mode
     @property
@@ -194,7 +188,7 @@ class ModelRunner(KvPoolSizing):
 
     def _wants_padded_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled \
-            and padded_graphs_enabled()
+            and self.padded_graphs and padded_graphs_enabled()
 
     def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
         """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables

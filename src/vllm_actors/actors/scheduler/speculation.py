@@ -1,4 +1,5 @@
-"""Speculative decoding as the scheduler plans it (n-gram drafts; ``ngram``, ``spec_policy``).
+"""Speculative decoding as the scheduler plans it (n-gram drafts; ``ngram``, ``spec_policy``; a
+draft model's drafts are proposed by the worker: the plan holds ``WORKER_DRAFT`` per token it may draft).
 
 One step in flight for a speculating request: its drafts are proposed from its known tokens, so a
 request that drafts is planned only once the result of its previous step is back (other requests
@@ -27,7 +28,7 @@ from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import Acceptance, choose_num_drafts
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.protocol.speculative import SpeculativeConfig
+from vllm_actors.protocol.speculative import WORKER_DRAFT, SpeculativeConfig
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -90,6 +91,8 @@ class Speculator:
         num_drafts = min(room)
         if num_drafts < 1:
             return []
+        if self.config.method == "draft_model":  # the worker's draft model proposes them
+            return [WORKER_DRAFT] * num_drafts
         packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
         found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not found and self.config.adaptive:

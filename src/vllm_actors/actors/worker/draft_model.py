@@ -1,0 +1,171 @@
+"""A draft model's drafts, proposed in the worker just before the target verifies them.
+
+The scheduler plans a drafting request as it does for n-gram drafts, its drafts ``WORKER_DRAFT``
+placeholders (how many it may take, from the drafts-per-step policy); here they are filled in with
+the draft model's greedy tokens, then the step runs and verifies them as any drafts (``verify``).
+Exactness does not depend on the drafts: a draft is kept iff the target's own draw equals it.
+
+The draft model's KV lives in its own tensors under the request's block ids. Per request this keeps
+how many leading tokens have their draft KV written (``valid``) and the drafts written after them
+(right or not: the next proposal keeps those the request's tokens confirm). A proposal runs:
+
+1. a catch-up pass over each drafting request's tokens from ``valid`` to its last token (its whole
+   prompt the first time; in passes of at most ``max_num_tokens`` tokens), whose last logits give
+   the first draft;
+2. one decode-shaped pass per further draft, batched over the requests that still draft, each
+   pass's input ids taken on the device from the previous pass's argmax (no host sync between).
+
+A request speculates only when its previous step is read back (the scheduler holds it to one step
+in flight), so every token it has is on the host. A request re-admitted (preempted, resumed, a hit
+in the prefix cache) starts over from 0: a block's draft KV is only trusted where this worker wrote
+it for this request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import torch
+
+from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, WorkerRequest
+from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.protocol.speculative import WORKER_DRAFT
+
+
+class DraftEngine(Protocol):
+    """The draft model's runner (``runner.draft_model.DraftRunner``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def max_num_tokens(self) -> int: ...
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        """The logits of ``batch.logits_indices``, one row each."""
+        ...
+
+
+@dataclass
+class _DraftKv:
+    valid: int = 0  # leading tokens whose draft KV holds the request's own tokens
+    written: list[int] = field(default_factory=list)  # drafts whose KV follows them, maybe rejected
+
+
+@dataclass
+class _Work:
+    request: WorkerRequest
+    table: list[int]  # its block table with this step's new blocks
+    length: int  # its known tokens (the last one's logits give the first draft)
+    num_drafts: int
+
+
+class DraftProposer:
+    def __init__(self, runner: DraftEngine) -> None:
+        self.runner = runner
+        self._kv: dict[str, _DraftKv] = {}
+        self._fences: list[torch.cuda.Event] = []
+
+    def forget(self, request_id: str) -> None:
+        self._kv.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._kv.clear()
+
+    def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
+        """The plan with its ``WORKER_DRAFT`` placeholders replaced by the draft model's tokens."""
+        new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
+        work: list[_Work] = []
+        for request_id, drafts in plan.draft_token_ids.items():
+            if not drafts or drafts[0] != WORKER_DRAFT:
+                continue
+            request = requests[request_id]
+            work.append(_Work(request, request.block_table + list(new_blocks[request_id]),
+                              len(request.token_ids), len(drafts)))
+        if not work:
+            return plan
+        proposals = self._draft(work)
+        filled = dict(plan.draft_token_ids)
+        for item, drafted in zip(work, proposals, strict=True):
+            filled[item.request.request_id] = drafted
+            self._kv[item.request.request_id] = _DraftKv(item.length, drafted[:-1])
+        return msgspec.structs.replace(plan, draft_token_ids=filled)
+
+    def _draft(self, work: list[_Work]) -> list[list[int]]:
+        self._fences.clear()
+        firsts = self._catch_up(work)
+        passes: list[tuple[list[int], torch.Tensor]] = [(list(range(len(work))), firsts)]
+        for position in range(1, max(item.num_drafts for item in work)):
+            previous_rows, previous = passes[-1]
+            row_of = {index: row for row, index in enumerate(previous_rows)}
+            active = [index for index in previous_rows if work[index].num_drafts > position]
+            batch = BatchInput(
+                token_ids=[0] * len(active),  # filled on the device from the previous pass's tokens
+                positions=[work[index].length - 1 + position for index in active],
+                query_lens=[1] * len(active),
+                seq_lens=[work[index].length + position for index in active],
+                block_tables=[work[index].table for index in active],
+                logits_indices=list(range(len(active))),
+                deferred=DeferredInputs(list(range(len(active))), previous, [row_of[index] for index in active]),
+            )
+            passes.append((active, self._run(batch)))
+        host = torch.cat([chosen for _, chosen in passes]).tolist()  # the one wait on the device
+        proposals: list[list[int]] = [[] for _ in work]
+        offset = 0
+        for rows, _ in passes:
+            for row, index in enumerate(rows):
+                proposals[index].append(host[offset + row])
+            offset += len(rows)
+        return proposals
+
+    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
+        """Each request's draft KV brought up to its last token (confirmed drafts kept); the draft
+        model's greedy token after it, per request, on the device."""
+        cursor = []
+        for item in work:
+            kv = self._kv.get(item.request.request_id, _DraftKv())
+            confirmed = 0
+            tokens = item.request.token_ids
+            while (confirmed < len(kv.written) and kv.valid + confirmed < item.length - 1
+                   and tokens[kv.valid + confirmed] == kv.written[confirmed]):
+                confirmed += 1
+            cursor.append(min(kv.valid + confirmed, item.length - 1))
+        firsts: list[torch.Tensor | None] = [None] * len(work)
+        while any(start < item.length for start, item in zip(cursor, work, strict=True)):
+            batch = BatchInput([], [], [], [], [], [])
+            budget = self.runner.max_num_tokens
+            finishing: list[int] = []
+            for index, item in enumerate(work):
+                start = cursor[index]
+                count = min(item.length - start, budget)
+                if count <= 0:
+                    continue
+                batch.token_ids.extend(item.request.token_ids[start : start + count])
+                batch.positions.extend(range(start, start + count))
+                batch.query_lens.append(count)
+                batch.seq_lens.append(start + count)
+                batch.block_tables.append(item.table)
+                cursor[index] += count
+                budget -= count
+                if cursor[index] == item.length:
+                    finishing.append(index)
+                    batch.logits_indices.append(len(batch.token_ids) - 1)
+            chosen = self._run(batch)
+            for row, index in enumerate(finishing):
+                firsts[index] = chosen[row : row + 1]
+        return torch.cat([first for first in firsts if first is not None])
+
+    def _run(self, batch: BatchInput) -> torch.Tensor:
+        """One draft pass: its greedy tokens on the device. On a GPU a pass's host buffers are
+        reused two passes later: the pass before the last must be done before they are refilled."""
+        if len(self._fences) >= 2:
+            self._fences[-2].synchronize()
+        chosen = self.runner.execute(batch).argmax(dim=-1)
+        if self.runner.device.type == "cuda":
+            fence = torch.cuda.Event()
+            fence.record()
+            self._fences.append(fence)
+        return chosen
