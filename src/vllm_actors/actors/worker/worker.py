@@ -36,8 +36,8 @@ from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
-from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.draft_model import DraftProposer
+from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
