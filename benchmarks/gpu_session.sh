@@ -30,6 +30,8 @@
 #           warm machine finds it: the engine then attends prefills through it where it measured faster),
 #           prefillprof (where a long prefill's time goes: benchmarks/prefill_profile.py once per PROFILE_RUNS entry,
 #           "name|ENV=V ...|arguments" separated by ";"; results in $out/prefill_profile-NAME.json and prefill_profile.log),
+#           waitvllm (wait for /tmp/vsite/.ready, which a background vLLM install touches when done),
+#           lora (benchmarks/lora_throughput.py, ours then vLLM, with the arguments after `--`; results in $out/lora.log),
 #           py (python3 with the arguments after `--`, e.g. a probe script; its console in $out/py.log),
 #           pytest (the GPU-marked tests of the files after `--`, -rf: each failure named; results in $out/pytest.log),
 #           decodelong (batch-1 decode attention at 128k-1M keys: splits and tiles against the copy bandwidth,
@@ -77,10 +79,14 @@ cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
 mkdir -p "$out"
 # A fresh target each call: pip keeps a stale copy when installing into an existing --target.
-site=$(mktemp -d /tmp/site-XXXXXX)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-  && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$site" . \
-  || { echo "install failed"; exit 1; }
+# VA_SITE: a site a caller installed already (lanes.sh installs once for all its lanes).
+if [ -n "${VA_SITE:-}" ] && [ -d "$VA_SITE/vllm_actors" ]; then site=$VA_SITE
+else
+  site=$(mktemp -d /tmp/site-XXXXXX)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$site" . \
+    || { echo "install failed"; exit 1; }
+fi
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
 # flash-attn 4, where the fa4 stage installed it: appended (the machine's torch and CUDA packages come first);
 # nvidia-cutlass-dsl's `cutlass` package sits in dsl_packages (its .pth file is skipped by pip --target)
@@ -142,6 +148,12 @@ for stage in "${stages[@]}"; do
                   # shellcheck disable=SC2086 # the flags are word-split on purpose
                   timeout 580 python3 benchmarks/prefill_attention.py --out "$out/prefill" ${PREFILL_ARGS:-} 2>&1 \
                     | tee "$out/prefillbench.log" | tail -60 ;;
+    waitvllm) # until a background `.vllmpeer/assemble.sh && touch /tmp/vsite/.ready` is done (at most 300 s)
+      for _ in $(seq 300); do [ -f /tmp/vsite/.ready ] && break; sleep 1; done; [ -f /tmp/vsite/.ready ] ;;
+    lora) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its site first)
+      timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee "$out/lora.log" | tail -12
+      PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 280 python3 benchmarks/lora_throughput.py --engine vllm "$@" 2>&1 \
+        | tee -a "$out/lora.log" | tail -12 ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
     sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"

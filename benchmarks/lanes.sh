@@ -8,6 +8,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
+# One install for every lane: concurrent `pip install .` runs share its build folder and fail.
+VA_SITE=$(mktemp -d /tmp/site-XXXXXX); export VA_SITE
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$VA_SITE" .whl/*.whl \
+  && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$VA_SITE" . \
+  || { echo "install failed"; exit 1; }
 pids=()
 for lane in "$@"; do
   gpu=${lane%%|*}; stages=${lane#*|}; name=${gpu//,/-}  # "2,3": two GPUs, lane2-3
@@ -15,7 +20,7 @@ for lane in "$@"; do
   # shellcheck disable=SC2086 # the stages are word-split on purpose
   CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$name" LONGCTX_DIR=/tmp/longctx-$name \
     timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$name.log" 2>&1 &
-  pids+=($!); sleep 25  # one install at a time: concurrent `pip install .` share its build folder
+  pids+=($!)
 done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
