@@ -1,4 +1,5 @@
-"""On two GPUs: KVP=2 (NCCL all-gather of every layer's partial attention) greedy token-identical to
+"""On two GPUs: KVP=2 (each rank's partial attention on the Triton kernels, decode steps in CUDA
+graphs with the NCCL all-gather of every layer's partials captured too) greedy token-identical to
 one GPU in float32, with logprobs within 1e-3, on the tiny Qwen3 (one KV head) and Llama (six KV
 heads) checkpoints of the CPU tests, with preemption and chunked prefill; a 1,000-token prompt in
 16 chunks too; on four GPUs KVP=2 x TP=2 as well.
@@ -23,7 +24,7 @@ from vllm_actors import LLM, SamplingParams
 def _generate(path: Path, prompts: list[list[int]], **engine: Any) -> tuple[list[list[int]], list[list[float]]]:
     with LLM(str(path), dtype="float32", seed=0, **engine) as llm:
         if engine.get("kv_parallel_size", 1) > 1:
-            assert llm.group is not None and llm.group.worker_info["attention"] == "torch+kv_parallel"
+            assert llm.group is not None and llm.group.worker_info["attention"] == "triton+kv_parallel"
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
         scored = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     logprobs = [[entry[token].logprob for entry, token in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids,

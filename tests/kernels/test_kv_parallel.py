@@ -5,8 +5,6 @@ cap; the backend of each rank stores only its own tokens' K/V, into its local bl
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -17,9 +15,10 @@ from vllm_actors.kernels.kv_parallel import (
     merge_partials,
     partial_paged_attention,
 )
+from vllm_actors.kernels.kv_parallel_gpu import GpuPartialAttention
 
 BLOCK = 4
-HEADS, KV_HEADS, DIM = 4, 2, 8
+HEADS, KV_HEADS, DIM = 4, 2, 16  # the Triton kernels' smallest head_dim
 
 
 def _batch(size: int, seed: int) -> tuple[list[int], list[int], list[list[int]], int]:
@@ -64,48 +63,44 @@ def test_local_slots_keep_only_the_ranks_own_blocks() -> None:
     assert local_slots(slots, BLOCK, rank=1, size=2).tolist() == [-1, 1, -1, 6, 11, -1]
 
 
-def test_each_rank_stores_its_own_tokens_and_the_merged_output_is_exact() -> None:
-    """The backend of every rank in threads, their all-gather a barrier: each rank's local cache
-    ends up with its share of the global cache, and each returns the reference output."""
+@pytest.mark.parametrize("kernels", [False, True])
+def test_each_rank_stores_its_own_tokens_and_the_merged_output_is_exact(kernels: bool) -> None:
+    """The backend of every rank, their all-gather played in two passes (each rank's partial first,
+    then every rank again with all of them; the second K/V write stores the same values): each
+    rank's local cache ends up with its share of the global cache, and each returns the reference
+    output; on the torch loop, and on the Triton kernels (interpreted, float32: to its tolerance)."""
     size = 2
+    dtype = torch.float32 if kernels else torch.float64
+    tolerance = 1e-5 if kernels else 1e-12
     query_lens, seq_lens, tables, num_blocks = _batch(size, seed=7)
     query_lens = list(seq_lens)  # all new: every token's K/V is written this step
     meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK)
     generator = torch.Generator().manual_seed(2)
     tokens = sum(query_lens)
-    q = torch.randn(tokens, HEADS, DIM, generator=generator, dtype=torch.float64)
-    k = torch.randn(tokens, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
-    v = torch.randn(tokens, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    q = torch.randn(tokens, HEADS, DIM, generator=generator, dtype=dtype)
+    k = torch.randn(tokens, KV_HEADS, DIM, generator=generator, dtype=dtype)
+    v = torch.randn(tokens, KV_HEADS, DIM, generator=generator, dtype=dtype)
     shape = (num_blocks, BLOCK, KV_HEADS, DIM)
     k_global, v_global = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
-    want = TorchPagedAttention().forward(q, k, v, k_global, v_global, meta, 0.3)
+    want = TorchPagedAttention().forward(q.double(), k.double(), v.double(), k_global, v_global, meta, 0.3)
 
-    barrier = threading.Barrier(size)
-    shared: list[torch.Tensor | None] = [None] * size
+    partials: dict[int, torch.Tensor] = {}
     results: dict[int, torch.Tensor] = {}
-    locals_ = {rank: (torch.zeros((num_blocks // size, *shape[1:]), dtype=torch.float64),
-                      torch.zeros((num_blocks // size, *shape[1:]), dtype=torch.float64)) for rank in range(size)}
+    locals_ = {rank: (torch.zeros((num_blocks // size, *shape[1:]), dtype=dtype),
+                      torch.zeros((num_blocks // size, *shape[1:]), dtype=dtype)) for rank in range(size)}
+    for second in (False, True):
+        for rank in range(size):
+            def exchange(x: torch.Tensor, rank: int = rank, second: bool = second) -> torch.Tensor:
+                partials[rank] = x
+                return torch.stack([partials[r] for r in range(size)]) if second else x.expand(size, *x.shape)
 
-    def run(rank: int) -> None:
-        def exchange(x: torch.Tensor) -> torch.Tensor:
-            shared[rank] = x
-            barrier.wait()
-            stacked = torch.stack([part for part in shared if part is not None])
-            barrier.wait()
-            return stacked
-
-        backend = KvParallelAttention(rank, size, BLOCK, exchange)
-        results[rank] = backend.forward(q, k, v, *locals_[rank], backend.prepare(meta), 0.3)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+            backend = KvParallelAttention(rank, size, BLOCK, exchange, GpuPartialAttention() if kernels else None)
+            assert backend.name == ("triton+kv_parallel" if kernels else "torch+kv_parallel")
+            results[rank] = backend.forward(q, k, v, *locals_[rank], backend.prepare(meta), 0.3)
     for rank in range(size):
-        torch.testing.assert_close(results[rank], want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(locals_[rank][0], k_global[rank::size], rtol=0, atol=0)
-        torch.testing.assert_close(locals_[rank][1], v_global[rank::size], rtol=0, atol=0)
+        torch.testing.assert_close(results[rank].double(), want, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(locals_[rank][0].double(), k_global[rank::size], rtol=0, atol=0)
+        torch.testing.assert_close(locals_[rank][1].double(), v_global[rank::size], rtol=0, atol=0)
 
 
 def test_bad_rank_is_a_value_error() -> None:

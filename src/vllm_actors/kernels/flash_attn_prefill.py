@@ -161,11 +161,12 @@ class FlashAttnPrefill:
     ) -> bool:
         """Whether this step goes to flash-attn; a layer with a window or a soft cap only when the
         installed function takes them."""
-        if (sliding_window is not None or logits_soft_cap is not None) and not takes_layer_options(self._func()):
+        if (sliding_window is not None or logits_soft_cap is not None) and not takes_layer_options(self.function()):
             return False
         return self.kernel(q, k_cache, v_cache, meta) == "flash_attn"
 
-    def _func(self) -> VarlenFunc:
+    def function(self) -> VarlenFunc:
+        """``flash_attn_varlen_func`` (or the stand-in given), imported on first use."""
         if self._varlen is None:
             self._varlen = _load_varlen()
         return self._varlen
@@ -182,7 +183,7 @@ class FlashAttnPrefill:
     ) -> torch.Tensor:
         """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
         arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
-        out = self._func()(**arguments)
+        out = self.function()(**arguments)
         return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
 

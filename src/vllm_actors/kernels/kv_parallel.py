@@ -11,19 +11,29 @@ change). Its output ``o_r`` (normalised by its own softmax sum) and ``lse_r`` (t
 per layer, whose size does not grow with the context, and every rank merges them alike:
 ``o = sum_r exp(lse_r - L) o_r`` with ``L = logsumexp_r lse_r``.
 
-The attention here is a torch loop over the sequences (the CPU's engine, and the reference of a
-kernel test against plain attention in float64); GPU kernels returning the LSE are not written yet.
+The attention here is a torch loop over the sequences (the CPU's engine, and the reference of the
+kernel tests against plain attention in float64). Given ``kernels`` (on CUDA), the rank attends on
+the GPU kernels instead (``kv_parallel_gpu.py``): its share of the blocks is worked out once a step
+on the device (``prepare``, ``kv_parallel_share.py``), the K/V write skips other ranks' tokens by
+their slot -1, and nothing syncs with the host, so decode and padded steps run in CUDA graphs (the
+all-gather is NCCL's ``all_gather_into_tensor``, capturable). Layers with a sliding window stay on
+the torch loop, eagerly (``capturable`` is False for such a model).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.attention import AttentionMetadata, check_attention_options, write_kv_cache
+from vllm_actors.kernels.kv_parallel_share import RankShare, merge_partials, rank_share
+
+if TYPE_CHECKING:
+    from vllm_actors.kernels.kv_parallel_gpu import GpuPartialAttention
 
 # Stacks every KV-parallel rank's tensor: [T, H, D + 1] on each rank -> [size, T, H, D + 1], in rank order.
 Exchange = Callable[[torch.Tensor], torch.Tensor]
@@ -98,28 +108,40 @@ def partial_paged_attention(
     return out, lse
 
 
-def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """The exact attention from every rank's partial: ``outputs`` [R, T, H, D], ``lses`` [R, T, H]."""
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - torch.where(torch.isinf(total), 0.0, total))  # 0 for a rank with no key
-    return (weights.unsqueeze(-1) * outputs).sum(dim=0)
+@dataclasses.dataclass
+class KvParallelMetadata(AttentionMetadata):
+    """A step's metadata on a rank attending on the GPU kernels: its share of the blocks too."""
+
+    share: RankShare | None = None
 
 
 class KvParallelAttention:
-    """The attention backend of one KV-parallel rank (``size`` ranks, ``exchange`` their all-gather)."""
+    """The attention backend of one KV-parallel rank (``size`` ranks, ``exchange`` their all-gather);
+    ``kernels``: the GPU path (None: the torch loop); ``capturable``: whether its steps may be
+    captured in CUDA graphs (the GPU path, no layer on the torch loop)."""
 
-    name = "torch+kv_parallel"
-
-    def __init__(self, rank: int, size: int, block_size: int, exchange: Exchange) -> None:
+    def __init__(self, rank: int, size: int, block_size: int, exchange: Exchange,
+                 kernels: GpuPartialAttention | None = None, capturable: bool = False) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"KV-parallel rank {rank} outside a group of {size}")
         self.rank, self.size, self.block_size, self.exchange = rank, size, block_size, exchange
+        self.kernels = kernels
+        self.capturable = capturable and kernels is not None
+
+    @property
+    def name(self) -> str:
+        return "torch+kv_parallel" if self.kernels is None else "triton+kv_parallel"
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata with its slots in this rank's cache (-1: another rank's block), so
-        that a fused K/V write in the model stores only this rank's tokens."""
-        return dataclasses.replace(meta, slot_mapping=local_slots(meta.slot_mapping, self.block_size,
+        that a fused K/V write in the model stores only this rank's tokens; on the GPU path, with
+        the rank's share of every sequence's blocks."""
+        meta = dataclasses.replace(meta, slot_mapping=local_slots(meta.slot_mapping, self.block_size,
                                                                   self.rank, self.size))
+        if self.kernels is None:
+            return meta
+        fields = {field.name: getattr(meta, field.name) for field in dataclasses.fields(AttentionMetadata)}
+        return KvParallelMetadata(**fields, share=rank_share(meta, self.rank, self.size, self.block_size))
 
     def forward(
         self,
@@ -137,13 +159,22 @@ class KvParallelAttention:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """``meta``: from ``prepare`` (local slots). The merged attention output [T, H, D]."""
-        if not kv_written:
-            mine = torch.nonzero(meta.slot_mapping >= 0).flatten()
-            if mine.numel():
-                write_kv_cache(k.index_select(0, mine), v.index_select(0, mine), k_cache, v_cache,
-                               meta.slot_mapping.index_select(0, mine), k_scale, v_scale)
-        out, lse = partial_paged_attention(q, k_cache, v_cache, meta, self.rank, self.size, scale, k_scale, v_scale,
-                                           sliding_window, logits_soft_cap)
+        share = meta.share if isinstance(meta, KvParallelMetadata) else None
+        if self.kernels is not None and share is not None and sliding_window is None:
+            if not kv_written:
+                from vllm_actors.kernels.triton_paged import write_kv_cache_triton
+
+                write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)  # -1: skipped
+            out, lse = self.kernels(q, k_cache, v_cache, meta, share, self.size, scale, k_scale, v_scale,
+                                    logits_soft_cap)
+        else:
+            if not kv_written:
+                mine = torch.nonzero(meta.slot_mapping >= 0).flatten()
+                if mine.numel():
+                    write_kv_cache(k.index_select(0, mine), v.index_select(0, mine), k_cache, v_cache,
+                                   meta.slot_mapping.index_select(0, mine), k_scale, v_scale)
+            out, lse = partial_paged_attention(q, k_cache, v_cache, meta, self.rank, self.size, scale, k_scale,
+                                               v_scale, sliding_window, logits_soft_cap)
         gathered = self.exchange(torch.cat((out, lse.unsqueeze(-1)), dim=-1))  # [size, T, H, D + 1]
         head_dim = q.shape[-1]
         return merge_partials(gathered[..., :head_dim], gathered[..., head_dim]).to(q.dtype)

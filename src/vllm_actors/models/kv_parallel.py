@@ -11,12 +11,16 @@ Global rank 0 samples and broadcasts the chosen ids to every rank of the replica
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from vllm_actors.kernels.choice import use_triton
 from vllm_actors.kernels.kv_parallel import KvParallelAttention
+
+if TYPE_CHECKING:
+    from vllm_actors.kernels.kv_parallel_gpu import GpuPartialAttention
 from vllm_actors.models.parallel import min_over_group
 
 
@@ -54,9 +58,18 @@ class KvParallel:
         return -(-num_blocks // self.size)
 
     def install(self, model: Any, block_size: int) -> None:
-        """Give ``model`` (a ``CausalLM``) the KV-parallel attention backend."""
+        """Give ``model`` (a ``CausalLM``) the KV-parallel attention backend: on the GPU kernels where
+        the attention setting picks Triton for the model's device (CUDA), else the torch loop."""
         if self.enabled:
-            model.attn_backend = KvParallelAttention(self.rank, self.size, block_size, self.all_gather)
+            kernels = gpu_partial_attention(next(model.parameters()).device)
+            windows = any(model.config.layer_sliding_window(layer) is not None
+                          for layer in range(model.config.num_hidden_layers))
+            model.attn_backend = KvParallelAttention(self.rank, self.size, block_size, self.all_gather, kernels,
+                                                     capturable=not windows)
+
+    def graphs_allowed(self, model: Any) -> bool:
+        """Whether ``model``'s steps may be captured in CUDA graphs as far as KV parallelism goes."""
+        return not self.enabled or bool(getattr(model.attn_backend, "capturable", False))
 
     def world_ranks(self) -> WorldRanks:
         return WorldRanks(rank=self.global_rank, size=self.world_size)
@@ -74,6 +87,21 @@ class WorldRanks:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(x, src=src)
         return x
+
+
+def gpu_partial_attention(device: torch.device) -> GpuPartialAttention | None:
+    """The GPU kernels' partial attention for ``device`` (flash-attn 4 for long prefills where it
+    runs), or None for the torch loop (``VLLM_ACTORS_ATTENTION``'s rule, ``kernels/choice.py``)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    if not use_triton("VLLM_ACTORS_ATTENTION", True, device):
+        return None
+    from vllm_actors.kernels.flash_attn_prefill import flash_attn_prefill_for
+    from vllm_actors.kernels.kv_parallel_gpu import GpuPartialAttention
+
+    return GpuPartialAttention(flash_attn_prefill_for(device))
 
 
 def join_kv_parallel(global_rank: int, tp_size: int, kv_size: int) -> KvParallel:

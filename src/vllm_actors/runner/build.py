@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import msgspec
 import torch
 
 from vllm_actors.actors.worker.draft_model import DraftProposer
@@ -58,21 +57,20 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
     tensor-parallel group, joined already; ``incarnation``: 0 for a first start (a restarted rank of
     a group drops plans until the reset plan); ``runner``: injected (tests), else a ``ModelRunner``
     loads ``config.model``; ``stage``: its pipeline stage (none: the whole model); ``kvp``: its
-    KV-parallel rank (its attention runs eagerly: no CUDA graphs; global rank 0 samples)."""
+    KV-parallel rank (global rank 0 samples and broadcasts, in graphs too)."""
     stage = stage or PipelineStage()
     kvp = kvp or KvParallel()
     if runner is None:
         from vllm_actors.runner.model_runner import ModelRunner
 
-        if kvp.enabled:
-            config = msgspec.structs.replace(config, enforce_eager=True)
         runner = ModelRunner(config, tp, stage, kvp)
     shape = runner.model_config
     ranks: Ranks = kvp.world_ranks() if kvp.enabled else runner.tp
     grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
     worker = Worker(
         runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps() and not stage.enabled,
-        tp_graph_draws=tp_graph_draws(), grammars=grammars,
+        tp_graph_draws=tp_graph_draws() and not kvp.enabled,  # KVP: rank 0 draws, broadcasts
+        grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
         drafter=DraftProposer(drafter) if (drafter := getattr(runner, "drafter", None)) is not None else None,

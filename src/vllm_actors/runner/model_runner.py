@@ -175,8 +175,8 @@ class ModelRunner(KvPoolSizing):
                            self.device, self.dtype)
 
     def capture_graphs(self) -> None:
-        # KV parallelism attends through a torch loop per rank: eager (GPU kernels with LSE output are to come)
-        if self.device.type == "cuda" and not self.config.enforce_eager and not self.kvp.enabled:
+        # KV parallelism on the torch loop (a sliding window) runs eagerly
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.kvp.graphs_allowed(self.model):
             self._capture_decode_graphs()
 
     def drop_graphs(self) -> None:
