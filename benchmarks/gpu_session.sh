@@ -33,7 +33,8 @@
 #           waitvllm (wait for /tmp/vsite/.ready, which a background vLLM install touches when done),
 #           lora (benchmarks/lora_throughput.py, ours then vLLM, with the arguments after `--`; results in $out/lora.log),
 #           py (python3 with the arguments after `--`, e.g. a probe script; its console in $out/py.log),
-#           pytest (the GPU-marked tests of the files after `--`, -rf: each failure named; results in $out/pytest.log),
+#           pytest (the GPU-marked tests of the files after `--`, one pytest per file (PYTEST_FILE_TIMEOUT, default 300 s;
+#           PYTEST_TEST_TIMEOUT per test, 150 s), failures with short tracebacks; results in $out/pytest.log),
 #           decodelong (batch-1 decode attention at 128k-1M keys: splits and tiles against the copy bandwidth,
 #           benchmarks/decode_long.py, DECODE_LONG_ARGS for its flags; results in $out/decode_long),
 #           prefillbench (Triton varlen vs flash-attn 4 prefill attention at long context,
@@ -129,7 +130,10 @@ for stage in "${stages[@]}"; do
         env $envs timeout 300 python3 benchmarks/prefill_profile.py $args --out "$out/prefill_profile-$name.json" 2>&1 \
           | tee -a "$out/prefill_profile.log" | tail -45; done ;;
     py) timeout 560 python3 "$@" 2>&1 | tee "$out/py.log" | tail -40 ;;
-    pytest) timeout 560 python3 -m pytest -v -p no:cacheprovider -rf --timeout 200 -m gpu "$@" 2>&1 | tee "$out/pytest.log" | tail -30 ;;
+    pytest) # one pytest per file, so that a lane stopped mid-way still brings back each finished file's failures
+      for file in "$@"; do timeout "${PYTEST_FILE_TIMEOUT:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider -rf \
+          --timeout "${PYTEST_TEST_TIMEOUT:-150}" -m gpu "$file" 2>&1 | tee -a "$out/pytest.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+      done ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
     kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The repository instead of this folder: benchmarks/kernels.py would shadow the `kernels` package vLLM imports
+# (it parses this script's arguments at import).
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
