@@ -51,8 +51,8 @@ from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 # settings that must match for --append to add to an earlier report
 SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
                  "pipeline_parallel_size", "kv_parallel_size", "max_num_batched_tokens", "kv_cache_dtype",
-                 "output_len")
-SETTING_DEFAULTS = {"kv_parallel_size": 1}  # for reports written before the setting
+                 "output_len", "block_size")
+SETTING_DEFAULTS = {"kv_parallel_size": 1, "block_size": None}  # for reports written before the setting
 
 
 def _context(text: str) -> int:
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the prefill chunk (ours and vLLM; default: each engine's): C chunks of a prompt over "
                             "P stages take (C+P-1)/(C*P) of one stage's time at best")
     model.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto")
+    model.add_argument("--block-size", type=int, default=None,
+                       help="KV block (page) size of every engine; default: each engine's (16 here and in vLLM)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="ours and vLLM")
     model.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="default: SGLang's")
     model.add_argument("--engines", nargs="+", choices=ENGINE_ORDER, default=["ours", "vllm"],
@@ -137,6 +139,7 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         "--pipeline-parallel-size", str(args.pipeline_parallel_size),
         *(["--kv-parallel-size", str(args.kv_parallel_size)] if args.kv_parallel_size > 1 else []),
         *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
+        *(["--block-size", str(args.block_size)] if args.block_size else []),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--vocab-size", str(vocab_size),
     ]

@@ -35,6 +35,8 @@ def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
     return kwargs
 
 

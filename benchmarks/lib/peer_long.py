@@ -198,6 +198,8 @@ class VllmEngine:
             kwargs["pipeline_parallel_size"] = a.pipeline_parallel_size
         if a.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+        if a.block_size:
+            kwargs["block_size"] = a.block_size
         self.llm = LLM(**kwargs)
         settings: dict[str, Any] = {"version": vllm.__version__, "arguments": kwargs}
         try:  # what vLLM resolved (attribute names move between versions)
@@ -265,6 +267,8 @@ class SglangEngine:
             kwargs["chunked_prefill_size"] = a.max_num_batched_tokens
         if a.mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = a.mem_fraction_static
+        if a.block_size:
+            kwargs["page_size"] = a.block_size
         self.engine = sglang.Engine(**kwargs)
         return {"version": sglang.__version__, "arguments": kwargs,
                 "server_args": as_plain_dict(self.engine.server_args)}
@@ -305,6 +309,7 @@ def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentPars
     parser.add_argument("--kv-parallel-size", type=int, default=1, help="ours only")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block (page) size; default: the engine's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's; its default if not given")
     parser.add_argument("--seed", type=int, default=0)
