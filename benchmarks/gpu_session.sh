@@ -131,6 +131,7 @@ for stage in "${stages[@]}"; do
           | tee -a "$out/prefill_profile.log" | tail -45; done ;;
     py) timeout 560 python3 "$@" 2>&1 | tee "$out/py.log" | tail -40 ;;
     pytest) # one pytest per file, so that a lane stopped mid-way still brings back each finished file's failures
+      export GPU_TEST_DUMP_DIR=$out/dumps  # hang reports of tests stopped by the timeout (tests/gpu/conftest.py)
       for file in "$@"; do timeout "${PYTEST_FILE_TIMEOUT:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider -rf \
           --timeout "${PYTEST_TEST_TIMEOUT:-150}" -m gpu "$file" 2>&1 | tee -a "$out/pytest.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
       done ;;

@@ -67,7 +67,8 @@ def test_pp2_long_prompt_in_many_chunks_equals_pp1(tiny_qwen3_tp: Path) -> None:
     assert got == want
 
 
-def test_pp2_stages_replay_decode_graphs(tiny_qwen3_tp: Path) -> None:
+def test_pp2_stages_replay_decode_graphs(tiny_qwen3_tp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ACTORS_LOG_LEVEL", "INFO")  # cuda_graphs_captured is an INFO line (default: WARNING)
     prompts = _prompts(500, count=12, longest=120)
     engine = dict(num_gpu_blocks_override=64, max_num_batched_tokens=256)
     captured: list[str] = []

@@ -45,12 +45,22 @@ def _run(target: Path, draft: Path | None, enforce_eager: bool,
         return [list(output.outputs[0].token_ids) for output in outputs], llm.get_metrics().spec_decode
 
 
+def _first_difference(got: list[list[int]], expected: list[list[int]]) -> str:
+    """Where the outputs part (a wrong token from the first rows, or a run that stopped short)."""
+    for row, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        if ours != theirs:
+            return (f"row {row} parts at output {at}: {ours[at:at + 4]} against "
+                    f"{theirs[at:at + 4]} ({len(ours)} and {len(theirs)} tokens)")
+    return "none"
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_draft_model_on_gpu_gives_the_tokens_of_no_speculation(tiny_qwen3: Path, one_layer_draft: Path,
                                                                 enforce_eager: bool) -> None:
     expected, _ = _run(tiny_qwen3, None, enforce_eager, PARAMS)
     got, spec = _run(tiny_qwen3, one_layer_draft, enforce_eager, PARAMS)
-    assert got == expected
+    assert got == expected, f"first difference: {_first_difference(got, expected)}; {spec}"
     assert spec.num_draft_tokens > 0
 
 
@@ -58,7 +68,7 @@ def test_the_target_as_its_own_draft_on_gpu_has_its_drafts_accepted(tiny_qwen3: 
     greedy = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * len(PROMPTS)
     expected, _ = _run(tiny_qwen3, None, False, greedy)
     got, spec = _run(tiny_qwen3, tiny_qwen3, False, greedy)
-    assert got == expected
+    assert got == expected, f"first difference: {_first_difference(got, expected)}; {spec}"
     # the draft's decode graphs and the target's verification pass differ in shape: float32 rounding
     # may flip a near tie, nothing more
     assert spec.num_accepted_tokens >= 0.95 * spec.num_draft_tokens > 0

@@ -11,11 +11,13 @@
   supervisor's monitor declares it hung. Lines are written whole under one lock, with ``os.write``
   (no buffered stream a daemon thread could hold at interpreter exit), and a ping is skipped rather
   than blocking when the pipe is full;
-- SIGTERM or SIGINT set the stop event (``install_signal_handlers``).
+- SIGTERM or SIGINT set the stop event (``install_signal_handlers``); SIGUSR1 writes every
+  thread's Python stack to stderr (the actor's log file) and goes on: where a hung actor waits.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -145,3 +147,4 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: its stacks, on stderr
