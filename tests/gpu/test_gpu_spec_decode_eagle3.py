@@ -16,18 +16,11 @@ import pytest
 import torch
 
 from tests.engine.test_spec_decode_eagle3 import build_head, reference_drafts
+from tests.gpu.test_gpu_spec_decode_draft import PARAMS, PROMPTS
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.protocol.speculative import parse_speculative_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-PROMPTS = [[(i * 7 + j * 3) % 500 for j in range(5 + 23 * i)] for i in range(4)]
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
-    SamplingParams(temperature=0.8, seed=7, max_tokens=48, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, presence_penalty=0.3),  # does not speculate
-]
 
 
 @pytest.fixture(scope="module")

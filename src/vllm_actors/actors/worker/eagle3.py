@@ -22,15 +22,13 @@ cached blocks are the target's for the same tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 import torch
 
+from vllm_actors.actors.worker.draft_model import DraftWork, drafting_work, read_passes, with_drafts
 from vllm_actors.actors.worker.step_data import BatchInput, WorkerRequest
 from vllm_actors.protocol.messages import StepPlan
-from vllm_actors.protocol.speculative import WORKER_DRAFT
 
 
 class HeadEngine(Protocol):
@@ -43,14 +41,6 @@ class HeadEngine(Protocol):
                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft ids, pre-norm outputs) of ``batch.logits_indices``."""
         ...
-
-
-@dataclass
-class _Work:
-    request: WorkerRequest
-    table: list[int]  # its block table with this step's new blocks
-    length: int  # its known tokens
-    num_drafts: int
 
 
 class Eagle3Proposer:
@@ -66,24 +56,15 @@ class Eagle3Proposer:
 
     def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
         """The plan with its ``WORKER_DRAFT`` placeholders replaced by the head's tokens."""
-        new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
-        work: list[_Work] = []
-        for request_id, drafts in plan.draft_token_ids.items():
-            if not drafts or drafts[0] != WORKER_DRAFT:
-                continue
-            request = requests[request_id]
-            work.append(_Work(request, request.block_table + list(new_blocks[request_id]),
-                              len(request.token_ids), len(drafts)))
+        work = drafting_work(plan, requests)
         if not work:
             return plan
         proposals = self._draft(work)
-        filled = dict(plan.draft_token_ids)
-        for item, drafted in zip(work, proposals, strict=True):
-            filled[item.request.request_id] = drafted
+        for item in work:
             self._valid[item.request.request_id] = item.length - 1
-        return msgspec.structs.replace(plan, draft_token_ids=filled)
+        return with_drafts(plan, work, proposals)
 
-    def _draft(self, work: list[_Work]) -> list[list[int]]:
+    def _draft(self, work: list[DraftWork]) -> list[list[int]]:
         ids, hidden = self._catch_up(work)
         passes: list[tuple[list[int], torch.Tensor]] = [(list(range(len(work))), ids)]
         for step in range(1, max(item.num_drafts for item in work)):
@@ -101,16 +82,9 @@ class Eagle3Proposer:
             )
             ids, hidden = self.runner.execute(batch, previous.index_select(0, rows), hidden.index_select(0, rows))
             passes.append((active, ids))
-        host = torch.cat([chosen for _, chosen in passes]).tolist()  # the one wait on the device
-        proposals: list[list[int]] = [[] for _ in work]
-        offset = 0
-        for indices, _ in passes:
-            for row, index in enumerate(indices):
-                proposals[index].append(host[offset + row])
-            offset += len(indices)
-        return proposals
+        return read_passes(passes, len(work))
 
-    def _catch_up(self, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, work: list[DraftWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's KV written from the target's states up to each request's position ``n - 2``;
         the first drafts and their pre-norm outputs, one row per request, on the device."""
         cursor = [min(self._valid.get(item.request.request_id, 0), item.length - 2) for item in work]
