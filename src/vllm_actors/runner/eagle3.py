@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels.attention import build_attention_metadata, get_attention_backend
 from vllm_actors.models.eagle3 import AuxHiddenStates, Eagle3Config, Eagle3Head, has_own_embedding
 
@@ -89,10 +90,10 @@ class Eagle3Runner:
                                         self.device)
         meta = self.backend.prepare(meta)
         if ids is None:
-            ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+            ids = upload(batch.token_ids, self.device)
         if hidden is None:
             hidden = self.hook.fused.index_select(0, meta.slot_mapping)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        positions = upload(batch.positions, self.device)
         normed, prenorm = self.head(self._embed(ids), hidden, positions, meta, self.kv_cache, self.backend)
-        rows = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        rows = upload(batch.logits_indices, self.device)
         return self.head.draft_ids(normed.index_select(0, rows)), prenorm.index_select(0, rows)

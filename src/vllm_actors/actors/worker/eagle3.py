@@ -28,6 +28,7 @@ import torch
 
 from vllm_actors.actors.worker.draft_model import DraftWork, drafting_work, read_passes, with_drafts
 from vllm_actors.actors.worker.step_data import BatchInput, WorkerRequest
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.messages import StepPlan
 
 
@@ -71,7 +72,7 @@ class Eagle3Proposer:
             previous_rows, previous = passes[-1]
             row_of = {index: row for row, index in enumerate(previous_rows)}
             active = [index for index in previous_rows if work[index].num_drafts > step]
-            rows = torch.tensor([row_of[index] for index in active], dtype=torch.long, device=previous.device)
+            rows = upload([row_of[index] for index in active], previous.device)
             batch = BatchInput(
                 token_ids=[],  # the previous drafts, on the device
                 positions=[work[index].length - 2 + step for index in active],
