@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram, draft model) on a prompt-copying workload: batch-1 ms/token and
+"""Speculative decoding (n-gram, draft model, EAGLE-3) on a prompt-copying workload: batch-1 ms/token and
 output tok/s at several concurrencies, without and with speculation, on this engine and optionally
 on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same checkpoint and prompts.
 
@@ -8,7 +8,10 @@ on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same 
 ``--draft-layers N`` adds the mode ``draft``: a draft model of the target's shape with N layers and
 random weights (``--out``/draft-N), drafting ``--num-speculative-tokens`` every step (its drafts are
 mostly rejected: the step cost is what it measures). ``--model-shape qwen3-8b`` runs a model shape
-with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer).
+with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer). The mode
+``eagle3`` drafts with a random EAGLE-3 head of the target's shape (``--out``/eagle3-head, random
+bfloat16 weights both engines load; ours draws its own under ``--model-shape``): its drafts are
+rejected, so it measures the head's step cost against vLLM's ``eagle3`` on the same head.
 
 Writes ``results.json`` in ``--out`` and prints one line per engine and mode.
 """
@@ -87,13 +90,45 @@ def write_draft(target: str, layers: int, folder: Path, load_format: str) -> Pat
     return folder
 
 
+def write_eagle3_head(target: str, folder: Path) -> Path:
+    """A random EAGLE-3 head of ``target``'s shape (vLLM's ``LlamaForCausalLMEagle3``): one layer, ``fc``
+    over three hidden states, a draft vocabulary of the first min(32000, vocab) ids (``d2t`` zeros)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t = json.loads((Path(target) / "config.json").read_text())
+    hidden, heads, inter = t["hidden_size"], t["num_attention_heads"], t["intermediate_size"]
+    kv_heads, dim = t.get("num_key_value_heads") or heads, t.get("head_dim") or hidden // heads
+    draft_vocab = min(32000, t["vocab_size"])
+    keep = ("vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+    config = {key: t[key] for key in keep if key in t} | {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": dim, "intermediate_size": inter,
+        "num_hidden_layers": 1, "draft_vocab_size": draft_vocab, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = {"fc.weight": (hidden, 3 * hidden), "midlayer.self_attn.q_proj.weight": (heads * dim, 2 * hidden),
+              "midlayer.self_attn.k_proj.weight": (kv_heads * dim, 2 * hidden),
+              "midlayer.self_attn.v_proj.weight": (kv_heads * dim, 2 * hidden),
+              "midlayer.self_attn.o_proj.weight": (hidden, heads * dim),
+              "midlayer.mlp.gate_proj.weight": (inter, hidden),
+              "midlayer.mlp.up_proj.weight": (inter, hidden), "midlayer.mlp.down_proj.weight": (hidden, inter),
+              "lm_head.weight": (draft_vocab, hidden)}
+    tensors = {name: torch.randn(shape, dtype=torch.bfloat16) * 0.02 for name, shape in shapes.items()}
+    for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{name}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str) -> dict[str, Any]:
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.protocol.speculative import parse_speculative_config
 
     speculative = spec["speculative_configs"].get(mode)
     if speculative is not None:  # the draft model drafts every step (as vLLM does): its cost is the point
-        speculative = parse_speculative_config(speculative, adaptive=mode != "draft")
+        speculative = parse_speculative_config(speculative, adaptive=mode not in ("draft", "eagle3"))
     with LLM(args.model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
              load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
              speculative_config=speculative) as llm:
@@ -144,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a model shape with dummy weights instead of --model (no tokenizer)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="add the mode 'draft': a random draft of the target's shape with this many layers")
-    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft"], default=None,
+    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft", "eagle3"], default=None,
                         help="default: off and ngram, and draft with --draft-layers")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
@@ -169,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         draft = write_draft(args.model, args.draft_layers, Path(args.out) / f"draft-{args.draft_layers}", load_format)
         configs["draft"] = {"method": "draft_model", "model": str(draft),
                             "num_speculative_tokens": args.num_speculative_tokens}
+    if "eagle3" in modes:
+        head = write_eagle3_head(args.model, Path(args.out) / "eagle3-head")
+        configs["eagle3"] = {"method": "eagle3", "model": str(head),
+                             "num_speculative_tokens": args.num_speculative_tokens}
     count = max(args.repeats, max(args.concurrency, default=1))
     spec: dict[str, Any] = {
         "prompts": prompts(args.model, count, args.passage_words, tokenizer=not args.model_shape),

@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON: prompts (token ids), output_len, repeats, "
                         "concurrency, speculative_config")
-    parser.add_argument("--mode", choices=["off", "ngram", "draft"], required=True)
+    parser.add_argument("--mode", choices=["off", "ngram", "draft", "eagle3"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import vllm

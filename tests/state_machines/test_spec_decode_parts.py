@@ -42,8 +42,11 @@ def test_engine_config_takes_vllms_dict_and_the_cli_json(tmp_path) -> None:  # t
     with pytest.raises(ValueError, match="does not exist"):
         make_engine_config("m", {"speculative_config": {"method": "draft_model", "model": str(tmp_path / "no"),
                                                         "num_speculative_tokens": 2}})
-    with pytest.raises(ValueError, match="not supported yet"):
-        make_engine_config("m", {"speculative_config": {"method": "eagle3", "model": str(tmp_path)}})
+    eagle = make_engine_config("m", {"speculative_config": {"method": "eagle3", "model": str(tmp_path)}})
+    assert eagle.speculative_config is not None and eagle.speculative_config.num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="'eagle3' runs with tensor_parallel_size 1 only"):
+        make_engine_config("m", {"tensor_parallel_size": 2,
+                                 "speculative_config": {"method": "eagle3", "model": str(tmp_path)}})
     draft = make_engine_config("m", {"speculative_config": {"model": str(tmp_path), "num_speculative_tokens": 2}})
     assert draft.speculative_config is not None and draft.speculative_config.method == "draft_model"  # vLLM's spelling
     with pytest.raises(ValueError, match="JSON object"):

@@ -266,6 +266,7 @@ class CausalLM(nn.Module):
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.kv_cache_dtype: torch.dtype | None = None  # the cache init_kv_scales prepared the layers for
         self.lora_batch: Any = None  # the step's LoRA slots per token (lora/slots.py), when adapters are served
+        self.aux_hidden: Any = None  # EAGLE-3's hook on layers' input streams (models/eagle3.py), when it drafts
 
     @property
     def ties_embeddings(self) -> bool:
@@ -323,9 +324,13 @@ class CausalLM(nn.Module):
             x = vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.layout)
             if self.config.gemma_norms:
                 x = self.tp.all_reduce(x) * self._embed_scale(x.dtype)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if self.aux_hidden is not None:
+                self.aux_hidden.take(index, x, residual)
             c, s = (local_cos, local_sin) if layer.self_attn.local_rope else (cos, sin)
             x, residual = layer(x, c, s, meta, kv_cache, self.attn_backend, residual)
+        if self.aux_hidden is not None:
+            self.aux_hidden.store(meta.slot_mapping)
         if not self.stage.is_last:
             assert residual is not None
             return torch.stack((x, residual))

@@ -8,7 +8,11 @@ import msgspec
 
 from vllm_actors.protocol.kv_parallel import kv_parallel_error
 from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
-from vllm_actors.protocol.speculative import RUNNABLE_METHODS, SpeculativeConfig, parse_speculative_config
+from vllm_actors.protocol.speculative import (
+    WORKER_METHODS,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
 
 # On CPU the KV pool is sized from a fixed memory budget (vLLM reads VLLM_CPU_KVCACHE_SPACE, in GiB,
 # default 4). Ours defaults to 1 GiB, overridable through the cpu_kv_cache_gib argument (which
@@ -150,8 +154,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.speculative_config = _runnable_speculation(self.speculative_config)
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative_config does not compose with pipeline_parallel_size > 1 yet")
-            if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
-                raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only "
+            method = self.speculative_config.method
+            if method in WORKER_METHODS and self.tensor_parallel_size > 1:
+                raise ValueError(f"speculative_config: method {method!r} runs with tensor_parallel_size 1 only "
                                  "for now (every rank would need the same drafts)")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
@@ -212,13 +217,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _runnable_speculation(given: object) -> SpeculativeConfig:
-    """The speculative config parsed and checked, refused (``ValueError``) where its method does
-    not run here yet (``make_engine_config`` checks a draft checkpoint's path before)."""
-    config = parse_speculative_config(given)  # type: ignore[arg-type]  # checked there: a dict or the Struct
-    if config.method not in RUNNABLE_METHODS:
-        raise ValueError(f"speculative_config: method {config.method!r} is not supported yet; "
-                         f"supported: {list(RUNNABLE_METHODS)}")
-    return config
+    """The speculative config parsed and checked (``make_engine_config`` checks a draft
+    checkpoint's path before)."""
+    return parse_speculative_config(given)  # type: ignore[arg-type]  # checked there: a dict or the Struct
 
 
 def resolve_scheduler_config(

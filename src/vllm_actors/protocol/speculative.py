@@ -2,8 +2,8 @@
 
 Methods: ``ngram`` (prompt lookup: drafts copied from earlier in the request's own tokens),
 ``draft_model`` (a smaller model of the same vocabulary at ``model``, run by the worker; vLLM's
-spelling without ``method`` means it too) and ``eagle3`` (EAGLE-3 heads at ``model``; validated
-here, not run yet: the engine refuses it at start with a clear error).
+spelling without ``method`` means it too) and ``eagle3`` (an EAGLE-3 head at ``model``, run by the
+worker over the target's hidden states).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-RUNNABLE_METHODS = ("ngram", "draft_model")  # the methods this engine runs today
+WORKER_METHODS = ("draft_model", "eagle3")  # drafted in the worker, beside the target
 MAX_SPECULATIVE_TOKENS = 32
 # A drafted token the worker proposes (draft_model): the plan says how many, the worker fills them in.
 WORKER_DRAFT = -1

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 import torch
 
 from vllm_actors.actors.worker.draft_model import DraftProposer
-from vllm_actors.actors.worker.engine import Runner
+from vllm_actors.actors.worker.eagle3 import Eagle3Proposer
+from vllm_actors.actors.worker.engine import Proposer, Runner
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.kernels.attention import describe_attention
@@ -49,6 +50,15 @@ class LoadedRunner(Runner, Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
+def proposer_for(drafter: Any) -> Proposer | None:
+    """The worker's proposer over the runner's drafter (an EAGLE-3 head's runner, or a draft model's)."""
+    if drafter is None:
+        return None
+    from vllm_actors.runner.eagle3 import Eagle3Runner
+
+    return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Runner) else DraftProposer(drafter)
+
+
 def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
                  runner: LoadedRunner | None = None, stage: PipelineStage | None = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -73,7 +83,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
-        drafter=DraftProposer(drafter) if (drafter := getattr(runner, "drafter", None)) is not None else None,
+        drafter=proposer_for(getattr(runner, "drafter", None)),
     )
     info = {
         "num_blocks": runner.num_blocks,

@@ -17,8 +17,8 @@ of a profiling pass of the largest step (twice that with padded graphs: their po
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
 With ``calculate_kv_scales`` the first real step runs eagerly and sets the fp8 scales from its amax.
 Sleep mode (``sleep_mode.py``) frees the weights and the KV cache and brings them back; the CUDA
-graphs are captured again after a wake. A draft model (speculative decoding) runs beside the model
-in ``drafter`` (``draft_model.py``), its KV under the same block ids.
+graphs are captured again after a wake. A draft model or an EAGLE-3 head (speculative decoding) runs
+beside the model in ``drafter`` (``drafters.py``), its KV under the same block ids.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
-from vllm_actors.runner.draft_model import draft_config
+from vllm_actors.runner.drafters import make_drafter, reattach
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -84,20 +84,18 @@ class ModelRunner(KvPoolSizing):
         limits = resolve_scheduler_config(config, self.model_config.derived_max_model_len, num_blocks=1 << 30,
                                           allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN)
         try:
-            # speculative decoding's draft model: its weights before the pool, which holds its KV too
-            drafting = draft_config(config, self.model_config, limits.max_model_len)
-            self.drafter = ModelRunner(drafting) if drafting is not None else None
             torch.manual_seed(config.seed)
             self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                        self.stage)
             self.kvp.install(self.model, config.block_size)
+            self.block_size, self.max_num_tokens = config.block_size, limits.max_num_batched_tokens
+            # speculative decoding's draft model or EAGLE-3 head: its weights before the pool, which holds its KV too
+            self.drafter = make_drafter(config, self, limits.max_model_len, ModelRunner)
             self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
             # calculated scales come from the first real step (not the profiling pass nor graph warm-ups)
             self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
             self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
             self.local_config = self.model.local_config  # this rank's KV heads size the cache
-            self.block_size = config.block_size
-            self.max_num_tokens = limits.max_num_batched_tokens
             self.max_num_seqs = config.max_num_seqs
             self.lora = self._lora_manager()  # its device slots before the KV pool takes what is left
             self.num_blocks = self._choose_num_blocks(limits.max_model_len)
@@ -161,6 +159,7 @@ class ModelRunner(KvPoolSizing):
         self.model, _ = load_model(config.model, self.dtype, self.device, config.load_format, config.seed, self.tp,
                                    self.stage)
         self.kvp.install(self.model, config.block_size)
+        reattach(self.drafter, self.model)  # an EAGLE-3 head's hook on the new model
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
         self.lora = self._lora_manager()  # the new model's hooks; adapters load again on use

@@ -28,7 +28,7 @@ from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import Acceptance, choose_num_drafts
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.protocol.speculative import WORKER_DRAFT, SpeculativeConfig
+from vllm_actors.protocol.speculative import WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -91,7 +91,7 @@ class Speculator:
         num_drafts = min(room)
         if num_drafts < 1:
             return []
-        if self.config.method == "draft_model":  # the worker's draft model proposes them
+        if self.config.method in WORKER_METHODS:  # the worker's draft model or EAGLE-3 head proposes them
             return [WORKER_DRAFT] * num_drafts
         packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
         found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)

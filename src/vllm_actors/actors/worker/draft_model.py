@@ -56,11 +56,46 @@ class _DraftKv:
 
 
 @dataclass
-class _Work:
+class DraftWork:
+    """A drafting request of a plan (a draft model's or an EAGLE-3 head's)."""
+
     request: WorkerRequest
     table: list[int]  # its block table with this step's new blocks
     length: int  # its known tokens (the last one's logits give the first draft)
     num_drafts: int
+
+
+def drafting_work(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> list[DraftWork]:
+    """The plan's requests whose drafts are ``WORKER_DRAFT`` placeholders."""
+    new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
+    work: list[DraftWork] = []
+    for request_id, drafts in plan.draft_token_ids.items():
+        if not drafts or drafts[0] != WORKER_DRAFT:
+            continue
+        request = requests[request_id]
+        work.append(DraftWork(request, request.block_table + list(new_blocks[request_id]), len(request.token_ids),
+                              len(drafts)))
+    return work
+
+
+def with_drafts(plan: StepPlan, work: list[DraftWork], proposals: list[list[int]]) -> StepPlan:
+    filled = dict(plan.draft_token_ids)
+    for item, drafted in zip(work, proposals, strict=True):
+        filled[item.request.request_id] = drafted
+    return msgspec.structs.replace(plan, draft_token_ids=filled)
+
+
+def read_passes(passes: list[tuple[list[int], torch.Tensor]], num_requests: int) -> list[list[int]]:
+    """Each request's drafts from the passes (their rows' request indices, their ids on the device):
+    the one wait on the device."""
+    host = torch.cat([chosen for _, chosen in passes]).tolist()
+    proposals: list[list[int]] = [[] for _ in range(num_requests)]
+    offset = 0
+    for rows, _ in passes:
+        for row, index in enumerate(rows):
+            proposals[index].append(host[offset + row])
+        offset += len(rows)
+    return proposals
 
 
 class DraftProposer:
@@ -77,24 +112,15 @@ class DraftProposer:
 
     def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
         """The plan with its ``WORKER_DRAFT`` placeholders replaced by the draft model's tokens."""
-        new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
-        work: list[_Work] = []
-        for request_id, drafts in plan.draft_token_ids.items():
-            if not drafts or drafts[0] != WORKER_DRAFT:
-                continue
-            request = requests[request_id]
-            work.append(_Work(request, request.block_table + list(new_blocks[request_id]),
-                              len(request.token_ids), len(drafts)))
+        work = drafting_work(plan, requests)
         if not work:
             return plan
         proposals = self._draft(work)
-        filled = dict(plan.draft_token_ids)
         for item, drafted in zip(work, proposals, strict=True):
-            filled[item.request.request_id] = drafted
             self._kv[item.request.request_id] = _DraftKv(item.length, drafted[:-1])
-        return msgspec.structs.replace(plan, draft_token_ids=filled)
+        return with_drafts(plan, work, proposals)
 
-    def _draft(self, work: list[_Work]) -> list[list[int]]:
+    def _draft(self, work: list[DraftWork]) -> list[list[int]]:
         self._fences.clear()
         firsts = self._catch_up(work)
         passes: list[tuple[list[int], torch.Tensor]] = [(list(range(len(work))), firsts)]
@@ -112,16 +138,9 @@ class DraftProposer:
                 deferred=DeferredInputs(list(range(len(active))), previous, [row_of[index] for index in active]),
             )
             passes.append((active, self._run(batch)))
-        host = torch.cat([chosen for _, chosen in passes]).tolist()  # the one wait on the device
-        proposals: list[list[int]] = [[] for _ in work]
-        offset = 0
-        for rows, _ in passes:
-            for row, index in enumerate(rows):
-                proposals[index].append(host[offset + row])
-            offset += len(rows)
-        return proposals
+        return read_passes(passes, len(work))
 
-    def _catch_up(self, work: list[_Work]) -> torch.Tensor:
+    def _catch_up(self, work: list[DraftWork]) -> torch.Tensor:
         """Each request's draft KV brought up to its last token (confirmed drafts kept); the draft
         model's greedy token after it, per request, on the device."""
         cursor = []

@@ -4,13 +4,21 @@ tests' fake runner)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from vllm_actors.actors.worker.ranks import Ranks
-from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling, RowGrammar, SampleResult, SamplingRow
+from vllm_actors.actors.worker.step_data import (
+    BatchInput,
+    GraphSampling,
+    RowGrammar,
+    SampleResult,
+    SamplingRow,
+    WorkerRequest,
+)
+from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs
 
 
@@ -116,3 +124,14 @@ class GrammarSource(Protocol):
     def start(self, spec: StructuredOutputs, replay: Sequence[int] = ()) -> RowGrammar: ...
 
     def mask(self, logits: torch.Tensor, rows: Sequence[Any], row_index: list[int]) -> None: ...
+
+
+class Proposer(Protocol):
+    """Drafts made in the worker (``draft_model.DraftProposer``, ``eagle3.Eagle3Proposer``): a plan's
+    ``WORKER_DRAFT`` placeholders filled in just before the step runs."""
+
+    def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def clear(self) -> None: ...

@@ -36,9 +36,8 @@ from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
-from vllm_actors.actors.worker.draft_model import DraftProposer
 from vllm_actors.actors.worker.draw import Draw
-from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Runner, TokenSampler
+from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.plan_checks import check_plan
@@ -72,7 +71,7 @@ class Worker(Draw):
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
         host_tier: HostTierCopies | None = None, stage: Stage | None = None, ranks: Ranks | None = None,
-        drafter: DraftProposer | None = None,
+        drafter: Proposer | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -86,7 +85,7 @@ class Worker(Draw):
         ``stage``: its pipeline stage; a stage before the last runs its layers and hands its output
         on (``runner.execute``), samples nothing and answers nothing. ``ranks``: who samples and
         who takes the broadcast ids (default: the runner's TP group; under KV parallelism every
-        rank of the replica). ``drafter``: a draft model's proposals (speculative decoding)."""
+        rank of the replica). ``drafter``: a draft model's or EAGLE-3 head's proposals (speculative decoding)."""
         self.drafter = drafter
         self.host_tier = host_tier
         self._fences = CopyFences()
@@ -211,7 +210,7 @@ class Worker(Draw):
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
-        if self.drafter is not None and plan.draft_token_ids:  # the draft model's tokens in the plan
+        if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
             plan = self.drafter.propose(plan, self.requests)
         if self.host_tier is not None:
             if plan.offload_copies or plan.restore_copies:
