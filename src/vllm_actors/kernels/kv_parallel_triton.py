@@ -27,6 +27,7 @@ from vllm_actors.kernels.triton_decode import (
     choose_decode_splits,
     decode_config,
     few_programs,
+    merge_splits,
 )
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
@@ -36,7 +37,7 @@ from vllm_actors.kernels.triton_paged import (
     checked_inputs,
     kv_scale_args,
 )
-from vllm_actors.kernels.triton_varlen import varlen_config
+from vllm_actors.kernels.triton_varlen import tile_sequence, varlen_config
 
 # a window no row reaches past: `_attend_tile`'s WINDOW mode only for its guard of rows that see no key yet
 _UNBOUNDED = 1 << 30
@@ -51,17 +52,9 @@ def _reduce_lse_kernel(out_ptr, lse_ptr, part_out_ptr, part_max_ptr, part_sum_pt
     q_row = tl.load(query_start_ptr + seq)
     if tl.load(query_start_ptr + seq + 1) <= q_row:
         return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
-    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-    part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
+    out, global_max, total = merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, num_heads,
+                                          num_splits, SPLITS_PAD, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
-    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
-    weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     # the natural log (ln 2 = 0.693...): the scores are in the log2 domain
     lse = tl.where(total > 0, (global_max + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
                    float("-inf"))
@@ -137,15 +130,7 @@ def _varlen_lse_kernel(
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # the sequence of this tile, as `triton_varlen` maps programs: the last i with qsl[i] // BLOCK_Q + i <= tile
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first_tile <= tile, mid + 1, lo)
-        hi = tl.where(first_tile <= tile, hi, mid)
-    seq = lo - 1
+    seq = tile_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)  # as `triton_varlen` maps programs
     seq_q_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - seq_q_start
     first_query = (tile - (seq_q_start // BLOCK_Q + seq)) * BLOCK_Q

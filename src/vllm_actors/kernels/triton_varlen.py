@@ -22,6 +22,20 @@ from vllm_actors.kernels.triton_paged import (
 # Integer arguments that change with the batch (sequence count, block-table width, splits) are
 # not specialised: Triton would otherwise compile a new variant, mid-serving, the first time such
 # a value is 1 or a multiple of 16 (the likely cause of a 1.26 s stall in a benchmark on the H100).
+@triton.jit
+def tile_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence a program tile belongs to: the last i with qsl[i] // BLOCK_Q + i <= tile (each
+    sequence's query tiles follow one another, a sequence's first tile at qsl[i] // BLOCK_Q + i)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_tile <= tile, mid + 1, lo)
+        hi = tl.where(first_tile <= tile, hi, mid)
+    return lo - 1
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _varlen_kernel(
     q_ptr,
@@ -60,15 +74,7 @@ def _varlen_kernel(
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # sequence of this tile: the last i with qsl[i] // BLOCK_Q + i <= tile
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first_tile <= tile, mid + 1, lo)
-        hi = tl.where(first_tile <= tile, hi, mid)
-    seq = lo - 1
+    seq = tile_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
     seq_q_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - seq_q_start
     local_tile = tile - (seq_q_start // BLOCK_Q + seq)
