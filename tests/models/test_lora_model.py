@@ -1,6 +1,7 @@
 """LoRA adapters in the model: PEFT adapters made by peft, loaded into the device slots and
 applied per token; the logits of a batch mixing two adapters and the base match transformers +
-PEFT in float32 (Qwen3 and Llama); bad adapters are refused before anything is loaded."""
+PEFT in float32 (Qwen3 and Llama; the Triton kernels too, in the interpreter: a 9-token step through
+the sorted kernels, a 7-token one through the per-row kernels); bad adapters are refused before anything is loaded."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ def adapters(tiny_qwen3: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPa
     }
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_mixed_batch_matches_peft(arch: str, adapters: dict[str, Path], request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("arch, kernel", [("qwen3", "torch"), ("llama", "torch"), ("qwen3", "triton")])
+def test_mixed_batch_matches_peft(arch: str, kernel: str, adapters: dict[str, Path], request: pytest.FixtureRequest,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ACTORS_LORA_KERNEL", kernel)
     base = request.getfixturevalue(f"tiny_{arch}")
     first, second = [adapters[name] for name in adapters if name.startswith(arch)]
     model, _ = load_model(str(base), torch.float32, torch.device("cpu"))

@@ -10,6 +10,9 @@ The tokens are sorted by slot once per forward (``LoRAMetadata``: static shapes,
 each program takes ``BLOCK_M`` tokens of one slot, so a slot's weights are read once per token
 block. Shapes depend on T and L only: CUDA-graph capturable. ``lora_torch`` is the same product in
 torch, one slot at a time (the CPU engine's path and the tests' reference).
+
+A step of at most ``ROW_TOKENS`` tokens (decode at small batch sizes) takes the per-row kernels of
+``kernels/lora_rows.py`` instead: no sort, no zero-fill, short K pieces, two launches in all.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_actors.kernels import choice
+from vllm_actors.kernels.lora_rows import lora_rows
 
 try:
     import triton
@@ -64,12 +68,18 @@ def lora_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata) -> None:
     """``y`` [T, N] += the low-rank product of ``x`` [T, K] through slots ``a`` [L, R, K], ``b`` [L, N, R]."""
-    if use_triton(x):
+    if use_triton(x) and x.shape[0] <= ROW_TOKENS:
+        lora_rows(x, y, a, b, meta.token_slots)
+    elif use_triton(x):
         lora_expand(lora_shrink(x, a, meta), b, y, meta)
     else:
         lora_torch(x, y, a, b, meta)
 
 
+# Up to this many tokens a step runs one program per token row (``lora_rows``): a decode step of a
+# few sequences, where the sorted kernels' serial K loop and zero-fill cost more than re-reading a
+# slot's weights once per row (from L2) does. Above it, the sorted kernels read them once per block.
+ROW_TOKENS = 8
 SPLIT_K = 8  # K pieces per shrink program group at few tokens: a batch-1 shrink spread over 8 programs
 SPLIT_K_TOKENS = 64  # up to this many tokens
 
