@@ -86,8 +86,8 @@ def test_never_under_capture() -> None:
 def test_the_engine_prefills_an_fp8_cache_through_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 model, fp8 cache, head_dim 64, 700-token prompts in chunks of 128 over a stage of 256 (up to
     3 pieces), padded graphs on: the staged path ran, and prompt logprobs agree with the Triton path's."""
+    from tests.support.prompt_logprobs import prompt_logprobs
     from tests.support.tiny_models import build_checkpoint
-    from vllm_actors import LLM, SamplingParams
 
     shape = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     path = build_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True, num_shards=1, shape=shape)
@@ -107,15 +107,7 @@ def test_the_engine_prefills_an_fp8_cache_through_flash_attn(tmp_path: Path, mon
     for staging in ("1", "0"):
         monkeypatch.setenv("VLLM_ACTORS_FP8_PREFILL_STAGING", staging)
         calls.clear()
-        with LLM(str(path), executor="inprocess", dtype="bfloat16", kv_cache_dtype="fp8",
-                 max_num_batched_tokens=128, num_gpu_blocks_override=256) as llm:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                   SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        values = []
-        for output, prompt in zip(outputs, prompts, strict=True):
-            assert output.prompt_logprobs is not None
-            values += [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-        logprobs[staging] = torch.tensor(values)
+        logprobs[staging] = prompt_logprobs(path, prompts, kv_cache_dtype="fp8")
         assert (len(calls) > 0) == (staging == "1"), staging
     diff = (logprobs["1"] - logprobs["0"]).abs()
     assert diff.max().item() < 0.1 and diff.mean().item() < 0.01, (diff.max().item(), diff.mean().item())
