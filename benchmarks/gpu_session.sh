@@ -25,9 +25,9 @@
 #           tests/models/test_uploads.py, and the penalties kernel at full size),
 #           fa4 (install flash-attn 4 into /tmp/fa4site from the pieces in /tmp/fa4: see
 #           ../shared/device/flash-attn/fetch.sh, whose pieces must be cut to 40 MiB or less to travel
-#           beside the repo; skipped when /tmp/fa4site has it; then its GPU test,
-#           tests/gpu/test_gpu_flash_attn_prefill.py; once installed, every later stage and call on the
-#           warm machine finds it: the engine then attends prefills through it where it measured faster),
+#           beside the repo; skipped when /tmp/fa4site has it; then its GPU tests,
+#           tests/gpu/test_gpu_flash_attn_prefill.py and test_gpu_fp8_prefill_stage.py; once installed,
+#           every later stage and call on the warm machine finds it: the engine then attends prefills through it where it measured faster),
 #           prefillprof (where a long prefill's time goes: benchmarks/prefill_profile.py once per PROFILE_RUNS entry,
 #           "name|ENV=V ...|arguments" separated by ";"; results in $out/prefill_profile-NAME.json and prefill_profile.log),
 #           waitvllm (wait for /tmp/vsite/.ready, which a background vLLM install touches when done),
@@ -145,7 +145,8 @@ for stage in "${stages[@]}"; do
            elif ls /tmp/fa4/piece-* > /dev/null 2>&1 && [ -f .fa4/assemble.sh ]; then bash .fa4/assemble.sh
            else echo "flash-attn 4: no pieces in /tmp/fa4 or no .fa4/assemble.sh (see ../shared/device/flash-attn/fetch.sh)"; false; fi \
            && fa4_path && python3 -c 'import flash_attn.cute as f; print("flash_attn.cute", f.__version__)' \
-           && timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 300 -m gpu tests/gpu/test_gpu_flash_attn_prefill.py
+           && timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 300 -m gpu tests/gpu/test_gpu_flash_attn_prefill.py \
+              tests/gpu/test_gpu_fp8_prefill_stage.py
          } 2>&1 | tee "$out/fa4.log" | tail -30 ;;
     decodelong) timeout 580 python3 benchmarks/decode_long.py --out "$out/decode_long" ${DECODE_LONG_ARGS:-} 2>&1 \
                   | tee "$out/decodelong.log" | grep -v "^skip" | tail -40 ;;

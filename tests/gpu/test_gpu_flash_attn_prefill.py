@@ -145,8 +145,8 @@ def test_the_engine_prefills_through_flash_attn(tmp_path: Path, monkeypatch: pyt
     """bf16 engine, head_dim 64, chunked prefill of 700-token prompts (each chunk over the ones cached
     before it), CUDA graphs of the padded steps: prompt logprobs through flash-attn agree with the
     Triton kernels' (both bf16: they differ only in rounding), and flash-attn really ran."""
+    from tests.support.prompt_logprobs import prompt_logprobs
     from tests.support.tiny_models import build_checkpoint
-    from vllm_actors import LLM, SamplingParams
     from vllm_actors.kernels import flash_attn_prefill
 
     shape = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
@@ -166,15 +166,7 @@ def test_the_engine_prefills_through_flash_attn(tmp_path: Path, monkeypatch: pyt
     for choice in ("triton", "flash_attn"):
         monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", choice)
         calls.clear()
-        with LLM(str(path), executor="inprocess", dtype="bfloat16", max_num_batched_tokens=128,
-                 num_gpu_blocks_override=256) as llm:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                   SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        values = []
-        for output, prompt in zip(outputs, prompts, strict=True):
-            assert output.prompt_logprobs is not None
-            values += [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-        logprobs[choice] = torch.tensor(values)
+        logprobs[choice] = prompt_logprobs(path, prompts)
         assert (len(calls) > 0) == (choice == "flash_attn"), choice
     diff = (logprobs["flash_attn"] - logprobs["triton"]).abs()
     assert diff.max().item() < 0.1 and diff.mean().item() < 0.01, (diff.max().item(), diff.mean().item())

@@ -10,19 +10,17 @@ range, which saturate); the `gpu` tests write any value and run the kernels at r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from tests.support.paged_batch import shuffled_tables
+from tests.support.fp8_case import Fp8Case
+from tests.support.fp8_case import make_fp8_case as _make_fp8_case
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels import triton_attention as ta  # conftest.py sets TRITON_INTERPRET=1 without CUDA
 from vllm_actors.kernels.attention import (
-    AttentionMetadata,
     TorchPagedAttention,
-    build_attention_metadata,
-    gather_kv,
     write_kv_cache,
 )
 from vllm_actors.kernels.triton_decode import FP8_TILES
@@ -148,50 +146,9 @@ def test_an_fp8_cache_needs_its_scales() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Fp8Case:
-    q: torch.Tensor
-    k_cache: torch.Tensor  # every token written (quantised) already
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    meta: AttentionMetadata
-    expected: torch.Tensor  # float64 [T, H, D]
-    scale: float
-
-
-def make_fp8_case(
-    specs: list[tuple[int, int]], block_size: int, heads: tuple[int, int], head_dim: int, dtype: torch.dtype,
-    cache_dtype: torch.dtype, seed: int, kv_scales: tuple[float, float] = (0.02, 0.01),
-) -> Fp8Case:  # fmt: skip
-    """specs: (cached_len, query_len) per sequence, all their tokens written through the torch
-    quantisation; the expected output is float64 attention over the cache's values times the scales."""
-    gen = torch.Generator().manual_seed(seed)
-    num_heads, num_kv_heads = heads
-    num_blocks, tables = shuffled_tables(specs, block_size, gen, spare_blocks=2)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)  # garbage outside the sequences
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)
-    k_scale, v_scale = scales(*kv_scales)
-    lengths = [c + q for c, q in specs]
-    every = build_attention_metadata(lengths, lengths, tables, block_size, DEVICE)
-    k = (torch.randn(sum(lengths), num_kv_heads, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
-    v = torch.randn(sum(lengths), num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    write_kv_cache(k, v, k_cache, v_cache, every.slot_mapping, k_scale, v_scale)
-    qs = [torch.randn(q, num_heads, head_dim, generator=gen).to(dtype) for _, q in specs]
-    scale = head_dim**-0.5
-    group = num_heads // num_kv_heads
-    expected = []
-    for i, ((c, q_len), q) in enumerate(zip(specs, qs)):
-        kd = (gather_kv(k_cache, every.block_tables[i], c + q_len).cpu().double() * k_scale.item())
-        vd = (gather_kv(v_cache, every.block_tables[i], c + q_len).cpu().double() * v_scale.item())
-        kd = kd.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-        vd = vd.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = q.double().transpose(0, 1) @ kd.transpose(1, 2) * scale
-        visible = torch.arange(c + q_len).unsqueeze(0) <= torch.arange(c, c + q_len).unsqueeze(1)
-        expected.append((torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ vd).transpose(0, 1))
-    meta = build_attention_metadata([q for _, q in specs], lengths, tables, block_size, DEVICE)
-    return Fp8Case(torch.cat(qs).to(DEVICE), k_cache, v_cache, k_scale, v_scale, meta, torch.cat(expected), scale)
+def make_fp8_case(*args: Any, **kwargs: Any) -> Fp8Case:
+    """``tests/support/fp8_case.py``'s case on this module's device."""
+    return _make_fp8_case(*args, device=DEVICE, **kwargs)
 
 
 def assert_close(out: torch.Tensor, case: Fp8Case, dtype: torch.dtype) -> None:

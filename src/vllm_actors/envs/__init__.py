@@ -267,6 +267,9 @@ class Envs:
         "Prefill attention on Hopper: flash-attn 4 (`flash_attn.cute`) where installed and measured faster "
         "(`auto`), wherever it can run (`flash_attn`), or never (`triton`).",
         kind="auto, triton, flash_attn", group="kernels")
+    VLLM_ACTORS_FP8_PREFILL_STAGING = switch(
+        "Over an fp8 KV cache, a long one-sequence prefill chunk goes to flash-attn 4 through a bf16 staging of "
+        "its context (where flash-attn runs; 0: the Triton kernel).", "kernels")
     VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
     VLLM_ACTORS_FUSED_MOE = kernel_switch("Fused mixture-of-experts MLP (grouped GEMM over the tokens of each expert)",
                                           "kernels")

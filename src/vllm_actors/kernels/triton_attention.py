@@ -33,12 +33,16 @@ can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill
+
+if TYPE_CHECKING:
+    from vllm_actors.kernels.fp8_prefill_stage import Fp8PrefillStaging
 from vllm_actors.kernels.triton_decode import (
     DECODE_BLOCK_N,
     DECODE_MAX_SPLITS,
@@ -84,7 +88,9 @@ class TritonPagedAttention:
 
     decode_splits forces the decode split count (None: chosen per call from host integers);
     ordered takes decode sequences longest context first (default ``DECODE_ORDERED``); prefill, when
-    given, attends the non-decode steps it wants (flash-attn 4 on Hopper) in place of the varlen kernel.
+    given, attends the non-decode steps it wants (flash-attn 4 on Hopper) in place of the varlen kernel;
+    staging, set by the runner over an fp8 cache, attends its long one-sequence chunks through flash-attn
+    (``fp8_prefill_stage.py``).
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class TritonPagedAttention:
         self.decode_splits = decode_splits
         self.ordered = DECODE_ORDERED if ordered is None else ordered
         self.prefill = prefill
+        self.staging: Fp8PrefillStaging | None = None
         log.debug("triton_attention_backend", decode_splits=decode_splits, ordered=self.ordered, interpret=INTERPRET,
                   prefill=prefill.choice if prefill is not None else "triton")
 
@@ -138,6 +145,8 @@ class TritonPagedAttention:
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
             )
+        if self.staging is not None and self.staging.wants(q, k_cache, meta, sliding_window, logits_soft_cap):
+            return self.staging(q, k_cache, v_cache, meta, scale, k_scale, v_scale, logits_soft_cap)
         if self.prefill is not None and self.prefill.wants(q, k_cache, v_cache, meta, sliding_window, logits_soft_cap):
             return self.prefill(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
         return paged_attention_varlen(

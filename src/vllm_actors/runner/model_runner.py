@@ -45,6 +45,7 @@ from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
 from vllm_actors.runner.drafters import make_drafter, reattach
+from vllm_actors.runner.fp8_staging import attach_fp8_staging, fp8_staging_for, staged_step
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -98,6 +99,8 @@ class ModelRunner(KvPoolSizing):
             self.local_config = self.model.local_config  # this rank's KV heads size the cache
             self.max_num_seqs = config.max_num_seqs
             self.lora = self._lora_manager()  # its device slots before the KV pool takes what is left
+            self.fp8_staging = fp8_staging_for(self.model, self.kv_cache_dtype, self.local_config, self.dtype,
+                                               self.device, self.max_num_tokens)  # before the pool, as lora
             self.num_blocks = self._choose_num_blocks(limits.max_model_len)
             self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -163,6 +166,7 @@ class ModelRunner(KvPoolSizing):
         self._calculate_kv_scales = config.calculate_kv_scales and kv_quant.has_scales(self.kv_cache_dtype)
         self.model.init_kv_scales(self.kv_cache_dtype, calculated=self._calculate_kv_scales)
         self.lora = self._lora_manager()  # the new model's hooks; adapters load again on use
+        attach_fp8_staging(self.model, self.fp8_staging)
 
     def _lora_manager(self) -> LoRAManager | None:
         """LoRA's device slots and hooks (``enable_lora``), sized for the largest step's rows."""
@@ -284,7 +288,8 @@ class ModelRunner(KvPoolSizing):
         if bucket is not None:
             return self._run_graph(batch, bucket)
         larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
-        if not larger_decode and self._padded is not None and self._padded.graphs:
+        if not larger_decode and self._padded is not None and self._padded.graphs \
+                and not staged_step(self.model, batch.query_lens):  # a staged fp8 chunk runs eagerly
             size = self._padded.bucket(batch)
             if size is not None:
                 return self._padded.run(batch, size)
