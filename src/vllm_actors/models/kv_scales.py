@@ -1,14 +1,24 @@
 """An fp8 KV cache's per-layer scales in a checkpoint: which tensor names hold them (the names vLLM's
-``maybe_remap_kv_scale_name`` accepts) and their values."""
+``maybe_remap_kv_scale_name`` accepts) and their values; the attention layers' scales set from them
+(``KvScaleSetup``, mixed into ``CausalLM``)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 import torch
+from torch import nn
+
+from vllm_actors.kernels import kv_quant
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm_actors.models.config import ModelConfig
+    from vllm_actors.models.pipeline import PipelineStage
 
 log = structlog.get_logger(__name__)
 
@@ -21,6 +31,14 @@ _SCALE_NAME = re.compile(
 
 class ScaleSource(Protocol):
     def read(self, name: str, part: None) -> torch.Tensor: ...
+
+
+class ScaledAttention(Protocol):
+    """An attention layer's KV scales (``models/llama.py``'s ``Attention``)."""
+
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    calculate_kv_scales: bool
 
 
 def is_kv_scale_name(name: str) -> bool:
@@ -49,3 +67,42 @@ def read_kv_scales(names: Iterable[str], source: ScaleSource, num_layers: int) -
         for key in ("k", "v") if kind == "kv_scale" else (kind[0],):
             scales.setdefault(layer, {})[key] = value
     return scales
+
+
+class KvScaleSetup(nn.Module):
+    """The KV scales of ``CausalLM``'s attention layers (``CausalLM`` mixes this in)."""
+
+    if TYPE_CHECKING:  # provided by CausalLM
+        config: ModelConfig
+        stage: PipelineStage
+        checkpoint_kv_scales: dict[int, dict[str, float]]
+        kv_cache_dtype: torch.dtype | None
+
+        def attention_layers(self) -> Sequence[ScaledAttention]: ...
+
+    def init_kv_scales(self, kv_cache_dtype: torch.dtype, calculated: bool = False) -> None:
+        """Give every layer the scales of a cache of ``kv_cache_dtype``: none for the model's own
+        dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default; ``calculated``: until the first
+        step sets them, so no warning); for e5m2 always 1.0."""
+        self.kv_cache_dtype = kv_cache_dtype
+        if not kv_quant.is_fp8(kv_cache_dtype):
+            for attn in self.attention_layers():
+                attn.k_scale = attn.v_scale = None
+            return
+        device = next(self.parameters()).device
+        from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
+        if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint and not calculated:
+            log.warning("kv_scales_default", kv_cache_dtype=str(kv_cache_dtype), k_scale=1.0, v_scale=1.0,
+                        note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
+        elif self.checkpoint_kv_scales and not from_checkpoint:
+            log.info("kv_scales_ignored", kv_cache_dtype=str(kv_cache_dtype), note="fp8_e5m2 takes no scales")
+        for index, attn in zip(self.stage.layers(self.config.num_hidden_layers), self.attention_layers(), strict=True):
+            given = from_checkpoint.get(index, {})
+            attn.k_scale, attn.v_scale = kv_quant.kv_scale_tensors(device, given.get("k", 1.0), given.get("v", 1.0))
+
+    def calculate_kv_scales(self) -> None:
+        """The next forward sets every layer's KV scales from its own k and v (vLLM's
+        calculate_kv_scales); nothing without an e4m3 cache (init_kv_scales first)."""
+        calculate = self.kv_cache_dtype is not None and kv_quant.has_scales(self.kv_cache_dtype)
+        for attn in self.attention_layers():
+            attn.calculate_kv_scales = calculate

@@ -19,21 +19,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
 from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
-from vllm_actors.models.fp8 import Fp8Source, merged_rows
+from vllm_actors.models.fp8 import merged_rows
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
-from vllm_actors.models.fused_names import split_fused
-from vllm_actors.models.kv_scales import is_kv_scale_name, read_kv_scales
+from vllm_actors.models.kv_scales import KvScaleSetup
+from vllm_actors.models.llama_weights import CheckpointWeights
 from vllm_actors.models.moe import SparseMoeBlock
 from vllm_actors.models.parallel import ShardLayout, TensorParallel, vocab_parallel_embedding
 from vllm_actors.models.pipeline import PipelineStage
@@ -44,16 +42,6 @@ __all__ = ["CausalLM", "DictSource", "TensorSource"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _LOCAL = TensorParallel()  # a norm over values already summed across the ranks: no all-reduce
-
-log = structlog.get_logger(__name__)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by (cos, sin) [T, D]; pairs are (i, i + D/2) (the HF "rotate half" layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -238,7 +226,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else MissingLayer()
 
 
-class CausalLM(nn.Module):
+class CausalLM(CheckpointWeights, KvScaleSetup):
     """Llama/Qwen3 causal LM over flattened, unpadded tokens with a paged KV cache."""
 
     def __init__(
@@ -340,33 +328,6 @@ class CausalLM(nn.Module):
         """The embedding scale rounded to the model's dtype, as transformers multiplies by it."""
         return float(torch.tensor(self.config.embed_scale, dtype=dtype).item())
 
-    def init_kv_scales(self, kv_cache_dtype: torch.dtype, calculated: bool = False) -> None:
-        """Give every layer the scales of a cache of ``kv_cache_dtype``: none for the model's own
-        dtype; for e4m3 the checkpoint's, else 1.0 (vLLM's default; ``calculated``: until the first
-        step sets them, so no warning); for e5m2 always 1.0."""
-        self.kv_cache_dtype = kv_cache_dtype
-        if not kv_quant.is_fp8(kv_cache_dtype):
-            for attn in self.attention_layers():
-                attn.k_scale = attn.v_scale = None
-            return
-        device = next(self.parameters()).device
-        from_checkpoint = self.checkpoint_kv_scales if kv_quant.has_scales(kv_cache_dtype) else {}
-        if kv_quant.has_scales(kv_cache_dtype) and not from_checkpoint and not calculated:
-            log.warning("kv_scales_default", kv_cache_dtype=str(kv_cache_dtype), k_scale=1.0, v_scale=1.0,
-                        note="the checkpoint has no k_scale/v_scale: calculate_kv_scales can set them")
-        elif self.checkpoint_kv_scales and not from_checkpoint:
-            log.info("kv_scales_ignored", kv_cache_dtype=str(kv_cache_dtype), note="fp8_e5m2 takes no scales")
-        for index, attn in zip(self.stage.layers(self.config.num_hidden_layers), self.attention_layers(), strict=True):
-            given = from_checkpoint.get(index, {})
-            attn.k_scale, attn.v_scale = kv_quant.kv_scale_tensors(device, given.get("k", 1.0), given.get("v", 1.0))
-
-    def calculate_kv_scales(self) -> None:
-        """The next forward sets every layer's KV scales from its own k and v (vLLM's
-        calculate_kv_scales); nothing without an e4m3 cache (init_kv_scales first)."""
-        calculate = self.kv_cache_dtype is not None and kv_quant.has_scales(self.kv_cache_dtype)
-        for attn in self.attention_layers():
-            attn.calculate_kv_scales = calculate
-
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.stage_layers()]
 
@@ -415,49 +376,3 @@ class CausalLM(nn.Module):
             if not parts:
                 named[name] = param
         return named
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict in place (q/k/v and gate/up into their merged
-        parameters, this rank's shard of each); missing or unexpected names raise."""
-        self.load_from(DictSource(state_dict))
-
-    def load_from(self, source: TensorSource) -> None:
-        """Read this rank's part of every weight from ``source`` (only that part: a safetensors
-        source reads just those rows or columns); missing or unexpected names raise."""
-        targets = self.hf_named_weights()  # tied weights appear once, as model.embed_tokens.weight
-        source = split_fused(source, self.config)  # Phi-3's fused qkv_proj and gate_up_proj, by part
-        if self.config.quantization is not None:  # FP8 weights: kept where the model holds FP8, else dequantized
-            fp8_names = {name for name, target in targets.items() if target.dtype == FP8_DTYPE}
-            source = Fp8Source(source, self.config.quantization, fp8_names)
-        given = {name: name for name in source.names() if not is_kv_scale_name(name)}
-        self.checkpoint_kv_scales = read_kv_scales(source.names(), source, self.config.num_hidden_layers)
-        if self.config.tie_word_embeddings:
-            lm = given.pop("lm_head.weight", None)
-            if "model.embed_tokens.weight" not in given and lm is not None:
-                given["model.embed_tokens.weight"] = lm
-            if "lm_head.weight" in targets:  # a last stage without the embedding: its own copy
-                given["lm_head.weight"] = given["model.embed_tokens.weight"]
-        given = {name: read for name, read in given.items() if self.stage.owns(name, self.config.num_hidden_layers)}
-        missing = sorted(set(targets) - set(given))
-        unexpected = sorted(set(given) - set(targets))
-        if missing or unexpected:
-            raise ValueError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-        with torch.no_grad():
-            for name, source_name in given.items():
-                target = targets[name]
-                if self.layout.rank0_only(name) and self.tp.rank != 0:
-                    target.zero_()  # a row-parallel bias counts once, on rank 0
-                    continue
-                part = self.layout.slice_of(name)
-                shape = source.shape(source_name)
-                expected = list(target.shape)
-                if part is not None:
-                    expected[part.dim] = part.full
-                if shape != expected:
-                    raise ValueError(f"{name}: shape {tuple(shape)} != expected {tuple(expected)}")
-                tensor = source.read(source_name, part)
-                rows = tensor.shape[0]  # the last rank's vocabulary shard may be short: zero rows pad it
-                target[:rows].copy_(tensor)
-                target[rows:].zero_()
-                if self.config.gemma_norms and name.endswith("norm.weight"):
-                    target.add_(1.0)  # Gemma's RMSNorm scales by (1 + w): folded in once here

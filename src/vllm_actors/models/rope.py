@@ -1,4 +1,5 @@
-"""Rotary position embedding: inverse frequencies per rope type, and cos/sin of a step's positions.
+"""Rotary position embedding: inverse frequencies per rope type, cos/sin of a step's positions, and
+the rotation by them (``apply_rotary``, in the HF "rotate half" layout).
 
 The frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` (``modeling_rope_utils.py``) for
 ``linear``, ``yarn`` and ``llama3``; ``dynamic`` (NTK) takes vLLM's fixed base, the one
@@ -96,3 +97,11 @@ def rope_cos_sin(positions: torch.Tensor, freqs: RotaryFrequencies) -> tuple[tor
     if freqs.attention_factor != 1.0:
         cos, sin = cos * freqs.attention_factor, sin * freqs.attention_factor
     return cos.float(), sin.float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by (cos, sin) [T, D]; pairs are (i, i + D/2) (the HF "rotate half" layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
