@@ -50,8 +50,8 @@ def _norm_rope_rows(rows_ptr, mask, cos, sin, weight_ptr, eps, HAS_NORM: tl.cons
 @triton.jit
 def _qk_norm_rope_tiles_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    k_scale_ptr, v_scale_ptr, tokens, num_q_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-    stride_vh, stride_cos, stride_cb, stride_cs, stride_ch, eps,
+    k_scale_ptr, v_scale_ptr, num_q_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_cos, stride_cb, stride_cs, stride_ch, eps, tokens,
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
@@ -88,12 +88,10 @@ def _qk_norm_rope_tiles_kernel(
 
 
 def launch_tiles(q: torch.Tensor, k: torch.Tensor, arguments: tuple[Any, ...], options: dict[str, Any]) -> None:
-    """The tiled launch over ``q`` [T, Hq, D] and ``k`` [T, Hk, D]: ``arguments`` are the per-token
-    kernel's pointer and stride arguments (q through eps), ``options`` its constexprs (EARLY dropped:
-    a tile reads its slots after the PDL wait, which is always safe)."""
+    """The tiled launch over ``q`` [T, Hq, D] and ``k`` [T, Hk, D]: ``arguments`` and ``options`` are the
+    per-token kernel's (its kernel takes the same ones, then the token count; EARLY is dropped: a tile
+    reads its slots after the PDL wait, which is always safe)."""
     tokens, num_q_heads = q.shape[0], q.shape[1]
-    pointers, strides = arguments[:12], arguments[13:]  # arguments[12] is num_q_heads
     constexprs = {name: value for name, value in options.items() if name not in ("EARLY", "num_warps")}
     grid = (triton.cdiv(tokens, TOKENS_PER_TILE), num_q_heads + k.shape[1])
-    _qk_norm_rope_tiles_kernel[grid](*pointers, tokens, num_q_heads, *strides, TILE=TOKENS_PER_TILE,
-                                     num_warps=4, **constexprs)
+    _qk_norm_rope_tiles_kernel[grid](*arguments, tokens, TILE=TOKENS_PER_TILE, num_warps=4, **constexprs)
