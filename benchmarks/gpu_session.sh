@@ -79,14 +79,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
 mkdir -p "$out"
-# A fresh target each call: pip keeps a stale copy when installing into an existing --target.
 # VA_SITE: a site a caller installed already (lanes.sh installs once for all its lanes).
 if [ -n "${VA_SITE:-}" ] && [ -d "$VA_SITE/vllm_actors" ]; then site=$VA_SITE
-else
-  site=$(mktemp -d /tmp/site-XXXXXX)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$site" . \
-    || { echo "install failed"; exit 1; }
+else site=$(bash benchmarks/install_site.sh) || { echo "install failed"; exit 1; }
 fi
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
 # flash-attn 4, where the fa4 stage installed it: appended (the machine's torch and CUDA packages come first);

@@ -9,10 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
 # One install for every lane: concurrent `pip install .` runs share its build folder and fail.
-VA_SITE=$(mktemp -d /tmp/site-XXXXXX); export VA_SITE
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$VA_SITE" .whl/*.whl \
-  && python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$VA_SITE" . \
-  || { echo "install failed"; exit 1; }
+VA_SITE=$(bash benchmarks/install_site.sh) || { echo "install failed"; exit 1; }
+export VA_SITE
 pids=()
 for lane in "$@"; do
   gpu=${lane%%|*}; stages=${lane#*|}; name=${gpu//,/-}  # "2,3": two GPUs, lane2-3
