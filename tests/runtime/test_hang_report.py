@@ -28,7 +28,7 @@ def test_the_report_holds_each_actor_s_stacks_and_leaves_it_running(tmp_path: Pa
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         report = tmp_path / "dumps" / "report.txt"
-        write_hang_report(report, "tests/x.py::test_y", settle=1.0)
+        write_hang_report(report, "tests/x.py::test_y", settle=120.0)  # returns once the dump is there
         text = report.read_text()
         assert f"=== process {child.pid}" in text
         assert "in waits_for_ever" in text and str(log) in text  # its stack, from its log's tail

@@ -59,16 +59,49 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _log_tail(pid: int) -> str:
-    """The last lines of the file the process's stderr goes to (an actor's log)."""
+def _log_path(pid: int) -> Path | None:
+    """The file the process's stderr goes to (an actor's log), None when it is not a file."""
     try:
         target = os.readlink(f"/proc/{pid}/fd/2")
     except OSError:
-        return ""
-    if not target.startswith("/") or not Path(target).is_file():
-        return f"(stderr: {target})"
-    lines = _read(Path(target)).splitlines()
-    return f"(stderr: {target})\n" + "\n".join(lines[-LOG_TAIL_LINES:])
+        return None
+    return Path(target) if target.startswith("/") and Path(target).is_file() else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (not gone, not a zombie its parent has yet to reap)."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _dumped_since(path: Path | None, offset: int) -> bool:
+    """Whether the log has a stack dump (a thread header and a frame) past ``offset``."""
+    if path is None:
+        return True  # nothing to wait for
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return True
+    header = text.find("(most recent call first):")
+    return header >= 0 and 'File "' in text[header:]
+
+
+def _log_tail(pid: int) -> str:
+    """The last lines of the file the process's stderr goes to (an actor's log)."""
+    path = _log_path(pid)
+    if path is None:
+        return "(stderr: not a file)"
+    lines = _read(path).splitlines()
+    return f"(stderr: {path})\n" + "\n".join(lines[-LOG_TAIL_LINES:])
 
 
 def write_hang_report(path: Path, test_id: str, settle: float = 2.0) -> None:
@@ -80,12 +113,18 @@ def write_hang_report(path: Path, test_id: str, settle: float = 2.0) -> None:
         faulthandler.dump_traceback(file=report, all_threads=True)
         processes = _descendants(os.getpid())
         actors = [pid for pid in processes if ACTOR_MODULE in _read(Path(f"/proc/{pid}/cmdline"))]
+        logs = {pid: _log_path(pid) for pid in actors}
+        offsets = {pid: _size(log) for pid, log in logs.items()}
         for pid in actors:  # only actors: SIGUSR1 ends a process without the handler
             try:
                 os.kill(pid, SIGUSR1)
             except OSError:
-                pass
-        time.sleep(settle)  # each writes its stacks to its log
+                offsets.pop(pid)
+        # each writes its stacks to its log; `settle` bounds the wait for one that cannot (stopped, dead)
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline and not all(
+                _dumped_since(logs[pid], at) or not _alive(pid) for pid, at in offsets.items()):
+            time.sleep(0.01)
         for pid in processes:
             command = _read(Path(f"/proc/{pid}/cmdline"))
             spec = re.search(r'"actor_id":\s*"([^"]+)"', command)
