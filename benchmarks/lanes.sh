@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several gpu_session.sh runs at once, each on its own GPU of the device machine, then their outputs
 # packed into one archive per lane ($OUT/laneN.tgz: a call brings back at most 8 files).
-#   bash benchmarks/lanes.sh "0|longctx -- --engines ours vllm" "1|tests prefillbench"
+#   bash benchmarks/lanes.sh "0|longctx -- --engines ours vllm && longctx -- --block-size 128 --append" "1|tests prefillbench"
 # A lane is "GPU|stages and arguments of gpu_session.sh"; its output in $OUT/laneGPU (packed), its
 # console in $OUT/laneGPU.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart. A lane still
 # running after LANE_TIMEOUT seconds (default 560) is stopped, so that what it wrote is packed and comes back.
@@ -15,9 +15,10 @@ pids=()
 for lane in "$@"; do
   gpu=${lane%%|*}; stages=${lane#*|}; name=${gpu//,/-}  # "2,3": two GPUs, lane2-3
   mkdir -p "$out/lane$name"
-  # shellcheck disable=SC2086 # the stages are word-split on purpose
-  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/lane$name" LONGCTX_DIR=/tmp/longctx-$name \
-    timeout --kill-after=10 "${LANE_TIMEOUT:-560}" bash benchmarks/gpu_session.sh $stages > "$out/lane$name.log" 2>&1 &
+  # "a && b": gpu_session.sh runs a, then b, on the lane's GPUs, each in its own folder (partN), sharing
+  # LONGCTX_DIR so that a later `longctx -- ... --append` adds to the earlier table.
+  CUDA_VISIBLE_DEVICES=$gpu LONGCTX_DIR=/tmp/longctx-$name timeout --kill-after=10 "${LANE_TIMEOUT:-560}" \
+    bash benchmarks/lane_parts.sh "$out/lane$name" "$stages" > "$out/lane$name.log" 2>&1 &
   pids+=($!)
 done
 status=0
