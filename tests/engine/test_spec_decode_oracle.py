@@ -42,7 +42,7 @@ def make_engine(spec: SpeculativeConfig | None) -> tuple[InProcessEngine, list[S
 def one_at_a_time(engine: InProcessEngine, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy outputs, each request alone (batch 1: a step's counts are one request's)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = []
+    outputs: list[list[int]] = []
     for index, prompt in enumerate(prompts):
         engine.submit(engine.prepare(f"r{index}-{len(outputs)}", {"prompt_token_ids": prompt}, params))
         while engine.has_unfinished:
