@@ -11,7 +11,13 @@ mostly rejected: the step cost is what it measures). ``--model-shape qwen3-8b`` 
 with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer). The mode
 ``eagle3`` drafts with a random EAGLE-3 head of the target's shape (``--out``/eagle3-head, random
 bfloat16 weights both engines load; ours draws its own under ``--model-shape``): its drafts are
-rejected, so it measures the head's step cost against vLLM's ``eagle3`` on the same head.
+rejected, so it measures the head's step cost against vLLM's ``eagle3`` on the same head. The mode
+``oracle`` (with ``off``; ours only, batch 1) replays the off run's greedy outputs as drafts, each
+right with the probability of each ``--oracle-acceptance``: the verification cost at a known
+acceptance (``lib/spec_oracle.py``; also ``OUT/oracle.md``).
+
+    python benchmarks/spec_decode.py --model-shape qwen3-8b --modes off oracle --oracle-acceptance 0.3 0.6 0.9 \
+        --concurrency --out /tmp/oracle
 
 Writes ``results.json`` in ``--out`` and prints one line per engine and mode.
 """
@@ -30,7 +36,7 @@ from typing import Any
 
 # The repository instead of this folder (whose kernels.py would shadow the package transformers imports).
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.lib import spec_measure  # noqa: E402
+from benchmarks.lib import spec_measure, spec_oracle  # noqa: E402
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES, write_model_dir  # noqa: E402
 
 
@@ -122,7 +128,8 @@ def write_eagle3_head(target: str, folder: Path) -> Path:
     return folder
 
 
-def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str, record: bool = False) -> dict[str, Any]:
+    """One engine in ``mode``; ``record``: also each batch-1 prompt's greedy output (``greedy``), for the oracle."""
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.protocol.speculative import parse_speculative_config
 
@@ -140,14 +147,10 @@ def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str) -> dict[
 
         result = spec_measure.measure(generate, spec["prompts"], spec["output_len"], spec["repeats"],
                                       spec["concurrency"])
-        result["spec_decode"] = _counts(llm)
+        result["spec_decode"] = spec_oracle.counts(llm)
+        if record:
+            result["greedy"] = spec_oracle.greedy_outputs(llm, spec_oracle.batch1_prompts(spec), spec["output_len"])
     return result
-
-
-def _counts(llm: Any) -> dict[str, Any]:
-    spec = llm.get_metrics().spec_decode
-    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-            "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_pos": list(spec.accepted_per_pos)}
 
 
 def run_peer(args: argparse.Namespace, spec_path: Path, mode: str) -> dict[str, Any]:
@@ -161,6 +164,26 @@ def run_peer(args: argparse.Namespace, spec_path: Path, mode: str) -> dict[str, 
     if completed.returncode != 0 or not out.is_file():
         return {"error": " | ".join(completed.stdout.splitlines()[-8:])}
     return dict(json.loads(out.read_text()))
+
+
+def run_oracles(args: argparse.Namespace, spec: dict[str, Any], results: dict[str, Any],
+                recorded: list[list[int]]) -> None:
+    """The oracle at each set acceptance (one engine each) into ``results``, and ``OUT/oracle.md``."""
+    off_ms = results["ours_off"]["batch1_ms_per_token"]
+    oracles: dict[str, dict[str, Any]] = {}
+    for acceptance in args.oracle_acceptance:
+        try:
+            found = spec_oracle.run_oracle(args.model, spec, acceptance, recorded, args.num_speculative_tokens,
+                                           args.oracle_passes, off_ms)
+        except Exception as error:  # noqa: BLE001  # one acceptance failing leaves the others' figures
+            found = {"acceptance": acceptance, "error": f"{type(error).__name__}: {error}"}
+        oracles[f"ours_oracle_{acceptance}"] = found
+        print(f"ours oracle {acceptance}: {json.dumps({k: v for k, v in found.items() if 'samples' not in k})}",
+              flush=True)
+    results.update(oracles)
+    report = spec_oracle.markdown(off_ms, oracles, args.num_speculative_tokens)
+    (Path(args.out) / "oracle.md").write_text(report)
+    print(report, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a model shape with dummy weights instead of --model (no tokenizer)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="add the mode 'draft': a random draft of the target's shape with this many layers")
-    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft", "eagle3"], default=None,
-                        help="default: off and ngram, and draft with --draft-layers")
+    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft", "eagle3", "oracle"], default=None,
+                        help="default: off and ngram, and draft with --draft-layers (oracle: with off, ours only)")
+    parser.add_argument("--oracle-acceptance", type=float, nargs="+", default=[0.3, 0.6, 0.9],
+                        help="the oracle's set acceptances, one engine each")
+    parser.add_argument("--oracle-passes", type=int, default=6,
+                        help="at most this many runs of a prompt until its output is the continuation drafted")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite")
@@ -196,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes or ["off", "ngram"] + (["draft"] if args.draft_layers else [])
     if "draft" in modes and not args.draft_layers:
         parser.error("the mode 'draft' needs --draft-layers N")
+    if "oracle" in modes and "off" not in modes:
+        parser.error("the mode 'oracle' needs the mode 'off' (its greedy outputs are the oracle's continuations)")
+    if any(not 0.0 <= a <= 1.0 for a in args.oracle_acceptance):
+        parser.error("--oracle-acceptance values must be from 0 to 1")
     load_format = "dummy" if args.model_shape else "auto"
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
@@ -218,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
     results: dict[str, Any] = {"settings": {k: v for k, v in spec.items() if k != "prompts"}}
-    for mode in modes:
-        results[f"ours_{mode}"] = run_ours(args, spec, mode)
+    recorded: list[list[int]] = []
+    for mode in sorted(modes, key=lambda m: m == "oracle"):  # the oracle replays the off run's outputs
+        if mode == "oracle":
+            run_oracles(args, spec, results, recorded)
+            continue
+        results[f"ours_{mode}"] = run_ours(args, spec, mode, record=mode == "off" and "oracle" in modes)
+        recorded = results[f"ours_{mode}"].pop("greedy", recorded)
         print(f"ours {mode}: {json.dumps({k: v for k, v in results[f'ours_{mode}'].items() if 'samples' not in k})}",
               flush=True)
         if args.peer:

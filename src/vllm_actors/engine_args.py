@@ -13,7 +13,7 @@ import structlog
 
 from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
-from vllm_actors.protocol.speculative import SpeculativeConfig, parse_speculative_config
+from vllm_actors.protocol.speculative import ORACLE, SpeculativeConfig, parse_speculative_config
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +51,9 @@ def speculative_config(given: Any) -> SpeculativeConfig:
         except json.JSONDecodeError as error:
             raise ValueError(f"--speculative-config must be a JSON object: {error}") from None
     config = parse_speculative_config(given, adaptive=envs.VLLM_ACTORS_SPEC_ADAPTIVE)
+    if config.method == ORACLE and not envs.VLLM_ACTORS_ALLOW_ORACLE_DRAFTER:
+        raise ValueError("speculative_config: method 'oracle' is for benchmarks only: set "
+                         "VLLM_ACTORS_ALLOW_ORACLE_DRAFTER=1 to use it")
     if config.model is not None and not Path(config.model).exists():
         raise ValueError(f"speculative_config: model {config.model!r} does not exist (a directory or file path)")
     return config

@@ -257,6 +257,9 @@ class Envs:
     VLLM_ACTORS_SPEC_ADAPTIVE = switch(
         "Speculative decoding drafts per step as many tokens as the step cost model and the observed acceptance "
         "say pay (0: always `num_speculative_tokens` where a draft is found).", "engine")
+    VLLM_ACTORS_ALLOW_ORACLE_DRAFTER = switch(
+        "Accept the speculative method `oracle`, which replays given greedy continuations at a set acceptance "
+        "(benchmarks only: it measures the verification cost; see speculative.md).", "engine", default=False)
     VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
     VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 

@@ -288,7 +288,7 @@ class Scheduler(PlanningPass):
         self._release(request)
         request.status = Status.FINISHED
         if self.spec is not None:
-            self.spec.forget(request_id)
+            self.spec.forget(request)
 
     def _release(self, request: ScheduledRequest) -> None:
         self.ledger.release(request.request_id)

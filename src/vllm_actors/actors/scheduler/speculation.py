@@ -1,5 +1,6 @@
-"""Speculative decoding as the scheduler plans it (n-gram drafts; ``ngram``, ``spec_policy``; a
-draft model's drafts are proposed by the worker: the plan holds ``WORKER_DRAFT`` per token it may draft).
+"""Speculative decoding as the scheduler plans it (n-gram drafts; ``ngram``, ``spec_policy``; the
+benchmarks' ``oracle``; a draft model's drafts are proposed by the worker: the plan holds
+``WORKER_DRAFT`` per token it may draft).
 
 One step in flight for a speculating request: its drafts are proposed from its known tokens, so a
 request that drafts is planned only once the result of its previous step is back (other requests
@@ -24,11 +25,12 @@ from dataclasses import dataclass, field
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel
 from vllm_actors.actors.scheduler.ngram import propose_ngram
+from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import Acceptance, choose_num_drafts
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.protocol.speculative import WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
+from vllm_actors.protocol.speculative import ORACLE, WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -54,6 +56,7 @@ class Speculator:
         self._acceptance: dict[str, Acceptance] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
         self._k_memo: dict[tuple[int, int], int] = {}  # (alpha bucket, decodes) -> drafts, this pass
+        self.oracle = OracleDrafter(config) if config.method == ORACLE else None  # benchmarks only
 
     @property
     def has_trims(self) -> bool:
@@ -93,8 +96,11 @@ class Speculator:
             return []
         if self.config.method in WORKER_METHODS:  # the worker's draft model or EAGLE-3 head proposes them
             return [WORKER_DRAFT] * num_drafts
-        packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
-        found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        if self.oracle is not None:
+            found = self.oracle.propose(request, num_drafts)
+        else:
+            packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
+            found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not found and self.config.adaptive:
             # A step held to one in flight for nothing: counted as num_speculative_tokens rejected
             # drafts, so text without matches stops speculating within a few steps.
@@ -144,6 +150,9 @@ class Speculator:
             trims.pop(request_id, None)
         return trims
 
-    def forget(self, request_id: str) -> None:
-        self._acceptance.pop(request_id, None)
-        self._trims.pop(request_id, None)
+    def forget(self, request: ScheduledRequest) -> None:
+        """A request finished."""
+        self._acceptance.pop(request.request_id, None)
+        self._trims.pop(request.request_id, None)
+        if self.oracle is not None:
+            self.oracle.learn(request)
