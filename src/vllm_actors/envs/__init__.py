@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
+from vllm_actors.models.router_skew import RouterSkew, parse_skew
+
 T = TypeVar("T")
 KernelChoice = Literal["auto", "torch", "triton"]
 
@@ -257,6 +259,10 @@ class Envs:
     VLLM_ACTORS_SPEC_ADAPTIVE = switch(
         "Speculative decoding drafts per step as many tokens as the step cost model and the observed acceptance "
         "say pay (0: always `num_speculative_tokens` where a draft is found).", "engine")
+    VLLM_ACTORS_MOE_ROUTER_SKEW = Setting[RouterSkew | None](
+        None, parse_skew, "Benchmarks only: mixture-of-experts routers choose experts Zipf-distributed (`zipf:S`: "
+        "expert e with weight (e+1)^-S, drawn from a fixed table, as `benchmarks/throughput.py --moe-router-skew` "
+        "sets it for both engines); unset: the model's own routing.", kind="zipf:S", group="engine")
     VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
     VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 
