@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
 
+from benchmarks.lib.compare_report import ComparisonReport
 from benchmarks.lib.throughput_compare import build_parser, run_engine_peer, run_vllm_peer
 
 from tests.bench.test_bench_serve import _FAKE_VLLM
@@ -97,11 +99,13 @@ def test_vllms_peer_skews_its_routers(tmp_path: Path) -> None:
     result = run_vllm_peer(args, str(tmp_path), "dummy", workload, tmp_path, 151936)
     assert "error" not in result, result.get("error")
     assert result["router_skew"] == {"spec": "zipf:1.2", "skewed_gates_per_worker": [3]}
+    rows = dict(ComparisonReport(config={}, peer_vllm=result).comparison_rows())
+    assert rows["vLLM: skewed routers"] == "zipf:1.2, [3] per worker"
     with pytest.raises(ValueError, match="vLLM's peer only"):
         run_engine_peer("sglang", args, str(tmp_path), "dummy", workload, tmp_path, 151936)
 
 
-def test_main_on_a_tiny_moe_with_the_skew(tmp_path: Path) -> None:
+def test_main_on_a_tiny_moe_with_the_skew(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.lib.throughput_compare import main
 
     model = write_model_dir(tmp_path / "tiny-moe", TINY_MOE_CONFIG)
@@ -118,3 +122,4 @@ def test_main_on_a_tiny_moe_with_the_skew(tmp_path: Path) -> None:
     assert results["config"]["moe_router_skew"] == "zipf:1.2"
     assert results["config"]["router_skew"]["num_experts"] == 8 and results["floor"] is None
     assert "VLLM_ACTORS_MOE_ROUTER_SKEW" not in os.environ  # set for our engine's processes only
+    assert re.search(r"experts' routing +\| zipf:1.2: the hottest expert", capsys.readouterr().out)
