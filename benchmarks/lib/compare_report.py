@@ -143,6 +143,11 @@ class ComparisonReport(BenchReport):
 
     def _engine_rows(self) -> list[tuple[str, str]]:
         rows: list[tuple[str, str]] = []
+        skew = self.config.get("router_skew")
+        if skew:
+            rows.append(("experts' routing", f"{skew['spec']}: the hottest expert {skew['hottest_over_uniform']:.1f}x "
+                                             f"its uniform share, {skew['experts_taking_half_the_choices']} of "
+                                             f"{skew['num_experts']} take half the choices"))
         ours_b1 = self.batch1_client
         if ours_b1:
             rows.append(("ours: batch-1 (client clock)", f"TTFT {_ms(ours_b1['ttft_s'])}, "
@@ -155,6 +160,9 @@ class ComparisonReport(BenchReport):
                              f"{peer['tokens_per_s']:,.0f} (runs: {runs}; {peer['output_tokens']:,} tokens)"))
             if peer.get("startup_s") is not None:
                 rows.append((f"{name}: engine start", f"{peer['startup_s']:.1f} s"))
+            if peer.get("router_skew"):
+                rows.append((f"{name}: skewed routers", f"{peer['router_skew']['spec']}, "
+                                                        f"{peer['router_skew']['skewed_gates_per_worker']} per worker"))
             if peer.get("settings"):
                 rows.append((f"{name}: settings", ", ".join(f"{k}={v}" for k, v in peer["settings"].items())))
             if peer.get("batch1"):

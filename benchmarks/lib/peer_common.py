@@ -61,6 +61,7 @@ def common_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--batch1-output-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=151936)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--moe-router-skew", default=None, help="zipf:S (vLLM's peer: peer_vllm_skew.py)")
     return parser
 
 

@@ -5,7 +5,8 @@ This file runs as a script under vLLM's environment, with peer_common.py beside 
 nothing of vllm_actors: ``python3 peer_vllm.py --model DIR --workload W.json --out R.json``. It does
 what the benchmark does to this engine (peer_common.run_workload): start the engine (timed), a
 warm-up, ``--runs`` timed ``generate`` calls of the whole workload (temperature 0.6, ignore_eos),
-then batch-1 by the client's clock.
+then batch-1 by the client's clock. ``--moe-router-skew``: its Qwen3-MoE routers skewed as ours
+(peer_vllm_skew.py, with router_skew.py, copied beside this file).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = peer_common.read_workload(args.workload).get("mix")
     result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "runs": [],
                               "python": sys.version.split()[0]}
+    skew = None
+    if args.moe_router_skew:  # before the model is built (peer_vllm_skew.py)
+        import peer_vllm_skew
+
+        skew = peer_vllm_skew.router_skew.parse_skew(args.moe_router_skew)
+        peer_vllm_skew.install(skew)
     started = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
@@ -46,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               skip_tokenizer_init=mix is None,  # structured outputs need the tokenizer
               tensor_parallel_size=args.tensor_parallel_size)
     result["startup_s"] = time.perf_counter() - started
+    if skew is not None:
+        result["router_skew"] = peer_vllm_skew.fill_in_workers(llm, skew)
+        print(f"vllm: skewed routers {result['router_skew']}", flush=True)
     print(f"vllm {vllm.__version__}: engine up after {result['startup_s']:.1f} s", flush=True)
 
     def generate(batch: Sequence[Sequence[int]], limits: Sequence[int],

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from benchmarks.lib import peer_common, peer_sglang, peer_vllm, throughput_mix
+from benchmarks.lib import peer_common, peer_sglang, peer_vllm, peer_vllm_skew, throughput_mix
 from benchmarks.lib.compare_report import ComparisonReport
 from benchmarks.lib.floor import Floor, GpuCeilings, ModelShape, measure_ceilings, workload_floor
 from vllm_actors.bench import throughput
@@ -31,6 +31,7 @@ from vllm_actors.bench.report import BenchReport
 from vllm_actors.bench.throughput import Extension, Setup, part
 from vllm_actors.bench.throughput_engine import EngineSession
 from vllm_actors.bench.throughput_workload import TEMPERATURE, Workload
+from vllm_actors.models import router_skew
 
 log = structlog.get_logger(__name__)
 
@@ -83,10 +84,14 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def model_shape(model_path: str, dtype: str) -> ModelShape:
+def model_shape(model_path: str, dtype: str) -> ModelShape | None:
+    """The floor's figures of a dense model; None for a mixture of experts (the floor's model reads
+    every weight at every step and has no term for routed experts)."""
     from vllm_actors.models.config import ModelConfig
 
     config = ModelConfig.from_path(model_path)
+    if config.num_experts:
+        return None
     dtype_bytes = 4 if dtype in ("float32", "float") else 2
     return ModelShape(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -171,7 +176,13 @@ def run_engine_peer(
         *(["--no-batch1"] if args.no_batch1 else []),
         *(["--attention-backend", args.sglang_attention_backend] if engine == "sglang" else []),
     ]
-    env = dict(os.environ, **PEER_ENV[engine])
+    if args.moe_router_skew is not None:  # vLLM's side of the skewed router (peer_vllm_skew.py)
+        if engine != "vllm":
+            raise ValueError(f"--moe-router-skew is applied to vLLM's peer only, not to {engine}'s")
+        command += ["--moe-router-skew", args.moe_router_skew]
+        for source in (peer_vllm_skew.__file__, router_skew.__file__):
+            shutil.copyfile(str(source), folder / Path(str(source)).name)
+    env = dict(os.environ, **PEER_ENV[engine], **(peer_vllm_skew.ENV if args.moe_router_skew else {}))
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log.info("starting a peer", engine=engine, command=" ".join(command))
@@ -228,8 +239,13 @@ class Comparisons(Extension):
         assert isinstance(report, ComparisonReport)
         with part(report, "floor", setup.out_json):
             shape = model_shape(setup.model_path, args.dtype)
-            report.ceilings, report.floor = compute_floor(args, shape, setup.workload)
-        if ok and "transformers" in args.peer:
+            if shape is None:
+                log.info("no floor for a mixture-of-experts model")
+            else:
+                report.ceilings, report.floor = compute_floor(args, shape, setup.workload)
+        if ok and "transformers" in args.peer and args.moe_router_skew is not None:
+            report.errors["peer"] = "--moe-router-skew is applied to vLLM's peer only (pass --peer vllm)"
+        elif ok and "transformers" in args.peer:
             with part(report, "peer", setup.out_json):
                 report.peer = run_peer(args, setup.model_path, setup.workload,
                                        random_weights=setup.load_format == "dummy")

@@ -53,6 +53,7 @@ from vllm_actors.bench.throughput_workload import (
     write_model_dir,
 )
 from vllm_actors.envs import envs
+from vllm_actors.models.router_skew import describe, parse_skew
 from vllm_actors.observe import trace_file
 from vllm_actors.protocol.events import DISABLE_EVENTS_ENV
 
@@ -64,6 +65,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+ROUTER_SKEW_ENV = "VLLM_ACTORS_MOE_ROUTER_SKEW"
 
 
 # --------------------------------------------------------------------------- arguments
@@ -101,6 +104,10 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
                        help="replicas (one GPU each) under one controller")
     model.add_argument("--routing-policy", default="round_robin",
                        choices=("round_robin", "least_loaded", "pull", "cache_aware"))
+    model.add_argument("--moe-router-skew", type=router_skew_arg, default=None, metavar="zipf:S",
+                       help="mixture-of-experts models: experts chosen Zipf-distributed (expert e with weight "
+                            "(e+1)^-S) instead of as the random router says, in every engine alike "
+                            "(VLLM_ACTORS_MOE_ROUTER_SKEW; models/router_skew.py)")
 
     workload = parser.add_argument_group("workload")
     workload.add_argument("--workload", choices=("nano-vllm", "shared-prefix"), default="nano-vllm",
@@ -139,6 +146,27 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     output.add_argument("--log-level",
                         default=envs.VLLM_ACTORS_LOG_LEVEL if envs.is_set("VLLM_ACTORS_LOG_LEVEL") else "INFO")
     return parser
+
+
+def router_skew_arg(text: str) -> str:
+    """``--moe-router-skew``'s value, normalised (``zipf:1.20`` -> ``zipf:1.2``)."""
+    try:
+        return parse_skew(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+
+
+def describe_router_skew(args: argparse.Namespace, model_path: str) -> dict[str, Any] | None:
+    """The results' record of ``--moe-router-skew`` (the loads it gives); a ValueError for a dense model."""
+    if args.moe_router_skew is None:
+        return None
+    from vllm_actors.models.config import ModelConfig
+
+    config = ModelConfig.from_path(model_path)
+    if config.num_experts < 1:
+        raise ValueError(f"--moe-router-skew needs a mixture-of-experts model; {model_path} "
+                         f"({config.architecture}) has no experts")
+    return describe(parse_skew(args.moe_router_skew), config.num_experts, config.num_experts_per_tok)
 
 
 def is_default_workload(args: argparse.Namespace) -> bool:
@@ -300,6 +328,7 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             workload = workload.fit_vocab(vocab_size)
         setup = Setup(model_path, load_format, vocab_size, workload, scratch_dir, out_dir / "results.json")
         report = extension.make_report(_config_record(args, load_format, workload))
+        report.config["router_skew"] = describe_router_skew(args, model_path)
         status = extension.instead(args, setup, report)
         if status is not None:
             return report, status
@@ -308,11 +337,16 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             os.environ[DISABLE_EVENTS_ENV] = "1"  # read by every actor of the group at its start
         if args.trace:  # the whole run in the store's log, read by the metrics store at its start
             os.environ.update(trace_file.retention_env(args.trace_max_events))
-        ok = _run_ours(args, setup, report, extension)
-        for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
-            os.environ.pop(name, None)
-        if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
-            _run_other_batch1(args, setup, report)
+        if args.moe_router_skew is not None:  # read by every worker's MoE layers as they are built
+            os.environ[ROUTER_SKEW_ENV] = args.moe_router_skew
+        try:
+            ok = _run_ours(args, setup, report, extension)
+            for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
+                os.environ.pop(name, None)
+            if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
+                _run_other_batch1(args, setup, report)
+        finally:
+            os.environ.pop(ROUTER_SKEW_ENV, None)
         extension.after_ours(args, setup, report, ok)
 
     report.total_seconds = time.perf_counter() - started

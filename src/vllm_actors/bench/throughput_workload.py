@@ -1,5 +1,6 @@
 """``vllm-actors bench throughput``'s workload: nano-vllm's requests, and the model directories of
-the benchmarks' shapes (Qwen3-0.6B by default, Qwen3-8B, Llama-3.2-1B; random weights)."""
+the benchmarks' shapes (Qwen3-0.6B by default, Qwen3-8B (also in block-wise FP8), Llama-3.2-1B, the
+mixture-of-experts Qwen3-30B-A3B; random weights)."""
 
 from __future__ import annotations
 
@@ -158,9 +159,18 @@ QWEN3_8B_FP8_CONFIG: dict[str, Any] = {
     **QWEN3_8B_CONFIG, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                                "weight_block_size": [128, 128]},
 }
+# Qwen3-30B-A3B's config.json: 48 layers, each a sparse MLP of 128 experts (8 per token, their weights
+# renormalised); 30.5B parameters, about 61 GB in bf16 (one 80 GB H100 keeps about 10 GB for the KV cache).
+QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
+    **QWEN3_0_6B_CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "tie_word_embeddings": False, "max_window_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-8b-fp8": QWEN3_8B_FP8_CONFIG,
-    "llama-3.2-1b": LLAMA_3_2_1B_CONFIG,
+    "llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
 }
 
 

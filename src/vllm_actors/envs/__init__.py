@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
+from vllm_actors.models.router_skew import RouterSkew, parse_skew
+
 T = TypeVar("T")
 KernelChoice = Literal["auto", "torch", "triton"]
 
@@ -260,6 +262,10 @@ class Envs:
     VLLM_ACTORS_ALLOW_ORACLE_DRAFTER = switch(
         "Accept the speculative method `oracle`, which replays given greedy continuations at a set acceptance "
         "(benchmarks only: it measures the verification cost; see speculative.md).", "engine", default=False)
+    VLLM_ACTORS_MOE_ROUTER_SKEW = Setting[RouterSkew | None](
+        None, parse_skew, "Benchmarks only: mixture-of-experts routers choose experts Zipf-distributed (`zipf:S`: "
+        "expert e with weight (e+1)^-S, drawn from a fixed table, as `benchmarks/throughput.py --moe-router-skew` "
+        "sets it for both engines); unset: the model's own routing.", kind="zipf:S", group="engine")
     VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
     VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 

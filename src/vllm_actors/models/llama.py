@@ -172,7 +172,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp or TensorParallel()
         self.self_attn = Attention(config, layer)
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if layer in config.moe_layers else MLP(config)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config, layer) if layer in config.moe_layers else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Gemma: attention and MLP outputs normed before the residual add, the MLP's input by its own norm
