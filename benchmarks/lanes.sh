@@ -3,7 +3,7 @@
 # packed into one archive per lane ($OUT/laneN.tgz: a call brings back at most 8 files).
 #   bash benchmarks/lanes.sh "0|longctx -- --engines ours vllm && longctx -- --block-size 128 --append" "1|tests prefillbench"
 # A lane is "GPU|stages and arguments of gpu_session.sh"; its output in $OUT/laneGPU (packed), its
-# console in $OUT/laneGPU.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart. A lane still
+# console in laneGPU/console.log; LONGCTX_DIR is /tmp/longctx-GPU so that lanes keep apart. A lane still
 # running after LANE_TIMEOUT seconds (default 560) is stopped, so that what it wrote is packed and comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,9 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 for lane in "$@"; do
   gpu=${lane%%|*}; name=${gpu//,/-}
-  tar -C "$out" -czf "$out/lane$name.tgz" "lane$name" && rm -rf "${out:?}/lane$name"
   echo "=== lane $name: ${lane#*|}"; tail -25 "$out/lane$name.log"
+  # the console goes into the archive too: a call brings back at most 8 files
+  mv "$out/lane$name.log" "$out/lane$name/console.log"
+  tar -C "$out" -czf "$out/lane$name.tgz" "lane$name" && rm -rf "${out:?}/lane$name"
 done
 exit $status

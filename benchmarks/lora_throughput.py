@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The repository instead of this folder: benchmarks/kernels.py would shadow the `kernels` package vLLM imports
-# (it parses this script's arguments at import).
+# The repository instead of this folder: a module here named like a package vLLM or transformers imports would
+# shadow it (transformers probes `import kernels`, for one).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -1,6 +1,6 @@
 """Sweep of the Triton decode kernel's launch parameters over realistic batches (needs a CUDA GPU).
 
-The kernel microbenchmark (`benchmarks.lib.kernels`) times decode at uniform context lengths,
+The kernel microbenchmark (`benchmarks.lib.kernel_micro`) times decode at uniform context lengths,
 where every program of the grid does the same work. A serving batch is not like that: in
 nano-vllm's workload (prompts and outputs of 100-1,024 tokens, all requests at once) the batch
 shrinks from 256 sequences to a few as requests finish, and contexts differ by up to 10x. Programs

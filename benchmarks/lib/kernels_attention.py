@@ -1,4 +1,4 @@
-"""The kernel microbenchmark's attention cases (``benchmarks.lib.kernels``): decode, prefill and
+"""The kernel microbenchmark's attention cases (``benchmarks.lib.kernel_micro``): decode, prefill and
 a chunked-prefill step, the Triton paged-attention kernels against torch references."""
 
 from __future__ import annotations

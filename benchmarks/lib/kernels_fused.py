@@ -1,4 +1,4 @@
-"""The kernel microbenchmark's fused elementwise cases (``benchmarks.lib.kernels``): add + RMSNorm,
+"""The kernel microbenchmark's fused elementwise cases (``benchmarks.lib.kernel_micro``): add + RMSNorm,
 SiLU-and-mul and the rotary embedding of q and k, Triton against unfused torch code; and the
 sampler's penalties (``kernels/penalties.py``) on min(tokens, 256) rows of Qwen3's vocabulary,
 against the torch path the worker used before."""

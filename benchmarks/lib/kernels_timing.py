@@ -1,4 +1,4 @@
-"""Timing helpers of the kernel microbenchmark (``benchmarks.lib.kernels``): medians of
+"""Timing helpers of the kernel microbenchmark (``benchmarks.lib.kernel_micro``): medians of
 ``triton.testing.do_bench``, per-call times replayed from CUDA graphs, and a GPU spin-up."""
 
 from __future__ import annotations

@@ -248,3 +248,16 @@ def test_the_cycle_check_finds_a_circle() -> None:
 def test_no_import_cycle_inside_a_folder(folder: Path) -> None:
     cycle = import_cycle(folder_imports(folder))
     assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+# Modules that peers probe by top-level name (transformers imports `kernels` to see whether the Hub's kernels
+# package is there): a benchmark script's folder is first on sys.path in its peer processes, so a module of that
+# name there breaks vLLM's start (it did: benchmarks/lib/kernels.py).
+PROBED_BY_PEERS = ("kernels", "vllm", "sglang", "transformers", "torch", "triton", "flashinfer", "flash_attn")
+
+
+def test_no_benchmark_module_shadows_a_package_peers_import() -> None:
+    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "lib"):
+        names = {path.stem for path in folder.glob("*.py")} | {path.name for path in folder.iterdir() if path.is_dir()}
+        shadowing = sorted(names & set(PROBED_BY_PEERS))
+        assert not shadowing, f"{folder}: {shadowing} would shadow the package of that name in peer processes"

@@ -16,7 +16,7 @@ At Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128), bf16
 Every case checks the Triton output against a float32 torch computation. Times are medians of
 `triton.testing.do_bench`, in milliseconds. Usage:
 
-    python benchmarks/kernels.py [--out results/kernels.json]
+    python benchmarks/kernel_micro.py [--out results/kernels.json]
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run")
+        sys.exit("benchmarks/kernel_micro.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run")
     try:
         import triton
     except ImportError:
-        sys.exit("benchmarks/kernels.py needs triton (pip install 'vllm_actors[kernels]')")
+        sys.exit("benchmarks/kernel_micro.py needs triton (pip install 'vllm_actors[kernels]')")
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
