@@ -6,12 +6,14 @@ on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same 
     python benchmarks/spec_decode.py --model /tmp/smollm2-hf --out /tmp/spec [--peer vllm]
 
 ``--draft-layers N`` adds the mode ``draft``: a draft model of the target's shape with N layers and
-random weights (``--out``/draft-N), drafting ``--num-speculative-tokens`` every step (its drafts are
-mostly rejected: the step cost is what it measures). ``--model-shape qwen3-8b`` runs a model shape
-with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer). The mode
-``eagle3`` drafts with a random EAGLE-3 head of the target's shape (``--out``/eagle3-head, random
-bfloat16 weights both engines load; ours draws its own under ``--model-shape``): its drafts are
-rejected, so it measures the head's step cost against vLLM's ``eagle3`` on the same head.
+random weights (``--out``/draft-N; its drafts are rejected, so the adaptive drafts per step should
+fall to 0 and its rates come close to ``off``); ``--always-draft`` drafts ``--num-speculative-tokens``
+every step instead (as vLLM does: the draft path's step cost is what it measures).
+``--model-shape qwen3-8b`` runs a model shape with dummy weights instead of ``--model`` (prompts
+of random token ids: no tokenizer). The mode ``eagle3`` drafts with a random EAGLE-3 head of the
+target's shape (``--out``/eagle3-head, random bfloat16 weights both engines load; ours draws its own
+under ``--model-shape``): its drafts are rejected, so with ``--always-draft`` it measures the head's
+step cost against vLLM's ``eagle3`` on the same head.
 
 Writes ``results.json`` in ``--out`` and prints one line per engine and mode.
 """
@@ -127,8 +129,8 @@ def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str) -> dict[
     from vllm_actors.protocol.speculative import parse_speculative_config
 
     speculative = spec["speculative_configs"].get(mode)
-    if speculative is not None:  # the draft model drafts every step (as vLLM does): its cost is the point
-        speculative = parse_speculative_config(speculative, adaptive=mode not in ("draft", "eagle3"))
+    if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
+        speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
     with LLM(args.model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
              load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
              speculative_config=speculative) as llm:
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the mode 'draft': a random draft of the target's shape with this many layers")
     parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft", "eagle3"], default=None,
                         help="default: off and ngram, and draft with --draft-layers")
+    parser.add_argument("--always-draft", action="store_true",
+                        help="draft --num-speculative-tokens every step (no adaptive drafts per step)")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite")
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": prompts(args.model, count, args.passage_words, tokenizer=not args.model_shape),
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
         "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
-        "speculative_config": ngram, "speculative_configs": configs,
+        "speculative_config": ngram, "speculative_configs": configs, "always_draft": args.always_draft,
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))

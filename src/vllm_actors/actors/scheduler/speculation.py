@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel
-from vllm_actors.actors.scheduler.ngram import propose_ngram
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.deadlines import step_features
+from vllm_actors.actors.scheduler.ngram import propose_ngram
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
