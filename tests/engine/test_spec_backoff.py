@@ -17,7 +17,7 @@ import torch
 
 from tests.engine.test_spec_decode import CopyingRunner, run
 from tests.engine.test_spec_decode_draft import FakeDraft
-from vllm_actors.actors.scheduler.speculation import PROBE_INTERVAL
+from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.config import EngineConfig
@@ -154,3 +154,14 @@ def test_a_costly_draft_stops_drafting_at_moderate_acceptance() -> None:
         accepted[pass_seconds] = sum(step.num_draft_tokens for step in steps[8:])
     assert accepted[0.0005] >= 0.3 * OUTPUT * len(PROMPTS)
     assert accepted[STEP_SECONDS] <= 0.1 * OUTPUT * len(PROMPTS)
+
+
+def test_text_that_becomes_predictable_is_drafted_for_again() -> None:
+    """Drafts wrong for the first 40 tokens of each output, right afterwards: drafting stops, a
+    probe (within its share of the time) finds the drafts right, and drafting resumes."""
+    params = [SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)] * len(PROMPTS)
+    engine, steps, _ = paced_engine(lambda context: len(context) < len(PROMPTS[0]) + 40)
+    assert run(engine, PROMPTS, params) == run(paced_engine(None)[0], PROMPTS, params)
+    stopped = [step.num_draft_tokens for step in steps[10:60]]
+    assert max(stopped) == 0
+    assert sum(step.num_accepted_tokens for step in steps[60:]) >= 100

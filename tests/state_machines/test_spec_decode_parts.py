@@ -148,3 +148,28 @@ def test_serve_takes_speculative_config_as_json() -> None:
     spec = make_engine_config("m", kwargs).speculative_config
     assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("ngram", 3, 1)
     assert engine_kwargs(build_parser().parse_args(["serve"]))["speculative_config"] is None
+
+
+def test_probes_wait_for_their_share_of_the_time_and_share_a_step() -> None:
+    """A request idle for the interval probes, with those past half of it, once the probe step's
+    predicted extra cost is within PROBE_SHARE of the seconds since the last drafting step; a
+    request whose drafts were all right probes again at once."""
+    from vllm_actors.actors.scheduler.request import ScheduledRequest
+    from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL, PROBE_SHARE, Pace, choose_probers
+    from vllm_actors.protocol.sampling import SamplingParams
+
+    def request(name: str) -> ScheduledRequest:
+        return ScheduledRequest(request_id=name, prompt_token_ids=[1, 2], output_token_ids=[3],
+                                params=SamplingParams(), eos_token_ids=[])
+
+    cost = _priced(fixed=0.010)
+    due, half, fresh = Pace(idle=PROBE_INTERVAL), Pace(idle=PROBE_INTERVAL // 2), Pace(idle=3)
+    candidates = [(request("due"), due), (request("half"), half), (request("fresh"), fresh)]
+    assert choose_probers(candidates, cost, 0.5 * 0.010 / PROBE_SHARE) == set()
+    assert choose_probers(candidates, cost, 0.010 / PROBE_SHARE) == {"due", "half"}
+    streak = Pace()
+    streak.drafting(3)
+    streak.verified(1, 1)  # its probe was right
+    assert choose_probers([(request("streak"), streak)], cost, 0.0) == {"streak"}
+    streak.verified(1, 0)
+    assert streak.streak == 0 and choose_probers([(request("streak"), streak)], cost, 0.0) == set()

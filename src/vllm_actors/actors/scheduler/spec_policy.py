@@ -78,7 +78,8 @@ class DraftCost:
     model: OnlineCostModel = field(default_factory=lambda: OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
 
     def seconds(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int = 0) -> float:
-        return self.model.step_seconds(num_draft_tokens, num_drafts, num_catch_up)
+        fixed, per_pass, per_token, per_catch_up = self.coefficients
+        return fixed + per_pass * num_drafts + per_token * num_draft_tokens + per_catch_up * num_catch_up
 
     @property
     def coefficients(self) -> tuple[float, float, float, float]:

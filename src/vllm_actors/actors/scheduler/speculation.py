@@ -13,12 +13,8 @@ A request speculates only where verification is exact and its sampler rows are p
 no penalties or other logits controls, no structured outputs. Its drafts per step come from
 ``spec_policy`` (one plan per pass: the step cost model, the measured extra cost of drafting steps
 and the requests' acceptances), or are always the configured number with ``adaptive`` off. While
-the plan says 0 a request decodes with two steps in flight; after ``PROBE_INTERVAL`` such steps it
-probes with one draft (the probes of a pass share its step; a right probe lets it probe again next
-step, ``PROBE_STREAK`` times at most), so text that becomes predictable is drafted for again. What
-probing costs: a request whose drafts are wrong drafts one token per ``PROBE_INTERVAL // 2`` of its
-plain steps at most, and the probes of a batch share one drafting step (a draft model's catch-up
-over the tokens since it last drafted included) per ``PROBE_INTERVAL // 2`` steps at most.
+the plan says 0 a request decodes with two steps in flight, and probes now and then
+(``spec_probes``).
 """
 
 from __future__ import annotations
@@ -32,7 +28,8 @@ from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.ngram import propose_ngram
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
+from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
+from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
@@ -53,22 +50,8 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
-PROBE_INTERVAL = 64  # a request that has not drafted for this many of its steps probes: one draft
 WARMUP_STEPS = 4  # plain steps the step cost model learns from before anything is drafted
-PROBE_STREAK = 4  # right probes in a row after which it waits for the plan (or the next interval)
 REFRESH_STEPS = 128  # drafting steps in a row after which a pass drafts nothing (a plain step measured)
-
-
-@dataclass
-class Pace:
-    """A request's drafting record: its acceptance and its steps planned without drafts since it
-    last drafted (``idle``; at ``PROBE_INTERVAL`` it probes)."""
-
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    idle: int = 0
-    drafted_at: int = 0  # its tokens when it last drafted (the drafter's KV reaches about there)
-    catch_up: int = 0  # tokens its drafter catches up on in its step in flight
-    streak: int = 0  # its drafting steps in a row with every draft right
 
 
 class Speculator:
@@ -84,7 +67,8 @@ class Speculator:
         self._paces: dict[str, Pace] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
         self._plan = NO_DRAFTS  # this pass's
-        self._probing = False  # this pass probes
+        self._probers: set[str] = set()  # this pass's (spec_probes)
+        self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
         self._plain_steps = 0  # steps without drafts the step cost model learnt from
         self._drafting_run = 0  # drafting steps since the last step without drafts
 
@@ -97,16 +81,16 @@ class Speculator:
         """The pass's plan (``spec_policy.choose_drafts``) over the decoding requests, and whether
         it probes: nothing is drafted before the step cost model has seen ``WARMUP_STEPS`` plain
         steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it)."""
-        self._plan, self._probing = NO_DRAFTS, False
+        self._plan, self._probers = NO_DRAFTS, set()
         if (not self.config.adaptive or self._plain_steps < WARMUP_STEPS
                 or self._drafting_run >= REFRESH_STEPS):
             return
         decoding = [request for request in running if is_decoding(request)]
-        paces = [self._pace(request.request_id) for request in decoding
-                 if request.output_token_ids and can_speculate(request.params)]
-        self._plan = choose_drafts([pace.acceptance.bucket for pace in paces], len(decoding),
+        candidates = [(request, self._pace(request.request_id)) for request in decoding
+                      if request.output_token_ids and can_speculate(request.params)]
+        self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
                                    self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
-        self._probing = any(pace.idle >= PROBE_INTERVAL for pace in paces)
+        self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
 
     def _pace(self, request_id: str) -> Pace:
         pace = self._paces.get(request_id)
@@ -115,13 +99,12 @@ class Speculator:
         return pace
 
     def _max_drafts(self, request_id: str) -> tuple[int, Pace | None]:
-        """The pass's drafts for a request: the plan's, or one for a probe (the pass probes and it
-        has not drafted for half the interval: probes of several requests share a step)."""
+        """The pass's drafts for a request: the plan's, or one for a probe."""
         if not self.config.adaptive:
             return self.config.num_speculative_tokens, None
         pace = self._pace(request_id)
         max_drafts = self._plan.drafts_for(pace.acceptance)
-        if not max_drafts and self._probing and pace.idle >= PROBE_INTERVAL // 2:
+        if not max_drafts and request_id in self._probers:
             max_drafts = 1
         return max_drafts, pace
 
@@ -144,7 +127,7 @@ class Speculator:
         if num_drafts < 1:
             return []
         if pace is not None:
-            pace.idle, pace.catch_up, pace.drafted_at = 0, request.num_tokens - pace.drafted_at, request.num_tokens
+            pace.drafting(request.num_tokens)
         if self.config.method in WORKER_METHODS:  # the worker's draft model or EAGLE-3 head proposes them
             return [WORKER_DRAFT] * num_drafts
         packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
@@ -158,11 +141,13 @@ class Speculator:
         its computed tokens rolled back by its rejected drafts; a drafting step's time teaches
         ``draft_cost`` what it cost beyond a plain step (the step cost model learns plain steps)."""
         if not plan.draft_token_ids:
+            self._seconds_since_draft += result.execute_seconds
             if result.execute_seconds > 0 and 1 in plan.num_tokens:
                 self._plain_steps += 1
                 self._drafting_run = 0
             return
         self._drafting_run += 1
+        self._seconds_since_draft = 0.0
         if result.execute_seconds > 0:
             prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
             extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
@@ -180,10 +165,7 @@ class Speculator:
                 counters.accepted_per_pos[position] += 1
             pace = self._paces.get(request_id)
             if pace is not None:
-                pace.acceptance.observe(len(drafts), num_accepted)
-                pace.streak = pace.streak + 1 if num_accepted == len(drafts) else 0
-                if 0 < pace.streak <= PROBE_STREAK:  # all right: it may probe again next step
-                    pace.idle = PROBE_INTERVAL
+                pace.verified(len(drafts), num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue
