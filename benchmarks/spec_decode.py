@@ -6,14 +6,16 @@ on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same 
     python benchmarks/spec_decode.py --model /tmp/smollm2-hf --out /tmp/spec [--peer vllm]
 
 ``--draft-layers N`` adds the mode ``draft``: a draft model of the target's shape with N layers and
-random weights (``--out``/draft-N), drafting ``--num-speculative-tokens`` every step (its drafts are
-mostly rejected: the step cost is what it measures). ``--model-shape qwen3-8b`` runs a model shape
-with dummy weights instead of ``--model`` (prompts of random token ids: no tokenizer). The mode
-``eagle3`` drafts with a random EAGLE-3 head of the target's shape (``--out``/eagle3-head, random
-bfloat16 weights both engines load; ours draws its own under ``--model-shape``): its drafts are
-rejected, so it measures the head's step cost against vLLM's ``eagle3`` on the same head. The mode
-``oracle`` (with ``off``; ours only, batch 1) replays the off run's greedy outputs as drafts, each
-right with the probability of each ``--oracle-acceptance``: the verification cost at a known
+random weights (``--out``/draft-N; its drafts are rejected, so the adaptive drafts per step should
+fall to 0 and its rates come close to ``off``); ``--always-draft`` drafts ``--num-speculative-tokens``
+every step instead (as vLLM does: the draft path's step cost is what it measures).
+``--model-shape qwen3-8b`` runs a model shape with dummy weights instead of ``--model`` (prompts
+of random token ids: no tokenizer). The mode ``eagle3`` drafts with a random EAGLE-3 head of the
+target's shape (``--out``/eagle3-head, random bfloat16 weights both engines load; ours draws its own
+under ``--model-shape``): its drafts are rejected, so with ``--always-draft`` it measures the head's
+step cost against vLLM's ``eagle3`` on the same head.
+The mode ``oracle`` (with ``off``; ours only, batch 1) replays the off run's greedy outputs as drafts,
+each right with the probability of each ``--oracle-acceptance``: the verification cost at a known
 acceptance (``lib/spec_oracle.py``; also ``OUT/oracle.md``).
 
     python benchmarks/spec_decode.py --model-shape qwen3-8b --modes off oracle --oracle-acceptance 0.3 0.6 0.9 \
@@ -134,8 +136,8 @@ def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str, record: 
     from vllm_actors.protocol.speculative import parse_speculative_config
 
     speculative = spec["speculative_configs"].get(mode)
-    if speculative is not None:  # the draft model drafts every step (as vLLM does): its cost is the point
-        speculative = parse_speculative_config(speculative, adaptive=mode not in ("draft", "eagle3"))
+    if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
+        speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
     with LLM(args.model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
              load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
              speculative_config=speculative) as llm:
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the oracle's set acceptances, one engine each")
     parser.add_argument("--oracle-passes", type=int, default=6,
                         help="at most this many runs of a prompt until its output is the continuation drafted")
+    parser.add_argument("--always-draft", action="store_true",
+                        help="draft --num-speculative-tokens every step (no adaptive drafts per step)")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite")
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": prompts(args.model, count, args.passage_words, tokenizer=not args.model_shape),
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
         "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
-        "speculative_config": ngram, "speculative_configs": configs,
+        "speculative_config": ngram, "speculative_configs": configs, "always_draft": args.always_draft,
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))

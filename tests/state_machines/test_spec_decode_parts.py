@@ -7,7 +7,14 @@ import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel
 from vllm_actors.actors.scheduler.ngram import propose_for
-from vllm_actors.actors.scheduler.spec_policy import Acceptance, choose_num_drafts, expected_tokens
+from vllm_actors.actors.scheduler.spec_policy import (
+    BUCKETS,
+    NO_DRAFTS,
+    Acceptance,
+    DraftCost,
+    choose_drafts,
+    expected_tokens,
+)
 from vllm_actors.engine_args import make_engine_config
 from vllm_actors.protocol.speculative import parse_speculative_config
 
@@ -61,29 +68,74 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose_for([1, 2, 1, 2], 0, 1, 2) == []
 
 
+def _priced(fixed: float = 0.0, per_pass: float = 0.0, per_token: float = 0.0) -> DraftCost:
+    cost = DraftCost()
+    cost.model.theta[:] = (fixed, per_token, per_pass, 0.0)  # nothing per token caught up on
+    return cost
+
+
 def test_drafts_per_step_back_off_to_zero_as_the_batch_grows() -> None:
-    """A launch-bound step (fixed cost a) makes drafts nearly free at batch 1; per-token cost b
+    """A launch-bound step (fixed cost a) makes drafts nearly free at batch 1; per-token cost t
     grows with the batch until drafting loses, and the number falls step by step to 0."""
-    cost = FixedCostModel(a=0.010, b=0.0002, c=0.0001)
-    by_batch = [choose_num_drafts(5, 0.7, batch, 0, cost) for batch in (1, 4, 16, 64, 256)]
+    plain = FixedCostModel(a=0.010, b=0.0002, c=0.0001)
+    extra = _priced(per_token=0.0002)
+    bucket = round(0.7 * BUCKETS)
+    by_batch = [choose_drafts([bucket] * batch, batch, 5, plain, extra).num_drafts for batch in (1, 4, 16, 64, 256)]
     assert by_batch[0] == 5 and by_batch[-1] == 0
     assert by_batch == sorted(by_batch, reverse=True)  # never more drafts at a larger batch
-    assert choose_num_drafts(5, 0.0, 1, 0, cost) == 0  # nothing accepted: nothing drafted
+    assert choose_drafts([0], 1, 5, plain, extra) == NO_DRAFTS  # nothing accepted: nothing drafted
     for batch in range(1, 300, 7):  # whatever it picks promises at least not speculating's rate
-        k = choose_num_drafts(5, 0.5, batch, 0, cost)
-        rate = batch * expected_tokens(k, 0.5) / cost.step_seconds(batch * k, batch)
-        assert rate >= batch / cost.step_seconds(0, batch)
+        k = choose_drafts([BUCKETS // 2] * batch, batch, 5, plain, extra).num_drafts
+        rate = batch * expected_tokens(k, 0.5) / (plain.step_seconds(0, batch) + extra.seconds(k, k * batch))
+        assert rate >= batch / plain.step_seconds(0, batch)
 
 
-def test_acceptance_starts_at_the_prior_and_follows_what_is_observed() -> None:
+def test_a_costly_drafting_step_stops_drafting_at_moderate_acceptance() -> None:
+    """The measured extra cost of a drafting step (a draft model's passes, verification's path)
+    outweighs what an acceptance of 0.6 gains; a cheap one does not."""
+    plain = FixedCostModel(a=0.010, b=0.0, c=0.0001)
+    bucket = round(0.6 * BUCKETS)
+    assert choose_drafts([bucket], 1, 4, plain, _priced(fixed=0.001, per_pass=0.0005)).num_drafts >= 2
+    assert choose_drafts([bucket], 1, 4, plain, _priced(fixed=0.010, per_pass=0.003)) == NO_DRAFTS
+    learnt = DraftCost()
+    for _ in range(20):  # what drafting steps measured beyond plain ones: 10 ms and 3 ms a draft
+        learnt.observe(4, 4, 1, 0.022)
+        learnt.observe(2, 2, 1, 0.016)
+    assert learnt.seconds(4, 4, 1) == pytest.approx(0.022, rel=0.05)
+    assert choose_drafts([bucket], 1, 4, plain, learnt) == NO_DRAFTS
+
+
+def test_mixed_batches_draft_for_the_requests_that_gain() -> None:
+    """One step in flight: requests of high acceptance draft, those of low acceptance do not (the
+    plan's threshold lies between them). Two steps in flight: those not drafting run a plain step
+    in between, which costs more here than the low ones' cheap drafts, so all draft; one request of
+    moderate acceptance among low ones pays for neither."""
+    plain = FixedCostModel(a=0.010, b=0.0, c=0.0001)
+    extra = _priced(fixed=0.0005, per_token=0.0001)
+    high, low = round(0.95 * BUCKETS), round(0.05 * BUCKETS)
+    plan = choose_drafts([high] * 4 + [low] * 4, 8, 4, plain, extra, overlapped=False)
+    assert plan.num_drafts == 4 and low < plan.min_bucket <= high
+    assert plan.drafts_for(Acceptance(accepted=0.95, trials=1.0)) == 4
+    assert plan.drafts_for(Acceptance(accepted=0.05, trials=1.0)) == 0
+    assert choose_drafts([high] * 4 + [low] * 4, 8, 4, plain, extra).min_bucket == low
+    moderate = round(0.5 * BUCKETS)
+    for overlapped in (False, True):
+        assert choose_drafts([moderate] + [low] * 7, 8, 4, plain, extra, overlapped) == NO_DRAFTS
+
+
+def test_acceptance_counts_the_drafts_tested() -> None:
+    """Each right draft a success and the first wrong one a failure (those after it untested): an
+    acceptance of 0.5 per draft reads 0.5, not accepted over drafted tokens."""
     acceptance = Acceptance()
     assert acceptance.alpha == 0.5
-    for _ in range(200):
+    for _ in range(100):  # per step: 2 of 4 right, then 0 of 4, then 1 of 4
+        acceptance.observe(4, 2)
+        acceptance.observe(4, 0)
         acceptance.observe(4, 1)
-    assert acceptance.alpha == pytest.approx(0.25, abs=0.01)
-    for _ in range(400):  # steps without drafts: back toward the prior, to be tried again
-        acceptance.observe(0, 0)
-    assert acceptance.alpha == pytest.approx(0.5, abs=0.01)
+    assert acceptance.alpha == pytest.approx(0.5, abs=0.02)
+    for _ in range(100):
+        acceptance.observe(4, 0)
+    assert acceptance.alpha < 0.06
     assert expected_tokens(3, 1.0) == 4 and expected_tokens(3, 0.0) == 1
 
 
@@ -98,34 +150,26 @@ def test_serve_takes_speculative_config_as_json() -> None:
     assert engine_kwargs(build_parser().parse_args(["serve"]))["speculative_config"] is None
 
 
-def test_a_request_whose_text_never_matches_stops_holding_its_second_step() -> None:
-    """Adaptive drafting: a speculating request waits for its step in flight (None); text without
-    n-gram matches counts as rejected drafts, and within a few steps it decodes with two steps in
-    flight again ([]), while repeating text keeps drafting."""
+def test_probes_wait_for_their_share_of_the_time_and_share_a_step() -> None:
+    """A request idle for the interval probes, with those past half of it, once the probe step's
+    predicted extra cost is within PROBE_SHARE of the seconds since the last drafting step; a
+    request whose drafts were all right probes again at once."""
     from vllm_actors.actors.scheduler.request import ScheduledRequest
-    from vllm_actors.actors.scheduler.speculation import Speculator
+    from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL, PROBE_SHARE, Pace, choose_probers
     from vllm_actors.protocol.sampling import SamplingParams
-    from vllm_actors.protocol.speculative import SpeculativeConfig
 
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
-    speculator = Speculator(config, FixedCostModel(a=0.010, b=0.0002, c=0.0001))
+    def request(name: str) -> ScheduledRequest:
+        return ScheduledRequest(request_id=name, prompt_token_ids=[1, 2], output_token_ids=[3],
+                                params=SamplingParams(), eos_token_ids=[])
 
-    def request(tokens: list[int], pending: int) -> ScheduledRequest:
-        from vllm_actors.protocol.messages import pack_token_ids
-
-        return ScheduledRequest(request_id="r", prompt_token_ids=tokens[:-1], output_token_ids=tokens[-1:],
-                                params=SamplingParams(temperature=0.0), eos_token_ids=[], num_pending=pending,
-                                packed_prompt=pack_token_ids(tokens[:-1]))
-
-    plain = list(range(1, 40))
-    assert speculator.drafts(request(plain, 1), 64, 1000, 1) is None  # waits for its step in flight
-    misses = 0
-    while speculator.drafts(request(plain, 1), 64, 1000, 1) is None:
-        speculator.begin_pass()
-        assert speculator.drafts(request(plain, 0), 64, 1000, 1) == []  # nothing to draft: a miss
-        misses += 1
-        assert misses < 10
-    assert misses >= 1
-    repeating = [5, 6, 7, 8, 9, 5, 6, 7]
-    fresh = Speculator(config, FixedCostModel(a=0.010, b=0.0002, c=0.0001))
-    assert fresh.drafts(request(repeating, 0), 64, 1000, 1) == [8, 9, 5, 6]
+    cost = _priced(fixed=0.010)
+    due, half, fresh = Pace(idle=PROBE_INTERVAL), Pace(idle=PROBE_INTERVAL // 2), Pace(idle=3)
+    candidates = [(request("due"), due), (request("half"), half), (request("fresh"), fresh)]
+    assert choose_probers(candidates, cost, 0.5 * 0.010 / PROBE_SHARE) == set()
+    assert choose_probers(candidates, cost, 0.010 / PROBE_SHARE) == {"due", "half"}
+    streak = Pace()
+    streak.drafting(3)
+    streak.verified(1, 1)  # its probe was right
+    assert choose_probers([(request("streak"), streak)], cost, 0.0) == {"streak"}
+    streak.verified(1, 0)
+    assert streak.streak == 0 and choose_probers([(request("streak"), streak)], cost, 0.0) == set()

@@ -13,6 +13,9 @@ from typing import Protocol
 import numpy as np
 
 PAIRS_UNIT = float(1 << 20)  # query-key pairs per unit of ``prefill_pairs`` (keeps the features' scales close)
+# The covariance's trace is held at most this: forgetting inflates it along features a long run of
+# steps never varies (decode-only steps, no prefill), which would otherwise grow without bound.
+MAX_COVARIANCE_TRACE = 1e4
 
 
 def chunk_pairs(start: int, num_tokens: int) -> float:
@@ -67,4 +70,7 @@ class OnlineCostModel:
         gain = px / (self.forgetting + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        trace = float(np.trace(self.covariance))
+        if trace > MAX_COVARIANCE_TRACE:
+            self.covariance *= MAX_COVARIANCE_TRACE / trace
         self.num_observed += 1

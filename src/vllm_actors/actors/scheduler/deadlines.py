@@ -71,13 +71,25 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
     return None
 
 
+def step_features(plan: StepPlan, block_size: int) -> tuple[int, int, float]:
+    """A step's cost-model features: its prefill tokens (requests given more than one token that
+    verify no drafts), their attention work (each chunk's context taken from the blocks its request
+    holds, to within a block) and its decodes (one token each, or one and its drafts)."""
+    drafts = plan.draft_token_ids
+    prefill_tokens, num_decodes, pairs = 0, 0, 0.0
+    for request_id, n, blocks in zip(plan.req_ids, plan.num_tokens, plan.num_blocks, strict=True):
+        if n - len(drafts.get(request_id, ())) == 1:
+            num_decodes += 1
+        else:
+            prefill_tokens += n
+            pairs += chunk_pairs(max(0, blocks * block_size - n), n)
+    return prefill_tokens, num_decodes, pairs
+
+
 def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int) -> None:
-    """Teach the cost model one step: its prefill tokens (requests given more than one token), their
-    attention work (each chunk's context taken from the blocks its request holds, to within a block)
-    and decodes (one token each), and the step's measured execution time (0: not measured)."""
-    if result.execute_seconds <= 0:
+    """Teach the cost model one step (``step_features``) and its measured execution time (0: not
+    measured). Steps that verify drafts teach the speculator's ``DraftCost`` instead."""
+    if result.execute_seconds <= 0 or plan.draft_token_ids:
         return
-    num_decodes = sum(1 for n in plan.num_tokens if n == 1)
-    pairs = sum(chunk_pairs(max(0, blocks * block_size - n), n)
-                for n, blocks in zip(plan.num_tokens, plan.num_blocks, strict=True) if n > 1)
-    cost.observe(sum(plan.num_tokens) - num_decodes, num_decodes, result.execute_seconds, pairs)
+    prefill_tokens, num_decodes, pairs = step_features(plan, block_size)
+    cost.observe(prefill_tokens, num_decodes, result.execute_seconds, pairs)

@@ -73,7 +73,7 @@ class PlanningPass:
         self.policy.begin_pass(self.stats.num_steps, len(self.running))
         self.policy.order_running(self.running)  # most urgent first: the last one is preempted
         if self.spec is not None:
-            self.spec.begin_pass()
+            self.spec.begin_pass(self.running)
         if len(self.running) >= self.config.max_num_seqs and self.waiting and self.sleep.admitting:
             self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
@@ -140,7 +140,7 @@ class PlanningPass:
         """Speculative decoding: a decoding request's drafted tokens ([]: none; None: it waits)."""
         if self.spec is None or num_new != 1 or request.num_computed_tokens + 1 < request.num_tokens:
             return []
-        return self.spec.drafts(request, budget, self.config.max_model_len, len(self.running))
+        return self.spec.drafts(request, budget, self.config.max_model_len)
 
     def _admit_waiting(self, step: StepBuilder, out: Outputs, sizer: PrefillSizer) -> None:
         """Admit waiting requests, in the policy's order, while slots, budget and blocks allow (a

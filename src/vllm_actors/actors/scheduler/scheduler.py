@@ -94,7 +94,8 @@ class Scheduler(PlanningPass):
         self.stats = SchedulerStats()
         self._num_arrivals = 0
         self.sleep = SleepState()
-        self.spec = Speculator(config.speculative, self.cost_model) if config.speculative is not None else None
+        self.spec = (Speculator(config.speculative, self.cost_model, config.block_size, config.max_steps_in_flight > 1)
+                     if config.speculative is not None else None)
 
     @property
     def reset_pending(self) -> bool:

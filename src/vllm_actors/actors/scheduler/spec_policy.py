@@ -1,30 +1,40 @@
 """How many tokens to draft per step: "never slower" than not speculating.
 
-A step that verifies ``k`` drafted tokens of each of ``B`` decoding requests costs, by the step
-cost model (``cost_model``: ``a + b * prefill_tokens + c * decode_seqs``), ``a + b * B * k +
-c * B`` plus the step's other work; with a per-token acceptance rate ``alpha`` (drafts accepted
-independently, in order) it yields ``(1 - alpha ** (k + 1)) / (1 - alpha)`` tokens per request
-instead of one. The policy takes the ``k`` of the best tokens per second, and 0 unless that beats
-not speculating by ``MARGIN`` (a speculating request keeps one step in flight instead of two:
-the overlap lost is not in the cost model). At large batches ``b * B * k`` outgrows the saving
-and the answer falls to 0, smoothly: no cliff at a batch-size threshold.
+Chosen once per planning pass for the whole batch (``choose_drafts``), from three estimates:
 
-The acceptance: accepted drafted tokens over drafted tokens, with a prior of ``PRIOR_ACCEPTED``
-in ``PRIOR_DRAFTED`` (so a fresh engine tries), old steps decaying toward the prior (``DECAY`` per
-step).
+- a plain step's seconds for ``B`` decodes, by the scheduler's step cost model (fed by the steps
+  that verify no drafts);
+- the extra seconds of a step verifying drafts (``DraftCost``): ``e + p * k + t * n + u * c`` for
+  ``k`` drafts per drafting request, ``n`` drafted tokens in the step and ``c`` tokens the drafter
+  catches up on (each drafting request's tokens since it last drafted), fitted online from each
+  drafting step's measured time less the plain step's prediction for the same requests. It holds
+  what verification adds (the drafted tokens and the step's path) and, for a draft model or an
+  EAGLE-3 head, their forward passes, which run inside the measured step;
+- each request's acceptance (``Acceptance``): with ``alpha`` the chance that a draft is right given
+  those before it were, a step verifying ``k`` drafts gains ``(1 - alpha ** (k + 1)) / (1 - alpha)``
+  tokens instead of one.
+
+The plan (``DraftPlan``): the ``m`` requests of highest acceptance draft ``k`` tokens each, the
+``(k, m)`` of the most expected tokens per second, and none unless that beats not drafting by
+``MARGIN``. With two steps in flight a drafting request waits for its step's result, so the
+others run a plain step of their own in between: the rate is counted over that cycle. At large
+batches ``t * n`` outgrows the gain, and ``k`` falls, one by one, to 0: no cliff at a batch-size
+threshold. Probes (``Speculator``) keep the estimates alive while nothing is drafted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 
-MARGIN = 0.05  # a speculating step must promise 5% more tokens per second than not speculating
-PRIOR_ACCEPTED = 1.0
-PRIOR_DRAFTED = 2.0
-DECAY = 0.98
-MIN_ALPHA = 0.02  # below it nothing is drafted
+MARGIN = 0.05  # a drafting plan must promise 5% more tokens per second than not drafting
+PRIOR_ACCEPTED = 1.0  # the acceptance of a request not yet observed: 1 in 2
+PRIOR_TRIALS = 2.0
+DECAY = 0.95  # per drafting step, the past weighs this much less (toward the prior)
+BUCKETS = 32  # acceptances are grouped in steps of 1/32 when planning
 
 
 def expected_tokens(k: int, alpha: float) -> float:
@@ -35,36 +45,96 @@ def expected_tokens(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def choose_num_drafts(max_drafts: int, alpha: float, num_decodes: int, other_tokens: int, cost: CostModel) -> int:
-    """Drafts per speculating request this step (0: do not speculate). ``num_decodes``: the
-    decoding requests of the step; ``other_tokens``: its prefill tokens."""
-    if max_drafts < 1 or alpha < MIN_ALPHA or num_decodes < 1:
-        return 0
-    base = cost.step_seconds(other_tokens, num_decodes)
-    if base <= 0:
-        return 0
-    best_k, best_rate = 0, num_decodes / base * (1.0 + MARGIN)
-    for k in range(1, max_drafts + 1):
-        seconds = cost.step_seconds(other_tokens + num_decodes * k, num_decodes)
-        rate = num_decodes * expected_tokens(k, alpha) / max(seconds, 1e-12)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
-
-
 @dataclass
 class Acceptance:
-    """Accepted over drafted tokens, decayed: the ``alpha`` of ``choose_num_drafts``."""
+    """A request's per-draft acceptance: the right drafts over the drafts tested (those up to and
+    including the first wrong one; the ones after it are never tested), decayed toward the prior."""
 
     accepted: float = PRIOR_ACCEPTED
-    drafted: float = PRIOR_DRAFTED
+    trials: float = PRIOR_TRIALS
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted > 0 else 0.0
+        return self.accepted / self.trials
+
+    @property
+    def bucket(self) -> int:
+        return round(self.alpha * BUCKETS)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """One step's drafts; the past decays toward the prior (a step without drafts moves the
-        estimate back toward it, so a request that stopped drafting is tried again later)."""
+        """One step's verification (``num_drafted`` 1, ``num_accepted`` 0: a proposal that found
+        nothing, which held the request to one step in flight for nothing)."""
+        rejected = 1.0 if num_accepted < num_drafted else 0.0
         self.accepted = self.accepted * DECAY + PRIOR_ACCEPTED * (1 - DECAY) + num_accepted
-        self.drafted = self.drafted * DECAY + PRIOR_DRAFTED * (1 - DECAY) + num_drafted
+        self.trials = self.trials * DECAY + PRIOR_TRIALS * (1 - DECAY) + num_accepted + rejected
+
+
+@dataclass
+class DraftCost:
+    """A drafting step's seconds beyond a plain step's: ``e + p * k + t * n + u * c``, fitted
+    online (recursive least squares: the step cost model's, its four features these).
+    Starts at 0 (a fresh engine tries)."""
+
+    model: OnlineCostModel = field(default_factory=lambda: OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
+
+    def seconds(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int = 0) -> float:
+        fixed, per_pass, per_token, per_catch_up = self.coefficients
+        return fixed + per_pass * num_drafts + per_token * num_draft_tokens + per_catch_up * num_catch_up
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """``(e, p, t, u)``, each at least 0: steps seen at one ``k`` only (probes) leave the split
+        between ``e`` and ``p`` open, and a negative one would make more drafts look cheaper."""
+        fixed, per_token, per_pass, per_catch_up = (max(0.0, float(x)) for x in self.model.theta)
+        return fixed, per_pass, per_token, per_catch_up
+
+    def observe(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int, extra_seconds: float) -> None:
+        self.model.observe(num_draft_tokens, num_drafts, extra_seconds, num_catch_up)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A planning pass's drafting: requests whose acceptance bucket is at least ``min_bucket``
+    draft ``num_drafts`` tokens each (0: nobody drafts)."""
+
+    num_drafts: int = 0
+    min_bucket: int = BUCKETS + 1
+
+    def drafts_for(self, acceptance: Acceptance) -> int:
+        return self.num_drafts if acceptance.bucket >= self.min_bucket else 0
+
+
+NO_DRAFTS = DraftPlan()
+
+
+def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, plain: CostModel, extra: DraftCost,
+                  overlapped: bool = True) -> DraftPlan:
+    """The pass's plan. ``buckets``: the acceptance buckets of the requests that may draft;
+    ``num_decodes``: the decoding requests of the step (those included); ``overlapped``: two steps
+    in flight (a drafting request's step then costs the others a plain step in between)."""
+    if max_drafts < 1 or num_decodes < 1 or not buckets:
+        return NO_DRAFTS
+    base = plain.step_seconds(0, num_decodes)
+    if base <= 0:
+        return NO_DRAFTS
+    groups = sorted(((b, n) for b, n in Counter(buckets).items() if b > 0), reverse=True)
+    rest_seconds = []  # the plain step in between of those not drafting, after each group
+    drafting = 0
+    for _, count in groups:
+        drafting += count
+        rest = max(num_decodes - drafting, 0)
+        rest_seconds.append(plain.step_seconds(0, rest) if overlapped and rest else 0.0)
+    fixed, per_pass, per_token, per_catch_up = extra.coefficients
+    best, best_rate = NO_DRAFTS, num_decodes / base
+    for k in range(1, max_drafts + 1):
+        drafting, gain = 0, 0.0
+        for (bucket, count), between in zip(groups, rest_seconds, strict=True):
+            drafting += count
+            gain += count * (expected_tokens(k, bucket / BUCKETS) - 1.0)
+            catch_up = drafting + gain  # in steady drafting: the tokens each gained last step
+            seconds = base + fixed + per_pass * k + per_token * k * drafting + per_catch_up * catch_up + between
+            tokens = num_decodes + gain + (max(num_decodes - drafting, 0) if between else 0)
+            rate = tokens / (seconds * (1.0 + MARGIN))
+            if rate > best_rate:
+                best, best_rate = DraftPlan(k, bucket), rate
+    return best

@@ -12,9 +12,10 @@ and blocks holding only rejected slots are given back (``StepPlan.trimmed_blocks
 
 A request speculates only where verification is exact and its sampler rows are position-free:
 no penalties or other logits controls, no structured outputs. Its drafts per step come from
-``spec_policy`` (the step cost model and its own acceptance), or are always the configured number
-with ``adaptive`` off. While the policy says 0 the request decodes with two steps in flight and
-its acceptance drifts back to the prior, so it is tried again later.
+``spec_policy`` (one plan per pass: the step cost model, the measured extra cost of drafting steps
+and the requests' acceptances), or are always the configured number with ``adaptive`` off. While
+the plan says 0 a request decodes with two steps in flight, and probes now and then
+(``spec_probes``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.ngram import propose_ngram
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
+from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.spec_policy import Acceptance, choose_num_drafts
+from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
+from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import ORACLE, WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
@@ -48,43 +52,74 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+WARMUP_STEPS = 4  # plain steps the step cost model learns from before anything is drafted
+REFRESH_STEPS = 128  # drafting steps in a row after which a pass drafts nothing (a plain step measured)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, cost: CostModel) -> None:
+    def __init__(self, config: SpeculativeConfig, cost: CostModel, block_size: int = 16,
+                 overlapped: bool = True) -> None:
+        """``cost``: the scheduler's step cost model (plain steps); ``overlapped``: two steps in flight."""
         self.config = config
         self.cost = cost
+        self.block_size = block_size
+        self.overlapped = overlapped
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self._acceptance: dict[str, Acceptance] = {}
+        self.draft_cost = DraftCost()
+        self._paces: dict[str, Pace] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
-        self._k_memo: dict[tuple[int, int], int] = {}  # (alpha bucket, decodes) -> drafts, this pass
         self.oracle = OracleDrafter(config) if config.method == ORACLE else None  # benchmarks only
+        self._plan = NO_DRAFTS  # this pass's
+        self._probers: set[str] = set()  # this pass's (spec_probes)
+        self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
+        self._plain_steps = 0  # steps without drafts the step cost model learnt from
+        self._drafting_run = 0  # drafting steps since the last step without drafts
 
     @property
     def has_trims(self) -> bool:
         """Blocks given back in the ledger that the next plan gives back in the KV manager."""
         return bool(self._trims)
 
-    def begin_pass(self) -> None:
-        self._k_memo.clear()
+    def begin_pass(self, running: list[ScheduledRequest]) -> None:
+        """The pass's plan (``spec_policy.choose_drafts``) over the decoding requests, and whether
+        it probes: nothing is drafted before the step cost model has seen ``WARMUP_STEPS`` plain
+        steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it)."""
+        self._plan, self._probers = NO_DRAFTS, set()
+        if (not self.config.adaptive or self._plain_steps < WARMUP_STEPS
+                or self._drafting_run >= REFRESH_STEPS):
+            return
+        decoding = [request for request in running if is_decoding(request)]
+        candidates = [(request, self._pace(request.request_id)) for request in decoding
+                      if request.output_token_ids and can_speculate(request.params)]
+        self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
+                                   self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
+        self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
 
-    def _max_drafts(self, request_id: str, num_decodes: int) -> int:
-        k = self.config.num_speculative_tokens
+    def _pace(self, request_id: str) -> Pace:
+        pace = self._paces.get(request_id)
+        if pace is None:
+            pace = self._paces[request_id] = Pace()
+        return pace
+
+    def _max_drafts(self, request_id: str) -> tuple[int, Pace | None]:
+        """The pass's drafts for a request: the plan's, or one for a probe."""
         if not self.config.adaptive:
-            return k
-        acceptance = self._acceptance.setdefault(request_id, Acceptance())
-        key = (round(acceptance.alpha * 40), num_decodes)
-        if key not in self._k_memo:
-            self._k_memo[key] = choose_num_drafts(k, key[0] / 40, num_decodes, 0, self.cost)
-        return self._k_memo[key]
+            return self.config.num_speculative_tokens, None
+        pace = self._pace(request_id)
+        max_drafts = self._plan.drafts_for(pace.acceptance)
+        if not max_drafts and request_id in self._probers:
+            max_drafts = 1
+        return max_drafts, pace
 
-    def drafts(self, request: ScheduledRequest, budget: int, max_model_len: int, num_decodes: int) -> list[int] | None:
+    def drafts(self, request: ScheduledRequest, budget: int, max_model_len: int) -> list[int] | None:
         """The drafts of a decoding request this step ([]: plain decode); None: it waits for its
         step in flight (it speculates, and drafts need its last token)."""
         if not request.output_token_ids or not can_speculate(request.params):
             return []
-        max_drafts = self._max_drafts(request.request_id, num_decodes)
+        max_drafts, pace = self._max_drafts(request.request_id)
         if max_drafts == 0:
-            if self.config.adaptive:
-                self._acceptance[request.request_id].observe(0, 0)  # drifts back to the prior
+            if pace is not None:
+                pace.idle += 1
             return []
         if request.num_pending:
             return None
@@ -94,6 +129,8 @@ class Speculator:
         num_drafts = min(room)
         if num_drafts < 1:
             return []
+        if pace is not None:
+            pace.drafting(request.num_tokens)
         if self.config.method in WORKER_METHODS:  # the worker's draft model or EAGLE-3 head proposes them
             return [WORKER_DRAFT] * num_drafts
         if self.oracle is not None:
@@ -101,17 +138,28 @@ class Speculator:
         else:
             packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
             found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        if not found and self.config.adaptive:
-            # A step held to one in flight for nothing: counted as num_speculative_tokens rejected
-            # drafts, so text without matches stops speculating within a few steps.
-            self._acceptance[request.request_id].observe(self.config.num_speculative_tokens, 0)
+        if not found and pace is not None:
+            pace.acceptance.observe(1, 0)  # a step held to one in flight for nothing: a wrong draft
         return found
 
     def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest]) -> None:
         """Before the result's tokens are applied: each drafting request's acceptance counted and
-        its computed tokens rolled back by its rejected drafts."""
+        its computed tokens rolled back by its rejected drafts; a drafting step's time teaches
+        ``draft_cost`` what it cost beyond a plain step (the step cost model learns plain steps)."""
         if not plan.draft_token_ids:
+            self._seconds_since_draft += result.execute_seconds
+            if result.execute_seconds > 0 and 1 in plan.num_tokens:
+                self._plain_steps += 1
+                self._drafting_run = 0
             return
+        self._drafting_run += 1
+        self._seconds_since_draft = 0.0
+        if result.execute_seconds > 0:
+            prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
+            extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
+            sizes = [len(drafts) for drafts in plan.draft_token_ids.values()]
+            catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
+            self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
         for request_id, drafts in plan.draft_token_ids.items():
             num_accepted = max(emitted.get(request_id, 0) - 1, 0)
@@ -121,8 +169,9 @@ class Speculator:
             counters.num_accepted_tokens += num_accepted
             for position in range(num_accepted):
                 counters.accepted_per_pos[position] += 1
-            if request_id in self._acceptance:
-                self._acceptance[request_id].observe(len(drafts), num_accepted)
+            pace = self._paces.get(request_id)
+            if pace is not None:
+                pace.verified(len(drafts), num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue
@@ -152,7 +201,7 @@ class Speculator:
 
     def forget(self, request: ScheduledRequest) -> None:
         """A request finished."""
-        self._acceptance.pop(request.request_id, None)
+        self._paces.pop(request.request_id, None)
         self._trims.pop(request.request_id, None)
         if self.oracle is not None:
             self.oracle.learn(request)
