@@ -107,7 +107,7 @@ for stage in "${stages[@]}"; do
                tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py
              timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
-               tests/gpu/test_gpu_long_context.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \
+               tests/gpu/test_gpu_long_context.py tests/gpu/test_gpu_deferred_prefill.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \
                tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_sleep_mode.py \
                tests/gpu/test_gpu_attention_options.py \
                tests/gpu/test_gpu_lora.py \

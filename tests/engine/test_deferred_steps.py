@@ -13,6 +13,7 @@ import torch
 
 from tests.engine.test_scheduler import make_engine, run
 from tests.support.fake_runner import FakeRunner
+from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.step_data import BatchInput, PendingStep
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
@@ -92,6 +93,48 @@ def test_a_step_already_done_is_read_back_before_the_next_is_launched() -> None:
     outputs = worker.handle(second)
     assert [m.step_id for m in outputs.to(SCHEDULER)] == [0]
     assert runner.num_deferred == 0  # the token was on the host before step 1 was prepared
+
+
+class _DeviceRunner(DeferringFakeRunner):
+    """Its steps run on a device other than the host: a step that draws nothing returns its (empty)
+    logits there ("meta" stands for the GPU)."""
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        logits = super().execute(batch)
+        return logits if logits.shape[0] else torch.empty((0, self.vocab_size), device="meta")
+
+
+def test_a_prefill_chunk_that_draws_nothing_is_fenced_until_the_device_has_run_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deferred step's result lets the scheduler plan the step after next, whose inputs refill this
+    step's pinned staging buffers: a chunk that draws no token is read back only once the device has
+    run it, as a step that draws is (else a long prefill's host runs chunks ahead of the GPU and
+    overwrites the inputs of chunks still queued)."""
+    device_done = False
+
+    class DeviceEvent:
+        def query(self) -> bool:
+            return device_done
+
+        def synchronize(self) -> None:
+            assert device_done, "read back before the device ran the step"
+
+    def start(self: HostCopies, chosen: torch.Tensor) -> tuple[torch.Tensor, DeviceEvent | None]:
+        return (chosen, None) if chosen.device.type == "cpu" else (torch.empty(0, dtype=torch.long), DeviceEvent())
+
+    monkeypatch.setattr(HostCopies, "start", start)
+    worker = Worker(_DeviceRunner(num_blocks=8, block_size=4), Sampler(torch.device("cpu")), clock=lambda: 0.0,
+                    defer=True)
+    prompt = list(range(1, 13))
+    chunk = StepPlan(step_id=0, new_requests=[_new("a", prompt, SamplingParams(temperature=0.0, max_tokens=4))],
+                     req_ids=["a"], num_tokens=[4], num_blocks=[1], new_block_ids=[[0]])
+    assert not worker.handle(chunk)
+    assert worker.has_pending() and not worker.pending_ready()  # the shell holds the result back
+    device_done = True
+    assert worker.pending_ready()
+    (result,) = worker.flush().to(SCHEDULER)
+    assert result.step_id == 0 and result.token_ids == [] and worker.requests["a"].num_computed_tokens == 4
 
 
 def test_logprobs_rows_are_not_deferred() -> None:

@@ -49,8 +49,8 @@ class Draw:
               with_logprobs: bool) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
         """The chosen ids, drawn by rank 0 and broadcast to the others: on the host with their
         logprobs (``with_logprobs``), else left on the device."""
-        if not rows:
-            return torch.empty(0, dtype=torch.long), []
+        if not rows:  # deferred: on the step's device, so the step is fenced as one that draws (HostCopies)
+            return torch.empty(0, dtype=torch.long, device=None if with_logprobs else logits.device), []
         if self.tp.rank != 0:
             self.sampler.follow_draw(rows)
             return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device)), []
