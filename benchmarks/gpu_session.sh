@@ -84,6 +84,11 @@ if [ -n "${VA_SITE:-}" ] && [ -d "$VA_SITE/vllm_actors" ]; then site=$VA_SITE
 else site=$(bash benchmarks/install_site.sh) || { echo "install failed"; exit 1; }
 fi
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_ACTORS_LOG_LEVEL=${VLLM_ACTORS_LOG_LEVEL:-WARNING}
+# the vLLM kit has no flashinfer: its sampler probe (taken when a checkpoint's generation config sets top-p or
+# top-k) would import it and fail the engine's start; 0 skips the probe (vLLM's own switch)
+export VLLM_USE_FLASHINFER_SAMPLER=0
+# nothing outside the device machine can be reached: no library should wait on the Hub
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # flash-attn 4, where the fa4 stage installed it: appended (the machine's torch and CUDA packages come first);
 # nvidia-cutlass-dsl's `cutlass` package sits in dsl_packages (its .pth file is skipped by pip --target)
 fa4_path() {
@@ -156,7 +161,9 @@ for stage in "${stages[@]}"; do
     lora) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its site first)
       timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee "$out/lora.log" | tail -12
       echo "ours: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
-      PYTHONPATH=/tmp/vsite:$PYTHONPATH timeout 280 python3 benchmarks/lora_throughput.py --engine vllm "$@" 2>&1 \
+      # vLLM 0.26's V2 model runner hung at start with LoRA on the H100 (no output for 280 s): its V1 runner
+      PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_USE_V2_MODEL_RUNNER=0 timeout 280 python3 benchmarks/lora_throughput.py \
+        --engine vllm "$@" 2>&1 \
         | tee -a "$out/lora.log" | tail -12
       echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log" ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
