@@ -131,6 +131,9 @@ def test_the_controller_lends_for_a_long_request_and_takes_the_loans_back_when_i
     assert ("scheduler@1", ReturnKv(request_id="long")) in back.messages
     assert controller.loans is not None and controller.loans.placements == {}
     controller.handle(add("long2", 2400, max_tokens=80))
+    # the lender's scheduler restarted: the loan it had granted is asked for again
+    again = controller.handle(RecoverPipeline(actor="scheduler@1", reason="restarted"))
+    assert again.messages == [("scheduler@1", LendKv(request_id="long2", home=0, num_blocks=65))]
     aborted = controller.handle(AbortRequests(request_ids=["long2"], reason="client"))
     assert [message for _, message in aborted.messages] == [
         AbortRequests(request_ids=["long2"], reason="client"), ReturnKv(request_id="long2")]

@@ -28,6 +28,13 @@ lacks, from where the client's end (``recovery.catch_up``), and the controller p
 once by its position (``RequestUpdate.output_index``, ``in_place``): an update that starts past
 what it forwarded is held back, the catch-up brings its tokens.
 
+With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's pool is placed on a
+home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv`` before the
+home gets the request, and ``ReturnKv`` when it ends (finished or aborted); a restarted lender's
+scheduler is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
+``build_controller`` gives it no planner yet: the home's side (running a request with KV held by
+lenders, the per-layer exchange) is not built, so requests are routed as without borrowing.
+
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
 """
@@ -302,6 +309,12 @@ class Controller:
         for request_id, request in self.requests.items():
             if request.replica == replica:
                 out.send(self.scheduler_of(replica), _resumed(request_id, request))
+        if self.loans is not None:  # the loans it had granted died with it: asked for again
+            for request_id, placement in self.loans.placements.items():
+                count = placement.lenders.get(replica)
+                if count is not None:
+                    out.send(self.scheduler_of(replica), LendKv(request_id=request_id, home=placement.home,
+                                                                num_blocks=count))
         return out
 
     def _replica_state(self, message: ReplicaState) -> Outputs:
