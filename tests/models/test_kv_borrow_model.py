@@ -38,38 +38,41 @@ def test_a_request_on_borrowed_blocks_matches_transformers_beside_short_requests
     lender = PagedRunner(lender_model, BLOCK, num_blocks=80, seed=2)  # 70 lent, 10 for its own request
     second = PagedRunner(lender_model, BLOCK, num_blocks=60, seed=3)  # lends all of it
     shares = [LenderShare(lender.kv_caches), LenderShare(second.kv_caches)]
-    shares[0].lend("long", 0, [lender.free.pop() for _ in range(70)])
-    shares[1].lend("long", 70, [second.free.pop() for _ in range(60)])
+    shares[0].lend("long", [lender.free.pop() for _ in range(70)])
+    shares[1].lend("long", [second.free.pop() for _ in range(60)])
     home.tables[0] = [0] * 130  # the lenders' blocks: placeholders in the home's row
     guest = Guest("long", [(shares[0].attend, 70), (shares[1].attend, 60)])
-    replicas = [Serving(home, {0: long, **home_shorts}, {0: guest}, backend), Serving(lender, lender_shorts)]
+    replicas = [Serving(home, {0: long, **home_shorts}, {0: guest}, backend),
+                Serving(lender, {4: lender_shorts[4]})]
     steps = 0
     while any([replica.step() for replica in replicas]):  # the lender's own steps between the home's
         steps += 1
     assert steps >= LONG // 512
     got = replicas[0].outputs | replicas[1].outputs
     assert len(home.tables[0]) - 130 <= 80 and len(home.tables[0]) * BLOCK >= LONG + MAX_TOKENS - 1
-    every = [long, home_shorts[1], home_shorts[2], lender_shorts[3]]
+    every = [long, home_shorts[1], home_shorts[2], lender_shorts[4]]
     want = [tokens for tokens, _ in reference_generate(qwen3_long, every, max_tokens=MAX_TOKENS)]
-    assert [got[seq][:len(w)] for seq, w in zip((0, 1, 2, 3), want, strict=True)] == want
+    assert [got[seq][:len(w)] for seq, w in zip((0, 1, 2, 4), want, strict=True)] == want
     assert len(set(got[0])) > 1 or len(want[0]) < 2
 
 
-def test_the_lender_answers_over_gloo_from_a_thread_beside_its_own_steps(qwen3_long: Path, tmp_path: Path) -> None:
-    """Two processes: the home (the long request on 58 blocks of its own and 130 lent, beside two
-    short requests) and the lender (its thread answering each layer over gloo while its main thread
-    serves its own short request again and again). Both give transformers' tokens."""
+def test_two_replicas_each_home_and_lender_over_gloo_give_transformers_tokens(qwen3_long: Path,
+                                                                               tmp_path: Path) -> None:
+    """Two processes, each a home and a lender at once (run_rank): the 3,000-token request on rank 0
+    with 130 blocks lent by rank 1, a 1,000-token one on rank 1 with 40 lent by rank 0, each beside
+    short requests; each rank's thread answers the other's layers over gloo while its main thread
+    steps, and rank 1 keeps serving a short request of its own while rank 0's guest runs."""
     import torch.multiprocessing as mp
 
     mp.start_processes(run_rank, args=(str(qwen3_long), str(tmp_path / "store"), str(tmp_path)), nprocs=2,
                        start_method="spawn")
-    home = json.loads((tmp_path / "rank0.json").read_text())
-    lender = json.loads((tmp_path / "rank1.json").read_text())
-    assert lender["error"] is None and lender["same_every_round"]
-    assert lender["calls"] >= 2 * (LONG // 512 + MAX_TOKENS)  # every layer of every step of the guest
-    assert lender["beside"] > 0, "the lender's own steps were meant to run while the guest's did"
-    long, home_shorts, lender_shorts = prompts(3)
-    want = [tokens for tokens, _ in reference_generate(qwen3_long, [long, *home_shorts.values(),
-                                                                    *lender_shorts.values()], max_tokens=MAX_TOKENS)]
-    got = [home["outputs"][str(seq)] for seq in (0, 1, 2)] + [lender["outputs"]["3"]]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["error"] for rank in ranks] == [None, None]
+    assert ranks[1]["calls"] >= 2 * (LONG // 512 + MAX_TOKENS)  # every layer of every step of the guest
+    assert ranks[1]["beside"] > 0, "rank 1's own steps were meant to run while rank 0's guest did"
+    assert ranks[1]["same_every_round"]
+    long, home_shorts, lender_prompts = prompts(3)
+    every = [long, *home_shorts.values(), *lender_prompts.values()]
+    want = [tokens for tokens, _ in reference_generate(qwen3_long, every, max_tokens=MAX_TOKENS)]
+    got = [ranks[0]["outputs"][str(seq)] for seq in (0, 1, 2)] + [ranks[1]["outputs"][str(seq)] for seq in (3, 4)]
     assert [ours[:len(theirs)] for ours, theirs in zip(got, want, strict=True)] == want

@@ -15,6 +15,7 @@ for the guests; the home's table row of a guest holds placeholders where the len
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,10 +25,12 @@ from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, b
 from vllm_actors.kernels.kv_borrow import BorrowedTable, merge_shares, share_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# A lender's answer to one layer of the home's step of a guest: (layer, request id, q [T, H, D],
-# k and v [T, KV, D] of the step's tokens, seq_len, scale) -> its output [T, H, D] and LSE [T, H].
-LendCall = Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+# A lender's answer to one layer of the home's step of a guest: (layer, request id, the table index
+# of the lender's first block, q [T, H, D], k and v [T, KV, D] of the step's tokens, seq_len, scale)
+# -> its output [T, H, D] and LSE [T, H].
+LendCall = Callable[[int, str, int, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
                     tuple[torch.Tensor, torch.Tensor]]
+LOAN_WAIT_S = 60.0  # how long a lender waits for a loan's blocks to reach it (its plan) before failing
 
 
 @dataclass(frozen=True)
@@ -47,22 +50,35 @@ class Guest:
 
 
 class LenderShare:
-    """A lender's part: the caches of its layers, and per guest the table index of its first lent
-    block and the blocks (its own ids, in table order)."""
+    """A lender's part: the caches of its layers, and per guest the blocks it lent (its own ids, in
+    table order). The home names where they start in the guest's table with each call. The loans
+    change on the lender's own thread (its plans) and are read on the thread answering the home:
+    a call for a loan not known yet waits for it (up to ``wait_s``)."""
 
-    def __init__(self, kv_caches: list[KVCache]) -> None:
+    def __init__(self, kv_caches: list[KVCache], wait_s: float = LOAN_WAIT_S) -> None:
         self.kv_caches = kv_caches
-        self.loans: dict[str, tuple[int, list[int]]] = {}
+        self.wait_s = wait_s
+        self.loans: dict[str, list[int]] = {}
+        self._changed = threading.Condition()
 
-    def lend(self, request_id: str, first_index: int, block_ids: list[int]) -> None:
-        self.loans[request_id] = (first_index, list(block_ids))
+    def lend(self, request_id: str, block_ids: list[int]) -> None:
+        with self._changed:
+            self.loans[request_id] = list(block_ids)
+            self._changed.notify_all()
 
     def give_back(self, request_id: str) -> None:
-        self.loans.pop(request_id, None)
+        with self._changed:
+            self.loans.pop(request_id, None)
 
-    def attend(self, layer: int, request_id: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def blocks_of(self, request_id: str) -> list[int]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: request_id in self.loans, self.wait_s):
+                raise LookupError(f"no blocks lent for request {request_id!r} after {self.wait_s} s")
+            return self.loans[request_id]
+
+    def attend(self, layer: int, request_id: str, first: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                seq_len: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        first, blocks = self.loans[request_id]
+        blocks = self.blocks_of(request_id)
         k_cache, v_cache = self.kv_caches[layer]
         num_blocks = -(-seq_len // k_cache.shape[1])
         owners = [1 if first <= j < first + len(blocks) else 0 for j in range(num_blocks)]
@@ -122,6 +138,9 @@ class BorrowingAttention:
             table = guest.table(meta.block_tables[index].tolist(), -(-seq_len // k_cache.shape[1]))
             qs, ks, vs = q[begin:end], k[begin:end], v[begin:end]
             parts = [share_attention(qs, ks, vs, k_cache, v_cache, table, 0, seq_len, scale)]
-            parts += [call(layer, guest.request_id, qs, ks, vs, seq_len, scale) for call, _ in guest.lenders]
+            first = 0
+            for call, count in guest.lenders:
+                parts.append(call(layer, guest.request_id, first, qs, ks, vs, seq_len, scale))
+                first += count
             out[begin:end] = merge_shares(parts).to(q.dtype)
         return out

@@ -2,10 +2,13 @@
 point-to-point (gloo on the CPU), and the lender's thread answering it beside its own steps.
 
 Per layer of a guest's step the home sends a header (``ATTEND``, layer, seq_len, tokens, the
-request id's length, the scale; float64), the request id's bytes, then q [T, H, D], k and v
-[T, KV, D] in the model's dtype; the lender answers ``[T, H, D + 1]`` (its output and LSE) in
-float32 (float64 for float64 queries). ``STOP`` ends the lender's thread. The messages' sizes follow
-the step's tokens, never the context. Each lender is asked in turn (not yet concurrently).
+request id's length, the scale, the table index of the lender's first block; float64), the request
+id's bytes, then q [T, H, D], k and v [T, KV, D] in the model's dtype; the lender answers
+``[T, H, D + 1]`` (its output and LSE) in float32 (float64 for float64 queries). ``STOP`` ends the
+lender's thread. The messages' sizes follow the step's tokens, never the context. Requests and
+replies travel under tags of their own, so a process may be a home and a lender at once (its main
+thread asking a peer while its lender thread waits for that peer's requests). Each lender is asked
+in turn (not yet concurrently).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch.distributed as dist
 from vllm_actors.models.kv_borrow import LenderShare
 
 ATTEND, STOP = 1.0, 0.0
-HEADER = 6
+HEADER = 7
+ASK, ANSWER = 1, 2  # the tags of the home's requests and of the lender's replies
 
 
 class RemoteLender:
@@ -28,22 +32,22 @@ class RemoteLender:
     def __init__(self, peer: int, group: Any = None) -> None:
         self.peer, self.group = peer, group
 
-    def __call__(self, layer: int, request_id: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 seq_len: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, layer: int, request_id: str, first: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, seq_len: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         name = request_id.encode()
-        header = torch.tensor([ATTEND, layer, seq_len, q.shape[0], len(name), scale], dtype=torch.float64)
+        header = torch.tensor([ATTEND, layer, seq_len, q.shape[0], len(name), scale, first], dtype=torch.float64)
         for tensor in (header, torch.tensor(list(name), dtype=torch.uint8), q, k, v):
-            dist.send(tensor.contiguous(), self.peer, group=self.group)
+            dist.send(tensor.contiguous(), self.peer, group=self.group, tag=ASK)
         num_tokens, num_heads, head_dim = q.shape
         reply = torch.empty((num_tokens, num_heads, head_dim + 1), dtype=torch.promote_types(q.dtype, torch.float32))
-        dist.recv(reply, self.peer, group=self.group)
+        dist.recv(reply, self.peer, group=self.group, tag=ANSWER)
         return reply[..., :head_dim], reply[..., head_dim]
 
     def stop(self) -> None:
         """Ends the lender's thread serving this home."""
         header = torch.zeros(HEADER, dtype=torch.float64)
         header[0] = STOP
-        dist.send(header, self.peer, group=self.group)
+        dist.send(header, self.peer, group=self.group, tag=ASK)
 
 
 class LenderServer:
@@ -72,19 +76,20 @@ class LenderServer:
     def serve_one(self) -> bool:
         """Answer one layer of the home's step; False on ``STOP``."""
         header = torch.empty(HEADER, dtype=torch.float64)
-        dist.recv(header, self.home, group=self.group)
-        op, layer, seq_len, num_tokens, name_len, scale = header.tolist()
+        dist.recv(header, self.home, group=self.group, tag=ASK)
+        op, layer, seq_len, num_tokens, name_len, scale, first = header.tolist()
         if op == STOP:
             return False
         name = torch.empty(int(name_len), dtype=torch.uint8)
-        dist.recv(name, self.home, group=self.group)
+        dist.recv(name, self.home, group=self.group, tag=ASK)
         num_heads, num_kv_heads, head_dim = self.shapes
         q = torch.empty((int(num_tokens), num_heads, head_dim), dtype=self.dtype)
         k = torch.empty((int(num_tokens), num_kv_heads, head_dim), dtype=self.dtype)
         v = torch.empty_like(k)
         for tensor in (q, k, v):
-            dist.recv(tensor, self.home, group=self.group)
-        out, lse = self.share.attend(int(layer), bytes(name.tolist()).decode(), q, k, v, int(seq_len), scale)
-        dist.send(torch.cat((out, lse.unsqueeze(-1)), dim=-1).contiguous(), self.home, group=self.group)
+            dist.recv(tensor, self.home, group=self.group, tag=ASK)
+        out, lse = self.share.attend(int(layer), bytes(name.tolist()).decode(), int(first), q, k, v, int(seq_len),
+                                     scale)
+        dist.send(torch.cat((out, lse.unsqueeze(-1)), dim=-1).contiguous(), self.home, group=self.group, tag=ANSWER)
         self.num_calls += 1
         return True
