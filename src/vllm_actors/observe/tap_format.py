@@ -33,7 +33,7 @@ from vllm_actors.protocol.names import parent_request_id, replica_of
 EVENT_GROUPS: dict[str, frozenset[str]] = {
     "REQUEST": frozenset(REQUEST_EVENTS),
     "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "BLOCK_OFFLOADED",
-                        "BLOCK_RESTORED", "KV_POOL"}),
+                        "BLOCK_RESTORED", "KV_POOL", "KV_LENT", "KV_RETURNED"}),
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
                         "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET",

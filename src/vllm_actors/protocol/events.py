@@ -187,6 +187,23 @@ class KvPool(msgspec.Struct, tag="KV_POOL", kw_only=True):
     num_in_use: int  # blocks held by at least one request (private or cached)
 
 
+class KvLent(msgspec.Struct, tag="KV_LENT", kw_only=True):
+    """A lender's KV-cache manager reserved blocks of its pool for another replica's request
+    (borrowed KV capacity across a data-parallel set; the ``ROUTED`` event names its home)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_free_blocks: int
+
+
+class KvReturned(msgspec.Struct, tag="KV_RETURNED", kw_only=True):
+    """A loan ended: the blocks reserved for another replica's request are free again."""
+
+    request_id: str
+    num_blocks: int
+    num_free_blocks: int
+
+
 # --------------------------------------------------------------------------- worker
 class StepStarted(msgspec.Struct, tag="STEP_STARTED", kw_only=True):
     step_id: int
@@ -292,7 +309,7 @@ class SleepChanged(msgspec.Struct, tag="SLEEP_STATE", kw_only=True):
 Event = (
     Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored
-    | KvPool
+    | KvPool | KvLent | KvReturned
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
     | ActorFailed | ActorRestarted | GroupFailed | PipelineReset | SleepChanged
@@ -301,7 +318,7 @@ Event = (
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
-    StepStarted, StepFinished,
+    KvLent, KvReturned, StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset, SleepChanged,
 )
@@ -313,7 +330,7 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
-    StepStarted, StepFinished,
+    KvLent, KvReturned, StepStarted, StepFinished,
 )
 DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"  # the deprecated alias's name (benchmarks set it)
 

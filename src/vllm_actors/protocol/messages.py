@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import msgspec
 
 from vllm_actors.protocol.block_hash import root_hash
+from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
 from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -177,6 +178,11 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # last stage samples; the stages before it learn the token here (a request's next step is
     # planned only once its token is back, so the scheduler has it).
     input_token_ids: dict[str, int] = {}
+    # Borrowed KV capacity (``protocol/kv_loans.py``), on a lender: blocks reserved this step for
+    # other replicas' requests (request id -> count), and the loans that ended (their blocks free).
+    # Applied after the departures, before the scheduled requests' blocks.
+    loans: dict[str, int] = {}
+    returned_loans: list[str] = []
 
 
 # ------------------------------------------------------------------ decode views
@@ -313,7 +319,7 @@ class ControlReply(msgspec.Struct, tag="control_reply", kw_only=True, omit_defau
 
 
 Message = (AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline | ReplicaState
-           | EngineControl | ControlReply)
+           | EngineControl | ControlReply | LendKv | ReturnKv)
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AddRequest,
@@ -325,4 +331,6 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     ReplicaState,
     EngineControl,
     ControlReply,
+    LendKv,
+    ReturnKv,
 )

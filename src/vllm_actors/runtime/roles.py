@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_actors.envs import envs
+from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -148,7 +149,8 @@ def build_scheduler(spec: ActorSpec) -> Built:
     scheduler = Scheduler(spec.scheduler, first_step_id=spec.incarnation << 40)
     if spec.check_invariants:
         def check() -> None:
-            scheduler.ledger.check_invariants({request.request_id for request in scheduler.running})
+            scheduler.ledger.check_invariants({request.request_id for request in scheduler.running}
+                                              | scheduler.loans.ledger_keys())
 
         return Built(Checked(scheduler, check))
     return Built(scheduler)
@@ -166,6 +168,9 @@ def scheduler_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
         StepResult: frozenset({_own(worker_id(answering), replica)}),
         ControlReply: frozenset({_own(worker_id(answering), replica)}),
         RecoverPipeline: frozenset({SUPERVISOR.encode()}),
+        # A replica set's controller asks a lender for blocks for another replica's request.
+        LendKv: frozenset({CONTROLLER.encode()}),
+        ReturnKv: frozenset({CONTROLLER.encode()}),
     }
 
 

@@ -28,6 +28,13 @@ lacks, from where the client's end (``recovery.catch_up``), and the controller p
 once by its position (``RequestUpdate.output_index``, ``in_place``): an update that starts past
 what it forwarded is held back, the catch-up brings its tokens.
 
+With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's pool is placed on a
+home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv`` before the
+home gets the request, and ``ReturnKv`` when it ends (finished or aborted); a restarted lender's
+scheduler is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
+``build_controller`` gives it no planner yet: the home's side (running a request with KV held by
+lenders, the per-layer exchange) is not built, so requests are routed as without borrowing.
+
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
 """
@@ -41,6 +48,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -50,6 +58,7 @@ from vllm_actors.protocol.events import (
     EventBatch,
     Routed,
 )
+from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -115,8 +124,11 @@ def session_key(key: str | None) -> str | None:
 class Controller:
     name = CONTROLLER
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, loans: LoanPlanner | None = None) -> None:
+        """``loans``: place requests too long for a replica's pool with KV borrowed from others
+        (``kv_loans``); None: every request goes where the router sends it."""
         self.router = router
+        self.loans = loans
         self.num_replicas = len(router.replicas)
         self.requests: dict[str, _Open] = {}
         self._down: dict[int, set[str]] = defaultdict(set)  # replica -> its actors reported down
@@ -164,10 +176,50 @@ class Controller:
             return outputs.extend(self._send(add.request_id, replica, "resumed", 0))
         key = session_key(add.session_key)
         self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
+        if self.loans is not None:
+            placed = self._place(add)
+            if placed is not None:
+                return placed
         decision = self.router.route(RouteRequest(add.request_id, add.prompt_token_ids, key))
         if decision is None:
             return outputs  # pull: waits for a replica with room
         return self._send(add.request_id, decision.replica, decision.reason, decision.cached_blocks)
+
+    def _place(self, add: AddRequest) -> Outputs | None:
+        """A request too long for some replica's pool: on its home, with loans asked of its lenders
+        first (None: the router decides; refused when it fits nowhere, even borrowing)."""
+        assert self.loans is not None
+        views = self.router.replicas
+        candidates = [r for r, view in enumerate(views) if view.up] or list(range(self.num_replicas))
+        needed = self.loans.blocks_needed(len(add.prompt_token_ids), len(add.output_token_ids), add.params.max_tokens)
+        out = Outputs()
+        try:
+            placement = self.loans.place(add.request_id, needed, candidates, [view.in_flight for view in views])
+        except LoanRefused as error:
+            del self.requests[add.request_id]
+            out.emit(Aborted(request_id=add.request_id, reason="error"))
+            refusal = RequestUpdate(request_id=add.request_id, finish_reason="error", error=str(error))
+            out.send(FRONTEND, RequestUpdates(step_id=-1, updates=[refusal]))
+            return out
+        if placement is None:
+            return None
+        views[placement.home].in_flight += 1
+        if self.router.policy == "pull" and placement.home in self.router.slots:
+            self.router.slots.remove(placement.home)  # its slot, given back when the request ends
+        for lender, count in placement.lenders.items():
+            out.send(self.scheduler_of(lender), LendKv(request_id=add.request_id, home=placement.home,
+                                                       num_blocks=count))
+        return out.extend(self._send(add.request_id, placement.home,
+                                     "borrowed" if placement.lenders else "largest_pool", 0))
+
+    def _loans_back(self, request_id: str) -> Outputs:
+        """The request ended: its lenders' blocks go back."""
+        out = Outputs()
+        placement = self.loans.release(request_id) if self.loans is not None else None
+        if placement is not None:
+            for lender in placement.lenders:
+                out.send(self.scheduler_of(lender), ReturnKv(request_id=request_id))
+        return out
 
     def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> Outputs:
         request = self.requests[request_id]
@@ -191,6 +243,7 @@ class Controller:
                                      num_output_tokens=len(request.output_token_ids)))
                 continue
             per_replica[request.replica].append(request_id)
+            out += self._loans_back(request_id)
         for replica, ids in per_replica.items():
             out.messages.insert(0, (self.scheduler_of(replica), AbortRequests(request_ids=ids, reason=message.reason)))
             for _ in ids:
@@ -229,6 +282,7 @@ class Controller:
             request.output_token_ids.extend(placed.new_token_ids)
             if placed.finish_reason is not None:
                 del self.requests[placed.request_id]
+                out += self._loans_back(placed.request_id)
                 out += self._released(replica)
         if passed:
             out.messages.insert(0, (FRONTEND, RequestUpdates(step_id=updates.step_id, updates=passed,
@@ -255,6 +309,12 @@ class Controller:
         for request_id, request in self.requests.items():
             if request.replica == replica:
                 out.send(self.scheduler_of(replica), _resumed(request_id, request))
+        if self.loans is not None:  # the loans it had granted died with it: asked for again
+            for request_id, placement in self.loans.placements.items():
+                count = placement.lenders.get(replica)
+                if count is not None:
+                    out.send(self.scheduler_of(replica), LendKv(request_id=request_id, home=placement.home,
+                                                                num_blocks=count))
         return out
 
     def _replica_state(self, message: ReplicaState) -> Outputs:
@@ -311,8 +371,12 @@ class Controller:
         for event in batch.events:
             if isinstance(event, ActorStarting):
                 self.router.pool_lost(replica)  # a fresh pool (a restart): nothing cached
+                if self.loans is not None:
+                    self.loans.pool_lost(replica)
             else:
                 self.router.observe(replica, event)
+                if self.loans is not None:
+                    self.loans.observe(replica, event)
 
     def _supervision(self, event: ActorFailed | ActorRestarted) -> None:
         _, replica = split_replica(event.actor)

@@ -39,7 +39,16 @@ from vllm_actors.actors.kv_cache_manager.cache_entry import CacheEntry
 from vllm_actors.actors.kv_cache_manager.host_pool import HostPool
 from vllm_actors.actors.kv_cache_manager.plan_checks import PlanChecks
 from vllm_actors.protocol.block_hash import ROOT_HASH
-from vllm_actors.protocol.events import Allocated, BlockCached, BlockEvicted, Freed, KvPool, PrefixHit
+from vllm_actors.protocol.events import (
+    Allocated,
+    BlockCached,
+    BlockEvicted,
+    Freed,
+    KvLent,
+    KvPool,
+    KvReturned,
+    PrefixHit,
+)
 from vllm_actors.protocol.messages import EngineControl, Message, NewRequest, StepPlan
 from vllm_actors.protocol.names import KV_CACHE_MANAGER, WORKER
 from vllm_actors.protocol.outputs import Outputs
@@ -65,6 +74,7 @@ class KVCacheManager(PlanChecks):
         self.roots: dict[str, int] = {}  # request id -> the parent hash of its first block (its adapter's)
         self._last_pool: KvPool | None = None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
+        self.lent: dict[str, list[int]] = {}  # blocks reserved for other replicas' requests (kv_loans)
 
     def handle(self, message: Message) -> Outputs:
         if isinstance(message, EngineControl):
@@ -101,6 +111,7 @@ class KVCacheManager(PlanChecks):
         self.host.drop(plan.host_dropped_hashes, events)
         offload_copies = self._evict(plan.evicted_hashes, set(plan.host_dropped_hashes), events)
         restore_copies = self._restore(plan.restored_hashes, events)
+        self._lend(plan, events)
         new_block_ids: list[list[int]] = []
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
@@ -126,7 +137,7 @@ class KVCacheManager(PlanChecks):
         tier too, unless ``keep_host`` (a worker's restart: its memory outlived it), where the GPU's
         backed-up blocks stay cached, held by the host tier alone."""
         num_blocks = self.pool.num_blocks
-        dropped = bool(self.block_tables or self.cached or self.host.entries)
+        dropped = bool(self.block_tables or self.cached or self.host.entries or self.lent)
         if keep_host:
             kept = set(self.host.backups)
             self.host = self.host.resumed()
@@ -137,6 +148,8 @@ class KVCacheManager(PlanChecks):
         for request_id, table in self.block_tables.items():
             if table:
                 events.append(Freed(request_id=request_id, num_blocks=len(table), num_free_blocks=num_blocks))
+        for request_id, blocks in self.lent.items():  # the lender's scheduler asks for them again
+            events.append(KvReturned(request_id=request_id, num_blocks=len(blocks), num_free_blocks=num_blocks))
         if self.cached:
             depth: dict[int, int] = {ROOT_HASH: 0}
 
@@ -160,6 +173,7 @@ class KVCacheManager(PlanChecks):
                                            parent_hashes=[self.cached[h].parent_hash for h in order]))
         self.pool = BlockPool(num_blocks, self.pool.ranks)
         self.block_tables = {}
+        self.lent = {}
         self.num_cached_front = {}
         self.cached = {}
         self.hash_of = {}
@@ -171,6 +185,16 @@ class KVCacheManager(PlanChecks):
             self._report_pool(events)
 
     # ------------------------------------------------------------------ steps of a plan
+    def _lend(self, plan: StepPlan, events: list[Any]) -> None:
+        """Loans to other replicas' requests: the ended ones' blocks freed, the new ones' taken."""
+        for request_id in plan.returned_loans:
+            blocks = self.lent.pop(request_id)
+            self.pool.release(blocks)
+            events.append(KvReturned(request_id=request_id, num_blocks=len(blocks), num_free_blocks=self.pool.num_free))
+        for request_id, count in plan.loans.items():
+            self.lent[request_id] = blocks = self.pool.allocate(count)
+            events.append(KvLent(request_id=request_id, block_ids=blocks, num_free_blocks=self.pool.num_free))
+
     def _depart(self, request_id: str, events: list[Any]) -> None:
         table = self.block_tables.pop(request_id, [])
         front = self.num_cached_front.pop(request_id, 0)
@@ -289,7 +313,7 @@ class KVCacheManager(PlanChecks):
         if len(free) != len(set(free)):
             raise AssertionError("a block is on the free list twice")
         holders = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
+        for table in [*self.block_tables.values(), *self.lent.values()]:
             for block in table:
                 holders[block] += 1
         for block in range(self.pool.num_blocks):

@@ -28,6 +28,7 @@ class PlanChecks:
         hash_of: dict[int, int]
         roots: dict[str, int]
         _chains: dict[int, list[int]]
+        lent: dict[str, list[int]]
 
     def _check(self, plan: StepPlan) -> tuple[dict[str, NewRequest], dict[str, list[int]]]:
         """Reject a plan this state cannot carry out (``MessageRejected``), before anything
@@ -74,6 +75,9 @@ class PlanChecks:
             if not self.num_cached_front.get(request_id, 0) <= keep <= len(table):
                 raise MessageRejected(f"plan trims {request_id!r} to {keep} of its {len(table)} blocks")
             freed += len(table) - keep
+        loan_freed, loan_needed = self._loans(plan)
+        freed += loan_freed
+
         def parent_of(block_hash_: int) -> int | None:
             """The block's parent hash if it is cached at this point of the plan, else None."""
             if block_hash_ in cached_now:
@@ -84,7 +88,7 @@ class PlanChecks:
         # cached by requests earlier in this plan (or restored from the host first): hash -> parent
         cached_now: dict[int, int] = dict(restored_parents)
         hit_hashes: dict[str, list[int]] = {}  # shared lists: read only
-        needed = len(restored_parents)
+        needed = len(restored_parents) + loan_needed
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
             if new is not None:
@@ -122,6 +126,16 @@ class PlanChecks:
         if needed > self.pool.num_free + freed:
             raise MessageRejected(f"the plan needs {needed} blocks, {self.pool.num_free + freed} free")
         return new_requests, hit_hashes
+
+    def _loans(self, plan: StepPlan) -> tuple[int, int]:
+        """Blocks the plan's returned loans free and its new loans take (lent to other replicas)."""
+        returned = set(plan.returned_loans)
+        if len(returned) != len(plan.returned_loans) or not returned <= set(self.lent):
+            raise MessageRejected("plan returns a loan twice or one that was never lent")
+        for request_id, count in plan.loans.items():
+            if count < 1 or (request_id in self.lent and request_id not in returned):
+                raise MessageRejected(f"plan lends {count} blocks for {request_id!r}, which is lent already or < 1")
+        return sum(len(self.lent[request_id]) for request_id in returned), sum(plan.loans.values())
 
     @staticmethod
     def _chain(last: int, length: int, parent_of: Callable[[int], int | None], root: int) -> list[int] | None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vllm_actors.actors.scheduler.block_ledger import BlockLedger
     from vllm_actors.actors.scheduler.controls import SleepState
     from vllm_actors.actors.scheduler.cost_model import CostModel
+    from vllm_actors.actors.scheduler.kv_loans import LoanDesk
     from vllm_actors.actors.scheduler.pipeline import StepPipeline
     from vllm_actors.actors.scheduler.policies.base import QueuePolicy
     from vllm_actors.actors.scheduler.speculation import Speculator
@@ -51,17 +52,19 @@ class PlanningPass:
         stats: SchedulerStats
         sleep: SleepState
         spec: Speculator | None
+        loans: LoanDesk
 
         def _preempt(self, request: ScheduledRequest, out: Outputs) -> None: ...
 
     def _maybe_schedule(self, out: Outputs) -> StepPlan | None:
         if self.pipeline.is_full or self.sleep.paused:
             return None
-        if not (self.waiting or self.running or self.pipeline.has_news or self.ledger.has_evicted):
+        if not (self.waiting or self.running or self.pipeline.has_news or self.ledger.has_evicted
+                or self.loans.has_news):
             return None
         plan, sampling_ids = self._schedule(out)
         if not (plan.req_ids or plan.finished_ids or plan.reset or plan.evicted_hashes or plan.host_dropped_hashes
-                or plan.restored_hashes):
+                or plan.restored_hashes or plan.loans or plan.returned_loans):
             return None  # everything waits for tokens in flight
         self.pipeline.sent(plan, sampling_ids)
         self.stats.num_steps += 1
@@ -82,13 +85,16 @@ class PlanningPass:
         # At a chunk boundary a prefill yields to the waiting requests that outrank it: they are
         # admitted first, it takes what the step has left.
         deferred = yielding(self.policy, self.waiting, self.running) if self.sleep.admitting else set()
-        if not self._schedule_running(step, out, sizer, deferred) and self.sleep.admitting:
+        preempted = self._schedule_running(step, out, sizer, deferred)
+        self.loans.grant(self.ledger)  # other replicas' loans: before any new request of ours
+        if not preempted and self.sleep.admitting and self.loans.admits:
             self._admit_waiting(step, out, sizer)
         if deferred:
             self._schedule_running(step, out, sizer, deferred, deferred_turn=True)
         departed = self.pipeline.take_departed()
         trimmed = self.spec.take_trims(departed) if self.spec is not None else None
         plan, sampling_ids, chunks, num_partial = step.build(self.pipeline.reset_pending, departed, trimmed)
+        self.loans.fill(plan)
         if self.config.pipeline_parallel_size > 1:
             carry_input_tokens(plan, (request for request, _ in step.scheduled))
         out.emit(*chunks)

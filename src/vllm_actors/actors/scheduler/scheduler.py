@@ -34,6 +34,7 @@ The scheduler's other modules, one concern each:
 - ``owners``: which client connection owns which request (used by the scheduler's shell);
 - ``controls``: engine commands (sleep, wake-up, prefix-cache reset, profiler): checks, sleep state;
 - ``speculation``, ``ngram``, ``spec_policy``: speculative decoding (drafts, rollback, drafts per step).
+- ``kv_loans``: blocks lent to other replicas' requests (borrowed KV capacity in a replica set).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 from vllm_actors.actors.scheduler.deadlines import observe_step, unmeetable_error
+from vllm_actors.actors.scheduler.kv_loans import LoanDesk
 from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.planning_pass import PlanningPass, SchedulerStats
@@ -57,6 +59,7 @@ from vllm_actors.actors.scheduler.results import apply_result
 from vllm_actors.actors.scheduler.speculation import Speculator
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued
+from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -96,6 +99,7 @@ class Scheduler(PlanningPass):
         self.sleep = SleepState()
         self.spec = (Speculator(config.speculative, self.cost_model, config.block_size, config.max_steps_in_flight > 1)
                      if config.speculative is not None else None)
+        self.loans = LoanDesk()  # blocks lent to other replicas' requests (a replica set's borrowing)
 
     @property
     def reset_pending(self) -> bool:
@@ -120,6 +124,8 @@ class Scheduler(PlanningPass):
             self._recover(f"{message.actor}: {message.reason}", out, keep_host=is_worker(message.actor))
         elif isinstance(message, EngineControl):
             self._control(message, out)
+        elif isinstance(message, (LendKv, ReturnKv)):
+            self.loans.handle(message, self.ledger)
         elif isinstance(message, ControlReply):  # rank 0 carried a command out: its sender learns
             out.send(FRONTEND, msgspec.structs.replace(message, is_sleeping=self.sleep.is_sleeping))
         else:
@@ -268,6 +274,7 @@ class Scheduler(PlanningPass):
         if keep_host:
             self.ledger.resume_host(old)
         self.pipeline.reset()
+        self.loans.reset()
         if self.spec is not None:
             self.spec.take_trims([])  # the new ledger and pipeline start from nothing
         self.stats.num_resets += 1
