@@ -30,7 +30,7 @@ def _problem(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
     return x, w13, w2, weights, ids
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 1000, 4096])  # every bucket of moe_config
 def test_bf16_kernel_close_to_float32_torch_and_graph_replay(tokens: int) -> None:
     x, w13, w2, weights, ids = _problem(tokens, seed=tokens)
     want = fused_moe.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)

@@ -282,6 +282,10 @@ class Envs:
     VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
     VLLM_ACTORS_FUSED_MOE = kernel_switch("Fused mixture-of-experts MLP (grouped GEMM over the tokens of each expert)",
                                           "kernels")
+    VLLM_ACTORS_MOE_CONFIG = Setting[str | None](
+        None, text, "A JSON file of tuned fused-MoE tiles per batch size (`benchmarks/moe_sweep.py` writes one), "
+        "looked up before the tables shipped in `kernels/moe_configs/` (unset: those, else the built-in choice).",
+        kind="path", group="kernels")
     VLLM_ACTORS_LORA_KERNEL = kernel_switch("Batched LoRA shrink and expand (the tokens of each adapter together)",
                                             "kernels")
     VLLM_ACTORS_FP8_GEMM = kernel_switch(

@@ -6,11 +6,12 @@
 projection (a tensor-parallel rank: its slice of every expert's I, the output its partial sum).
 
 The Triton path is vLLM's and SGLang's fused MoE: the T*k (token, choice) pairs are sorted by expert
-and each expert's run padded to a multiple of ``BLOCK_M`` (``moe_align_block_size``), so every block
-of ``BLOCK_M`` sorted pairs belongs to one expert; a grouped GEMM then runs one program per (block,
-column tile) against that expert's weights. Two launches: gate and up in one GEMM with SiLU-and-mul
-on its accumulators, then the down GEMM scaled by the routing weight; the k rows of a token are
-summed last. Shapes depend on T, k and E only (no host read of the routing): CUDA-graph capturable.
+and cut into blocks of at most ``BLOCK_M`` pairs of one expert (``kernels/moe_align.py``; one launch
+at decode); a grouped GEMM then runs one program per (block, column tile) against that expert's
+weights, so a step reads each routed expert's weights once and no other expert's. Two GEMM launches:
+gate and up in one with SiLU-and-mul on its accumulators, then the down GEMM scaled by the routing
+weight; the k rows of a token are summed last. Tiles per batch size: ``kernels/moe_config.py``.
+Shapes depend on T, k and E only (no host read of the routing): CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_actors.kernels import choice
+from vllm_actors.kernels.moe_align import Alignment, moe_align_block_size
+from vllm_actors.kernels.moe_config import GemmTiles, MoeConfig, MoeShape, choose_config
 
 try:
     import triton
@@ -77,88 +80,56 @@ def _fused_moe_torch_dense(
     return out
 
 
-# ------------------------------------------------------------------------------------ alignment
-def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``moe_align_block_size`` in torch ops of static shapes. Returns
-
-    - ``sorted_ids`` [P] int32: indices into the flattened [T*k] (token, choice) pairs, grouped by
-      expert in ascending order, each expert's run padded to a multiple of ``block_m`` with T*k;
-    - ``block_experts`` [P / block_m] int32: the expert of each block (``num_experts`` past the end);
-    - ``num_padded`` [1] int32: the padded length in use (blocks at or past it are skipped).
-
-    P = T*k + E*(block_m - 1), rounded up to ``block_m``: the most any routing can take."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs, device = flat.numel(), flat.device
-    capacity = _cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))  # bincount's output size would depend on the ids
-    padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
-    order = torch.argsort(flat, stable=True)
-    experts = flat[order]
-    rank_in_expert = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
-    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
-    sorted_ids[padded_start[experts] + rank_in_expert] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ------------------------------------------------------------------------------------ kernels
 if HAVE_TRITON:
 
     @triton.jit
-    def _block_rows(sorted_ptr, experts_ptr, num_padded_ptr, num_pairs, BLOCK_M: tl.constexpr):
-        """This program's block of sorted pairs: (whether it holds any, its expert, pair ids, their mask)."""
-        pid_m = tl.program_id(0)
-        live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
-        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        return live, expert, pairs, pairs < num_pairs
-
-    @triton.jit
-    def _rows_tile(ptr, rows, row_mask, stride, ks, k_mask):
-        """[BLOCK_M, BLOCK_K] of the activations: ``rows`` over columns ``ks``."""
-        return tl.load(ptr + rows[:, None] * stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-
-    @triton.jit
-    def _expert_dot(acc, a, w_ptr, cols, col_mask, stride_wn, ks, k_mask):
-        """acc + a @ w[cols, ks].T for one expert's weight rows ``cols`` (its output features)."""
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                    other=0.0)
-        return tl.dot(a, w, acc, input_precision="ieee")
-
-    @triton.jit
     def _moe_gemm_kernel(
-        a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
-        N, K, num_pairs, stride_a, stride_we, stride_wn, stride_o,
+        a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ptr, start_ptr, end_ptr, num_blocks_ptr,
+        N, K, max_blocks, stride_a, stride_we, stride_wn, stride_o,
         GATE_UP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
-        """For this block's pairs: GATE_UP, out[pair, n] = SiLU(a[pair // k] . gate_e[n]) * (a[pair // k] . up_e[n])
-        (``w`` holding gate rows then up rows, N each); else out[pair, n] = weight[pair] * (a[pair] . down_e[n])
-        (TOP_K 1: ``a`` has a row per pair)."""
-        live, expert, pairs, pair_mask = _block_rows(sorted_ptr, experts_ptr, num_padded_ptr, num_pairs, BLOCK_M)
-        if live:
-            rows = pairs // TOP_K
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
-            w_base = w_ptr + expert * stride_we
+        """For one block of an expert's pairs and one column tile: GATE_UP, out[pair, n] =
+        SiLU(a[pair // k] . gate_e[n]) * (a[pair // k] . up_e[n]) (``w`` holding gate rows then up
+        rows, N each); else out[pair, n] = weight[pair] * (a[pair] . down_e[n]) (TOP_K 1: a row per pair).
+        Programs run GROUP_M row blocks down a column tile before the next (the weight tile stays in L2)."""
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        if pid_m < tl.load(num_blocks_ptr):
+            expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+            offs = tl.load(start_ptr + pid_m) + tl.arange(0, BLOCK_M)
+            pair_mask = offs < tl.load(end_ptr + pid_m)
+            pairs = tl.load(sorted_ptr + offs, mask=pair_mask, other=0).to(tl.int64)  # masked rows: pair 0's row
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + (pairs // TOP_K)[:, None] * stride_a + ks[None, :]
+            # columns past N wrap onto real rows (their results are not stored): the weight loads need no mask
+            w_ptrs = w_ptr + expert * stride_we + (cols % N)[None, :] * stride_wn + ks[:, None]
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                a = _rows_tile(a_ptr, rows, pair_mask, stride_a, ks, k_mask)
-                acc = _expert_dot(acc, a, w_base, cols, col_mask, stride_wn, ks, k_mask)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    w = tl.load(w_ptrs)
+                else:
+                    k_mask = k0 + ks < K
+                    a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+                acc = tl.dot(a, w, acc, input_precision="ieee")
                 if GATE_UP:
-                    acc_up = _expert_dot(acc_up, a, w_base + N * stride_wn, cols, col_mask, stride_wn, ks, k_mask)
+                    if EVEN_K:
+                        w_up = tl.load(w_ptrs + N * stride_wn)
+                    else:
+                        w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None], other=0.0)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
             dtype = out_ptr.dtype.element_ty
             if GATE_UP:  # rounded as silu_and_mul rounds the unfused GEMM's output: gate and up to the dtype first
                 gate = acc.to(dtype).to(ACC)
@@ -166,41 +137,56 @@ if HAVE_TRITON:
             else:
                 result = acc.to(dtype) * tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0).to(dtype)[:, None]
             tl.store(out_ptr + pairs[:, None] * stride_o + cols[None, :], result,
-                     mask=pair_mask[:, None] & col_mask[None, :])
+                     mask=pair_mask[:, None] & (cols < N)[None, :])
 
 
-def block_m_for(tokens: int, top_k: int, num_experts: int) -> int:
-    """Rows of sorted pairs per program: 16 while experts see few tokens each (decode), else 64."""
-    return 16 if tokens * top_k <= 4 * num_experts else 64
+def _launch(a: torch.Tensor, w: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, blocks: Alignment,
+            tiles: GemmTiles, gate_up: bool, top_k: int) -> None:
+    n, k = out.shape[1], a.shape[1]
+    nb = blocks.expert.numel()
+    acc = tl.float64 if a.dtype == torch.float64 else tl.float32
+    _moe_gemm_kernel[(nb * triton.cdiv(n, tiles.block_n),)](
+        a, w, weights, out, blocks.sorted_ids, blocks.expert, blocks.start, blocks.end, blocks.num_blocks,
+        n, k, nb, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATE_UP=gate_up, TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, ACC=acc, num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+
+
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: Alignment, top_k: int, tiles: GemmTiles) -> torch.Tensor:
+    """SiLU(gate) * up of every pair: [T*k, I] (rows indexed by pair)."""
+    activated = torch.empty((blocks.sorted_ids.numel(), w13.shape[1] // 2), dtype=x.dtype, device=x.device)
+    _launch(x, w13, activated, activated, blocks, tiles, True, top_k)  # no routing weight: out stands in
+    return activated
+
+
+def moe_down(activated: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, blocks: Alignment,
+             tiles: GemmTiles) -> torch.Tensor:
+    """Each pair's down projection scaled by its routing weight (``weights`` [T*k] float32): [T*k, H]."""
+    per_choice = torch.empty((activated.shape[0], w2.shape[1]), dtype=activated.dtype, device=activated.device)
+    _launch(activated, w2, weights, per_choice, blocks, tiles, False, 1)
+    return per_choice
+
+
+def config_for(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
+    experts, double_inter, hidden = w13.shape
+    device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
+    shape = MoeShape(experts, hidden, double_inter // 2, top_k)
+    return choose_config(x.shape[0], shape, str(x.dtype).removeprefix("torch."), device, x.element_size())
 
 
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    block_m: int | None = None,
+    config: MoeConfig | None = None,
 ) -> torch.Tensor:
-    """The grouped-GEMM path (module docstring); ``block_m`` defaults to ``block_m_for``."""
+    """The grouped-GEMM path (module docstring); ``config`` defaults to ``moe_config.choose_config``'s."""
     tokens, hidden = x.shape
-    experts, double_inter, _ = w13.shape
-    inter, top_k = double_inter // 2, topk_ids.shape[1]
-    pairs = tokens * top_k
-    block_m = block_m or block_m_for(tokens, top_k, experts)
-    sorted_ids, block_experts, num_padded = moe_align_block_size(topk_ids, block_m, experts)
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    block_n, block_k = 64, 32
+    top_k = topk_ids.shape[1]
+    config = config or config_for(x, w13, top_k)
+    blocks = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], use_triton=True)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
-    activated = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(block_experts.numel(), triton.cdiv(inter, block_n))](
-        x, w13, weights, activated, sorted_ids, block_experts, num_padded,
-        inter, hidden, pairs, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        GATE_UP=True, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
-    )  # fmt: skip
-    per_choice = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(block_experts.numel(), triton.cdiv(hidden, block_n))](
-        activated, w2, weights, per_choice, sorted_ids, block_experts, num_padded,
-        hidden, inter, pairs, activated.stride(0), w2.stride(0), w2.stride(1), per_choice.stride(0),
-        GATE_UP=False, TOP_K=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=acc,
-    )  # fmt: skip
+    activated = moe_gate_up(x, w13, blocks, top_k, config.gate_up)
+    per_choice = moe_down(activated, w2, topk_weights.reshape(-1).float().contiguous(), blocks, config.down)
     return per_choice.view(tokens, top_k, hidden).sum(dim=1)
 
 

@@ -1,0 +1,213 @@
+"""Launch parameters of the fused MoE kernel (``kernels/fused_moe.py``) per batch size and shape.
+
+A step of T tokens routes T*k (token, choice) pairs over E experts: about T*k/E rows per expert. At
+decode that is under one row, so every program streams weight tiles for a single live row: the GEMM
+is a read of the routed experts' weights and wants BLOCK_M 16 (the smallest ``tl.dot`` tile), wide
+K tiles, deep pipelines and enough column tiles to keep every SM loading. With hundreds of rows per
+expert (prefill) it is compute bound and wants 64x128-class tiles grouped along M so that an
+expert's weight tile stays in L2 across its row blocks. ``default_config`` derives such a config
+from the rows per expert; a tuned table (``benchmarks/moe_sweep.py`` writes it) overrides it for the
+(shape, dtype, device) it was measured on: the file ``VLLM_ACTORS_MOE_CONFIG`` names first, then the
+tables shipped in ``kernels/moe_configs/``. A table's entry is taken at the measured batch size
+nearest to T (on a log scale). Both GEMMs share BLOCK_M (one alignment of the pairs) and have
+their own column/K tiles.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from vllm_actors.envs import envs
+
+FORMAT = "vllm_actors.fused_moe/1"
+SHIPPED = Path(__file__).with_name("moe_configs")
+SHARED_BYTES = 227 * 1024  # SM90's shared memory a block may opt into
+BLOCK_MS = (16, 32, 64, 128)
+TILE_SIZES = (16, 32, 64, 128, 256)
+WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One GEMM's tiles: output columns and reduction step per program, M-blocks grouped per column
+    sweep (L2 reuse of a weight tile), warps and software-pipeline stages."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    warps: int = 4
+    stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # sorted pairs per program, shared by both GEMMs
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def to_json(self) -> dict[str, Any]:
+        return {"block_m": self.block_m, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One rank's expert shapes: gate_up is N = 2 * intermediate over K = hidden, down N = hidden
+    over K = intermediate."""
+
+    experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+
+    def key(self) -> str:
+        return f"E={self.experts},H={self.hidden},I={self.intermediate},k={self.top_k}"
+
+
+def shared_bytes(block_m: int, tiles: GemmTiles, gate_up: bool, element_bytes: int) -> int:
+    """Shared memory of the pipeline: per stage an activation tile and one (down) or two (gate and
+    up) weight tiles."""
+    weight_tiles = 2 if gate_up else 1
+    return tiles.stages * (block_m * tiles.block_k + weight_tiles * tiles.block_k * tiles.block_n) * element_bytes
+
+
+def fit_stages(block_m: int, tiles: GemmTiles, gate_up: bool, element_bytes: int) -> GemmTiles:
+    """``tiles`` with as many of its stages as SM90's shared memory holds (at least 1)."""
+    stages = tiles.stages
+    while stages > 1 and shared_bytes(block_m, GemmTiles(tiles.block_n, tiles.block_k, tiles.group_m, tiles.warps,
+                                                         stages), gate_up, element_bytes) > SHARED_BYTES:
+        stages -= 1
+    return GemmTiles(tiles.block_n, tiles.block_k, tiles.group_m, tiles.warps, stages)
+
+
+def default_config(tokens: int, shape: MoeShape, element_bytes: int = 2) -> MoeConfig:
+    """First-principles tiles by the expected rows per expert, T * k / E (module docstring)."""
+    rows = tokens * shape.top_k / shape.experts
+    if rows <= 1:  # decode: a weight stream; narrow gate/up columns give ~2 programs per SM at top-8
+        config = MoeConfig(16, GemmTiles(32, 256, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
+    elif rows <= 16:  # still one row block per expert: wider columns, same deep K pipeline
+        config = MoeConfig(16, GemmTiles(64, 128, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
+    elif rows <= 64:
+        config = MoeConfig(32, GemmTiles(64, 128, 4, 4, 3), GemmTiles(128, 64, 4, 4, 3))
+    elif rows <= 256:
+        config = MoeConfig(64, GemmTiles(64, 64, 8, 4, 3), GemmTiles(128, 64, 8, 8, 3))
+    else:  # prefill: two 128x64 accumulators (gate and up) are as wide as one 128x128
+        config = MoeConfig(128, GemmTiles(64, 64, 8, 8, 3), GemmTiles(128, 64, 8, 8, 3))
+    return MoeConfig(config.block_m, fit_stages(config.block_m, config.gate_up, True, element_bytes),
+                     fit_stages(config.block_m, config.down, False, element_bytes))
+
+
+# ------------------------------------------------------------------------------------ tuned tables
+def _tiles(raw: Any, where: str) -> GemmTiles:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be an object with block_n, block_k, group_m, warps, stages")
+    allowed = {"block_n", "block_k", "group_m", "warps", "stages"}
+    if set(raw) - allowed or {"block_n", "block_k"} - set(raw):
+        raise ValueError(f"{where} has keys {sorted(raw)}: allowed {sorted(allowed)} (block_n, block_k required)")
+    tiles = GemmTiles(**{name: raw[name] for name in raw})
+    for name, allowed_values in (("block_n", TILE_SIZES), ("block_k", TILE_SIZES), ("warps", WARPS),
+                                 ("stages", range(1, 9))):
+        value = getattr(tiles, name)
+        if not isinstance(value, int) or value not in allowed_values:
+            raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(allowed_values)}")
+    if not isinstance(tiles.group_m, int) or tiles.group_m < 1:
+        raise ValueError(f"{where}.group_m is {tiles.group_m!r}: must be a whole number >= 1")
+    return tiles
+
+
+def parse_config(raw: Any, where: str) -> MoeConfig:
+    """One table entry (``MoeConfig.to_json``'s form); a ValueError naming ``where`` if malformed."""
+    if not isinstance(raw, dict) or set(raw) != {"block_m", "gate_up", "down"}:
+        raise ValueError(f"{where} must be an object with exactly block_m, gate_up and down")
+    if raw["block_m"] not in BLOCK_MS or not isinstance(raw["block_m"], int):
+        raise ValueError(f"{where}.block_m is {raw['block_m']!r}: must be one of {list(BLOCK_MS)}")
+    return MoeConfig(raw["block_m"], _tiles(raw["gate_up"], f"{where}.gate_up"), _tiles(raw["down"], f"{where}.down"))
+
+
+Table = dict[int, MoeConfig]  # tokens -> config
+TableKey = tuple[str, str, str]  # shape key, dtype name, device name ("any" matches every device)
+
+
+def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
+    """A tuned-config file: {"format": FORMAT, "tables": [{"shape": {experts, hidden, intermediate,
+    top_k}, "dtype": "bfloat16", "device": "<torch.cuda.get_device_name()> or any", "configs":
+    {"<tokens>": <config>, ...}}, ...]}."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"fused MoE configs {source}: not JSON ({error})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("tables"), list):
+        raise ValueError(f"fused MoE configs {source}: need an object with \"format\": \"{FORMAT}\" and a "
+                         "\"tables\" list")
+    tables: dict[TableKey, Table] = {}
+    for i, table in enumerate(data["tables"]):
+        where = f"fused MoE configs {source}: tables[{i}]"
+        if not isinstance(table, dict) or {"shape", "dtype", "device", "configs"} - set(table):
+            raise ValueError(f"{where} needs shape, dtype, device and configs")
+        try:
+            shape = MoeShape(**{name: int(table["shape"][name]) for name in ("experts", "hidden", "intermediate",
+                                                                             "top_k")})
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}.shape needs whole numbers experts, hidden, intermediate, top_k") from None
+        configs = table["configs"]
+        if not isinstance(configs, dict) or not configs:
+            raise ValueError(f"{where}.configs must be a non-empty object of token count -> config")
+        parsed: Table = {}
+        for tokens, raw in configs.items():
+            if not str(tokens).isdigit() or int(tokens) < 1:
+                raise ValueError(f"{where}.configs key {tokens!r}: must be a token count >= 1")
+            parsed[int(tokens)] = parse_config(raw, f"{where}.configs[{tokens}]")
+        tables[(shape.key(), str(table["dtype"]), str(table["device"]))] = parsed
+    return tables
+
+
+@lru_cache(maxsize=8)
+def _load(path: str) -> dict[TableKey, Table]:
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"fused MoE configs {path}: cannot read ({error.strerror})") from None
+    return parse_tables(text, path)
+
+
+@lru_cache(maxsize=1)
+def _shipped() -> tuple[str, ...]:
+    return tuple(sorted(str(p) for p in SHIPPED.glob("*.json"))) if SHIPPED.is_dir() else ()
+
+
+def _sources() -> tuple[str, ...]:
+    override = envs.VLLM_ACTORS_MOE_CONFIG
+    return ((override,) if override else ()) + _shipped()
+
+
+def tuned_table(shape: MoeShape, dtype: str, device: str) -> Table | None:
+    """The first table of the sources (override first) for this shape, dtype and device."""
+    for source in _sources():
+        tables = _load(source)
+        for name in (device, "any"):
+            table = tables.get((shape.key(), dtype, name))
+            if table is not None:
+                return table
+    return None
+
+
+def nearest(table: Table, tokens: int) -> MoeConfig:
+    """The entry measured at the token count nearest ``tokens`` on a log scale (the smaller on a tie)."""
+    best = min(table, key=lambda measured: (abs(math.log2(measured) - math.log2(max(tokens, 1))), measured))
+    return table[best]
+
+
+@lru_cache(maxsize=1024)
+def _choose(tokens: int, shape: MoeShape, dtype: str, device: str, element_bytes: int, sources: tuple[str, ...]
+            ) -> MoeConfig:
+    table = tuned_table(shape, dtype, device) if sources else None
+    return nearest(table, tokens) if table is not None else default_config(tokens, shape, element_bytes)
+
+
+def choose_config(tokens: int, shape: MoeShape, dtype: str, device: str, element_bytes: int = 2) -> MoeConfig:
+    """The tuned entry for this shape, dtype and device where a table has one, else ``default_config``."""
+    return _choose(tokens, shape, dtype, device, element_bytes, _sources())
