@@ -9,24 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.models.test_verify_rows import _batch
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.runner.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _batch(token_ids: list[list[int]], starts: list[int], tables: list[list[int]], every_row: bool) -> BatchInput:
-    batch = BatchInput([], [], [], [], [], [])
-    for tokens, start, table in zip(token_ids, starts, tables, strict=True):
-        first = len(batch.token_ids)
-        batch.token_ids.extend(tokens)
-        batch.positions.extend(range(start, start + len(tokens)))
-        batch.query_lens.append(len(tokens))
-        batch.seq_lens.append(start + len(tokens))
-        batch.block_tables.append(table)
-        batch.logits_indices.extend(range(first, len(batch.token_ids)) if every_row else [len(batch.token_ids) - 1])
-    return batch
 
 
 def test_verification_step_replays_a_decode_graph(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
