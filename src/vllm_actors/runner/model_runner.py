@@ -8,7 +8,8 @@ On a GPU: the step's integer inputs go through pinned host buffers in one non-bl
 input ids that the previous step sampled and the host has not read yet (``DeferredInputs``) are
 gathered from that step's sampled ids on the device. Decode steps (one new token per sequence)
 replay a CUDA graph captured for the next batch-size bucket, padded rows writing nowhere (slot -1),
-their inputs packed in one buffer moved by one copy (``graph_inputs.py``); where the step's rows
+their inputs packed in one buffer moved by one copy (``graph_inputs.py``); so do verification steps
+of speculative decoding, as one decode row per token (``verify_rows.py``); where the step's rows
 need nothing but the fused sampling kernel, a second graph per bucket draws the tokens too
 (``execute_sampled``; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off). Other steps (prefills, mixed)
 replay a graph of the whole forward pass padded to the next token count (``padded_forward.py``).
@@ -54,6 +55,7 @@ from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabl
 from vllm_actors.runner.settings import graph_sampler_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
+from vllm_actors.runner.verify_rows import as_decode_rows
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +119,7 @@ class ModelRunner(KvPoolSizing):
             self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
             self._static: GraphInputs | None = None
             self._graph_sizes: list[int] = []
+            self._weight_bytes = 0  # the model's, once graphs are captured (verify_rows.py's cost rule)
             self._padded: PaddedForward | None = None
             self._stage_io: StageGraphIO | None = None  # a pipeline stage's hand-over around its graphs
             self.capture_graphs()
@@ -285,6 +288,9 @@ class ModelRunner(KvPoolSizing):
             self.model.calculate_kv_scales()
             return self._run_eager(batch)
         bucket = self._decode_bucket(batch)
+        if bucket is None and self._graphs:  # a verification step as decode rows (verify_rows.py)
+            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes)
+            bucket, batch = (self._decode_bucket(rows), rows) if rows is not None else (None, batch)
         if bucket is not None:
             return self._run_graph(batch, bucket)
         larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
@@ -328,6 +334,7 @@ class ModelRunner(KvPoolSizing):
         if largest not in sizes:
             sizes.append(largest)
         device = self.device
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
         # only the last stage samples (stage_graphs.py)
         self._stage_io = StageGraphIO(self.stage, largest, self.local_config.hidden_size, self.dtype, device) \

@@ -1,0 +1,56 @@
+"""Verification steps as decode rows, so the captured decode graphs serve them.
+
+A speculative step gives each drafting sequence a few new tokens (its last known token and its
+drafts), every one of them a logits row; plain decodes beside them have one. Such a step would take
+the padded varlen path (``padded_forward.py``: GEMMs and attention tiles sized for at least 16
+tokens and ``max_num_seqs`` sequences, several input copies). Here it becomes one decode row per
+token: the row's token, position ``p`` and KV slot, sequence length ``p + 1`` and its sequence's
+block-table row repeated. Each layer writes every row's KV before it attends, so a row attends to
+its sequence's context and to the drafts before it, and to nothing after: the causal attention of
+the varlen pass, row for row. The logits rows are the tokens, in the same order.
+
+What it costs: each extra row of a sequence reads that sequence's KV again. The rows are taken only
+while those extra bytes stay within ``KV_SHARE`` of the weights' bytes (which every decode step
+reads once), and only for at most ``MAX_QUERY_LEN`` tokens per sequence; otherwise the step keeps
+the padded path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_actors.actors.worker.step_data import BatchInput
+
+MAX_QUERY_LEN = 8  # new tokens per sequence: 1 + up to 7 drafts
+KV_SHARE = 0.25  # the extra KV reads allowed, as a share of the weights' bytes
+
+
+def extra_kv_bytes(batch: BatchInput, kv_bytes_per_token: float) -> float:
+    """The KV bytes the decode rows read beyond one read of each sequence's context."""
+    return sum((count - 1) * length for count, length in zip(batch.query_lens, batch.seq_lens, strict=True)) \
+        * kv_bytes_per_token
+
+
+def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: float) -> BatchInput | None:
+    """The step as one decode row per token (module docstring), or None where it is not a
+    verification-shaped step (a row that returns no logits, a sequence of more than
+    ``MAX_QUERY_LEN`` tokens) or the rows' extra KV reads cost more than ``KV_SHARE`` allows."""
+    num_tokens = len(batch.token_ids)
+    if not num_tokens or batch.is_decode or max(batch.query_lens) > MAX_QUERY_LEN:
+        return None
+    if len(batch.logits_indices) != num_tokens or batch.logits_indices != list(range(num_tokens)):
+        return None
+    if extra_kv_bytes(batch, kv_bytes_per_token) > KV_SHARE * weight_bytes:
+        return None
+    sequence_of_row = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+    return BatchInput(
+        token_ids=batch.token_ids,
+        positions=batch.positions,
+        query_lens=[1] * num_tokens,
+        seq_lens=[position + 1 for position in batch.positions],
+        block_tables=[batch.block_tables[row] for row in sequence_of_row.tolist()],
+        logits_indices=batch.logits_indices,
+        block_table_array=None if batch.block_table_array is None else batch.block_table_array[sequence_of_row],
+        deferred=batch.deferred,  # the same flat token indices
+        loras=None if batch.loras is None else [batch.loras[row] for row in sequence_of_row.tolist()],
+    )

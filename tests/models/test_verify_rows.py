@@ -1,0 +1,69 @@
+"""Verification steps as decode rows (runner/verify_rows.py): one decode row per token gives the
+logits of the varlen pass over the same tokens, for sequences of 1 to 8 new tokens mixed, in
+float32 on the CPU with the Triton kernels interpreted; steps that are not verification-shaped, or
+whose extra KV reads cost too much, keep their path. The graphs themselves: tests/gpu/test_gpu_verify_rows.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runner.model_runner import ModelRunner
+from vllm_actors.runner.verify_rows import as_decode_rows
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_qwen3: Path) -> ModelRunner:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ACTORS_ATTENTION", "triton")
+        patch.setenv("VLLM_ACTORS_FUSED_OPS", "triton")
+        config = EngineConfig(model=str(tiny_qwen3), dtype="float32", device="cpu", block_size=BLOCK,
+                              max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=32)
+        return ModelRunner(config)
+
+
+def _batch(token_ids: list[list[int]], starts: list[int], tables: list[list[int]], every_row: bool) -> BatchInput:
+    """Sequence i computes ``token_ids[i]`` at positions starts[i]..; logits of every token
+    (``every_row``: a verification step) or of each sequence's last."""
+    batch = BatchInput([], [], [], [], [], [])
+    for tokens, start, table in zip(token_ids, starts, tables, strict=True):
+        first = len(batch.token_ids)
+        batch.token_ids.extend(tokens)
+        batch.positions.extend(range(start, start + len(tokens)))
+        batch.query_lens.append(len(tokens))
+        batch.seq_lens.append(start + len(tokens))
+        batch.block_tables.append(table)
+        batch.logits_indices.extend(range(first, len(batch.token_ids)) if every_row else [len(batch.token_ids) - 1])
+    return batch
+
+
+def test_decode_rows_give_the_varlen_logits(runner: ModelRunner) -> None:
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    prompts = [[5, 9, 2, 7, 11, 3], [4, 4, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9], [13]]
+    runner._run_eager(_batch(prompts, [0] * 4, tables, every_row=False))
+    drafts = [[12, 7, 7, 9, 1, 2, 3, 4], [8], [6, 6, 5], [2, 3, 4, 5, 6]]  # 1 to 8 new tokens per sequence
+    step = _batch(drafts, [len(p) for p in prompts], tables, every_row=True)
+    step.block_table_array = step.table_array()
+    rows = as_decode_rows(step, kv_bytes_per_token=1.0, weight_bytes=1e9)
+    assert rows is not None and rows.is_decode and len(rows.query_lens) == len(step.token_ids)
+    assert rows.seq_lens == [p + 1 for p in step.positions]
+    assert np.array_equal(rows.table_array()[8], step.table_array()[1])  # row 8: the second sequence's token
+    expected = runner._run_eager(step)
+    assert torch.allclose(runner._run_eager(rows), expected, atol=1e-5)
+
+
+def test_steps_that_are_not_verification_shaped_keep_their_path() -> None:
+    tables = [[0, 1, 2]]
+    assert as_decode_rows(_batch([[1, 2, 3]], [4], tables, every_row=False), 1.0, 1e9) is None  # last row only
+    assert as_decode_rows(_batch([[1] * 9], [0], tables, every_row=True), 1.0, 1e9) is None  # above 8 tokens
+    assert as_decode_rows(_batch([[1]], [4], tables, every_row=True), 1.0, 1e9) is None  # plain decode: its own graphs
+    costly = _batch([[1, 2, 3, 4]], [40], tables, every_row=True)  # 3 extra rows reading 44 tokens each
+    assert as_decode_rows(costly, kv_bytes_per_token=1.0, weight_bytes=4 * 132) is not None
+    assert as_decode_rows(costly, kv_bytes_per_token=1.0, weight_bytes=4 * 131) is None
