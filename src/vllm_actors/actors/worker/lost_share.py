@@ -1,0 +1,92 @@
+"""A dead KV-parallel rank's share of the requests, and the step that recomputes only that share.
+
+Block id ``b`` lives on rank ``b % size`` (``actors/kv_cache_manager/block_pool.py``). When rank
+``r`` dies, the K/V of its blocks is gone and every other rank's is intact. A request's lost
+positions are those of its computed tokens whose block rank ``r`` held: about 1/size of them, one
+block at a time where placement is interleaved.
+
+The recovery step recomputes them all at once. The attention paths take one contiguous run of
+queries per sequence (the torch loop puts query ``j`` at ``seq_len - q_len + j``; the GPU share
+kernels derive their bounds the same way), so each run of lost positions becomes a sequence of its
+own: ``q_len`` the run's tokens, ``seq_len`` the run's end, the request's whole block table. Each
+such sequence attends, by true position and causally, to every rank's keys before it: the
+survivors' intact ones, and those of the other lost runs, whose K/V each layer writes before it
+attends, layer by layer. The respawned rank stores the runs' K/V; nothing is sampled. Every rank
+holds the same block tables, so every rank derives the same step from the dead rank's number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_actors.actors.worker.step_data import BatchInput
+
+
+@dataclass(frozen=True)
+class LostRun:
+    """Positions ``start`` .. ``start + count - 1`` of a request, whose K/V the dead rank held."""
+
+    start: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """What a rank knows of a request: its tokens (prompt, then outputs), block table (global ids)
+    and how many of its positions have K/V."""
+
+    token_ids: Sequence[int]
+    block_table: Sequence[int]
+    num_computed_tokens: int
+
+
+def check_rank(rank: int, size: int) -> None:
+    if size < 2:
+        raise ValueError(f"recovering a rank's share needs KV parallelism (kv_parallel_size >= 2), got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"KV-parallel rank {rank} outside a group of {size} (allowed: 0 .. {size - 1})")
+
+
+def lost_runs(block_table: Sequence[int], num_computed: int, block_size: int, rank: int, size: int) -> list[LostRun]:
+    """The runs of computed positions (below ``num_computed``) whose blocks rank ``rank`` held,
+    adjacent lost blocks joined into one run, in position order."""
+    check_rank(rank, size)
+    if num_computed > len(block_table) * block_size:
+        raise ValueError(f"{num_computed} computed tokens, but a table of {len(block_table)} blocks of "
+                         f"{block_size} holds {len(block_table) * block_size}")
+    runs: list[LostRun] = []
+    for index, block in enumerate(block_table):
+        start = index * block_size
+        if start >= num_computed:
+            break
+        if block % size != rank:
+            continue
+        count = min(block_size, num_computed - start)
+        if runs and runs[-1].end == start:
+            runs[-1] = LostRun(runs[-1].start, runs[-1].count + count)
+        else:
+            runs.append(LostRun(start, count))
+    return runs
+
+
+def recovery_batch(requests: Sequence[HeldRequest], block_size: int, rank: int, size: int) -> BatchInput:
+    """The step recomputing every lost position of ``requests``: one sequence per lost run, on its
+    request's block table; no logits row (nothing is sampled). Empty when rank ``rank`` held no
+    computed position of any of them."""
+    batch = BatchInput([], [], [], [], [], [])
+    for request in requests:
+        if request.num_computed_tokens > len(request.token_ids):
+            raise ValueError(f"{request.num_computed_tokens} computed tokens, {len(request.token_ids)} known: "
+                             "a token still pending cannot be recomputed")
+        for run in lost_runs(request.block_table, request.num_computed_tokens, block_size, rank, size):
+            batch.token_ids.extend(request.token_ids[run.start:run.end])
+            batch.positions.extend(range(run.start, run.end))
+            batch.query_lens.append(run.count)
+            batch.seq_lens.append(run.end)
+            batch.block_tables.append(list(request.block_table))
+    return batch
