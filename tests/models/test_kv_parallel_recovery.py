@@ -195,7 +195,8 @@ def test_recomputing_the_dead_ranks_share_gives_transformers_tokens(tmp_path: Pa
     survivors = {rank: [tensor.clone() for pair in ranks.caches[rank] for tensor in pair]
                  for rank in range(size) if rank != dead}
     recovery = recovery_batch([request.held() for request in requests], BLOCK, dead, size)
-    ranks.run(recovery)
+    ranks.run(BatchInput(recovery.token_ids, recovery.positions, recovery.query_lens, recovery.seq_lens,
+                         recovery.block_tables, []))  # nothing sampled
     for rank, before in survivors.items():  # the survivors' K/V is all still there: they write none of it
         after = [tensor for pair in ranks.caches[rank] for tensor in pair]
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), f"rank {rank} wrote its cache"

@@ -35,7 +35,6 @@ def test_recovery_batch_is_one_sequence_per_run_on_its_requests_table() -> None:
     assert batch.positions == [4, 5, 6, 7, 12]
     assert batch.token_ids == [104, 105, 106, 107, 112]
     assert batch.block_tables == [[6, 3, 8, 1], [6, 3, 8, 1]]
-    assert batch.logits_indices == []  # nothing is sampled
     assert recovery_batch([short], BLOCK, rank=1, size=2).token_ids == []
 
 

@@ -48,7 +48,6 @@ def rejoin_kv_parallel(old: KvParallel, init_method: str, device: torch.device) 
                          "cannot rejoin alone: its whole group restarts")
     on_cuda = device.type == "cuda"
     leave_world(on_cuda)
-    kwargs = {"device_id": device} if on_cuda else {}
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=old.global_rank,
-                            world_size=old.world_size, timeout=TP_TIMEOUT, **kwargs)
+                            world_size=old.world_size, timeout=TP_TIMEOUT, device_id=device if on_cuda else None)
     return join_kv_parallel(old.global_rank, 1, old.size)

@@ -18,9 +18,7 @@ holds the same block tables, so every rank derives the same step from the dead r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-from vllm_actors.actors.worker.step_data import BatchInput
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,6 +41,18 @@ class HeldRequest:
     token_ids: Sequence[int]
     block_table: Sequence[int]
     num_computed_tokens: int
+
+
+@dataclass
+class RecoveryStep:
+    """The recovery step's flattened inputs, as ``step_data.BatchInput`` holds a step's (without
+    logits rows: nothing is sampled); kept torch-free like the rest of the bookkeeping."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)  # one sequence per lost run
+    seq_lens: list[int] = field(default_factory=list)  # each run's end
+    block_tables: list[list[int]] = field(default_factory=list)  # its request's whole table
 
 
 def check_rank(rank: int, size: int) -> None:
@@ -74,11 +84,11 @@ def lost_runs(block_table: Sequence[int], num_computed: int, block_size: int, ra
     return runs
 
 
-def recovery_batch(requests: Sequence[HeldRequest], block_size: int, rank: int, size: int) -> BatchInput:
+def recovery_batch(requests: Sequence[HeldRequest], block_size: int, rank: int, size: int) -> RecoveryStep:
     """The step recomputing every lost position of ``requests``: one sequence per lost run, on its
     request's block table; no logits row (nothing is sampled). Empty when rank ``rank`` held no
     computed position of any of them."""
-    batch = BatchInput([], [], [], [], [], [])
+    batch = RecoveryStep()
     for request in requests:
         if request.num_computed_tokens > len(request.token_ids):
             raise ValueError(f"{request.num_computed_tokens} computed tokens, {len(request.token_ids)} known: "
