@@ -47,3 +47,12 @@ def test_bad_input_is_a_value_error() -> None:
         lost_runs([0, 1], 9, BLOCK, rank=0, size=2)
     with pytest.raises(ValueError, match="a token still pending"):
         recovery_batch([HeldRequest([1, 2], [0], 3)], BLOCK, rank=0, size=2)
+
+
+def test_positions_from_recompute_from_are_lost_on_every_rank() -> None:
+    # blocks cached by steps lost with the rank: positions 10.. recomputed whatever rank holds them
+    table = [0, 1, 2, 3, 4, 5]
+    assert lost_runs(table, 22, BLOCK, rank=1, size=2, recompute_from=10) == [LostRun(4, 4), LostRun(10, 12)]
+    assert lost_runs(table, 22, BLOCK, rank=1, size=2, recompute_from=22) == lost_runs(table, 22, BLOCK, 1, 2)
+    held = HeldRequest(list(range(22)), table, 22, recompute_from=0)
+    assert recovery_batch([held], BLOCK, rank=0, size=2).query_lens == [22]

@@ -41,6 +41,9 @@ class HeldRequest:
     token_ids: Sequence[int]
     block_table: Sequence[int]
     num_computed_tokens: int
+    # Positions from here (to the computed count) are recomputed on every rank: their K/V was
+    # planned by steps lost with the rank, and their blocks cached already (None: none such).
+    recompute_from: int | None = None
 
 
 @dataclass
@@ -62,10 +65,12 @@ def check_rank(rank: int, size: int) -> None:
         raise ValueError(f"KV-parallel rank {rank} outside a group of {size} (allowed: 0 .. {size - 1})")
 
 
-def lost_runs(block_table: Sequence[int], num_computed: int, block_size: int, rank: int, size: int) -> list[LostRun]:
-    """The runs of computed positions (below ``num_computed``) whose blocks rank ``rank`` held,
-    adjacent lost blocks joined into one run, in position order."""
+def lost_runs(block_table: Sequence[int], num_computed: int, block_size: int, rank: int, size: int,
+              recompute_from: int | None = None) -> list[LostRun]:
+    """The runs of computed positions (below ``num_computed``) whose blocks rank ``rank`` held, and
+    every position from ``recompute_from`` on, adjacent ones joined into one run, in position order."""
     check_rank(rank, size)
+    everything_from = num_computed if recompute_from is None else max(recompute_from, 0)
     if num_computed > len(block_table) * block_size:
         raise ValueError(f"{num_computed} computed tokens, but a table of {len(block_table)} blocks of "
                          f"{block_size} holds {len(block_table) * block_size}")
@@ -74,9 +79,12 @@ def lost_runs(block_table: Sequence[int], num_computed: int, block_size: int, ra
         start = index * block_size
         if start >= num_computed:
             break
+        end = min(start + block_size, num_computed)
         if block % size != rank:
-            continue
-        count = min(block_size, num_computed - start)
+            if end <= everything_from:
+                continue
+            start = max(start, everything_from)
+        count = end - start
         if runs and runs[-1].end == start:
             runs[-1] = LostRun(runs[-1].start, runs[-1].count + count)
         else:
@@ -93,7 +101,8 @@ def recovery_batch(requests: Sequence[HeldRequest], block_size: int, rank: int, 
         if request.num_computed_tokens > len(request.token_ids):
             raise ValueError(f"{request.num_computed_tokens} computed tokens, {len(request.token_ids)} known: "
                              "a token still pending cannot be recomputed")
-        for run in lost_runs(request.block_table, request.num_computed_tokens, block_size, rank, size):
+        for run in lost_runs(request.block_table, request.num_computed_tokens, block_size, rank, size,
+                             request.recompute_from):
             batch.token_ids.extend(request.token_ids[run.start:run.end])
             batch.positions.extend(range(run.start, run.end))
             batch.query_lens.append(run.count)
