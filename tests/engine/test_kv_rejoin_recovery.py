@@ -35,6 +35,7 @@ SIZE = 2
 
 class FakeRejoiner:
     size = SIZE
+    max_num_tokens = 7  # the recovery takes several steps
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

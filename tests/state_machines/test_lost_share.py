@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_actors.actors.worker.lost_share import HeldRequest, LostRun, lost_runs, recovery_batch
+from vllm_actors.actors.worker.lost_share import HeldRequest, LostRun, lost_runs, recovery_batch, split_step
 
 BLOCK = 4
 
@@ -56,3 +56,16 @@ def test_positions_from_recompute_from_are_lost_on_every_rank() -> None:
     assert lost_runs(table, 22, BLOCK, rank=1, size=2, recompute_from=22) == lost_runs(table, 22, BLOCK, 1, 2)
     held = HeldRequest(list(range(22)), table, 22, recompute_from=0)
     assert recovery_batch([held], BLOCK, rank=0, size=2).query_lens == [22]
+
+
+def test_a_recovery_step_splits_into_steps_of_the_token_budget_in_order() -> None:
+    long = HeldRequest(token_ids=list(range(100, 122)), block_table=[0, 1, 2, 3, 4, 5], num_computed_tokens=22)
+    whole = recovery_batch([long], BLOCK, rank=1, size=2)  # runs 4..7, 12..15, 20..21
+    steps = split_step(whole, 3)
+    assert [step.query_lens for step in steps] == [[3], [1, 2], [2, 1], [1]]
+    assert [step.seq_lens for step in steps] == [[7], [8, 14], [16, 21], [22]]
+    assert [p for step in steps for p in step.positions] == whole.positions
+    assert [t for step in steps for t in step.token_ids] == whole.token_ids
+    assert split_step(whole, 100)[0].query_lens == whole.query_lens
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        split_step(whole, 0)

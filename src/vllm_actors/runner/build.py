@@ -103,5 +103,6 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "pipeline_parallel_size": stage.size,
         "kv_parallel_rank": kvp.rank,
         "kv_parallel_size": kvp.size,
+        "kv_rejoin": worker.rejoiner is not None,  # a rank of it may restart alone (the supervisor reads it)
     }
     return worker, info

@@ -25,6 +25,10 @@ class RunnerRejoin:
     def block_size(self) -> int:
         return int(self.runner.block_size)
 
+    @property
+    def max_num_tokens(self) -> int:
+        return int(self.runner.max_num_tokens)
+
     def rejoin(self, init_method: str) -> None:
         if init_method == self.rendezvous:
             return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from vllm_actors.actors.worker.lost_share import HeldRequest, recovery_batch
+from vllm_actors.actors.worker.lost_share import HeldRequest, recovery_batch, split_step
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.protocol.events import KvShareRecovered
 from vllm_actors.protocol.messages import KvRejoin, NewRequest
@@ -44,6 +44,11 @@ class Rejoiner(Protocol):
 
     @property
     def block_size(self) -> int: ...
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens one step takes (the runner's buffers): a longer recovery is split."""
+        ...
 
     def rejoin(self, init_method: str) -> None:
         """Leave the current world (without waiting for a dead peer) and join ``init_method``'s;
@@ -96,9 +101,9 @@ class KvRejoining:
         held = [HeldRequest(self.requests[new.request_id].token_ids, self.requests[new.request_id].block_table,
                             new.num_cached_tokens, start) for new, start in zip(rejoin.requests, froms, strict=True)]
         step = recovery_batch(held, self.rejoiner.block_size, rejoin.rank, self.rejoiner.size)
-        if step.token_ids:  # every rank runs it (its collectives); nothing is sampled
-            self.runner.execute(BatchInput(step.token_ids, step.positions, step.query_lens, step.seq_lens,
-                                           step.block_tables, []))
+        for piece in split_step(step, self.rejoiner.max_num_tokens):  # every rank runs them; nothing is sampled
+            self.runner.execute(BatchInput(piece.token_ids, piece.positions, piece.query_lens, piece.seq_lens,
+                                           piece.block_tables, []))
         outputs = Outputs()
         if self.answers:
             outputs.emit(KvShareRecovered(step_id=step_id, rank=rejoin.rank, num_requests=len(held),

@@ -109,3 +109,32 @@ def recovery_batch(requests: Sequence[HeldRequest], block_size: int, rank: int, 
             batch.seq_lens.append(run.end)
             batch.block_tables.append(list(request.block_table))
     return batch
+
+
+def split_step(step: RecoveryStep, max_tokens: int) -> list[RecoveryStep]:
+    """``step`` as consecutive steps of at most ``max_tokens`` tokens each (a run cut where a step
+    fills), in order: every piece still follows the pieces before it in its request, so the keys
+    it attends to are written by an earlier step or, layer by layer, by its own."""
+    if max_tokens < 1:
+        raise ValueError(f"a recovery step needs room for at least one token, got max_tokens={max_tokens}")
+    steps: list[RecoveryStep] = []
+    current = RecoveryStep()
+    flat = 0
+    for query_len, table in zip(step.query_lens, step.block_tables, strict=True):
+        done = 0
+        while done < query_len:
+            if len(current.token_ids) == max_tokens:
+                steps.append(current)
+                current = RecoveryStep()
+            count = min(query_len - done, max_tokens - len(current.token_ids))
+            start = flat + done
+            current.token_ids.extend(step.token_ids[start:start + count])
+            current.positions.extend(step.positions[start:start + count])
+            current.query_lens.append(count)
+            current.seq_lens.append(step.positions[start + count - 1] + 1)
+            current.block_tables.append(table)
+            done += count
+        flat += query_len
+    if current.token_ids:
+        steps.append(current)
+    return steps

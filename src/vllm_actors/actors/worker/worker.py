@@ -123,17 +123,17 @@ class Worker(Draw, KvRejoining):
         if rejoin is None and (self._lost_peer or (self._await_reset and not message.reset)):
             return Outputs()
         self._await_reset = False
-        outputs = Outputs()
-        if rejoin is not None:
-            self._pending = None  # a survivor's launched step went with its peer
-            self._min_step_id = self._rejoin_step = message.step_id
-            outputs = self._rejoin(rejoin, message.step_id)
         try:
+            outputs = Outputs()
+            if rejoin is not None:
+                self._pending = None  # a survivor's launched step went with its peer
+                self._min_step_id = self._rejoin_step = message.step_id
+                outputs = self._rejoin(rejoin, message.step_id)
             return outputs.extend(self._run(message))
-        except RuntimeError as error:
+        except RuntimeError as error:  # a collective with a peer that died (else re-raised)
             self._peer_lost(error)
             self._pending = None
-            return outputs
+            return Outputs()
 
     def _run(self, message: StepPlan) -> Outputs:
         self._take_input_tokens(message)
