@@ -138,3 +138,27 @@ def test_rank_share_by_hand() -> None:
     assert zero.lens.tolist() == [6] and one.lens.tolist() == [4]  # 4 + 2 keys of the partial last block
     assert zero.owned_before.tolist() == [[0, 1, 1, 2]] and one.owned_before.tolist() == [[0, 0, 1, 1]]
     assert zero.past.tolist() == [4] and one.past.tolist() == [3]  # keys before position 7: 0-3; 4-6
+
+
+@pytest.mark.parametrize(("size", "dead"), [(2, 1), (3, 0)])
+def test_recovery_layout_partials_equal_the_reference(size: int, dead: int) -> None:
+    """The step recomputing a dead rank's share (``actors/worker/lost_share.py``): each run of its
+    blocks a sequence of its own on the request's whole table, ending where the run ends; the
+    varlen kernel bounds each by true positions as the reference does, on every rank."""
+    from vllm_actors.actors.worker.lost_share import HeldRequest, recovery_batch
+
+    seq_len = 43
+    (table,), num_blocks = _tables([seq_len], size, interleaved=True, seed=20 + size)
+    batch = recovery_batch([HeldRequest(list(range(seq_len)), table, seq_len)], BLOCK, dead, size)
+    assert len(batch.query_lens) > 1 and sum(batch.query_lens) < seq_len  # several runs, not the whole
+    meta = build_attention_metadata(batch.query_lens, batch.seq_lens, batch.block_tables, BLOCK)
+    generator = torch.Generator().manual_seed(size)
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=generator)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=generator)
+    q = torch.randn(sum(batch.query_lens), HEADS, DIM, generator=generator)
+    for rank in range(size):
+        share = rank_share(meta, rank, size, BLOCK)
+        local_k, local_v = k_cache[rank::size].contiguous(), v_cache[rank::size].contiguous()
+        got = partial_varlen(q, local_k, local_v, meta.query_start_loc, meta.seq_lens, share,
+                             max(batch.query_lens), 0.3)
+        _check(got, partial_paged_attention(q.double(), local_k.double(), local_v.double(), meta, rank, size, 0.3))

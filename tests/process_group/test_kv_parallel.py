@@ -1,28 +1,31 @@
 """KV parallelism through the process group on the CPU (gloo): each request's KV blocks spread over
 the KV-parallel ranks, the attention merged by log-sum-exp every layer. KVP=2 on tiny Qwen3 (one KV
 head) and KVP=3 on tiny Llama (six KV heads) give transformers' greedy tokens (float32) for prompts
-of 3,000+ tokens beside short ones, with chunked prefill and preemption forced; a SIGKILLed
-KV-parallel rank takes the replica's ranks down, which come back and finish every request; no
-process outlives the group."""
+of 3,000+ tokens beside short ones, with chunked prefill and preemption forced. A KV-parallel rank SIGKILLed while
+a 2,000-token prompt decodes restarts alone: its peer keeps its PID, requests and KV, rejoins it,
+and the two recompute only the dead rank's share of the computed positions (KV_SHARE_RECOVERED
+counts them: fewer than the long prompt's); the outputs stay transformers'; no process outlives
+the group."""
 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TP_LLAMA_SHAPE, TP_QWEN3_SHAPE
-from tests.process_group.test_pipeline_parallel import (
-    greedy,
-    reference,
-    short_prompts,
-    sigkill_under_load_loses_nothing,
-)
+from tests.process_group.test_pipeline_parallel import greedy, reference, short_prompts
+from tests.process_group.test_tensor_parallel import _kill_when
 from tests.support.lifecycle import settled_metrics
+from tests.support.server_helpers import BusRecorder
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors import LLM
+from vllm_actors.protocol.events import KvShareRecovered
+from vllm_actors.runtime.run_dir import pid_alive
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, seed=0, max_num_batched_tokens=512, max_model_len=3300)
 LONG_TOKENS = 3000  # 188 blocks of 16: the pool below holds it and little beside it (preemption)
@@ -79,6 +82,39 @@ def test_kvp3_on_llama_matches_transformers(llama_long: Path) -> None:
     assert workers == ["worker-0", "worker-1", "worker-2"]
 
 
-def test_sigkill_of_a_kv_parallel_rank_restarts_the_ranks_and_loses_nothing(kvp2: LLM, qwen3_long: Path) -> None:
-    # transformers' 16 tokens each: none of the prompts ends at EOS
-    sigkill_under_load_loses_nothing(kvp2, "worker-1", 30, short_prompts(10, count=6), qwen3_long)
+def test_sigkill_of_a_kv_parallel_rank_recomputes_only_its_share(kvp2: LLM, qwen3_long: Path) -> None:
+    group = kvp2.group
+    assert group is not None and group.worker_info["kv_rejoin"]
+    recorder = BusRecorder(group.addresses.bus_out, group.addresses.bus_in)
+    rng = random.Random(11)
+    long = [rng.randrange(500) for _ in range(2000)]  # 4 chunks of 512
+    prompts = [long, *short_prompts(11, count=3)]
+    before = group.pids()
+    generated = settled_metrics(kvp2, lambda m: True).generation_tokens
+    killed = threading.Event()
+    # 12 tokens out: the long prompt is prefilled (its chunks and the short prompts' first tokens
+    # take 4 steps) and decoding; 64 tokens in all
+    killer = threading.Thread(target=_kill_when, args=(kvp2, before["worker-1"], generated + 12, killed), daemon=True)
+    killer.start()
+    try:
+        got = greedy(kvp2, prompts, max_tokens=16)
+        killer.join(timeout=10)
+        assert killed.is_set(), "worker-1 was not killed during the run"
+        deadline = time.monotonic() + 30  # published at the rejoin, long before the outputs end: on the bus by now
+        while not recorder.events("KV_SHARE_RECOVERED") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        recovered = [event for event in recorder.events("KV_SHARE_RECOVERED") if isinstance(event, KvShareRecovered)]
+    finally:
+        recorder.close()
+    after = group.pids()
+    assert after["worker-0"] == before["worker-0"] and after["worker-1"] != before["worker-1"]
+    assert group.restarts() == {"worker-1": 1}
+    assert not recorder.events("PIPELINE_RESET")
+    assert len(recovered) == 1 and recovered[0].rank == 1
+    recomputed, computed = recovered[0].num_recomputed_tokens, recovered[0].num_computed_tokens
+    print(f"\nKVP=2, rank 1 lost: {recomputed} of {computed} computed positions recomputed")
+    assert computed > len(long) and 0 < recomputed < len(long)
+    assert got == reference(qwen3_long, prompts, max_tokens=16)
+    kvp2.shutdown()
+    assert group.stopped
+    assert not [pid for pid in set(before.values()) | set(after.values()) if pid_alive(pid)]

@@ -37,7 +37,7 @@ EVENT_GROUPS: dict[str, frozenset[str]] = {
     "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
                         "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET",
-                        "SLEEP_STATE"}),
+                        "KV_SHARE_RECOVERED", "SLEEP_STATE"}),
 }
 ALL_EVENT_TYPES: frozenset[str] = frozenset(cls.__struct_config__.tag for cls in ALL_EVENTS)  # type: ignore[misc]
 

@@ -298,6 +298,18 @@ class PipelineReset(msgspec.Struct, tag="PIPELINE_RESET", kw_only=True):
     num_preempted: int
 
 
+class KvShareRecovered(msgspec.Struct, tag="KV_SHARE_RECOVERED", kw_only=True):
+    """Published by the answering worker when the KV-parallel ranks recomputed a dead rank's share
+    of the running requests (it was restarted alone): how many positions that took, of how many
+    computed ones (the rest survived on the other ranks)."""
+
+    step_id: int
+    rank: int  # the KV-parallel rank that died
+    num_requests: int
+    num_recomputed_tokens: int
+    num_computed_tokens: int
+
+
 class SleepChanged(msgspec.Struct, tag="SLEEP_STATE", kw_only=True):
     """Published by the scheduler when the engine falls asleep or wakes up (vLLM's sleep mode):
     ``level`` 0 pauses scheduling only, 1 offloads the weights, 2 discards them; awake: not sleeping."""
@@ -312,7 +324,7 @@ Event = (
     | KvPool | KvLent | KvReturned
     | StepStarted | StepFinished
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
-    | ActorFailed | ActorRestarted | GroupFailed | PipelineReset | SleepChanged
+    | ActorFailed | ActorRestarted | GroupFailed | PipelineReset | KvShareRecovered | SleepChanged
 )
 
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
@@ -320,7 +332,7 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
     KvLent, KvReturned, StepStarted, StepFinished,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
-    ActorFailed, ActorRestarted, GroupFailed, PipelineReset, SleepChanged,
+    ActorFailed, ActorRestarted, GroupFailed, PipelineReset, KvShareRecovered, SleepChanged,
 )
 
 # What an engine actor reports about its work (requests, KV blocks, steps), as opposed to the

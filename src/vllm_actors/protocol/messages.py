@@ -125,6 +125,21 @@ class NewRequest(msgspec.Struct, kw_only=True):
         return unpack_token_ids(self.token_ids)
 
 
+class KvRejoin(msgspec.Struct, kw_only=True):
+    """A KV-parallel rank died and was started again alone (``actors/worker/kv_rejoin.py``): every
+    rank re-seeds its requests from here (its KV kept), the survivors join the new rendezvous, and
+    all recompute the dead rank's share of the computed positions before the plan's step."""
+
+    rank: int  # the KV-parallel rank that died: the K/V of its blocks is gone
+    init_method: str  # the new rendezvous, where the respawned rank waits
+    # Every running request: its known tokens, num_cached_tokens its computed count (no step in flight).
+    requests: list[NewRequest] = []
+    # Per request: positions from here on are recomputed on every rank (blocks cached for steps
+    # that were lost, their tokens known; its computed count is the end of its cached blocks).
+    recompute_from: list[int] = []
+    block_tables: list[list[int]] = []  # filled in by the KV-cache manager: each request's whole table
+
+
 class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     step_id: int
     # The pipeline restarts (a KV-cache manager or worker was restarted, or the scheduler is
@@ -183,6 +198,8 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # Applied after the departures, before the scheduled requests' blocks.
     loans: dict[str, int] = {}
     returned_loans: list[str] = []
+    # A KV-parallel rank was restarted alone: applied first (it drops older plans as a reset does).
+    kv_rejoin: KvRejoin | None = None
 
 
 # ------------------------------------------------------------------ decode views
@@ -270,10 +287,13 @@ class RecoverPipeline(msgspec.Struct, tag="recover_pipeline", kw_only=True):
     """From the supervisor to the scheduler: ``actor`` (the KV-cache manager or a worker) was
     restarted and what it held is gone. The scheduler preempts every running request (they resume
     by recompute), forgets its block ledger, ignores the results of plans sent before, and marks
-    its next plan ``reset``."""
+    its next plan ``reset``. With ``kv_rank`` (a KV-parallel rank restarted alone, waiting at
+    ``rendezvous``) it keeps them instead: its next plan carries ``KvRejoin``."""
 
     actor: str
     reason: str
+    kv_rank: int = -1
+    rendezvous: str = ""
 
 
 class ReplicaState(msgspec.Struct, tag="replica_state", kw_only=True):

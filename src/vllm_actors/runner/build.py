@@ -20,6 +20,7 @@ from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.runner.grammar_tokenizer import worker_grammars
+from vllm_actors.runner.kv_rejoin import rejoiner_for
 from vllm_actors.runner.sampler import Sampler
 from vllm_actors.runner.settings import defer_steps, tp_graph_draws
 
@@ -62,12 +63,13 @@ def proposer_for(drafter: Any) -> Proposer | None:
 def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
                  runner: LoadedRunner | None = None, stage: PipelineStage | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 kvp: KvParallel | None = None) -> tuple[Worker, dict[str, Any]]:
+                 kvp: KvParallel | None = None, rendezvous: str = "") -> tuple[Worker, dict[str, Any]]:
     """The worker of ``config`` and its readiness report. ``tp``: this worker's rank of a
     tensor-parallel group, joined already; ``incarnation``: 0 for a first start (a restarted rank of
     a group drops plans until the reset plan); ``runner``: injected (tests), else a ``ModelRunner``
     loads ``config.model``; ``stage``: its pipeline stage (none: the whole model); ``kvp``: its
-    KV-parallel rank (global rank 0 samples and broadcasts, in graphs too)."""
+    KV-parallel rank (global rank 0 samples and broadcasts, in graphs too); ``rendezvous``: where its
+    world was joined (a KV-parallel rank without TP or PP may then rejoin a new one alone)."""
     stage = stage or PipelineStage()
     kvp = kvp or KvParallel()
     if runner is None:
@@ -84,6 +86,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
         drafter=proposer_for(getattr(runner, "drafter", None)),
+        rejoiner=rejoiner_for(runner, rendezvous, runner.tp.size, stage.enabled),
     )
     info = {
         "num_blocks": runner.num_blocks,
@@ -100,5 +103,6 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "pipeline_parallel_size": stage.size,
         "kv_parallel_rank": kvp.rank,
         "kv_parallel_size": kvp.size,
+        "kv_rejoin": worker.rejoiner is not None,  # a rank of it may restart alone (the supervisor reads it)
     }
     return worker, info

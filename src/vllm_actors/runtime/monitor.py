@@ -133,10 +133,13 @@ class SupervisorLink:
             return self._until_seen(batch.first_seq + len(batch.events) - 1, confirm_timeout, resend=False)
         return self.confirmed
 
-    def recover_pipeline(self, actor: str, reason: str, address: str | None = None) -> None:
+    def recover_pipeline(self, actor: str, reason: str, address: str | None = None, kv_rank: int = -1,
+                         rendezvous: str = "") -> None:
         """``RecoverPipeline`` to the group's scheduler, or to the one at ``address`` (a replica's,
-        or the controller's when a replica's scheduler restarted)."""
-        payload = self._codec.encode(RecoverPipeline(actor=actor, reason=reason))
+        or the controller's when a replica's scheduler restarted); ``kv_rank``: a KV-parallel rank
+        restarted alone, waiting for its peers at ``rendezvous``."""
+        payload = self._codec.encode(RecoverPipeline(actor=actor, reason=reason, kv_rank=kv_rank,
+                                                     rendezvous=rendezvous))
         if address is None or address == self.addresses.scheduler:
             self.scheduler.send(payload)
             return

@@ -4,7 +4,11 @@ what failed (``ProcessGroup`` mixes this in; ``supervisor.py`` holds the rest of
 A failed child is killed (SIGKILL) and started again from its spec, in start order. The worker
 ranks of a tensor-parallel group are one unit: when one fails, the others are taken down with it
 (they would wait in its collectives), and all start again together at a new rendezvous, within
-one restart of the budget; while they restart, ``state()`` names the rank that failed.
+one restart of the budget; while they restart, ``state()`` names the rank that failed. A
+KV-parallel rank whose group can rejoin (KVP without TP or PP, on the CPU: the workers report
+``kv_rejoin``) restarts alone instead, at a new rendezvous: the scheduler is told the rank and the
+rendezvous before it is READY (``RecoverPipeline`` with ``kv_rank``), since it joins its peers
+there only once they get the rejoin plan.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Recovery:
 
     if TYPE_CHECKING:  # provided by ProcessGroup
         config: EngineConfig
+        worker_info: dict[str, Any]
         addresses: GroupAddresses
         children: list[Child]
         budget: RestartBudget
@@ -110,7 +115,8 @@ class Recovery:
         The worker ranks of a tensor-parallel group are one unit: one failed takes all down, and
         they start again together."""
         noticed = time.monotonic()
-        failures = self._with_unit(failures)
+        alone = self._alone(failures)
+        failures = failures if alone is not None else self._with_unit(failures)
         failed_ids = {child.actor_id for child, _, _ in failures}
         events: list[Any] = []
         for child, how, detail in failures:
@@ -136,8 +142,8 @@ class Recovery:
                 self._fail(f"restart budget spent ({self.budget.describe()}); last failure: {what}", old, link,
                            events)
                 return
-            unit = self._ranks_of(old) if old.role == WORKER else [old]
-            news = self._restart(unit, what, link, events)
+            unit = self._ranks_of(old) if old.role == WORKER and old is not alone else [old]
+            news = self._restart(unit, what, link, events, rejoin=old is alone)
             if news is None:
                 return
             seconds = time.monotonic() - noticed
@@ -154,7 +160,8 @@ class Recovery:
         if path_down:
             link.unconfirm()
         link.publish(events)
-        self._recover_pipelines(restarted, link)
+        self._recover_pipelines([child for child in restarted if alone is None or child.actor_id != alone.actor_id],
+                                link)
         for child in restarted:
             self._notify(self._restart_listeners, child.actor_id)
 
@@ -181,6 +188,19 @@ class Recovery:
         """The worker ranks of ``worker``'s replica (its tensor-parallel group)."""
         return [c for c in self.children if c.role == WORKER and c.spec.replica == worker.spec.replica]
 
+    def _alone(self, failures: list[tuple[Child, str, str]]) -> Child | None:
+        """The one failed worker, where it restarts alone (its KV-parallel peers rejoin it, keeping
+        their requests' KV); None where the ranks restart as one unit."""
+        workers = [child for child, _, _ in failures if child.role == WORKER]
+        if not workers or self.config.kv_parallel_size == 1:
+            return None
+        if len(failures) == 1 and self.worker_info.get("kv_rejoin"):
+            return workers[0]
+        log.info("the KV-parallel ranks restart as one unit", actor=workers[0].actor_id, failures=len(failures),
+                 why="several failed" if len(failures) > 1 else
+                 "a rank restarts alone only under KV parallelism without TP or PP, on the CPU")
+        return None
+
     def _with_unit(self, failures: list[tuple[Child, str, str]]) -> list[tuple[Child, str, str]]:
         """The failures plus the ranks of a tensor-parallel group that did not fail themselves
         (``how`` "unit": they go down with the failed one, waiting in its collectives otherwise)."""
@@ -197,9 +217,11 @@ class Recovery:
         return failures + [(sibling, "unit", f"{culprit} failed: the tensor-parallel ranks restart together")
                            for sibling in siblings]
 
-    def _restart(self, unit: list[Child], what: str, link: SupervisorLink, events: list[Any]) -> list[Child] | None:
+    def _restart(self, unit: list[Child], what: str, link: SupervisorLink, events: list[Any],
+                 rejoin: bool = False) -> list[Child] | None:
         """Start ``unit`` (one actor, or every worker rank) again from its specs, the ranks at a new
-        rendezvous; None when it could not be (the group failed)."""
+        rendezvous; None when it could not be (the group failed). ``rejoin``: one KV-parallel rank,
+        whose peers join it at the new rendezvous (the scheduler learns of it before it is READY)."""
         for old in unit:
             log.warning("restarting actor", actor=old.actor_id, restarts_in_window=self.budget.used())
             self.liveness.forget(old.actor_id)
@@ -212,6 +234,8 @@ class Recovery:
             news = [self._spawn(spec) for spec in specs]
             for index, new in zip(indexes, news, strict=True):
                 self.children[index] = new  # shutdown() now stops the new process
+            if rejoin:
+                self._tell_rejoin(news[0], what, tp_init, link)
             try:
                 for new, old in zip(news, unit, strict=True):
                     info = self._await_ready(new, news)
@@ -233,6 +257,14 @@ class Recovery:
                     continue
                 self._fail(f"{what}; it could not be restarted: {str(error).splitlines()[0]}", culprit, link, events)
                 return None
+
+    def _tell_rejoin(self, new: Child, what: str, rendezvous: str, link: SupervisorLink) -> None:
+        """``RecoverPipeline`` naming the KV-parallel rank and where it waits for its peers."""
+        replica = new.spec.replica
+        address = None if replica is None else self.addresses.replicas[replica].scheduler
+        kv_rank = new.spec.rank // self.config.tensor_parallel_size
+        log.warning("a KV-parallel rank restarts alone: its peers rejoin it", actor=new.actor_id, kv_rank=kv_rank)
+        link.recover_pipeline(new.actor_id, what, address, kv_rank=kv_rank, rendezvous=rendezvous)
 
     def _kill(self, child: Child) -> None:
         """SIGKILL (a stopped process dies of it too) and reap."""

@@ -114,7 +114,8 @@ def build_worker(spec: ActorSpec) -> Built:
 
         stage = make_stage(spec.rank, engine.tensor_parallel_size, engine.pipeline_parallel_size,
                            ModelConfig.from_path(engine.model).num_hidden_layers, dist.group.WORLD)
-    worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage, kvp=kvp)
+    worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage, kvp=kvp,
+                             rendezvous=spec.tp_init)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
     return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 

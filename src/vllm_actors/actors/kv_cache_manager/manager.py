@@ -23,7 +23,9 @@ first drops every table, cached block and reference - a fresh pool of the same s
 FREED for each table dropped, BLOCK_EVICTED for the cached blocks (deepest first, so a mirror of
 the cache built from the events stays exact) and KV_POOL; the plan goes on to the workers with
 ``reset`` set. Plans with a step id below the last reset plan's were planned before it and are
-dropped unapplied. An engine command (``EngineControl``: sleep, wake-up, the profiler) goes on to
+dropped unapplied. A plan with ``kv_rejoin`` (a KV-parallel rank restarted alone) goes on with
+each named request's whole table filled in, as it stands before the plan's own allocations.
+An engine command (``EngineControl``: sleep, wake-up, the profiler) goes on to
 the workers as it came, in order with the plans.
 Pure state machine: no sockets, no clock.
 """
@@ -108,6 +110,10 @@ class KVCacheManager(PlanChecks):
             self._depart(request_id, events)
         for request_id, keep in plan.trimmed_blocks.items():
             self._trim(request_id, keep, events)
+        rejoin = plan.kv_rejoin  # a KV-parallel rank restarted alone: every rank re-seeds these tables
+        if rejoin is not None:
+            rejoin = msgspec.structs.replace(rejoin, block_tables=[
+                list(self.block_tables.get(new.request_id, ())) for new in rejoin.requests])
         self.host.drop(plan.host_dropped_hashes, events)
         offload_copies = self._evict(plan.evicted_hashes, set(plan.host_dropped_hashes), events)
         restore_copies = self._restore(plan.restored_hashes, events)
@@ -130,7 +136,8 @@ class KVCacheManager(PlanChecks):
             events)
         self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids, offload_copies=offload_copies,
-                                       restore_copies=restore_copies, write_through_copies=write_through)
+                                       restore_copies=restore_copies, write_through_copies=write_through,
+                                       kv_rejoin=rejoin)
 
     def reset(self, events: list[Any], keep_host: bool = False) -> None:
         """Drop every table, cached block and reference: a fresh pool of the same size. The host

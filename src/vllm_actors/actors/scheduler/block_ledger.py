@@ -83,6 +83,11 @@ class BlockLedger:
         holding = self._holdings.get(request_id)
         return holding.num_blocks if holding else 0
 
+    def num_cached_front(self, request_id: str) -> int:
+        """Leading blocks of the request's table that are cached (their KV computed or planned)."""
+        holding = self._holdings.get(request_id)
+        return len(holding.cached) if holding else 0
+
     def blocks_missing(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request must get to hold ``num_tokens`` tokens (0 or less: it holds enough)."""
         return -(-num_tokens // self.block_size) - self.num_blocks(request_id)

@@ -6,7 +6,9 @@ Results come back in plan order, so each one is matched to the oldest plan in fl
 (after a restart elsewhere in the group, or a new scheduler's start; see ``recovery``) forgets
 every plan in flight; the next plan carries ``reset=True``. Until that plan's result (its step id,
 ``StepResult.reset``) is back every other result is stale, as is any result of a lower step id
-afterwards: a dead actor's plans still in the pipeline are never taken for this one's.
+afterwards: a dead actor's plans still in the pipeline are never taken for this one's. A rejoin
+(a KV-parallel rank restarted alone) forgets the plans in flight alike, keeping the departures; the
+next plan carries the ``KvRejoin`` and its result is taken as a reset plan's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from vllm_actors.protocol.errors import MessageRejected
-from vllm_actors.protocol.messages import StepPlan, StepResult
+from vllm_actors.protocol.messages import KvRejoin, StepPlan, StepResult
 
 
 class StepPipeline:
@@ -29,6 +31,7 @@ class StepPipeline:
         self._reset_pending = True
         self._reset_step: int | None = None
         self._min_step_id = first_step_id
+        self._rejoin: KvRejoin | None = None  # the next plan carries it
 
     # ------------------------------------------------------------------ queries
     @property
@@ -53,7 +56,7 @@ class StepPipeline:
     @property
     def has_news(self) -> bool:
         """The next plan has something to say even with no request to run."""
-        return bool(self._departed) or self._reset_pending
+        return bool(self._departed) or self._reset_pending or self._rejoin is not None
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -69,7 +72,7 @@ class StepPipeline:
 
     def sent(self, plan: StepPlan, sampling_ids: list[str]) -> None:
         """``plan`` goes out (it samples a token for each of ``sampling_ids``)."""
-        if plan.reset:
+        if plan.reset or plan.kv_rejoin is not None:
             self._reset_pending = False
             self._reset_step = self._min_step_id = plan.step_id
         self._in_flight.append((plan, sampling_ids))
@@ -77,8 +80,8 @@ class StepPipeline:
 
     def is_stale(self, result: StepResult) -> bool:
         """A result of a plan sent before the last pipeline reset (or by a previous scheduler)."""
-        if self._reset_pending:
-            return True  # the reset plan is not even sent: nothing in flight is ours
+        if self._reset_pending or self._rejoin is not None:
+            return True  # the reset (or rejoin) plan is not even sent: nothing in flight is ours
         if self._reset_step is not None:
             return not (result.reset and result.step_id == self._reset_step)
         return result.step_id < self._min_step_id
@@ -100,3 +103,20 @@ class StepPipeline:
         self._departed = []
         self._reset_pending = True
         self._reset_step = None
+        self._rejoin = None
+
+    def forget_in_flight(self) -> list[StepPlan]:
+        """The plans in flight, forgotten (oldest first; their results will be stale), the
+        departures kept: a KV-parallel rank restarted alone, ``rejoin`` follows."""
+        plans = [plan for plan, _ in self._in_flight]
+        self._in_flight.clear()
+        return plans
+
+    def rejoin(self, rejoin: KvRejoin) -> None:
+        """The next plan carries ``rejoin``; every result until its own is stale."""
+        self._rejoin = rejoin
+        self._reset_step = None
+
+    def take_rejoin(self) -> KvRejoin | None:
+        rejoin, self._rejoin = self._rejoin, None
+        return rejoin

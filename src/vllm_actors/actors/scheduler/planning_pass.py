@@ -63,8 +63,9 @@ class PlanningPass:
                 or self.loans.has_news):
             return None
         plan, sampling_ids = self._schedule(out)
+        plan.kv_rejoin = self.pipeline.take_rejoin()  # applied before the step, on every rank
         if not (plan.req_ids or plan.finished_ids or plan.reset or plan.evicted_hashes or plan.host_dropped_hashes
-                or plan.restored_hashes or plan.loans or plan.returned_loans):
+                or plan.restored_hashes or plan.loans or plan.returned_loans or plan.kv_rejoin):
             return None  # everything waits for tokens in flight
         self.pipeline.sent(plan, sampling_ids)
         self.stats.num_steps += 1

@@ -49,6 +49,7 @@ from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 from vllm_actors.actors.scheduler.deadlines import observe_step, unmeetable_error
 from vllm_actors.actors.scheduler.kv_loans import LoanDesk
+from vllm_actors.actors.scheduler.kv_rejoin import rejoin_of, roll_back
 from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.planning_pass import PlanningPass, SchedulerStats
@@ -120,6 +121,9 @@ class Scheduler(PlanningPass):
             self._abort(message, out)
         elif isinstance(message, StepResult):
             self._on_step_result(message, out)
+        elif isinstance(message, RecoverPipeline) and message.kv_rank >= 0:  # a KV-parallel rank restarted alone
+            roll_back(self.pipeline.forget_in_flight(), self.requests)
+            self.pipeline.rejoin(rejoin_of(message.kv_rank, message.rendezvous, self.running, self.ledger))
         elif isinstance(message, RecoverPipeline):  # a restarted worker leaves the host KV tier as it was
             self._recover(f"{message.actor}: {message.reason}", out, keep_host=is_worker(message.actor))
         elif isinstance(message, EngineControl):

@@ -39,6 +39,7 @@ from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
+from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
@@ -64,14 +65,14 @@ from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
 
-class Worker(Draw):
+class Worker(Draw, KvRejoining):
     name = "worker"
 
     def __init__(
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
         host_tier: HostTierCopies | None = None, stage: Stage | None = None, ranks: Ranks | None = None,
-        drafter: Proposer | None = None,
+        drafter: Proposer | None = None, rejoiner: Rejoiner | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -85,7 +86,12 @@ class Worker(Draw):
         ``stage``: its pipeline stage; a stage before the last runs its layers and hands its output
         on (``runner.execute``), samples nothing and answers nothing. ``ranks``: who samples and
         who takes the broadcast ids (default: the runner's TP group; under KV parallelism every
-        rank of the replica). ``drafter``: a draft model's or EAGLE-3 head's proposals (speculative decoding)."""
+        rank of the replica). ``drafter``: a draft model's or EAGLE-3 head's proposals (speculative decoding).
+        ``rejoiner``: a KV-parallel rank that outlives a dead peer and rejoins (``kv_rejoin``; None: a
+        failed collective propagates)."""
+        self.rejoiner = rejoiner
+        self._lost_peer = False  # a collective failed: plans are dropped until the rejoin plan
+        self._rejoin_step = -1  # the last rejoin plan's step id: its result answers as a reset's
         self.drafter = drafter
         self.host_tier = host_tier
         self._fences = CopyFences()
@@ -111,11 +117,25 @@ class Worker(Draw):
             return self.control(message)
         if not isinstance(message, StepPlan):
             raise TypeError(f"the worker does not take {type(message).__name__}")
-        if message.step_id < self._min_step_id and not message.reset:
+        rejoin = message.kv_rejoin
+        if message.step_id < self._min_step_id and not message.reset and rejoin is None:
             return Outputs()  # planned before the pipeline reset: its blocks may be someone else's now
-        if self._await_reset and not message.reset:
+        if rejoin is None and (self._lost_peer or (self._await_reset and not message.reset)):
             return Outputs()
         self._await_reset = False
+        try:
+            outputs = Outputs()
+            if rejoin is not None:
+                self._pending = None  # a survivor's launched step went with its peer
+                self._min_step_id = self._rejoin_step = message.step_id
+                outputs = self._rejoin(rejoin, message.step_id)
+            return outputs.extend(self._run(message))
+        except RuntimeError as error:  # a collective with a peer that died (else re-raised)
+            self._peer_lost(error)
+            self._pending = None
+            return Outputs()
+
+    def _run(self, message: StepPlan) -> Outputs:
         self._take_input_tokens(message)
         self.validate(message)
         started = self._started(message)
@@ -280,7 +300,7 @@ class Worker(Draw):
             request.num_pending -= 1
         return StepResult(
             step_id=pending.step_id,
-            reset=pending.reset,
+            reset=pending.reset or pending.step_id == self._rejoin_step,
             req_ids=[request.request_id for request in pending.samplers],
             token_ids=token_ids,
             logprobs=pending.logprobs,

@@ -1,0 +1,107 @@
+"""A KV-parallel rank restarted alone, through the state machines in one process: the scheduler
+(``RecoverPipeline`` with ``kv_rank``), the KV-cache manager (its pool interleaved over two ranks)
+and the worker (``actors/worker/kv_rejoin.py``) over the fake runner, whose "KV" of token ids holds
+every rank's blocks. The fault: the blocks of rank 1 turn to noise, the next step's collective
+fails (the survivor drops plans until the rejoin), and the supervisor names the rank and the new
+rendezvous. Nothing is preempted and no pipeline reset happens; the rejoin step recomputes only the
+dead rank's share (and what the forgotten steps had cached), and every output is identical to the
+run without a fault (the fake reads its whole context back through the tables: noise left in a
+block shows in the tokens)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.engine.test_engine_prefix_caching import record_events
+from tests.engine.test_engine_recovery import Job, engine_for, run, workload
+from tests.support.fake_runner import FakeRunner
+from vllm_actors.actors.frontend.outputs import RequestOutput
+from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
+from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.actors.worker.worker import Worker
+from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.protocol.events import KvShareRecovered, PipelineReset, Preempted
+from vllm_actors.protocol.messages import RecoverPipeline
+from vllm_actors.protocol.names import SCHEDULER, SUPERVISOR
+from vllm_actors.runner.sampler import Sampler
+
+SIZE = 2
+
+
+class FakeRejoiner:
+    size = SIZE
+    max_num_tokens = 7  # the recovery takes several steps
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.joined: list[str] = []
+
+    def rejoin(self, init_method: str) -> None:
+        self.joined.append(init_method)
+
+
+def kvp_engine(**kwargs: object) -> tuple[InProcessEngine, FakeRunner, FakeRejoiner]:
+    """The engine of ``engine_for`` with its pool over two KV-parallel ranks and a worker that can rejoin."""
+    engine, runner = engine_for(**kwargs)  # type: ignore[arg-type]  # engine_for's keywords, passed on
+    engine.replace_actor(KVCacheManager(runner.num_blocks, runner.block_size, kv_parallel_size=SIZE))
+    rejoiner = FakeRejoiner(runner.block_size)
+    engine.replace_actor(Worker(runner, Sampler(runner.device, engine.config.seed), clock=time.perf_counter,
+                                rejoiner=rejoiner))
+    return engine, runner, rejoiner
+
+
+def lose_rank(runner: FakeRunner, rank: int, seed: int) -> Callable[..., None]:
+    """The fault: rank ``rank``'s blocks hold noise, the next step's collective fails, the
+    supervisor reports the rank restarted alone at a new rendezvous."""
+
+    def fault(engine: InProcessEngine, latest: dict[str, RequestOutput], jobs: list[Job]) -> None:
+        rng = random.Random(seed)
+        size = runner.block_size
+        for block in range(rank, runner.num_blocks, SIZE):
+            runner.slots[block * size:(block + 1) * size] = [rng.randrange(97) for _ in range(size)]
+        execute = runner.execute
+
+        def fails_once(batch: BatchInput) -> torch.Tensor:
+            runner.execute = execute  # type: ignore[method-assign]  # the next steps run in the new world
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+        runner.execute = fails_once  # type: ignore[method-assign]  # the step meeting the dead peer
+        engine.inject(SCHEDULER, RecoverPipeline(actor=f"worker-{rank}", reason="exited", kv_rank=rank,
+                                                 rendezvous=f"file://tp-{seed}.store"), sender=SUPERVISOR)
+
+    return fault
+
+
+@pytest.mark.parametrize(("seed", "rank"), [(1, 1), (2, 0)])
+def test_a_lost_kv_parallel_rank_is_recovered_from_its_share_alone(seed: int, rank: int) -> None:
+    jobs = workload(seed)
+    engine, _, _ = kvp_engine()
+    baseline = record_events(engine)
+    expected, steps = run(engine, jobs)
+    engine, runner, rejoiner = kvp_engine()
+    events = record_events(engine)
+    at = steps // 2
+    got, _ = run(engine, jobs, {at: lose_rank(runner, rank, seed)})
+    assert got == expected
+    assert rejoiner.joined == [f"file://tp-{seed}.store"]
+    assert not [event for event in events if isinstance(event, PipelineReset)]
+    recovered = [event for event in events if isinstance(event, KvShareRecovered)]
+    assert len(recovered) == 1 and recovered[0].rank == rank
+    assert 0 < recovered[0].num_recomputed_tokens < recovered[0].num_computed_tokens
+    preempted = [event for event in events if isinstance(event, Preempted)]
+    assert len(preempted) <= len([event for event in baseline if isinstance(event, Preempted)]), \
+        "the lost rank preempted nothing of its own"
+
+
+def test_a_worker_that_cannot_rejoin_lets_a_failed_collective_propagate() -> None:
+    engine, runner = engine_for()
+    runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("Connection closed by peer"))  # type: ignore[method-assign]  # a collective failing
+    engine.submit(engine.prepare("r0", {"prompt_token_ids": [1, 2, 3]}, workload(1)[0].params))
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        while engine.has_unfinished:
+            engine.step()
