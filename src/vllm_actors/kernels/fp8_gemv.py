@@ -110,8 +110,7 @@ if HAVE_TRITON:
         ks = tl.arange(0, BLOCK_K)
         s_row_ptr = s_ptr + (tl.program_id(0) * BLOCK_N // group_n) * stride_s  # this program's row of blocks
         # no kernel writes the weights: under PDL their first tiles load while the kernel before runs
-        w_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
-        w_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+        # (a tile defined under a constexpr `if` stays defined after it: the branch is inlined)
         if PREFETCH > 0:
             w_a = _w_tile(w_ptr, cols, col_mask, ks, ks < K, stride_w)
         if PREFETCH > 1:
