@@ -1,5 +1,6 @@
-"""Qwen3-8B's projections: bf16 cuBLAS against the Triton FP8 GEMM (block-wise scales) and vLLM's
-where it imports, at several row counts (needs a CUDA GPU); ``--help`` lists the options."""
+"""Qwen3-8B's projections: bf16 cuBLAS and GEMV against the weight-only FP8 GEMV, the Triton W8A8
+FP8 GEMM (block-wise scales) and vLLM's where it imports, at several row counts, in us and GB/s
+(needs a CUDA GPU); ``--help`` lists the options."""
 
 import sys
 from pathlib import Path

@@ -1,13 +1,16 @@
-"""Qwen3-8B's projections (TP=1) at several row counts: bf16 cuBLAS (``F.linear``) against the
-Triton FP8 GEMM with block-wise [128, 128] scales (`kernels/fp8_gemm.py`: the activation
-quantization included), and vLLM's ``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` where
-vllm imports. One GPU.
+"""Qwen3-8B's projections (TP=1) at several row counts: bf16 (cuBLAS ``F.linear`` and, up to 4 rows,
+the bf16 GEMV of `kernels/gemv.py`) against FP8 weights with block-wise [128, 128] scales: the
+weight-only GEMV (`kernels/fp8_gemv.py`, up to 4 rows, activations not quantized), the W8A8 path
+(`kernels/fp8_gemm.py`: activation quantization + GEMM, or its one-row GEMV) and vLLM's
+``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` where vllm imports. One GPU.
 
-    python benchmarks/fp8_gemm.py [--rows 1 16 64 256 1024 4096] [--sweep] [--out fp8_gemm.json]
+    python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep] [--out fp8_gemm.json]
 
 Each call is timed from a CUDA graph of 20 calls cycling through enough weight copies (256 MB or
-more) that none is found in L2. ``--sweep`` also times a grid of GEMM tiles and GEMV widths and
-prints the best per row count (to write into ``Fp8GemmConfig``).
+more) that none is found in L2; each time also as GB/s of the bytes the call reads and writes
+(weight, scales, activations, output). At one row the down projection is also timed reading
+SiLU(gate) * up itself (``*_silu``, both GEMVs). ``--sweep`` also times GEMM tiles and GEMV
+launch parameters and prints the best per row count (for ``Fp8GemmConfig`` / ``Fp8GemvConfig``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +34,25 @@ L2_DEFEAT_BYTES = 256 << 20
 TILES = [(m, n, w, s) for m, n in ((16, 64), (16, 128), (32, 128), (64, 64), (64, 128), (128, 128))
          for w in (4, 8) for s in (3, 4)]
 GEMV_COLUMNS = (8, 16, 32, 64)
+FP8_GEMV_SWEEP = [(n, k, w) for n, k in ((4, 2048), (8, 1024), (8, 2048), (16, 1024), (16, 512)) for w in (4, 8)]
 
 
 def _timer(fn_of: Any, items: list[Any], args: argparse.Namespace) -> float:
     turn = itertools.cycle(items)
     return do_bench_graph(lambda: fn_of(next(turn)), args) * 1e3  # us
+
+
+def _w8a8(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the weight-only GEMV off: ``fp8_linear`` takes its W8A8 paths at every row count."""
+    before = os.environ.get("VLLM_ACTORS_FP8_GEMV_ROWS")
+    os.environ["VLLM_ACTORS_FP8_GEMV_ROWS"] = "0"
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ["VLLM_ACTORS_FP8_GEMV_ROWS"]
+        else:
+            os.environ["VLLM_ACTORS_FP8_GEMV_ROWS"] = before
 
 
 def _vllm_fp8() -> Any:
@@ -52,12 +71,75 @@ def _vllm_fp8() -> Any:
     return run
 
 
+def _bytes(rows: int, n: int, k: int, weight_bytes: int, scale_bytes: int, x_width: int) -> int:
+    return n * k * weight_bytes + scale_bytes + rows * x_width * 2 + rows * n * 2
+
+
+def _with_gbps(row: dict[str, Any], moved: dict[str, int]) -> None:
+    """``<column>_gbps`` next to each ``<column>_us``: GB/s of the bytes that column's call moves."""
+    for key, value in list(row.items()):
+        if key.endswith("_us") and isinstance(value, float):
+            column = key.removesuffix("_us")
+            row[f"{column}_gbps"] = round(moved["bf16" if column.startswith("bf16") else "fp8"] / value / 1e3, 1)
+
+
+def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8: list[Any],
+             vllm_run: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
+    from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+    from vllm_actors.kernels.gemv import gemv
+
+    x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
+    row: dict[str, Any] = {"name": name, "n": n, "k": k, "rows": rows,
+                           "bf16_us": _timer(lambda w: F.linear(x, w), bf16, args)}
+    if rows <= 4:
+        row["bf16_gemv_us"] = _timer(lambda w: gemv(x, w), bf16, args)
+        row["fp8_gemv_us"] = _timer(lambda ws: fp8_gemv(x, *ws, BLOCK), fp8, args)
+    row["fp8_w8a8_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, args))
+    if vllm_run is not None:
+        try:
+            row["vllm_fp8_us"] = _timer(lambda ws: vllm_run(x, *ws), fp8, args)
+        except Exception as error:  # noqa: BLE001 - another vllm's signature: noted, not fatal
+            row["vllm_fp8_error"] = repr(error)[:200]
+    if name == "down" and rows == 1:  # x is [gate | up]: the product reads SiLU(gate) * up
+        gate_up = torch.randn((1, 2 * k), device="cuda", dtype=torch.bfloat16)
+        row["bf16_gemv_silu_us"] = _timer(lambda w: gemv(gate_up, w, silu_mul=True), bf16, args)
+        row["fp8_gemv_silu_us"] = _timer(lambda ws: fp8_gemv(gate_up, *ws, BLOCK, silu_mul=True), fp8, args)
+    scales = fp8[0][1].numel() * 4
+    _with_gbps(row, {"bf16": _bytes(rows, n, k, 2, 0, k), "fp8": _bytes(rows, n, k, 1, scales, k)})
+    if args.sweep:
+        if rows <= 4:
+            configs = {f"{bn}x{bk}w{w}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w) for bn, bk, w in FP8_GEMV_SWEEP}
+            timed = {key: _timer(lambda ws, c=c: fp8_gemv(x, *ws, BLOCK, config=c), fp8, args)
+                     for key, c in configs.items()}
+        else:
+            timed = {str(tile): _w8a8(lambda tile=tile: _timer(
+                lambda ws: fp8_linear(x, *ws, BLOCK, config=Fp8GemmConfig(small_rows=0, large=tile)), fp8, args))
+                for tile in TILES}
+        row["sweep_us"] = timed
+        row["best"] = min(timed, key=timed.__getitem__)
+    return row
+
+
+def _summary(results: list[dict[str, Any]]) -> list[str]:
+    """Per row count: each column's GB/s over the four projections' summed bytes and times."""
+    lines = []
+    for rows in sorted({r["rows"] for r in results}):
+        of_rows = [r for r in results if r["rows"] == rows]
+        columns = [c for c in of_rows[0] if c.endswith("_us") and "silu" not in c
+                   and all(c in r for r in of_rows)]
+        total = {c: sum(r[c] for r in of_rows) for c in columns}
+        cells = [f"{c.removesuffix('_us')} {total[c]:.1f} us" for c in columns]
+        lines.append(f"rows {rows}: " + ", ".join(cells) + f"; fastest {min(total, key=total.__getitem__)}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
-    from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear, quantize_weight
+    from vllm_actors.kernels.fp8_gemm import quantize_weight
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles / GEMV launch parameters")
     parser.add_argument("--out", default="results/fp8_gemm.json")
     parser.add_argument("--warmup-ms", type=float, default=5.0)
     parser.add_argument("--rep-ms", type=float, default=20.0)
@@ -70,26 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         bf16 = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_weight(w, BLOCK) for w in bf16]
         for rows in args.rows:
-            x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
-            row: dict[str, Any] = {"name": name, "n": n, "k": k, "rows": rows,
-                                   "bf16_us": _timer(lambda w, x=x: F.linear(x, w), bf16, args),
-                                   "fp8_us": _timer(lambda ws, x=x: fp8_linear(x, *ws, BLOCK), fp8, args)}
-            if vllm_run is not None:
-                try:
-                    row["vllm_fp8_us"] = _timer(lambda ws, x=x, run=vllm_run: run(x, *ws), fp8, args)
-                except Exception as error:  # noqa: BLE001 - another vllm's signature: noted, not fatal
-                    row["vllm_fp8_error"], vllm_run = repr(error)[:200], None
-            if args.sweep:
-                configs = ([Fp8GemmConfig(gemv_columns=c) for c in GEMV_COLUMNS] if rows == 1 else
-                           [Fp8GemmConfig(small_rows=0, large=tile) for tile in TILES])
-                timed = {str(c.gemv_columns if rows == 1 else c.large):
-                         _timer(lambda ws, x=x, c=c: fp8_linear(x, *ws, BLOCK, config=c), fp8, args) for c in configs}
-                row["sweep_us"] = timed
-                row["best"] = min(timed, key=timed.__getitem__)
+            row = _measure(name, n, k, rows, bf16, fp8, vllm_run, args)
             results.append(row)
             print(json.dumps(row), flush=True)
+        del bf16, fp8
+    summary = _summary(results)
+    print("\n".join(summary), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "block": BLOCK, "results": results},
-                              indent=2) + "\n")
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "block": BLOCK, "results": results,
+                               "summary": summary}, indent=2) + "\n")
     return 0

@@ -34,7 +34,9 @@ def _problem(rows: int, n: int, k: int, block: tuple[int, int] | None, seed: int
 @pytest.mark.parametrize("block", [(128, 128), None], ids=["block128", "channel"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 1000])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None) -> None:
+def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ACTORS_FP8_GEMV_ROWS", "0")  # the W8A8 paths (the weight-only GEMV: below)
     x, weight, scale = _problem(rows, *shape, block, seed=rows)
     got = fp8_gemm.fp8_linear(x, weight, scale, block)
     x_q, x_s = fp8_gemm.quantize_activations(x, fp8_gemm.weight_groups(weight.shape, block)[1])
@@ -45,7 +47,27 @@ def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tupl
     assert float((got.double() - exact).norm() / exact.norm()) < 6e-2  # the activations' e4m3 rounding
 
 
-@pytest.mark.parametrize("rows", [1, 16, 256])
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block128", "channel"])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_fp8_gemv_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None) -> None:
+    """The weight-only GEMV (activations not quantized) against float64 on the dequantized weight,
+    through ``fp8_linear``; the down projection's shape also reading SiLU(gate) * up."""
+    from vllm_actors.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
+
+    x, weight, scale = _problem(rows, *shape, block, seed=rows)
+    got = fp8_gemm.fp8_linear(x, weight, scale, block)
+    want = fp8_gemv_reference(x, weight, scale, block)
+    assert got.dtype == torch.bfloat16
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2  # bfloat16's rounding of the output
+    if rows == 1:
+        gate_up = torch.randn((1, 2 * shape[1]), device="cuda").bfloat16()
+        fused = fp8_gemv(gate_up, weight, scale, block, silu_mul=True)
+        want = fp8_gemv_reference(gate_up, weight, scale, block, silu_mul=True)
+        assert float((fused.double() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 256])
 def test_fp8_gemm_graph_replay(rows: int) -> None:
     x, weight, scale = _problem(rows, 6144, 4096, (128, 128), seed=rows)
     fp8_gemm.fp8_linear(x, weight, scale, (128, 128))  # compiled before the capture

@@ -290,6 +290,9 @@ class Envs:
                                             "kernels")
     VLLM_ACTORS_FP8_GEMM = kernel_switch(
         "FP8 checkpoints' projections kept in FP8 (Triton FP8 GEMMs; `torch`: dequantized at load)", "kernels")
+    VLLM_ACTORS_FP8_GEMV_ROWS = Setting(
+        4, integer(0), "FP8 projections of up to this many rows (at most 4) run the weight-only GEMV, activations "
+        "not quantized (0: the W8A8 GEMM and GEMV at every size).", kind="int", group="kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
     VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")

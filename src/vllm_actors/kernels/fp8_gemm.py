@@ -7,7 +7,8 @@ inputs (``amax / 448``, vLLM's ``per_token_group_quant_fp8``; a group of K is pe
 ``BLOCK_K`` tile of a product is an FP8 dot product scaled by one activation scale per row and one
 weight scale per column, accumulated in float32 (vLLM's ``w8a8_block_fp8_matmul``). A one-row
 product (batch-1 decode) goes to a GEMV instead: a program per ``BLOCK_N`` columns reading each
-weight byte once, the same tile sums and scales.
+weight byte once, the same tile sums and scales. Up to ``VLLM_ACTORS_FP8_GEMV_ROWS`` rows (4) go to
+the weight-only GEMV of ``kernels/fp8_gemv.py`` instead, whose activations are not quantized.
 
 ``fp8_linear_reference`` computes the same in float64 (tests); ``quantize_weight`` and
 ``dequantize_weight`` convert in torch (the CPU path dequantizes at load; tests quantize with them).
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm_actors.envs import envs
 
 try:
     import triton
@@ -245,18 +248,29 @@ def tile_k(group_k: int, k: int) -> int:
     return min(group_k, 128)
 
 
+def gemv_rows() -> int:
+    """Rows up to which ``fp8_linear`` runs the weight-only GEMV (``VLLM_ACTORS_FP8_GEMV_ROWS``, at most 4)."""
+    return min(envs.VLLM_ACTORS_FP8_GEMV_ROWS, 4)  # fp8_gemv.MAX_ROWS
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
     bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
-    quantized per token and group of ``block[1]`` (per token without ``block``)."""
+    quantized per token and group of ``block[1]`` (per token without ``block``); on a GPU, up to
+    ``gemv_rows()`` rows through the weight-only GEMV (activations not quantized)."""
     _require_triton()
     config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_linear takes x [M, K] and a float8_e4m3fn weight [N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)} {weight.dtype}")
     rows, k = x.shape
+    if rows <= gemv_rows() and x.stride(1) == 1:
+        from vllm_actors.kernels import fp8_gemv  # it imports this module's helpers
+
+        if fp8_gemv.takes(weight, weight_scale, block):
+            return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias)
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
     x_q, x_s = quantize_activations(x if x.stride(1) == 1 else x.contiguous(), group_k)

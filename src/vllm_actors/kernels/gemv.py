@@ -196,7 +196,11 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def silu_mul_linear(gate_up: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
     """``module(silu_and_mul(gate_up))``; at one row the GEMV reads SiLU(gate) * up itself (one
-    kernel fewer; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off)."""
+    kernel fewer; ``VLLM_ACTORS_GEMV_SILU=0`` turns it off). An FP8 projection has its own."""
+    fp8_fused = getattr(module, "silu_mul_forward", None)  # `models/fp8.py` `Fp8Linear`
+    if fp8_fused is not None:
+        out: torch.Tensor = fp8_fused(gate_up)
+        return out
     if gate_up.shape[0] == 1 and takes(gate_up, module.weight) and envs.VLLM_ACTORS_GEMV_SILU:
         return gemv(gate_up, module.weight, module.bias, silu_mul=True)
     from vllm_actors.kernels.fused_ops import silu_and_mul

@@ -16,15 +16,18 @@ import structlog
 import torch
 from torch import nn
 
-from vllm_actors.kernels import choice
+from vllm_actors.envs import envs
+from vllm_actors.kernels import choice, fp8_gemv
 from vllm_actors.kernels.fp8_gemm import (
     FP8_DTYPE,
     HAVE_TRITON,
     dequantize_weight,
     fp8_linear,
+    gemv_rows,
     quantize_weight,
     weight_groups,
 )
+from vllm_actors.kernels.fused_ops import silu_and_mul
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.parallel import Part
 from vllm_actors.models.quant_config import Fp8Scheme
@@ -71,6 +74,15 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scales, self.block, self.bias)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))``; at one row the weight-only GEMV reads SiLU(gate) * up itself
+        (``VLLM_ACTORS_GEMV_SILU=0`` turns it off)."""
+        if (gate_up.dim() == 2 and gate_up.shape[0] == 1 and gemv_rows() >= 1
+                and gate_up.stride(1) == 1 and envs.VLLM_ACTORS_GEMV_SILU
+                and fp8_gemv.takes(self.weight, self.scales, self.block)):
+            return fp8_gemv.fp8_gemv(gate_up, self.weight, self.scales, self.block, self.bias, silu_mul=True)
+        return self(silu_and_mul(gate_up))
 
     def init_dummy(self, generator: torch.Generator) -> None:
         """Random weights as ``init_dummy_weights`` draws them (normal(0, 0.02)), quantized."""

@@ -1,0 +1,199 @@
+"""Weight-only FP8 GEMV for 1 to 4 rows (W8A16): ``x [M, K] @ dequantize(weight)[N, K].T`` with the
+activations kept in their own dtype (bf16 on a GPU) and no activation quantization kernel.
+
+At a few rows the product is a read of the weight; the float8 tile is widened to float32 in
+registers and scaled there, free next to its load. The structure and launch parameters are the
+bf16 GEMV's (`kernels/gemv.py`): a program per ``block_n`` columns reading their rows along K in
+``block_k`` pieces, a float32 [block_n, block_k] accumulator for one row summed once at the end,
+the first weight tiles loaded before the PDL wait, and at one row the down projection reading
+SiLU(gate) * up itself. The numerics, in float32 throughout:
+
+- block scales ``[group_n, group_k]`` (Qwen3-FP8's [128, 128]): a program's columns lie in one row
+  of scale blocks (``group_n % block_n == 0``), so the scale is a function of k alone and is folded
+  into the activations: ``out[m, n] = sum_k w_q[n, k] * (x[m, k] * s[n // group_n, k // group_k])``,
+  each 128-wide K group scaled by its own block's scale; K need not be a multiple of the group;
+- a scale per output channel ``[N, 1]`` (compressed-tensors; a per-tensor scale is loaded as one):
+  ``out[m, n] = s[n] * sum_k w_q[n, k] * x[m, k]``.
+
+Both equal ``x @ dequantize(weight).T`` up to float32 rounding (``fp8_gemv_reference``, float64).
+The W8A8 path of larger batches (`kernels/fp8_gemm.py`) also rounds the activations to e4m3 per
+token and group, so a row's result differs slightly between the two paths; each matches its own
+reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_actors.kernels.fp8_gemm import FP8_DTYPE, HAVE_TRITON, dequantize_weight, weight_groups
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from vllm_actors.kernels.gemv import _w_tile, _x_tile
+    from vllm_actors.kernels.pdl import pdl, pdl_enter
+
+MAX_ROWS = 4  # what the kernel takes
+MAX_PREFETCH = 2  # float8 tiles a one-row program may load before its PDL wait
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """The bf16 GEMV's launch parameters (``GemvConfig``); ``block_k`` of float8 is half its bytes."""
+
+    block_n: int = 8
+    block_k: int = 1024
+    warps: int = 4
+    stages: int = 2
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {self.prefetch}")
+        powers = self.block_n >= 1 and self.block_k >= 16 and not self.block_n & (self.block_n - 1)
+        if not powers or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_n and block_k must be powers of two (block_k >= 16), got {self.block_n}, "
+                             f"{self.block_k}")
+
+
+_CONFIG = Fp8GemvConfig()
+
+
+def fp8_gemv_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None, silu_mul: bool = False,
+) -> torch.Tensor:
+    """float64 ``x @ dequantize(weight).T + bias`` (``silu_mul``: x is [gate | up], its SiLU(gate) *
+    up rounded to x's dtype first, as ``silu_and_mul`` rounds it)."""
+    if silu_mul:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (gate * torch.sigmoid(gate)).to(x.dtype) * up.to(x.dtype)
+    out = x.double() @ dequantize_weight(weight, weight_scale, block).double().T
+    return out if bias is None else out + bias.double()
+
+
+def takes(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+          config: Fp8GemvConfig | None = None) -> bool:
+    """Whether the GEMV covers this weight's scales: per channel (one scale per row, all of K), or
+    blocks whose rows hold whole programs of columns."""
+    config = config or _CONFIG
+    if weight_scale.dim() != 2:
+        return False
+    group_n, group_k = weight_groups(weight.shape, block)
+    if group_k >= weight.shape[1]:
+        return weight_scale.shape[0] == weight.shape[0] or group_n % config.block_n == 0
+    return group_n % config.block_n == 0
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _scaled_x(x_ptr, s_row_ptr, k, k_mask, K, group_k, SILU_MUL: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+        """Row 0 of x over ``k`` in float32, times its K group's scale where the scales are blocks."""
+        x = _x_tile(x_ptr, k, k_mask, K, SILU_MUL)
+        if BLOCK_SCALES:
+            x = x * tl.load(s_row_ptr + k // group_k, mask=k_mask, other=0.0)
+        return x
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, N, K, group_n, group_k, stride_x, stride_w, stride_s, stride_o,
+        ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr, PREFETCH: tl.constexpr,
+        BLOCK_SCALES: tl.constexpr,  # scales per [group_n, group_k] block (else one per column)
+    ):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        s_row_ptr = s_ptr + (tl.program_id(0) * BLOCK_N // group_n) * stride_s  # this program's row of blocks
+        # no kernel writes the weights: under PDL their first tiles load while the kernel before runs
+        # (a tile defined under a constexpr `if` stays defined after it: the branch is inlined)
+        if PREFETCH > 0:
+            w_a = _w_tile(w_ptr, cols, col_mask, ks, ks < K, stride_w)
+        if PREFETCH > 1:
+            w_b = _w_tile(w_ptr, cols, col_mask, BLOCK_K + ks, BLOCK_K + ks < K, stride_w)
+        pdl_enter(PDL)
+        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: summed over K once, at the end
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PREFETCH > 0:
+            wide += w_a.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, ks, ks < K, K, group_k, SILU_MUL,
+                                                   BLOCK_SCALES)[None, :]
+        if PREFETCH > 1:
+            wide += w_b.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, BLOCK_K + ks, BLOCK_K + ks < K, K, group_k,
+                                                   SILU_MUL, BLOCK_SCALES)[None, :]
+        for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + ks
+            k_mask = k < K
+            w = _w_tile(w_ptr, cols, col_mask, k, k_mask, stride_w).to(tl.float32)
+            x0 = _scaled_x(x_ptr, s_row_ptr, k, k_mask, K, group_k, SILU_MUL, BLOCK_SCALES)
+            if ROWS == 1:
+                wide += w * x0[None, :]
+            else:
+                scale = tl.full([BLOCK_K], 1.0, tl.float32)
+                if BLOCK_SCALES:
+                    scale = tl.load(s_row_ptr + k // group_k, mask=k_mask, other=0.0)
+                acc += tl.sum(w * x0[None, :], axis=1)
+                x1 = tl.load(x_ptr + stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
+                acc1 += tl.sum(w * x1[None, :], axis=1)
+                if ROWS > 2:
+                    x2 = tl.load(x_ptr + 2 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
+                    acc2 += tl.sum(w * x2[None, :], axis=1)
+                if ROWS > 3:
+                    x3 = tl.load(x_ptr + 3 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
+                    acc3 += tl.sum(w * x3[None, :], axis=1)
+        if ROWS == 1:
+            acc = tl.sum(wide, axis=1)
+        col_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        if not BLOCK_SCALES:  # one scale per column, over all of K
+            col_scale = tl.load(s_ptr + cols * stride_s, mask=col_mask, other=0.0)
+        bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + cols, (acc * col_scale + bias).to(dtype), mask=col_mask)
+        if ROWS > 1:
+            tl.store(out_ptr + stride_o + cols, (acc1 * col_scale + bias).to(dtype), mask=col_mask)
+        if ROWS > 2:
+            tl.store(out_ptr + 2 * stride_o + cols, (acc2 * col_scale + bias).to(dtype), mask=col_mask)
+        if ROWS > 3:
+            tl.store(out_ptr + 3 * stride_o + cols, (acc3 * col_scale + bias).to(dtype), mask=col_mask)
+
+
+def fp8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None, silu_mul: bool = False,
+) -> torch.Tensor:
+    """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, 1 <= M <= 4, x
+    not quantized (``silu_mul``: one row of [gate | up] of 2K, the product reads SiLU(gate) * up)."""
+    if not HAVE_TRITON:  # pragma: no cover
+        raise RuntimeError("the FP8 GEMV needs triton")
+    config = config or _CONFIG
+    rows, k = x.shape if x.dim() == 2 else (0, 0)
+    if silu_mul:
+        if rows != 1 or k % 2:
+            raise ValueError(f"silu_mul takes one row of [gate | up], got {tuple(x.shape)}")
+        k //= 2
+    if (not 1 <= rows <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != FP8_DTYPE
+            or x.stride(1) != 1 or weight.stride(1) != 1):
+        raise ValueError(f"fp8_gemv takes x [1..{MAX_ROWS}, K] and a float8_e4m3fn weight [N, K] with contiguous "
+                         f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} {weight.dtype}")
+    if not takes(weight, weight_scale, block, config):
+        raise ValueError(f"fp8_gemv takes a scale per row or blocks of a multiple of {config.block_n} rows, got "
+                         f"block {block} and scales {tuple(weight_scale.shape)}")
+    n = weight.shape[0]
+    group_n, group_k = weight_groups(weight.shape, block)
+    block_scales = not (group_k >= k and weight_scale.shape[0] == n)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight_scale, bias if bias is not None else out, out, n, k, group_n, group_k, x.stride(0),
+        weight.stride(0), weight_scale.stride(0), out.stride(0), ROWS=rows, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages, SILU_MUL=silu_mul,
+        PREFETCH=config.prefetch if rows == 1 else 0, BLOCK_SCALES=block_scales, **pdl(x), num_warps=config.warps,
+    )
+    return out
