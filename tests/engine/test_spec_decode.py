@@ -184,3 +184,24 @@ def test_restarts_n2_and_prefix_hits_under_speculation_give_the_same_outputs(see
     got, _ = run_with_faults(engine, jobs, {k: cycle[(k // 3) % 3] for k in range(2, num_steps - 1, 3)})
     assert got == expected
     assert sum(step.num_accepted_tokens for step in steps) > 0
+
+
+def test_the_next_plan_leaves_the_scheduler_before_the_clients_updates() -> None:
+    """A speculating request's device idles from its result to its next plan: the scheduler sends
+    the plan first, the client's updates (off that path) after it."""
+    engine, _ = make_engine(NGRAM)
+    loop = next(loop for loop in engine._loops if loop.actor.name == "scheduler")
+    receive = loop.receive
+    orders: list[list[str]] = []
+
+    def recording(sender: bytes, message: object) -> object:
+        sent = receive(sender, message)  # type: ignore[arg-type]  # the loop's own message
+        if sent is not None:
+            orders.append([type(outgoing).__name__ for _, outgoing in sent.messages])
+        return sent
+
+    loop.receive = recording  # type: ignore[method-assign]  # records what the scheduler sends
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    run(engine, [[1, 2, 3, 1, 2, 3, 1, 2]], params)
+    both = [order for order in orders if {"StepPlan", "RequestUpdates"} <= set(order)]
+    assert both and all(order.index("StepPlan") < order.index("RequestUpdates") for order in both)
