@@ -2,11 +2,12 @@
 message (the model's forward pass left out) and each message's encode + decode, per step, with and
 without n-gram drafts, at batch 1, in the in-process engine with serialized messages.
 
-A speculating request runs one step in flight: the GPU idles from the worker's read-back of step
-N until step N+1's inputs are uploaded, while the result crosses worker -> scheduler, the scheduler
-plans, and the plan crosses scheduler -> KV-cache manager -> worker. This times the Python on that
-path (not the processes' wake-ups, which ``runtime/busy_poll.py`` covers), so the hop worth cutting
-shows. ``--help`` lists the options; the numbers depend on the machine (nothing here is a test).
+With one step in flight a speculating request's GPU idles from the worker's read-back of step N
+until step N+1's inputs are uploaded, while the result crosses worker -> scheduler, the scheduler
+plans, and the plan crosses scheduler -> KV-cache manager -> worker; with two (n-gram drafts made
+in the worker) the next plan was sent before the read-back: the share of steps where it was is
+printed. This times the Python on that path (not the processes' wake-ups, which
+``runtime/busy_poll.py`` covers); ``--help`` lists the options; the numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def measure(num_spec: int, num_tokens: int) -> dict[str, Any]:
                 key = f"{name} <- {type(message).__name__}"
                 seconds[key] += time.perf_counter() - start - (model[0] - before)
                 counts[key] += 1
+                if name == "worker" and len(engine.scheduler.pipeline) > 1:  # planned before this read-back
+                    counts["next plan sent"] += 1
 
         loop.receive = timed_receive  # type: ignore[method-assign]  # timing only
     network = engine._network
@@ -87,7 +90,8 @@ def measure(num_spec: int, num_tokens: int) -> dict[str, Any]:
     while engine.has_unfinished:
         engine.step()
     steps = counts["scheduler <- StepResult"]
-    return {"steps": steps, "tokens_per_step": num_tokens / steps,
+    waiting = counts.pop("next plan sent", 0)
+    return {"steps": steps, "tokens_per_step": num_tokens / steps, "next_plan_waiting": waiting / steps,
             "us_per_step": {key: 1e6 * value / steps for key, value in sorted(seconds.items())},
             "messages_per_step": {key: value / steps for key, value in sorted(counts.items())}}
 
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for num_spec in (0, args.num_speculative_tokens):
         result = measure(num_spec, args.tokens)
-        print(f"k={num_spec}: {result['steps']} steps, {result['tokens_per_step']:.2f} tokens/step")
+        print(f"k={num_spec}: {result['steps']} steps, {result['tokens_per_step']:.2f} tokens/step, "
+              f"the next plan sent before a step's read-back: {result['next_plan_waiting']:.0%}")
         for key, value in result["us_per_step"].items():
             print(f"  {key:45s} {value:8.1f} us/step  ({result['messages_per_step'][key]:.2f} per step)")
         total = sum(result["us_per_step"].values())
