@@ -56,6 +56,7 @@ from vllm_actors.protocol.messages import (
 from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, SCHEDULER, SUPERVISOR, WORKER, child_request_id
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.runner.build import ngram_proposer
 from vllm_actors.runner.sampler import Sampler
 
 BLOCK_SIZE = 4
@@ -155,7 +156,8 @@ def restart_worker(runner_state: str, first: bool = False) -> Fault:
             rng = random.Random(len(latest))
             fresh.slots = [rng.randrange(97) for _ in fresh.slots]
             runner = fresh
-        engine.replace_actor(Worker(runner, Sampler(runner.device, engine.config.seed), clock=time.perf_counter))
+        engine.replace_actor(Worker(runner, Sampler(runner.device, engine.config.seed), clock=time.perf_counter,
+                                    drafter=ngram_proposer(engine.config)))  # as build_worker's
         recover(engine, WORKER, first)
 
     return fault

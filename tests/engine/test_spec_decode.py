@@ -184,3 +184,47 @@ def test_restarts_n2_and_prefix_hits_under_speculation_give_the_same_outputs(see
     got, _ = run_with_faults(engine, jobs, {k: cycle[(k // 3) % 3] for k in range(2, num_steps - 1, 3)})
     assert got == expected
     assert sum(step.num_accepted_tokens for step in steps) > 0
+
+
+def test_the_next_plan_leaves_the_scheduler_before_the_clients_updates() -> None:
+    """A speculating request's device idles from its result to its next plan: the scheduler sends
+    the plan first, the client's updates (off that path) after it."""
+    engine, _ = make_engine(NGRAM)
+    loop = next(loop for loop in engine._loops if loop.actor.name == "scheduler")
+    receive = loop.receive
+    orders: list[list[str]] = []
+
+    def recording(sender: bytes, message: object) -> object:
+        sent = receive(sender, message)  # type: ignore[arg-type]  # the loop's own message
+        if sent is not None:
+            orders.append([type(outgoing).__name__ for _, outgoing in sent.messages])
+        return sent
+
+    loop.receive = recording  # type: ignore[method-assign]  # records what the scheduler sends
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    run(engine, [[1, 2, 3, 1, 2, 3, 1, 2]], params)
+    both = [order for order in orders if {"StepPlan", "RequestUpdates"} <= set(order)]
+    assert both and all(order.index("StepPlan") < order.index("RequestUpdates") for order in both)
+
+
+def test_ngram_requests_keep_two_steps_in_flight_with_drafts_made_in_the_worker() -> None:
+    """The scheduler plans an n-gram request's next step before its result is back (the worker
+    drafts from the tokens it has by then): drafting plans in flight two at a time, the drafts
+    accepted, the output as without speculation."""
+    prompt, params = [5, 6, 7, 8] * 3, [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    expected = run(make_engine(None)[0], [prompt], params)
+    engine, steps = make_engine(NGRAM)
+    loop = next(loop for loop in engine._loops if loop.actor.name == "scheduler")
+    receive = loop.receive
+    depths: list[int] = []
+
+    def recording(sender: bytes, message: object) -> object:
+        sent = receive(sender, message)  # type: ignore[arg-type]  # the loop's own message
+        pipeline = engine.scheduler.pipeline
+        depths.append(sum(1 for plan, _ in pipeline._in_flight if plan.draft_token_ids))
+        return sent
+
+    loop.receive = recording  # type: ignore[method-assign]  # records the drafting plans in flight
+    assert run(engine, [prompt], params) == expected
+    assert max(depths) == 2
+    assert sum(step.num_accepted_tokens for step in steps) > 0

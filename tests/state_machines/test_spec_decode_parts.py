@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel
-from vllm_actors.actors.scheduler.ngram import propose_for
 from vllm_actors.actors.scheduler.spec_policy import (
     BUCKETS,
     NO_DRAFTS,
@@ -16,6 +15,7 @@ from vllm_actors.actors.scheduler.spec_policy import (
     expected_tokens,
 )
 from vllm_actors.engine_args import make_engine_config
+from vllm_actors.protocol.ngram import propose_for
 from vllm_actors.protocol.speculative import parse_speculative_config
 
 
@@ -173,3 +173,26 @@ def test_probes_wait_for_their_share_of_the_time_and_share_a_step() -> None:
     assert choose_probers([(request("streak"), streak)], cost, 0.0) == {"streak"}
     streak.verified(1, 0)
     assert streak.streak == 0 and choose_probers([(request("streak"), streak)], cost, 0.0) == set()
+
+
+def test_worker_ngram_drafts_fill_placeholders_with_fillers_where_the_lookup_finds_fewer() -> None:
+    from vllm_actors.actors.worker.ngram_drafts import NgramProposer
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+    from vllm_actors.protocol.messages import StepPlan
+    from vllm_actors.protocol.sampling import SamplingParams
+    from vllm_actors.protocol.speculative import WORKER_DRAFT
+
+    def request(request_id: str, tokens: list[int]) -> WorkerRequest:
+        return WorkerRequest(request_id=request_id, token_ids=tokens, num_prompt_tokens=len(tokens),
+                             num_output_tokens=0, params=SamplingParams(), eos_token_ids=[])
+
+    requests = {"copy": request("copy", [1, 2, 3, 4, 9, 1, 2]), "new": request("new", [5, 6, 7]),
+                "given": request("given", [1, 1])}
+    plan = StepPlan(step_id=0, req_ids=["copy", "new", "given"], num_tokens=[4, 3, 2], num_blocks=[1, 1, 1],
+                    new_block_ids=[[], [], []],
+                    draft_token_ids={"copy": [WORKER_DRAFT] * 3, "new": [WORKER_DRAFT] * 2, "given": [8]})
+    proposer = NgramProposer(min_n=1, max_n=2)
+    drafts = proposer.propose(plan, requests).draft_token_ids
+    assert drafts == {"copy": [3, 4, 9], "new": [7, 7], "given": [8]}  # a lookup, fillers, the scheduler's own
+    requests["copy"].token_ids += [3, 4]  # the tokens grow between proposals (packed incrementally)
+    assert proposer.propose(plan, requests).draft_token_ids["copy"] == [9, 1, 2]

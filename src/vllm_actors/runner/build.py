@@ -12,6 +12,7 @@ import torch
 from vllm_actors.actors.worker.draft_model import DraftProposer
 from vllm_actors.actors.worker.eagle3 import Eagle3Proposer
 from vllm_actors.actors.worker.engine import Proposer, Runner
+from vllm_actors.actors.worker.ngram_drafts import NgramProposer
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.kernels.attention import describe_attention
@@ -60,6 +61,14 @@ def proposer_for(drafter: Any) -> Proposer | None:
     return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Runner) else DraftProposer(drafter)
 
 
+def ngram_proposer(config: EngineConfig) -> Proposer | None:
+    """N-gram drafts in the worker (the scheduler plans them as placeholders with two steps in flight)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "ngram":
+        return None
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
 def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarnation: int = 0,
                  runner: LoadedRunner | None = None, stage: PipelineStage | None = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -85,7 +94,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
-        drafter=proposer_for(getattr(runner, "drafter", None)),
+        drafter=proposer_for(getattr(runner, "drafter", None)) or ngram_proposer(config),
         rejoiner=rejoiner_for(runner, rendezvous, runner.tp.size, stage.enabled),
     )
     info = {

@@ -31,7 +31,7 @@ def roll_back(forgotten: Sequence[StepPlan], requests: Mapping[str, ScheduledReq
                 request.num_computed_tokens -= num_new
         admitted.update(new.request_id for new in plan.new_requests)
     for request in requests.values():
-        request.num_pending = 0
+        request.num_pending = request.num_pending_drafts = 0
 
 
 def rejoin_of(rank: int, rendezvous: str, running: Iterable[ScheduledRequest], ledger: BlockLedger) -> KvRejoin:

@@ -63,6 +63,7 @@ class StepBuilder:
             else:
                 sampling_ids.append(request.request_id)
                 request.num_pending += 1
+                request.num_pending_drafts += len(self.drafts.get(request.request_id, ()))
             if target - start > 1 or not request.output_token_ids:  # prefill, not decode
                 chunks.append(PrefillChunk(request_id=request.request_id, step_id=self.step_id, start=start,
                                            num_tokens=num_new, last=start + num_new == target))

@@ -36,7 +36,7 @@ def start_over(running: list[ScheduledRequest], requests: Iterable[ScheduledRequ
         request.num_preemptions += 1
     for request in requests:  # waiting ones too: their tokens in flight are lost
         request.num_computed_tokens = 0
-        request.num_pending = 0
+        request.num_pending = request.num_pending_drafts = 0
         request.in_worker = False
         request.cache_check_at = 0
     return events

@@ -28,6 +28,7 @@ class ScheduledRequest:
     in_worker: bool = False  # the worker holds its state (a NewRequest was sent, no finish yet)
     num_preemptions: int = 0
     num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
+    num_pending_drafts: int = 0  # drafts of its steps in flight: tokens they may add beyond num_pending
     packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
     num_cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     # Computed tokens at which its next full block could be cached: below it, a step asks the
@@ -97,12 +98,13 @@ class ScheduledRequest:
     @property
     def num_tokens_with_pending(self) -> int:
         """Tokens the worker will hold once the steps in flight are done: what can be computed."""
-        return self.num_tokens + self.num_pending
+        return self.num_tokens + self.num_pending + self.num_pending_drafts
 
     def wants_more(self, max_model_len: int) -> bool:
         """False once the tokens in flight already take it to max_tokens or max_model_len."""
         max_tokens = self.params.max_tokens
-        if self.num_pending and max_tokens is not None and len(self.output_token_ids) + self.num_pending >= max_tokens:
+        in_flight = self.num_pending + self.num_pending_drafts
+        if self.num_pending and max_tokens is not None and len(self.output_token_ids) + in_flight >= max_tokens:
             return False
         return not (self.num_pending and self.num_tokens_with_pending >= max_model_len)
 

@@ -138,6 +138,10 @@ class Scheduler(PlanningPass):
         # would never get a second step in flight (each result releasing exactly one plan).
         while (plan := self._maybe_schedule(out)) is not None:
             out.send(KV_CACHE_MANAGER, plan)
+        # The plans are on the device's critical path (a speculating request's GPU idles until its
+        # next plan), the clients' updates are not: they go out last (a stable sort keeps each
+        # destination's order).
+        out.messages.sort(key=lambda sent: sent[0] == FRONTEND)
         return out
 
     # ------------------------------------------------------------------ requests

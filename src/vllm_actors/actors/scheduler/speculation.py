@@ -1,14 +1,19 @@
-"""Speculative decoding as the scheduler plans it (n-gram drafts; ``ngram``, ``spec_policy``; the
-benchmarks' ``oracle``; a draft model's drafts are proposed by the worker: the plan holds
-``WORKER_DRAFT`` per token it may draft).
+"""Speculative decoding as the scheduler plans it (``spec_policy``; the benchmarks' ``oracle``
+drafts here; n-gram, a draft model's and an EAGLE-3 head's drafts are proposed by the worker: the
+plan holds ``WORKER_DRAFT`` per token it may draft).
 
-One step in flight for a speculating request: its drafts are proposed from its known tokens, so a
-request that drafts is planned only once the result of its previous step is back (other requests
-keep two steps in flight). The plan gives it ``1 + d`` tokens (its last sampled token and ``d``
-drafts, ``StepPlan.draft_token_ids``) and the KV blocks they need; the worker verifies all of them
-in one forward pass and returns the tokens it accepted plus one (``StepResult`` repeats the
-request's id per token). Here the request's computed count is rolled back by the rejected drafts
-and blocks holding only rejected slots are given back (``StepPlan.trimmed_blocks``).
+The plan gives a drafting request ``1 + d`` tokens (its last sampled token and ``d`` drafts,
+``StepPlan.draft_token_ids``) and the KV blocks they need; the worker verifies all of them in one
+forward pass and returns the tokens it accepted plus one (``StepResult`` repeats the request's id
+per token). Here the request's computed count is rolled back by the rejected drafts and blocks
+beyond its slots are given back (``StepPlan.trimmed_blocks``).
+
+Steps in flight: an n-gram request keeps two. Its next step is planned as if every draft of the
+one in flight were accepted (``num_pending_drafts``): its computed count is then the furthest slot
+the next step may write, its blocks cover it, and the rollback by the rejected drafts when the
+result comes back composes; the worker drafts from the tokens it has by then. A request drafted
+for by the oracle, a draft model or a head runs one step in flight: planned again once its
+previous step's result is back.
 
 A request speculates only where verification is exact and its sampler rows are position-free:
 no penalties or other logits controls, no structured outputs. Its drafts per step come from
@@ -26,15 +31,17 @@ from dataclasses import dataclass, field
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.cost_model import CostModel
 from vllm_actors.actors.scheduler.deadlines import step_features
-from vllm_actors.actors.scheduler.ngram import propose_ngram
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
 from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.ngram import propose_ngram
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import ORACLE, WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
+
+NGRAM = "ngram"
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -69,6 +76,7 @@ class Speculator:
         self._paces: dict[str, Pace] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
         self.oracle = OracleDrafter(config) if config.method == ORACLE else None  # benchmarks only
+        self.two_in_flight = overlapped and config.method == NGRAM  # a drafting request keeps two steps in flight
         self._plan = NO_DRAFTS  # this pass's
         self._probers: set[str] = set()  # this pass's (spec_probes)
         self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
@@ -92,7 +100,8 @@ class Speculator:
         candidates = [(request, self._pace(request.request_id)) for request in decoding
                       if request.output_token_ids and can_speculate(request.params)]
         self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
-                                   self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
+                                   self.config.num_speculative_tokens, self.cost, self.draft_cost,
+                                   self.overlapped and not self.two_in_flight)
         self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
 
     def _pace(self, request_id: str) -> Pace:
@@ -113,7 +122,8 @@ class Speculator:
 
     def drafts(self, request: ScheduledRequest, budget: int, max_model_len: int) -> list[int] | None:
         """The drafts of a decoding request this step ([]: plain decode); None: it waits for its
-        step in flight (it speculates, and drafts need its last token)."""
+        step in flight (it speculates, and drafts need its last token, unless the worker drafts
+        with two steps in flight: the room is then that of every pending draft accepted)."""
         if not request.output_token_ids or not can_speculate(request.params):
             return []
         max_drafts, pace = self._max_drafts(request.request_id)
@@ -121,21 +131,22 @@ class Speculator:
             if pace is not None:
                 pace.idle += 1
             return []
-        if request.num_pending:
+        if request.num_pending and not self.two_in_flight:
             return None
-        room = [max_drafts, budget - 1, max_model_len - request.num_tokens - 1]
+        room = [max_drafts, budget - 1, max_model_len - request.num_tokens_with_pending - 1]
         if request.params.max_tokens is not None:
-            room.append(request.params.max_tokens - len(request.output_token_ids) - 1)
+            outputs = len(request.output_token_ids) + request.num_pending + request.num_pending_drafts
+            room.append(request.params.max_tokens - outputs - 1)
         num_drafts = min(room)
         if num_drafts < 1:
             return []
         if pace is not None:
             pace.drafting(request.num_tokens)
-        if self.config.method in WORKER_METHODS:  # the worker's draft model or EAGLE-3 head proposes them
+        if self.config.method in WORKER_METHODS or self.two_in_flight:  # the worker proposes them
             return [WORKER_DRAFT] * num_drafts
         if self.oracle is not None:
             found = self.oracle.propose(request, num_drafts)
-        else:
+        else:  # n-gram with one step in flight (the scheduler's steps are not overlapped)
             packed = request.packed_prompt + pack_token_ids(request.output_token_ids)
             found = propose_ngram(packed, num_drafts, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not found and pace is not None:
@@ -175,6 +186,7 @@ class Speculator:
             request = requests.get(request_id)
             if request is None:
                 continue
+            request.num_pending_drafts -= len(drafts)
             request.num_draft_tokens += len(drafts)
             request.num_accepted_tokens += num_accepted
             if request.status is Status.RUNNING and request.in_worker:
@@ -182,12 +194,13 @@ class Speculator:
 
     def trim(self, plan: StepPlan, requests: dict[str, ScheduledRequest], ledger: BlockLedger) -> None:
         """After the result: a drafting request still running gives back the blocks beyond its
-        tokens (they held rejected drafts only); the next plan tells the KV manager and workers."""
+        tokens and its computed count (the furthest slot of a step in flight): they held rejected
+        drafts only; the next plan tells the KV manager and workers."""
         for request_id in plan.draft_token_ids:
             request = requests.get(request_id)
             if request is None or request.status is not Status.RUNNING or not request.in_worker:
                 continue
-            keep = -(-request.num_tokens // ledger.block_size)
+            keep = -(-max(request.num_tokens, request.num_computed_tokens) // ledger.block_size)
             if ledger.num_blocks(request_id) > keep:
                 ledger.trim(request_id, keep)
                 self._trims[request_id] = keep

@@ -27,12 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
 import torch
 
+from vllm_actors.actors.worker.draft_slots import DraftWork, drafting_work, with_drafts
 from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, WorkerRequest
 from vllm_actors.protocol.messages import StepPlan
-from vllm_actors.protocol.speculative import WORKER_DRAFT
 
 
 class DraftEngine(Protocol):
@@ -53,36 +52,6 @@ class DraftEngine(Protocol):
 class _DraftKv:
     valid: int = 0  # leading tokens whose draft KV holds the request's own tokens
     written: list[int] = field(default_factory=list)  # drafts whose KV follows them, maybe rejected
-
-
-@dataclass
-class DraftWork:
-    """A drafting request of a plan (a draft model's or an EAGLE-3 head's)."""
-
-    request: WorkerRequest
-    table: list[int]  # its block table with this step's new blocks
-    length: int  # its known tokens (the last one's logits give the first draft)
-    num_drafts: int
-
-
-def drafting_work(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> list[DraftWork]:
-    """The plan's requests whose drafts are ``WORKER_DRAFT`` placeholders."""
-    new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
-    work: list[DraftWork] = []
-    for request_id, drafts in plan.draft_token_ids.items():
-        if not drafts or drafts[0] != WORKER_DRAFT:
-            continue
-        request = requests[request_id]
-        work.append(DraftWork(request, request.block_table + list(new_blocks[request_id]), len(request.token_ids),
-                              len(drafts)))
-    return work
-
-
-def with_drafts(plan: StepPlan, work: list[DraftWork], proposals: list[list[int]]) -> StepPlan:
-    filled = dict(plan.draft_token_ids)
-    for item, drafted in zip(work, proposals, strict=True):
-        filled[item.request.request_id] = drafted
-    return msgspec.structs.replace(plan, draft_token_ids=filled)
 
 
 def read_passes(passes: list[tuple[list[int], torch.Tensor]], num_requests: int) -> list[list[int]]:

@@ -26,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from vllm_actors.actors.worker.draft_model import DraftWork, drafting_work, read_passes, with_drafts
+from vllm_actors.actors.worker.draft_model import read_passes
+from vllm_actors.actors.worker.draft_slots import DraftWork, drafting_work, with_drafts
 from vllm_actors.actors.worker.step_data import BatchInput, WorkerRequest
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.messages import StepPlan

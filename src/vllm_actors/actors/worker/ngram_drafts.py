@@ -1,0 +1,55 @@
+"""N-gram drafts proposed in the worker, just before the step verifies them.
+
+The scheduler plans an n-gram request's drafts as ``WORKER_DRAFT`` placeholders (how many it may
+take) with two steps in flight: when it plans step N+1, step N's tokens are unknown to it, but not
+to the worker, which has read step N back (a drafting step is read back at once) before it builds
+N+1. Here the placeholders are filled with the n-gram proposal over the request's tokens
+(``protocol/ngram.py``). Where the lookup finds fewer drafts than planned the rest are
+fillers (the request's last token): a filler is verified as any draft, kept only if the model draws
+it, so the plan's shape and the scheduler's counts hold and the output stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from vllm_actors.actors.worker.draft_slots import drafting_work, with_drafts
+from vllm_actors.protocol.messages import StepPlan, pack_token_ids
+from vllm_actors.protocol.ngram import propose_ngram
+
+if TYPE_CHECKING:  # the type only: this module runs without torch
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._packed: dict[str, bytes] = {}  # request id -> its tokens packed so far (they only grow)
+
+    def forget(self, request_id: str) -> None:
+        self._packed.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._packed.clear()
+
+    def _packed_tokens(self, request: WorkerRequest) -> bytes:
+        """The request's tokens packed as int32, only those added since its last proposal packed."""
+        packed = self._packed.get(request.request_id, b"")
+        if len(packed) > 4 * len(request.token_ids):
+            packed = b""
+        packed += pack_token_ids(request.token_ids[len(packed) // 4:])
+        self._packed[request.request_id] = packed
+        return packed
+
+    def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
+        """The plan with its ``WORKER_DRAFT`` placeholders replaced by n-gram drafts (or fillers)."""
+        work = drafting_work(plan, requests)
+        if not work:
+            return plan
+        proposals = []
+        for item in work:
+            found = propose_ngram(self._packed_tokens(item.request), item.num_drafts, self.min_n, self.max_n)
+            proposals.append(found + [item.request.token_ids[-1]] * (item.num_drafts - len(found)))
+        return with_drafts(plan, work, proposals)
