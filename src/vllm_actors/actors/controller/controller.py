@@ -32,8 +32,8 @@ With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's poo
 home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv`` before the
 home gets the request, and ``ReturnKv`` when it ends (finished or aborted); a restarted lender's
 scheduler is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
-``build_controller`` gives it no planner yet: the home's side (running a request with KV held by
-lenders, the per-layer exchange) is not built, so requests are routed as without borrowing.
+The home's scheduler gets ``BorrowKv`` (its lenders and their blocks, in table order) right before
+the request. ``build_controller`` gives it a planner with ``kv_borrowing`` only.
 
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
@@ -48,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused
+from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused, Placement
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -58,7 +58,7 @@ from vllm_actors.protocol.events import (
     EventBatch,
     Routed,
 )
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -209,6 +209,8 @@ class Controller:
         for lender, count in placement.lenders.items():
             out.send(self.scheduler_of(lender), LendKv(request_id=add.request_id, home=placement.home,
                                                        num_blocks=count))
+        if placement.lenders:  # the home learns its lenders right before the request
+            out.send(self.scheduler_of(placement.home), _borrowing(add.request_id, placement))
         return out.extend(self._send(add.request_id, placement.home,
                                      "borrowed" if placement.lenders else "largest_pool", 0))
 
@@ -308,6 +310,9 @@ class Controller:
             return out
         for request_id, request in self.requests.items():
             if request.replica == replica:
+                placement = self.loans.placements.get(request_id) if self.loans is not None else None
+                if placement is not None and placement.lenders and placement.home == replica:
+                    out.send(self.scheduler_of(replica), _borrowing(request_id, placement))
                 out.send(self.scheduler_of(replica), _resumed(request_id, request))
         if self.loans is not None:  # the loans it had granted died with it: asked for again
             for request_id, placement in self.loans.placements.items():
@@ -388,3 +393,7 @@ class Controller:
         else:
             down.discard(event.actor)
         self.router.set_up(replica, not down and replica not in self.hosts_down)
+
+
+def _borrowing(request_id: str, placement: Placement) -> BorrowKv:
+    return BorrowKv(request_id=request_id, lenders=[[lender, count] for lender, count in placement.lenders.items()])
