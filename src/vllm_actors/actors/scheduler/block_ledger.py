@@ -118,7 +118,7 @@ class BlockLedger:
         the last (0: none). ``lent_front``: its table's first blocks are other replicas' (borrowed KV)."""
         if request_id in self._holdings:
             raise LedgerError(f"request {request_id!r} already holds blocks")
-        holding = Holding(lora_int_id=lora_int_id, lent_front=lent_front)
+        holding = Holding(lora_int_id=lora_int_id, lent_front=lent_front, stopped=lent_front > 0)  # never cached
         self._holdings[request_id] = holding
         if self.cache is None or token_ids is None:
             return 0, 0
