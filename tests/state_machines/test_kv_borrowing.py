@@ -16,10 +16,10 @@ from vllm_actors.actors.controller.routing import Router
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Aborted, EventBatch, KvLent, KvPool, KvReturned, Routed
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv, loan_key
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv, loan_key
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -158,8 +158,8 @@ class Lender:
     """One replica's scheduler and KV-cache manager, every message through the codec, results faked
     (a token for each request sampled)."""
 
-    def __init__(self, num_blocks: int = 16) -> None:
-        config = SchedulerConfig(max_model_len=num_blocks * BLOCK, max_num_seqs=8, max_num_batched_tokens=512,
+    def __init__(self, num_blocks: int = 16, max_model_len: int = 0) -> None:
+        config = SchedulerConfig(max_model_len=max_model_len or num_blocks * BLOCK, max_num_seqs=8, max_num_batched_tokens=512,
                                  enable_chunked_prefill=True, block_size=BLOCK, num_blocks=num_blocks,
                                  max_steps_in_flight=1)
         self.scheduler = Scheduler(config)
@@ -262,3 +262,46 @@ def test_a_pipeline_reset_reserves_the_loans_again_and_the_manager_refuses_a_bad
         manager.assign_blocks(StepPlan(step_id=1, loans={"guest": 9}))
     with pytest.raises(ValueError, match="at least 1"):
         lender.send(LendKv(request_id="x", home=0, num_blocks=0))
+
+
+# --------------------------------------------------------------------------- the home
+def test_the_home_learns_its_lenders_right_before_the_request_and_again_after_its_restart() -> None:
+    controller = borrowing_controller()
+    out = controller.handle(add("long", 2400, max_tokens=80))
+    assert out.messages[1:] == [("scheduler@0", BorrowKv(request_id="long", lenders=[[1, 65]])),
+                                ("scheduler@0", add("long", 2400, max_tokens=80))]
+    again = controller.handle(RecoverPipeline(actor="scheduler@0", reason="restarted"))
+    assert [(to, type(message)) for to, message in again.messages] == [("scheduler@0", BorrowKv),
+                                                                      ("scheduler@0", AddRequest)]
+
+
+def test_a_guest_is_admitted_beyond_the_homes_pool_holding_only_its_own_blocks_and_never_cached() -> None:
+    home = Lender(num_blocks=16, max_model_len=1 << 12)  # kv_borrowing: the model's limit, not the pool's
+    refused = home.scheduler.handle(add("too_long", 300))  # 19 blocks, no loan: refused by the pool
+    (update,) = refused.to(FRONTEND)[0].updates
+    home.pending += [m for m in refused.to(KV_CACHE_MANAGER) if isinstance(m, StepPlan)]  # the reset plan
+    assert update.finish_reason == "error" and "more than this replica's KV pool holds (256)" in update.error
+    home.send(BorrowKv(request_id="long", lenders=[[1, 10], [2, 5]]))
+    home.send(add("long", 400, max_tokens=3))  # 25 blocks (26 with its outputs): 15 lent, the rest here
+    first = home.until(lambda plan: plan.req_ids)
+    assert first.new_requests[0].borrowed == [[1, 10], [2, 5]]
+    assert first.num_blocks == [10] and not first.cached_hashes  # ceil(400 / 16) - 15, none cached
+    home.until(lambda plan: not plan.req_ids)
+    assert [u.request_id for u in home.of(Aborted)] == [] and home.scheduler.requests == {}
+    lender = Lender()
+    lender.send(LendKv(request_id="long", home=0, num_blocks=4))
+    plan = lender.step()
+    assert plan.lent_block_ids == {"long": lender.manager.lent["long"]} and len(plan.lent_block_ids["long"]) == 4
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"data_parallel_size": 1}, "needs data_parallel_size > 1"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
+    ({"kv_parallel_size": 2}, "kv_parallel_size 2 is not supported"),
+    ({"distributed_executor_backend": "ray"}, "use 'mp'"),
+    ({"device": "cuda"}, "the CPU only"),
+])
+def test_kv_borrowing_is_off_by_default_and_refused_where_unsupported(fields: dict[str, Any], match: str) -> None:
+    assert not EngineConfig(model="m").kv_borrowing
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", kv_borrowing=True, **({"data_parallel_size": 2} | fields))
