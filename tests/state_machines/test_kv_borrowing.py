@@ -159,8 +159,8 @@ class Lender:
     (a token for each request sampled)."""
 
     def __init__(self, num_blocks: int = 16, max_model_len: int = 0) -> None:
-        config = SchedulerConfig(max_model_len=max_model_len or num_blocks * BLOCK, max_num_seqs=8, max_num_batched_tokens=512,
-                                 enable_chunked_prefill=True, block_size=BLOCK, num_blocks=num_blocks,
+        config = SchedulerConfig(max_model_len=max_model_len or num_blocks * BLOCK, max_num_seqs=8,
+                                 max_num_batched_tokens=512, enable_chunked_prefill=True, block_size=BLOCK, num_blocks=num_blocks,
                                  max_steps_in_flight=1)
         self.scheduler = Scheduler(config)
         self.manager = KVCacheManager(num_blocks, BLOCK)

@@ -117,7 +117,7 @@ def build_worker(spec: ActorSpec) -> Built:
     worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage, kvp=kvp,
                              rendezvous=spec.tp_init)
     if engine.kv_borrowing:  # every replica's worker meets the others' in one gloo group
-        from vllm_actors.actors.worker.kv_borrowing import join_borrowing
+        from vllm_actors.runner.kv_borrowing import join_borrowing
 
         worker.borrowing = join_borrowing(worker.runner, spec.replica or 0, engine.data_parallel_size, spec.run_dir)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it

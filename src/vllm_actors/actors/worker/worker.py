@@ -34,7 +34,7 @@ import torch
 
 from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
-from vllm_actors.actors.worker.kv_borrowing import KvBorrowing
+from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.draw import Draw
@@ -112,7 +112,7 @@ class Worker(Draw, KvRejoining):
         width = runner.max_blocks_per_seq
         self.tables = BlockTableArray(width) if width else None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
-        self.borrowing: KvBorrowing | None = None  # borrowed KV across replicas (kv_borrowing.py)
+        self.borrowing: BorrowingHooks | None = None  # borrowed KV across replicas (runner/kv_borrowing.py)
 
     def handle(self, message: Message) -> Outputs:
         if isinstance(message, EngineControl):
