@@ -7,6 +7,7 @@ loan taken and given back, and the lender's pool is whole again once the request
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,10 @@ def served(checkpoint: Path) -> Iterator[tuple[list[list[int]], list[tuple[str, 
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         events = all_events(llm.engine.query_metrics)
+        deadline = time.monotonic() + 60  # the loan's return follows the finish: wait for its events
+        while not any(isinstance(event, KvReturned) for _, event in events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            events = all_events(llm.engine.query_metrics)
         pids = list(llm.group.pids().values()) if llm.group is not None else []
     yield [list(output.outputs[0].token_ids) for output in outputs], events
     assert all(gone(pid) for pid in pids)

@@ -56,6 +56,8 @@ def kv_borrowing_error(config: Any) -> str | None:
         return f"kv_borrowing runs on the CPU only for now (gloo), got device {config.device!r}"
     if config.kv_cache_dtype != "auto" or config.speculative_config is not None or config.enable_lora:
         return "kv_borrowing with an fp8 KV cache, speculative_config or enable_lora is not supported yet"
+    if config.disable_events:
+        return "kv_borrowing needs the KV-cache managers' events (the controller follows the pools and loans by them)"
     if config.kv_cache_offload_gb:
         return "kv_borrowing with kv_cache_offload_gb is not supported yet (set it to 0)"
     return None
