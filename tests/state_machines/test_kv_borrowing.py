@@ -320,3 +320,11 @@ def test_kv_borrowing_is_off_by_default_and_refused_where_unsupported(fields: di
     assert not EngineConfig(model="m").kv_borrowing
     with pytest.raises(ValueError, match=match):
         EngineConfig(model="m", kv_borrowing=True, **({"data_parallel_size": 2} | fields))
+
+
+def test_the_kv_borrowing_flag_reaches_the_engine_off_by_default() -> None:
+    from vllm_actors.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "some/model"]))["kv_borrowing"] is False
+    assert engine_kwargs(parser.parse_args(["serve", "some/model", "-dp", "2", "--kv-borrowing"]))["kv_borrowing"]
