@@ -122,6 +122,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default="mp",
                         help="who places the replicas: mp (this host's supervisor) or ray (one process group per "
                              "replica on the nodes of a Ray cluster, over TCP with CURVE keys)")
+    parser.add_argument("--kv-borrowing", action="store_true",
+                        help="a request too long for one replica's KV pool borrows blocks of the other replicas "
+                             "(with --data-parallel-size > 1; the CPU only for now)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of prompt prefixes already computed")
@@ -152,7 +155,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype", "calculate_kv_scales", "kv_cache_offload_gb", "seed", "enforce_eager",
         "tensor_parallel_size", "pipeline_parallel_size", "kv_parallel_size", "device",
         "enable_prefix_caching", "scheduling_policy", "reject_unmeetable", "data_parallel_size", "routing_policy",
-        "distributed_executor_backend", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+        "distributed_executor_backend", "kv_borrowing", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
         "speculative_config",
     )
     return {name: getattr(args, name) for name in names}

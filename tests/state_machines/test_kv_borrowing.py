@@ -16,10 +16,10 @@ from vllm_actors.actors.controller.routing import Router
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import Aborted, EventBatch, KvLent, KvPool, KvReturned, Routed
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv, loan_key
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv, loan_key
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -30,6 +30,7 @@ from vllm_actors.protocol.messages import (
     StepResult,
 )
 from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, WORKER, replica_actor
+from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
 BLOCK = 16
@@ -105,9 +106,13 @@ def add(request_id: str, num_tokens: int, max_tokens: int = 16) -> AddRequest:
                       params=SamplingParams(max_tokens=max_tokens), eos_token_ids=[0])
 
 
-def heard(controller: Controller, replica: int, *events: Any) -> None:
+def heard(controller: Controller, replica: int, *events: Any) -> Outputs:
     topic = replica_actor(KV_CACHE_MANAGER, replica)
-    controller.observe(topic, EventBatch(actor=topic, first_seq=0, mono=0.0, wall=0.0, events=list(events)))
+    return controller.observe(topic, EventBatch(actor=topic, first_seq=0, mono=0.0, wall=0.0, events=list(events)))
+
+
+def lent(request_id: str, count: int) -> KvLent:
+    return KvLent(request_id=request_id, block_ids=list(range(count)), num_free_blocks=0)
 
 
 def borrowing_controller(policy: str = "round_robin") -> Controller:
@@ -122,7 +127,8 @@ def test_the_controller_lends_for_a_long_request_and_takes_the_loans_back_when_i
     short = controller.handle(add("short", 40))
     assert [to for to, _ in short.messages] == ["scheduler@0"]  # fits: the router's pick
     out = controller.handle(add("long", 2400, max_tokens=80))  # 155 blocks: home 0 keeps 90, replica 1 lends 65
-    assert out.messages[0] == ("scheduler@1", LendKv(request_id="long", home=0, num_blocks=65))
+    assert out.messages == [("scheduler@1", LendKv(request_id="long", home=0, num_blocks=65))] and not out.events
+    out = heard(controller, 1, lent("long", 65))  # held until the lender's KV_LENT
     assert out.messages[1][0] == "scheduler@0" and out.messages[1][1].request_id == "long"
     assert out.events == [Routed(request_id="long", replica=0, reason="borrowed")]
     assert controller.router.replicas[0].in_flight == 2
@@ -131,6 +137,7 @@ def test_the_controller_lends_for_a_long_request_and_takes_the_loans_back_when_i
     assert ("scheduler@1", ReturnKv(request_id="long")) in back.messages
     assert controller.loans is not None and controller.loans.placements == {}
     controller.handle(add("long2", 2400, max_tokens=80))
+    heard(controller, 1, lent("long2", 65))
     # the lender's scheduler restarted: the loan it had granted is asked for again
     again = controller.handle(RecoverPipeline(actor="scheduler@1", reason="restarted"))
     assert again.messages == [("scheduler@1", LendKv(request_id="long2", home=0, num_blocks=65))]
@@ -146,7 +153,8 @@ def test_the_controller_refuses_a_request_that_fits_nowhere_and_without_a_planne
     assert to == FRONTEND and updates.updates[0].finish_reason == "error"
     assert "needs 189 KV blocks" in updates.updates[0].error
     assert out.events == [Aborted(request_id="huge", reason="error")] and "huge" not in controller.requests
-    placed = controller.handle(add("long", 2400, max_tokens=80))  # pull: the home's slot is taken
+    controller.handle(add("long", 2400, max_tokens=80))  # pull: the home's slot is taken
+    placed = heard(controller, 1, lent("long", 65))
     assert placed.messages[-1][0] == "scheduler@0" and list(controller.router.slots).count(0) == 255
     plain = Controller(Router("round_robin", 2, block_size=BLOCK))
     heard(plain, 0, pool(100, 100))
@@ -158,10 +166,10 @@ class Lender:
     """One replica's scheduler and KV-cache manager, every message through the codec, results faked
     (a token for each request sampled)."""
 
-    def __init__(self, num_blocks: int = 16) -> None:
-        config = SchedulerConfig(max_model_len=num_blocks * BLOCK, max_num_seqs=8, max_num_batched_tokens=512,
-                                 enable_chunked_prefill=True, block_size=BLOCK, num_blocks=num_blocks,
-                                 max_steps_in_flight=1)
+    def __init__(self, num_blocks: int = 16, max_model_len: int = 0) -> None:
+        config = SchedulerConfig(max_model_len=max_model_len or num_blocks * BLOCK, max_num_seqs=8,
+                                 max_num_batched_tokens=512, enable_chunked_prefill=True, block_size=BLOCK,
+                                 num_blocks=num_blocks, max_steps_in_flight=1)
         self.scheduler = Scheduler(config)
         self.manager = KVCacheManager(num_blocks, BLOCK)
         self.codec = MessageCodec()
@@ -262,3 +270,61 @@ def test_a_pipeline_reset_reserves_the_loans_again_and_the_manager_refuses_a_bad
         manager.assign_blocks(StepPlan(step_id=1, loans={"guest": 9}))
     with pytest.raises(ValueError, match="at least 1"):
         lender.send(LendKv(request_id="x", home=0, num_blocks=0))
+
+
+# --------------------------------------------------------------------------- the home
+def test_the_home_gets_the_request_once_its_lenders_confirmed_and_learns_them_right_before_it() -> None:
+    controller = borrowing_controller()
+    controller.handle(add("long", 2400, max_tokens=80))
+    assert not heard(controller, 0, lent("long", 65)).messages  # not its lender: still held
+    out = heard(controller, 1, lent("long", 65))
+    assert out.messages == [("scheduler@0", BorrowKv(request_id="long", lenders=[[1, 65]])),
+                            ("scheduler@0", add("long", 2400, max_tokens=80))]
+    assert not heard(controller, 1, lent("long", 65)).messages  # a repeat (a re-grant) sends nothing
+    controller.handle(add("held", 2400, max_tokens=80))
+    dropped = controller.handle(AbortRequests(request_ids=["held"], reason="client"))  # aborted while held
+    assert [m for _, m in dropped.messages] == [ReturnKv(request_id="held")] and "held" not in controller.held
+    again = controller.handle(RecoverPipeline(actor="scheduler@0", reason="restarted"))
+    assert [(to, type(message)) for to, message in again.messages] == [("scheduler@0", BorrowKv),
+                                                                      ("scheduler@0", AddRequest)]
+
+
+def test_a_guest_is_admitted_beyond_the_homes_pool_holding_only_its_own_blocks_and_never_cached() -> None:
+    home = Lender(num_blocks=16, max_model_len=1 << 12)  # kv_borrowing: the model's limit, not the pool's
+    refused = home.scheduler.handle(add("too_long", 300))  # 19 blocks, no loan: refused by the pool
+    (update,) = refused.to(FRONTEND)[0].updates
+    home.pending += [m for m in refused.to(KV_CACHE_MANAGER) if isinstance(m, StepPlan)]  # the reset plan
+    assert update.finish_reason == "error" and "more than this replica's KV pool holds (256)" in update.error
+    home.send(BorrowKv(request_id="long", lenders=[[1, 10], [2, 5]]))
+    home.send(add("long", 400, max_tokens=3))  # 25 blocks (26 with its outputs): 15 lent, the rest here
+    first = home.until(lambda plan: plan.req_ids)
+    assert first.new_requests[0].borrowed == [[1, 10], [2, 5]]
+    assert first.num_blocks == [10] and not first.cached_hashes  # ceil(400 / 16) - 15, none cached
+    home.until(lambda plan: not plan.req_ids)
+    assert [u.request_id for u in home.of(Aborted)] == [] and home.scheduler.requests == {}
+    lender = Lender()
+    lender.send(LendKv(request_id="long", home=0, num_blocks=4))
+    plan = lender.step()
+    assert plan.lent_block_ids == {"long": lender.manager.lent["long"]} and len(plan.lent_block_ids["long"]) == 4
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"data_parallel_size": 1}, "needs data_parallel_size > 1"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
+    ({"kv_parallel_size": 2}, "kv_parallel_size 2 is not supported"),
+    ({"distributed_executor_backend": "ray"}, "use 'mp'"),
+    ({"device": "cuda"}, "the CPU only"),
+    ({"disable_events": True}, "needs the KV-cache managers' events"),
+])
+def test_kv_borrowing_is_off_by_default_and_refused_where_unsupported(fields: dict[str, Any], match: str) -> None:
+    assert not EngineConfig(model="m").kv_borrowing
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", kv_borrowing=True, **({"data_parallel_size": 2} | fields))
+
+
+def test_the_kv_borrowing_flag_reaches_the_engine_off_by_default() -> None:
+    from vllm_actors.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "some/model"]))["kv_borrowing"] is False
+    assert engine_kwargs(parser.parse_args(["serve", "some/model", "-dp", "2", "--kv-borrowing"]))["kv_borrowing"]

@@ -104,7 +104,7 @@ class BorrowingAttention:
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         self._layer = 0
-        return meta
+        return meta if self.guests else self.inner.prepare(meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_written: bool = False,

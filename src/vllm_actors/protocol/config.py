@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from vllm_actors.protocol.kv_loans import kv_borrowing_error
 from vllm_actors.protocol.kv_parallel import kv_parallel_error
 from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
 from vllm_actors.protocol.speculative import (
@@ -85,6 +86,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     routing_policy: str = "round_robin"
     distributed_executor_backend: str = "mp"
+    # A request too long for one replica's pool borrows KV blocks of the other replicas of the set
+    # (protocol/kv_loans.py; the CPU only for now, one worker per replica).
+    kv_borrowing: bool = False
     # Steps async scheduling plans ahead of the results (1 without async_scheduling).
     steps_in_flight: int = 2
     # Engine actors publish no work events: measures what the events cost (benchmarks).
@@ -161,7 +165,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
                              "serve the adapters with tensor_parallel_size instead")
-        error = kv_parallel_error(self)
+        error = kv_parallel_error(self) or kv_borrowing_error(self)
         if error is not None:
             raise ValueError(error)
 
@@ -253,7 +257,7 @@ def resolve_scheduler_config(
     blocks_per_seq = math.ceil(max_model_len / config.block_size)
     if num_blocks < 1:
         raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); give it more memory")
-    if num_blocks < blocks_per_seq:
+    if num_blocks < blocks_per_seq and not config.kv_borrowing:  # borrowing: the model's limit
         # Still usable, but a single request can never reach max_model_len: cap it.
         max_model_len = num_blocks * config.block_size
     return SchedulerConfig(

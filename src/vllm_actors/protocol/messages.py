@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import msgspec
 
 from vllm_actors.protocol.block_hash import root_hash
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -111,6 +111,8 @@ class NewRequest(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     cached_block_hash: int = 0  # the hash of the hit's last block: the KV manager walks back from it
     lora_request: LoRARequest | None = None  # its adapter: the worker loads it on first use
+    # Borrowed KV (protocol/kv_loans.py): [lender replica, blocks] holding its table's front, in order.
+    borrowed: list[list[int]] = []
 
     @property
     def root_hash(self) -> int:
@@ -198,6 +200,9 @@ class StepPlan(msgspec.Struct, tag="step_plan", kw_only=True):
     # Applied after the departures, before the scheduled requests' blocks.
     loans: dict[str, int] = {}
     returned_loans: list[str] = []
+    # Filled in by the KV-cache manager: the block ids of this plan's new loans (the lender's workers
+    # answer the home's layers on them).
+    lent_block_ids: dict[str, list[int]] = {}
     # A KV-parallel rank was restarted alone: applied first (it drops older plans as a reset does).
     kv_rejoin: KvRejoin | None = None
 
@@ -339,7 +344,7 @@ class ControlReply(msgspec.Struct, tag="control_reply", kw_only=True, omit_defau
 
 
 Message = (AddRequest | AbortRequests | StepPlan | StepResult | RequestUpdates | RecoverPipeline | ReplicaState
-           | EngineControl | ControlReply | LendKv | ReturnKv)
+           | EngineControl | ControlReply | LendKv | ReturnKv | BorrowKv)
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AddRequest,
@@ -352,5 +357,6 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     EngineControl,
     ControlReply,
     LendKv,
+    BorrowKv,
     ReturnKv,
 )

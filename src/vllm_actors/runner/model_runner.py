@@ -104,7 +104,8 @@ class ModelRunner(KvPoolSizing):
             self.fp8_staging = fp8_staging_for(self.model, self.kv_cache_dtype, self.local_config, self.dtype,
                                                self.device, self.max_num_tokens)  # before the pool, as lora
             self.num_blocks = self._choose_num_blocks(limits.max_model_len)
-            self.max_model_len = min(limits.max_model_len, self.num_blocks * self.block_size)
+            pool_len = limits.max_model_len if config.kv_borrowing else self.num_blocks * self.block_size  # borrowed KV
+            self.max_model_len = min(limits.max_model_len, pool_len)
             self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
             if self.drafter is not None:

@@ -117,7 +117,7 @@ class ControllerShell(ActorShell):
             except (UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError):
                 continue
             self.num_batches += 1
-            self.controller.observe(topic, batch)
+            self.dispatch(self.controller.observe(topic, batch))  # a borrowing request its loans released
 
     def _take_updates(self, replica: int, dealer: zmq.Socket) -> None:
         """The replica's scheduler answers on the DEALER the controller sends it requests through."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_actors.envs import envs
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -116,6 +116,10 @@ def build_worker(spec: ActorSpec) -> Built:
                            ModelConfig.from_path(engine.model).num_hidden_layers, dist.group.WORLD)
     worker, info = worker_of(engine, tp=tp, incarnation=spec.incarnation, stage=stage, kvp=kvp,
                              rendezvous=spec.tp_init)
+    if engine.kv_borrowing:  # every replica's worker meets the others' in one gloo group
+        from vllm_actors.runner.kv_borrowing import join_borrowing
+
+        worker.borrowing = join_borrowing(worker.runner, spec.replica or 0, engine.data_parallel_size, spec.run_dir)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
     return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 
@@ -172,6 +176,7 @@ def scheduler_accepts(replica: int | None, answering: int = 0) -> AcceptRules:
         # A replica set's controller asks a lender for blocks for another replica's request.
         LendKv: frozenset({CONTROLLER.encode()}),
         ReturnKv: frozenset({CONTROLLER.encode()}),
+        BorrowKv: frozenset({CONTROLLER.encode()}),
     }
 
 
@@ -189,7 +194,13 @@ def build_controller(spec: ActorSpec) -> Built:
     engine = spec.engine
     router = Router(engine.routing_policy, len(_replica_schedulers(spec)), block_size=engine.block_size,
                     capacity=engine.max_num_seqs)
-    return Built(Controller(router))
+    loans = None
+    if engine.kv_borrowing and spec.scheduler is not None:  # the spawner passes replica 0's limits and pool
+        from vllm_actors.actors.controller.kv_loans import LoanPlanner
+
+        loans = LoanPlanner(len(router.replicas),
+                            engine.block_size, spec.scheduler.max_model_len, num_blocks=spec.num_blocks)
+    return Built(Controller(router, loans))
 
 
 def controller_accepts(replica: int | None, answering: int = 0) -> AcceptRules:

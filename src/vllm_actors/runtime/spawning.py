@@ -84,6 +84,10 @@ class Spawning:
         ]
 
     def _spec(self, role: str, actor_id: str, replica: int | None = None, **spec_fields: Any) -> ActorSpec:
+        if role == CONTROLLER and self.config.kv_borrowing and self.scheduler_config is not None:
+            # borrowed KV: the planner starts from replica 0's limits and pool (events correct the pools)
+            spec_fields.setdefault("scheduler", self.scheduler_config)
+            spec_fields.setdefault("num_blocks", self.scheduler_config.num_blocks)
         return ActorSpec(
             role=role,
             actor_id=actor_id,

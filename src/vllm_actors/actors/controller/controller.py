@@ -29,11 +29,12 @@ once by its position (``RequestUpdate.output_index``, ``in_place``): an update t
 what it forwarded is held back, the catch-up brings its tokens.
 
 With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's pool is placed on a
-home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv`` before the
-home gets the request, and ``ReturnKv`` when it ends (finished or aborted); a restarted lender's
-scheduler is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
-``build_controller`` gives it no planner yet: the home's side (running a request with KV held by
-lenders, the per-layer exchange) is not built, so requests are routed as without borrowing.
+home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv``, and the
+request waits here until every lender's ``KV_LENT`` (its blocks reserved and on their way to its
+workers); each gets ``ReturnKv`` when it ends (finished or aborted); a restarted lender's scheduler
+is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
+The home's scheduler gets ``BorrowKv`` (its lenders and their blocks, in table order) right before
+the request. ``build_controller`` gives it a planner with ``kv_borrowing`` only.
 
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
@@ -48,7 +49,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused
+from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused, Placement
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -56,9 +57,10 @@ from vllm_actors.protocol.events import (
     ActorRestarted,
     ActorStarting,
     EventBatch,
+    KvLent,
     Routed,
 )
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -138,6 +140,7 @@ class Controller:
         self.num_gapped = 0  # updates held back: they started past the tokens forwarded (in_place)
         # requests a replica runs that nobody here routed (a restart of ours): id -> replica
         self.unclaimed: OrderedDict[str, int] = OrderedDict()
+        self.held: dict[str, set[int]] = {}  # borrowing requests -> lenders whose KV_LENT has not come yet
 
     def scheduler_of(self, replica: int) -> str:
         return replica_actor(SCHEDULER, replica)
@@ -209,8 +212,25 @@ class Controller:
         for lender, count in placement.lenders.items():
             out.send(self.scheduler_of(lender), LendKv(request_id=add.request_id, home=placement.home,
                                                        num_blocks=count))
-        return out.extend(self._send(add.request_id, placement.home,
-                                     "borrowed" if placement.lenders else "largest_pool", 0))
+        if placement.lenders:  # held here until every lender's KV_LENT (``observe``)
+            self.held[add.request_id] = set(placement.lenders)
+            return out
+        return out.extend(self._send(add.request_id, placement.home, "largest_pool", 0))
+
+    def _lent(self, replica: int, request_id: str) -> Outputs:
+        """A lender confirmed its loan: a request whose lenders all did goes to its home, which
+        learns its lenders right before it."""
+        waiting = self.held.get(request_id)
+        if waiting is None or self.loans is None:
+            return Outputs()
+        waiting.discard(replica)
+        if waiting:
+            return Outputs()
+        del self.held[request_id]
+        placement = self.loans.placements[request_id]
+        out = Outputs()
+        out.send(self.scheduler_of(placement.home), _borrowing(request_id, placement))
+        return out.extend(self._send(request_id, placement.home, "borrowed", 0))
 
     def _loans_back(self, request_id: str) -> Outputs:
         """The request ended: its lenders' blocks go back."""
@@ -238,6 +258,8 @@ class Controller:
                 continue  # finished meanwhile
             if request.replica is None:  # never left the controller
                 self.router.drop(request_id)
+                self.held.pop(request_id, None)
+                out += self._loans_back(request_id)
                 if message.reason != "stop":
                     out.emit(Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
                                      num_output_tokens=len(request.output_token_ids)))
@@ -308,6 +330,9 @@ class Controller:
             return out
         for request_id, request in self.requests.items():
             if request.replica == replica:
+                placement = self.loans.placements.get(request_id) if self.loans is not None else None
+                if placement is not None and placement.lenders and placement.home == replica:
+                    out.send(self.scheduler_of(replica), _borrowing(request_id, placement))
                 out.send(self.scheduler_of(replica), _resumed(request_id, request))
         if self.loans is not None:  # the loans it had granted died with it: asked for again
             for request_id, placement in self.loans.placements.items():
@@ -354,20 +379,21 @@ class Controller:
         return out
 
     # ------------------------------------------------------------------ the bus
-    def observe(self, topic: str, batch: EventBatch) -> None:
+    def observe(self, topic: str, batch: EventBatch) -> Outputs:
         """One batch off the bus: a replica's KV-cache manager's (its cache and pool) or the
         supervisor's (failures, restarts). Anything else, or a batch not under its own topic, is
-        ignored."""
+        ignored. Returns what it releases: a borrowing request whose loans are all confirmed."""
+        out = Outputs()
         if batch.actor != topic:
-            return
+            return out
         if topic == SUPERVISOR:
             for event in batch.events:
                 if isinstance(event, (ActorFailed, ActorRestarted)):
                     self._supervision(event)
-            return
+            return out
         name, replica = split_replica(topic)
         if name != KV_CACHE_MANAGER or replica is None or replica >= self.num_replicas:
-            return
+            return out
         for event in batch.events:
             if isinstance(event, ActorStarting):
                 self.router.pool_lost(replica)  # a fresh pool (a restart): nothing cached
@@ -377,6 +403,9 @@ class Controller:
                 self.router.observe(replica, event)
                 if self.loans is not None:
                     self.loans.observe(replica, event)
+                if isinstance(event, KvLent):
+                    out += self._lent(replica, event.request_id)
+        return out
 
     def _supervision(self, event: ActorFailed | ActorRestarted) -> None:
         _, replica = split_replica(event.actor)
@@ -388,3 +417,7 @@ class Controller:
         else:
             down.discard(event.actor)
         self.router.set_up(replica, not down and replica not in self.hosts_down)
+
+
+def _borrowing(request_id: str, placement: Placement) -> BorrowKv:
+    return BorrowKv(request_id=request_id, lenders=[[lender, count] for lender, count in placement.lenders.items()])

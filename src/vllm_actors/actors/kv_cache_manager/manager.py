@@ -117,7 +117,7 @@ class KVCacheManager(PlanChecks):
         self.host.drop(plan.host_dropped_hashes, events)
         offload_copies = self._evict(plan.evicted_hashes, set(plan.host_dropped_hashes), events)
         restore_copies = self._restore(plan.restored_hashes, events)
-        self._lend(plan, events)
+        lent = self._lend(plan, events)
         new_block_ids: list[list[int]] = []
         for request_id, wanted in zip(plan.req_ids, plan.num_blocks, strict=True):
             new = new_requests.get(request_id)
@@ -137,7 +137,7 @@ class KVCacheManager(PlanChecks):
         self._report_pool(events)
         return msgspec.structs.replace(plan, new_block_ids=new_block_ids, offload_copies=offload_copies,
                                        restore_copies=restore_copies, write_through_copies=write_through,
-                                       kv_rejoin=rejoin)
+                                       kv_rejoin=rejoin, lent_block_ids=lent)
 
     def reset(self, events: list[Any], keep_host: bool = False) -> None:
         """Drop every table, cached block and reference: a fresh pool of the same size. The host
@@ -192,8 +192,9 @@ class KVCacheManager(PlanChecks):
             self._report_pool(events)
 
     # ------------------------------------------------------------------ steps of a plan
-    def _lend(self, plan: StepPlan, events: list[Any]) -> None:
-        """Loans to other replicas' requests: the ended ones' blocks freed, the new ones' taken."""
+    def _lend(self, plan: StepPlan, events: list[Any]) -> dict[str, list[int]]:
+        """Loans to other replicas' requests: the ended ones' blocks freed, the new ones' taken
+        (returned: their block ids, for the workers)."""
         for request_id in plan.returned_loans:
             blocks = self.lent.pop(request_id)
             self.pool.release(blocks)
@@ -201,6 +202,7 @@ class KVCacheManager(PlanChecks):
         for request_id, count in plan.loans.items():
             self.lent[request_id] = blocks = self.pool.allocate(count)
             events.append(KvLent(request_id=request_id, block_ids=blocks, num_free_blocks=self.pool.num_free))
+        return {request_id: self.lent[request_id] for request_id in plan.loans}
 
     def _depart(self, request_id: str, events: list[Any]) -> None:
         table = self.block_tables.pop(request_id, [])

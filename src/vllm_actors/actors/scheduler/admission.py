@@ -62,6 +62,17 @@ def admission_error(message: AddRequest, config: SchedulerConfig) -> str | None:
     return None
 
 
+def pool_error(message: AddRequest, config: SchedulerConfig) -> str | None:
+    """A request not placed with borrowed KV must fit this replica's pool (with ``kv_borrowing``,
+    max_model_len is the model's limit, which may exceed the pool)."""
+    pool = config.num_blocks * config.block_size
+    num_tokens = len(message.prompt_token_ids) + len(message.output_token_ids)
+    if num_tokens > pool:
+        return (f"the request has {num_tokens} tokens, more than this replica's KV pool holds ({pool}); with "
+                "kv_borrowing the controller places it with borrowed blocks once it knows every replica's pool")
+    return None
+
+
 def _token_ids_error(what: str, token_ids: Sequence[int], limit: int) -> str | None:
     # min/max run in C: a long prompt is checked in microseconds
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= limit):
@@ -102,14 +113,14 @@ def adapter_fits(request: ScheduledRequest, adapters: set[int], max_loras: int) 
 def looks_up(request: ScheduledRequest, ledger: BlockLedger) -> bool:
     """Whether admission looks the request up in the prefix cache: not when it wants prompt
     logprobs, which need every prompt position computed."""
-    return ledger.cache is not None and request.params.prompt_logprobs is None
+    return ledger.cache is not None and request.params.prompt_logprobs is None and not request.borrowed
 
 
 def admit(request: ScheduledRequest, ledger: BlockLedger) -> tuple[int, int, int]:
     """The request starts holding blocks and takes its cache hit (it then computes from there):
     (tokens looked up, tokens hit, hash of the hit's last block)."""
     if not looks_up(request, ledger):
-        ledger.admit(request.request_id, None)
+        ledger.admit(request.request_id, None, lent_front=sum(blocks for _, blocks in request.borrowed))
         request.cache_check_at = ledger.next_cache_check(request.request_id)
         return 0, 0, 0
     tokens = request.all_token_ids

@@ -42,6 +42,7 @@ class Holding:
     cached: list[int] = field(default_factory=list)
     stopped: bool = False  # a block of it was already cached under another id: cache no more
     lora_int_id: int = 0  # its LoRA adapter: its blocks are cached in that adapter's tree
+    lent_front: int = 0  # the front of its table held by other replicas (borrowed KV): not counted here
 
 
 class BlockLedger:
@@ -90,7 +91,9 @@ class BlockLedger:
 
     def blocks_missing(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request must get to hold ``num_tokens`` tokens (0 or less: it holds enough)."""
-        return -(-num_tokens // self.block_size) - self.num_blocks(request_id)
+        holding = self._holdings.get(request_id)
+        held = holding.num_blocks + holding.lent_front if holding else 0
+        return -(-num_tokens // self.block_size) - held
 
     def next_cache_check(self, request_id: str) -> int:
         """Computed tokens from which ``cache_blocks`` could cache another block of the request
@@ -107,14 +110,15 @@ class BlockLedger:
         return self.cache.match_length(token_ids, self._max_hit(len(token_ids)), lora_int_id)
 
     # ------------------------------------------------------------------ changes
-    def admit(self, request_id: str, token_ids: Sequence[int] | None, lora_int_id: int = 0) -> tuple[int, int]:
+    def admit(self, request_id: str, token_ids: Sequence[int] | None, lora_int_id: int = 0,
+              lent_front: int = 0) -> tuple[int, int]:
         """A request starts holding blocks. With ``token_ids`` (None: no lookup), it takes the
         longest cached prefix of them (in its adapter's tree), leaving at least one token to
         compute. Returns the number of blocks hit, now at the front of its table, and the hash of
-        the last (0: none)."""
+        the last (0: none). ``lent_front``: its table's first blocks are other replicas' (borrowed KV)."""
         if request_id in self._holdings:
             raise LedgerError(f"request {request_id!r} already holds blocks")
-        holding = Holding(lora_int_id=lora_int_id)
+        holding = Holding(lora_int_id=lora_int_id, lent_front=lent_front, stopped=lent_front > 0)  # never cached
         self._holdings[request_id] = holding
         if self.cache is None or token_ids is None:
             return 0, 0

@@ -26,6 +26,8 @@ class LoanDesk:
         self.granted: dict[str, int] = {}
         self._new: dict[str, int] = {}  # granted since the last plan
         self._returned: list[str] = []  # ended since the last plan (their blocks already free here)
+        # On a home: requests announced to run on borrowed blocks (``BorrowKv``), until their AddRequest
+        self.guests: dict[str, list[list[int]]] = {}
 
     @property
     def has_news(self) -> bool:

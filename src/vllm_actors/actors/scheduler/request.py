@@ -42,6 +42,7 @@ class ScheduledRequest:
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
     num_draft_tokens: int = 0  # speculative decoding: tokens drafted for it, and accepted
     num_accepted_tokens: int = 0
+    borrowed: list[list[int]] = field(default_factory=list)  # [lender replica, blocks]: its table's front
 
     @classmethod
     def arriving(cls, message: AddRequest, arrival: int, queued_at_step: int) -> ScheduledRequest:
@@ -121,6 +122,7 @@ class ScheduledRequest:
             num_cached_tokens=num_cached_tokens,
             cached_block_hash=cached_block_hash,
             lora_request=self.lora_request,
+            borrowed=self.borrowed,
         )
 
 

@@ -43,7 +43,7 @@ from collections import deque
 
 import msgspec
 
-from vllm_actors.actors.scheduler.admission import admission_error, identity_error
+from vllm_actors.actors.scheduler.admission import admission_error, identity_error, pool_error
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
@@ -60,7 +60,7 @@ from vllm_actors.actors.scheduler.results import apply_result
 from vllm_actors.actors.scheduler.speculation import Speculator
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.events import Aborted, PipelineReset, Preempted, Queued
-from vllm_actors.protocol.kv_loans import LendKv, ReturnKv
+from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -130,6 +130,8 @@ class Scheduler(PlanningPass):
             self._control(message, out)
         elif isinstance(message, (LendKv, ReturnKv)):
             self.loans.handle(message, self.ledger)
+        elif isinstance(message, BorrowKv):  # the next AddRequest of this id runs on borrowed blocks
+            self.loans.guests[message.request_id] = message.lenders
         elif isinstance(message, ControlReply):  # rank 0 carried a command out: its sender learns
             out.send(FRONTEND, msgspec.structs.replace(message, is_sleeping=self.sleep.is_sleeping))
         else:
@@ -146,12 +148,13 @@ class Scheduler(PlanningPass):
 
     # ------------------------------------------------------------------ requests
     def _add(self, message: AddRequest, out: Outputs) -> None:
+        borrowed = self.loans.guests.pop(message.request_id, [])
         if message.resume and message.request_id in self.requests:
             out.messages.extend(catch_up(self.requests[message.request_id], message))
             return
         error = identity_error(message, self.requests)
         if error is None:
-            error = admission_error(message, self.config)
+            error = admission_error(message, self.config) or (None if borrowed else pool_error(message, self.config))
             if error is None and self.config.reject_unmeetable:
                 error = self._unmeetable_error(message)
             if error is not None:  # a well-formed id of no other request: its timeline says why
@@ -160,6 +163,7 @@ class Scheduler(PlanningPass):
             out.send(FRONTEND, refused_request(message.request_id, error))
             return
         request = ScheduledRequest.arriving(message, self._num_arrivals, self.stats.num_steps)
+        request.borrowed = borrowed
         self._num_arrivals += 1
         ended = ended_by_its_outputs(request, self.config.max_model_len)
         if ended is not None:  # a resubmission whose last token ended it: the client missed only that

@@ -34,6 +34,7 @@ import torch
 
 from vllm_actors.actors.worker.batch import build_batch
 from vllm_actors.actors.worker.block_tables import BlockTableArray
+from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.draw import Draw
@@ -111,6 +112,7 @@ class Worker(Draw, KvRejoining):
         width = runner.max_blocks_per_seq
         self.tables = BlockTableArray(width) if width else None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
+        self.borrowing: BorrowingHooks | None = None  # borrowed KV across replicas (runner/kv_borrowing.py)
 
     def handle(self, message: Message) -> Outputs:
         if isinstance(message, EngineControl):
@@ -238,6 +240,8 @@ class Worker(Draw, KvRejoining):
                 self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
             self.host_tier.settle(reuse=plan.reset or bool(plan.evicted_hashes))
         step = build_batch(plan, self.requests, self.tables, pending)
+        if self.borrowing is not None:
+            self.borrowing.begin_step(plan.req_ids)
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
@@ -386,3 +390,5 @@ class Worker(Draw, KvRejoining):
                 self.tables.truncate(request.row, keep)
         for new in plan.new_requests:
             self._admit(new)
+        if self.borrowing is not None:
+            self.borrowing.apply(plan, self.requests, self.tables)

@@ -1,0 +1,89 @@
+"""Borrowed KV capacity in a replica's worker (``kv_borrowing``): every worker of the set is a home
+for its own guests and a lender for the other replicas' at once.
+
+At start each replica's worker joins a set-wide gloo group (rank: its replica; a file store in the
+group's run directory), puts ``BorrowingAttention`` around its model's backend and starts one
+``LenderServer`` thread per other replica, answering that replica's layers on its own caches. Per
+plan: a lender takes the block ids its KV-cache manager reserved (``StepPlan.lent_block_ids``) and
+forgets the returned loans; a home opens a guest's row with placeholders where the lenders' blocks
+sit (``NewRequest.borrowed``) and names the step's guests by their index in its batch. The CPU
+only: a set-wide gloo group does not take a restarted worker back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
+from vllm_actors.models.kv_borrow_link import LenderServer, RemoteLender
+from vllm_actors.protocol.messages import StepPlan
+
+if TYPE_CHECKING:
+    from vllm_actors.actors.worker.block_tables import BlockTableArray
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+
+JOIN_TIMEOUT = timedelta(minutes=10)  # the set's workers load their models before they meet
+
+
+class KvBorrowing:
+    """A worker's side of borrowed KV: its lenders (one ``RemoteLender`` per other replica), its
+    share of other replicas' requests, its guests."""
+
+    def __init__(self, backend: BorrowingAttention, share: LenderShare, lenders: Mapping[int, Any]) -> None:
+        self.backend, self.share, self.lenders = backend, share, dict(lenders)
+        self.guests: dict[str, Guest] = {}
+
+    def apply(self, plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: BlockTableArray | None) -> None:
+        """After the plan's membership changes: its loans, then its new guests' placeholder rows."""
+        if plan.reset:
+            self.guests.clear()
+            for request_id in list(self.share.loans):
+                self.share.give_back(request_id)
+        for request_id in plan.returned_loans:
+            self.share.give_back(request_id)
+        for request_id, block_ids in plan.lent_block_ids.items():
+            self.share.lend(request_id, block_ids)
+        for request_id in plan.finished_ids:
+            self.guests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.guests.pop(new.request_id, None)
+            if not new.borrowed:
+                continue
+            unknown = [replica for replica, _ in new.borrowed if replica not in self.lenders]
+            if unknown:
+                raise ValueError(f"request {new.request_id!r} borrows from replicas {unknown}, not in this set")
+            self.guests[new.request_id] = Guest(new.request_id, [(self.lenders[r], n) for r, n in new.borrowed])
+            placeholders = [0] * sum(count for _, count in new.borrowed)
+            request = requests[new.request_id]
+            request.block_table.extend(placeholders)
+            if tables is not None:
+                tables.append(request.row, placeholders)
+
+    def begin_step(self, req_ids: list[str]) -> None:
+        """The step's guests, by their index in its batch."""
+        guests = self.guests
+        self.backend.begin_step({index: guests[r] for index, r in enumerate(req_ids) if r in guests} if guests else {})
+
+
+def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str) -> KvBorrowing:
+    """Join the set's gloo group, wrap the model's attention and start the lender threads."""
+    import torch.distributed as dist
+
+    from vllm_actors.kernels.attention import get_attention_backend
+
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/kv-borrowing.store", rank=replica,
+                            world_size=num_replicas, timeout=JOIN_TIMEOUT)
+    model = runner.model
+    backend = BorrowingAttention(model.attn_backend or get_attention_backend(torch.device(runner.device)))
+    model.attn_backend = backend
+    share = LenderShare(runner.kv_caches)
+    config = runner.local_config
+    for home in range(num_replicas):
+        if home != replica:
+            LenderServer(share, home, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         runner.dtype).start()
+    return KvBorrowing(backend, share, {peer: RemoteLender(peer) for peer in range(num_replicas) if peer != replica})
