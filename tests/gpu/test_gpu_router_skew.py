@@ -45,12 +45,12 @@ def test_the_skewed_block_in_a_cuda_graph(tokens: int, monkeypatch: pytest.Monke
     x = torch.randn((tokens, 2048), device="cuda").bfloat16()
     picked: list[torch.Tensor] = []
     fused = moe.fused_moe
-    monkeypatch.setattr(moe, "fused_moe", lambda x, w13, w2, weights, ids: picked.append(ids) or fused(
-        x, w13, w2, weights, ids))
+    monkeypatch.setattr(moe, "fused_moe", lambda x, w13, w2, weights, ids, *blocks: picked.append(ids) or fused(
+        x, w13, w2, weights, ids, *blocks))
     with torch.inference_mode():
         block(x)  # the warm-up builds the table
         logits = skewed_logits(block._skew_table(x.device), tokens, 5, torch.bfloat16).float()
-        chosen = logits.gather(1, picked[0]).sort(dim=-1, descending=True).values
+        chosen = logits.gather(1, picked[0].long()).sort(dim=-1, descending=True).values
         assert torch.equal(chosen, torch.topk(logits, 8).values)  # the table's top-8 (ties either way)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -71,7 +71,7 @@ def tiny_moe_config(top_k: int) -> ModelConfig:
 def choices(block: SparseMoeBlock, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """The expert ids the block's router picks for ``x`` (the experts themselves skipped)."""
     picked: list[torch.Tensor] = []
-    monkeypatch.setattr(moe, "fused_moe", lambda x, w13, w2, weights, ids: picked.append(ids) or x)
+    monkeypatch.setattr(moe, "fused_moe", lambda x, w13, w2, weights, ids, *blocks: picked.append(ids) or x)
     block(x)
     return picked[0]
 

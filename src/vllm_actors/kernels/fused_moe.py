@@ -11,6 +11,8 @@ at decode); a grouped GEMM then runs one program per (block, column tile) agains
 weights, so a step reads each routed expert's weights once and no other expert's. Two GEMM launches:
 gate and up in one with SiLU-and-mul on its accumulators, then the down GEMM scaled by the routing
 weight; the k rows of a token are summed last. Tiles per batch size: ``kernels/moe_config.py``.
+Routing (``kernels/moe_routing.py``): ``route_for_experts`` gives the weights, ids and, on the Triton
+path, the blocks, from one launch at decode.
 Shapes depend on T, k and E only (no host read of the routing): CUDA-graph capturable.
 """
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from vllm_actors.kernels import choice
 from vllm_actors.kernels.moe_align import Alignment, moe_align_block_size
 from vllm_actors.kernels.moe_config import GemmTiles, MoeConfig, MoeShape, choose_config
+from vllm_actors.kernels.moe_routing import route, route_and_align
 
 try:
     import triton
@@ -34,16 +37,6 @@ except ImportError:  # pragma: no cover - triton is installed with the project
 
 def use_triton(x: torch.Tensor) -> bool:
     return choice.use_triton("VLLM_ACTORS_FUSED_MOE", HAVE_TRITON, x.device)  # =triton: the interpreter on CPUs
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts (float32), the ``top_k`` largest, renormalised to sum 1 when the
-    checkpoint asks (Mixtral always; Qwen3-MoE by ``norm_topk_prob``): (weights float32, ids int64), [T, k]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -177,26 +170,41 @@ def config_for(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
 
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    config: MoeConfig | None = None,
+    config: MoeConfig | None = None, blocks: Alignment | None = None,
 ) -> torch.Tensor:
-    """The grouped-GEMM path (module docstring); ``config`` defaults to ``moe_config.choose_config``'s."""
+    """The grouped-GEMM path (module docstring); ``config`` defaults to ``moe_config.choose_config``'s;
+    ``blocks``: the alignment of ``topk_ids`` made with the routing (``route_for_experts``), if it was."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     config = config or config_for(x, w13, top_k)
-    blocks = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], use_triton=True)
+    if blocks is None or blocks.block_m != config.block_m:
+        blocks = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], use_triton=True)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     activated = moe_gate_up(x, w13, blocks, top_k, config.gate_up)
     per_choice = moe_down(activated, w2, topk_weights.reshape(-1).float().contiguous(), blocks, config.down)
     return per_choice.view(tokens, top_k, hidden).sum(dim=1)
 
 
+def route_for_experts(
+    x: torch.Tensor, w13: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, Alignment | None]:
+    """The routing of ``x``'s tokens (``moe_routing``): (weights, ids, blocks). On the Triton path the
+    routing kernel also aligns the pairs for the step's config (one launch at decode); on torch's,
+    ``moe_routing.route_torch`` and no blocks."""
+    if not use_triton(x) or x.shape[0] == 0:
+        return (*route(router_logits, top_k, renormalize), None)
+    return route_and_align(router_logits, top_k, renormalize, config_for(x, w13, top_k).block_m)
+
+
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    blocks: Alignment | None = None,
 ) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, k] -> [T, H] (module docstring)."""
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, k] -> [T, H] (module docstring);
+    ``blocks``: ``route_for_experts``'s alignment, if any."""
     if w13.shape[0] != w2.shape[0] or w13.shape[2] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]:
         raise ValueError(f"expert weights w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
                          f"x {tuple(x.shape)}: need [E, 2I, H] and [E, H, I]")
     if not use_triton(x) or x.shape[0] == 0:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, blocks=blocks)

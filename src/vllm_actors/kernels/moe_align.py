@@ -66,9 +66,10 @@ def align_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Align
 if HAVE_TRITON:
 
     @triton.jit
-    def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, start_ptr, end_ptr, num_blocks_ptr, P, NB,
-                      BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        """One program: count each expert's pairs, place every pair (stable), write the block table."""
+    def align_pairs(ids_ptr, sorted_ptr, expert_ptr, start_ptr, end_ptr, num_blocks_ptr, P, NB,
+                    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """The whole alignment in the calling program (also called by ``moe_routing``'s fused launch):
+        count each expert's pairs, place every pair (stable), write the block table."""
         es = tl.arange(0, E_POW2)
         lanes = tl.arange(0, CHUNK)
         counts = tl.zeros([E_POW2], dtype=tl.int32)
@@ -101,17 +102,29 @@ if HAVE_TRITON:
             tl.store(start_ptr + bs, start, mask=bs < NB)
             tl.store(end_ptr + bs, end, mask=bs < NB)
 
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, start_ptr, end_ptr, num_blocks_ptr, P, NB,
+                      BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """One program: the alignment of P pairs."""
+        align_pairs(ids_ptr, sorted_ptr, expert_ptr, start_ptr, end_ptr, num_blocks_ptr, P, NB, BLOCK_M, E_POW2, CHUNK)
+
+
+def empty_alignment(pairs: int, num_experts: int, block_m: int, device: torch.device) -> Alignment:
+    """The outputs of a one-program alignment of ``pairs`` pairs, unwritten (allocations only)."""
+    nb = max_blocks(pairs, num_experts, block_m)
+    table = torch.empty((3, nb), dtype=torch.int32, device=device)
+    return Alignment(torch.empty(pairs, dtype=torch.int32, device=device), table[0], table[1], table[2],
+                     torch.empty(1, dtype=torch.int32, device=device), block_m)
+
 
 def align_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Alignment:
     """The one-program form (up to ``ONE_PROGRAM_PAIRS`` pairs and ``ONE_PROGRAM_EXPERTS`` experts)."""
-    pairs, device = topk_ids.numel(), topk_ids.device
-    nb = max_blocks(pairs, num_experts, block_m)
-    sorted_ids = torch.empty(pairs, dtype=torch.int32, device=device)
-    table = torch.empty((3, nb), dtype=torch.int32, device=device)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
-    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, table[0], table[1], table[2], num_blocks, pairs, nb,
-                        BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts), CHUNK=CHUNK, num_warps=4)
-    return Alignment(sorted_ids, table[0], table[1], table[2], num_blocks, block_m)
+    pairs = topk_ids.numel()
+    out = empty_alignment(pairs, num_experts, block_m, topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1), out.sorted_ids, out.expert, out.start, out.end, out.num_blocks, pairs,
+                        out.expert.numel(), BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts), CHUNK=CHUNK,
+                        num_warps=4)
+    return out
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, use_triton: bool) -> Alignment:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vllm_actors.envs import envs
-from vllm_actors.kernels.fused_moe import fused_moe, route
+from vllm_actors.kernels.fused_moe import fused_moe, route_for_experts
 from vllm_actors.kernels.gemv import linear
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.moe_config import EXPERT_BLOCK, EXPERT_PROJECTIONS
@@ -45,8 +45,8 @@ class SparseMoeBlock(nn.Module):
         logits = linear(x, self.gate)
         if self.router_skew is not None:
             logits = skewed_logits(self._skew_table(x.device), x.shape[0], self.layer, logits.dtype)
-        weights, ids = route(logits, self.top_k, self.renormalize)
-        return fused_moe(x, self.w13, self.w2, weights, ids)  # this rank's partial sum
+        weights, ids, blocks = route_for_experts(x, self.w13, logits, self.top_k, self.renormalize)
+        return fused_moe(x, self.w13, self.w2, weights, ids, blocks)  # this rank's partial sum
 
     def _skew_table(self, device: torch.device) -> torch.Tensor:
         """Built by the first forward, before any CUDA graph is captured (warm-ups run first)."""
