@@ -28,7 +28,8 @@ EXPERTS, HIDDEN, TOKENS = 16, 32, 4096
 ENV = "VLLM_ACTORS_MOE_ROUTER_SKEW"
 
 # vLLM's Qwen3MoeSparseMoeBlock as far as routing goes: a ReplicatedLinear gate returning (logits, bias),
-# called by the block's forward, then the softmax's top-k renormalised (its FusedMoE's router).
+# called by the block's forward, then the softmax's top-k renormalised (its FusedMoE's router; its
+# topk_softmax kernel breaks ties to the lower expert, as a stable sort does: the table's bf16 rows tie).
 FAKE_QWEN3_MOE = '''
 import torch
 from torch import nn
@@ -48,7 +49,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward(self, hidden_states):
         router_logits, _ = self.gate(hidden_states)
         probs = torch.softmax(router_logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        weights = probs.gather(-1, ids)
         return weights / weights.sum(dim=-1, keepdim=True), ids
 '''
 
