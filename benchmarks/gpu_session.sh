@@ -109,7 +109,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage"
   case "$stage" in
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py \
-               tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_gemv.py
+               tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_routing.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_gemv.py
              timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
                tests/gpu/test_gpu_long_context.py tests/gpu/test_gpu_deferred_prefill.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \

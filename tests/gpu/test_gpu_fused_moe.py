@@ -1,6 +1,8 @@
 """On a GPU: the fused MoE kernel at Qwen3-30B-A3B's expert shapes (E 128, top-8, H 2048, I 768) in
-bfloat16 against the torch path in float32, eager and replayed from a CUDA graph; and the tiny
-MoE models through the engine with CUDA graphs give the torch path's greedy tokens.
+bfloat16 against the torch path in float32, eager and replayed from a CUDA graph; the routing kernel
+(with the alignment in its launch at decode sizes) against the torch reference in a graph replay,
+on random and on the skewed router's tied bf16 rows; and the tiny MoE models through the engine
+with CUDA graphs give the torch path's greedy tokens.
 
 Skipped without CUDA; run on the GPU machine by benchmarks/gpu_session.sh.
 """
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from vllm_actors import LLM, SamplingParams
-from vllm_actors.kernels import fused_moe
+from vllm_actors.kernels import fused_moe, moe_align, moe_routing
+from vllm_actors.models.router_skew import make_table, parse_skew, skewed_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,6 +48,35 @@ def test_bf16_kernel_close_to_float32_torch_and_graph_replay(tokens: int) -> Non
     ids.copy_(new_ids)
     graph.replay()
     torch.testing.assert_close(captured, fused_moe.fused_moe_triton(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "renormalize"), [
+    (1, 128, 8, True), (16, 128, 8, False), (17, 128, 8, True), (4096, 128, 8, True),  # Qwen3-30B-A3B's router
+    (3, 8, 2, True), (64, 256, 8, True), (5, 60, 4, False),  # Mixtral's; 256 experts; not a power of two
+])  # fmt: skip
+def test_routing_kernel_equals_torch_in_a_graph_replay(tokens: int, experts: int, top_k: int,
+                                                       renormalize: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn((tokens, experts), generator=gen, device="cuda").bfloat16()
+    block_m = 16
+    moe_routing.route_and_align(logits, top_k, renormalize, block_m)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, blocks = moe_routing.route_and_align(logits, top_k, renormalize, block_m)
+    table = make_table(parse_skew("zipf:1.2"), experts, "cuda")  # bf16 rows: ties at the boundary happen
+    for new in (torch.randn((tokens, experts), generator=gen, device="cuda"),
+                skewed_logits(table, tokens, 3, torch.bfloat16)):
+        logits.copy_(new)
+        graph.replay()
+        want_weights, want_ids = moe_routing.route_torch(logits, top_k, renormalize)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+        want = moe_align.align_torch(want_ids, block_m, experts)
+        used = int(want.num_blocks)
+        assert int(blocks.num_blocks) == used
+        assert torch.equal(blocks.sorted_ids, want.sorted_ids)
+        for name in ("expert", "start", "end"):
+            assert torch.equal(getattr(blocks, name)[:used], getattr(want, name)[:used]), name
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen3_moe", "tiny_mixtral"])
