@@ -54,8 +54,9 @@ def test_bf16_kernel_close_to_float32_torch_and_graph_replay(tokens: int) -> Non
     (1, 128, 8, True), (16, 128, 8, False), (17, 128, 8, True), (4096, 128, 8, True),  # Qwen3-30B-A3B's router
     (3, 8, 2, True), (64, 256, 8, True), (5, 60, 4, False),  # Mixtral's; 256 experts; not a power of two
 ])  # fmt: skip
-def test_routing_kernel_equals_torch_in_a_graph_replay(tokens: int, experts: int, top_k: int,
-                                                       renormalize: bool) -> None:
+def test_routing_kernel_equals_torch_in_a_graph_replay(tokens: int, experts: int, top_k: int, renormalize: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_routing, "ROUTE_ALIGN_TOKENS", 16)  # the one-program path up to 16 tokens, then two
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn((tokens, experts), generator=gen, device="cuda").bfloat16()
     block_m = 16

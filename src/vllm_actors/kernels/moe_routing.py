@@ -30,7 +30,9 @@ try:
 except ImportError:  # pragma: no cover - triton is installed with the project
     HAVE_TRITON = False
 
-ROUTE_ALIGN_TOKENS = 16  # up to this many tokens, routing and alignment run in one program
+# Up to this many tokens routing and alignment run in one program. 0 (two launches) until the GPU test of the one
+# program (tests/gpu/test_gpu_fused_moe.py, which sets 16) has run: its ids cross threads through a barrier.
+ROUTE_ALIGN_TOKENS = 0
 MAX_EXPERTS = ONE_PROGRAM_EXPERTS  # the kernel holds a row of every expert in one block
 MAX_TOP_K = 16  # the kernel unrolls one max-and-pick per choice
 
