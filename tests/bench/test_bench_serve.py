@@ -118,7 +118,9 @@ def test_open_loop_against_fake_server(fake_server: str) -> None:
         assert sum(r.itl) >= (r.max_tokens - 1) * GAP_S * 0.8  # the server sleeps between tokens
         assert r.e2e >= r.ttft + sum(r.itl) - 1e-6
     assert by_tokens[SLOW_TOKENS].ttft >= SLOW_FIRST_S * 0.9
-    assert results[1].start - results[0].start >= 0.005  # sent at their offsets
+    # sent at their offsets: never before (how late a loaded machine sends one is not this test's business;
+    # comparing two requests' send times failed when the first went out late)
+    assert all(r.start >= start + requests[r.index].offset - 1e-6 for r in results)
 
     summary = summarize(results, start, ttft_slo=0.2, itl_slo=0.05)
     assert summary["requests"] == 6 and summary["failed"] == 1 and summary["completed"] == 5
