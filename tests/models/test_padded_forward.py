@@ -80,3 +80,29 @@ def test_deferred_input_ids_are_filled_in_the_padded_pass(runner: ModelRunner) -
     assert torch.allclose(padded.run(deferred, 16), expected, atol=1e-5)
     deferred.deferred = DeferredInputs(flat_index=[0, 3], source=torch.tensor([9, 30, 12]), source_row=[2, 0])
     assert torch.allclose(runner._run_eager(deferred), expected, atol=1e-5)
+
+
+def test_eager_and_padded_steps_fence_their_staging_set_once_its_copies_are_enqueued(runner: ModelRunner) -> None:
+    from tests.models.test_staging import _Fences
+
+    class _Model:  # the passes' outputs do not matter here: only the staging they go through
+        def __call__(self, input_ids: torch.Tensor, *_: object) -> torch.Tensor:
+            return torch.zeros(len(input_ids), 2)
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden
+
+    runner.model = _Model()
+    fences = _Fences()
+    runner._staging = runner._new_staging(fences)
+    padded = PaddedForward(runner, max_num_tokens=64, max_num_seqs=8)
+    tables = [[0, 1], [2, 3]]
+    steps = [_batch([[5, 9, 2], [4, 4]], [0, 0], tables), _batch([[7], [6]], [3, 2], tables),
+             _batch([[1, 2], [3]], [4, 3], tables)]
+    for number, batch in enumerate(steps, start=1):
+        if number == 2:
+            padded.run(batch, padded.bucket(batch) or 0)
+        else:
+            runner._run_eager(batch)
+        # recorded by the step itself (not at the next step's acquire); the third step reuses the first's set
+        assert (fences.count("record"), fences.count("wait")) == (number, max(number - 2, 0))

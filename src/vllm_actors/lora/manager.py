@@ -20,6 +20,7 @@ import torch
 from vllm_actors.lora.adapter import FUSED_PARTS, load_adapter, read_adapter
 from vllm_actors.lora.slots import FusedLoRA, LayerLoRA, LoRABatch
 from vllm_actors.protocol.lora import LoRARequest
+from vllm_actors.runner.staging import StagingSets
 
 log = structlog.get_logger(__name__)
 
@@ -55,8 +56,8 @@ class LoRAManager:
         self.cpu: OrderedDict[int, tuple[str, Weights]] = OrderedDict()  # adapter id -> (path, weights)
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         pin = device.type == "cuda"
-        self._host = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._turn = 0
+        # the step's per-token slots, staged in two host buffers in turn (refilled once copied: staging.py)
+        self._host = StagingSets(lambda: torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=pin), device)
         self._written = 0  # leading device entries that may hold a slot (the rest are -1)
 
     # ------------------------------------------------------------------ adapters
@@ -111,11 +112,11 @@ class LoRAManager:
             return  # the device buffer is all -1 already
         per_seq = np.array([-1 if lora is None else self._slot(lora, in_use) for lora in loras or ()]
                            or [-1] * len(query_lens), dtype=np.int32)
-        self._turn ^= 1
-        host = self._host[self._turn]
+        host = self._host.acquire()
         view = host.numpy()
         view[:num_tokens] = np.repeat(per_seq, np.asarray(query_lens, dtype=np.int64))
         span = max(num_tokens, self._written)
         view[num_tokens:span] = -1
         self.batch.token_slots[:span].copy_(host[:span], non_blocking=True)
+        self._host.enqueued()
         self._written = num_tokens if in_use else 0

@@ -46,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 
 
 # What a runner holds on the device (a half-built one may lack some)
-_DEVICE_ATTRIBUTES = ("drafter", "model", "kv_caches", "host_tier", "_staging_sets", "_graphs", "_sampled_graphs",
+_DEVICE_ATTRIBUTES = ("drafter", "model", "kv_caches", "host_tier", "_staging", "_graphs", "_sampled_graphs",
                       "_static", "_padded", "_stage_io")
 
 

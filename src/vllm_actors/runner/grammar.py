@@ -16,7 +16,8 @@ and installs with no dependencies.
   aborted, preempted) drops its matcher; a preempted one comes back as new and replays its
   outputs into a fresh copy.
 * ``fill_bitmask`` writes the constrained rows' masks ([rows, ceil(vocab / 32)] int32, bit ``t % 32``
-  of word ``t // 32`` allows token ``t``) into a reused (pinned, on a GPU) host buffer; ``apply_bitmask``
+  of word ``t // 32`` allows token ``t``) into a reused (pinned, on a GPU; refilled once its copy has
+  run: ``staging.py``) host buffer; ``apply_bitmask``
   copies it to the device once and sets the disallowed logits of those rows to -inf. A matcher at the
   grammar's end (or in error) allows only EOS, which ends the request with finish reason "stop".
 """
@@ -34,6 +35,7 @@ import torch
 from vllm_actors.actors.frontend.structured import cache_key, grammar_text
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.sampling import StructuredOutputs
+from vllm_actors.runner.staging import StagingSets
 
 if TYPE_CHECKING:
     import llguidance
@@ -91,7 +93,7 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, bytes], Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = Lock()
         self._capacity = capacity
-        self._host: torch.Tensor | None = None
+        self._masks: StagingSets[torch.Tensor] | None = None  # one host buffer, refilled once its copy has run
         self._executor: llguidance.LLExecutor | None = None
         self.compiles = 0  # grammars compiled (not found in the cache)
 
@@ -126,8 +128,10 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, rows: Sequence[RowMatcher], row_index: list[int]) -> None:
         """Mask the constrained rows ``row_index`` of ``logits`` in place (``rows``: their grammars)."""
-        bitmask = self.fill_bitmask(rows, pin=logits.device.type == "cuda")
+        bitmask = self.fill_bitmask(rows, logits.device)
         apply_bitmask(logits, bitmask, row_index)
+        assert self._masks is not None  # fill_bitmask made it
+        self._masks.enqueued()
 
     def vocab_size(self) -> int:
         """The tokenizer's (the logits') width; loads the tokenizer if no grammar has yet."""
@@ -137,15 +141,20 @@ class Grammars:
                 self._tokenizer = self._load_tokenizer()
         return int(self._tokenizer.vocab_size)
 
-    def fill_bitmask(self, rows: Sequence[RowMatcher], pin: bool) -> torch.Tensor:
-        """[len(rows), ceil(vocab / 32)] int32 on the host: each row's allowed tokens."""
+    def fill_bitmask(self, rows: Sequence[RowMatcher], device: torch.device) -> torch.Tensor:
+        """[len(rows), ceil(vocab / 32)] int32 on the host (pinned for a GPU ``device``): each row's
+        allowed tokens, in a buffer whose previous copy to ``device`` has run."""
         import llguidance
 
         matchers = [row.matcher() for row in rows]  # waits for a compile still running
         words = (self.vocab_size() + 31) // 32
-        if self._host is None or self._host.shape[0] < len(rows) or self._host.shape[1] != words:
-            self._host = torch.empty((max(len(rows), 8), words), dtype=torch.int32, pin_memory=pin)
-        host = self._host[: len(rows)]
+        if self._masks is None:
+            self._masks = StagingSets(lambda: torch.empty((0, 0), dtype=torch.int32), device, count=1)
+        buffer = self._masks.acquire()
+        if buffer.shape[0] < len(rows) or buffer.shape[1] != words:
+            buffer = self._masks.replace(torch.empty((max(len(rows), 8), words), dtype=torch.int32,
+                                                     pin_memory=device.type == "cuda"))
+        host = buffer[: len(rows)]
         if len(matchers) == 1:
             matchers[0].unsafe_compute_mask_ptr(host.data_ptr(), words * 4)
         else:

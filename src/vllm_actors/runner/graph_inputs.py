@@ -4,8 +4,9 @@ A decode step (one new token per sequence) replays a CUDA graph that reads its i
 device tensors. Copying each input on its own costs one ``copy_`` call per tensor on the host's
 critical path (six, then the sampler's per-row tensors). Here every static input is a
 typed view into one byte buffer on the device; the host fills the same layout in a pinned buffer
-(two in turn, so a step can be filled while the previous one's copy may still be queued) and one
-non-blocking copy moves the bytes the bucket needs. The block tables come last, so a small bucket
+(two in turn, so a step can be filled while the previous one's copy may still be queued; a set is
+refilled only once its copy has run: ``staging.py``) and one non-blocking copy moves the bytes the
+bucket needs. The block tables come last, so a small bucket
 copies only its own rows of them.
 
 The sampler's per-row inputs (inverse temperature, noise scale, Philox seed: ``GraphSampling``)
@@ -14,11 +15,14 @@ travel in the same copy, for the graphs that draw the tokens inside the graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.runner.staging import Fence, StagingSets
 
 # (name, dtype, elements per row of the largest bucket): in buffer order, 8-byte fields first
 _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
@@ -58,7 +62,9 @@ def _views(buffer: torch.Tensor, largest: int, width: int) -> dict[str, torch.Te
 class GraphInputs:
     """The static inputs of every decode graph (views of one device buffer) and their host side."""
 
-    def __init__(self, largest: int, width: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, largest: int, width: int, block_size: int, device: torch.device,
+                 fence: Callable[[], Fence] | None = None) -> None:
+        """``fence``: the staging sets' fences (``StagingSets``; default: CUDA events on a GPU)."""
         self.largest = largest
         self.width = width
         self.block_size = block_size
@@ -68,9 +74,12 @@ class GraphInputs:
         pin = device.type == "cuda"
         self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
         self.device = _views(self._device_bytes, largest, width)
-        self._host_bytes = [torch.zeros(total, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._host = [_views(buffer, largest, width) for buffer in self._host_bytes]
-        self._turn = 0
+
+        def host_set() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+            return buffer, _views(buffer, largest, width)
+
+        self._host = StagingSets(host_set, device, fence)
         # decode: every sequence's query starts one token after the previous one's, padded or not
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.device["slot_mapping"].fill_(-1)
@@ -110,8 +119,7 @@ class GraphInputs:
         -1, length 1, greedy), copy it to the device in one go; return the deferred pairs' device
         view ([2, k]) when the batch has deferred inputs."""
         num_seqs = len(batch.query_lens)
-        self._turn ^= 1
-        host = self._host[self._turn]
+        host_bytes, host = self._host.acquire()
         positions = np.asarray(batch.positions, dtype=np.int64)
         tables = batch.table_array()
         blocks = tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64)
@@ -150,7 +158,8 @@ class GraphInputs:
             pairs[0, :count] = batch.deferred.flat_index
             pairs[1, :count] = batch.deferred.source_row
         used_bytes = self._tables_offset + bucket * self.width * 4
-        self._device_bytes[:used_bytes].copy_(self._host_bytes[self._turn][:used_bytes], non_blocking=True)
+        self._device_bytes[:used_bytes].copy_(host_bytes[:used_bytes], non_blocking=True)
+        self._host.enqueued()
         return self.device["deferred"][:, :count] if count else None
 
 

@@ -5,6 +5,7 @@ largest step (twice that with padded graphs: their pool holds one more), the sam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -17,6 +18,8 @@ from vllm_actors.models.kv_parallel import KvParallel
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runner.staging import Fence
+from vllm_actors.runner.step_inputs import StepStaging
 
 
 class KvPoolSizing:
@@ -37,11 +40,10 @@ class KvPoolSizing:
     max_model_len: int
     max_blocks_per_seq: int
     padded_graphs: bool
-    _staging_sets: list[dict[str, torch.Tensor]]
-    _staging_turn: int
+    _staging: StepStaging
     _profiling: bool
 
-    def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
+    def _new_staging(self, fence: Callable[[], Fence] | None = None) -> StepStaging:
         raise NotImplementedError
 
     def _run_eager(self, batch: BatchInput) -> torch.Tensor:
@@ -60,7 +62,7 @@ class KvPoolSizing:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
-        self._staging_sets = [self._make_staging(), self._make_staging()]
+        self._staging = self._new_staging()
         self.config = msgspec.structs.replace(self.config, enforce_eager=enforce_eager)
         self.padded_graphs = False
         self.capture_graphs()
@@ -124,8 +126,7 @@ class KvPoolSizing:
         before = torch.cuda.memory_allocated(self.device)
         saved: Any = getattr(self, "kv_caches", None)
         self.kv_caches = scratch
-        self._staging_sets = [self._make_staging(), self._make_staging()]
-        self._staging_turn = 0
+        self._staging = self._new_staging()
         self._profiling = True
         self._run_eager(batch)
         self._profiling = False

@@ -4,7 +4,8 @@ The worker hands it flattened batches (token ids, positions, block tables); it b
 metadata, runs the model and returns the logits of the positions that were asked for.
 
 On a GPU: the step's integer inputs go through pinned host buffers in one non-blocking copy each
-(two sets in turn, so a step can be prepared while the previous one's copies may still be queued);
+(two sets in turn, so a step can be prepared while the previous one's copies may still be queued;
+``step_inputs.py``, a set refilled only once its copies have run: ``staging.py``);
 input ids that the previous step sampled and the host has not read yet (``DeferredInputs``) are
 gathered from that step's sampled ids on the device. Decode steps (one new token per sequence)
 replay a CUDA graph captured for the next batch-size bucket, padded rows writing nowhere (slot -1),
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
-import numpy as np
 import structlog
 import torch
 
@@ -55,6 +56,8 @@ from vllm_actors.runner.padded_forward import PaddedForward, padded_graphs_enabl
 from vllm_actors.runner.settings import graph_sampler_enabled
 from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
+from vllm_actors.runner.staging import Fence
+from vllm_actors.runner.step_inputs import StepStaging
 from vllm_actors.runner.verify_rows import as_decode_rows
 
 log = structlog.get_logger(__name__)
@@ -114,8 +117,7 @@ class ModelRunner(KvPoolSizing):
             self.num_host_blocks = self.stage.min_int(
                 self.tp.min_int(num_host_blocks(self.config, self.bytes_per_block), self.device), self.device)
             self.host_tier = HostKvTier(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
-            self._staging_sets = [self._make_staging(), self._make_staging()]
-            self._staging_turn = 0
+            self._staging = self._new_staging()
             self._graphs: dict[int, _DecodeGraph] = {}
             self._sampled_graphs: dict[int, _DecodeGraph] = {}  # decode graphs that draw the tokens too
             self._static: GraphInputs | None = None
@@ -197,85 +199,15 @@ class ModelRunner(KvPoolSizing):
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.stage.enabled \
             and self.padded_graphs and padded_graphs_enabled()
 
-    def _make_staging(self, width: int = 1) -> dict[str, torch.Tensor]:
-        """Host buffers for a step's integer inputs (pinned on a GPU machine), block tables
-        ``width`` blocks wide."""
-        pin = self.device.type == "cuda"
-        seqs = max(self.max_num_seqs, max(GRAPH_BATCH_SIZES))
-
-        def buffer(size: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, pin_memory=pin)
-
-        width = max(width, getattr(self, "max_blocks_per_seq", 1))
-        return {
-            "input_ids": buffer(self.max_num_tokens + seqs, torch.long),
-            "positions": buffer(self.max_num_tokens + seqs, torch.long),
-            "slot_mapping": buffer(self.max_num_tokens + seqs, torch.long),
-            "query_start_loc": buffer(seqs + 1, torch.int32),
-            "seq_lens": buffer(seqs, torch.int32),
-            "logits_indices": buffer(self.max_num_tokens + seqs, torch.long),
-            "block_tables": buffer((seqs, width), torch.int32),
-            "deferred": buffer((2, seqs), torch.long),
-        }
+    def _new_staging(self, fence: Callable[[], Fence] | None = None) -> StepStaging:
+        """Two sets of host buffers for a step's integer inputs (pinned on a GPU machine, fenced)."""
+        return StepStaging(self.device, self.max_num_tokens, max(self.max_num_seqs, max(GRAPH_BATCH_SIZES)),
+                           self.block_size, getattr(self, "max_blocks_per_seq", 1), fence)
 
     # ------------------------------------------------------------------ inputs
     def _host_inputs(self, batch: BatchInput, rows: int, width: int) -> dict[str, torch.Tensor]:
-        """Fill the staging buffers; return host views of ``rows`` sequences (padded rows:
-        sequence length 1, slot -1) and block tables ``width`` blocks wide."""
-        num_tokens = len(batch.token_ids)
-        num_seqs = len(batch.query_lens)
-        self._staging_turn ^= 1
-        staging = self._staging_sets[self._staging_turn]
-        if staging["block_tables"].shape[1] < width or staging["input_ids"].shape[0] < num_tokens + rows:
-            staging = self._staging_sets[self._staging_turn] = self._make_staging(width)
-        tables = batch.table_array()
-        positions = np.asarray(batch.positions, dtype=np.int64)
-        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
-        sequence_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        blocks = tables[sequence_of_token, positions // self.block_size].astype(np.int64)
-        pad_tokens = rows - num_seqs if batch.is_decode else 0
-
-        ids = staging["input_ids"].numpy()
-        ids[:num_tokens] = batch.token_ids
-        ids[num_tokens : num_tokens + pad_tokens] = 0
-        pos = staging["positions"].numpy()
-        pos[:num_tokens] = positions
-        pos[num_tokens : num_tokens + pad_tokens] = 0
-        slots = staging["slot_mapping"].numpy()
-        slots[:num_tokens] = blocks * self.block_size + positions % self.block_size
-        slots[num_tokens : num_tokens + pad_tokens] = -1
-        start = staging["query_start_loc"].numpy()
-        start[0] = 0
-        start[1 : num_seqs + 1] = np.cumsum(query_lens)
-        start[num_seqs + 1 : rows + 1] = start[num_seqs] + np.arange(1, rows - num_seqs + 1)
-        lens = staging["seq_lens"].numpy()
-        lens[:num_seqs] = batch.seq_lens
-        lens[num_seqs:rows] = 1
-        table_view = staging["block_tables"].numpy()
-        used = min(tables.shape[1], width)
-        table_view[:num_seqs, :used] = tables[:, :used]
-        table_view[:num_seqs, used:width] = 0
-        table_view[num_seqs:rows, :width] = 0
-        index = staging["logits_indices"].numpy()
-        index[: len(batch.logits_indices)] = batch.logits_indices
-        total = num_tokens + pad_tokens
-        deferred = {}
-        if batch.deferred is not None:
-            count = len(batch.deferred.flat_index)
-            pairs = staging["deferred"].numpy()
-            pairs[0, :count] = batch.deferred.flat_index
-            pairs[1, :count] = batch.deferred.source_row
-            deferred["deferred"] = staging["deferred"][:, :count]
-        return {
-            **deferred,
-            "input_ids": staging["input_ids"][:total],
-            "positions": staging["positions"][:total],
-            "slot_mapping": staging["slot_mapping"][:total],
-            "query_start_loc": staging["query_start_loc"][: rows + 1],
-            "seq_lens": staging["seq_lens"][:rows],
-            "block_tables": staging["block_tables"][:rows, :width],
-            "logits_indices": staging["logits_indices"][: len(batch.logits_indices)],
-        }
+        """The step's inputs in the next staging set (``StepStaging.fill``; ``enqueued`` once copied)."""
+        return self._staging.fill(batch, rows, width)
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
@@ -308,6 +240,7 @@ class ModelRunner(KvPoolSizing):
         width = max(math.ceil(max(batch.seq_lens) / self.block_size), 1)
         host = self._host_inputs(batch, num_seqs, width)
         on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in host.items()}
+        self._staging.enqueued()
         fill_deferred(on_device["input_ids"], batch, on_device.get("deferred"))
         meta = AttentionMetadata(
             slot_mapping=on_device["slot_mapping"],

@@ -28,6 +28,7 @@ from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.runner.deferred_inputs import fill_deferred
+from vllm_actors.runner.step_inputs import StepStaging
 
 PADDED_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
@@ -46,6 +47,7 @@ class _Runner(Protocol):
     max_model_len: int
     model: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    _staging: StepStaging
 
     def _host_inputs(self, batch: BatchInput, rows: int, width: int) -> dict[str, torch.Tensor]: ...
 
@@ -94,19 +96,24 @@ class PaddedForward:
             self.static["input_ids"][:size], self.static["positions"][:size], self._meta(size), runner.kv_caches
         )
 
-    def _fill(self, batch: BatchInput, size: int) -> dict[str, torch.Tensor]:
-        """Copy the step's inputs into the static buffers, padding as the module docstring says."""
+    def _fill(self, batch: BatchInput, size: int) -> torch.Tensor:
+        """Copy the step's inputs into the static buffers, padding as the module docstring says;
+        return the logits rows' index on the device (copied from the same staging set)."""
         num_tokens = len(batch.token_ids)
         num_seqs = len(batch.query_lens)
         host = self.runner._host_inputs(batch, num_seqs, self.width)
         static = self.static
+        device = self.runner.device
         for name in ("input_ids", "positions", "slot_mapping"):
             static[name][:num_tokens].copy_(host[name], non_blocking=True)
         static["query_start_loc"][: num_seqs + 1].copy_(host["query_start_loc"], non_blocking=True)
         static["seq_lens"][:num_seqs].copy_(host["seq_lens"], non_blocking=True)
         static["block_tables"][:num_seqs].copy_(host["block_tables"], non_blocking=True)
-        if "deferred" in host:  # ids the previous step sampled, still on the device
-            fill_deferred(static["input_ids"], batch, host["deferred"].to(self.runner.device, non_blocking=True))
+        index = host["logits_indices"].to(device, non_blocking=True)
+        deferred = host["deferred"].to(device, non_blocking=True) if "deferred" in host else None
+        self.runner._staging.enqueued()  # the last copy out of the staging set: it may be refilled once this has run
+        if deferred is not None:  # ids the previous step sampled, still on the device
+            fill_deferred(static["input_ids"], batch, deferred)
         if size > num_tokens:
             static["input_ids"][num_tokens:size].zero_()
             static["positions"][num_tokens:size].zero_()
@@ -114,18 +121,17 @@ class PaddedForward:
         if self.max_num_seqs > num_seqs:
             static["query_start_loc"][num_seqs + 1 :].fill_(num_tokens)
             static["seq_lens"][num_seqs:].zero_()
-        return host
+        return index
 
     def run(self, batch: BatchInput, size: int) -> torch.Tensor:
         """Logits of ``batch.logits_indices`` (the model's dtype): the captured graph for ``size`` replayed, or
         (none captured) the same padded pass run eagerly."""
-        host = self._fill(batch, size)
+        index = self._fill(batch, size)
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
         else:
             hidden = self._forward(size)
-        index = host["logits_indices"].to(self.runner.device, non_blocking=True)
         return self.runner.model.compute_logits(hidden.index_select(0, index))
 
     def capture(self, pool: Any, stream: torch.cuda.Stream) -> None:
