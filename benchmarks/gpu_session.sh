@@ -110,7 +110,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py \
                tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_routing.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_gemv.py
-             timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_triton_kernels.py \
+             timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests/kernels/test_paged_attention_gpu.py \
                tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_fp8_kv.py \
                tests/gpu/test_gpu_long_context.py tests/gpu/test_gpu_deferred_prefill.py tests/models/test_uploads.py tests/gpu/test_gpu_flash_attn_prefill.py \
                tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_sleep_mode.py \
@@ -123,7 +123,7 @@ for stage in "${stages[@]}"; do
                2>&1 | tee "$out/tptests.log" | tail -40 ;;
     allreduce) timeout 300 python3 benchmarks/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -20 ;;
     synctests) timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu tests/models/test_uploads.py \
-                 tests/kernels/test_triton_kernels.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
+                 tests/kernels/test_paged_attention_gpu.py -k "synchronises or launches or penalties" 2>&1 | tee "$out/synctests.log" | tail -30 ;;
     prefillprof) # PROFILE_RUNS: "name|ENV=V ...|arguments" entries separated by ";" (default: one plain run)
       IFS=';' read -r -a runs <<< "${PROFILE_RUNS:-base||}"
       for run in "${runs[@]}"; do IFS='|' read -r name envs args <<< "$run"

@@ -147,7 +147,7 @@ def test_a_real_model_restores_an_evicted_prefix_with_identical_greedy_output(ti
 def restart_worker(engine: InProcessEngine, runner: FakeRunner, host: str) -> FakeRunner:
     """A fresh worker on a runner whose "GPU" holds garbage; ``host`` "kept": the host tier's memory
     outlived the old worker (the supervisor's shared file), "garbage": it did not."""
-    from tests.engine.test_engine_recovery import recover
+    from tests.support.recovery_runs import recover
     from vllm_actors.actors.worker.worker import Worker
     from vllm_actors.protocol.names import WORKER
     from vllm_actors.runner.sampler import Sampler
@@ -209,7 +209,7 @@ def test_a_restarted_kv_cache_manager_takes_the_host_tier_with_it() -> None:
         engine.step()
     old = engine.kv_cache_manager
     engine.replace_actor(KVCacheManager(old.pool.num_blocks, old.block_size, old.host.num_slots))
-    from tests.engine.test_engine_recovery import recover
+    from tests.support.recovery_runs import recover
     from vllm_actors.protocol.names import KV_CACHE_MANAGER
 
     recover(engine, KV_CACHE_MANAGER, first=False)

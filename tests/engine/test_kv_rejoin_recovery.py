@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.engine.test_engine_prefix_caching import record_events
-from tests.engine.test_engine_recovery import Job, engine_for, run, workload
 from tests.support.fake_runner import FakeRunner
+from tests.support.recovery_runs import Job, engine_for, run, workload
 from vllm_actors.actors.frontend.outputs import RequestOutput
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.worker.step_data import BatchInput

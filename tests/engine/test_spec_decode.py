@@ -171,8 +171,8 @@ def test_restarts_n2_and_prefix_hits_under_speculation_give_the_same_outputs(see
     """The recovery tests' workload (greedy, seeded, n = 2, stops, shared prefixes) under speculation
     with a KV-manager, worker or scheduler restart every few steps: the outputs of a clean run
     without speculation."""
-    from tests.engine.test_engine_recovery import restart_kv_manager, restart_scheduler, restart_worker, workload
-    from tests.engine.test_engine_recovery import run as run_with_faults
+    from tests.support.recovery_runs import restart_kv_manager, restart_scheduler, restart_worker, workload
+    from tests.support.recovery_runs import run as run_with_faults
 
     jobs = workload(seed)
     expected, _ = run_with_faults(make_engine(None, num_blocks=40, budget=24)[0], jobs)

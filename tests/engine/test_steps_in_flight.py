@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.test_engine_recovery import add, plans_of, result_of, updates_of
 from tests.engine.test_scheduler import make_engine, random_prompts, record_plans, run
+from tests.support.scheduler_messages import add, plans_of, result_of, updates_of
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.sampling import SamplingParams

@@ -1,15 +1,14 @@
 """Let it crash: the supervisor restarts any actor of a group, within a budget.
 
-The policy (``runtime/supervision.py``) in process with a fake clock; then real groups on the
-tiny model: a killed metrics store and bus come back, a stopped worker is found hung and replaced,
-a worker killed mid-request resumes it from the host KV tier, and a group past its
-restart budget fails, tells its listeners and leaves no process behind.
-Every wait is on an event or a condition, with a generous safety deadline.
+Real groups on the tiny model: a killed metrics store and bus come back, a stopped worker is found
+hung and replaced, a worker killed mid-request resumes it from the host KV tier, and a group past its
+restart budget fails, tells its listeners and leaves no process behind; the run directories of dead
+supervisors are swept. Every wait is on an event or a condition, with a generous safety deadline.
+The policy alone: runtime/test_restart_policy.py; the child's side: runtime/test_liveness_reports.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -31,8 +30,6 @@ from vllm_actors.clients.sync_client import EngineClient
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import ActorFailed, ActorRestarted, event_type
 from vllm_actors.protocol.metrics import EventsQuery, EventsReply, MetricsCodec, MetricsQuery, MetricsReply
-from vllm_actors.runtime.monitor import LineReader
-from vllm_actors.runtime.supervision import Liveness, RestartBudget, exit_detail
 from vllm_actors.runtime.supervisor import ActorDiedError, ProcessGroup
 
 # A safety net for restarts (a worker reloads the model), never a wait that must be long enough.
@@ -40,159 +37,6 @@ DEADLINE = float(os.environ.get("SUPERVISION_TEST_DEADLINE", "240"))
 LIVENESS_TIMEOUT = 2.0
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-# --------------------------------------------------------------------------- the policy
-def test_the_budget_allows_max_restarts_per_window() -> None:
-    clock = FakeClock()
-    budget = RestartBudget(2, 10.0, clock)
-    assert budget.try_spend()
-    clock.now += 1.0
-    assert budget.try_spend()
-    assert not budget.try_spend() and budget.used() == 2  # a refusal records nothing
-    clock.now += 8.9
-    assert not budget.try_spend()
-    clock.now += 0.1  # the first restart leaves the window
-    assert budget.used() == 1 and budget.try_spend() and not budget.try_spend()
-    clock.now += 100
-    assert budget.used() == 0
-    assert not RestartBudget(0, 60.0, clock).try_spend()
-    with pytest.raises(ValueError):
-        RestartBudget(-1, 60.0, clock)
-
-
-def test_liveness_verdicts() -> None:
-    clock = FakeClock()
-    liveness = Liveness(timeout=5.0, max_busy=300.0, clock=clock)
-    assert liveness.verdict("worker-0") is None  # not watched
-    liveness.started("worker-0")
-    clock.now += 4.9
-    assert liveness.verdict("worker-0") is None
-    clock.now += 0.1
-    assert "no liveness ping for 5.0 s" in (liveness.verdict("worker-0") or "")
-    liveness.ping("worker-0", busy=0.0)
-    assert liveness.verdict("worker-0") is None
-    liveness.ping("worker-0", busy=300.0)  # a long step is allowed up to the limit
-    assert liveness.verdict("worker-0") is None
-    liveness.ping("worker-0", busy=300.5)
-    assert "busy on one message for 300.5 s" in (liveness.verdict("worker-0") or "")
-    liveness.ping("worker-0", busy=0.0)
-    assert liveness.verdict("worker-0") is None
-    liveness.forget("worker-0")
-    clock.now += 60
-    assert liveness.verdict("worker-0") is None
-
-
-def test_exit_details() -> None:
-    assert exit_detail(-9) == "killed by SIGKILL"
-    assert exit_detail(1) == "exit code 1"
-    assert exit_detail(0) == "exit code 0"
-
-
-# --------------------------------------------------------------------------- the child's side
-PINGING_CHILD = """
-import sys
-from vllm_actors.runtime.process import report, set_busy_source
-set_busy_source(lambda: 1.25)
-report("ready", info={"x": 1})
-sys.stdin.read()  # until the parent closes our stdin
-"""
-
-
-def test_a_child_pings_after_ready_with_its_busy_time() -> None:
-    child = subprocess.Popen([sys.executable, "-c", PINGING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    killer = threading.Timer(DEADLINE, child.kill)  # a safety net: readline blocks until a line comes
-    killer.start()
-    try:
-        assert child.stdout is not None
-        lines = [json.loads(child.stdout.readline()) for _ in range(3)]
-        assert lines == [{"status": "ready", "info": {"x": 1}}, *[{"status": "alive", "busy": 1.25}] * 2]
-    finally:
-        killer.cancel()
-        child.kill()
-        child.wait()
-        for pipe in (child.stdin, child.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
-def test_the_shell_reports_how_long_the_message_in_hand_takes(tmp_path: Path) -> None:
-    from vllm_actors.protocol.codec import MessageCodec
-    from vllm_actors.protocol.messages import AbortRequests
-    from vllm_actors.runtime.zmq_shell import ActorShell
-
-    seen: list[tuple[bool, float]] = []
-    handled = threading.Event()
-
-    class Slow:
-        name = "slow"
-
-        def handle(self, message: object) -> list:
-            seen.append((shell.busy_since is not None, shell.busy_seconds()))
-            handled.set()
-            return []
-
-    context = zmq.Context()
-    shell = ActorShell(context, Slow(), "slow", f"ipc://{tmp_path}/inbox", f"ipc://{tmp_path}/bus", {},
-                       {AbortRequests: None})
-    stop = threading.Event()
-    serving = threading.Thread(target=shell.run, args=(stop,))
-    serving.start()
-    sender = context.socket(zmq.DEALER)
-    sender.setsockopt(zmq.LINGER, 0)
-    sender.connect(f"ipc://{tmp_path}/inbox")
-    try:
-        assert shell.busy_seconds() == 0.0
-        sender.send(MessageCodec().encode(AbortRequests(request_ids=[])))
-        assert handled.wait(DEADLINE)
-        assert seen[0][0] and seen[0][1] >= 0.0  # busy while handling
-    finally:
-        stop.set()
-        serving.join()
-        sender.close()
-        shell.close()
-        context.term()
-    assert shell.busy_since is None and shell.busy_seconds() == 0.0
-
-
-def test_the_line_reader_splits_whole_lines() -> None:
-    read_end, write_end = os.pipe()
-    with os.fdopen(read_end, "rb") as stream:
-        reader = LineReader(stream)
-        os.write(write_end, b'{"a": 1}\n{"b"')
-        reader.fill()
-        assert reader.lines() == [b'{"a": 1}']
-        os.write(write_end, b': 2}\n\n')
-        reader.fill()
-        assert reader.lines() == [b'{"b": 2}'] and not reader.eof
-        os.close(write_end)
-        reader.fill()
-        assert reader.eof and reader.lines() == []
-
-
-def test_only_the_supervisor_may_ask_the_scheduler_for_a_pipeline_reset(tiny_qwen3: Path) -> None:
-    from vllm_actors.protocol.config import resolve_scheduler_config
-    from vllm_actors.protocol.messages import RecoverPipeline
-    from vllm_actors.runtime.process import ActorSpec
-    from vllm_actors.runtime.roles import role_of
-    from vllm_actors.runtime.run_dir import make_addresses
-
-    config = EngineConfig(model=str(tiny_qwen3))
-    spec = ActorSpec(role="scheduler", actor_id="scheduler", addresses=make_addresses(Path("/nonexistent"), 1),
-                     engine=config, scheduler=resolve_scheduler_config(config, 256, 32), num_blocks=32)
-    role = role_of(spec.role)
-    role.build(spec)  # the role builds from this spec
-    accepts = role.accepts(spec.replica)
-    assert accepts[RecoverPipeline] == frozenset({b"supervisor"})
-
-
-# --------------------------------------------------------------------------- real groups
 def until(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

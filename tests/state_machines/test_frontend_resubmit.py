@@ -2,7 +2,7 @@
 restart ``Frontend.resubmit`` sends every unfinished request again (resume=True, with the tokens
 received so far, its priority, deadlines, children and seeds); when the group fails ``fail_all``
 ends every open request at once with finish reason "error". The clients and the HTTP server
-across a restart are in clients/test_client_recovery.py.
+across a restart are in clients/ (test_client_recovery.py, test_async_client_recovery.py, test_http_recovery.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fakes behind the client-side tests: a scheduler on a real ROUTER socket (one token per
 request per tick; it can crash, restart, be paced one step at a time or held at n outputs), the
 supervisor's contract for the clients (a fake process group), and ``Env``, which holds them with a
-group's addresses and a tokenizer (the ``env`` fixture of tests/clients/test_client_recovery.py, which
+group's addresses and a tokenizer (the ``env`` fixture of fake_env.py, which tests/clients,
 fake_served.py and the HTTP-edge tests share)."""
 
 from __future__ import annotations

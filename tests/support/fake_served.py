@@ -1,5 +1,5 @@
 """The OpenAI app over an AsyncEngineClient and a fake scheduler (no processes, no model): the
-``env`` and ``tokenizer`` fixtures of test_client_recovery, re-exported for the HTTP-edge tests."""
+``env`` and ``tokenizer`` fixtures of fake_env.py, re-exported for the HTTP-edge tests."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tests.clients.test_client_recovery import env, tokenizer
+from tests.support.fake_env import env, tokenizer
 from tests.support.fake_scheduler import Env, wait_until_async
 from vllm_actors.clients.async_client import AsyncEngineClient
 from vllm_actors.server import build_app
