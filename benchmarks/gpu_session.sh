@@ -31,7 +31,7 @@
 #           prefillprof (where a long prefill's time goes: benchmarks/prefill_profile.py once per PROFILE_RUNS entry,
 #           "name|ENV=V ...|arguments" separated by ";"; results in $out/prefill_profile-NAME.json and prefill_profile.log),
 #           waitvllm (wait for /tmp/vsite/.ready, which a background vLLM install touches when done),
-#           lora (benchmarks/lora_throughput.py, ours then vLLM, with the arguments after `--`; results in $out/lora.log),
+#           lora, lora-ours, lora-vllm (benchmarks/lora_throughput.py, ours then vLLM or one of them, with the arguments after `--`; results in $out/lora.log),
 #           py (python3 with the arguments after `--`, e.g. a probe script; its console in $out/py.log),
 #           pytest (the GPU-marked tests of the files after `--`, one pytest per file (PYTEST_FILE_TIMEOUT, default 300 s;
 #           PYTEST_TEST_TIMEOUT per test, 150 s), failures with short tracebacks; results in $out/pytest.log),
@@ -158,14 +158,20 @@ for stage in "${stages[@]}"; do
                     | tee "$out/prefillbench.log" | tail -60 ;;
     waitvllm) # until a background `.vllmpeer/assemble.sh && touch /tmp/vsite/.ready` is done (at most 300 s)
       for _ in $(seq 300); do [ -f /tmp/vsite/.ready ] && break; sleep 1; done; [ -f /tmp/vsite/.ready ] ;;
-    lora) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its site first)
-      timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee "$out/lora.log" | tail -12
-      echo "ours: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
-      # vLLM 0.26's V2 model runner hung at start with LoRA on the H100 (no output for 280 s): its V1 runner
-      PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_USE_V2_MODEL_RUNNER=0 timeout 280 python3 benchmarks/lora_throughput.py \
-        --engine vllm "$@" 2>&1 \
-        | tee -a "$out/lora.log" | tail -12
-      echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log" ;;
+    lora|lora-ours|lora-vllm) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its
+      # site first); lora-ours and lora-vllm run one engine each, for two lanes
+      if [ "$stage" != lora-vllm ]; then
+        timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee -a "$out/lora.log" | tail -12
+        echo "ours: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
+      fi
+      # vLLM 0.26 went silent at start with LoRA on the H100 (V2 and V1 runners, 280 s): its V1 runner, more
+      # time, and every process's stacks printed each HANG_DUMP_AFTER_S seconds (benchmarks/lib/hangdump)
+      if [ "$stage" != lora-ours ]; then
+        PYTHONPATH=benchmarks/lib/hangdump:/tmp/vsite:$PYTHONPATH HANG_DUMP_AFTER_S=${HANG_DUMP_AFTER_S:-150} \
+          VLLM_USE_V2_MODEL_RUNNER=0 timeout "${LORA_PEER_TIMEOUT:-420}" python3 benchmarks/lora_throughput.py \
+          --engine vllm "$@" 2>&1 | tee -a "$out/lora.log" | tail -12
+        echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
+      fi ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
           else bash .vllmpeer/assemble.sh; fi ;;
     sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"
