@@ -29,12 +29,10 @@ once by its position (``RequestUpdate.output_index``, ``in_place``): an update t
 what it forwarded is held back, the catch-up brings its tokens.
 
 With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's pool is placed on a
-home replica with blocks borrowed from lenders: each lender's scheduler gets ``LendKv``, and the
-request waits here until every lender's ``KV_LENT`` (its blocks reserved and on their way to its
-workers); each gets ``ReturnKv`` when it ends (finished or aborted); a restarted lender's scheduler
-is asked for its loans again. One that fits nowhere, even borrowing, is refused here.
-The home's scheduler gets ``BorrowKv`` (its lenders and their blocks, in table order) right before
-the request. ``build_controller`` gives it a planner with ``kv_borrowing`` only.
+home replica with blocks borrowed from lenders (``borrowing.Borrowing``: the loans' messages); it
+waits here until every lender confirmed, and one that fits nowhere, even borrowing, is refused here.
+A restarted lender's scheduler is asked for its loans again. ``build_controller`` gives it a
+planner with ``kv_borrowing`` only.
 
 A pure state machine: no sockets, no clock. Replicas are addressed by their scheduler's name
 (``scheduler@<r>``); ``Routed`` events say where each request went.
@@ -49,7 +47,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused, Placement
+from vllm_actors.actors.controller.borrowing import Borrowing
+from vllm_actors.actors.controller.kv_loans import LoanPlanner
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -60,7 +59,6 @@ from vllm_actors.protocol.events import (
     KvLent,
     Routed,
 )
-from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -140,7 +138,12 @@ class Controller:
         self.num_gapped = 0  # updates held back: they started past the tokens forwarded (in_place)
         # requests a replica runs that nobody here routed (a restart of ours): id -> replica
         self.unclaimed: OrderedDict[str, int] = OrderedDict()
-        self.held: dict[str, set[int]] = {}  # borrowing requests -> lenders whose KV_LENT has not come yet
+        self.borrowing = Borrowing(loans, self.scheduler_of) if loans is not None else None
+
+    @property
+    def held(self) -> dict[str, set[int]]:
+        """Borrowing requests waiting here -> their lenders whose KV_LENT has not come yet."""
+        return self.borrowing.held if self.borrowing is not None else {}
 
     def scheduler_of(self, replica: int) -> str:
         return replica_actor(SCHEDULER, replica)
@@ -191,55 +194,38 @@ class Controller:
     def _place(self, add: AddRequest) -> Outputs | None:
         """A request too long for some replica's pool: on its home, with loans asked of its lenders
         first (None: the router decides; refused when it fits nowhere, even borrowing)."""
-        assert self.loans is not None
+        assert self.borrowing is not None
         views = self.router.replicas
         candidates = [r for r, view in enumerate(views) if view.up] or list(range(self.num_replicas))
-        needed = self.loans.blocks_needed(len(add.prompt_token_ids), len(add.output_token_ids), add.params.max_tokens)
-        out = Outputs()
-        try:
-            placement = self.loans.place(add.request_id, needed, candidates, [view.in_flight for view in views])
-        except LoanRefused as error:
-            del self.requests[add.request_id]
-            out.emit(Aborted(request_id=add.request_id, reason="error"))
-            refusal = RequestUpdate(request_id=add.request_id, finish_reason="error", error=str(error))
-            out.send(FRONTEND, RequestUpdates(step_id=-1, updates=[refusal]))
-            return out
-        if placement is None:
+        placed = self.borrowing.place(add, candidates, [view.in_flight for view in views])
+        if placed is None:
             return None
-        views[placement.home].in_flight += 1
-        if self.router.policy == "pull" and placement.home in self.router.slots:
-            self.router.slots.remove(placement.home)  # its slot, given back when the request ends
-        for lender, count in placement.lenders.items():
-            out.send(self.scheduler_of(lender), LendKv(request_id=add.request_id, home=placement.home,
-                                                       num_blocks=count))
-        if placement.lenders:  # held here until every lender's KV_LENT (``observe``)
-            self.held[add.request_id] = set(placement.lenders)
-            return out
-        return out.extend(self._send(add.request_id, placement.home, "largest_pool", 0))
+        if placed.refused is not None:
+            del self.requests[add.request_id]
+            placed.out.emit(Aborted(request_id=add.request_id, reason="error"))
+            refusal = RequestUpdate(request_id=add.request_id, finish_reason="error", error=placed.refused)
+            placed.out.send(FRONTEND, RequestUpdates(step_id=-1, updates=[refusal]))
+            return placed.out
+        home = self.borrowing.home_of(add.request_id)
+        views[home].in_flight += 1
+        if self.router.policy == "pull" and home in self.router.slots:
+            self.router.slots.remove(home)  # its slot, given back when the request ends
+        if placed.home is None:  # held here until every lender's KV_LENT (``observe``)
+            return placed.out
+        return placed.out.extend(self._send(add.request_id, home, "largest_pool", 0))
 
     def _lent(self, replica: int, request_id: str) -> Outputs:
         """A lender confirmed its loan: a request whose lenders all did goes to its home, which
         learns its lenders right before it."""
-        waiting = self.held.get(request_id)
-        if waiting is None or self.loans is None:
+        out = self.borrowing.lent(replica, request_id) if self.borrowing is not None else None
+        if out is None:
             return Outputs()
-        waiting.discard(replica)
-        if waiting:
-            return Outputs()
-        del self.held[request_id]
-        placement = self.loans.placements[request_id]
-        out = Outputs()
-        out.send(self.scheduler_of(placement.home), _borrowing(request_id, placement))
-        return out.extend(self._send(request_id, placement.home, "borrowed", 0))
+        assert self.borrowing is not None
+        return out.extend(self._send(request_id, self.borrowing.home_of(request_id), "borrowed", 0))
 
     def _loans_back(self, request_id: str) -> Outputs:
         """The request ended: its lenders' blocks go back."""
-        out = Outputs()
-        placement = self.loans.release(request_id) if self.loans is not None else None
-        if placement is not None:
-            for lender in placement.lenders:
-                out.send(self.scheduler_of(lender), ReturnKv(request_id=request_id))
-        return out
+        return self.borrowing.back(request_id) if self.borrowing is not None else Outputs()
 
     def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> Outputs:
         request = self.requests[request_id]
@@ -258,7 +244,6 @@ class Controller:
                 continue  # finished meanwhile
             if request.replica is None:  # never left the controller
                 self.router.drop(request_id)
-                self.held.pop(request_id, None)
                 out += self._loans_back(request_id)
                 if message.reason != "stop":
                     out.emit(Aborted(request_id=request_id, reason=message.reason[:MAX_ABORT_REASON],
@@ -330,16 +315,12 @@ class Controller:
             return out
         for request_id, request in self.requests.items():
             if request.replica == replica:
-                placement = self.loans.placements.get(request_id) if self.loans is not None else None
-                if placement is not None and placement.lenders and placement.home == replica:
-                    out.send(self.scheduler_of(replica), _borrowing(request_id, placement))
+                borrowing = self.borrowing.borrowing_of(request_id, replica) if self.borrowing is not None else None
+                if borrowing is not None:
+                    out.send(self.scheduler_of(replica), borrowing)
                 out.send(self.scheduler_of(replica), _resumed(request_id, request))
-        if self.loans is not None:  # the loans it had granted died with it: asked for again
-            for request_id, placement in self.loans.placements.items():
-                count = placement.lenders.get(replica)
-                if count is not None:
-                    out.send(self.scheduler_of(replica), LendKv(request_id=request_id, home=placement.home,
-                                                                num_blocks=count))
+        if self.borrowing is not None:  # the loans it had granted died with it: asked for again
+            out += self.borrowing.lend_again(replica)
         return out
 
     def _replica_state(self, message: ReplicaState) -> Outputs:
@@ -418,6 +399,3 @@ class Controller:
             down.discard(event.actor)
         self.router.set_up(replica, not down and replica not in self.hosts_down)
 
-
-def _borrowing(request_id: str, placement: Placement) -> BorrowKv:
-    return BorrowKv(request_id=request_id, lenders=[[lender, count] for lender, count in placement.lenders.items()])
