@@ -160,7 +160,9 @@ class FlashAttnPrefill:
     ``pack_gqa``: ``auto``, ``on`` or ``off``; None reads ``VLLM_ACTORS_FLASH_ATTN_PACK_GQA``.
     """
 
-    def __init__(self, choice: str = "auto", varlen_func: VarlenFunc | None = None, pack_gqa: str | None = None) -> None:
+    def __init__(
+        self, choice: str = "auto", varlen_func: VarlenFunc | None = None, pack_gqa: str | None = None
+    ) -> None:
         self.choice = choice
         self._varlen = varlen_func
         self.pack_gqa = str(envs.VLLM_ACTORS_FLASH_ATTN_PACK_GQA) if pack_gqa is None else pack_gqa
