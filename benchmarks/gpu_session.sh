@@ -43,7 +43,10 @@
 #           not in the default list; extra arguments after `--` go to it, so name it alone when passing
 #           them; it writes to $LONGCTX_DIR (default /tmp/longctx, kept on a warm machine between calls,
 #           so that `--append` adds a later call's engines and contexts to the same report) and copies
-#           long_context.json, long_context.md and its engines' logs (logs.tar.gz) to $out/longctx)
+#           long_context.json, long_context.md and its engines' logs (logs.tar.gz) to $out/longctx),
+#           longab (long_context.py once per LONGAB_RUNS entry, "name|ENV=V ...|arguments" separated by ";", the
+#           arguments after `--` common to all: an A/B of settings or flags at long context; each entry's table
+#           rows in $out/longab.log, its files in $out/longab-NAME)
 # Usage: bash benchmarks/gpu_session.sh tests kernels throughput -- --num-requests 64 --no-peer
 #        bash benchmarks/gpu_session.sh tptests allreduce            # on nvidia-h200-x2
 #        bash benchmarks/gpu_session.sh vllm throughput -- --model-shape qwen3-8b -tp 2 --peer vllm --no-floor
@@ -55,6 +58,7 @@
 #        PREFILL_ARGS="--shapes qwen3-8b --block-sizes 16" bash benchmarks/gpu_session.sh prefillbench
 #        bash benchmarks/gpu_session.sh vllm longctx -- --engines ours vllm --contexts 16k 32k 64k 128k
 #        bash benchmarks/gpu_session.sh longctx -- --engines ours --contexts 1M --append   # then vllm alone
+#        LONGAB_RUNS="bs16||;bs128||--block-size 128" bash benchmarks/gpu_session.sh longab -- --engines ours
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
@@ -184,6 +188,17 @@ for stage in "${stages[@]}"; do
              cp "$dir"/long_context.json "$dir"/long_context.md "$out/longctx/" 2>/dev/null
              (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longctx/logs.tar.gz"
              [ "$rc" -eq 0 ] ;;
+    longab) # LONGAB_RUNS: "name|ENV=V ...|arguments" entries separated by ";": long_context.py once per entry, the
+            # arguments after `--` common to all, each in /tmp/longab-NAME (fresh), results in $out/longab-NAME
+      IFS=';' read -r -a runs <<< "${LONGAB_RUNS:-base||}"
+      for run in "${runs[@]}"; do IFS='|' read -r name envs args <<< "$run"
+        dir=/tmp/longab-$name; rm -rf "$dir"; mkdir -p "$dir" "$out/longab-$name"
+        echo "--- longab $name: $envs $args" | tee -a "$out/longab.log"
+        # shellcheck disable=SC2086 # the settings and arguments are word-split on purpose
+        env $envs python3 benchmarks/long_context.py --out "$dir" "$@" $args >> "$out/longab.log" 2>&1
+        grep -E "^\| [0-9]" "$dir/long_context.md" | tee -a "$out/longab.log"
+        cp "$dir"/long_context.json "$dir"/long_context.md "$out/longab-$name/" 2>/dev/null
+        (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longab-$name/logs.tar.gz"; done ;;
     events) runs=(); for pair in $(seq 1 "${EVENT_PAIRS:-2}"); do runs+=("on-$pair" "off-$pair"); done
             for run in "${runs[@]}"; do
               flag=; [ "${run%-*}" = off ] && flag=--no-events

@@ -121,14 +121,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                             {**MODEL_SHAPES[args.model_shape], "max_position_embeddings": positions})
     config = EngineConfig(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           max_model_len=args.context + 16, enable_prefix_caching=False,
-                          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85)
+                          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
+                          **({"block_size": args.block_size} if args.block_size else {}))
     engine = InProcessEngine(config, tokenizer=None)
     runner: Any = engine.worker.runner
     steps: dict[str, list[float]] = defaultdict(list)
     runner.execute = _timed(steps, "step_ms", runner.execute)
     _prefill(engine, "warm", min(args.context, 16384), seed=1)  # compiles, warms the allocator
     flash = getattr(runner.model.attn_backend, "prefill", None)
-    recorder = LastCall(flash._func()) if flash is not None else None
+    recorder = LastCall(flash.function()) if flash is not None else None
     if recorder is not None:
         flash._varlen = recorder
     steps.clear()
@@ -149,7 +150,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     probe = {"error": "no flash-attn prefill"}
     if recorder is not None:
         probe = probe_last_chunk(recorder.func, padded_call(runner, recorder))
-    return {"model_shape": args.model_shape, "context": args.context,
+    return {"model_shape": args.model_shape, "context": args.context, "block_size": runner.block_size,
             "max_num_batched_tokens": runner.max_num_tokens, "attention": repr(runner.model.attn_backend.prefill),
             "padded_graphs": sorted(getattr(runner._padded, "graphs", None) or []),
             "prefill_s_unprofiled": untimed, "step_ms_synchronised": step_ms, "step_ms_sum": sum(step_ms),
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama-3.2-1b")
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("results/prefill_profile.json"))
     args = parser.parse_args(argv)

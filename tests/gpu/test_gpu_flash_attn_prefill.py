@@ -1,6 +1,7 @@
 """On a Hopper GPU with flash-attn 4 (``flash_attn.cute``): the flash-attn prefill path against the
 torch reference for chunked prefill over cached prefixes, GQA 32/8, head_dim 64 and 128, pages of
-16 (cp.async loads) and 128 tokens (TMA loads), also replayed from a CUDA graph.
+16 (cp.async loads) and 128 tokens (TMA loads), query heads packed per KV head or not, also replayed
+from a CUDA graph.
 
 Skipped elsewhere; run on the GPU machine by ``benchmarks/gpu_session.sh fa4``.
 """
@@ -53,6 +54,16 @@ def test_flash_attn_prefill_matches_the_reference(head_dim: int, block_size: int
         batch.scale,
     )  # fmt: skip
     assert_matches(out, triton_out.float(), m)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_unpacked_query_heads_match_the_reference(block_size: int) -> None:
+    """``VLLM_ACTORS_FLASH_ATTN_PACK_GQA=off``: one query head a tile, over pages loaded by cp.async and by TMA."""
+    batch = paged_batch(SPECS, block_size, HEADS, KV_HEADS, 128, torch.bfloat16, CUDA, seed=7 + block_size)
+    expected = batch.reference()
+    batch.write_new_tokens()
+    out = FlashAttnPrefill("flash_attn", pack_gqa="off")(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_matches(out, expected, batch.meta)
 
 
 def test_the_backend_sends_long_chunks_to_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:

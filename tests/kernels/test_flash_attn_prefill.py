@@ -23,6 +23,7 @@ from vllm_actors.kernels.flash_attn_prefill import (  # noqa: E402
     flash_attn_prefill_for,
     flash_attn_unavailable,
     layout_problem,
+    pack_gqa_argument,
     varlen_arguments,
 )
 from vllm_actors.kernels.prefill_choice import min_query_len, prefill_kernel  # noqa: E402
@@ -119,6 +120,28 @@ def test_arguments_of_a_known_batch() -> None:
     args = varlen_arguments(q, cache, cache, meta, 0.125)
     assert args["page_table"].tolist() == wide[:, :3].tolist() and args["page_table"].is_contiguous()
     assert args["cu_seqlens_q"].dtype == torch.int32
+
+
+@pytest.mark.parametrize(("setting", "passed"), [(None, None), ("auto", None), ("on", True), ("off", False)])
+def test_pack_gqa_follows_the_setting(monkeypatch: pytest.MonkeyPatch, setting: str | None,
+                                      passed: bool | None) -> None:
+    """``VLLM_ACTORS_FLASH_ATTN_PACK_GQA``: auto (or unset) leaves flash-attn its own choice (no argument),
+    on and off pass it; heads that are not grouped never get it; the answer is the reference's either way."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_ACTORS_FLASH_ATTN_PACK_GQA", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ACTORS_FLASH_ATTN_PACK_GQA", setting)
+    recorder = Recorder()
+    prefill = FlashAttnPrefill("flash_attn", recorder)
+    batch = paged_batch([(0, 9), (20, 12)], 16, 4, 2, 32, torch.bfloat16, seed=5)
+    expected = batch.reference()
+    batch.write_new_tokens()
+    out = prefill(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert recorder.calls[-1].get("pack_gqa") is passed
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
+    assert pack_gqa_argument("on", 4, 4) is None and pack_gqa_argument("off", 4, 4) is None
+    with pytest.raises(ValueError, match="pack_gqa must be one of auto, on, off"):
+        FlashAttnPrefill("flash_attn", recorder, pack_gqa="yes")
 
 
 class Recorder:

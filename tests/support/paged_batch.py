@@ -101,6 +101,7 @@ def flash_attn_varlen_model(
     causal: bool,
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    pack_gqa: bool | None = None,  # how the kernel tiles grouped heads: the same result either way
 ) -> tuple[torch.Tensor, None]:
     """flash_attn_varlen_func's documented semantics for paged K/V, in float32: sequence b's queries are
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], its keys the first seqused_k[b] rows of its pages

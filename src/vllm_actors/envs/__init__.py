@@ -276,6 +276,11 @@ class Envs:
         "Prefill attention on Hopper: flash-attn 4 (`flash_attn.cute`) where installed and measured faster "
         "(`auto`), wherever it can run (`flash_attn`), or never (`triton`).",
         kind="auto, triton, flash_attn", group="kernels")
+    VLLM_ACTORS_FLASH_ATTN_PACK_GQA = Setting(
+        "auto", choice("auto", "on", "off"),
+        "flash-attn 4 prefill over grouped KV heads: pack a KV head's query heads into one tile (`on`), one query "
+        "head a tile (`off`), or flash-attn's own choice (`auto`: packed whenever heads are grouped).",
+        kind="auto, on, off", group="kernels")
     VLLM_ACTORS_FP8_PREFILL_STAGING = switch(
         "Over an fp8 KV cache, a long one-sequence prefill chunk goes to flash-attn 4 through a bf16 staging of "
         "its context (where flash-attn runs; 0: the Triton kernel).", "kernels")

@@ -19,6 +19,8 @@ What it needs, read from flash-attn-4 4.0.0b36's ``interface.py`` and ``flash_fw
   whole last page of a sequence, so unused rows of a sequence's last page must be finite (the pool is
   zero-filled and only ever holds K/V values);
 * no split-KV on SM90 (decode stays on the Triton decode kernel);
+* grouped query heads share a tile per KV head by default (``pack_gqa``; flash-attn 3 packs long
+  prefills only where pages are not TMA-loaded): ``VLLM_ACTORS_FLASH_ATTN_PACK_GQA`` turns it on or off;
 * a layer's sliding window and soft cap go to its ``window_size=(window - 1, 0)`` and ``softcap``
   arguments; a ``flash_attn_varlen_func`` whose signature lacks them leaves such layers to Triton.
 
@@ -36,12 +38,14 @@ from typing import Any
 import structlog
 import torch
 
+from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.kernels.prefill_choice import PrefillKernel, prefill_choice, prefill_kernel
 
 log = structlog.get_logger(__name__)
 
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+PACK_GQA_CHOICES = ("auto", "on", "off")
 VarlenFunc = Callable[..., Any]  # flash_attn.cute.flash_attn_varlen_func
 
 
@@ -94,8 +98,10 @@ def varlen_arguments(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    pack_gqa: str = "auto",
 ) -> dict[str, Any]:
-    """The keyword arguments of ``flash_attn_varlen_func`` for one step over the paged cache.
+    """The keyword arguments of ``flash_attn_varlen_func`` for one step over the paged cache
+    (``pack_gqa``: ``auto``, ``on`` or ``off``, ``pack_gqa_argument``).
 
     No ``max_seqlen_q``/``max_seqlen_k``: flash-attn then bounds them by the q rows and the page-table
     width, so one compiled variant serves every batch (a host hint of the longest query would pick
@@ -115,7 +121,20 @@ def varlen_arguments(
         arguments["window_size"] = (sliding_window - 1, 0)
     if logits_soft_cap is not None:
         arguments["softcap"] = logits_soft_cap
+    packed = pack_gqa_argument(pack_gqa, q.shape[1], k_cache.shape[2])
+    if packed is not None:
+        arguments["pack_gqa"] = packed
     return arguments
+
+
+def pack_gqa_argument(choice: str, num_heads: int, num_kv_heads: int) -> bool | None:
+    """flash-attn's ``pack_gqa`` for a ``VLLM_ACTORS_FLASH_ATTN_PACK_GQA`` choice: None (not passed:
+    flash-attn packs whenever heads are grouped) for ``auto`` and for ungrouped heads, else on or off."""
+    if choice not in PACK_GQA_CHOICES:
+        raise ValueError(f"pack_gqa must be one of {', '.join(PACK_GQA_CHOICES)}, got {choice!r}")
+    if choice == "auto" or num_heads == num_kv_heads:
+        return None
+    return choice == "on"
 
 
 def takes_layer_options(varlen_func: VarlenFunc) -> bool:
@@ -138,11 +157,16 @@ class FlashAttnPrefill:
     ``prefill_choice`` with this step's shapes), calling it attends the step (K/V already cached).
 
     ``varlen_func`` stands in for ``flash_attn.cute.flash_attn_varlen_func`` (tests); None imports it.
+    ``pack_gqa``: ``auto``, ``on`` or ``off``; None reads ``VLLM_ACTORS_FLASH_ATTN_PACK_GQA``.
     """
 
-    def __init__(self, choice: str = "auto", varlen_func: VarlenFunc | None = None) -> None:
+    def __init__(
+        self, choice: str = "auto", varlen_func: VarlenFunc | None = None, pack_gqa: str | None = None
+    ) -> None:
         self.choice = choice
         self._varlen = varlen_func
+        self.pack_gqa = str(envs.VLLM_ACTORS_FLASH_ATTN_PACK_GQA) if pack_gqa is None else pack_gqa
+        pack_gqa_argument(self.pack_gqa, 2, 1)  # a bad choice fails here, not at the first prefill
 
     def kernel(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -182,7 +206,7 @@ class FlashAttnPrefill:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
-        arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+        arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, self.pack_gqa)
         out = self.function()(**arguments)
         return out[0] if isinstance(out, tuple) else out  # (out, lse)
 

@@ -27,7 +27,7 @@ def flash_attn_past(prefill: FlashAttnPrefill, q: torch.Tensor, k_cache: torch.T
     """Every query over the rank's keys before its chunk (``share.past``), unmasked, by flash-attn 4:
     float32 output [T, H, D] and LSE [T, H] (0 and -inf for a sequence with no such key)."""
     past_meta = dataclasses.replace(meta, seq_lens=share.past, block_tables=share.tables)
-    arguments = varlen_arguments(q, k_cache, v_cache, past_meta, scale, None, logits_soft_cap)
+    arguments = varlen_arguments(q, k_cache, v_cache, past_meta, scale, None, logits_soft_cap, prefill.pack_gqa)
     arguments.update(causal=False, return_lse=True)
     out, lse = prefill.function()(**arguments)
     num_tokens, num_heads = q.shape[:2]

@@ -245,7 +245,7 @@ def resolve_scheduler_config(
     if config.max_num_batched_tokens is not None:
         budget = config.max_num_batched_tokens
     elif config.enable_chunked_prefill:
-        budget = 8192  # vLLM's default for offline use
+        budget = 8192  # vLLM's server default on 80 GB GPUs (its LLM class takes 16384 there)
     else:
         budget = max(max_model_len, 8192)
     if not config.enable_chunked_prefill and budget < max_model_len:
