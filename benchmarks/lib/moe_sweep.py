@@ -1,20 +1,24 @@
 """The fused MoE kernel's tiles per batch size (`kernels/moe_config.py`), one GPU.
 
-    python benchmarks/moe_sweep.py [--tokens 1 2 4 ... 4096] [--tp 1] [--out results/moe_sweep]
+    python benchmarks/moe_sweep.py [--tokens 1 2 4 ... 4096] [--skew zipf:1.2 ...] [--tp 1]
+        [--out $OUT/moe_sweep] [--table-out PATH] [--no-merge]
 
 At Qwen3-30B-A3B's expert shapes (E 128, top-8, hidden 2048, moe_intermediate 768 / TP) in bfloat16,
-for each token count and for uniform and Zipf-skewed routing (``models/router_skew.py``'s table),
+for each token count and for uniform and each Zipf-skewed routing (``models/router_skew.py``'s table),
 times each GEMM (gate_up: N = 2 x 768 over K = 2048 with SiLU-and-mul; down: N = 2048 over K = 768)
-for every candidate of a bounded grid (BLOCK_M per rows per expert; BLOCK_N, BLOCK_K, warps,
-stages per BLOCK_M; those over SM90's shared memory left out), each call replayed from a CUDA graph
-cycling through weight copies that together defeat L2. Every candidate's output is checked against
-the built-in config's. Per token count the BLOCK_M whose best gate_up + best down time, summed over
-both routings, is least wins. Written to ``--out``: ``moe_sweep.json`` (every timing),
-``moe_sweep.md`` (per token count and routing: the winner's and the built-in config's times,
-TFLOP/s, and GB/s against the weights of the experts actually routed to) and
-``moe_configs/<shape>.json``, the table to commit into ``src/vllm_actors/kernels/moe_configs/``.
-About 150-200 s on an H100 (mostly ~100 Triton compiles); ``--budget-s`` stops adding token counts
-past it.
+for every candidate of a bounded grid (BLOCK_M from the mean rows per expert up to the hottest
+expert's rows, since each row block re-reads its expert's weights; BLOCK_N, BLOCK_K, warps, stages
+per BLOCK_M; those over SM90's shared memory left out), each call replayed from a CUDA graph cycling
+through weight copies that together defeat L2. Every candidate's output is checked against the
+built-in config's. Per token count the BLOCK_M whose best gate_up + best down time, summed over the
+routings, is least wins. Written to ``--out``: ``moe_sweep.json`` (every timing), ``moe_sweep.md``
+(per token count and routing: the winner's and the current config's times, TFLOP/s, and GB/s against
+the weights of the experts actually routed to) and ``moe_configs/<shape>.json``: the table the engine
+reads (the current table's entries at the token counts not swept, unless ``--no-merge``), to commit
+into ``src/vllm_actors/kernels/moe_configs/`` or to name in ``VLLM_ACTORS_MOE_CONFIG``
+(``benchmarks/throughput.py --moe-config``); ``--table-out`` copies it to a fixed path. About 150-200 s
+on an H100 for every token count (mostly ~100 Triton compiles); ``--budget-s`` stops adding token
+counts past it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -44,10 +49,11 @@ TILES = {
 GROUP_M = {16: 1, 32: 1, 64: 8, 128: 8}
 
 
-def block_ms(tokens: int) -> list[int]:
-    """BLOCK_M candidates by the rows per expert r: up to 2r (at least 16), at least r / 4 (at most 64)."""
+def block_ms(tokens: int, hot_rows: int) -> list[int]:
+    """BLOCK_M candidates by the mean rows per expert r and the hottest expert's rows h (the most any
+    routing swept gives one expert): up to max(2r, h) (at least 16), at least r / 4 (at most 64)."""
     rows = tokens * TOP_K / EXPERTS
-    return [m for m in TILES if m <= max(16, 2 * rows) and 4 * m >= min(rows, 256)]
+    return [m for m in TILES if m <= max(16, 2 * rows, hot_rows) and 4 * m >= min(rows, 256)]
 
 
 def candidates(block_m: int, gate_up: bool) -> list[Any]:
@@ -62,14 +68,33 @@ def candidates(block_m: int, gate_up: bool) -> list[Any]:
     return out
 
 
-def routings(tokens: int, skew: str) -> dict[str, torch.Tensor]:
-    from vllm_actors.models.router_skew import make_table, parse_skew
+def routings(tokens: int, skews: list[str], device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Expert ids [tokens, k]: uniform draws, and each skew's table rows as the engine's first layer takes them."""
+    from vllm_actors.models.router_skew import make_table, parse_skew, skewed_logits
 
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    uniform = torch.rand((tokens, EXPERTS), generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
-    table = make_table(parse_skew(skew), EXPERTS, "cuda")
-    skewed = table[torch.arange(tokens, device="cuda") % table.shape[0]].topk(TOP_K, dim=-1).indices
-    return {"uniform": uniform, skew: skewed}
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    out = {"uniform": torch.rand((tokens, EXPERTS), generator=gen, device=device).topk(TOP_K, dim=-1).indices}
+    for skew in skews:
+        table = make_table(parse_skew(skew), EXPERTS, device)
+        out[parse_skew(skew).spec] = skewed_logits(table, tokens, 0, torch.float32).topk(TOP_K, dim=-1).indices
+    return out
+
+
+def hottest_rows(ids: dict[str, torch.Tensor]) -> int:
+    """The most rows one expert gets under any of the routings."""
+    return max(int(torch.bincount(i.reshape(-1), minlength=EXPERTS).max()) for i in ids.values())
+
+
+def merged_table(swept: dict[str, Any], current: dict[int, Any] | None) -> dict[str, Any]:
+    """The swept entries over the current table's (token count -> config JSON), by token count."""
+    table = {str(tokens): config.to_json() for tokens, config in (current or {}).items()}
+    table.update(swept)
+    return dict(sorted(table.items(), key=lambda item: int(item[0])))
+
+
+def default_out() -> str:
+    """``$OUT/moe_sweep`` where the GPU session names its output folder, else ``results/moe_sweep``."""
+    return str(Path(os.environ.get("OUT", "results")) / "moe_sweep")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -83,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--tp", type=int, default=1, help="the intermediate size is 768 / tp")
-    parser.add_argument("--skew", default="zipf:1", help="the skewed routing (models/router_skew.py)")
-    parser.add_argument("--out", default="results/moe_sweep")
+    parser.add_argument("--skew", nargs="+", default=["zipf:1.2"],
+                        help="the skewed routings timed beside uniform (models/router_skew.py)")
+    parser.add_argument("--out", default=default_out())
+    parser.add_argument("--table-out", default=None, help="also write the table here (for --moe-config)")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="the table holds the swept token counts alone (default: over the current table)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="no new token count past this")
     parser.add_argument("--warmup-ms", type=float, default=1.0)
     parser.add_argument("--rep-ms", type=float, default=5.0)
@@ -105,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         turn = itertools.cycle(range(copies))
         return do_bench_graph(lambda: fn(next(turn)), args, calls=2 * copies) * 1e3
 
+    current_table = moe_config.tuned_table(shape, "bfloat16", device_name)  # what the engine reads now
     results: list[dict[str, Any]] = []
     table: dict[str, Any] = {}
     skipped: list[int] = []
@@ -114,20 +144,25 @@ def main(argv: list[str] | None = None) -> int:
             continue
         x = torch.randn((tokens, HIDDEN), generator=gen, device="cuda").to(dtype)
         default = moe_config.default_config(tokens, shape)
+        current = moe_config.choose_config(tokens, shape, "bfloat16", device_name)
         per_bm: dict[int, float] = {}
         best_tiles: dict[tuple[int, str], Any] = {}
         cases: dict[str, Any] = {}
-        for name, ids in routings(tokens, args.skew).items():
+        ids_by_routing = routings(tokens, args.skew)
+        sizes = sorted(set(block_ms(tokens, hottest_rows(ids_by_routing))) | {default.block_m, current.block_m})
+        for name, ids in ids_by_routing.items():
             weights = torch.softmax(torch.randn((tokens, TOP_K), device="cuda"), -1).reshape(-1)
             ref_blocks = moe_align_block_size(ids, default.block_m, EXPERTS, use_triton=True)
             ref_act = fused_moe.moe_gate_up(x, w13s[0], ref_blocks, TOP_K, default.gate_up)
             ref_out = fused_moe.moe_down(ref_act, w2s[0], weights, ref_blocks, default.down)
             experts_read = int(ids.unique().numel())
-            cases[name] = {"ids": ids, "weights": weights, "act": ref_act, "experts_read": experts_read}
-            for bm in sorted(set(block_ms(tokens)) | {default.block_m}):
+            cases[name] = {"ids": ids, "weights": weights, "act": ref_act, "experts_read": experts_read,
+                           "hottest_rows": hottest_rows({name: ids})}
+            for bm in sizes:
                 blocks = moe_align_block_size(ids, bm, EXPERTS, use_triton=True)
                 for gemm in ("gate_up", "down"):
-                    for tiles in candidates(bm, gemm == "gate_up") + [getattr(default, gemm)] * (bm == default.block_m):
+                    own = [getattr(c, gemm) for c in (default, current) if c.block_m == bm]
+                    for tiles in dict.fromkeys(candidates(bm, gemm == "gate_up") + own):
                         if gemm == "gate_up":
                             run = lambda c, b=blocks, t=tiles, x=x: fused_moe.moe_gate_up(x, w13s[c], b, TOP_K, t)  # noqa: E731
                             ok = _close(run(0), ref_act)
@@ -142,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         results.append({"tokens": tokens, "routing": name, "gemm": gemm, "block_m": bm,
                                         "tiles": tiles.__dict__, "us": us, "experts_read": experts_read})
         # the winner: per BLOCK_M the tiles least in time summed over the routings, per GEMM
-        for bm in sorted(set(block_ms(tokens)) | {default.block_m}):
+        for bm in sizes:
             total = 0.0
             for gemm in ("gate_up", "down"):
                 sums: dict[str, float] = {}
@@ -157,17 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         bm = min(per_bm, key=per_bm.__getitem__)
         chosen = moe_config.MoeConfig(bm, best_tiles[(bm, "gate_up")], best_tiles[(bm, "down")])
         table[str(tokens)] = chosen.to_json()
-        for name, case in cases.items():  # the whole op, alignment and sum included: chosen vs built-in
+        for name, case in cases.items():  # the whole op, alignment and sum included: chosen vs current
             topk_w = case["weights"].view(tokens, TOP_K)
-            for label, config in (("chosen", chosen), ("default", default)):
+            for label, config in (("chosen", chosen), ("current", current)):
                 case[f"{label}_us"] = timed(lambda c, cfg=config, ids=case["ids"], w=topk_w, x=x: (
                     fused_moe.fused_moe_triton(x, w13s[c], w2s[c], w, ids, config=cfg)))
             results.append({"tokens": tokens, "routing": name, "gemm": "fused_moe", "chosen_us": case["chosen_us"],
-                            "default_us": case["default_us"], "experts_read": case["experts_read"]})
+                            "current_us": case["current_us"], "current_block_m": current.block_m,
+                            "current_gate_up": current.gate_up.__dict__, "current_down": current.down.__dict__,
+                            "experts_read": case["experts_read"], "hottest_rows": case["hottest_rows"]})
         print(f"{tokens:5d} tokens ({time.monotonic() - began:5.0f} s): {chosen}  "
-              + "  ".join(f"{n}: {c['chosen_us']:.1f} us (built-in {c['default_us']:.1f})" for n, c in cases.items()),
+              + "  ".join(f"{n}: {c['chosen_us']:.1f} us (current {c['current_us']:.1f})" for n, c in cases.items()),
               flush=True)
-    _write(args, shape, device_name, table, results, skipped)
+    _write(args, shape, device_name, merged_table(table, None if args.no_merge else current_table), results,
+           skipped)
     return 0
 
 
@@ -186,30 +224,35 @@ def _write(args: argparse.Namespace, shape: Any, device_name: str, table: dict[s
     moe_config.parse_tables((out / "moe_configs" / name).read_text(), name)  # what the chooser will read
     (out / "moe_sweep.json").write_text(json.dumps({"device": device_name, "shape": shape.key(), "skew": args.skew,
                                                      "skipped_tokens": skipped, "results": results}, indent=1))
-    lines = ["| tokens | routing | experts read | GEMM | BLOCK_M | tiles | us | TFLOP/s | weight GB/s | built-in us |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for tokens, config in table.items():
+    lines = ["| tokens | routing | experts read | hottest expert's rows | GEMM | BLOCK_M | tiles | us | TFLOP/s | "
+             "weight GB/s | current BLOCK_M | current us |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    swept = {r["tokens"] for r in results}
+    for tokens, config in ((t, c) for t, c in table.items() if int(t) in swept):
         for routing in sorted({r["routing"] for r in results if r["tokens"] == int(tokens)}):
             rows = [r for r in results if r["tokens"] == int(tokens) and r["routing"] == routing]
+            fused = next(r for r in rows if r["gemm"] == "fused_moe")
             for gemm, n, k in (("gate_up", 2 * shape.intermediate, shape.hidden),
                                ("down", shape.hidden, shape.intermediate)):
                 tiles = config[gemm]
                 mine = next(r for r in rows if r["gemm"] == gemm and r["block_m"] == config["block_m"]
                             and r["tiles"] == tiles)
-                builtin = moe_config.default_config(int(tokens), shape)
-                base = [r["us"] for r in rows if r["gemm"] == gemm and r["block_m"] == builtin.block_m
-                        and r["tiles"] == getattr(builtin, gemm).__dict__]
+                base = [r for r in rows if r["gemm"] == gemm and r["block_m"] == fused["current_block_m"]
+                        and r["tiles"] == fused[f"current_{gemm}"]]
                 flops = 2 * int(tokens) * shape.top_k * n * k
                 read = mine["experts_read"] * n * k * 2
-                lines.append(f"| {tokens} | {routing} | {mine['experts_read']} | {gemm} | {config['block_m']} | "
-                             f"{tiles['block_n']}x{tiles['block_k']} g{tiles['group_m']} w{tiles['warps']} "
-                             f"s{tiles['stages']} | {mine['us']:.1f} | {flops / mine['us'] / 1e6:.1f} | "
-                             f"{read / mine['us'] / 1e3:.0f} | {base[0] if base else float('nan'):.1f} |")
-            fused = next(r for r in rows if r["gemm"] == "fused_moe")
-            lines.append(f"| {tokens} | {routing} | {fused['experts_read']} | whole op | | | "
-                         f"{fused['chosen_us']:.1f} | | | {fused['default_us']:.1f} |")
+                lines.append(f"| {tokens} | {routing} | {mine['experts_read']} | {fused['hottest_rows']} | {gemm} | "
+                             f"{config['block_m']} | {tiles['block_n']}x{tiles['block_k']} g{tiles['group_m']} "
+                             f"w{tiles['warps']} s{tiles['stages']} | {mine['us']:.1f} | "
+                             f"{flops / mine['us'] / 1e6:.1f} | {read / mine['us'] / 1e3:.0f} | "
+                             f"{fused['current_block_m']} | {base[0]['us'] if base else float('nan'):.1f} |")
+            lines.append(f"| {tokens} | {routing} | {fused['experts_read']} | {fused['hottest_rows']} | whole op | | | "
+                         f"{fused['chosen_us']:.1f} | | | | {fused['current_us']:.1f} |")
     if skipped:
         lines.append(f"\nNot measured (past --budget-s {args.budget_s:g}): {skipped}")
     (out / "moe_sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.table_out:
+        Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table_out).write_text(json.dumps(tuned, indent=1) + "\n")
+        print(f"the table is also at {args.table_out} (benchmarks/throughput.py --moe-config {args.table_out})")
     print(f"commit {out / 'moe_configs' / name} into src/vllm_actors/kernels/moe_configs/")

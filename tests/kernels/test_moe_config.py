@@ -1,6 +1,7 @@
 """The fused MoE kernel's launch parameters per batch size (``kernels/moe_config.py``): every
 bucket's built-in config gives the float64 definition on tiny shapes (Triton's interpreter on the
-CPU), a tuned JSON table overrides the built-in choice, and a bad table is a clear error."""
+CPU), also under Zipf-skewed routing with empty experts; BLOCK_M is sized for the hot experts; a
+tuned JSON table overrides the built-in choice, and a bad table is a clear error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from vllm_actors.kernels import fused_moe, moe_config
 from vllm_actors.kernels.moe_config import GemmTiles, MoeConfig, MoeShape
+from vllm_actors.models.router_skew import make_table, parse_skew, skewed_logits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fused_moe.HAVE_TRITON, reason="needs triton")
@@ -25,7 +27,7 @@ def _table(configs: dict[str, object], device: str = "any") -> dict[str, object]
             "tables": [{"shape": shape, "dtype": "float64", "device": device, "configs": configs}]}
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 40, 200, 600])  # rows per expert 0.5, 4, 20, 100, 300: every bucket
+@pytest.mark.parametrize("tokens", [1, 8, 40, 100, 600])  # BLOCK_M 16 (decode tiles), 16, 32, 64, 128
 def test_each_bucket_matches_the_float64_definition(tokens: int) -> None:
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn((tokens, SHAPE.hidden), generator=gen, dtype=torch.float64)
@@ -40,6 +42,46 @@ def test_each_bucket_matches_the_float64_definition(tokens: int) -> None:
     want = fused_moe.fused_moe_torch(x.double(), w13.double(), w2.double(), weights, ids)
     tolerance = 1e-12 if DEVICE.type == "cpu" else 1e-4
     torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("tokens", [24, 40, 100])  # BLOCK_M 16, 32, 64 at 16 experts, top-2
+def test_skewed_routing_with_empty_experts_matches_the_float64_definition(tokens: int) -> None:
+    """Zipf-skewed routing (the benchmarks' router table): the hot experts span several row blocks,
+    cold ones none; every bucket's built-in config still gives the float64 definition."""
+    shape = MoeShape(experts=16, hidden=48, intermediate=40, top_k=2)
+    gen = torch.Generator().manual_seed(tokens)
+    table = make_table(parse_skew("zipf:1.2"), shape.experts)
+    logits = skewed_logits(table, tokens, 0, torch.float32)
+    logits[:, -3:] = -1e4  # the three coldest experts get no token
+    weights, ids = fused_moe.route(logits, shape.top_k, True)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=shape.experts)
+    config = moe_config.default_config(tokens, shape, element_bytes=8)
+    assert int(counts.max()) > config.block_m  # the hottest expert spans row blocks
+    x = torch.randn((tokens, shape.hidden), generator=gen, dtype=torch.float64)
+    w13 = 0.3 * torch.randn((shape.experts, 2 * shape.intermediate, shape.hidden), generator=gen, dtype=torch.float64)
+    w2 = 0.3 * torch.randn((shape.experts, shape.hidden, shape.intermediate), generator=gen, dtype=torch.float64)
+    want = fused_moe.fused_moe_torch(x, w13, w2, weights, ids)
+    if DEVICE.type == "cuda":
+        x, w13, w2, weights, ids = x.float().cuda(), w13.float().cuda(), w2.float().cuda(), weights.cuda(), ids.cuda()
+    got = fused_moe.fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    tolerance = 1e-12 if DEVICE.type == "cpu" else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_block_m_holds_the_hot_experts_within_the_padding_cap() -> None:
+    """Each row block re-reads its expert's weights: BLOCK_M grows with the expected hottest expert
+    (HOT_EXPERT_LOAD x the mean rows) past what the mean alone asks, while the mean expert's padding
+    stays bounded (4x its rows, at most 64, or 2x)."""
+    big = MoeShape(experts=128, hidden=2048, intermediate=768, top_k=8)
+    assert moe_config.default_block_m(128, big) > 16  # mean 8 rows, the hottest ~64: more than one 16-row block
+    for tokens in (17, 64, 128, 256, 512, 1024, 4096):
+        rows = tokens * big.top_k / big.experts
+        block_m = moe_config.default_block_m(tokens, big)
+        cap = max(16, 2 * rows, min(4 * rows, 64))
+        assert block_m <= cap
+        hot = min(rows * moe_config.HOT_EXPERT_LOAD, tokens)
+        largest = max(m for m in moe_config.BLOCK_MS if m <= cap)
+        assert 2 * block_m >= hot or block_m == largest  # two blocks hold the hot expert, or the cap stops it
 
 
 def test_defaults_follow_the_rows_per_expert_and_fit_shared_memory() -> None:

@@ -67,6 +67,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 ROUTER_SKEW_ENV = "VLLM_ACTORS_MOE_ROUTER_SKEW"
+MOE_CONFIG_ENV = "VLLM_ACTORS_MOE_CONFIG"
 
 
 # --------------------------------------------------------------------------- arguments
@@ -108,6 +109,9 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
                        help="mixture-of-experts models: experts chosen Zipf-distributed (expert e with weight "
                             "(e+1)^-S) instead of as the random router says, in every engine alike "
                             "(VLLM_ACTORS_MOE_ROUTER_SKEW; models/router_skew.py)")
+    model.add_argument("--moe-config", type=moe_config_arg, default=None, metavar="PATH",
+                       help="our engine's fused-MoE tiles from this table (VLLM_ACTORS_MOE_CONFIG; "
+                            "benchmarks/moe_sweep.py --table-out writes one)")
 
     workload = parser.add_argument_group("workload")
     workload.add_argument("--workload", choices=("nano-vllm", "shared-prefix"), default="nano-vllm",
@@ -154,6 +158,20 @@ def router_skew_arg(text: str) -> str:
         return parse_skew(text).spec
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+
+
+def moe_config_arg(text: str) -> str:
+    """``--moe-config``'s value: a readable fused-MoE table (``kernels/moe_config.py``), as an absolute path."""
+    from vllm_actors.kernels.moe_config import parse_tables
+
+    path = Path(text).resolve()
+    try:
+        parse_tables(path.read_text(), str(path))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return str(path)
 
 
 def describe_router_skew(args: argparse.Namespace, model_path: str) -> dict[str, Any] | None:
@@ -339,6 +357,8 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             os.environ.update(trace_file.retention_env(args.trace_max_events))
         if args.moe_router_skew is not None:  # read by every worker's MoE layers as they are built
             os.environ[ROUTER_SKEW_ENV] = args.moe_router_skew
+        if args.moe_config is not None:  # read by every worker's MoE layers as they choose their tiles
+            os.environ[MOE_CONFIG_ENV] = args.moe_config
         try:
             ok = _run_ours(args, setup, report, extension)
             for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
@@ -347,6 +367,7 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
                 _run_other_batch1(args, setup, report)
         finally:
             os.environ.pop(ROUTER_SKEW_ENV, None)
+            os.environ.pop(MOE_CONFIG_ENV, None)
         extension.after_ours(args, setup, report, ok)
 
     report.total_seconds = time.perf_counter() - started

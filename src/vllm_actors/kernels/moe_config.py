@@ -1,16 +1,20 @@
 """Launch parameters of the fused MoE kernel (``kernels/fused_moe.py``) per batch size and shape.
 
-A step of T tokens routes T*k (token, choice) pairs over E experts: about T*k/E rows per expert. At
-decode that is under one row, so every program streams weight tiles for a single live row: the GEMM
-is a read of the routed experts' weights and wants BLOCK_M 16 (the smallest ``tl.dot`` tile), wide
-K tiles, deep pipelines and enough column tiles to keep every SM loading. With hundreds of rows per
-expert (prefill) it is compute bound and wants 64x128-class tiles grouped along M so that an
-expert's weight tile stays in L2 across its row blocks. ``default_config`` derives such a config
-from the rows per expert; a tuned table (``benchmarks/moe_sweep.py`` writes it) overrides it for the
-(shape, dtype, device) it was measured on: the file ``VLLM_ACTORS_MOE_CONFIG`` names first, then the
-tables shipped in ``kernels/moe_configs/``. A table's entry is taken at the measured batch size
-nearest to T (on a log scale). Both GEMMs share BLOCK_M (one alignment of the pairs) and have
-their own column/K tiles.
+A step of T tokens routes T*k (token, choice) pairs over E experts: about T*k/E rows per expert on
+average, but trained routers are skewed: the hottest experts get several times their share. At
+decode the mean is under one row, so every program streams weight tiles for a single live row: the
+GEMM is a read of the routed experts' weights and wants BLOCK_M 16 (the smallest ``tl.dot`` tile),
+wide K tiles, deep pipelines and enough column tiles to keep every SM loading. Each row block of an
+expert re-reads that expert's weight tiles, so BLOCK_M is sized for the hot experts
+(``HOT_EXPERT_LOAD`` times the mean rows in at most two blocks) while the padding of the average
+expert stays cheap: up to 4x its rows (at most 64) while the GEMM is a weight read, 2x once it
+computes. With hundreds of rows per expert (prefill) it is compute bound and wants 64x128-class
+tiles grouped along M so that an expert's weight tile stays in L2 across its row blocks.
+``default_config`` derives such a config; a tuned table (``benchmarks/moe_sweep.py`` writes it,
+timed under uniform and skewed routing) overrides it for the (shape, dtype, device) it was measured
+on: the file ``VLLM_ACTORS_MOE_CONFIG`` names first, then the tables shipped in
+``kernels/moe_configs/``. A table's entry is taken at the measured batch size nearest to T (on a
+log scale). Both GEMMs share BLOCK_M (one alignment of the pairs) and have their own column/K tiles.
 """
 
 from __future__ import annotations
@@ -84,19 +88,36 @@ def fit_stages(block_m: int, tiles: GemmTiles, gate_up: bool, element_bytes: int
     return GemmTiles(tiles.block_n, tiles.block_k, tiles.group_m, tiles.warps, stages)
 
 
-def default_config(tokens: int, shape: MoeShape, element_bytes: int = 2) -> MoeConfig:
-    """First-principles tiles by the expected rows per expert, T * k / E (module docstring)."""
+# the hottest expert's rows over the mean rows per expert that BLOCK_M is sized for: trained routers
+# give their hottest expert several times its share (4-16x), where random weights give about 1x
+HOT_EXPERT_LOAD = 8
+# (gate_up, down) tiles per BLOCK_M above decode; GROUP_M where experts hold several row blocks
+_TILES = {
+    16: (GemmTiles(64, 128, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4)),
+    32: (GemmTiles(64, 128, 4, 4, 3), GemmTiles(128, 64, 4, 4, 3)),
+    64: (GemmTiles(64, 64, 8, 4, 3), GemmTiles(128, 64, 8, 8, 3)),
+    128: (GemmTiles(64, 64, 8, 8, 3), GemmTiles(128, 64, 8, 8, 3)),  # two 128x64 accumulators: one 128x128
+}
+
+
+def default_block_m(tokens: int, shape: MoeShape) -> int:
+    """The smallest BLOCK_M holding the expected hottest expert (``HOT_EXPERT_LOAD`` times the mean
+    rows, at most every token) in two blocks; the average expert padded to at most 4x its rows (64 at
+    most: free while the GEMM reads weights) or 2x (once it computes)."""
     rows = tokens * shape.top_k / shape.experts
-    if rows <= 1:  # decode: a weight stream; narrow gate/up columns give ~2 programs per SM at top-8
+    hot = min(rows * HOT_EXPERT_LOAD, tokens)
+    cap = max(BLOCK_MS[0], 2 * rows, min(4 * rows, 64))
+    fits = [m for m in BLOCK_MS if m <= cap]
+    return next((m for m in fits if 2 * m >= hot), fits[-1])
+
+
+def default_config(tokens: int, shape: MoeShape, element_bytes: int = 2) -> MoeConfig:
+    """First-principles tiles by the rows per expert, T * k / E, and the hot experts' (module docstring)."""
+    if tokens * shape.top_k <= shape.experts:  # decode: a weight stream; narrow gate/up columns: ~2 programs per SM
         config = MoeConfig(16, GemmTiles(32, 256, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
-    elif rows <= 16:  # still one row block per expert: wider columns, same deep K pipeline
-        config = MoeConfig(16, GemmTiles(64, 128, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
-    elif rows <= 64:
-        config = MoeConfig(32, GemmTiles(64, 128, 4, 4, 3), GemmTiles(128, 64, 4, 4, 3))
-    elif rows <= 256:
-        config = MoeConfig(64, GemmTiles(64, 64, 8, 4, 3), GemmTiles(128, 64, 8, 8, 3))
-    else:  # prefill: two 128x64 accumulators (gate and up) are as wide as one 128x128
-        config = MoeConfig(128, GemmTiles(64, 64, 8, 8, 3), GemmTiles(128, 64, 8, 8, 3))
+    else:
+        block_m = default_block_m(tokens, shape)
+        config = MoeConfig(block_m, *_TILES[block_m])
     return MoeConfig(config.block_m, fit_stages(config.block_m, config.gate_up, True, element_bytes),
                      fit_stages(config.block_m, config.down, False, element_bytes))
 
