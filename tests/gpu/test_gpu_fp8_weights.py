@@ -31,14 +31,17 @@ def _problem(rows: int, n: int, k: int, block: tuple[int, int] | None, seed: int
     return x, weight, scale
 
 
+@pytest.mark.parametrize("scaled_mm", [True, False], ids=["scaled_mm", "triton"])
 @pytest.mark.parametrize("block", [(128, 128), None], ids=["block128", "channel"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 1000])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None,
+def test_fp8_gemm_against_float64(shape: tuple[int, int], rows: int, block: tuple[int, int] | None, scaled_mm: bool,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W8A8 paths: torch._scaled_mm where its probe passed ([128, 128] blocks, rows > 1), else and
+    with ``scaled_mm=False`` the Triton GEMM (and its one-row GEMV)."""
     monkeypatch.setenv("VLLM_ACTORS_FP8_GEMV_ROWS", "0")  # the W8A8 paths (the weight-only GEMV: below)
     x, weight, scale = _problem(rows, *shape, block, seed=rows)
-    got = fp8_gemm.fp8_linear(x, weight, scale, block)
+    got = fp8_gemm.fp8_linear(x, weight, scale, block, config=fp8_gemm.Fp8GemmConfig(scaled_mm=scaled_mm))
     x_q, x_s = fp8_gemm.quantize_activations(x, fp8_gemm.weight_groups(weight.shape, block)[1])
     want = fp8_gemm.fp8_linear_reference(x_q, x_s, weight, scale, block)
     assert got.dtype == torch.bfloat16
@@ -65,6 +68,17 @@ def test_fp8_gemv_against_float64(shape: tuple[int, int], rows: int, block: tupl
         fused = fp8_gemv(gate_up, weight, scale, block, silu_mul=True)
         want = fp8_gemv_reference(gate_up, weight, scale, block, silu_mul=True)
         assert float((fused.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_scaled_mm_probe_passes_on_hopper() -> None:
+    """On an H100/H200 torch's cuBLASLt block-scaled FP8 GEMM is expected to take one of the probed
+    scale layouts (else the large-batch FP8 path is the slower Triton GEMM: the log says why)."""
+    from vllm_actors.kernels import fp8_scaled_mm
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLASLt's 1x128 / 128x128 recipe is Hopper's")
+    layout = fp8_scaled_mm.layout(torch.device("cuda"), lambda x, column: fp8_gemm.quantize_activations(x, 128, column))
+    assert layout is not None, "torch._scaled_mm refused every scale layout or gave another result"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 256])

@@ -28,8 +28,10 @@ def _problem(rows: int, k: int, block: tuple[int, int] | None, seed: int) -> tup
 @pytest.mark.parametrize(("block", "config", "row_counts"), [
     ((16, 16), Fp8GemvConfig(), (1, 4)), ((16, 16), Fp8GemvConfig(block_k=32, prefetch=2), (1, 2)),
     ((32, 16), Fp8GemvConfig(block_n=16, block_k=16, prefetch=0), (3, 4)),
-    (None, Fp8GemvConfig(block_k=32, prefetch=1), (1, 2, 3, 4)),
-], ids=["block16-one_tile", "block16-tiles_prefetched", "block32x16-tiles", "channel-tiles"])
+    ((16, 32), Fp8GemvConfig(block_k=16, prefetch=1), (1, 3)),
+    (None, Fp8GemvConfig(block_k=32, prefetch=1, tiles=1), (1, 2, 3, 4)),
+], ids=["block16-one_tile", "block16-tiles_prefetched", "block32x16-tiles", "block16x32-groups_span_tiles",
+        "channel-tiles"])
 def test_gemv_against_float64(block: tuple[int, int] | None, config: Fp8GemvConfig, row_counts: tuple[int, ...],
                               ) -> None:
     for rows in row_counts:
@@ -74,5 +76,9 @@ def test_gemv_shape_and_scale_errors() -> None:
         fp8_gemv.fp8_gemv(torch.cat([x] * 5), w, s, (16, 16))
     with pytest.raises(ValueError, match="one row of"):
         fp8_gemv.fp8_gemv(x[:, :87], w, s, (16, 16), silu_mul=True)
+    with pytest.raises(ValueError, match="power-of-two width"):
+        fp8_gemv.fp8_gemv(x, w, s, (16, 24))
     with pytest.raises(ValueError, match="powers of two"):
         Fp8GemvConfig(block_k=48)
+    with pytest.raises(ValueError, match="tiles must be 1 or 2"):
+        Fp8GemvConfig(tiles=3)

@@ -298,6 +298,10 @@ class Envs:
     VLLM_ACTORS_FP8_GEMV_ROWS = Setting(
         4, integer(0), "FP8 projections of up to this many rows (at most 4) run the weight-only GEMV, activations "
         "not quantized (0: the W8A8 GEMM and GEMV at every size).", kind="int", group="kernels")
+    VLLM_ACTORS_FP8_SCALED_MM = switch(
+        "FP8 projections of [128, 128] blocks above the GEMV's rows run cuBLASLt's block-scaled FP8 GEMM "
+        "(torch._scaled_mm) where a probe at first use gives the float64 reference's result (0: the Triton GEMM).",
+        "kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
     VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")

@@ -8,7 +8,10 @@ inputs (``amax / 448``, vLLM's ``per_token_group_quant_fp8``; a group of K is pe
 weight scale per column, accumulated in float32 (vLLM's ``w8a8_block_fp8_matmul``). A one-row
 product (batch-1 decode) goes to a GEMV instead: a program per ``BLOCK_N`` columns reading each
 weight byte once, the same tile sums and scales. Up to ``VLLM_ACTORS_FP8_GEMV_ROWS`` rows (4) go to
-the weight-only GEMV of ``kernels/fp8_gemv.py`` instead, whose activations are not quantized.
+the weight-only GEMV of ``kernels/fp8_gemv.py`` instead, whose activations are not quantized. Above
+them, [128, 128] blocks go to cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``,
+``kernels/fp8_scaled_mm.py``) where a probe found it gives the reference's result, else to the
+Triton GEMM here.
 
 ``fp8_linear_reference`` computes the same in float64 (tests); ``quantize_weight`` and
 ``dequantize_weight`` convert in torch (the CPU path dequantizes at load; tests quantize with them).
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_actors.envs import envs
+from vllm_actors.kernels import fp8_scaled_mm
 
 try:
     import triton
@@ -103,7 +107,7 @@ if HAVE_TRITON:
         return tl.where(x < 0, -((-x + magic) - magic), (x + magic) - magic)
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP, stride_x, stride_q, stride_s, ROWS: tl.constexpr,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP, stride_x, stride_q, stride_s, stride_sg, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         """``ROWS`` rows of one group: each row's amax over the group, then x / scale saturated to e4m3."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -117,7 +121,7 @@ if HAVE_TRITON:
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
             q = _round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
             tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + rows * stride_s + group, scale, mask=row_mask)
+            tl.store(s_ptr + rows * stride_s + group * stride_sg, scale, mask=row_mask)
         else:
             amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
             for off in range(0, GROUP, BLOCK):
@@ -132,7 +136,7 @@ if HAVE_TRITON:
                 x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 q = _round_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
                 tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + rows * stride_s + group, scale, mask=row_mask)
+            tl.store(s_ptr + rows * stride_s + group * stride_sg, scale, mask=row_mask)
 
     @triton.jit
     def _gemm_kernel(
@@ -212,6 +216,7 @@ class Fp8GemmConfig:
     large: tuple[int, int, int, int] = (64, 128, 4, 3)
     gemv_columns: int = 16  # the interpreter: 128 (it runs programs one at a time)
     group_m: int = 8  # rows of tiles visited together (L2 reuse of the weight)
+    scaled_mm: bool = True  # above the GEMVs' rows, torch._scaled_mm where it probed right (`fp8_scaled_mm.py`)
 
 
 _CONFIG = Fp8GemmConfig()
@@ -222,17 +227,19 @@ def _require_triton() -> None:
         raise RuntimeError("the FP8 GEMMs need triton")
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton: (float8 x [M, K], float32 scales [M, ceil(K / group)]), one scale per row and group."""
+def quantize_activations(x: torch.Tensor, group: int, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: (float8 x [M, K], float32 scales [M, ceil(K / group)]), one scale per row and group;
+    ``column_major``: the scales' strides are (1, M) (cuBLASLt's layout, `kernels/fp8_scaled_mm.py`)."""
     _require_triton()
     rows, k = x.shape
     groups = -(-k // group)
     q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    s = (torch.empty((groups, rows), dtype=torch.float32, device=x.device).t() if column_major
+         else torch.empty((rows, groups), dtype=torch.float32, device=x.device))
     per_program = _ROWS if x.is_cuda else 32  # the interpreter runs programs one by one: fewer, larger ones
     block = min(triton.next_power_of_2(group), 4096 // per_program)
     _quant_kernel[(triton.cdiv(rows, per_program), groups)](
-        x, q, s, rows, k, group, x.stride(0), q.stride(0), s.stride(0), ROWS=per_program, BLOCK=block,
+        x, q, s, rows, k, group, x.stride(0), q.stride(0), s.stride(0), s.stride(1), ROWS=per_program, BLOCK=block,
         ONE_PASS=group <= block, num_warps=4,
     )
     return q, s
@@ -259,7 +266,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
     quantized per token and group of ``block[1]`` (per token without ``block``); on a GPU, up to
-    ``gemv_rows()`` rows through the weight-only GEMV (activations not quantized)."""
+    ``gemv_rows()`` rows through the weight-only GEMV (activations not quantized), above them through
+    ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product and its probe passed."""
     _require_triton()
     config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
@@ -273,7 +281,13 @@ def fp8_linear(
             return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias)
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
-    x_q, x_s = quantize_activations(x if x.stride(1) == 1 else x.contiguous(), group_k)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if rows > 1 and config.scaled_mm and fp8_scaled_mm.takes(x, weight, block):
+        layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
+        if layout is not None:
+            x_q, x_s = quantize_activations(x, group_k, column_major=layout.a_column_major)
+            return fp8_scaled_mm.scaled_mm(x_q, x_s, weight, weight_scale, layout, bias, x.dtype)
+    x_q, x_s = quantize_activations(x, group_k)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else out
     block_k = tile_k(group_k, k)

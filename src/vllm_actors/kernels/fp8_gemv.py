@@ -11,7 +11,10 @@ SiLU(gate) * up itself. The numerics, in float32 throughout:
 - block scales ``[group_n, group_k]`` (Qwen3-FP8's [128, 128]): a program's columns lie in one row
   of scale blocks (``group_n % block_n == 0``), so the scale is a function of k alone and is folded
   into the activations: ``out[m, n] = sum_k w_q[n, k] * (x[m, k] * s[n // group_n, k // group_k])``,
-  each 128-wide K group scaled by its own block's scale; K need not be a multiple of the group;
+  each K group scaled by its own block's scale; K need not be a multiple of the group. A tile is
+  ``[block_n, SPLIT, block_k // SPLIT]``, one K group along its last axis, so a program loads one
+  scale per group and multiplies it into that group's activations (a per-element ``k // group_k``
+  and scale gather cost more instructions than the float8 tile's own conversion and product);
 - a scale per output channel ``[N, 1]`` (compressed-tensors; a per-tensor scale is loaded as one):
   ``out[m, n] = s[n] * sum_k w_q[n, k] * x[m, k]``.
 
@@ -33,7 +36,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm_actors.kernels.gemv import _w_tile, _x_tile
+    from vllm_actors.kernels.gemv import _x_tile
     from vllm_actors.kernels.pdl import pdl, pdl_enter
 
 MAX_ROWS = 4  # what the kernel takes
@@ -42,17 +45,22 @@ MAX_PREFETCH = 2  # float8 tiles a one-row program may load before its PDL wait
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
-    """The bf16 GEMV's launch parameters (``GemvConfig``); ``block_k`` of float8 is half its bytes."""
+    """The bf16 GEMV's launch parameters (``GemvConfig``) and ``tiles``: a float8 tile is half the bf16
+    tile's bytes for the same float32 accumulator, so a one-row step loads two tiles into it (as many
+    bytes in flight as the bf16 GEMV's step). ``benchmarks/fp8_gemm.py --sweep`` times others."""
 
     block_n: int = 8
     block_k: int = 1024
     warps: int = 4
     stages: int = 2
     prefetch: int = 2
+    tiles: int = 2  # tiles a one-row loop step loads (1 or 2)
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefetch <= MAX_PREFETCH:
             raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {self.prefetch}")
+        if self.tiles not in (1, 2):
+            raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
         powers = self.block_n >= 1 and self.block_k >= 16 and not self.block_n & (self.block_n - 1)
         if not powers or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_n and block_k must be powers of two (block_k >= 16), got {self.block_n}, "
@@ -85,17 +93,30 @@ def takes(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, in
     group_n, group_k = weight_groups(weight.shape, block)
     if group_k >= weight.shape[1]:
         return weight_scale.shape[0] == weight.shape[0] or group_n % config.block_n == 0
-    return group_n % config.block_n == 0
+    return group_n % config.block_n == 0 and group_k >= 16 and not group_k & (group_k - 1)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _scaled_x(x_ptr, s_row_ptr, k, k_mask, K, group_k, SILU_MUL: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-        """Row 0 of x over ``k`` in float32, times its K group's scale where the scales are blocks."""
+    def _w_tile3(w_ptr, cols, col_mask, k, k_mask, stride_w):
+        """The float8 tile [BLOCK_N, SPLIT, GK] of ``cols`` over ``k`` [SPLIT, GK]."""
+        return tl.load(w_ptr + cols[:, None, None] * stride_w + k[None, :, :],
+                       mask=col_mask[:, None, None] & k_mask[None, :, :], other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _group_scales(s_row_ptr, k0, K, group_k, SPLIT: tl.constexpr, GK: tl.constexpr):
+        """The scales of the SPLIT K groups of the tile at ``k0`` (one per group: no per-element division)."""
+        starts = k0 + tl.arange(0, SPLIT) * GK
+        return tl.load(s_row_ptr + starts // group_k, mask=starts < K, other=0.0)
+
+    @triton.jit
+    def _scaled_x(x_ptr, s_row_ptr, k0, k, k_mask, K, group_k, SILU_MUL: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                  SPLIT: tl.constexpr, GK: tl.constexpr):
+        """Row 0 of x over ``k`` [SPLIT, GK] in float32, each K group times its scale where the scales are blocks."""
         x = _x_tile(x_ptr, k, k_mask, K, SILU_MUL)
         if BLOCK_SCALES:
-            x = x * tl.load(s_row_ptr + k // group_k, mask=k_mask, other=0.0)
+            x = x * _group_scales(s_row_ptr, k0, K, group_k, SPLIT, GK)[:, None]
         return x
 
     @triton.jit
@@ -104,51 +125,60 @@ if HAVE_TRITON:
         ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         STAGES: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_SCALES: tl.constexpr,  # scales per [group_n, group_k] block (else one per column)
+        SPLIT: tl.constexpr,  # K groups a tile spans: the tile is [BLOCK_N, SPLIT, BLOCK_K // SPLIT]
+        TILES: tl.constexpr,  # tiles loaded per loop step (2: one row only)
     ):
+        GK: tl.constexpr = BLOCK_K // SPLIT
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        ks = tl.arange(0, BLOCK_K)
+        ks = tl.arange(0, SPLIT)[:, None] * GK + tl.arange(0, GK)[None, :]  # a tile's K offsets [SPLIT, GK]
         s_row_ptr = s_ptr + (tl.program_id(0) * BLOCK_N // group_n) * stride_s  # this program's row of blocks
         # no kernel writes the weights: under PDL their first tiles load while the kernel before runs
         # (a tile defined under a constexpr `if` stays defined after it: the branch is inlined)
         if PREFETCH > 0:
-            w_a = _w_tile(w_ptr, cols, col_mask, ks, ks < K, stride_w)
+            w_a = _w_tile3(w_ptr, cols, col_mask, ks, ks < K, stride_w)
         if PREFETCH > 1:
-            w_b = _w_tile(w_ptr, cols, col_mask, BLOCK_K + ks, BLOCK_K + ks < K, stride_w)
+            w_b = _w_tile3(w_ptr, cols, col_mask, BLOCK_K + ks, BLOCK_K + ks < K, stride_w)
         pdl_enter(PDL)
-        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: summed over K once, at the end
+        wide = tl.zeros([BLOCK_N, SPLIT, GK], dtype=tl.float32)  # one row: summed over K once, at the end
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH > 0:
-            wide += w_a.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, ks, ks < K, K, group_k, SILU_MUL,
-                                                   BLOCK_SCALES)[None, :]
+            wide += w_a.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, 0, ks, ks < K, K, group_k, SILU_MUL,
+                                                   BLOCK_SCALES, SPLIT, GK)[None, :, :]
         if PREFETCH > 1:
-            wide += w_b.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, BLOCK_K + ks, BLOCK_K + ks < K, K, group_k,
-                                                   SILU_MUL, BLOCK_SCALES)[None, :]
-        for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            wide += w_b.to(tl.float32) * _scaled_x(x_ptr, s_row_ptr, BLOCK_K, BLOCK_K + ks, BLOCK_K + ks < K, K,
+                                                   group_k, SILU_MUL, BLOCK_SCALES, SPLIT, GK)[None, :, :]
+        for k0 in tl.range(PREFETCH * BLOCK_K, K, TILES * BLOCK_K, num_stages=STAGES):
             k = k0 + ks
             k_mask = k < K
-            w = _w_tile(w_ptr, cols, col_mask, k, k_mask, stride_w).to(tl.float32)
-            x0 = _scaled_x(x_ptr, s_row_ptr, k, k_mask, K, group_k, SILU_MUL, BLOCK_SCALES)
+            w = _w_tile3(w_ptr, cols, col_mask, k, k_mask, stride_w).to(tl.float32)
+            if TILES > 1:  # one row: a second tile in flight per step, into the same accumulator
+                w_next = _w_tile3(w_ptr, cols, col_mask, BLOCK_K + k, BLOCK_K + k < K, stride_w)
+            x0 = _scaled_x(x_ptr, s_row_ptr, k0, k, k_mask, K, group_k, SILU_MUL, BLOCK_SCALES, SPLIT, GK)
             if ROWS == 1:
-                wide += w * x0[None, :]
+                wide += w * x0[None, :, :]
+                if TILES > 1:
+                    wide += w_next.to(tl.float32) * _scaled_x(
+                        x_ptr, s_row_ptr, k0 + BLOCK_K, BLOCK_K + k, BLOCK_K + k < K, K, group_k, SILU_MUL,
+                        BLOCK_SCALES, SPLIT, GK)[None, :, :]
             else:
-                scale = tl.full([BLOCK_K], 1.0, tl.float32)
+                scale = tl.full([SPLIT], 1.0, tl.float32)
                 if BLOCK_SCALES:
-                    scale = tl.load(s_row_ptr + k // group_k, mask=k_mask, other=0.0)
-                acc += tl.sum(w * x0[None, :], axis=1)
-                x1 = tl.load(x_ptr + stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
-                acc1 += tl.sum(w * x1[None, :], axis=1)
+                    scale = _group_scales(s_row_ptr, k0, K, group_k, SPLIT, GK)
+                acc += tl.sum(tl.sum(w * x0[None, :, :], axis=2), axis=1)
+                x1 = tl.load(x_ptr + stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale[:, None]
+                acc1 += tl.sum(tl.sum(w * x1[None, :, :], axis=2), axis=1)
                 if ROWS > 2:
-                    x2 = tl.load(x_ptr + 2 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
-                    acc2 += tl.sum(w * x2[None, :], axis=1)
+                    x2 = tl.load(x_ptr + 2 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale[:, None]
+                    acc2 += tl.sum(tl.sum(w * x2[None, :, :], axis=2), axis=1)
                 if ROWS > 3:
-                    x3 = tl.load(x_ptr + 3 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale
-                    acc3 += tl.sum(w * x3[None, :], axis=1)
+                    x3 = tl.load(x_ptr + 3 * stride_x + k, mask=k_mask, other=0.0).to(tl.float32) * scale[:, None]
+                    acc3 += tl.sum(tl.sum(w * x3[None, :, :], axis=2), axis=1)
         if ROWS == 1:
-            acc = tl.sum(wide, axis=1)
+            acc = tl.sum(tl.sum(wide, axis=2), axis=1)
         col_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         if not BLOCK_SCALES:  # one scale per column, over all of K
             col_scale = tl.load(s_ptr + cols * stride_s, mask=col_mask, other=0.0)
@@ -163,6 +193,14 @@ if HAVE_TRITON:
             tl.store(out_ptr + 2 * stride_o + cols, (acc2 * col_scale + bias).to(dtype), mask=col_mask)
         if ROWS > 3:
             tl.store(out_ptr + 3 * stride_o + cols, (acc3 * col_scale + bias).to(dtype), mask=col_mask)
+
+
+def _split(k: int, group_k: int, block_scales: bool, config: Fp8GemvConfig) -> int:
+    """K groups a tile spans (its third dimension): 1 where one scale covers the tile's K (per channel,
+    one group over all of K, or groups wider than the tile)."""
+    if not block_scales or group_k >= k or group_k >= config.block_k:
+        return 1
+    return config.block_k // group_k
 
 
 def fp8_gemv(
@@ -184,8 +222,9 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv takes x [1..{MAX_ROWS}, K] and a float8_e4m3fn weight [N, K] with contiguous "
                          f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} {weight.dtype}")
     if not takes(weight, weight_scale, block, config):
-        raise ValueError(f"fp8_gemv takes a scale per row or blocks of a multiple of {config.block_n} rows, got "
-                         f"block {block} and scales {tuple(weight_scale.shape)}")
+        raise ValueError(f"fp8_gemv takes a scale per row or blocks of a multiple of {config.block_n} rows and a "
+                         f"power-of-two width of at least 16, got block {block} and scales "
+                         f"{tuple(weight_scale.shape)}")
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
     block_scales = not (group_k >= k and weight_scale.shape[0] == n)
@@ -194,6 +233,8 @@ def fp8_gemv(
         x, weight, weight_scale, bias if bias is not None else out, out, n, k, group_n, group_k, x.stride(0),
         weight.stride(0), weight_scale.stride(0), out.stride(0), ROWS=rows, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages, SILU_MUL=silu_mul,
-        PREFETCH=config.prefetch if rows == 1 else 0, BLOCK_SCALES=block_scales, **pdl(x), num_warps=config.warps,
+        PREFETCH=config.prefetch if rows == 1 else 0, BLOCK_SCALES=block_scales,
+        SPLIT=_split(k, group_k, block_scales, config), TILES=config.tiles if rows == 1 else 1, **pdl(x),
+        num_warps=config.warps,
     )
     return out

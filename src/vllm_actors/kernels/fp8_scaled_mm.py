@@ -1,0 +1,119 @@
+"""Block-scaled FP8 GEMMs through ``torch._scaled_mm`` (cuBLASLt on Hopper): ``x_q [M, K] @ w_q[N, K].T``
+with a float32 scale per token and 128 inputs (1x128) and per [128, 128] weight block (128x128), the
+recipe of Qwen3-FP8 and DeepSeek-V3, accumulated in float32 by the library's kernel.
+
+Whether the installed torch and GPU run it, and with which scale layouts, is found once per device
+by a probe (``layout``): a small product with M not a multiple of 16, against the float64 reference
+(``fp8_linear_reference``). torch's checks on the scales' strides changed between releases (the
+activation scales column-major ``[M, K/128]`` with strides ``(1, M)``, the weight scales
+``[K/128, N/128]`` column-major, K blocks padded to 4), so the probe tries those layouts in turn.
+Where none gives the reference's result, or the call raises, ``fp8_linear`` keeps the Triton GEMM
+(``kernels/fp8_gemm.py``). The probe never runs while a CUDA graph is captured (it synchronises):
+then the Triton GEMM runs, and the probe runs at the next eager call. ``VLLM_ACTORS_FP8_SCALED_MM=0``
+turns the path off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from vllm_actors.envs import envs
+
+log = structlog.get_logger(__name__)
+
+BLOCK = (128, 128)  # the one block this path takes (cuBLASLt's 1x128 / 128x128 recipe)
+PROBE_SHAPE = (37, 256, 384)  # M (not a multiple of 16), K, N of the probe's product
+PROBE_TOLERANCE = 1e-2  # relative Frobenius error against float64 (bfloat16 output: ~3e-3)
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How the scales are laid out for ``torch._scaled_mm``: the activations' ``[M, K/128]`` column-major
+    (else row-major), the weights' ``[K/128, N/128]`` column-major (else row-major) and its K blocks
+    padded to a multiple of 4."""
+
+    a_column_major: bool
+    b_column_major: bool
+    b_pad_k: bool
+
+
+LAYOUTS = (ScaleLayout(True, True, True), ScaleLayout(True, False, False), ScaleLayout(False, True, False),
+           ScaleLayout(False, False, False))
+_probed: dict[int, ScaleLayout | None] = {}  # device index: the layout that gave the reference's result, or None
+
+
+def weight_scales(weight_scale: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """The weight's ``[N/128, K/128]`` block scales as ``[K/128 (padded), N/128]`` in ``layout`` (a view
+    of ``weight_scale`` where no padding or copy is needed: Qwen3-8B's K blocks are multiples of 4)."""
+    blocks_n, blocks_k = weight_scale.shape
+    padded_k = -(-blocks_k // 4) * 4 if layout.b_pad_k else blocks_k
+    if layout.b_column_major:
+        if padded_k == blocks_k and weight_scale.is_contiguous():
+            return weight_scale.t()
+        padded = torch.zeros((blocks_n, padded_k), dtype=torch.float32, device=weight_scale.device)
+        padded[:, :blocks_k] = weight_scale
+        return padded.t()
+    rows = torch.zeros((padded_k, blocks_n), dtype=torch.float32, device=weight_scale.device)
+    rows[:blocks_k] = weight_scale.t()
+    return rows
+
+
+def scaled_mm(x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              layout: ScaleLayout, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(x_q, x_s) @ dequantize(weight, weight_scale).T + bias`` by ``torch._scaled_mm``;
+    ``x_s`` [M, K/128] already in ``layout`` (``quantize_activations(..., column_major=...)``)."""
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_s, scale_b=weight_scales(weight_scale, layout),
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the shapes suit the library's kernel: [128, 128] blocks, K and N multiples of 128, on CUDA."""
+    return (x.is_cuda and block is not None and tuple(block) == BLOCK and weight.shape[1] % 128 == 0
+            and weight.shape[0] % 128 == 0 and envs.VLLM_ACTORS_FP8_SCALED_MM)
+
+
+def layout(device: torch.device, quantize: Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]],
+           ) -> ScaleLayout | None:
+    """The scale layout with which ``torch._scaled_mm`` gives the float64 reference's result on
+    ``device`` (probed once; ``quantize(x, column_major)``: the activations' quantization), or None:
+    the Triton GEMM. None, unprobed, while the current stream captures a CUDA graph."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _probed:
+        return _probed[index]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    _probed[index] = _probe(torch.device("cuda", index), quantize)
+    return _probed[index]
+
+
+def _probe(device: torch.device,
+           quantize: Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]) -> ScaleLayout | None:
+    from vllm_actors.kernels.fp8_gemm import fp8_linear_reference, quantize_weight
+
+    if not hasattr(torch, "_scaled_mm"):
+        return None
+    rows, k, n = PROBE_SHAPE
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((rows, k), generator=gen, device=device).to(torch.bfloat16)
+    weight, scale = quantize_weight(0.02 * torch.randn((n, k), generator=gen, device=device), BLOCK)
+    errors = []
+    for candidate in LAYOUTS:
+        try:
+            x_q, x_s = quantize(x, candidate.a_column_major)
+            got = scaled_mm(x_q, x_s, weight, scale, candidate, None, torch.bfloat16).double()
+            want = fp8_linear_reference(x_q, x_s.contiguous(), weight, scale, BLOCK)
+            error = float((got - want).norm() / want.norm())
+        except (RuntimeError, ValueError, TypeError) as caught:  # this torch refuses the layout or the recipe
+            errors.append(f"{candidate}: {str(caught).splitlines()[0][:160]}")
+            continue
+        if error < PROBE_TOLERANCE:
+            log.info("fp8_scaled_mm", layout=str(candidate), relative_error=round(error, 5))
+            return candidate
+        errors.append(f"{candidate}: relative error {error:.3g}")
+    log.info("fp8_scaled_mm_unavailable", why=errors)
+    return None
