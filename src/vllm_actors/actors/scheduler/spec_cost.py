@@ -10,10 +10,12 @@ counts its own only. Compared in that currency, drafting looked cheaper than it 
 - ``DraftCost``: what drafting adds, ``e + p * k + t * n + u * c`` for ``k`` drafts per drafting
   request, ``n`` drafted tokens and ``c`` tokens a drafter catches up on.
 
-Both are recursive least squares whose prior uncertainty is smaller on the per-token parts, so that a few steps of one size put their
-cost on the fixed part (a launch-bound step's, or the lost overlap of a step read back at once)
-rather than spreading it over the per-token parts, which extrapolated to a batch 16 times larger
-would make its cost look 16 times larger; steps of other sizes then tell the parts apart.
+Both are recursive least squares whose prior uncertainty is smaller on the per-token parts (by
+``TOKEN_SCALE``, ``PASS_SCALE``), so that a few steps of one size put most of their cost on the
+fixed part (a launch-bound step's, or the overlap a step read back at once loses) rather than on
+the per-token parts, which extrapolated to a batch 16 times larger would write drafting off there
+unmeasured; steps of other sizes then tell the parts apart. A drafter's catch-up is not scaled (a
+draft model's first one is a prefill: per token).
 """
 
 from __future__ import annotations
