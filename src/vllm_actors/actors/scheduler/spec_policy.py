@@ -2,13 +2,12 @@
 
 Chosen once per planning pass for the whole batch (``choose_drafts``), from three estimates:
 
-- a plain step's seconds for ``B`` decodes (``spec_cost.PlainCost``, fed by the steps that verify
-  no drafts); each step's seconds are what it added to the worker's wall time (``spec_cost``);
+- a plain step's seconds for ``B`` decodes, by the scheduler's step cost model (fed by the steps
+  that verify no drafts);
 - the extra seconds of a step verifying drafts (``DraftCost``): ``e + p * k + t * n + u * c`` for
   ``k`` drafts per drafting request, ``n`` drafted tokens in the step and ``c`` tokens the drafter
-  catches up on (each drafting request's tokens since it last drafted; none for n-gram lookups),
-  fitted online from each drafting step's measured seconds less the plain step's prediction for
-  the same requests. It holds
+  catches up on (each drafting request's tokens since it last drafted), fitted online from each
+  drafting step's measured time less the plain step's prediction for the same requests. It holds
   what verification adds (the drafted tokens and the step's path) and, for a draft model or an
   EAGLE-3 head, their forward passes, which run inside the measured step;
 - each request's acceptance (``Acceptance``): with ``alpha`` the chance that a draft is right given
@@ -27,12 +26,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_actors.actors.scheduler.cost_model import CostModel
-from vllm_actors.actors.scheduler.spec_cost import DraftCost
-
-__all__ = ["Acceptance", "DraftCost", "DraftPlan", "choose_drafts", "expected_tokens"]
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 
 MARGIN = 0.05  # a drafting plan must promise 5% more tokens per second than not drafting
 PRIOR_ACCEPTED = 1.0  # the acceptance of a request not yet observed: 1 in 2
@@ -71,6 +67,29 @@ class Acceptance:
         rejected = 1.0 if num_accepted < num_drafted else 0.0
         self.accepted = self.accepted * DECAY + PRIOR_ACCEPTED * (1 - DECAY) + num_accepted
         self.trials = self.trials * DECAY + PRIOR_TRIALS * (1 - DECAY) + num_accepted + rejected
+
+
+@dataclass
+class DraftCost:
+    """A drafting step's seconds beyond a plain step's: ``e + p * k + t * n + u * c``, fitted
+    online (recursive least squares: the step cost model's, its four features these).
+    Starts at 0 (a fresh engine tries)."""
+
+    model: OnlineCostModel = field(default_factory=lambda: OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
+
+    def seconds(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int = 0) -> float:
+        fixed, per_pass, per_token, per_catch_up = self.coefficients
+        return fixed + per_pass * num_drafts + per_token * num_draft_tokens + per_catch_up * num_catch_up
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """``(e, p, t, u)``, each at least 0: steps seen at one ``k`` only (probes) leave the split
+        between ``e`` and ``p`` open, and a negative one would make more drafts look cheaper."""
+        fixed, per_token, per_pass, per_catch_up = (max(0.0, float(x)) for x in self.model.theta)
+        return fixed, per_pass, per_token, per_catch_up
+
+    def observe(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int, extra_seconds: float) -> None:
+        self.model.observe(num_draft_tokens, num_drafts, extra_seconds, num_catch_up)
 
 
 @dataclass(frozen=True)

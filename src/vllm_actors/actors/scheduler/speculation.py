@@ -34,8 +34,7 @@ from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.spec_cost import DraftCost, PlainCost, step_seconds
-from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, choose_drafts
+from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
 from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.ngram import propose_ngram
@@ -67,11 +66,9 @@ REFRESH_STEPS = 128  # drafting steps in a row after which a pass drafts nothing
 class Speculator:
     def __init__(self, config: SpeculativeConfig, cost: CostModel, block_size: int = 16,
                  overlapped: bool = True) -> None:
-        """``cost``: the scheduler's step cost model (kept for its callers; the drafts per step are
-        priced by ``plain``, in the seconds each step adds); ``overlapped``: two steps in flight."""
+        """``cost``: the scheduler's step cost model (plain steps); ``overlapped``: two steps in flight."""
         self.config = config
         self.cost = cost
-        self.plain = PlainCost()
         self.block_size = block_size
         self.overlapped = overlapped
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -103,7 +100,7 @@ class Speculator:
         candidates = [(request, self._pace(request.request_id)) for request in decoding
                       if request.output_token_ids and can_speculate(request.params)]
         self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
-                                   self.config.num_speculative_tokens, self.plain, self.draft_cost,
+                                   self.config.num_speculative_tokens, self.cost, self.draft_cost,
                                    self.overlapped and not self.two_in_flight)
         self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
 
@@ -160,26 +157,19 @@ class Speculator:
         """Before the result's tokens are applied: each drafting request's acceptance counted and
         its computed tokens rolled back by its rejected drafts; a drafting step's time teaches
         ``draft_cost`` what it cost beyond a plain step (the step cost model learns plain steps)."""
-        seconds = step_seconds(result)
         if not plan.draft_token_ids:
-            self._seconds_since_draft += seconds
-            if seconds > 0:
-                prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
-                self.plain.observe(prefill_tokens, num_decodes, seconds, pairs)
-                if 1 in plan.num_tokens:
-                    self._plain_steps += 1
-                    self._drafting_run = 0
+            self._seconds_since_draft += result.execute_seconds
+            if result.execute_seconds > 0 and 1 in plan.num_tokens:
+                self._plain_steps += 1
+                self._drafting_run = 0
             return
         self._drafting_run += 1
         self._seconds_since_draft = 0.0
-        if seconds > 0:
+        if result.execute_seconds > 0:
             prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
-            extra = seconds - self.plain.step_seconds(prefill_tokens, num_decodes, pairs)
+            extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
             sizes = [len(drafts) for drafts in plan.draft_token_ids.values()]
-            catch_up = 0  # n-gram lookups and the oracle run no drafter over the tokens
-            if self.config.method in WORKER_METHODS:
-                catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids)
-                               if pace is not None)
+            catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
             self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
         for request_id, drafts in plan.draft_token_ids.items():
