@@ -79,3 +79,43 @@ def test_takes_only_cuda_and_128_blocks(monkeypatch: pytest.MonkeyPatch) -> None
     assert not fp8_scaled_mm.takes(x, weight[:200], (128, 128))
     monkeypatch.setenv("VLLM_ACTORS_FP8_SCALED_MM", "0")
     assert not fp8_scaled_mm.takes(x, weight, (128, 128))
+
+
+def _functional_stand_in() -> Any:
+    """``torch.nn.functional.scaled_mm`` in float64 that takes the 1x128 x 128x128 recipes only, with M a
+    multiple of 4 (the scales' leading dimension in 16 bytes), as cuBLASLt on Hopper asks."""
+    functional = torch.nn.functional
+
+    def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, recipe_a: Any, scale_b: torch.Tensor,
+                  recipe_b: Any, output_dtype: torch.dtype) -> torch.Tensor:
+        if (recipe_a, recipe_b) != (functional.ScalingType.BlockWise1x128, functional.ScalingType.BlockWise128x128):
+            raise ValueError("Invalid scaling configuration.")
+        if a.shape[0] % 4 or scale_a.stride(0) != 1 or scale_b.stride(0) != 1 or scale_b.shape[0] % 4:
+            raise RuntimeError("scale_a must have M a multiple of 4 and strides (1, M)")
+        blocks_k = -(-a.shape[1] // 128)
+        return fp8_gemm.fp8_linear_reference(a, scale_a, b.t(), scale_b[:blocks_k].t(), (128, 128)).to(output_dtype)
+    return scaled_mm
+
+
+def test_probe_pads_the_rows_for_the_functional_recipes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where only the explicit recipes with M padded to 4 work (the unpadded layouts all refused), the
+    probe finds them, and ``fp8_linear``'s path cuts the padded rows off again."""
+    if not hasattr(torch.nn.functional, "ScalingType"):
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+
+    def refused(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refused, raising=False)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", _functional_stand_in())
+    monkeypatch.setattr(fp8_scaled_mm, "PROBE_SHAPE", (5, 256, 256))
+    layout = fp8_scaled_mm._probe(torch.device("cpu"), _quantize)
+    assert layout is not None and layout.functional and layout.pad_m
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((7, 256), generator=gen)
+    weight, scale = fp8_gemm.quantize_weight(0.02 * torch.randn((384, 256), generator=gen), (128, 128))
+    x_q, x_s = _quantize(fp8_scaled_mm.pad_rows(x, layout), True)
+    assert x_q.shape[0] == 8 and fp8_scaled_mm.padded_rows(7, layout) == 8
+    got = fp8_scaled_mm.scaled_mm(x_q, x_s, weight, scale, layout, None, torch.float32)[:7]
+    want = fp8_gemm.fp8_linear_reference(x_q[:7], x_s[:7].contiguous(), weight, scale, (128, 128))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -285,8 +285,9 @@ def fp8_linear(
     if rows > 1 and config.scaled_mm and fp8_scaled_mm.takes(x, weight, block):
         layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
         if layout is not None:
-            x_q, x_s = quantize_activations(x, group_k, column_major=layout.a_column_major)
-            return fp8_scaled_mm.scaled_mm(x_q, x_s, weight, weight_scale, layout, bias, x.dtype)
+            x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, layout), group_k,
+                                            column_major=layout.a_column_major)
+            return fp8_scaled_mm.scaled_mm(x_q, x_s, weight, weight_scale, layout, bias, x.dtype)[:rows]
     x_q, x_s = quantize_activations(x, group_k)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else out

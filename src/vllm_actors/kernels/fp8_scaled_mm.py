@@ -6,7 +6,11 @@ Whether the installed torch and GPU run it, and with which scale layouts, is fou
 by a probe (``layout``): a small product with M not a multiple of 16, against the float64 reference
 (``fp8_linear_reference``). torch's checks on the scales' strides changed between releases (the
 activation scales column-major ``[M, K/128]`` with strides ``(1, M)``, the weight scales
-``[K/128, N/128]`` column-major, K blocks padded to 4), so the probe tries those layouts in turn.
+``[K/128, N/128]`` column-major, K blocks padded to 4), and the scales' leading dimension wants 16 bytes
+(M padded to a multiple of 4, as torch's own block-wise tests and other users do), through
+``torch._scaled_mm`` or the explicit recipes of ``torch.nn.functional.scaled_mm`` (BlockWise1x128 x
+BlockWise128x128); the probe tries those layouts in turn (on the H100, torch 2.11, the four without
+padding all failed).
 Where none gives the reference's result, or the call raises, ``fp8_linear`` keeps the Triton GEMM
 (``kernels/fp8_gemm.py``). The probe never runs while a CUDA graph is captured (it synchronises):
 then the Triton GEMM runs, and the probe runs at the next eager call. ``VLLM_ACTORS_FP8_SCALED_MM=0``
@@ -34,15 +38,20 @@ PROBE_TOLERANCE = 1e-2  # relative Frobenius error against float64 (bfloat16 out
 class ScaleLayout:
     """How the scales are laid out for ``torch._scaled_mm``: the activations' ``[M, K/128]`` column-major
     (else row-major), the weights' ``[K/128, N/128]`` column-major (else row-major) and its K blocks
-    padded to a multiple of 4."""
+    padded to a multiple of 4; ``pad_m``: M padded to a multiple of 4 (zero rows, cut from the output);
+    ``functional``: through ``torch.nn.functional.scaled_mm`` with the recipes named."""
 
     a_column_major: bool
     b_column_major: bool
     b_pad_k: bool
+    pad_m: bool = False
+    functional: bool = False
 
 
 LAYOUTS = (ScaleLayout(True, True, True), ScaleLayout(True, False, False), ScaleLayout(False, True, False),
-           ScaleLayout(False, False, False))
+           ScaleLayout(False, False, False), ScaleLayout(True, True, True, pad_m=True, functional=True),
+           ScaleLayout(True, True, True, pad_m=True))
+M_ALIGN = 4  # rows: the activation scales' leading dimension in 16 bytes
 _probed: dict[int, ScaleLayout | None] = {}  # device index: the layout that gave the reference's result, or None
 
 
@@ -62,13 +71,30 @@ def weight_scales(weight_scale: torch.Tensor, layout: ScaleLayout) -> torch.Tens
     return rows
 
 
+def padded_rows(rows: int, layout: ScaleLayout) -> int:
+    """The rows the activations are quantized into for ``layout`` (``pad_m``: a multiple of ``M_ALIGN``)."""
+    return -(-rows // M_ALIGN) * M_ALIGN if layout.pad_m else rows
+
+
 def scaled_mm(x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               layout: ScaleLayout, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dequantize(x_q, x_s) @ dequantize(weight, weight_scale).T + bias`` by ``torch._scaled_mm``;
-    ``x_s`` [M, K/128] already in ``layout`` (``quantize_activations(..., column_major=...)``)."""
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_s, scale_b=weight_scales(weight_scale, layout),
-                           out_dtype=out_dtype)
+    """``dequantize(x_q, x_s) @ dequantize(weight, weight_scale).T + bias`` by ``torch._scaled_mm`` (or
+    ``torch.nn.functional.scaled_mm``); ``x_q``, ``x_s`` [M, K/128] already in ``layout``
+    (``quantize_activations(..., column_major=...)`` of ``padded_rows`` rows)."""
+    scale_b = weight_scales(weight_scale, layout)
+    if layout.functional:
+        functional = torch.nn.functional
+        out = functional.scaled_mm(x_q, weight.t(), x_s, functional.ScalingType.BlockWise1x128, scale_b,
+                                   functional.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    else:
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_s, scale_b=scale_b, out_dtype=out_dtype)
     return out if bias is None else out + bias
+
+
+def pad_rows(x: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """``x`` with zero rows up to ``padded_rows`` (itself where none are needed)."""
+    rows = padded_rows(x.shape[0], layout)
+    return x if rows == x.shape[0] else torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
@@ -103,10 +129,12 @@ def _probe(device: torch.device,
     weight, scale = quantize_weight(0.02 * torch.randn((n, k), generator=gen, device=device), BLOCK)
     errors = []
     for candidate in LAYOUTS:
+        if candidate.functional and not hasattr(torch.nn.functional, "scaled_mm"):
+            continue
         try:
-            x_q, x_s = quantize(x, candidate.a_column_major)
-            got = scaled_mm(x_q, x_s, weight, scale, candidate, None, torch.bfloat16).double()
-            want = fp8_linear_reference(x_q, x_s.contiguous(), weight, scale, BLOCK)
+            x_q, x_s = quantize(pad_rows(x, candidate), candidate.a_column_major)
+            got = scaled_mm(x_q, x_s, weight, scale, candidate, None, torch.bfloat16)[:rows].double()
+            want = fp8_linear_reference(x_q[:rows], x_s[:rows].contiguous(), weight, scale, BLOCK)
             error = float((got - want).norm() / want.norm())
         except (RuntimeError, ValueError, TypeError) as caught:  # this torch refuses the layout or the recipe
             errors.append(f"{candidate}: {str(caught).splitlines()[0][:160]}")
