@@ -186,11 +186,12 @@ for stage in "${stages[@]}"; do
         timeout 280 python3 benchmarks/lora_throughput.py --engine ours "$@" 2>&1 | tee -a "$out/lora.log" | tail -12
         echo "ours: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
       fi
-      # vLLM 0.26 went silent at start with LoRA on the H100 (V2 and V1 runners, 280 s): its V1 runner, more
-      # time, and every process's stacks printed each HANG_DUMP_AFTER_S seconds (benchmarks/lib/hangdump)
+      # vLLM 0.26 went silent at start with LoRA on the H100 (V2 and V1 runners, 280 and 420 s, its engine core
+      # after the sampler's line): its V1 runner, and every process's stacks printed each HANG_DUMP_AFTER_S
+      # seconds (benchmarks/lib/hangdump; spawned, not forked, so that the engine core prints its own too)
       if [ "$stage" != lora-ours ]; then
         PYTHONPATH=benchmarks/lib/hangdump:/tmp/vsite:$PYTHONPATH HANG_DUMP_AFTER_S=${HANG_DUMP_AFTER_S:-150} \
-          VLLM_USE_V2_MODEL_RUNNER=0 timeout "${LORA_PEER_TIMEOUT:-420}" python3 benchmarks/lora_throughput.py \
+          VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_V2_MODEL_RUNNER=0 timeout "${LORA_PEER_TIMEOUT:-420}" python3 benchmarks/lora_throughput.py \
           --engine vllm "$@" 2>&1 | tee -a "$out/lora.log" | tail -12
         echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
       fi ;;
