@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_actors.kernels.fp8_gemm import FP8_DTYPE, HAVE_TRITON, dequantize_weight, weight_groups
+from vllm_actors.kernels.gemv import GemvConfig
 
 if HAVE_TRITON:
     import triton
@@ -44,20 +45,16 @@ MAX_PREFETCH = 2  # float8 tiles a one-row program may load before its PDL wait
 
 
 @dataclass(frozen=True)
-class Fp8GemvConfig:
+class Fp8GemvConfig(GemvConfig):
     """The bf16 GEMV's launch parameters (``GemvConfig``) and ``tiles``: a float8 tile is half the bf16
     tile's bytes for the same float32 accumulator, so a one-row step loads two tiles into it (as many
     bytes in flight as the bf16 GEMV's step). ``benchmarks/fp8_gemm.py --sweep`` times others."""
 
-    block_n: int = 8
-    block_k: int = 1024
-    warps: int = 4
-    stages: int = 2
-    prefetch: int = 2
     tiles: int = 2  # tiles a one-row loop step loads (1 or 2)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.prefetch <= MAX_PREFETCH:
+        super().__post_init__()
+        if self.prefetch > MAX_PREFETCH:
             raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {self.prefetch}")
         if self.tiles not in (1, 2):
             raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
