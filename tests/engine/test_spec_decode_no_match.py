@@ -32,7 +32,8 @@ class HalfCopyingRunner(FakeRunner):
         return context[-3] if context[0] == 1 else FRESH + len(context)
 
 
-def run(spec: dict[str, int | str] | None, prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[object], FakeRunner]:
+def run(spec: dict[str, int | str] | None,
+        prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[object], FakeRunner]:
     runner = HalfCopyingRunner(num_blocks=32, block_size=4, vocab_size=512)
     config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=64, max_model_len=256,
                           speculative_config=parse_speculative_config(spec, adaptive=False) if spec else None)
@@ -83,7 +84,7 @@ def test_a_mixed_batch_verifies_the_matching_request_and_decodes_the_other() -> 
 def test_a_drafting_plan_left_without_drafts_is_launched_deferred() -> None:
     runner = DeferringFakeRunner(num_blocks=8, block_size=4)
     worker = Worker(runner, Sampler(torch.device("cpu")), clock=lambda: 0.0, defer=True,
-                    drafter=NgramProposer(min_n=1, max_n=3))  # type: ignore[arg-type]  # n-gram: no forget needs
+                    drafter=NgramProposer(min_n=1, max_n=3))
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     prompt = [5, 6, 7]
     first = StepPlan(step_id=0, new_requests=[_new("a", prompt, greedy)], req_ids=["a"], num_tokens=[3],
