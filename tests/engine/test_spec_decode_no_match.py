@@ -8,17 +8,16 @@ from __future__ import annotations
 import torch
 
 from tests.engine.test_deferred_steps import DeferringFakeRunner, _new
-from tests.engine.test_spec_decode import NGRAM
+from tests.engine.test_spec_decode import NGRAM, make_engine
+from tests.engine.test_spec_decode import run as run_engine
 from tests.support.fake_runner import FakeRunner
 from vllm_actors.actors.worker.ngram_drafts import NgramProposer
 from vllm_actors.actors.worker.worker import Worker
-from vllm_actors.clients.inprocess import InProcessEngine
-from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.events import Finished, StepFinished, StepStarted
 from vllm_actors.protocol.messages import StepPlan, StepResult
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
-from vllm_actors.protocol.speculative import WORKER_DRAFT, parse_speculative_config
+from vllm_actors.protocol.speculative import WORKER_DRAFT
 from vllm_actors.runner.sampler import Sampler
 
 FRESH = 200  # the fresh request's outputs: FRESH + its context length, never seen before
@@ -35,22 +34,11 @@ class HalfCopyingRunner(FakeRunner):
 def run(spec: dict[str, int | str] | None,
         prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[object], FakeRunner]:
     runner = HalfCopyingRunner(num_blocks=32, block_size=4, vocab_size=512)
-    config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=64, max_model_len=256,
-                          speculative_config=parse_speculative_config(spec, adaptive=False) if spec else None)
-    engine = InProcessEngine(config, serialize=True, runner=runner, tokenizer=None)
-    engine.step_hooks.append(lambda e: e.check_invariants())
+    engine, _ = make_engine(spec, runner=runner)
     events: list[object] = []
     engine.event_listeners.append(lambda batch: events.extend(batch.events))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.submit(engine.prepare(str(index), {"prompt_token_ids": prompt}, params))
-    finished: dict[str, list[int]] = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = list(output.outputs[0].token_ids)
-    engine.check_idle_invariants()  # every block of a rolled-back slot given back
-    return finished, events, runner
+    return run_engine(engine, prompts, [params] * len(prompts)), events, runner
 
 
 def test_a_request_without_ngram_matches_decodes_plain_rows_and_counts_nothing_drafted() -> None:
