@@ -28,8 +28,10 @@ class CopyingRunner(FakeRunner):
 
 
 def make_engine(spec: dict[str, int | str] | None, num_blocks: int = 64, budget: int = 64,
-                prefix_caching: bool = True) -> tuple[InProcessEngine, list[StepFinished]]:
-    runner = CopyingRunner(num_blocks=num_blocks, block_size=4)
+                prefix_caching: bool = True,
+                runner: FakeRunner | None = None) -> tuple[InProcessEngine, list[StepFinished]]:
+    """``runner``: another fake model (block size 4) than ``CopyingRunner``."""
+    runner = runner or CopyingRunner(num_blocks=num_blocks, block_size=4)
     config = EngineConfig(model="fake", block_size=4, max_num_batched_tokens=budget, max_model_len=512,
                           enable_prefix_caching=prefix_caching,
                           speculative_config=parse_speculative_config(spec, adaptive=False) if spec else None)

@@ -57,3 +57,22 @@ def test_adaptive_policy_on_gpu_keeps_outputs_and_speculates_at_batch_one(defaul
             got = llm.generate([TEXT], params, use_tqdm=False)[0].outputs[0].token_ids
             assert got == expected
         assert llm.get_metrics().spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
+def test_ngram_steps_without_a_match_on_gpu_give_the_tokens_of_no_speculation(default_gguf_path: str,
+                                                                            seed: int | None) -> None:
+    """Batch 1 on text that copies only in parts: steps whose lookup finds nothing run as plain
+    deferred steps (the sampling decode graph draws them, their tokens the next step's deferred
+    inputs), between verification steps read back at once; every step is planned with drafts."""
+    params = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed, max_tokens=96, ignore_eos=True)
+    prompts = ["Write a list of ten colours:", TEXT]
+    expected = []
+    with LLM(dtype="float32") as llm:
+        for prompt in prompts:
+            expected.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    with LLM(dtype="float32", speculative_config=parse_speculative_config(NGRAM, adaptive=False)) as llm:
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+        metrics = llm.get_metrics()
+    assert 0 < metrics.spec_decode.num_drafts < metrics.steps  # steps without a match drafted nothing

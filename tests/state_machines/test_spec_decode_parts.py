@@ -175,7 +175,8 @@ def test_probes_wait_for_their_share_of_the_time_and_share_a_step() -> None:
     assert streak.streak == 0 and choose_probers([(request("streak"), streak)], cost, 0.0) == set()
 
 
-def test_worker_ngram_drafts_fill_placeholders_with_fillers_where_the_lookup_finds_fewer() -> None:
+def test_worker_ngram_drafts_verify_only_what_the_lookup_finds() -> None:
+    from vllm_actors.actors.worker.draft_slots import short_drafts
     from vllm_actors.actors.worker.ngram_drafts import NgramProposer
     from vllm_actors.actors.worker.step_data import WorkerRequest
     from vllm_actors.protocol.messages import StepPlan
@@ -192,7 +193,14 @@ def test_worker_ngram_drafts_fill_placeholders_with_fillers_where_the_lookup_fin
                     new_block_ids=[[], [], []],
                     draft_token_ids={"copy": [WORKER_DRAFT] * 3, "new": [WORKER_DRAFT] * 2, "given": [8]})
     proposer = NgramProposer(min_n=1, max_n=2)
-    drafts = proposer.propose(plan, requests).draft_token_ids
-    assert drafts == {"copy": [3, 4, 9], "new": [7, 7], "given": [8]}  # a lookup, fillers, the scheduler's own
+    filled = proposer.propose(plan, requests)
+    # "new" finds nothing: no filler, a plain decode row (its placeholders' tokens dropped)
+    assert filled.draft_token_ids == {"copy": [3, 4, 9], "given": [8]}
+    assert filled.num_tokens == [4, 1, 2] and short_drafts(plan, filled) == {"new": 0}
     requests["copy"].token_ids += [3, 4]  # the tokens grow between proposals (packed incrementally)
     assert proposer.propose(plan, requests).draft_token_ids["copy"] == [9, 1, 2]
+    requests["copy"].token_ids += [7]  # "7" occurs nowhere before: nothing found
+    requests["new"].token_ids += [7]  # "7" found right before the end: one draft of two placeholders
+    filled = proposer.propose(plan, requests)
+    assert filled.draft_token_ids == {"new": [7], "given": [8]} and filled.num_tokens == [1, 2, 2]
+    assert short_drafts(plan, filled) == {"copy": 0, "new": 1}

@@ -246,6 +246,10 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     # time.monotonic() (one clock for every process of a host) when the worker's shell sent it;
     # 0: not stamped. The scheduler passes it on in its RequestUpdates (their transit time).
     finished_at: float = 0.0
+    # Speculative decoding: the requests that verified fewer drafts than their plan's WORKER_DRAFT
+    # placeholders (the n-gram lookup found fewer; 0: a plain decode row), with the count they did.
+    # Their planned slots are rolled back as those of rejected drafts.
+    num_drafted: dict[str, int] = {}
 
 
 class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):

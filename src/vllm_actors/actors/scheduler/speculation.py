@@ -6,7 +6,9 @@ The plan gives a drafting request ``1 + d`` tokens (its last sampled token and `
 ``StepPlan.draft_token_ids``) and the KV blocks they need; the worker verifies all of them in one
 forward pass and returns the tokens it accepted plus one (``StepResult`` repeats the request's id
 per token). Here the request's computed count is rolled back by the rejected drafts and blocks
-beyond its slots are given back (``StepPlan.trimmed_blocks``).
+beyond its slots are given back (``StepPlan.trimmed_blocks``). The worker's n-gram lookup may find
+fewer drafts than planned (``StepResult.num_drafted``): the slots past them are rolled back as
+rejected, and only the drafts it verified count as drafted.
 
 Steps in flight: an n-gram request keeps two. Its next step is planned as if every draft of the
 one in flight were accepted (``num_pending_drafts``): its computed count is then the furthest slot
@@ -165,29 +167,32 @@ class Speculator:
             return
         self._drafting_run += 1
         self._seconds_since_draft = 0.0
-        if result.execute_seconds > 0:
+        drafted = {request_id: result.num_drafted.get(request_id, len(drafts))
+                   for request_id, drafts in plan.draft_token_ids.items()}
+        sizes = list(drafted.values())
+        if result.execute_seconds > 0 and any(sizes):  # a step the worker drafted nothing for teaches nothing
             prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
             extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
-            sizes = [len(drafts) for drafts in plan.draft_token_ids.values()]
             catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
             self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
         for request_id, drafts in plan.draft_token_ids.items():
-            num_accepted = max(emitted.get(request_id, 0) - 1, 0)
+            num_drafted = drafted[request_id]  # the planned slots past it are rolled back as rejected
+            num_accepted = min(max(emitted.get(request_id, 0) - 1, 0), num_drafted)
             counters = self.counters
-            counters.num_drafts += 1
-            counters.num_draft_tokens += len(drafts)
+            counters.num_drafts += 1 if num_drafted else 0
+            counters.num_draft_tokens += num_drafted
             counters.num_accepted_tokens += num_accepted
             for position in range(num_accepted):
                 counters.accepted_per_pos[position] += 1
             pace = self._paces.get(request_id)
-            if pace is not None:
-                pace.verified(len(drafts), num_accepted)
+            if pace is not None:  # a lookup that found nothing still cost the step its overlap: one wrong draft
+                pace.verified(max(num_drafted, 1), num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue
             request.num_pending_drafts -= len(drafts)
-            request.num_draft_tokens += len(drafts)
+            request.num_draft_tokens += num_drafted
             request.num_accepted_tokens += num_accepted
             if request.status is Status.RUNNING and request.in_worker:
                 request.num_computed_tokens -= len(drafts) - num_accepted

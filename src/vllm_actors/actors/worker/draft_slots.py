@@ -40,7 +40,27 @@ def drafting_work(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> list
 
 
 def with_drafts(plan: StepPlan, work: list[DraftWork], proposals: list[list[int]]) -> StepPlan:
+    """The plan with each placeholder list replaced by its proposal. A proposal shorter than its
+    placeholders takes that many fewer tokens (no filler is verified); an empty one leaves its
+    request a plain decode row, and with no drafts left the plan is a plain step."""
     filled = dict(plan.draft_token_ids)
+    num_tokens = list(plan.num_tokens)
+    index = {request_id: row for row, request_id in enumerate(plan.req_ids)}
     for item, drafted in zip(work, proposals, strict=True):
-        filled[item.request.request_id] = drafted
-    return msgspec.structs.replace(plan, draft_token_ids=filled)
+        request_id = item.request.request_id
+        if len(drafted) > item.num_drafts:
+            raise ValueError(f"{request_id}: {len(drafted)} drafts proposed for {item.num_drafts} placeholders")
+        num_tokens[index[request_id]] -= item.num_drafts - len(drafted)
+        if drafted:
+            filled[request_id] = drafted
+        else:
+            del filled[request_id]
+    return msgspec.structs.replace(plan, draft_token_ids=filled, num_tokens=num_tokens)
+
+
+def short_drafts(planned: StepPlan, filled: StepPlan) -> dict[str, int]:
+    """The requests that draft fewer tokens than their plan's placeholders: their drafts' count
+    (``StepResult.num_drafted``: the scheduler still rolls the planned slots back)."""
+    return {request_id: len(filled.draft_token_ids.get(request_id, ()))
+            for request_id, drafts in planned.draft_token_ids.items()
+            if len(filled.draft_token_ids.get(request_id, ())) < len(drafts)}

@@ -4,9 +4,10 @@ The scheduler plans an n-gram request's drafts as ``WORKER_DRAFT`` placeholders 
 take) with two steps in flight: when it plans step N+1, step N's tokens are unknown to it, but not
 to the worker, which has read step N back (a drafting step is read back at once) before it builds
 N+1. Here the placeholders are filled with the n-gram proposal over the request's tokens
-(``protocol/ngram.py``). Where the lookup finds fewer drafts than planned the rest are
-fillers (the request's last token): a filler is verified as any draft, kept only if the model draws
-it, so the plan's shape and the scheduler's counts hold and the output stays exact.
+(``protocol/ngram.py``). Where the lookup finds fewer drafts than planned, the request verifies
+only those it found (``draft_slots.with_drafts`` shortens its tokens): with none it is a plain
+decode row, and a step where no request found one is a plain step, which the worker may launch with
+two steps in flight. The scheduler still rolls back the planned slots (``StepResult.num_drafted``).
 """
 
 from __future__ import annotations
@@ -44,12 +45,11 @@ class NgramProposer:
         return packed
 
     def propose(self, plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
-        """The plan with its ``WORKER_DRAFT`` placeholders replaced by n-gram drafts (or fillers)."""
+        """The plan with its ``WORKER_DRAFT`` placeholders replaced by the n-gram drafts found."""
         work = drafting_work(plan, requests)
         if not work:
             return plan
         proposals = []
         for item in work:
-            found = propose_ngram(self._packed_tokens(item.request), item.num_drafts, self.min_n, self.max_n)
-            proposals.append(found + [item.request.token_ids[-1]] * (item.num_drafts - len(found)))
+            proposals.append(propose_ngram(self._packed_tokens(item.request), item.num_drafts, self.min_n, self.max_n))
         return with_drafts(plan, work, proposals)

@@ -181,6 +181,7 @@ class PendingStep:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
     spec: SpecCounts | None = None  # speculative decoding: the step's drafted and accepted tokens
+    num_drafted: dict[str, int] = field(default_factory=dict)  # requests short of their placeholders (StepResult)
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

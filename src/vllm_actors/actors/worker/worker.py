@@ -37,6 +37,7 @@ from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
+from vllm_actors.actors.worker.draft_slots import short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.host_copies import HostCopies
@@ -150,7 +151,10 @@ class Worker(Draw, KvRejoining):
             self._pending = launched
             return outputs
         outputs = self.flush()
-        launched = self._launch(message, started, read_now=True)
+        launched = self._launch(message, started, read_now=True, may_defer=self.defer)
+        if launched.chosen is not None:  # the drafter found nothing: a plain step, read back after the next
+            self._pending = launched
+            return outputs
         return outputs.extend(self._outputs(started, self._read_back(launched), launched.spec))
 
     def control(self, control: EngineControl) -> Outputs:
@@ -225,15 +229,20 @@ class Worker(Draw, KvRejoining):
         """Run a step and read it back at once (with the logprobs and prompt logprobs it asks for)."""
         return self._read_back(self._launch(plan, self._started(plan), read_now=True))
 
-    def _launch(self, plan: StepPlan, started: StepStarted, read_now: bool) -> PendingStep:
+    def _launch(self, plan: StepPlan, started: StepStarted, read_now: bool, may_defer: bool = False) -> PendingStep:
         """The step's body: run it and draw its tokens. ``read_now``: the step is read back at once
         (the sampler returns the ids on the host, with logprobs); otherwise they stay on the device,
-        and input ids that the pending step sampled are taken from its sampled ids there."""
+        and input ids that the pending step sampled are taken from its sampled ids there.
+        ``may_defer``: a drafting plan left without drafts (n-gram) becomes a deferred step."""
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
+        num_drafted: dict[str, int] = {}
         if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
-            plan = self.drafter.propose(plan, self.requests)
+            planned, plan = plan, self.drafter.propose(plan, self.requests)
+            num_drafted = short_drafts(planned, plan)
+            if may_defer and self._pending is None and not plan.draft_token_ids and self._deferrable(plan):
+                read_now = False
         if self.host_tier is not None:
             if plan.offload_copies or plan.restore_copies:
                 fence = self._fences.fence(plan.offload_copies, plan.restore_copies)
@@ -245,7 +254,8 @@ class Worker(Draw, KvRejoining):
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
-                               chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset)
+                               chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset,
+                               num_drafted=num_drafted)
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
             self.runner.execute(batch)
             self._step_launched(plan)
@@ -282,11 +292,11 @@ class Worker(Draw, KvRejoining):
         if read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, spec=spec)
+                               prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
-                           num_batched_tokens=len(batch.token_ids), row_of=row_of)
+                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted)
 
     def _step_launched(self, plan: StepPlan) -> None:
         """The host tier's copies may have to wait for this step; its write-through follows it."""
@@ -311,6 +321,7 @@ class Worker(Draw, KvRejoining):
             prompt_logprobs=pending.prompt_logprobs,
             num_batched_tokens=pending.num_batched_tokens,
             execute_seconds=0.0 if pending.started_at is None else self.clock() - pending.started_at,
+            num_drafted=pending.num_drafted,
         )
 
     # ------------------------------------------------------------------ membership
