@@ -43,6 +43,7 @@ from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Prop
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
+from vllm_actors.actors.worker.membership import Membership
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
@@ -67,7 +68,7 @@ from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
 
-class Worker(Draw, KvRejoining):
+class Worker(Draw, KvRejoining, Membership):
     name = "worker"
 
     def __init__(
@@ -340,17 +341,6 @@ class Worker(Draw, KvRejoining):
                    table_width=self.tables.width if self.tables is not None else None,
                    num_host_blocks=self.host_tier.num_blocks if self.host_tier is not None else 0)
 
-    def _drop(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if self.drafter is not None:
-            self.drafter.forget(request_id)
-        if request is not None and self.host_tier is not None:
-            self._fences.release(request.block_table)
-        if request is not None and self.tables is not None:
-            self.tables.remove(request.row)
-        if request is not None and request.penalty_slot >= 0:
-            self.sampler.penalties.remove(request_id)
-
     def _admit(self, new: NewRequest) -> None:
         self._drop(new.request_id)
         token_ids = new.token_list()
@@ -376,30 +366,3 @@ class Worker(Draw, KvRejoining):
             row=self.tables.add() if self.tables is not None else -1,
             lora_request=new.lora_request,
         )
-
-    def reset(self) -> None:
-        """Drop every request and block-table row (a reset plan: the pipeline starts over; the
-        KV tensors are left as they are, nothing will read them before it writes them)."""
-        self.requests.clear()
-        if self.drafter is not None:
-            self.drafter.clear()
-        self._fences.reset()
-        self.sampler.penalties.clear()
-        if self.tables is not None:
-            self.tables = BlockTableArray(self.tables.width)
-
-    def _apply_membership(self, plan: StepPlan) -> None:
-        if plan.reset:
-            self.reset()
-            self._min_step_id = plan.step_id
-        for request_id in plan.finished_ids:
-            self._drop(request_id)
-        for request_id, keep in plan.trimmed_blocks.items():  # blocks that held rejected drafts only
-            request = self.requests[request_id]
-            del request.block_table[keep:]
-            if self.tables is not None:
-                self.tables.truncate(request.row, keep)
-        for new in plan.new_requests:
-            self._admit(new)
-        if self.borrowing is not None:
-            self.borrowing.apply(plan, self.requests, self.tables)
