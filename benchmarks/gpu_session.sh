@@ -190,7 +190,10 @@ for stage in "${stages[@]}"; do
       # after the sampler's line): its V1 runner, and every process's stacks printed each HANG_DUMP_AFTER_S
       # seconds (benchmarks/lib/hangdump; spawned, not forked, so that the engine core prints its own too)
       if [ "$stage" != lora-ours ]; then
-        PYTHONPATH=benchmarks/lib/hangdump:/tmp/vsite:$PYTHONPATH HANG_DUMP_AFTER_S=${HANG_DUMP_AFTER_S:-150} \
+        # LORA_PEER_ENV: more settings for that run (VLLM_ENABLE_V1_MULTIPROCESSING=0 puts its engine core in
+        # the dumped process)
+        # shellcheck disable=SC2086 # the settings are word-split on purpose
+        env ${LORA_PEER_ENV:-} PYTHONPATH=benchmarks/lib/hangdump:/tmp/vsite:$PYTHONPATH HANG_DUMP_AFTER_S=${HANG_DUMP_AFTER_S:-150} \
           VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_V2_MODEL_RUNNER=0 timeout "${LORA_PEER_TIMEOUT:-420}" python3 benchmarks/lora_throughput.py \
           --engine vllm "$@" 2>&1 | tee -a "$out/lora.log" | tail -12
         echo "vllm: exit ${PIPESTATUS[0]}" | tee -a "$out/lora.log"
