@@ -40,7 +40,7 @@ from vllm_actors.kernels.triton_paged import (
 from vllm_actors.kernels.triton_varlen import tile_sequence, varlen_config
 
 # a window no row reaches past: `_attend_tile`'s WINDOW mode only for its guard of rows that see no key yet
-_UNBOUNDED = 1 << 30
+_UNBOUNDED = tl.constexpr(1 << 30)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
