@@ -154,8 +154,9 @@ def test_flash_attn_prefill_replays_from_a_cuda_graph() -> None:
 
 def test_the_engine_prefills_through_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 engine, head_dim 64, chunked prefill of 700-token prompts (each chunk over the ones cached
-    before it), CUDA graphs of the padded steps: prompt logprobs through flash-attn agree with the
-    Triton kernels' (both bf16: they differ only in rounding), and flash-attn really ran."""
+    before it), CUDA graphs of the padded steps: prompt logprobs through flash-attn are as close to a
+    float32 engine's (Triton kernels) as the bf16 Triton kernels' are, and flash-attn really ran. (A fixed
+    bound between the two bf16 paths measured rounding, not errors: 0.127 at most on the H200.)"""
     from tests.support.prompt_logprobs import prompt_logprobs
     from tests.support.tiny_models import build_checkpoint
     from vllm_actors.kernels import flash_attn_prefill
@@ -173,11 +174,14 @@ def test_the_engine_prefills_through_flash_attn(tmp_path: Path, monkeypatch: pyt
     gen = torch.Generator().manual_seed(3)
     base = torch.randint(0, 500, (700,), generator=gen).tolist()
     prompts = [base, base[:600] + torch.randint(0, 500, (90,), generator=gen).tolist()]
-    logprobs = {}
+    monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", "triton")
+    reference = prompt_logprobs(path, prompts, dtype="float32")
+    errors = {}
     for choice in ("triton", "flash_attn"):
         monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", choice)
         calls.clear()
-        logprobs[choice] = prompt_logprobs(path, prompts)
+        errors[choice] = (prompt_logprobs(path, prompts) - reference).abs()
         assert (len(calls) > 0) == (choice == "flash_attn"), choice
-    diff = (logprobs["flash_attn"] - logprobs["triton"]).abs()
-    assert diff.max().item() < 0.1 and diff.mean().item() < 0.01, (diff.max().item(), diff.mean().item())
+    flash, triton_ = errors["flash_attn"], errors["triton"]
+    assert flash.max().item() <= 1.5 * triton_.max().item() + 1e-3, (flash.max().item(), triton_.max().item())
+    assert flash.mean().item() <= 1.5 * triton_.mean().item() + 1e-4, (flash.mean().item(), triton_.mean().item())

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 
-def prompt_logprobs(model: Path, prompts: list[list[int]], **engine: Any) -> torch.Tensor:
-    """The logprob of every prompt token after the first, prompt by prompt, from an in-process bf16 engine
-    prefilling in chunks of 128 tokens (``engine``: further engine arguments)."""
+def prompt_logprobs(model: Path, prompts: list[list[int]], dtype: str = "bfloat16", **engine: Any) -> torch.Tensor:
+    """The logprob of every prompt token after the first, prompt by prompt, from an in-process engine (bf16
+    unless ``dtype``) prefilling in chunks of 128 tokens (``engine``: further engine arguments)."""
     from vllm_actors import LLM, SamplingParams
 
-    with LLM(str(model), executor="inprocess", dtype="bfloat16", max_num_batched_tokens=128,
+    with LLM(str(model), executor="inprocess", dtype=dtype, max_num_batched_tokens=128,
              num_gpu_blocks_override=256, **engine) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
