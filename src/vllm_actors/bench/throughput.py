@@ -100,6 +100,8 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     model.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (the workload's random prompts share nothing)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    model.add_argument("--block-size", type=int, default=None,
+                       help="KV block (page) size; default: the engine's (ours only)")
     model.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload and engine seed")
     model.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="replicas (one GPU each) under one controller")

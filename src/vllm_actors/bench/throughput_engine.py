@@ -41,6 +41,8 @@ def make_llm(
     }
     if not args.enable_prefix_caching:
         engine_args["enable_prefix_caching"] = False
+    if getattr(args, "block_size", None) is not None:
+        engine_args["block_size"] = args.block_size
     if getattr(args, "tensor_parallel_size", 1) > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if getattr(args, "data_parallel_size", 1) > 1:  # only passed when asked: older engines lack the argument
