@@ -12,13 +12,19 @@ out=${OUT:-results/gpu}
 VA_SITE=$(bash benchmarks/install_site.sh) || { echo "install failed"; exit 1; }
 export VA_SITE
 pids=()
+# Each lane pinned to its own share of the host's cores (LANE_PIN=0: not pinned): batch-1 decode of a small
+# model is launch-bound, and lanes sharing cores slowed it by up to a third.
+cores=$(nproc); share=$(( cores / $# )); index=0
 for lane in "$@"; do
   gpu=${lane%%|*}; stages=${lane#*|}; name=${gpu//,/-}  # "2,3": two GPUs, lane2-3
+  pin=(); if [ "${LANE_PIN:-1}" = 1 ] && [ "$share" -ge 2 ] && command -v taskset > /dev/null; then
+    pin=(taskset -c "$(( index * share ))-$(( (index + 1) * share - 1 ))"); fi
+  index=$(( index + 1 ))
   mkdir -p "$out/lane$name"
   # "a && b": gpu_session.sh runs a, then b, on the lane's GPUs, each in its own folder (partN), sharing
   # LONGCTX_DIR so that a later `longctx -- ... --append` adds to the earlier table.
   CUDA_VISIBLE_DEVICES=$gpu LONGCTX_DIR=/tmp/longctx-$name timeout --kill-after=10 "${LANE_TIMEOUT:-560}" \
-    bash benchmarks/lane_parts.sh "$out/lane$name" "$stages" > "$out/lane$name.log" 2>&1 &
+    "${pin[@]}" bash benchmarks/lane_parts.sh "$out/lane$name" "$stages" > "$out/lane$name.log" 2>&1 &
   pids+=($!)
 done
 status=0
