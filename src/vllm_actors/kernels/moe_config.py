@@ -19,14 +19,14 @@ log scale). Both GEMMs share BLOCK_M (one alignment of the pairs) and have their
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from vllm_actors.envs import envs
+from vllm_actors.kernels import tuned_tables
+from vllm_actors.kernels.tuned_tables import nearest
 
 FORMAT = "vllm_actors.fused_moe/1"
 SHIPPED = Path(__file__).with_name("moe_configs")
@@ -157,10 +157,7 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
     """A tuned-config file: {"format": FORMAT, "tables": [{"shape": {experts, hidden, intermediate,
     top_k}, "dtype": "bfloat16", "device": "<torch.cuda.get_device_name()> or any", "configs":
     {"<tokens>": <config>, ...}}, ...]}."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"fused MoE configs {source}: not JSON ({error})") from None
+    data = tuned_tables.read_json(text, "fused MoE configs", source)
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("tables"), list):
         raise ValueError(f"fused MoE configs {source}: need an object with \"format\": \"{FORMAT}\" and a "
                          "\"tables\" list")
@@ -188,21 +185,12 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
 
 @lru_cache(maxsize=8)
 def _load(path: str) -> dict[TableKey, Table]:
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"fused MoE configs {path}: cannot read ({error.strerror})") from None
-    return parse_tables(text, path)
-
-
-@lru_cache(maxsize=1)
-def _shipped() -> tuple[str, ...]:
-    return tuple(sorted(str(p) for p in SHIPPED.glob("*.json"))) if SHIPPED.is_dir() else ()
+    return tuned_tables.load(path, "fused MoE configs", parse_tables)
 
 
 def _sources() -> tuple[str, ...]:
     override = envs.VLLM_ACTORS_MOE_CONFIG
-    return ((override,) if override else ()) + _shipped()
+    return ((override,) if override else ()) + tuned_tables.shipped(SHIPPED)
 
 
 def tuned_table(shape: MoeShape, dtype: str, device: str) -> Table | None:
@@ -214,12 +202,6 @@ def tuned_table(shape: MoeShape, dtype: str, device: str) -> Table | None:
             if table is not None:
                 return table
     return None
-
-
-def nearest(table: Table, tokens: int) -> MoeConfig:
-    """The entry measured at the token count nearest ``tokens`` on a log scale (the smaller on a tie)."""
-    best = min(table, key=lambda measured: (abs(math.log2(measured) - math.log2(max(tokens, 1))), measured))
-    return table[best]
 
 
 @lru_cache(maxsize=1024)
