@@ -4,7 +4,7 @@ output, the best printed next to bf16 cuBLAS (and cuBLASLt's block-scaled FP8 wh
 passes); ``--table-out PATH`` writes the tuned table the engine reads
 (``kernels/fp8_gemm_config.py``'s format: commit it under ``kernels/fp8_gemm_configs/`` or point
 ``VLLM_ACTORS_FP8_GEMM_CONFIG`` at it), each shape's swept rows over its current table's others
-(unless ``--no-merge``). About 2-3 minutes on an H100 for the four shapes at three row counts.
+(unless ``--no-merge``). About 2-3 minutes on an H100 for the four shapes at three row counts (32 launches each).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ _LARGE = [(64, 64, 32, 4, 3), (64, 64, 32, 4, 4),
           (128, 128, 32, 4, 3), (128, 128, 32, 4, 4), (128, 128, 8, 8, 3), (128, 128, 32, 8, 3),
           (128, 128, 32, 8, 4), (128, 128, 32, 8, 5), (128, 128, 64, 8, 4),
           (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (256, 64, 32, 8, 3)]
+# the same tiles loaded through tensor descriptors (TMA)
+_LARGE_TMA = [(64, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
+              (128, 128, 32, 8, 4), (64, 256, 32, 8, 3)]
 # up to 128 rows: narrow M tiles, many column tiles (a weight read)
 _SMALL = [(16, 64, 16, 4, 3), (16, 64, 16, 4, 4), (16, 64, 16, 4, 5), (16, 128, 16, 4, 4), (16, 32, 16, 4, 4),
           (16, 64, 1, 8, 4), (32, 64, 16, 4, 4), (32, 128, 16, 4, 4), (32, 128, 16, 4, 3),
@@ -42,10 +45,11 @@ _SMALL = [(16, 64, 16, 4, 3), (16, 64, 16, 4, 4), (16, 64, 16, 4, 5), (16, 128, 
 
 
 def candidates(rows: int) -> list[GemmLaunch]:
-    """The launches tried at ``rows``: the small-M list up to 128 rows, else the large one; none
-    whose M tile is more than twice the rows; stages that fit shared memory."""
-    raw = _SMALL if rows <= 128 else _LARGE
-    launches = [fp8_gemm_config.fit_stages(GemmLaunch(m, n, 128, g, w, s)) for m, n, g, w, s in raw
+    """The launches tried at ``rows``: the small-M list up to 128 rows, else the large one (and its
+    TMA variants); none whose M tile is more than twice the rows; stages that fit shared memory."""
+    raw = [(*tiles, False) for tiles in (_SMALL if rows <= 128 else _LARGE)]
+    raw += [(*tiles, True) for tiles in ([] if rows <= 128 else _LARGE_TMA)]
+    launches = [fp8_gemm_config.fit_stages(GemmLaunch(m, n, 128, g, w, s, tma)) for m, n, g, w, s, tma in raw
                 if m <= max(16, 2 * rows)]
     return list(dict.fromkeys(launches))  # fit_stages may make two alike
 

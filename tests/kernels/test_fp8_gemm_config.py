@@ -25,7 +25,9 @@ H100 = "NVIDIA H100 80GB HBM3"
     (GemmLaunch(16, 32, 32, 2, 4, 2), (64, 32)),  # one weight scale per tile and K step
     (GemmLaunch(32, 64, 16, 1, 4, 1), (32, 64)),  # two weight scale blocks per tile; K step under the block
     (GemmLaunch(16, 16, 128, 3, 4, 1), (16, 32)),  # a K step of 128 capped at the scale block (32)
-], ids=["one_scale", "two_scales", "k_capped"])
+    (GemmLaunch(32, 32, 32, 2, 4, 2, tma=True), (64, 32)),  # tiles through tensor descriptors
+    (GemmLaunch(16, 64, 16, 1, 4, 1, tma=True), (32, 64)),
+], ids=["one_scale", "two_scales", "k_capped", "tma_one_scale", "tma_two_scales"])
 def test_launches_against_float64(launch: GemmLaunch, block: tuple[int, int]) -> None:
     n, k, rows = 200, 160, 37  # partial row, column and K tiles
     gen = torch.Generator().manual_seed(launch.block_n)
@@ -35,6 +37,7 @@ def test_launches_against_float64(launch: GemmLaunch, block: tuple[int, int]) ->
     weight, scale = weight.to(DEVICE), scale.to(DEVICE)
     out = fp8_gemm.fp8_linear(x, weight, scale, block, config=fp8_gemm.Fp8GemmConfig(launch=launch))
     x_q, x_s = fp8_gemm.quantize_activations(x, block[1])
+    assert not launch.tma or fp8_gemm._tma_takes(x_q, weight)  # the descriptors' path ran
     torch.testing.assert_close(out.double(), fp8_gemm.fp8_linear_reference(x_q, x_s, weight, scale, block),
                                rtol=1e-5, atol=1e-5)
 

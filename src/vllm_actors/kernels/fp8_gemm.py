@@ -36,6 +36,10 @@ try:
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is installed with the project
     HAVE_TRITON = False
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - a triton without host tensor descriptors: pointer loads only
+    TensorDescriptor = None
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
@@ -146,12 +150,14 @@ if HAVE_TRITON:
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, group_n, group_k,
         stride_am, stride_bn, stride_cm, stride_as, stride_bs,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+        GROUP_M: tl.constexpr, ONE_B_SCALE: tl.constexpr, TMA: tl.constexpr,
     ):
         """C [M, N] = sum over K tiles of (A_q tile @ B_q tile.T) * a_scale[m, k] * b_scale[n, k].
         ``ONE_B_SCALE``: the tile's columns lie in one weight scale block (BLOCK_N divides group_n), so
         each K step scales the tile's product by one vector (a row's scale times the block's): one FMA
-        per element of the accumulator instead of two products and a sum."""
+        per element of the accumulator instead of two products and a sum. ``TMA``: ``a_ptr`` and ``b_ptr``
+        are tensor descriptors of A [M, K] and B [N, K] (tiles by Hopper's tensor memory accelerator,
+        zeros past the edges) instead of pointers."""
         pid = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n  # rows of tiles visited together (L2 reuse of B)
@@ -161,9 +167,10 @@ if HAVE_TRITON:
         pid_n = (pid % per_group) // rows_in_group
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+        if not TMA:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+            b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
         as_ptrs = as_ptr + offs_m * stride_as
         if ONE_B_SCALE:
             b_scale_ptr = bs_ptr + (pid_n * BLOCK_N // group_n) * stride_bs
@@ -171,17 +178,21 @@ if HAVE_TRITON:
             bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bs
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+            if TMA:
+                a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
             group = k * BLOCK_K // group_k
             a_s = tl.load(as_ptrs + group)
             if ONE_B_SCALE:
                 acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptr + group))[:, None]
             else:
                 acc += tl.dot(a, b) * a_s[:, None] * tl.load(bs_ptrs + group)[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -307,17 +318,31 @@ def fp8_linear(
             weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
-    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, block, _device_name(x.device))
+    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, (group_n, group_k) if block else None,
+                                                            _device_name(x.device))
     block_k = min(block_k, launch.block_k)  # powers of two: it still divides the scale block
+    a_arg: object = x_q
+    b_arg: object = weight
+    tma = launch.tma and _tma_takes(x_q, weight)
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(x_q, [launch.block_m, block_k])
+        b_arg = TensorDescriptor.from_tensor(weight, [launch.block_n, block_k])
     grid = (triton.cdiv(rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
     _gemm_kernel[grid](
-        x_q, weight, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
+        a_arg, b_arg, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
         x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), weight_scale.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        GROUP_M=launch.group_m, ONE_B_SCALE=group_n % launch.block_n == 0,
+        GROUP_M=launch.group_m, ONE_B_SCALE=group_n % launch.block_n == 0, TMA=tma,
         num_warps=launch.warps, num_stages=launch.stages,
     )
     return out
+
+
+def _tma_takes(x_q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether tensor descriptors can describe A and B: this triton has them, rows of 16-byte multiples
+    on 16-byte aligned bases (else the pointer loads run)."""
+    return (TensorDescriptor is not None and all(t.stride(1) == 1 and t.stride(0) % 16 == 0
+                                                 and t.data_ptr() % 16 == 0 for t in (x_q, weight)))
 
 
 @lru_cache(maxsize=16)

@@ -3,7 +3,8 @@
 Each program computes a ``block_m`` x ``block_n`` tile of the output over K in ``block_k`` steps (at
 most the scale block's width, so one activation and one weight scale per row and column and step),
 with ``group_m`` row tiles visited together so that a weight tile is still in L2 for the next row
-tile, and a ``stages``-deep software pipeline of ``warps`` warps. Few rows want a narrow M tile and
+tile, and a ``stages``-deep software pipeline of ``warps`` warps, its tiles loaded by pointers or
+(``tma``) through tensor descriptors. Few rows want a narrow M tile and
 many column tiles (the GEMM reads weights); hundreds want 64x128-class tiles (it computes; Hopper's
 warpgroup MMA wants M tiles of 64). ``default_launch`` picks by rows alone; a tuned table
 (``benchmarks/fp8_gemm.py --sweep --table-out`` writes one) overrides it for the (N, K, block,
@@ -14,7 +15,7 @@ the call's (log scale), as for the fused MoE (``kernels/moe_config.py``, ``kerne
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ class GemmLaunch:
     group_m: int = 8
     warps: int = 4
     stages: int = 3
+    tma: bool = False  # tiles loaded through tensor descriptors (Hopper's TMA) instead of pointers
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, int | bool]:
         return asdict(self)
 
 
@@ -55,11 +57,9 @@ def shared_bytes(launch: GemmLaunch) -> int:
 
 def fit_stages(launch: GemmLaunch) -> GemmLaunch:
     """``launch`` with as many of its stages as SM90's shared memory holds (at least 1)."""
-    stages = launch.stages
-    while stages > 1 and shared_bytes(GemmLaunch(launch.block_m, launch.block_n, launch.block_k, launch.group_m,
-                                                 launch.warps, stages)) > SHARED_BYTES:
-        stages -= 1
-    return GemmLaunch(launch.block_m, launch.block_n, launch.block_k, launch.group_m, launch.warps, stages)
+    while launch.stages > 1 and shared_bytes(launch) > SHARED_BYTES:
+        launch = replace(launch, stages=launch.stages - 1)
+    return launch
 
 
 # (rows up to, launch): the tiles vLLM's tuned H100 tables settle on for most shapes
@@ -79,7 +79,7 @@ def default_launch(rows: int) -> GemmLaunch:
 # ------------------------------------------------------------------------------------ tuned tables
 def parse_launch(raw: Any, where: str) -> GemmLaunch:
     """One table entry (``GemmLaunch.to_json``'s form); a ValueError naming ``where`` if malformed."""
-    allowed = {"block_m", "block_n", "block_k", "group_m", "warps", "stages"}
+    allowed = {"block_m", "block_n", "block_k", "group_m", "warps", "stages", "tma"}
     if not isinstance(raw, dict) or set(raw) - allowed or {"block_m", "block_n"} - set(raw):
         raise ValueError(f"{where} must be an object with keys among {sorted(allowed)} (block_m, block_n required)")
     launch = GemmLaunch(**raw)
@@ -90,6 +90,8 @@ def parse_launch(raw: Any, where: str) -> GemmLaunch:
             raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(values)}")
     if not isinstance(launch.group_m, int) or launch.group_m < 1:
         raise ValueError(f"{where}.group_m is {launch.group_m!r}: must be a whole number >= 1")
+    if not isinstance(launch.tma, bool):
+        raise ValueError(f"{where}.tma is {launch.tma!r}: must be true or false")
     return launch
 
 
