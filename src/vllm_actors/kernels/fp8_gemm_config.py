@@ -83,13 +83,8 @@ def parse_launch(raw: Any, where: str) -> GemmLaunch:
     if not isinstance(raw, dict) or set(raw) - allowed or {"block_m", "block_n"} - set(raw):
         raise ValueError(f"{where} must be an object with keys among {sorted(allowed)} (block_m, block_n required)")
     launch = GemmLaunch(**raw)
-    for name, values in (("block_m", BLOCK_MS), ("block_n", BLOCK_NS), ("block_k", BLOCK_KS), ("warps", WARPS),
-                         ("stages", range(1, 9))):
-        value = getattr(launch, name)
-        if not isinstance(value, int) or value not in values:
-            raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(values)}")
-    if not isinstance(launch.group_m, int) or launch.group_m < 1:
-        raise ValueError(f"{where}.group_m is {launch.group_m!r}: must be a whole number >= 1")
+    tuned_tables.check_fields(launch, where, {"block_m": BLOCK_MS, "block_n": BLOCK_NS, "block_k": BLOCK_KS,
+                                              "warps": WARPS, "stages": range(1, 9)})
     if not isinstance(launch.tma, bool):
         raise ValueError(f"{where}.tma is {launch.tma!r}: must be true or false")
     return launch
@@ -121,15 +116,8 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
         if block is not None and not (isinstance(block, list) and len(block) == 2
                                       and all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"{where}.block must be [block_n, block_k] or null (per channel), got {block!r}")
-        configs = table["configs"]
-        if not isinstance(configs, dict) or not configs:
-            raise ValueError(f"{where}.configs must be a non-empty object of row count -> launch")
-        parsed: Table = {}
-        for rows, raw in configs.items():
-            if not str(rows).isdigit() or int(rows) < 1:
-                raise ValueError(f"{where}.configs key {rows!r}: must be a row count >= 1")
-            parsed[int(rows)] = parse_launch(raw, f"{where}.configs[{rows}]")
-        tables[(n, k, block_key(tuple(block) if block else None), str(table["device"]))] = parsed
+        tables[(n, k, block_key(tuple(block) if block else None), str(table["device"]))] = tuned_tables.parse_sized(
+            table["configs"], where, "row count", parse_launch)
     return tables
 
 
@@ -155,13 +143,8 @@ def _sources() -> tuple[str, ...]:
 
 def tuned_table(n: int, k: int, block: tuple[int, int] | None, device: str) -> Table | None:
     """The first table of the sources (override first) for this weight shape, block and device."""
-    for source in _sources():
-        tables = _load(source)
-        for name in (device, "any"):
-            table = tables.get((n, k, block_key(block), name))
-            if table is not None:
-                return table
-    return None
+    return tuned_tables.lookup((_load(source) for source in _sources()), lambda name: (n, k, block_key(block), name),
+                               device)
 
 
 @lru_cache(maxsize=4096)

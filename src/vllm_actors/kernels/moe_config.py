@@ -130,13 +130,8 @@ def _tiles(raw: Any, where: str) -> GemmTiles:
     if set(raw) - allowed or {"block_n", "block_k"} - set(raw):
         raise ValueError(f"{where} has keys {sorted(raw)}: allowed {sorted(allowed)} (block_n, block_k required)")
     tiles = GemmTiles(**{name: raw[name] for name in raw})
-    for name, allowed_values in (("block_n", TILE_SIZES), ("block_k", TILE_SIZES), ("warps", WARPS),
-                                 ("stages", range(1, 9))):
-        value = getattr(tiles, name)
-        if not isinstance(value, int) or value not in allowed_values:
-            raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(allowed_values)}")
-    if not isinstance(tiles.group_m, int) or tiles.group_m < 1:
-        raise ValueError(f"{where}.group_m is {tiles.group_m!r}: must be a whole number >= 1")
+    tuned_tables.check_fields(tiles, where, {"block_n": TILE_SIZES, "block_k": TILE_SIZES, "warps": WARPS,
+                                             "stages": range(1, 9)})
     return tiles
 
 
@@ -171,15 +166,8 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
                                                                              "top_k")})
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}.shape needs whole numbers experts, hidden, intermediate, top_k") from None
-        configs = table["configs"]
-        if not isinstance(configs, dict) or not configs:
-            raise ValueError(f"{where}.configs must be a non-empty object of token count -> config")
-        parsed: Table = {}
-        for tokens, raw in configs.items():
-            if not str(tokens).isdigit() or int(tokens) < 1:
-                raise ValueError(f"{where}.configs key {tokens!r}: must be a token count >= 1")
-            parsed[int(tokens)] = parse_config(raw, f"{where}.configs[{tokens}]")
-        tables[(shape.key(), str(table["dtype"]), str(table["device"]))] = parsed
+        tables[(shape.key(), str(table["dtype"]), str(table["device"]))] = tuned_tables.parse_sized(
+            table["configs"], where, "token count", parse_config)
     return tables
 
 
@@ -195,13 +183,8 @@ def _sources() -> tuple[str, ...]:
 
 def tuned_table(shape: MoeShape, dtype: str, device: str) -> Table | None:
     """The first table of the sources (override first) for this shape, dtype and device."""
-    for source in _sources():
-        tables = _load(source)
-        for name in (device, "any"):
-            table = tables.get((shape.key(), dtype, name))
-            if table is not None:
-                return table
-    return None
+    return tuned_tables.lookup((_load(source) for source in _sources()), lambda name: (shape.key(), dtype, name),
+                               device)
 
 
 @lru_cache(maxsize=1024)
