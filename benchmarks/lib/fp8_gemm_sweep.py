@@ -87,7 +87,7 @@ def _sweep_one(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], f
     """One shape at one row count: bf16, the current launch and every candidate (checked, then timed)."""
     from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
 
-    x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn((rows, k), device=fp8[0][0].device, dtype=torch.bfloat16)
     calls = 20 if rows <= 2048 else 5
     current = fp8_gemm_config.choose_launch(rows, n, k, BLOCK, device)
     want = fp8_linear(x, *fp8[0], BLOCK, config=Fp8GemmConfig(launch=current, scaled_mm=False))

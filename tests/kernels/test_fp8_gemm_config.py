@@ -6,6 +6,7 @@ count, the shipped Qwen3 table parses, a bad table is a clear error, and the swe
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -100,3 +101,26 @@ def test_sweep_table_round_trip() -> None:
     assert alone[(6144, 4096, "128x128", H100)] == {2048: GemmLaunch(128, 128, 128, 32, 8, 4)}
     assert 20 <= len(fp8_gemm_sweep.candidates(2048)) <= 40
     assert all(c.block_m <= 32 for c in fp8_gemm_sweep.candidates(8))
+
+
+def test_sweep_step_checks_then_times_each_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One shape at one row count (the timer faked: a launch's time is how many were checked up to it,
+    so the current launch, timed first, is the best): every candidate's output is checked against the
+    current launch's, then timed, and the best one is what the table gets."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 128, generator=gen)
+    fp8 = [fp8_gemm.quantize_weight(weight, (128, 128))]
+    timed: list[GemmLaunch] = []
+    real_close = fp8_gemm_sweep._close
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+        timed.append(GemmLaunch(1, 1))
+        return real_close(got, want)
+
+    monkeypatch.setattr(fp8_gemm_sweep, "_close", close)
+    monkeypatch.setattr(fp8_gemm_sweep, "_time", lambda fn, items, calls, args: float(len(timed)))
+    row, best = fp8_gemm_sweep._sweep_one("t", 64, 128, 8, [weight], fp8, False, "cpu", argparse.Namespace())
+    candidates = fp8_gemm_sweep.candidates(8)
+    assert len(timed) == len(row["sweep_us"]) >= len(candidates) and "wrong" not in row and "failed" not in row
+    assert best == fp8_gemm_config.choose_launch(8, 64, 128, (128, 128), "cpu")
+    assert row["best_us"] == min(row["sweep_us"].values()) and row["current_us"] == row["best_us"]
