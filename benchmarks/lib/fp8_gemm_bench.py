@@ -20,6 +20,7 @@ Triton GEMM's launch table instead (``benchmarks/lib/fp8_gemm_sweep.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -97,7 +98,7 @@ def _with_gbps(row: dict[str, Any], moved: dict[str, int]) -> None:
 
 def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8: list[Any],
              vllm_runs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_actors.kernels import fp8_scaled_mm
+    from vllm_actors.kernels import fp8_gemm_config, fp8_scaled_mm
     from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear, quantize_activations
     from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
     from vllm_actors.kernels.gemv import gemv
@@ -111,7 +112,9 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
     triton_only = Fp8GemmConfig(scaled_mm=False)
     row["fp8_w8a8_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK, config=triton_only), fp8, args))
     if rows > 1 and fp8_scaled_mm.layout(x.device, lambda a, column: quantize_activations(a, BLOCK[1], column)):
-        row["fp8_scaled_mm_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, args))
+        launch = fp8_gemm_config.choose_launch(rows, n, k, BLOCK, torch.cuda.get_device_name())
+        cublas = Fp8GemmConfig(launch=dataclasses.replace(launch, cublas=True))  # whatever the table says
+        row["fp8_scaled_mm_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK, config=cublas), fp8, args))
     for column, run in vllm_runs.items():
         try:
             row[f"{column}_us"] = _timer(lambda ws, run=run: run(x, *ws), fp8, args)

@@ -1,7 +1,8 @@
 """``benchmarks/fp8_gemm.py --sweep``: the Triton W8A8 FP8 GEMM's launch candidates timed per Qwen3-8B
 projection and row count (default 256, 2048, 8192), each checked against the current launch's
 output, the best printed next to bf16 cuBLAS (and cuBLASLt's block-scaled FP8 where its probe
-passes); ``--table-out PATH`` writes the tuned table the engine reads
+passes: the table's entry keeps it on at those rows unless the Triton GEMM was faster);
+``--table-out PATH`` writes the tuned table the engine reads
 (``kernels/fp8_gemm_config.py``'s format: commit it under ``kernels/fp8_gemm_configs/`` or point
 ``VLLM_ACTORS_FP8_GEMM_CONFIG`` at it), each shape's swept rows over its current table's others
 (unless ``--no-merge``). About 2-3 minutes on an H100 for the four shapes at three row counts (32 launches each).
@@ -13,6 +14,7 @@ import argparse
 import itertools
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +91,13 @@ def _sweep_one(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], f
 
     x = torch.randn((rows, k), device=fp8[0][0].device, dtype=torch.bfloat16)
     calls = 20 if rows <= 2048 else 5
-    current = fp8_gemm_config.choose_launch(rows, n, k, BLOCK, device)
+    current = replace(fp8_gemm_config.choose_launch(rows, n, k, BLOCK, device), cublas=True)  # the Triton part
     want = fp8_linear(x, *fp8[0], BLOCK, config=Fp8GemmConfig(launch=current, scaled_mm=False))
     row: dict[str, Any] = {"name": name, "n": n, "k": k, "rows": rows,
                            "bf16_us": _time(lambda w: F.linear(x, w), bf16, calls, args)}
     if scaled_mm:
-        row["scaled_mm_us"] = _time(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, calls, args)
+        cublas = Fp8GemmConfig(launch=current)  # cublas=True: torch._scaled_mm whatever the table says
+        row["scaled_mm_us"] = _time(lambda ws: fp8_linear(x, *ws, BLOCK, config=cublas), fp8, calls, args)
     timings: dict[str, float] = {}
     for launch in [current] + [c for c in candidates(rows) if c != current]:
         config = Fp8GemmConfig(launch=launch, scaled_mm=False)
@@ -108,7 +111,9 @@ def _sweep_one(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], f
     chosen = min(timings, key=timings.__getitem__)
     row.update(current_us=timings[_key(current)], best_us=timings[chosen], best=json.loads(chosen),
                sweep_us=timings)
-    return row, fp8_gemm_config.parse_launch(json.loads(chosen), "sweep")
+    launch = fp8_gemm_config.parse_launch(json.loads(chosen), "sweep")
+    # cuBLASLt stays on at these rows unless the Triton GEMM measured faster than it
+    return row, replace(launch, cublas=not scaled_mm or row["scaled_mm_us"] <= row["best_us"])
 
 
 def run(projections: list[tuple[str, int, int]], args: argparse.Namespace) -> int:

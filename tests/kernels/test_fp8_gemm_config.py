@@ -124,3 +124,26 @@ def test_sweep_step_checks_then_times_each_launch(monkeypatch: pytest.MonkeyPatc
     assert len(timed) == len(row["sweep_us"]) >= len(candidates) and "wrong" not in row and "failed" not in row
     assert best == fp8_gemm_config.choose_launch(8, 64, 128, (128, 128), "cpu")
     assert row["best_us"] == min(row["sweep_us"].values()) and row["current_us"] == row["best_us"]
+
+
+@pytest.mark.parametrize("cublas", [True, False])
+def test_table_entry_turns_the_cublas_path_off(cublas: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the probe passed, ``torch._scaled_mm`` runs unless the launch says the Triton GEMM measured
+    faster at these rows (the library's call stubbed: no GPU here)."""
+    from vllm_actors.kernels import fp8_scaled_mm
+
+    calls: list[int] = []
+
+    def stub(x_q: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x_q.shape[0])
+        return torch.zeros(x_q.shape[0], 256)
+
+    monkeypatch.setattr(fp8_scaled_mm, "takes", lambda *args: True)
+    monkeypatch.setattr(fp8_scaled_mm, "layout", lambda *args: fp8_scaled_mm.LAYOUTS[0])
+    monkeypatch.setattr(fp8_scaled_mm, "scaled_mm", stub)
+    weight, scale = fp8_gemm.quantize_weight(torch.randn(256, 512, generator=torch.Generator().manual_seed(0)),
+                                             (128, 128))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    launch = GemmLaunch(16, 64, 128, 1, 4, 1, cublas=cublas)
+    out = fp8_gemm.fp8_linear(x, weight, scale, (128, 128), config=fp8_gemm.Fp8GemmConfig(launch=launch))
+    assert calls == ([5] if cublas else []) and bool(out.abs().sum()) != cublas

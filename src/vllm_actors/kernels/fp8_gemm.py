@@ -286,7 +286,8 @@ def fp8_linear(
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
     quantized per token and group of ``block[1]`` (per token without ``block``); on a GPU, up to
     ``gemv_rows()`` rows through the weight-only GEMV (activations not quantized), above them through
-    ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product and its probe passed."""
+    ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product, its probe passed and the launch
+    table does not say the Triton GEMM measured faster at these rows (``GemmLaunch.cublas``)."""
     _require_triton()
     config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
@@ -301,7 +302,9 @@ def fp8_linear(
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if rows > 1 and config.scaled_mm and fp8_scaled_mm.takes(x, weight, block):
+    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, (group_n, group_k) if block else None,
+                                                            _device_name(x.device))
+    if rows > 1 and config.scaled_mm and launch.cublas and fp8_scaled_mm.takes(x, weight, block):
         layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
         if layout is not None:
             x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, layout), group_k,
@@ -318,8 +321,6 @@ def fp8_linear(
             weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
-    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, (group_n, group_k) if block else None,
-                                                            _device_name(x.device))
     block_k = min(block_k, launch.block_k)  # powers of two: it still divides the scale block
     a_arg: object = x_q
     b_arg: object = weight

@@ -4,7 +4,9 @@ Each program computes a ``block_m`` x ``block_n`` tile of the output over K in `
 most the scale block's width, so one activation and one weight scale per row and column and step),
 with ``group_m`` row tiles visited together so that a weight tile is still in L2 for the next row
 tile, and a ``stages``-deep software pipeline of ``warps`` warps, its tiles loaded by pointers or
-(``tma``) through tensor descriptors. Few rows want a narrow M tile and
+(``tma``) through tensor descriptors. An entry also says whether cuBLASLt's block-scaled GEMM
+(``kernels/fp8_scaled_mm.py``), where its probe passed, runs at its rows instead (``cublas``, the
+default; the sweep writes false where the Triton GEMM measured faster). Few rows want a narrow M tile and
 many column tiles (the GEMM reads weights); hundreds want 64x128-class tiles (it computes; Hopper's
 warpgroup MMA wants M tiles of 64). ``default_launch`` picks by rows alone; a tuned table
 (``benchmarks/fp8_gemm.py --sweep --table-out`` writes one) overrides it for the (N, K, block,
@@ -45,6 +47,7 @@ class GemmLaunch:
     warps: int = 4
     stages: int = 3
     tma: bool = False  # tiles loaded through tensor descriptors (Hopper's TMA) instead of pointers
+    cublas: bool = True  # where cuBLASLt's block-scaled GEMM probed right it runs instead (false: Triton was faster)
 
     def to_json(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -79,14 +82,15 @@ def default_launch(rows: int) -> GemmLaunch:
 # ------------------------------------------------------------------------------------ tuned tables
 def parse_launch(raw: Any, where: str) -> GemmLaunch:
     """One table entry (``GemmLaunch.to_json``'s form); a ValueError naming ``where`` if malformed."""
-    allowed = {"block_m", "block_n", "block_k", "group_m", "warps", "stages", "tma"}
+    allowed = {"block_m", "block_n", "block_k", "group_m", "warps", "stages", "tma", "cublas"}
     if not isinstance(raw, dict) or set(raw) - allowed or {"block_m", "block_n"} - set(raw):
         raise ValueError(f"{where} must be an object with keys among {sorted(allowed)} (block_m, block_n required)")
     launch = GemmLaunch(**raw)
     tuned_tables.check_fields(launch, where, {"block_m": BLOCK_MS, "block_n": BLOCK_NS, "block_k": BLOCK_KS,
                                               "warps": WARPS, "stages": range(1, 9)})
-    if not isinstance(launch.tma, bool):
-        raise ValueError(f"{where}.tma is {launch.tma!r}: must be true or false")
+    for name in ("tma", "cublas"):
+        if not isinstance(getattr(launch, name), bool):
+            raise ValueError(f"{where}.{name} is {getattr(launch, name)!r}: must be true or false")
     return launch
 
 
