@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-merge", action="store_true",
                         help="with --sweep: the table holds the swept rows alone (default: over the current table)")
     parser.add_argument("--budget-s", type=float, default=220.0, help="with --sweep: no new row count past this")
+    parser.add_argument("--no-tma", action="store_true", help="with --sweep: leave out the launches loading by TMA")
     parser.add_argument("--out", default=None, help="results JSON (default results/fp8_gemm[_sweep].json)")
     parser.add_argument("--warmup-ms", type=float, default=None, help="default 5 (1 with --sweep)")
     parser.add_argument("--rep-ms", type=float, default=None, help="default 20 (5 with --sweep)")

@@ -46,11 +46,12 @@ _SMALL = [(16, 64, 16, 4, 3), (16, 64, 16, 4, 4), (16, 64, 16, 4, 5), (16, 128, 
           (64, 64, 32, 4, 3), (64, 64, 32, 4, 4), (64, 128, 32, 4, 3), (64, 128, 32, 4, 4), (64, 32, 16, 4, 4)]
 
 
-def candidates(rows: int) -> list[GemmLaunch]:
+def candidates(rows: int, tma: bool = True) -> list[GemmLaunch]:
     """The launches tried at ``rows``: the small-M list up to 128 rows, else the large one (and its
-    TMA variants); none whose M tile is more than twice the rows; stages that fit shared memory."""
+    TMA variants, tried last, unless not ``tma``); none whose M tile is more than twice the rows;
+    stages that fit shared memory."""
     raw = [(*tiles, False) for tiles in (_SMALL if rows <= 128 else _LARGE)]
-    raw += [(*tiles, True) for tiles in ([] if rows <= 128 else _LARGE_TMA)]
+    raw += [(*tiles, True) for tiles in ([] if rows <= 128 or not tma else _LARGE_TMA)]
     launches = [fp8_gemm_config.fit_stages(GemmLaunch(m, n, 128, g, w, s, tma)) for m, n, g, w, s, tma in raw
                 if m <= max(16, 2 * rows)]
     return list(dict.fromkeys(launches))  # fit_stages may make two alike
@@ -99,7 +100,7 @@ def _sweep_one(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], f
         cublas = Fp8GemmConfig(launch=current)  # cublas=True: torch._scaled_mm whatever the table says
         row["scaled_mm_us"] = _time(lambda ws: fp8_linear(x, *ws, BLOCK, config=cublas), fp8, calls, args)
     timings: dict[str, float] = {}
-    for launch in [current] + [c for c in candidates(rows) if c != current]:
+    for launch in [current] + [c for c in candidates(rows, tma=not args.no_tma) if c != current]:
         config = Fp8GemmConfig(launch=launch, scaled_mm=False)
         try:
             if not _close(fp8_linear(x, *fp8[0], BLOCK, config=config), want):

@@ -100,6 +100,7 @@ def test_sweep_table_round_trip() -> None:
     alone = fp8_gemm_config.parse_tables(json.dumps(fp8_gemm_sweep.tuned_file(best, H100, False, "t")), "t")
     assert alone[(6144, 4096, "128x128", H100)] == {2048: GemmLaunch(128, 128, 128, 32, 8, 4)}
     assert 20 <= len(fp8_gemm_sweep.candidates(2048)) <= 40
+    assert not any(c.tma for c in fp8_gemm_sweep.candidates(2048, tma=False))
     assert all(c.block_m <= 32 for c in fp8_gemm_sweep.candidates(8))
 
 
@@ -119,7 +120,8 @@ def test_sweep_step_checks_then_times_each_launch(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(fp8_gemm_sweep, "_close", close)
     monkeypatch.setattr(fp8_gemm_sweep, "_time", lambda fn, items, calls, args: float(len(timed)))
-    row, best = fp8_gemm_sweep._sweep_one("t", 64, 128, 8, [weight], fp8, False, "cpu", argparse.Namespace())
+    row, best = fp8_gemm_sweep._sweep_one("t", 64, 128, 8, [weight], fp8, False, "cpu",
+                                          argparse.Namespace(no_tma=False))
     candidates = fp8_gemm_sweep.candidates(8)
     assert len(timed) == len(row["sweep_us"]) >= len(candidates) and "wrong" not in row and "failed" not in row
     assert best == fp8_gemm_config.choose_launch(8, 64, 128, (128, 128), "cpu")
