@@ -144,13 +144,13 @@ def run(projections: list[tuple[str, int, int]], args: argparse.Namespace) -> in
         del bf16, fp8
     tuned = tuned_file(best, device, merge=not args.no_merge,
                        source=f"benchmarks/fp8_gemm.py --sweep, rows {rows_list}, {time.strftime('%Y-%m-%d')}")
-    fp8_gemm_config.parse_tables(json.dumps(tuned), "the sweep's table")  # what the engine will read
+    fp8_gemm_config.parse_tables(fp8_gemm_config.dumps(tuned), "the sweep's table")  # what the engine will read
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device, "results": results, "table": tuned}, indent=1) + "\n")
     if args.table_out:
         Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.table_out).write_text(json.dumps(tuned, indent=1) + "\n")
+        Path(args.table_out).write_text(fp8_gemm_config.dumps(tuned))
         print(f"the table is at {args.table_out} (VLLM_ACTORS_FP8_GEMM_CONFIG={args.table_out}, or commit it under "
               "src/vllm_actors/kernels/fp8_gemm_configs/)", flush=True)
     print(f"sweep: {time.monotonic() - started:.0f} s", flush=True)

@@ -91,7 +91,7 @@ def test_sweep_table_round_trip() -> None:
     """The sweep's file parses back to its launches, merged over the shipped table's other rows."""
     best = {(6144, 4096): {2048: GemmLaunch(128, 128, 128, 32, 8, 4)}, (77, 512): {256: GemmLaunch(64, 256)}}
     tuned = fp8_gemm_sweep.tuned_file(best, H100, merge=True, source="test")
-    tables = fp8_gemm_config.parse_tables(json.dumps(tuned), "sweep")
+    tables = fp8_gemm_config.parse_tables(fp8_gemm_config.dumps(tuned), "sweep")  # the file --table-out writes
     qkv = tables[(6144, 4096, "128x128", H100)]
     assert qkv[2048] == GemmLaunch(128, 128, 128, 32, 8, 4)
     shipped = fp8_gemm_config.tuned_table(6144, 4096, (128, 128), H100)

@@ -17,6 +17,7 @@ the call's (log scale), as for the fused MoE (``kernels/moe_config.py``, ``kerne
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -133,6 +134,16 @@ def table_json(n: int, k: int, block: tuple[int, int] | None, device: str, confi
         table["source"] = source
     table["configs"] = {str(rows): launch.to_json() for rows, launch in sorted(configs.items())}
     return table
+
+
+def dumps(tuned: dict[str, Any]) -> str:
+    """A tuned-config file's text: one line per table field and per row count's launch."""
+    tables = []
+    for table in tuned["tables"]:
+        fields = [f'  "{key}": {json.dumps(value)}' for key, value in table.items() if key != "configs"]
+        configs = ",\n".join(f'   "{rows}": {json.dumps(launch)}' for rows, launch in table["configs"].items())
+        tables.append(" {\n" + ",\n".join(fields) + ',\n  "configs": {\n' + configs + "\n  }\n }")
+    return f'{{"format": {json.dumps(tuned["format"])}, "tables": [\n' + ",\n".join(tables) + "\n]}\n"
 
 
 @lru_cache(maxsize=8)
