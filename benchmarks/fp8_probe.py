@@ -25,7 +25,9 @@ def main() -> int:
     for candidate in fp8_scaled_mm.LAYOUTS:
         try:
             x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, candidate), 128, candidate.a_column_major)
-            print(f"{candidate}: x_s {tuple(x_s.shape)} strides {x_s.stride()}", flush=True)
+            scale_b = fp8_scaled_mm.weight_scales(scale, candidate)
+            print(f"{candidate}: x_s {tuple(x_s.shape)} strides {x_s.stride()}, scale_b {tuple(scale_b.shape)} "
+                  f"strides {scale_b.stride()}", flush=True)
             got = fp8_scaled_mm.scaled_mm(x_q, x_s, weight, scale, candidate, None, torch.bfloat16)[:rows].double()
             want = fp8_linear_reference(x_q[:rows], x_s[:rows].contiguous(), weight, scale, fp8_scaled_mm.BLOCK)
             print(f"  relative error {float((got - want).norm() / want.norm()):.4g}", flush=True)

@@ -6,18 +6,21 @@ quantization + cuBLASLt's block-scaled GEMM (``torch._scaled_mm``, `kernels/fp8_
 its probe passes) and vLLM's ``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` (Triton) and
 ``cutlass_scaled_mm`` where vllm imports (``--vllm-site``). One GPU.
 
-    python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep] [--out fp8_gemm.json]
+    python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep-gemv] [--out fp8_gemm.json]
+    python benchmarks/fp8_gemm.py --sweep [--rows 256 2048 8192] [--table-out PATH]
 
 Each call is timed from a CUDA graph of 20 calls cycling through enough weight copies (256 MB or
 more) that none is found in L2; each time also as GB/s of the bytes the call reads and writes
 (weight, scales, activations, output). At one row the down projection is also timed reading
-SiLU(gate) * up itself (``*_silu``, both GEMVs). ``--sweep`` also times GEMM tiles and GEMV
-launch parameters and prints the best per row count (for ``Fp8GemmConfig`` / ``Fp8GemvConfig``).
+SiLU(gate) * up itself (``*_silu``, both GEMVs). ``--sweep-gemv`` also times the weight-only GEMV's
+launch parameters up to 4 rows and prints the best (for ``Fp8GemvConfig``). ``--sweep`` tunes the
+Triton GEMM's launch table instead (``benchmarks/lib/fp8_gemm_sweep.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -34,9 +37,6 @@ from benchmarks.lib.kernels_timing import do_bench_graph, spin_up
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 BLOCK = (128, 128)
 L2_DEFEAT_BYTES = 256 << 20
-TILES = [(m, n, w, s) for m, n in ((16, 64), (16, 128), (32, 128), (64, 64), (64, 128), (128, 128))
-         for w in (4, 8) for s in (3, 4)]
-GEMV_COLUMNS = (8, 16, 32, 64)
 # the weight-only GEMV's (block_n, block_k, warps, stages, tiles): around the default (8, 1024, 4, 2, 2)
 FP8_GEMV_SWEEP = ([(n, k, w, 2, t) for n, k in ((4, 2048), (8, 1024), (8, 2048), (16, 1024), (16, 512))
                    for w in (4, 8) for t in (1, 2)] + [(8, 1024, 4, s, 2) for s in (1, 3, 4)])
@@ -98,7 +98,7 @@ def _with_gbps(row: dict[str, Any], moved: dict[str, int]) -> None:
 
 def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8: list[Any],
              vllm_runs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_actors.kernels import fp8_scaled_mm
+    from vllm_actors.kernels import fp8_gemm_config, fp8_scaled_mm
     from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear, quantize_activations
     from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
     from vllm_actors.kernels.gemv import gemv
@@ -112,7 +112,9 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
     triton_only = Fp8GemmConfig(scaled_mm=False)
     row["fp8_w8a8_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK, config=triton_only), fp8, args))
     if rows > 1 and fp8_scaled_mm.layout(x.device, lambda a, column: quantize_activations(a, BLOCK[1], column)):
-        row["fp8_scaled_mm_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK), fp8, args))
+        launch = fp8_gemm_config.choose_launch(rows, n, k, BLOCK, torch.cuda.get_device_name())
+        cublas = Fp8GemmConfig(launch=dataclasses.replace(launch, cublas=True))  # whatever the table says
+        row["fp8_scaled_mm_us"] = _w8a8(lambda: _timer(lambda ws: fp8_linear(x, *ws, BLOCK, config=cublas), fp8, args))
     for column, run in vllm_runs.items():
         try:
             row[f"{column}_us"] = _timer(lambda ws, run=run: run(x, *ws), fp8, args)
@@ -124,17 +126,11 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
         row["fp8_gemv_silu_us"] = _timer(lambda ws: fp8_gemv(gate_up, *ws, BLOCK, silu_mul=True), fp8, args)
     scales = fp8[0][1].numel() * 4
     _with_gbps(row, {"bf16": _bytes(rows, n, k, 2, 0, k), "fp8": _bytes(rows, n, k, 1, scales, k)})
-    if args.sweep:
-        if rows <= 4:
-            configs = {f"{bn}x{bk}w{w}s{st}t{t}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w, stages=st, tiles=t)
-                       for bn, bk, w, st, t in FP8_GEMV_SWEEP}
-            timed = {key: _timer(lambda ws, c=c: fp8_gemv(x, *ws, BLOCK, config=c), fp8, args)
-                     for key, c in configs.items()}
-        else:
-            timed = {str(tile): _w8a8(lambda tile=tile: _timer(
-                lambda ws: fp8_linear(x, *ws, BLOCK, config=Fp8GemmConfig(small_rows=0, large=tile, scaled_mm=False)),
-                fp8, args))
-                for tile in TILES}
+    if args.sweep_gemv and rows <= 4:
+        configs = {f"{bn}x{bk}w{w}s{st}t{t}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w, stages=st, tiles=t)
+                   for bn, bk, w, st, t in FP8_GEMV_SWEEP}
+        timed = {key: _timer(lambda ws, c=c: fp8_gemv(x, *ws, BLOCK, config=c), fp8, args)
+                 for key, c in configs.items()}
         row["sweep_us"] = timed
         row["best"] = min(timed, key=timed.__getitem__)
     return row
@@ -157,20 +153,41 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_actors.kernels.fp8_gemm import quantize_weight
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles / GEMV launch parameters")
-    parser.add_argument("--out", default="results/fp8_gemm.json")
-    parser.add_argument("--warmup-ms", type=float, default=5.0)
-    parser.add_argument("--rep-ms", type=float, default=20.0)
+    parser.add_argument("--rows", type=int, nargs="+", default=None,
+                        help="row counts (default 1 2 4 8; with --sweep 256 2048 8192)")
+    parser.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in PROJECTIONS],
+                        default=[name for name, _, _ in PROJECTIONS])
+    parser.add_argument("--sweep-gemv", action="store_true", help="also time the weight-only GEMV's launch grid")
+    parser.add_argument("--sweep", action="store_true",
+                        help="tune the Triton GEMM's launches per shape and rows instead (lib/fp8_gemm_sweep.py)")
+    parser.add_argument("--table-out", default=None, help="with --sweep: write the tuned table here")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="with --sweep: the table holds the swept rows alone (default: over the current table)")
+    parser.add_argument("--budget-s", type=float, default=220.0, help="with --sweep: no new row count past this")
+    parser.add_argument("--no-tma", action="store_true", help="with --sweep: leave out the launches loading by TMA")
+    parser.add_argument("--out", default=None, help="results JSON (default results/fp8_gemm[_sweep].json)")
+    parser.add_argument("--warmup-ms", type=float, default=None, help="default 5 (1 with --sweep)")
+    parser.add_argument("--rep-ms", type=float, default=None, help="default 20 (5 with --sweep)")
     parser.add_argument("--vllm-site", default="/tmp/vsite",
                         help="appended to sys.path for vLLM's columns where it exists (after this site's packages)")
     args = parser.parse_args(argv)
+    args.rows_given = args.rows is not None
+    args.rows = args.rows or [1, 2, 4, 8]
+    args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (1.0 if args.sweep else 5.0)
+    args.rep_ms = args.rep_ms if args.rep_ms is not None else (5.0 if args.sweep else 20.0)
+    args.out = args.out or ("results/fp8_gemm_sweep.json" if args.sweep else "results/fp8_gemm.json")
+    projections = [p for p in PROJECTIONS if p[0] in args.shapes]
+    if args.sweep:
+        from benchmarks.lib import fp8_gemm_sweep
+
+        spin_up()
+        return fp8_gemm_sweep.run(projections, args)
     if args.vllm_site and Path(args.vllm_site, "vllm").is_dir():
         sys.path.append(args.vllm_site)
     spin_up()
     vllm_runs = _vllm_fp8()
     results: list[dict[str, Any]] = []
-    for name, n, k in PROJECTIONS:
+    for name, n, k in projections:
         copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
         bf16 = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_weight(w, BLOCK) for w in bf16]

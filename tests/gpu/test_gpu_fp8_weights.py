@@ -81,6 +81,27 @@ def test_scaled_mm_probe_passes_on_hopper() -> None:
     assert layout is not None, "torch._scaled_mm refused every scale layout or gave another result"
 
 
+@pytest.mark.parametrize("launch", [(64, 128, 32, 4, 3, False), (128, 128, 32, 8, 4, False),
+                                    (64, 256, 32, 8, 3, False), (256, 128, 32, 8, 3, False),
+                                    (128, 64, 32, 4, 4, False), (128, 128, 32, 8, 4, True), (64, 256, 32, 8, 3, True)],
+                         ids=["64x128w4", "128x128w8", "64x256w8", "256x128w8", "128x64w4", "tma128x128w8",
+                              "tma64x256w8"])
+def test_sweep_launches_against_float64(launch: tuple[int, int, int, int, int, bool]) -> None:
+    """Launches of `benchmarks/fp8_gemm.py --sweep`'s kinds (one weight scale block per tile or two; one
+    or two warpgroups; stages fit to shared memory; tiles by pointers or through tensor descriptors) at
+    the o projection's shape and 300 rows."""
+    from vllm_actors.kernels.fp8_gemm_config import GemmLaunch, fit_stages
+
+    block_m, block_n, group_m, warps, stages, tma = launch
+    config = fp8_gemm.Fp8GemmConfig(
+        launch=fit_stages(GemmLaunch(block_m, block_n, 128, group_m, warps, stages, tma)), scaled_mm=False)
+    x, weight, scale = _problem(300, 4096, 4096, (128, 128), seed=block_n)
+    got = fp8_gemm.fp8_linear(x, weight, scale, (128, 128), config=config)
+    x_q, x_s = fp8_gemm.quantize_activations(x, 128)
+    want = fp8_gemm.fp8_linear_reference(x_q, x_s, weight, scale, (128, 128))
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 2, 16, 256])
 def test_fp8_gemm_graph_replay(rows: int) -> None:
     x, weight, scale = _problem(rows, 6144, 4096, (128, 128), seed=rows)

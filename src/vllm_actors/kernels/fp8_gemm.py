@@ -11,7 +11,8 @@ weight byte once, the same tile sums and scales. Up to ``VLLM_ACTORS_FP8_GEMV_RO
 the weight-only GEMV of ``kernels/fp8_gemv.py`` instead, whose activations are not quantized. Above
 them, [128, 128] blocks go to cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``,
 ``kernels/fp8_scaled_mm.py``) where a probe found it gives the reference's result, else to the
-Triton GEMM here.
+Triton GEMM here, launched with the tiles of ``kernels/fp8_gemm_config.py`` (tuned tables per weight
+shape and rows, else a choice by rows).
 
 ``fp8_linear_reference`` computes the same in float64 (tests); ``quantize_weight`` and
 ``dequantize_weight`` convert in torch (the CPU path dequantizes at load; tests quantize with them).
@@ -20,11 +21,13 @@ Triton GEMM here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from vllm_actors.envs import envs
-from vllm_actors.kernels import fp8_scaled_mm
+from vllm_actors.kernels import fp8_gemm_config, fp8_scaled_mm
+from vllm_actors.kernels.fp8_gemm_config import GemmLaunch
 
 try:
     import triton
@@ -33,6 +36,10 @@ try:
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is installed with the project
     HAVE_TRITON = False
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - a triton without host tensor descriptors: pointer loads only
+    TensorDescriptor = None
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
@@ -143,9 +150,14 @@ if HAVE_TRITON:
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, group_n, group_k,
         stride_am, stride_bn, stride_cm, stride_as, stride_bs,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        GROUP_M: tl.constexpr, ONE_B_SCALE: tl.constexpr, TMA: tl.constexpr,
     ):
-        """C [M, N] = sum over K tiles of (A_q tile @ B_q tile.T) * a_scale[m, k] * b_scale[n, k]."""
+        """C [M, N] = sum over K tiles of (A_q tile @ B_q tile.T) * a_scale[m, k] * b_scale[n, k].
+        ``ONE_B_SCALE``: the tile's columns lie in one weight scale block (BLOCK_N divides group_n), so
+        each K step scales the tile's product by one vector (a row's scale times the block's): one FMA
+        per element of the accumulator instead of two products and a sum. ``TMA``: ``a_ptr`` and ``b_ptr``
+        are tensor descriptors of A [M, K] and B [N, K] (tiles by Hopper's tensor memory accelerator,
+        zeros past the edges) instead of pointers."""
         pid = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n  # rows of tiles visited together (L2 reuse of B)
@@ -155,22 +167,32 @@ if HAVE_TRITON:
         pid_n = (pid % per_group) // rows_in_group
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+        if not TMA:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+            b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
         as_ptrs = as_ptr + offs_m * stride_as
-        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bs
+        if ONE_B_SCALE:
+            b_scale_ptr = bs_ptr + (pid_n * BLOCK_N // group_n) * stride_bs
+        else:
+            bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bs
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+            if TMA:
+                a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
             group = k * BLOCK_K // group_k
             a_s = tl.load(as_ptrs + group)
-            b_s = tl.load(bs_ptrs + group)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+            if ONE_B_SCALE:
+                acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptr + group))[:, None]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * tl.load(bs_ptrs + group)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -208,14 +230,11 @@ _ROWS = 8  # rows of the activations a quantization program takes (of one group)
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Launch tiles: the GEMM's for up to ``small_rows`` rows and above, the GEMV's columns per program.
-    First choices, not yet tuned on a GPU (``benchmarks/fp8_gemm.py --sweep`` times others)."""
+    """``launch``: the GEMM's tiles for every row count (None: ``fp8_gemm_config.choose_launch``'s, from
+    the tuned tables or by rows); the one-row GEMV's columns per program; whether torch._scaled_mm runs."""
 
-    small_rows: int = 16
-    small: tuple[int, int, int, int] = (16, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
-    large: tuple[int, int, int, int] = (64, 128, 4, 3)
+    launch: GemmLaunch | None = None
     gemv_columns: int = 16  # the interpreter: 128 (it runs programs one at a time)
-    group_m: int = 8  # rows of tiles visited together (L2 reuse of the weight)
     scaled_mm: bool = True  # above the GEMVs' rows, torch._scaled_mm where it probed right (`fp8_scaled_mm.py`)
 
 
@@ -267,7 +286,8 @@ def fp8_linear(
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, the activations
     quantized per token and group of ``block[1]`` (per token without ``block``); on a GPU, up to
     ``gemv_rows()`` rows through the weight-only GEMV (activations not quantized), above them through
-    ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product and its probe passed."""
+    ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product, its probe passed and the launch
+    table does not say the Triton GEMM measured faster at these rows (``GemmLaunch.cublas``)."""
     _require_triton()
     config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
@@ -282,7 +302,9 @@ def fp8_linear(
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if rows > 1 and config.scaled_mm and fp8_scaled_mm.takes(x, weight, block):
+    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, (group_n, group_k) if block else None,
+                                                            _device_name(x.device))
+    if rows > 1 and config.scaled_mm and launch.cublas and fp8_scaled_mm.takes(x, weight, block):
         layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
         if layout is not None:
             x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, layout), group_k,
@@ -299,12 +321,38 @@ def fp8_linear(
             weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
-    block_m, block_n, warps, stages = config.small if rows <= config.small_rows else config.large
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
+    block_k = min(block_k, launch.block_k)  # powers of two: it still divides the scale block
+    a_arg: object = x_q
+    b_arg: object = weight
+    tma = launch.tma and _tma_takes(x_q, weight)
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(x_q, [launch.block_m, block_k])
+        b_arg = TensorDescriptor.from_tensor(weight, [launch.block_n, block_k])
+    grid = (triton.cdiv(rows, launch.block_m) * triton.cdiv(n, launch.block_n),)
     _gemm_kernel[grid](
-        x_q, weight, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
+        a_arg, b_arg, out, x_s, weight_scale, bias_arg, rows, n, k, group_n, group_k,
         x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), weight_scale.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
-        num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        GROUP_M=launch.group_m, ONE_B_SCALE=group_n % launch.block_n == 0, TMA=tma,
+        num_warps=launch.warps, num_stages=launch.stages,
     )
     return out
+
+
+def _tma_takes(x_q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether tensor descriptors can describe A and B: this triton has them, rows of 16-byte multiples
+    on 16-byte aligned bases (else the pointer loads run)."""
+    return (TensorDescriptor is not None and all(t.stride(1) == 1 and t.stride(0) % 16 == 0
+                                                 and t.data_ptr() % 16 == 0 for t in (x_q, weight)))
+
+
+@lru_cache(maxsize=16)
+def _device_index_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name(device: torch.device) -> str:
+    """The name the tuned tables are keyed by (``cpu`` off CUDA: the interpreter takes the defaults)."""
+    if device.type != "cuda":
+        return device.type
+    return _device_index_name(device.index if device.index is not None else torch.cuda.current_device())

@@ -4,13 +4,22 @@ recipe of Qwen3-FP8 and DeepSeek-V3, accumulated in float32 by the library's ker
 
 Whether the installed torch and GPU run it, and with which scale layouts, is found once per device
 by a probe (``layout``): a small product with M not a multiple of 16, against the float64 reference
-(``fp8_linear_reference``). torch's checks on the scales' strides changed between releases (the
-activation scales column-major ``[M, K/128]`` with strides ``(1, M)``, the weight scales
-``[K/128, N/128]`` column-major, K blocks padded to 4), and the scales' leading dimension wants 16 bytes
-(M padded to a multiple of 4, as torch's own block-wise tests and other users do), through
-``torch._scaled_mm`` or the explicit recipes of ``torch.nn.functional.scaled_mm`` (BlockWise1x128 x
-BlockWise128x128); the probe tries those layouts in turn (on the H100, torch 2.11, the four without
-padding all failed).
+(``fp8_linear_reference``). torch's ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` takes the recipe on
+SM90 only, with cuBLASLt 12.9 or later, ``x_q`` row-major and the weight column-major (``w_q.t()``), K
+and N multiples of 16, and checks the float32 scales' shapes and strides exactly:
+
+- the activations' 1x128 scales ``[M, K/128]`` "outer-dim-major": strides ``(1, M)``;
+- ``torch._scaled_mm`` takes the weight's 128x128 scales as ``scale_b`` with ``scale_b.t()`` of shape
+  ``[N/128, K/128]`` and strides ``(K/128, 1)``: the checkpoint's ``[N/128, K/128]`` scales transposed
+  (a view, no padding);
+- ``torch.nn.functional.scaled_mm`` (the explicit BlockWise1x128 / BlockWise128x128 recipes) takes
+  them as ``[round_up(K/128, 4), N/128]`` with strides ``(1, round_up(K/128, 4))``: the same view
+  where K/128 is a multiple of 4 (cuBLASLt's 16-byte leading dimension), else zero-padded K blocks.
+
+``takes`` asks for K a multiple of 512 (K/128 a multiple of 4, as the probe's product has: every
+Qwen3 projection), so that both calls see the same scales. The probe tries those two layouts, then
+both again with M padded to a multiple of 4 (zero rows, cut from the output) in case this cuBLASLt
+also wants the activation scales' leading dimension in 16 bytes.
 Where none gives the reference's result, or the call raises, ``fp8_linear`` keeps the Triton GEMM
 (``kernels/fp8_gemm.py``). The probe never runs while a CUDA graph is captured (it synchronises):
 then the Triton GEMM runs, and the probe runs at the next eager call. ``VLLM_ACTORS_FP8_SCALED_MM=0``
@@ -30,7 +39,8 @@ from vllm_actors.envs import envs
 log = structlog.get_logger(__name__)
 
 BLOCK = (128, 128)  # the one block this path takes (cuBLASLt's 1x128 / 128x128 recipe)
-PROBE_SHAPE = (37, 256, 384)  # M (not a multiple of 16), K, N of the probe's product
+PROBE_SHAPE = (37, 512, 384)  # M (not a multiple of 4), K (4 scale blocks), N of the probe's product
+K_ALIGN = 512  # K: scale blocks a multiple of 4 (module docstring)
 PROBE_TOLERANCE = 1e-2  # relative Frobenius error against float64 (bfloat16 output: ~3e-3)
 
 
@@ -48,9 +58,10 @@ class ScaleLayout:
     functional: bool = False
 
 
-LAYOUTS = (ScaleLayout(True, True, True), ScaleLayout(True, False, False), ScaleLayout(False, True, False),
-           ScaleLayout(False, False, False), ScaleLayout(True, True, True, pad_m=True, functional=True),
-           ScaleLayout(True, True, True, pad_m=True))
+# torch._scaled_mm's layout first, then the explicit recipes', then both with M padded (module docstring);
+# torch refuses row-major activation scales and row-major weight scales for this recipe
+LAYOUTS = (ScaleLayout(True, True, False), ScaleLayout(True, True, True, functional=True),
+           ScaleLayout(True, True, False, pad_m=True), ScaleLayout(True, True, True, pad_m=True, functional=True))
 M_ALIGN = 4  # rows: the activation scales' leading dimension in 16 bytes
 _probed: dict[int, ScaleLayout | None] = {}  # device index: the layout that gave the reference's result, or None
 
@@ -98,8 +109,9 @@ def pad_rows(x: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether the shapes suit the library's kernel: [128, 128] blocks, K and N multiples of 128, on CUDA."""
-    return (x.is_cuda and block is not None and tuple(block) == BLOCK and weight.shape[1] % 128 == 0
+    """Whether the shapes suit the library's kernel: [128, 128] blocks, K a multiple of 512 (``K_ALIGN``)
+    and N of 128, on CUDA."""
+    return (x.is_cuda and block is not None and tuple(block) == BLOCK and weight.shape[1] % K_ALIGN == 0
             and weight.shape[0] % 128 == 0 and envs.VLLM_ACTORS_FP8_SCALED_MM)
 
 

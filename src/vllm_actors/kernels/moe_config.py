@@ -19,14 +19,14 @@ log scale). Both GEMMs share BLOCK_M (one alignment of the pairs) and have their
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from vllm_actors.envs import envs
+from vllm_actors.kernels import tuned_tables
+from vllm_actors.kernels.tuned_tables import nearest
 
 FORMAT = "vllm_actors.fused_moe/1"
 SHIPPED = Path(__file__).with_name("moe_configs")
@@ -130,13 +130,8 @@ def _tiles(raw: Any, where: str) -> GemmTiles:
     if set(raw) - allowed or {"block_n", "block_k"} - set(raw):
         raise ValueError(f"{where} has keys {sorted(raw)}: allowed {sorted(allowed)} (block_n, block_k required)")
     tiles = GemmTiles(**{name: raw[name] for name in raw})
-    for name, allowed_values in (("block_n", TILE_SIZES), ("block_k", TILE_SIZES), ("warps", WARPS),
-                                 ("stages", range(1, 9))):
-        value = getattr(tiles, name)
-        if not isinstance(value, int) or value not in allowed_values:
-            raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(allowed_values)}")
-    if not isinstance(tiles.group_m, int) or tiles.group_m < 1:
-        raise ValueError(f"{where}.group_m is {tiles.group_m!r}: must be a whole number >= 1")
+    tuned_tables.check_fields(tiles, where, {"block_n": TILE_SIZES, "block_k": TILE_SIZES, "warps": WARPS,
+                                             "stages": range(1, 9)})
     return tiles
 
 
@@ -157,10 +152,7 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
     """A tuned-config file: {"format": FORMAT, "tables": [{"shape": {experts, hidden, intermediate,
     top_k}, "dtype": "bfloat16", "device": "<torch.cuda.get_device_name()> or any", "configs":
     {"<tokens>": <config>, ...}}, ...]}."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"fused MoE configs {source}: not JSON ({error})") from None
+    data = tuned_tables.read_json(text, "fused MoE configs", source)
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("tables"), list):
         raise ValueError(f"fused MoE configs {source}: need an object with \"format\": \"{FORMAT}\" and a "
                          "\"tables\" list")
@@ -174,52 +166,25 @@ def parse_tables(text: str, source: str) -> dict[TableKey, Table]:
                                                                              "top_k")})
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}.shape needs whole numbers experts, hidden, intermediate, top_k") from None
-        configs = table["configs"]
-        if not isinstance(configs, dict) or not configs:
-            raise ValueError(f"{where}.configs must be a non-empty object of token count -> config")
-        parsed: Table = {}
-        for tokens, raw in configs.items():
-            if not str(tokens).isdigit() or int(tokens) < 1:
-                raise ValueError(f"{where}.configs key {tokens!r}: must be a token count >= 1")
-            parsed[int(tokens)] = parse_config(raw, f"{where}.configs[{tokens}]")
-        tables[(shape.key(), str(table["dtype"]), str(table["device"]))] = parsed
+        tables[(shape.key(), str(table["dtype"]), str(table["device"]))] = tuned_tables.parse_sized(
+            table["configs"], where, "token count", parse_config)
     return tables
 
 
 @lru_cache(maxsize=8)
 def _load(path: str) -> dict[TableKey, Table]:
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"fused MoE configs {path}: cannot read ({error.strerror})") from None
-    return parse_tables(text, path)
-
-
-@lru_cache(maxsize=1)
-def _shipped() -> tuple[str, ...]:
-    return tuple(sorted(str(p) for p in SHIPPED.glob("*.json"))) if SHIPPED.is_dir() else ()
+    return tuned_tables.load(path, "fused MoE configs", parse_tables)
 
 
 def _sources() -> tuple[str, ...]:
     override = envs.VLLM_ACTORS_MOE_CONFIG
-    return ((override,) if override else ()) + _shipped()
+    return ((override,) if override else ()) + tuned_tables.shipped(SHIPPED)
 
 
 def tuned_table(shape: MoeShape, dtype: str, device: str) -> Table | None:
     """The first table of the sources (override first) for this shape, dtype and device."""
-    for source in _sources():
-        tables = _load(source)
-        for name in (device, "any"):
-            table = tables.get((shape.key(), dtype, name))
-            if table is not None:
-                return table
-    return None
-
-
-def nearest(table: Table, tokens: int) -> MoeConfig:
-    """The entry measured at the token count nearest ``tokens`` on a log scale (the smaller on a tie)."""
-    best = min(table, key=lambda measured: (abs(math.log2(measured) - math.log2(max(tokens, 1))), measured))
-    return table[best]
+    return tuned_tables.lookup((_load(source) for source in _sources()), lambda name: (shape.key(), dtype, name),
+                               device)
 
 
 @lru_cache(maxsize=1024)
