@@ -85,7 +85,8 @@ def test_load_and_unload_at_run_time(url: str, tiny_qwen3: Path, adapters: dict[
 
 @pytest.mark.parametrize("body, status, message", [
     ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
-    ({"lora_name": "x", "lora_path": "/nowhere/at/all"}, 404, "Loading lora x failed: No adapter found for /nowhere/at/all"),
+    ({"lora_name": "x", "lora_path": "/nowhere/at/all"}, 404,
+     "Loading lora x failed: No adapter found for /nowhere/at/all"),
     ({"lora_name": "x", "lora_path": "BIG"}, 400, "LoRA rank 32 is greater than max_lora_rank 16"),
 ])
 def test_bad_adapters_are_refused(url: str, adapters: dict[str, Path], body: dict[str, str], status: int,

@@ -14,7 +14,14 @@ import pytest
 
 from tests.support.server_helpers import free_port, start_server, stop_process, wait_healthy
 from tests.support.vllm_pairs import (
-    SERVED_NAME, Pair, ServerSpec, build_adapters, failed_checks, load_pairs, run_pair, substitute,
+    SERVED_NAME,
+    Pair,
+    ServerSpec,
+    build_adapters,
+    failed_checks,
+    load_pairs,
+    run_pair,
+    substitute,
 )
 
 PAIRS = load_pairs()
