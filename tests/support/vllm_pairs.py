@@ -9,6 +9,12 @@ A file is one JSON object; every key but ``pairs`` is optional::
       "serve_args": ["--reasoning-parser", "qwen3"],   # extra ``vllm-actors serve`` flags
       "env": {"VLLM_SERVER_DEV_MODE": "1"},   # extra environment of the server process
       "module": "test_responses_api",         # run by that test module on its own server, not here
+      "adapters": {                           # PEFT LoRA adapters the session builds (see build_adapters)
+        "good": {"rank": 8, "seed": 1},       # of the file's model (or "model": another fixture; "targets")
+        "big": {"from": "good", "config": {"r": 1024}},   # a copy, its adapter_config.json updated
+        "bare": {"from": "good", "remove": ["adapter_model.safetensors"]},
+        "junk": {"files": {"adapter_config.json": "not json"}}   # a directory of these files only
+      },
       "pairs": [
         {
           "name": "chat-reasoning-split",     # unique in the file: the test id is "<file stem>:<name>"
@@ -30,12 +36,13 @@ A file is one JSON object; every key but ``pairs`` is optional::
       ]
     }
 
-The served model name is always ``tiny``. ``pointer`` is an RFC 6901 JSON pointer into the
+The served model name is always ``tiny``. In serve_args, bodies and expected values, ``{adapter:NAME}``
+becomes the built adapter's path and ``{model}`` the checkpoint's path. ``pointer`` is an RFC 6901 JSON pointer into the
 response's JSON body; a streamed response (``text/event-stream``) becomes ``{"events": [...], "done":
 bool}``: the ``data:`` payloads decoded, in order, and whether ``[DONE]`` closed the stream. A check
 holds one test: ``equals`` (a JSON value), ``type`` (``string``, ``number``, ``integer``, ``boolean``,
 ``null``, ``array``, ``object``), ``regex`` (``re.search`` on a string), ``absent`` (the pointer
-resolves to nothing), ``length`` (of an array or string). ``join`` (with a pointer to an array)
+resolves to nothing), ``length`` (of an array, string or object). ``join`` (with a pointer to an array)
 first concatenates, over the array's items, the strings found at the ``join`` pointer inside each
 (missing or null ones skipped): what a client rebuilds from stream deltas. ``header`` checks a
 response header (lower-case name) instead of the body.
@@ -45,7 +52,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +77,7 @@ class ServerSpec:
     model: str = "tiny_qwen3"
     serve_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, its recipe as JSON)
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,9 @@ def load_pairs(directory: Path = PAIRS_DIR, module: str | None = None) -> list[P
                 continue
             spec = ServerSpec(model=document.get("model", "tiny_qwen3"),
                               serve_args=tuple(document.get("serve_args", ())),
-                              env=tuple(sorted(document.get("env", {}).items())))
+                              env=tuple(sorted(document.get("env", {}).items())),
+                              adapters=tuple((name, json.dumps(recipe, sort_keys=True))
+                                             for name, recipe in document.get("adapters", {}).items()))
             names: set[str] = set()
             for raw in document["pairs"]:
                 unknown = set(raw) - {"name", "source", "method", "path", "headers", "body", "status", "expect"}
@@ -204,12 +216,58 @@ def _check(value: Any, check: dict[str, Any]) -> str | None:
     if "regex" in check:
         ok = isinstance(value, str) and re.search(check["regex"], value) is not None
         return None if ok else f"expected a match of {check['regex']!r}, got {value!r}"
-    ok = isinstance(value, (list, str)) and len(value) == check["length"]
+    ok = isinstance(value, (list, str, dict)) and len(value) == check["length"]
     return None if ok else f"expected length {check['length']}, got {value!r}"
 
 
-def run_pair(base_url: str, pair: Pair, timeout: float = 300.0) -> list[str]:
-    """Send the pair's request to the server at ``base_url``; the failed checks."""
+def build_adapters(spec: ServerSpec, root: Path, checkpoint: Callable[[str], Path]) -> dict[str, str]:
+    """Build the spec's adapters under ``root`` (in file order: a ``from`` names an earlier one);
+    the placeholders' values. ``checkpoint`` maps a fixture name to its checkpoint's path."""
+    from tests.support.lora_adapters import ALL_TARGETS, build_adapter
+
+    values = {"{model}": str(checkpoint(spec.model))}
+    for name, text in spec.adapters:
+        recipe, out = json.loads(text), root / name
+        unknown = set(recipe) - {"model", "targets", "rank", "seed", "from", "config", "remove", "files"}
+        if unknown:
+            raise ValueError(f"adapter {name!r}: unknown keys {sorted(unknown)}")
+        if "files" in recipe:
+            out.mkdir(parents=True)
+            for file, content in recipe["files"].items():
+                (out / file).write_text(content)
+        elif "from" in recipe:
+            shutil.copytree(values[f"{{adapter:{recipe['from']}}}"], out)
+        else:
+            build_adapter(checkpoint(recipe.get("model", spec.model)), out,
+                          targets=tuple(recipe.get("targets", ALL_TARGETS)), rank=recipe.get("rank", 8),
+                          seed=recipe.get("seed", 1))
+        if "config" in recipe:
+            config_path = out / "adapter_config.json"
+            config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **recipe["config"]}))
+        for file in recipe.get("remove", ()):
+            (out / file).unlink()
+        values[f"{{adapter:{name}}}"] = str(out)
+    return values
+
+
+def substitute(value: Any, values: dict[str, str]) -> Any:
+    """``value`` with every placeholder in its strings (keys and items, nested) replaced."""
+    if isinstance(value, str):
+        for placeholder, text in values.items():
+            value = value.replace(placeholder, text)
+        return value
+    if isinstance(value, list):
+        return [substitute(item, values) for item in value]
+    if isinstance(value, dict):
+        return {substitute(key, values): substitute(item, values) for key, item in value.items()}
+    return value
+
+
+def run_pair(base_url: str, pair: Pair, timeout: float = 300.0, values: dict[str, str] | None = None) -> list[str]:
+    """Send the pair's request to the server at ``base_url`` (placeholders replaced by ``values``);
+    the failed checks."""
+    if values:
+        pair = replace(pair, body=substitute(pair.body, values), expect=tuple(substitute(list(pair.expect), values)))
     response = httpx.request(pair.method, f"{base_url}{pair.path}", headers=pair.headers,
                              json=pair.body if pair.method != "GET" else None, timeout=timeout)
     return failed_checks(pair, response)

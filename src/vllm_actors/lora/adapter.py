@@ -34,6 +34,10 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+class AdapterNotFoundError(ValueError):
+    """No adapter at the path (not a directory, or no adapter_config.json): vLLM answers 404 for it."""
+
+
 @dataclass(frozen=True)
 class AdapterModule:
     """One adapted projection: its tensors' names in the file, its rank and its scaling."""
@@ -68,25 +72,27 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 def _read_config(path: Path) -> dict[str, Any]:
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not path.is_dir():
-        raise ValueError(f"no LoRA adapter at {str(path)!r}: not a directory")
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise ValueError(f"no LoRA adapter at {str(path)!r}: {needed.name} is missing")
-    try:
+        raise AdapterNotFoundError(f"no LoRA adapter at {str(path)!r}: not a directory")
+    if not config_file.is_file():
+        raise AdapterNotFoundError(f"no LoRA adapter at {str(path)!r}: {config_file.name} is missing")
+    try:  # the config first, as vLLM: a config that is not JSON is named before missing weights
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{config_file}: not a JSON adapter config ({error})") from error
+    if not weights_file.is_file():
+        raise ValueError(f"no LoRA adapter at {str(path)!r}: {weights_file.name} is missing")
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: not a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"{path}: a {config.get('peft_type')} adapter; only LoRA is supported")
-    for key, allowed in (("use_dora", False), ("fan_in_fan_out", False)):
-        if bool(config.get(key, False)) != allowed:
-            raise ValueError(f"{path}: {key}={config.get(key)} is not supported")
+    if config.get("use_dora"):
+        raise ValueError(f"{path}: use_dora=True: this engine does not yet support DoRA")
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"{path}: fan_in_fan_out={config.get('fan_in_fan_out')} is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{path}: bias={config.get('bias')!r} is not supported (only 'none')")
     if config.get("modules_to_save"):
-        raise ValueError(f"{path}: modules_to_save {config['modules_to_save']} is not supported")
+        raise ValueError(f"{path}: LoRA only supports modules_to_save being None, not {config['modules_to_save']}")
     return config
 
 
@@ -106,6 +112,9 @@ def read_adapter(path: str, base: ModelConfig, max_lora_rank: int) -> AdapterSpe
     root = Path(path)
     config = _read_config(root)
     alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+    declared = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    if any(isinstance(r, int) and r > max_lora_rank for r in declared):  # vLLM checks the config's ranks too
+        raise ValueError(f"LoRA rank {max(declared)} is greater than max_lora_rank {max_lora_rank} ({path})")
     with safe_open(str(root / WEIGHTS_FILE), framework="pt") as handle:
         shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
     pairs: dict[tuple[int, str], dict[str, str]] = {}

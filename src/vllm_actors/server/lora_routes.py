@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from vllm_actors.envs import envs
+from vllm_actors.lora.adapter import AdapterNotFoundError
 from vllm_actors.lora.check import AdapterCheck
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.lora import LoRARequest
@@ -112,6 +113,9 @@ def add_lora_routes(app: FastAPI, adapters: ServedAdapters) -> None:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
         try:
             adapters.add(name, path)
+        except AdapterNotFoundError:  # vLLM's 404 and words for a path with no adapter
+            raise OpenAIError(f"Loading lora {name} failed: No adapter found for {path}", 404,
+                              param="lora_path") from None
         except ValueError as error:
             raise bad_request(str(error), "lora_path") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
