@@ -108,10 +108,12 @@ NO_DRAFTS = DraftPlan()
 
 
 def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, plain: CostModel, extra: DraftCost,
-                  overlapped: bool = True) -> DraftPlan:
+                  overlapped: bool = True, fixed: float = 0.0, margin: float = MARGIN) -> DraftPlan:
     """The pass's plan. ``buckets``: the acceptance buckets of the requests that may draft;
     ``num_decodes``: the decoding requests of the step (those included); ``overlapped``: two steps
-    in flight (a drafting request's step then costs the others a plain step in between)."""
+    in flight (a drafting request's step then costs the others a plain step in between); ``fixed``:
+    seconds a drafting step costs beyond ``extra`` (the overlap given up after it, amortised);
+    ``margin``: how much more a plan must promise than not drafting (hysteresis: none to keep drafting)."""
     if max_drafts < 1 or num_decodes < 1 or not buckets:
         return NO_DRAFTS
     base = plain.step_seconds(0, num_decodes)
@@ -124,7 +126,7 @@ def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, pla
         drafting += count
         rest = max(num_decodes - drafting, 0)
         rest_seconds.append(plain.step_seconds(0, rest) if overlapped and rest else 0.0)
-    fixed, per_pass, per_token, per_catch_up = extra.coefficients
+    extra_fixed, per_pass, per_token, per_catch_up = extra.coefficients
     best, best_rate = NO_DRAFTS, num_decodes / base
     for k in range(1, max_drafts + 1):
         drafting, gain = 0, 0.0
@@ -132,9 +134,10 @@ def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, pla
             drafting += count
             gain += count * (expected_tokens(k, bucket / BUCKETS) - 1.0)
             catch_up = drafting + gain  # in steady drafting: the tokens each gained last step
-            seconds = base + fixed + per_pass * k + per_token * k * drafting + per_catch_up * catch_up + between
+            seconds = (base + fixed + extra_fixed + per_pass * k + per_token * k * drafting
+                       + per_catch_up * catch_up + between)
             tokens = num_decodes + gain + (max(num_decodes - drafting, 0) if between else 0)
-            rate = tokens / (seconds * (1.0 + MARGIN))
+            rate = tokens / (seconds * (1.0 + margin))
             if rate > best_rate:
                 best, best_rate = DraftPlan(k, bucket), rate
     return best
