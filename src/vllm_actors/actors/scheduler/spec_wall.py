@@ -13,27 +13,39 @@ previous step's read-back to its own read-back), per bucket of decoding requests
 - ``switch``: what the first plain step after a drafting step costs beyond ``plain`` (its inputs
   are prepared while the device idles: the overlap the drafting step gave up), charged to drafting.
 
-A bucket not yet measured starts from the nearest measured bucket's drafting costs. A step's
-measured overhead counts at most ``CLIP`` times the bucket's plain step plus its prediction: a first
-use of a step shape may compile or allocate, and one such outlier must not stop drafting for long.
+A bucket not yet measured starts from the nearest measured bucket's drafting costs. A step whose
+overhead is ``OUTLIER`` times the bucket's plain step plus its prediction teaches nothing unless the
+next drafting step's is as large: a first use of a step shape may compile or allocate, and one such
+outlier must not stop drafting.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from vllm_actors.actors.scheduler.cost_model import CostModel
+import numpy as np
+
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 from vllm_actors.actors.scheduler.request import ScheduledRequest
-from vllm_actors.actors.scheduler.spec_policy import BUCKETS, MARGIN, NO_DRAFTS, DraftCost, DraftPlan, choose_drafts
+from vllm_actors.actors.scheduler.spec_policy import (
+    BUCKETS,
+    MARGIN,
+    NO_DRAFTS,
+    DraftCost,
+    DraftPlan,
+    choose_drafts,
+    expected_tokens,
+)
 from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.protocol.messages import StepResult
 
 EMA = 0.1  # weight of each new observation in the plain and switch averages
-CLIP = 2.0  # an observed overhead counts at most this times (plain + predicted overhead)
+OUTLIER = 8.0  # an overhead this many times (plain + predicted overhead) is an outlier, unless repeated
 MIN_PLAIN = 2  # plain steps a bucket must have measured before it drafts
 RUN_EMA = 0.1  # weight of each drafting run's length in their mean
+PRIOR_VARIANCE = 1e3  # the fixed part's prior uncertainty (the step cost model's)
+TOKEN_SCALE = 1024.0  # drafted tokens per unit of the fixed part's prior uncertainty (256 requests x 4 drafts)
 
 
 def batch_bucket(num_decodes: int) -> int:
@@ -46,12 +58,25 @@ def step_seconds(result: StepResult) -> float:
     return result.interval_seconds if result.interval_seconds > 0 else result.execute_seconds
 
 
+def fixed_first_cost() -> DraftCost:
+    """What drafting adds, ``e + t n`` (n-gram drafts have no drafter passes nor catch-up): a
+    recursive least squares whose prior uncertainty on ``t`` is small, so that the steps' overhead
+    goes to the fixed part first (where a launch-bound step's and the lost overlap's is) and ``t``
+    is learnt from steps of different drafted counts. (An uncertainty alike on both would put a
+    step of 256 drafted tokens' overhead almost all on ``t``, and make drafting for a few requests
+    of the batch look cheap when the whole batch pays the fixed part.)"""
+    cost = DraftCost(OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
+    cost.model.covariance = np.diag([PRIOR_VARIANCE, PRIOR_VARIANCE / TOKEN_SCALE**2, 0.0, 0.0])
+    return cost
+
+
 @dataclass
 class BucketCost:
     plain: float = 0.0
     num_plain: int = 0
-    draft: DraftCost = field(default_factory=DraftCost)
+    draft: DraftCost = field(default_factory=fixed_first_cost)
     num_drafting: int = 0  # drafting steps seen
+    last_extra: float = 0.0  # the last drafting step's measured overhead
     switch: float = 0.0
 
     def observe_plain(self, seconds: float) -> None:
@@ -79,12 +104,16 @@ class WallCosts:
             measured = [b for b, cost in self.buckets.items() if cost.num_drafting]
             if measured:  # drafting's costs start from the nearest measured bucket's
                 nearest = self.buckets[min(measured, key=lambda b: abs(b.bit_length() - key.bit_length()))]
-                found.draft, found.switch = copy.deepcopy(nearest.draft), nearest.switch
+                found.draft.model.theta = nearest.draft.model.theta.copy()  # its own uncertainty: the prior's
+                found.switch = nearest.switch
         return found
 
     def ready(self, num_decodes: int) -> bool:
-        """Whether the bucket has measured enough plain steps to compare drafting with."""
-        return self.bucket(num_decodes).num_plain >= MIN_PLAIN
+        """Whether plain steps were measured enough to compare drafting with: the bucket's, or
+        another's (a batch shrinking as its requests finish prices its new bucket by ``fallback``
+        until it has its own)."""
+        self.bucket(num_decodes)
+        return any(cost.num_plain >= MIN_PLAIN for cost in self.buckets.values())
 
     def plain_seconds(self, num_decodes: int) -> float:
         cost = self.bucket(num_decodes)
@@ -100,16 +129,21 @@ class WallCosts:
         else:
             cost.observe_plain(seconds)
 
-    def observe_drafting(self, num_decodes: int, prefill_seconds: float, num_drafts: int, num_draft_tokens: int,
-                         num_catch_up: int, seconds: float) -> None:
+    def observe_drafting(self, num_decodes: int, prefill_seconds: float, num_draft_tokens: int,
+                         seconds: float) -> None:
         """A drafting step's interval; ``prefill_seconds``: what its prefill chunks cost (not drafting)."""
         cost = self.bucket(num_decodes)
         cost.num_drafting += 1
-        if not cost.num_plain or seconds <= 0:
+        if seconds <= 0:
             return
-        predicted = cost.draft.seconds(num_drafts, num_draft_tokens, num_catch_up)
+        if not cost.num_plain:  # priced by the fallback until it has measured a plain step of its own
+            cost.observe_plain(self.plain_seconds(num_decodes))
+        predicted = cost.draft.seconds(0, num_draft_tokens)
         extra = seconds - prefill_seconds - cost.plain
-        cost.draft.observe(num_drafts, num_draft_tokens, num_catch_up, min(extra, CLIP * (cost.plain + predicted)))
+        outlier = extra > OUTLIER * (cost.plain + predicted) and extra > 2 * cost.last_extra
+        cost.last_extra = extra
+        if not outlier:  # once it is skipped (a first use); twice in a row, it is the cost
+            cost.draft.observe(0, num_draft_tokens, 0, extra)
 
 
 @dataclass
@@ -143,22 +177,30 @@ class WallPolicy:
         if not num_decodes or not self.costs.ready(num_decodes):
             return NO_DRAFTS, set()
         bucket, plain = self.costs.bucket(num_decodes), WallPlain(self.costs)
-        switch, margin = (0.0, MARGIN) if drafted else (bucket.switch / self._run_length, 2 * MARGIN)
-        plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], num_decodes, max_drafts, plain,
-                             bucket.draft, overlapped=False, fixed=switch, margin=margin)
+        base = plain.step_seconds(0, num_decodes)
+        if base <= 0:
+            return NO_DRAFTS, set()
+        switch, margin = (0.0, MARGIN / 2) if drafted else (bucket.switch / self._run_length, MARGIN)
+        buckets = [pace.acceptance.hopeful_bucket for _, pace in candidates]
+        plan = choose_drafts(buckets, num_decodes, max_drafts, plain, bucket.draft, overlapped=False, fixed=switch,
+                             margin=margin)
+        plan = replace(widened(plan, buckets, num_decodes / base, bucket.draft),
+                       hopeful=True)
         self._drafted = plan.num_drafts > 0
 
         def pays(count: int) -> bool:  # drafts always right for ``count`` requests would pay
             return choose_drafts([BUCKETS] * count, num_decodes, max_drafts, plain, bucket.draft, overlapped=False,
                                  fixed=bucket.switch).num_drafts > 0
 
+        if plan.num_drafts:  # the step verifies drafts anyway: the others probe at their drafts' cost only
+            return plan, {request.request_id for request, pace in candidates if not plan.drafts_for(pace.acceptance)}
         probers = choose_probers(candidates, bucket.draft, seconds_since_draft, fixed=bucket.switch, streak_pays=pays)
         return plan, probers
 
-    def account(self, features: tuple[int, int, float], planned_drafts: bool, sizes: Sequence[int], catch_up: int,
+    def account(self, features: tuple[int, int, float], planned_drafts: bool, sizes: Sequence[int],
                 seconds: float) -> None:
-        """A step's interval: ``features`` (``step_features``), whether its plan had drafts, the drafts
-        the worker verified per drafting request, the drafter's catch-up tokens."""
+        """A step's interval: ``features`` (``step_features``), whether its plan had drafts, and the
+        drafts the worker verified per drafting request."""
         prefill_tokens, num_decodes, pairs = features
         if not any(sizes):  # a plain step, or one whose drafts the worker did not find (drained, then deferred)
             if self._run:
@@ -171,4 +213,20 @@ class WallPolicy:
         fallback = self.costs.fallback
         prefill = max(fallback.step_seconds(prefill_tokens, num_decodes, pairs)
                       - fallback.step_seconds(0, num_decodes), 0.0) if prefill_tokens else 0.0
-        self.costs.observe_drafting(num_decodes, prefill, max(sizes), sum(sizes), catch_up, seconds)
+        self.costs.observe_drafting(num_decodes, prefill, sum(sizes), seconds)
+
+
+def widened(plan: DraftPlan, buckets: Sequence[int], plain_rate: float, draft: DraftCost) -> DraftPlan:
+    """A drafting plan extended to the requests of lower acceptance whose drafts still gain more
+    tokens per second of their own verification than a plain step makes (the step's fixed part is
+    paid anyway): left out, such a request would finish last, holding the batch's tail to plain steps."""
+    if not plan.num_drafts:
+        return plan
+    k = plan.num_drafts
+    per_request = draft.seconds(0, k) - draft.seconds(0, 0)  # its drafted tokens' verification
+    lowest = plan.min_bucket
+    for bucket in sorted({b for b in buckets if 0 < b < plan.min_bucket}, reverse=True):
+        if per_request > 0 and (expected_tokens(k, bucket / BUCKETS) - 1.0) / per_request < plain_rate:
+            break
+        lowest = bucket
+    return DraftPlan(k, lowest, plan.hopeful)

@@ -36,7 +36,7 @@ from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
+from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
 from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
 from vllm_actors.actors.scheduler.spec_wall import WallPolicy, step_seconds
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
@@ -75,6 +75,7 @@ class Speculator:
         self.block_size = block_size
         self.overlapped = overlapped
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.recent = Acceptance()  # every request's verifications: a new request's starting acceptance
         self.draft_cost = DraftCost()  # what drafting adds, in execute_seconds (drafts not made in the worker)
         self._paces: dict[str, Pace] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
@@ -114,7 +115,7 @@ class Speculator:
     def _pace(self, request_id: str) -> Pace:
         pace = self._paces.get(request_id)
         if pace is None:
-            pace = self._paces[request_id] = Pace()
+            pace = self._paces[request_id] = Pace(Acceptance.starting_at(self.recent))
         return pace
 
     def _max_drafts(self, request_id: str) -> tuple[int, Pace | None]:
@@ -169,7 +170,7 @@ class Speculator:
         sizes = list(drafted.values())
         catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
         if self.wall is not None:
-            self.wall.account(step_features(plan, self.block_size), bool(plan.draft_token_ids), sizes, catch_up,
+            self.wall.account(step_features(plan, self.block_size), bool(plan.draft_token_ids), sizes,
                               step_seconds(result))
         if not any(sizes):  # a plain step (or one the worker drafted nothing for: it ran deferred)
             self._seconds_since_draft += step_seconds(result) if self.wall is not None else result.execute_seconds
@@ -198,6 +199,7 @@ class Speculator:
             pace = self._paces.get(request_id)
             if pace is not None:  # a lookup that found nothing still cost the step its overlap: one wrong draft
                 pace.verified(max(num_drafted, 1), num_accepted)
+                self.recent.observe(max(num_drafted, 1), num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue
