@@ -184,8 +184,7 @@ class WallPolicy:
         buckets = [pace.acceptance.hopeful_bucket for _, pace in candidates]
         plan = choose_drafts(buckets, num_decodes, max_drafts, plain, bucket.draft, overlapped=False, fixed=switch,
                              margin=margin)
-        plan = replace(widened(plan, buckets, num_decodes / base, bucket.draft),
-                       hopeful=True)
+        plan = replace(widened(plan, buckets, num_decodes / base, bucket.draft), hopeful=True)
         self._drafted = plan.num_drafts > 0
 
         def pays(count: int) -> bool:  # drafts always right for ``count`` requests would pay
