@@ -148,7 +148,7 @@ def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str, record: 
                                                   for o in llm.generate(inputs, params, use_tqdm=False)))
 
         result = spec_measure.measure(generate, spec["prompts"], spec["output_len"], spec["repeats"],
-                                      spec["concurrency"])
+                                      spec["concurrency"], counters=lambda: spec_oracle.counts(llm))
         result["spec_decode"] = spec_oracle.counts(llm)
         if record:
             result["greedy"] = spec_oracle.greedy_outputs(llm, spec_oracle.batch1_prompts(spec), spec["output_len"])

@@ -21,6 +21,11 @@ WORDS = ("the model copies this passage with care while the river runs past old 
 
 # (prompts as token ids, max tokens) -> (tokens generated, seconds)
 Generate = Callable[[Sequence[Sequence[int]], int], tuple[int, float]]
+# () -> the engine's speculative-decoding totals (num_drafts, num_draft_tokens, num_accepted_tokens)
+Counters = Callable[[], dict[str, Any]]
+
+WARMUP_TOKENS = 64  # the warm-up: one request of this many tokens, then a batch of WARMUP_BATCH
+WARMUP_BATCH = 8
 
 
 def passages(count: int, words: int, seed: int = 0) -> list[str]:
@@ -33,20 +38,46 @@ def copy_messages(passage: str) -> list[dict[str, str]]:
 
 
 def measure(generate: Generate, prompts: Sequence[Sequence[int]], output_len: int, repeats: int,
-            concurrency: Sequence[int]) -> dict[str, Any]:
+            concurrency: Sequence[int], counters: Counters | None = None) -> dict[str, Any]:
     """Batch 1: ``repeats`` requests one at a time, median ms per output token; then each
-    concurrency: that many requests in one call, output tokens per second."""
-    generate([prompts[0]], 8)  # warm-up
+    concurrency: that many requests in one call, output tokens per second. The warm-up is the same
+    whatever the mode (a batch-1 request and a small batch, long enough for drafting steps to run);
+    ``counters``: the engine's drafting per phase too (``phase_drafting``: what the policy chose)."""
+    generate([prompts[0]], WARMUP_TOKENS)
+    generate([prompts[index % len(prompts)] for index in range(WARMUP_BATCH)], WARMUP_TOKENS // 2)
+    phases: dict[str, dict[str, Any]] = {}
     samples = []
+    before = counters() if counters else {}
+    batch1_tokens = 0
     for index in range(repeats):
         tokens, seconds = generate([prompts[index % len(prompts)]], output_len)
+        batch1_tokens += tokens
         samples.append(seconds * 1e3 / max(tokens, 1))
+    if counters:
+        phases["batch1"], before = drafting(before, after := counters(), batch1_tokens), after
     result: dict[str, Any] = {"batch1_ms_per_token": statistics.median(samples), "batch1_samples": samples}
     for count in concurrency:
         batch = [prompts[index % len(prompts)] for index in range(count)]
         tokens, seconds = generate(batch, output_len)
         result[f"concurrency_{count}_tok_s"] = tokens / seconds
+        if counters:
+            phases[f"concurrency_{count}"], before = drafting(before, after := counters(), tokens), after
+    if counters:
+        result["phase_drafting"] = phases
     return result
+
+
+def drafting(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """A phase's drafting from the counters before and after it: request-steps that drafted
+    (``num_drafts``), their drafts, the accepted ones, the mean drafts per drafting request-step
+    (``mean_k``) and the share of the request-steps that drafted (each request-step gave one token
+    plus its accepted drafts)."""
+    delta = {key: after.get(key, 0) - before.get(key, 0)
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    request_steps = max(tokens - delta["num_accepted_tokens"], 1)
+    delta["mean_k"] = delta["num_draft_tokens"] / delta["num_drafts"] if delta["num_drafts"] else 0.0
+    delta["drafting_share"] = delta["num_drafts"] / request_steps
+    return delta
 
 
 def timed(call: Callable[[], int]) -> tuple[int, float]:

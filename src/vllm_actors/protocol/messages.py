@@ -243,6 +243,11 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     prompt_logprobs: list[PromptLogprobs] = []
     num_batched_tokens: int = 0
     execute_seconds: float = 0.0
+    # The worker's wall time this step added: from the later of its launch and the previous
+    # step's read-back to its own read-back (0: not measured). Unlike ``execute_seconds`` (from
+    # launch, which a deferred step makes before the previous step is done) it is what a step
+    # costs the throughput, whether it was deferred or read back at once.
+    interval_seconds: float = 0.0
     # time.monotonic() (one clock for every process of a host) when the worker's shell sent it;
     # 0: not stamped. The scheduler passes it on in its RequestUpdates (their transit time).
     finished_at: float = 0.0

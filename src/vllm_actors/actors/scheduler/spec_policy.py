@@ -33,6 +33,7 @@ from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 MARGIN = 0.05  # a drafting plan must promise 5% more tokens per second than not drafting
 PRIOR_ACCEPTED = 1.0  # the acceptance of a request not yet observed: 1 in 2
 PRIOR_TRIALS = 2.0
+RECENT_TRIALS = 8.0  # the weight of the recent requests' acceptance in a new request's
 DECAY = 0.95  # per drafting step, the past weighs this much less (toward the prior)
 BUCKETS = 32  # acceptances are grouped in steps of 1/32 when planning
 
@@ -52,6 +53,16 @@ class Acceptance:
 
     accepted: float = PRIOR_ACCEPTED
     trials: float = PRIOR_TRIALS
+    prior: float = PRIOR_ACCEPTED / PRIOR_TRIALS  # what it decays toward
+
+    @classmethod
+    def starting_at(cls, recent: Acceptance) -> Acceptance:
+        """A request's acceptance before any of its drafts is verified: the recent requests' (so
+        that a new request of a workload drafts as the ones before it), weighing as
+        ``RECENT_TRIALS`` drafts once they are measured (a wrong first draft then lowers it a
+        little, not below what drafting needs)."""
+        trials = RECENT_TRIALS if recent.trials > PRIOR_TRIALS else PRIOR_TRIALS
+        return cls(accepted=recent.alpha * trials, trials=trials, prior=recent.alpha)
 
     @property
     def alpha(self) -> float:
@@ -61,11 +72,17 @@ class Acceptance:
     def bucket(self) -> int:
         return round(self.alpha * BUCKETS)
 
+    @property
+    def hopeful_bucket(self) -> int:
+        """The bucket with one right draft more: a request of few verified drafts gets the benefit
+        of the doubt (a wrong first draft does not stop it), which fades as its drafts are counted."""
+        return round((self.accepted + 1.0) / (self.trials + 1.0) * BUCKETS)
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One step's verification (``num_drafted`` 1, ``num_accepted`` 0: a proposal that found
         nothing, which held the request to one step in flight for nothing)."""
         rejected = 1.0 if num_accepted < num_drafted else 0.0
-        self.accepted = self.accepted * DECAY + PRIOR_ACCEPTED * (1 - DECAY) + num_accepted
+        self.accepted = self.accepted * DECAY + self.prior * PRIOR_TRIALS * (1 - DECAY) + num_accepted
         self.trials = self.trials * DECAY + PRIOR_TRIALS * (1 - DECAY) + num_accepted + rejected
 
 
@@ -99,19 +116,23 @@ class DraftPlan:
 
     num_drafts: int = 0
     min_bucket: int = BUCKETS + 1
+    hopeful: bool = False  # the buckets are ``Acceptance.hopeful_bucket``
 
     def drafts_for(self, acceptance: Acceptance) -> int:
-        return self.num_drafts if acceptance.bucket >= self.min_bucket else 0
+        bucket = acceptance.hopeful_bucket if self.hopeful else acceptance.bucket
+        return self.num_drafts if bucket >= self.min_bucket else 0
 
 
 NO_DRAFTS = DraftPlan()
 
 
 def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, plain: CostModel, extra: DraftCost,
-                  overlapped: bool = True) -> DraftPlan:
+                  overlapped: bool = True, fixed: float = 0.0, margin: float = MARGIN) -> DraftPlan:
     """The pass's plan. ``buckets``: the acceptance buckets of the requests that may draft;
     ``num_decodes``: the decoding requests of the step (those included); ``overlapped``: two steps
-    in flight (a drafting request's step then costs the others a plain step in between)."""
+    in flight (a drafting request's step then costs the others a plain step in between); ``fixed``:
+    seconds a drafting step costs beyond ``extra`` (the overlap given up after it, amortised);
+    ``margin``: how much more a plan must promise than not drafting (hysteresis: none to keep drafting)."""
     if max_drafts < 1 or num_decodes < 1 or not buckets:
         return NO_DRAFTS
     base = plain.step_seconds(0, num_decodes)
@@ -124,7 +145,7 @@ def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, pla
         drafting += count
         rest = max(num_decodes - drafting, 0)
         rest_seconds.append(plain.step_seconds(0, rest) if overlapped and rest else 0.0)
-    fixed, per_pass, per_token, per_catch_up = extra.coefficients
+    extra_fixed, per_pass, per_token, per_catch_up = extra.coefficients
     best, best_rate = NO_DRAFTS, num_decodes / base
     for k in range(1, max_drafts + 1):
         drafting, gain = 0, 0.0
@@ -132,9 +153,10 @@ def choose_drafts(buckets: Sequence[int], num_decodes: int, max_drafts: int, pla
             drafting += count
             gain += count * (expected_tokens(k, bucket / BUCKETS) - 1.0)
             catch_up = drafting + gain  # in steady drafting: the tokens each gained last step
-            seconds = base + fixed + per_pass * k + per_token * k * drafting + per_catch_up * catch_up + between
+            seconds = (base + fixed + extra_fixed + per_pass * k + per_token * k * drafting
+                       + per_catch_up * catch_up + between)
             tokens = num_decodes + gain + (max(num_decodes - drafting, 0) if between else 0)
-            rate = tokens / (seconds * (1.0 + MARGIN))
+            rate = tokens / (seconds * (1.0 + margin))
             if rate > best_rate:
                 best, best_rate = DraftPlan(k, bucket), rate
     return best

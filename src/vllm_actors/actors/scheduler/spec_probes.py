@@ -13,7 +13,7 @@ per ``PROBE_INTERVAL // 2`` plain steps of a request at most, and about ``PROBE_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.request import ScheduledRequest
@@ -46,14 +46,20 @@ class Pace:
 
 
 def choose_probers(candidates: Sequence[tuple[ScheduledRequest, Pace]], cost: DraftCost,
-                   seconds_since_draft: float) -> set[str]:
-    """The requests that probe this pass (one draft each, where the plan drafts none for them)."""
+                   seconds_since_draft: float, fixed: float = 0.0,
+                   streak_pays: Callable[[int], bool] | None = None) -> set[str]:
+    """The requests that probe this pass (one draft each, where the plan drafts none for them).
+    ``fixed``: seconds a drafting step costs beyond ``cost`` (the overlap given up after it);
+    ``streak_pays(n)``: whether drafting for ``n`` requests whose drafts are all right would pay at
+    this batch size (where it cannot, a right probe earns no next probe: its step is a loss)."""
     streaking = {request.request_id for request, pace in candidates
                  if 0 < pace.streak <= PROBE_STREAK and pace.idle >= PROBE_INTERVAL}
+    if streaking and streak_pays is not None and not streak_pays(len(streaking)):
+        streaking = set()
     if not any(pace.idle >= PROBE_INTERVAL and request.request_id not in streaking for request, pace in candidates):
         return streaking
     due = [(request, pace) for request, pace in candidates if pace.idle >= PROBE_INTERVAL // 2]
     catch_up = sum(request.num_tokens - pace.drafted_at for request, pace in due)
-    if cost.seconds(1, len(due), catch_up) > PROBE_SHARE * seconds_since_draft:
+    if fixed + cost.seconds(1, len(due), catch_up) > PROBE_SHARE * seconds_since_draft:
         return streaking
     return streaking | {request.request_id for request, _ in due}

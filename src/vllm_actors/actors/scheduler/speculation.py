@@ -36,8 +36,9 @@ from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, DraftCost, choose_drafts
+from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
 from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
+from vllm_actors.actors.scheduler.spec_wall import WallPolicy, step_seconds
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.ngram import propose_ngram
 from vllm_actors.protocol.sampling import SamplingParams
@@ -74,11 +75,14 @@ class Speculator:
         self.block_size = block_size
         self.overlapped = overlapped
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.draft_cost = DraftCost()
+        self.recent = Acceptance()  # every request's verifications: a new request's starting acceptance
+        self.draft_cost = DraftCost()  # what drafting adds, in execute_seconds (drafts not made in the worker)
         self._paces: dict[str, Pace] = {}
         self._trims: dict[str, int] = {}  # request id -> blocks it keeps (the next plan's trimmed_blocks)
         self.oracle = OracleDrafter(config) if config.method == ORACLE else None  # benchmarks only
         self.two_in_flight = overlapped and config.method == NGRAM  # a drafting request keeps two steps in flight
+        # n-gram drafts in the worker: priced in wall time per batch size (spec_wall)
+        self.wall = WallPolicy(cost) if self.two_in_flight else None
         self._plan = NO_DRAFTS  # this pass's
         self._probers: set[str] = set()  # this pass's (spec_probes)
         self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
@@ -95,21 +99,23 @@ class Speculator:
         it probes: nothing is drafted before the step cost model has seen ``WARMUP_STEPS`` plain
         steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it)."""
         self._plan, self._probers = NO_DRAFTS, set()
-        if (not self.config.adaptive or self._plain_steps < WARMUP_STEPS
-                or self._drafting_run >= REFRESH_STEPS):
+        if not self.config.adaptive or self._plain_steps < WARMUP_STEPS or self._drafting_run >= REFRESH_STEPS:
             return
         decoding = [request for request in running if is_decoding(request)]
         candidates = [(request, self._pace(request.request_id)) for request in decoding
                       if request.output_token_ids and can_speculate(request.params)]
+        if self.wall is not None:
+            self._plan, self._probers = self.wall.choose(candidates, len(decoding), self.config.num_speculative_tokens,
+                                                         self._seconds_since_draft)
+            return
         self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
-                                   self.config.num_speculative_tokens, self.cost, self.draft_cost,
-                                   self.overlapped and not self.two_in_flight)
+                                   self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
         self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
 
     def _pace(self, request_id: str) -> Pace:
         pace = self._paces.get(request_id)
         if pace is None:
-            pace = self._paces[request_id] = Pace()
+            pace = self._paces[request_id] = Pace(Acceptance.starting_at(self.recent))
         return pace
 
     def _max_drafts(self, request_id: str) -> tuple[int, Pace | None]:
@@ -157,24 +163,29 @@ class Speculator:
 
     def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest]) -> None:
         """Before the result's tokens are applied: each drafting request's acceptance counted and
-        its computed tokens rolled back by its rejected drafts; a drafting step's time teaches
-        ``draft_cost`` what it cost beyond a plain step (the step cost model learns plain steps)."""
-        if not plan.draft_token_ids:
-            self._seconds_since_draft += result.execute_seconds
-            if result.execute_seconds > 0 and 1 in plan.num_tokens:
-                self._plain_steps += 1
-                self._drafting_run = 0
-            return
-        self._drafting_run += 1
-        self._seconds_since_draft = 0.0
+        its computed tokens rolled back by its rejected drafts; a step's time teaches the pricing
+        (``wall``, or ``draft_cost`` what a drafting step cost beyond the step cost model's plain step)."""
         drafted = {request_id: result.num_drafted.get(request_id, len(drafts))
                    for request_id, drafts in plan.draft_token_ids.items()}
         sizes = list(drafted.values())
-        if result.execute_seconds > 0 and any(sizes):  # a step the worker drafted nothing for teaches nothing
-            prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
-            extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
-            catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
-            self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
+        catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
+        if self.wall is not None:
+            self.wall.account(step_features(plan, self.block_size), bool(plan.draft_token_ids), sizes,
+                              step_seconds(result))
+        if not any(sizes):  # a plain step (or one the worker drafted nothing for: it ran deferred)
+            self._seconds_since_draft += step_seconds(result) if self.wall is not None else result.execute_seconds
+            if result.execute_seconds > 0 and 1 in plan.num_tokens:
+                self._plain_steps += 1
+                self._drafting_run = 0
+            if not plan.draft_token_ids:
+                return
+        else:
+            self._drafting_run += 1
+            self._seconds_since_draft = 0.0
+            if self.wall is None and result.execute_seconds > 0:  # priced in execute_seconds
+                prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
+                extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
+                self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
         for request_id, drafts in plan.draft_token_ids.items():
             num_drafted = drafted[request_id]  # the planned slots past it are rolled back as rejected
@@ -188,6 +199,7 @@ class Speculator:
             pace = self._paces.get(request_id)
             if pace is not None:  # a lookup that found nothing still cost the step its overlap: one wrong draft
                 pace.verified(max(num_drafted, 1), num_accepted)
+                self.recent.observe(max(num_drafted, 1), num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue

@@ -103,6 +103,7 @@ class Worker(Draw, KvRejoining, Membership):
         self._await_reset = await_reset
         self.defer = defer and runner.supports_deferred_inputs
         self._pending: PendingStep | None = None
+        self._last_read_back = float("-inf")  # the clock at the last step's read-back (interval_seconds)
         self._copies = HostCopies()
         self.runner = runner
         self.tp: Ranks = ranks or runner.tp
@@ -313,6 +314,8 @@ class Worker(Draw, KvRejoining, Membership):
         for request, token_id in zip(pending.samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
             request.num_pending -= 1
+        now, last_done = self.clock(), self._last_read_back
+        self._last_read_back = now
         return StepResult(
             step_id=pending.step_id,
             reset=pending.reset or pending.step_id == self._rejoin_step,
@@ -321,7 +324,8 @@ class Worker(Draw, KvRejoining, Membership):
             logprobs=pending.logprobs,
             prompt_logprobs=pending.prompt_logprobs,
             num_batched_tokens=pending.num_batched_tokens,
-            execute_seconds=0.0 if pending.started_at is None else self.clock() - pending.started_at,
+            execute_seconds=0.0 if pending.started_at is None else now - pending.started_at,
+            interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
         )
 

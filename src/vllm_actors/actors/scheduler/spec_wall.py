@@ -1,0 +1,231 @@
+"""What steps cost the throughput, per batch size, for the drafts-per-step policy (``spec_policy``).
+
+Measured in wall time (``StepResult.interval_seconds``: from the later of a step's launch and the
+previous step's read-back to its own read-back), per bucket of decoding requests (powers of two):
+
+- ``plain``: a plain decode step's interval (steps right after a drafting step excluded);
+- ``draft``: what a drafting step adds to it (``DraftCost``, ``e + p k + t n + u c``), fitted on
+  the drafting steps' intervals less ``plain``. A drafting step is read back at once, so it drains
+  the pipeline of deferred steps (the step before is read back before it launches) and draws its
+  tokens outside the decode graph; a step of several drafting requests may leave the decode graphs
+  for the padded varlen path. Per bucket, so that a launch-bound batch-1 step's costs are not
+  extrapolated to a batch of 64 along ``t n``;
+- ``switch``: what the first plain step after a drafting step costs beyond ``plain`` (its inputs
+  are prepared while the device idles: the overlap the drafting step gave up), charged to drafting.
+
+A bucket not yet measured starts from the nearest measured bucket's drafting costs. A step whose
+overhead is ``OUTLIER`` times the bucket's plain step plus its prediction teaches nothing unless the
+next drafting step's is as large: a first use of a step shape may compile or allocate, and one such
+outlier must not stop drafting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
+from vllm_actors.actors.scheduler.request import ScheduledRequest
+from vllm_actors.actors.scheduler.spec_policy import (
+    BUCKETS,
+    MARGIN,
+    NO_DRAFTS,
+    DraftCost,
+    DraftPlan,
+    choose_drafts,
+    expected_tokens,
+)
+from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
+from vllm_actors.protocol.messages import StepResult
+
+EMA = 0.1  # weight of each new observation in the plain and switch averages
+OUTLIER = 8.0  # an overhead this many times (plain + predicted overhead) is an outlier, unless repeated
+MIN_PLAIN = 2  # plain steps a bucket must have measured before it drafts
+RUN_EMA = 0.1  # weight of each drafting run's length in their mean
+PRIOR_VARIANCE = 1e3  # the fixed part's prior uncertainty (the step cost model's)
+TOKEN_SCALE = 1024.0  # drafted tokens per unit of the fixed part's prior uncertainty (256 requests x 4 drafts)
+
+
+def batch_bucket(num_decodes: int) -> int:
+    """The bucket of a step of ``num_decodes`` decoding requests: the next power of two."""
+    return 1 << max(num_decodes - 1, 0).bit_length()
+
+
+def step_seconds(result: StepResult) -> float:
+    """The step's wall cost (``execute_seconds`` where the worker sent no interval)."""
+    return result.interval_seconds if result.interval_seconds > 0 else result.execute_seconds
+
+
+def fixed_first_cost() -> DraftCost:
+    """What drafting adds, ``e + t n`` (n-gram drafts have no drafter passes nor catch-up): a
+    recursive least squares whose prior uncertainty on ``t`` is small, so that the steps' overhead
+    goes to the fixed part first (where a launch-bound step's and the lost overlap's is) and ``t``
+    is learnt from steps of different drafted counts. (An uncertainty alike on both would put a
+    step of 256 drafted tokens' overhead almost all on ``t``, and make drafting for a few requests
+    of the batch look cheap when the whole batch pays the fixed part.)"""
+    cost = DraftCost(OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
+    cost.model.covariance = np.diag([PRIOR_VARIANCE, PRIOR_VARIANCE / TOKEN_SCALE**2, 0.0, 0.0])
+    return cost
+
+
+@dataclass
+class BucketCost:
+    plain: float = 0.0
+    num_plain: int = 0
+    draft: DraftCost = field(default_factory=fixed_first_cost)
+    num_drafting: int = 0  # drafting steps seen
+    last_extra: float = 0.0  # the last drafting step's measured overhead
+    switch: float = 0.0
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain = seconds if not self.num_plain else self.plain + EMA * (seconds - self.plain)
+        self.num_plain += 1
+
+    def observe_switch(self, seconds: float) -> None:
+        if self.num_plain:
+            self.switch += EMA * (max(seconds - self.plain, 0.0) - self.switch)
+
+
+class WallCosts:
+    """The per-bucket estimates; ``fallback`` (the scheduler's step cost model) prices a plain
+    step where a bucket has measured none, and a drafting step's prefill tokens."""
+
+    def __init__(self, fallback: CostModel) -> None:
+        self.fallback = fallback
+        self.buckets: dict[int, BucketCost] = {}
+
+    def bucket(self, num_decodes: int) -> BucketCost:
+        key = batch_bucket(num_decodes)
+        found = self.buckets.get(key)
+        if found is None:
+            found = self.buckets[key] = BucketCost()
+            measured = [b for b, cost in self.buckets.items() if cost.num_drafting]
+            if measured:  # drafting's costs start from the nearest measured bucket's
+                nearest = self.buckets[min(measured, key=lambda b: abs(b.bit_length() - key.bit_length()))]
+                found.draft.model.theta = nearest.draft.model.theta.copy()  # its own uncertainty: the prior's
+                found.switch = nearest.switch
+        return found
+
+    def ready(self, num_decodes: int) -> bool:
+        """Whether plain steps were measured enough to compare drafting with: the bucket's, or
+        another's (a batch shrinking as its requests finish prices its new bucket by ``fallback``
+        until it has its own)."""
+        self.bucket(num_decodes)
+        return any(cost.num_plain >= MIN_PLAIN for cost in self.buckets.values())
+
+    def plain_seconds(self, num_decodes: int) -> float:
+        cost = self.bucket(num_decodes)
+        return cost.plain if cost.num_plain else self.fallback.step_seconds(0, num_decodes)
+
+    def observe_plain(self, num_decodes: int, prefill_tokens: int, seconds: float, after_drafting: bool) -> None:
+        """A plain step: decode-only ones teach ``plain``, or ``switch`` right after a drafting step."""
+        if prefill_tokens or not num_decodes or seconds <= 0:
+            return
+        cost = self.bucket(num_decodes)
+        if after_drafting:
+            cost.observe_switch(seconds)
+        else:
+            cost.observe_plain(seconds)
+
+    def observe_drafting(self, num_decodes: int, prefill_seconds: float, num_draft_tokens: int,
+                         seconds: float) -> None:
+        """A drafting step's interval; ``prefill_seconds``: what its prefill chunks cost (not drafting)."""
+        cost = self.bucket(num_decodes)
+        cost.num_drafting += 1
+        if seconds <= 0:
+            return
+        if not cost.num_plain:  # priced by the fallback until it has measured a plain step of its own
+            cost.observe_plain(self.plain_seconds(num_decodes))
+        predicted = cost.draft.seconds(0, num_draft_tokens)
+        extra = seconds - prefill_seconds - cost.plain
+        outlier = extra > OUTLIER * (cost.plain + predicted) and extra > 2 * cost.last_extra
+        cost.last_extra = extra
+        if not outlier:  # once it is skipped (a first use); twice in a row, it is the cost
+            cost.draft.observe(0, num_draft_tokens, 0, extra)
+
+
+@dataclass
+class WallPlain:
+    """``WallCosts``' plain decode step as a ``CostModel`` (``choose_drafts`` prices with it)."""
+
+    costs: WallCosts
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
+        return self.costs.plain_seconds(decode_seqs) if decode_seqs else 0.0
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+        return None
+
+
+class WallPolicy:
+    """The drafts-per-step plan priced in wall time (for n-gram drafts made in the worker, two steps
+    in flight): per bucket, with the overlap a drafting run gives up paid when it starts (amortised
+    over the mean run length) and a larger margin to start drafting than to go on (hysteresis)."""
+
+    def __init__(self, fallback: CostModel) -> None:
+        self.costs = WallCosts(fallback)
+        self._run = 0  # drafting steps since the last plain step
+        self._run_length = 1.0  # drafting runs' mean length
+        self._drafted = False  # the last pass's plan drafted
+
+    def choose(self, candidates: Sequence[tuple[ScheduledRequest, Pace]], num_decodes: int, max_drafts: int,
+               seconds_since_draft: float) -> tuple[DraftPlan, set[str]]:
+        """The pass's plan and probers (``seconds_since_draft``: measured since the last drafting step)."""
+        drafted, self._drafted = self._drafted, False
+        if not num_decodes or not self.costs.ready(num_decodes):
+            return NO_DRAFTS, set()
+        bucket, plain = self.costs.bucket(num_decodes), WallPlain(self.costs)
+        base = plain.step_seconds(0, num_decodes)
+        if base <= 0:
+            return NO_DRAFTS, set()
+        switch, margin = (0.0, MARGIN / 2) if drafted else (bucket.switch / self._run_length, MARGIN)
+        buckets = [pace.acceptance.hopeful_bucket for _, pace in candidates]
+        plan = choose_drafts(buckets, num_decodes, max_drafts, plain, bucket.draft, overlapped=False, fixed=switch,
+                             margin=margin)
+        plan = replace(widened(plan, buckets, num_decodes / base, bucket.draft), hopeful=True)
+        self._drafted = plan.num_drafts > 0
+
+        def pays(count: int) -> bool:  # drafts always right for ``count`` requests would pay
+            return choose_drafts([BUCKETS] * count, num_decodes, max_drafts, plain, bucket.draft, overlapped=False,
+                                 fixed=bucket.switch).num_drafts > 0
+
+        if plan.num_drafts:  # the step verifies drafts anyway: the others probe at their drafts' cost only
+            return plan, {request.request_id for request, pace in candidates if not plan.drafts_for(pace.acceptance)}
+        probers = choose_probers(candidates, bucket.draft, seconds_since_draft, fixed=bucket.switch, streak_pays=pays)
+        return plan, probers
+
+    def account(self, features: tuple[int, int, float], planned_drafts: bool, sizes: Sequence[int],
+                seconds: float) -> None:
+        """A step's interval: ``features`` (``step_features``), whether its plan had drafts, and the
+        drafts the worker verified per drafting request."""
+        prefill_tokens, num_decodes, pairs = features
+        if not any(sizes):  # a plain step, or one whose drafts the worker did not find (drained, then deferred)
+            if self._run:
+                self._run_length += RUN_EMA * (self._run - self._run_length)
+            self.costs.observe_plain(num_decodes, prefill_tokens, seconds, after_drafting=bool(self._run)
+                                     or planned_drafts)
+            self._run = 0
+            return
+        self._run += 1
+        fallback = self.costs.fallback
+        prefill = max(fallback.step_seconds(prefill_tokens, num_decodes, pairs)
+                      - fallback.step_seconds(0, num_decodes), 0.0) if prefill_tokens else 0.0
+        self.costs.observe_drafting(num_decodes, prefill, sum(sizes), seconds)
+
+
+def widened(plan: DraftPlan, buckets: Sequence[int], plain_rate: float, draft: DraftCost) -> DraftPlan:
+    """A drafting plan extended to the requests of lower acceptance whose drafts still gain more
+    tokens per second of their own verification than a plain step makes (the step's fixed part is
+    paid anyway): left out, such a request would finish last, holding the batch's tail to plain steps."""
+    if not plan.num_drafts:
+        return plan
+    k = plan.num_drafts
+    per_request = draft.seconds(0, k) - draft.seconds(0, 0)  # its drafted tokens' verification
+    lowest = plan.min_bucket
+    for bucket in sorted({b for b in buckets if 0 < b < plan.min_bucket}, reverse=True):
+        if per_request > 0 and (expected_tokens(k, bucket / BUCKETS) - 1.0) / per_request < plain_rate:
+            break
+        lowest = bucket
+    return DraftPlan(k, lowest, plan.hopeful)
