@@ -141,7 +141,7 @@ def test_table_entry_turns_the_cublas_path_off(cublas: bool, monkeypatch: pytest
         return torch.zeros(x_q.shape[0], 256)
 
     monkeypatch.setattr(fp8_scaled_mm, "takes", lambda *args: True)
-    monkeypatch.setattr(fp8_scaled_mm, "layout", lambda *args: fp8_scaled_mm.LAYOUTS[0])
+    monkeypatch.setattr(fp8_scaled_mm, "layout", lambda *args: fp8_scaled_mm.ScaleLayout(True, True, False))
     monkeypatch.setattr(fp8_scaled_mm, "scaled_mm", stub)
     weight, scale = fp8_gemm.quantize_weight(torch.randn(256, 512, generator=torch.Generator().manual_seed(0)),
                                              (128, 128))

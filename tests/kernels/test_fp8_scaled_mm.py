@@ -74,14 +74,15 @@ def _refused(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows_multiple", [1, 4], ids=["any_rows", "rows_of_4"])
 def test_probe_finds_the_layout_torch_takes(rows_multiple: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch's own stride checks: the weight scales transposed, unpadded (and M padded where the library
-    wants it); the explicit recipes refused here, as where torch lacks them."""
+    """torch's own stride checks: the weight scales transposed, unpadded, and M padded to 4 rows (tried first:
+    the H200's cuBLASLt wanted it, and a library that takes any M takes it too); the explicit recipes refused
+    here, as where torch lacks them."""
     monkeypatch.setattr(torch, "_scaled_mm", _stand_in(rows_multiple=rows_multiple), raising=False)
     if hasattr(torch.nn.functional, "scaled_mm"):
         monkeypatch.setattr(torch.nn.functional, "scaled_mm", _refused)
     monkeypatch.setattr(fp8_scaled_mm, "PROBE_SHAPE", (5, 512, 256))
     layout = fp8_scaled_mm._probe(torch.device("cpu"), _quantize)
-    assert layout == ScaleLayout(True, True, False, pad_m=rows_multiple > 1)
+    assert layout == ScaleLayout(True, True, False, pad_m=True)
 
 
 def test_probe_refuses_a_wrong_product(monkeypatch: pytest.MonkeyPatch) -> None:
