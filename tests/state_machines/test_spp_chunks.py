@@ -28,7 +28,7 @@ def _times(cost: FixedCostModel, start: int, sizes: list[int]) -> list[float]:
 
 
 def test_chunks_take_equal_predicted_times_larger_early_within_the_budget() -> None:
-    sizes = balanced_chunks(ATTENTION, 0, 32768, 2048)
+    sizes = balanced_chunks(ATTENTION, 0, 32768, 2048, num_stages=1)
     assert sum(sizes) == 32768 and max(sizes) <= 2048
     assert sizes[0] >= 1900 and sizes[-1] < sizes[0] // 2  # the first fills the budget; late ones are small
     assert all(later <= earlier + 1 for earlier, later in zip(sizes, sizes[1:]))  # shrinking (rounding aside)
@@ -41,29 +41,29 @@ def test_chunks_take_equal_predicted_times_larger_early_within_the_budget() -> N
 
 
 def test_a_pass_part_way_continues_the_whole_prompts_plan() -> None:
-    whole = balanced_chunks(ATTENTION, 0, 32768, 2048)
+    whole = balanced_chunks(ATTENTION, 0, 32768, 2048, num_stages=1)
     done = sum(whole[:10])
-    rest = balanced_chunks(ATTENTION, done, 32768 - done, 2048)
+    rest = balanced_chunks(ATTENTION, done, 32768 - done, 2048, num_stages=1)
     assert len(rest) == len(whole) - 10
     assert all(abs(a - b) <= 2 for a, b in zip(rest, whole[10:]))
 
 
 def test_no_chunk_is_below_a_share_of_the_budget() -> None:
     steep = FixedCostModel(a=0.005, b=1e-4, c=0.0, d=0.02)  # balance would ask for late chunks of ~335
-    sizes = balanced_chunks(steep, 0, 32768, 2048)
+    sizes = balanced_chunks(steep, 0, 32768, 2048, num_stages=1)
     assert sum(sizes) == 32768 and min(sizes) == 2048 // MIN_SHARE == sizes[-2]
     assert sizes[0] > 2 * sizes[10] > 2 * sizes[-2]  # still larger early, smaller late
     noisy = FixedCostModel(a=0.0, b=0.0, c=0.0, d=1.0)  # a fit that sees attention alone
-    assert min(balanced_chunks(noisy, 0, 2000, 64)) >= 64 // MIN_SHARE
+    assert min(balanced_chunks(noisy, 0, 2000, 64, num_stages=1)) >= 64 // MIN_SHARE
 
 
 def test_without_attention_the_chunks_are_equal_and_a_short_prompt_is_one_chunk() -> None:
-    assert balanced_chunks(FixedCostModel(d=0.0), 0, 40, 16) == [13, 14, 13]
-    assert balanced_chunks(FixedCostModel(a=0.0, b=0.0, c=0.0, d=0.0), 0, 40, 16) == [14, 13, 13]
-    assert balanced_chunks(ATTENTION, 0, 16, 16) == [16]
+    assert balanced_chunks(FixedCostModel(d=0.0), 0, 40, 16, num_stages=1) == [13, 14, 13]
+    assert balanced_chunks(FixedCostModel(a=0.0, b=0.0, c=0.0, d=0.0), 0, 40, 16, num_stages=1) == [14, 13, 13]
+    assert balanced_chunks(ATTENTION, 0, 16, 16, num_stages=1) == [16]
     assert linear_coefficients(OnlineCostModel()) == pytest.approx((0.01, 0.0001, 0.0003))
     with pytest.raises(ValueError, match="positive budget"):
-        balanced_chunk(ATTENTION, 0, 10, 0)
+        balanced_chunk(ATTENTION, 0, 10, 0, num_stages=1)
 
 
 def test_the_scheduler_under_pp_plans_the_balanced_chunks() -> None:
@@ -74,7 +74,7 @@ def test_the_scheduler_under_pp_plans_the_balanced_chunks() -> None:
     out = scheduler.handle(AddRequest(request_id="long", prompt_token_ids=[1] * 8000,
                                       params=SamplingParams(max_tokens=2), eos_token_ids=[0]))
     plans = [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
-    assert [plan.num_tokens[0] for plan in plans] == balanced_chunks(ATTENTION, 0, 8000, 512)
+    assert [plan.num_tokens[0] for plan in plans] == balanced_chunks(ATTENTION, 0, 8000, 512, num_stages=2)
     assert plans[0].num_tokens[0] > plans[-1].num_tokens[0] + 100
     unpipelined = Scheduler(msgspec.structs.replace(config, pipeline_parallel_size=1), cost_model=ATTENTION)
     first = unpipelined.handle(AddRequest(request_id="long", prompt_token_ids=[1] * 8000,
