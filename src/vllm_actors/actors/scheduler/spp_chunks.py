@@ -146,7 +146,9 @@ def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int, *, 
     per_chunk = _work(coefficients, length) / count  # each chunk's share of the work
     num_left = max(1, round(count - _work(coefficients, start) / per_chunk)) if per_chunk > 0.0 else 1
     floor = chunk_floor(budget)
-    size = min(budget, remaining, max(floor, _first_chunk(coefficients, start, remaining, num_left)))
+    # where the plan's chunks would fall under the floor, the rest goes in equal chunks of at least it
+    even = math.ceil(remaining / max(1, remaining // floor))
+    size = min(budget, remaining, max(even, _first_chunk(coefficients, start, remaining, num_left)))
     if 0 < remaining - size < floor:  # no chunk of a few tokens at the end
         size = remaining if remaining <= budget else remaining - floor
     return size
