@@ -25,8 +25,8 @@ from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, CostModel, chunk
 
 MIN_SHARE = 4  # a chunk takes at least this share of the budget (1 / MIN_SHARE), where the prompt has it left
 # The smallest chunk the count plans for. On Hopper a prefill chunk under 2,048 tokens is attended by the
-# Triton kernel at about 0.6x flash-attn 4's rate (kernels/prefill_choice.py), and its GEMMs lose
-# efficiency below 1-2k rows: costs the linear model does not see.
+# Triton kernel (kernels/prefill_choice.py: 0.55-0.65x flash-attn 4's rate on long contexts), and its GEMMs
+# lose efficiency below 1-2k rows: costs the linear model does not see.
 MIN_CHUNK_TOKENS = 2048
 _PROBE_TOKENS = 4096  # probe points far from zero: a model clamped at zero is linear there
 _PROBE_PAIRS = 64.0
