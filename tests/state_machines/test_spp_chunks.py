@@ -10,9 +10,17 @@ import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
 from vllm_actors.actors.scheduler.scheduler import Scheduler
-from vllm_actors.actors.scheduler.spp_chunks import MIN_SHARE, balanced_chunk, balanced_chunks, linear_coefficients
+from vllm_actors.actors.scheduler.spp_chunks import (
+    MIN_CHUNK_TOKENS,
+    MIN_SHARE,
+    balanced_chunk,
+    balanced_chunks,
+    chunk_count,
+    chunk_floor,
+    linear_coefficients,
+)
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.messages import AddRequest, StepPlan
+from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -28,7 +36,7 @@ def _times(cost: FixedCostModel, start: int, sizes: list[int]) -> list[float]:
 
 
 def test_chunks_take_equal_predicted_times_larger_early_within_the_budget() -> None:
-    sizes = balanced_chunks(ATTENTION, 0, 32768, 2048)
+    sizes = balanced_chunks(ATTENTION, 0, 32768, 2048, num_stages=1)
     assert sum(sizes) == 32768 and max(sizes) <= 2048
     assert sizes[0] >= 1900 and sizes[-1] < sizes[0] // 2  # the first fills the budget; late ones are small
     assert all(later <= earlier + 1 for earlier, later in zip(sizes, sizes[1:]))  # shrinking (rounding aside)
@@ -41,29 +49,29 @@ def test_chunks_take_equal_predicted_times_larger_early_within_the_budget() -> N
 
 
 def test_a_pass_part_way_continues_the_whole_prompts_plan() -> None:
-    whole = balanced_chunks(ATTENTION, 0, 32768, 2048)
+    whole = balanced_chunks(ATTENTION, 0, 32768, 2048, num_stages=1)
     done = sum(whole[:10])
-    rest = balanced_chunks(ATTENTION, done, 32768 - done, 2048)
+    rest = balanced_chunks(ATTENTION, done, 32768 - done, 2048, num_stages=1)
     assert len(rest) == len(whole) - 10
     assert all(abs(a - b) <= 2 for a, b in zip(rest, whole[10:]))
 
 
 def test_no_chunk_is_below_a_share_of_the_budget() -> None:
     steep = FixedCostModel(a=0.005, b=1e-4, c=0.0, d=0.02)  # balance would ask for late chunks of ~335
-    sizes = balanced_chunks(steep, 0, 32768, 2048)
+    sizes = balanced_chunks(steep, 0, 32768, 2048, num_stages=1)
     assert sum(sizes) == 32768 and min(sizes) == 2048 // MIN_SHARE == sizes[-2]
     assert sizes[0] > 2 * sizes[10] > 2 * sizes[-2]  # still larger early, smaller late
     noisy = FixedCostModel(a=0.0, b=0.0, c=0.0, d=1.0)  # a fit that sees attention alone
-    assert min(balanced_chunks(noisy, 0, 2000, 64)) >= 64 // MIN_SHARE
+    assert min(balanced_chunks(noisy, 0, 2000, 64, num_stages=1)) >= 64 // MIN_SHARE
 
 
 def test_without_attention_the_chunks_are_equal_and_a_short_prompt_is_one_chunk() -> None:
-    assert balanced_chunks(FixedCostModel(d=0.0), 0, 40, 16) == [13, 14, 13]
-    assert balanced_chunks(FixedCostModel(a=0.0, b=0.0, c=0.0, d=0.0), 0, 40, 16) == [14, 13, 13]
-    assert balanced_chunks(ATTENTION, 0, 16, 16) == [16]
+    assert balanced_chunks(FixedCostModel(d=0.0), 0, 40, 16, num_stages=1) == [13, 14, 13]
+    assert balanced_chunks(FixedCostModel(a=0.0, b=0.0, c=0.0, d=0.0), 0, 40, 16, num_stages=1) == [14, 13, 13]
+    assert balanced_chunks(ATTENTION, 0, 16, 16, num_stages=1) == [16]
     assert linear_coefficients(OnlineCostModel()) == pytest.approx((0.01, 0.0001, 0.0003))
     with pytest.raises(ValueError, match="positive budget"):
-        balanced_chunk(ATTENTION, 0, 10, 0)
+        balanced_chunk(ATTENTION, 0, 10, 0, num_stages=1)
 
 
 def test_the_scheduler_under_pp_plans_the_balanced_chunks() -> None:
@@ -74,10 +82,83 @@ def test_the_scheduler_under_pp_plans_the_balanced_chunks() -> None:
     out = scheduler.handle(AddRequest(request_id="long", prompt_token_ids=[1] * 8000,
                                       params=SamplingParams(max_tokens=2), eos_token_ids=[0]))
     plans = [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
-    assert [plan.num_tokens[0] for plan in plans] == balanced_chunks(ATTENTION, 0, 8000, 512)
+    assert [plan.num_tokens[0] for plan in plans] == balanced_chunks(ATTENTION, 0, 8000, 512, num_stages=2)
     assert plans[0].num_tokens[0] > plans[-1].num_tokens[0] + 100
     unpipelined = Scheduler(msgspec.structs.replace(config, pipeline_parallel_size=1), cost_model=ATTENTION)
     first = unpipelined.handle(AddRequest(request_id="long", prompt_token_ids=[1] * 8000,
                                           params=SamplingParams(max_tokens=2), eos_token_ids=[0]))
     sizes = [plan.num_tokens[0] for plan in first.to(KV_CACHE_MANAGER) if isinstance(plan, StepPlan)]
     assert sizes[:16] == [512] * 15 + [320]  # without a pipeline: the budget's chunks, as before
+
+
+# Qwen3-8B's shape on an H200: the per-token and per-pair costs fitted to one stage's TTFTs (1,219 ms at
+# 32k, 10,981 ms at 128k, 8,192-token chunks), split evenly over P stages; 2.5 ms a step per stage fits
+# the PP=2 TTFT at 32k measured with the fewest-chunks rule (723 ms).
+STEP_8B = 0.0025
+PAIR_8B = (10.981 - 4 * 1.219) / (8192 - 4 * 512)  # the pairs of 128k and of 32k, in PAIRS_UNIT
+TOKEN_8B = (1.219 - 4 * STEP_8B - 512 * PAIR_8B) / 32768
+
+
+def _stage_8b(num_stages: int) -> FixedCostModel:
+    return FixedCostModel(a=STEP_8B, b=TOKEN_8B / num_stages, c=0.0, d=PAIR_8B / num_stages)
+
+
+def _pipelined_seconds(cost: FixedCostModel, sizes: list[int], num_stages: int) -> float:
+    times = _times(cost, 0, sizes)
+    return sum(times) + (num_stages - 1) * max(times)
+
+
+@pytest.mark.parametrize(("length", "num_stages", "bound"),
+                         [(32768, 4, 0.35), (131072, 2, 0.55), (131072, 4, 0.3), (32768, 2, 0.57)])
+def test_the_count_fills_the_pipe_for_an_8b_shape(length: int, num_stages: int, bound: float) -> None:
+    """The predicted TTFT over P stages against one stage's (the budget's chunks): within the
+    bounds asked of PP at 32k and 128k. At 32k over 2 stages 2.5 ms a step keeps it above 0.55 at
+    any count (sqrt((P-1) W / a) chunks would give 0.558): the floor's 11 chunks give 0.566, the
+    fewest chunks within the budget (6) gave 0.593."""
+    one_stage = _pipelined_seconds(_stage_8b(1), [8192] * (length // 8192), 1)
+    sizes = balanced_chunks(_stage_8b(num_stages), 0, length, 8192, num_stages=num_stages)
+    fewest = balanced_chunks(_stage_8b(num_stages), 0, length, 8192, num_stages=1)
+    assert sum(sizes) == length and max(sizes) <= 8192 and min(sizes) >= chunk_floor(8192) == MIN_CHUNK_TOKENS
+    assert all(later <= earlier + 2 for earlier, later in zip(sizes, sizes[1:])) and sizes[0] > 2 * sizes[-1]
+    ratio = _pipelined_seconds(_stage_8b(num_stages), sizes, num_stages) / one_stage
+    assert ratio <= bound
+    assert ratio <= _pipelined_seconds(_stage_8b(num_stages), fewest, num_stages) / one_stage
+
+
+def test_the_count_trades_the_bubble_against_the_steps() -> None:
+    """32k over 2 stages: the fewest chunks within the budget at one stage; more (to the floor) as
+    the pipe grows; the fewest again when a step's own cost dwarfs the work; the floor's most when
+    steps cost nothing of their own."""
+    coefficients = linear_coefficients(_stage_8b(2))
+    assert chunk_count(coefficients, 32768, 8192, 1) == 6
+    assert chunk_count(coefficients, 32768, 8192, 2) == 11  # sqrt(W / a) is 15: the floor's most
+    assert chunk_count(coefficients, 32768, 65536, 2) == 11  # a budget above the prompt: still split
+    assert chunk_count((1.0, *coefficients[1:]), 32768, 8192, 2) == 6
+    assert chunk_count((0.0, *coefficients[1:]), 32768, 8192, 2) == 11
+    work = coefficients[1] * 32768 + coefficients[2] * chunk_pairs(0, 32768)
+    assert chunk_count((3 * work / 64, *coefficients[1:]), 32768, 8192, 4) == 8  # sqrt(3 W / a), between them
+    assert chunk_count(coefficients, 4096, 8192, 4) == 1  # two chunks would leave the last under the floor
+    whole = balanced_chunks(_stage_8b(2), 0, 32768, 8192, num_stages=2)
+    rest = balanced_chunks(_stage_8b(2), sum(whole[:4]), 32768 - sum(whole[:4]), 8192, num_stages=2)
+    assert len(rest) == len(whole) - 4 and all(abs(a - b) <= 2 for a, b in zip(rest, whole[4:]))  # the same plan
+    with pytest.raises(ValueError, match="at least one stage"):
+        balanced_chunk(ATTENTION, 0, 10, 16, num_stages=0)
+
+
+def test_the_first_stage_gets_the_chunks_back_to_back() -> None:
+    """Four stages, P + 1 steps in flight: the first P + 1 chunks go out at once, and each chunk's
+    result sends the next, so the first stage always has a chunk queued behind the one it runs."""
+    config = SchedulerConfig(max_model_len=40000, max_num_seqs=4, max_num_batched_tokens=8192,
+                             enable_chunked_prefill=True, block_size=16, num_blocks=2600, max_steps_in_flight=5,
+                             enable_prefix_caching=False, pipeline_parallel_size=4)
+    scheduler = Scheduler(config, cost_model=_stage_8b(4))
+    plans = [message for message in scheduler.handle(AddRequest(
+        request_id="long", prompt_token_ids=[1] * 32768, params=SamplingParams(max_tokens=2), eos_token_ids=[0],
+    )).to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
+    assert len(plans) == 5
+    while len(plans) < 11:
+        done = plans[len(plans) - 5]
+        out = scheduler.handle(StepResult(step_id=done.step_id, reset=done.reset, req_ids=[], token_ids=[]))
+        (plan,) = [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
+        plans.append(plan)
+    assert [plan.num_tokens[0] for plan in plans] == balanced_chunks(_stage_8b(4), 0, 32768, 8192, num_stages=4)

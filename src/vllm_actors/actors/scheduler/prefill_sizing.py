@@ -12,7 +12,8 @@ without taking its neighbours' latency:
   step's first prefill gets at least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt
   always moves; the others get nothing once the target is spent;
 - under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
-  chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late.
+  chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late,
+  as many as the model predicts fastest through the stages.
 
 One ``PrefillSizer`` per planning pass; the scheduler asks it before giving a request tokens."""
 
@@ -45,6 +46,7 @@ class PrefillSizer:
         # the largest chunk of a prompt pipelined through the stages (None: no pipeline)
         self.pipelined = (self.threshold or config.max_num_batched_tokens) \
             if chunked and config.pipeline_parallel_size > 1 else None
+        self.num_stages = config.pipeline_parallel_size
         decodes = sum(1 for request in running if is_decoding(request))
         self.num_decodes = min(decodes, config.max_num_seqs)
         self.prefill_tokens = 0  # taken by this pass's prefills so far
@@ -69,7 +71,8 @@ class PrefillSizer:
             num_new = self.threshold
         if self.pipelined is not None:
             remaining = max(request.num_tokens - request.num_computed_tokens, num_new)
-            num_new = min(num_new, balanced_chunk(self.cost, request.num_computed_tokens, remaining, self.pipelined))
+            num_new = min(num_new, balanced_chunk(self.cost, request.num_computed_tokens, remaining, self.pipelined,
+                                                     num_stages=self.num_stages))
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens

@@ -4,10 +4,14 @@ The chunks of one prompt flow through the stages back to back, so the prefill ta
 ``sum(t_i) + (P - 1) * max(t_i)`` for chunk times ``t_i`` over ``P`` stages: for a given number of
 chunks, equal predicted times are the fastest. A chunk's time grows with the keys it attends to
 (the cost model's ``prefill_pairs``), so equal times mean larger chunks early and smaller ones
-late. The count is the smallest whose first (largest) chunk keeps within the token budget. No
-chunk is smaller than ``1 / MIN_SHARE`` of the budget: a device runs tiny chunks inefficiently (the
-linear model does not see it), and a model fitted online from noisy step times can ask for chunks
-of a few tokens.
+late. With ``C`` chunks of equal time, a model of ``a`` seconds a step and ``W`` seconds of work in
+the whole prompt predicts ``(C + P - 1) * (a + W / C)``: more chunks shrink the bubble
+``(P - 1) * (a + W / C)`` and add ``a`` each, so the count is the whole number nearest the minimum,
+``sqrt((P - 1) * W / a)``, kept between the fewest chunks whose first (largest) keeps within the token
+budget and the most whose last (smallest) is not under the floor. One stage has no bubble: the
+fewest chunks. No chunk is under the floor, ``MIN_CHUNK_TOKENS`` or ``1 / MIN_SHARE`` of the budget
+where that is less: a device runs small chunks inefficiently (the linear model does not see it), and
+a model fitted online from noisy step times can ask for chunks of a few tokens.
 
 The sizes are solved in closed form at every chunk (a pass re-solves the chunks left from where
 the prompt is, with the model as it has learnt since), so planning costs the same at 1M tokens
@@ -20,11 +24,17 @@ import math
 from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, CostModel, chunk_pairs
 
 MIN_SHARE = 4  # a chunk takes at least this share of the budget (1 / MIN_SHARE), where the prompt has it left
+# The smallest chunk the count plans for. On Hopper a prefill chunk under 2,048 tokens is attended by the
+# Triton kernel (kernels/prefill_choice.py: 0.55-0.65x flash-attn 4's rate on long contexts), and its GEMMs
+# lose efficiency below 1-2k rows: costs the linear model does not see.
+MIN_CHUNK_TOKENS = 2048
 _PROBE_TOKENS = 4096  # probe points far from zero: a model clamped at zero is linear there
 _PROBE_PAIRS = 64.0
 
+Coefficients = tuple[float, float, float]
 
-def linear_coefficients(cost: CostModel) -> tuple[float, float, float]:
+
+def linear_coefficients(cost: CostModel) -> Coefficients:
     """``(a, b, d)``: the model's seconds per step, per prefill token and per unit of
     ``prefill_pairs``, read off by probing it (each at least zero)."""
     one = cost.step_seconds(_PROBE_TOKENS, 0, 0.0)
@@ -34,12 +44,22 @@ def linear_coefficients(cost: CostModel) -> tuple[float, float, float]:
     return max(0.0, one - per_token * _PROBE_TOKENS), per_token, per_pair
 
 
-def _first_chunk(coefficients: tuple[float, float, float], start: int, remaining: int, num_chunks: int) -> int:
+def chunk_floor(budget: int) -> int:
+    """The smallest chunk planned at this token budget (where the prompt has that many left)."""
+    return max(1, min(MIN_CHUNK_TOKENS, budget // MIN_SHARE))
+
+
+def _grows(coefficients: Coefficients) -> bool:
+    """Whether the model's step time grows with the chunk (else every chunk is predicted alike)."""
+    return coefficients[1] > 0.0 or coefficients[2] > 0.0
+
+
+def _first_chunk(coefficients: Coefficients, start: int, remaining: int, num_chunks: int) -> int:
     """The first of ``num_chunks`` chunks of equal predicted time covering ``remaining`` tokens
     after ``start`` computed ones (the predicted times add up whatever the split: the pairs of
     the whole remainder are the chunks' pairs summed)."""
     a, b, d = coefficients
-    if b <= 0.0 and d <= 0.0:
+    if not _grows(coefficients):
         return math.ceil(remaining / num_chunks)  # no growth with the tokens: equal sizes
     target = a + (b * remaining + d * chunk_pairs(start, remaining)) / num_chunks
     # a + b*n + d*n*(start + (n + 1)/2)/PAIRS_UNIT = target, for n
@@ -53,27 +73,34 @@ def _first_chunk(coefficients: tuple[float, float, float], start: int, remaining
     return min(remaining, max(1, round(size)))
 
 
-def _work(coefficients: tuple[float, float, float], num_tokens: int) -> float:
+def _last_chunk(coefficients: Coefficients, length: int, num_chunks: int) -> float:
+    """The last of ``num_chunks`` chunks of equal predicted time covering a ``length``-token prompt
+    (the smallest: it attends to the most keys)."""
+    _, b, d = coefficients
+    if not _grows(coefficients):
+        return length / num_chunks
+    spare = _work(coefficients, length) / num_chunks
+    # b*n + d*n*(length - n + (n + 1)/2)/PAIRS_UNIT = spare, for the smaller root n
+    quadratic = d / (2 * PAIRS_UNIT)
+    linear = b + d * (length + 0.5) / PAIRS_UNIT
+    if quadratic <= 0.0:
+        return spare / linear
+    return 2 * spare / (linear + math.sqrt(max(0.0, linear * linear - 4 * quadratic * spare)))
+
+
+def _work(coefficients: Coefficients, num_tokens: int) -> float:
     """The predicted seconds of the first ``num_tokens`` of a prompt, less the per-step part
     (with no growth in the model: the tokens themselves, so that sizes come out equal)."""
     _, b, d = coefficients
-    if b <= 0.0 and d <= 0.0:
+    if not _grows(coefficients):
         return float(num_tokens)
     return b * num_tokens + d * chunk_pairs(0, num_tokens)
 
 
-def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int) -> int:
-    """The next chunk of a prompt with ``remaining`` tokens to compute after ``start``. The plan
-    is the whole prompt's: the fewest chunks of equal predicted time none of which is above
-    ``budget`` (the first is the largest); this pass takes its share of what the plan has left
-    from ``start`` (a prefix-cache hit or the chunks already run), solved again from here."""
-    if remaining <= 0 or budget <= 0:
-        raise ValueError(f"a prefill chunk needs tokens left and a positive budget, got remaining={remaining}, "
-                         f"budget={budget}")
-    length = start + remaining
-    if length <= budget:
-        return remaining
-    coefficients = linear_coefficients(cost)
+def chunk_count(coefficients: Coefficients, length: int, budget: int, num_stages: int) -> int:
+    """The number of equal-time chunks of a ``length``-token prompt over ``num_stages`` stages: the
+    one the model predicts fastest, ``(C + P - 1) * (a + W / C)``, between the fewest whose first
+    chunk is within ``budget`` and the most whose last is not under the floor (the budget first)."""
     low, high = math.ceil(length / budget), length  # the first chunk is the largest: at least the mean
     while low < high:  # the first chunk shrinks as the count grows
         middle = (low + high) // 2
@@ -81,21 +108,58 @@ def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int) -> 
             high = middle
         else:
             low = middle + 1
-    per_chunk = _work(coefficients, length) / low  # each chunk's share of the work
-    num_left = max(1, round(low - _work(coefficients, start) / per_chunk)) if per_chunk > 0.0 else 1
-    floor = max(1, budget // MIN_SHARE)
-    size = min(budget, remaining, max(floor, _first_chunk(coefficients, start, remaining, num_left)))
+    fewest = low
+    if num_stages <= 1 or not _grows(coefficients):
+        return fewest  # no bubble to shrink, or chunks predicted alike: each one more costs a step
+    floor = chunk_floor(budget)
+    low, high = fewest, max(fewest, length // floor)
+    while low < high:  # the last chunk shrinks as the count grows: the most that keep it at the floor
+        middle = (low + high + 1) // 2
+        if _last_chunk(coefficients, length, middle) >= floor:
+            low = middle
+        else:
+            high = middle - 1
+    most = low
+    a, work = coefficients[0], _work(coefficients, length)
+    if a <= 0.0:
+        return most  # steps cost nothing of their own: the bubble shrinks with every chunk
+    best = math.sqrt((num_stages - 1) * work / a)
+    candidates = {min(most, max(fewest, count)) for count in (math.floor(best), math.ceil(best))}
+    return min(sorted(candidates), key=lambda count: (count + num_stages - 1) * (a + work / count))
+
+
+def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int, *, num_stages: int) -> int:
+    """The next chunk of a prompt with ``remaining`` tokens to compute after ``start``, pipelined
+    over ``num_stages`` stages. The plan is the whole prompt's: ``chunk_count`` chunks of equal
+    predicted time (the first is the largest); this pass takes its share of what the plan has left
+    from ``start`` (a prefix-cache hit or the chunks already run), solved again from here."""
+    if remaining <= 0 or budget <= 0 or num_stages <= 0:
+        raise ValueError(f"a prefill chunk needs tokens left, a positive budget and at least one stage, got "
+                         f"remaining={remaining}, budget={budget}, num_stages={num_stages}")
+    length = start + remaining
+    if length <= budget and num_stages == 1:
+        return remaining
+    coefficients = linear_coefficients(cost)
+    count = chunk_count(coefficients, length, budget, num_stages)
+    if count == 1:
+        return remaining
+    per_chunk = _work(coefficients, length) / count  # each chunk's share of the work
+    num_left = max(1, round(count - _work(coefficients, start) / per_chunk)) if per_chunk > 0.0 else 1
+    floor = chunk_floor(budget)
+    # where the plan's chunks would fall under the floor, the rest goes in equal chunks of at least it
+    even = math.ceil(remaining / max(1, remaining // floor))
+    size = min(budget, remaining, max(even, _first_chunk(coefficients, start, remaining, num_left)))
     if 0 < remaining - size < floor:  # no chunk of a few tokens at the end
         size = remaining if remaining <= budget else remaining - floor
     return size
 
 
-def balanced_chunks(cost: CostModel, start: int, length: int, budget: int) -> list[int]:
+def balanced_chunks(cost: CostModel, start: int, length: int, budget: int, *, num_stages: int) -> list[int]:
     """Every chunk of a ``length``-token prefill after ``start`` computed tokens, as the scheduler
     takes them one pass after another (a fixed model: the same sizes as planned)."""
     sizes: list[int] = []
     done = 0
     while done < length:
-        sizes.append(balanced_chunk(cost, start + done, length - done, budget))
+        sizes.append(balanced_chunk(cost, start + done, length - done, budget, num_stages=num_stages))
         done += sizes[-1]
     return sizes
