@@ -149,6 +149,9 @@ def _decode_kernel(
         lens = rows * 0 + seq_len  # every row is the sequence's newest position
     if EARLY:  # q and the newest token's k and v come from the kernel before: read after the wait
         pdl_enter(PDL)
+    if GROUPED:
+        if count == 0:  # a row its group's leading program attends
+            return
     qk = qk_scale
     if KV_FP8:
         qk = qk_scale * tl.load(k_scale_ptr)

@@ -58,7 +58,7 @@ from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
 from vllm_actors.runner.staging import Fence
 from vllm_actors.runner.step_inputs import StepStaging
-from vllm_actors.runner.verify_rows import as_decode_rows
+from vllm_actors.runner.verify_rows import as_decode_rows, queries_per_read
 
 log = structlog.get_logger(__name__)
 
@@ -222,7 +222,8 @@ class ModelRunner(KvPoolSizing):
             return self._run_eager(batch)
         bucket = self._decode_bucket(batch)
         if bucket is None and self._graphs:  # a verification step as decode rows (verify_rows.py)
-            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes)
+            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes,
+                                  self._static.queries_per_read if self._static else 1)
             bucket, batch = (self._decode_bucket(rows), rows) if rows is not None else (None, batch)
         if bucket is not None:
             return self._run_graph(batch, bucket)
@@ -269,7 +270,8 @@ class ModelRunner(KvPoolSizing):
             sizes.append(largest)
         device = self.device
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
+        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device, queries_per_read=
+                                   queries_per_read(bool(self.config.speculative_config), self.model, self.local_config))
         # only the last stage samples (stage_graphs.py)
         self._stage_io = StageGraphIO(self.stage, largest, self.local_config.hidden_size, self.dtype, device) \
             if self.stage.enabled else None
