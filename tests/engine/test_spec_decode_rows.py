@@ -19,9 +19,9 @@ from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import SpeculativeConfig, parse_speculative_config
+from vllm_actors.runner import verify_rows
 from vllm_actors.runner.graph_inputs import DecodeGraph, GraphInputs
 from vllm_actors.runner.model_runner import ModelRunner
-from vllm_actors.runner import verify_rows
 from vllm_actors.runner.verify_rows import extra_kv_bytes, queries_per_read
 
 SIZES = [8, 16, 24]

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 from tests.kernels.test_attention_options import dense_reference  # noqa: E402
 from tests.support.fp8_case import make_fp8_case  # noqa: E402
 from tests.support.paged_attention_case import (  # noqa: E402
-    _exact_fp32_matmuls,  # noqa: F401 (autouse: float32 references without TF32)
     DEVICE,
+    _exact_fp32_matmuls,  # noqa: F401 (autouse: float32 references without TF32)
     assert_close,
     make_case,
     poisoned_like,
@@ -41,8 +41,9 @@ def as_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.
         end.extend([row + q_len] * q_len)
         row += q_len
     device = meta.seq_lens.device
-    return (torch.arange(row + 1, dtype=torch.int32, device=device), torch.tensor(lens, dtype=torch.int32, device=device),
-            torch.stack(tables), torch.tensor([first, end], dtype=torch.int32, device=device))
+    starts = torch.arange(row + 1, dtype=torch.int32, device=device)
+    return (starts, torch.tensor(lens, dtype=torch.int32, device=device), torch.stack(tables),
+            torch.tensor([first, end], dtype=torch.int32, device=device))
 
 
 def run_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

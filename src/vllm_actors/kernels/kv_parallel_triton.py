@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from vllm_actors.kernels import pdl as pdl_module
+from vllm_actors.kernels.decode_merge import merge_splits
 from vllm_actors.kernels.kv_parallel_share import RankShare
 from vllm_actors.kernels.pdl import pdl
 from vllm_actors.kernels.triton_decode import (
@@ -27,7 +28,6 @@ from vllm_actors.kernels.triton_decode import (
     choose_decode_splits,
     decode_config,
     few_programs,
-    merge_splits,
 )
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
