@@ -16,6 +16,7 @@ from tests.support.paged_attention_case import (
     HAS_CUDA,
     Case,
     assert_close,
+    captured,
     make_case,
     ta,
     write_new_tokens,
@@ -76,14 +77,7 @@ def test_gpu_grouped_rows_in_a_cuda_graph() -> None:
         v_cache.copy_(case.v_cache)
 
     load(cases[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attend()  # compiled outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend()
+    graph, _ = captured(attend)
     for case in cases:
         load(case)
         out.fill_(float("nan"))

@@ -21,6 +21,19 @@ from vllm_actors.runner.model_runner import ModelRunner
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def recording_replays(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[tuple[BatchInput, int]]:
+    """The (batch, bucket) of each graph replay of ``runner`` from now on."""
+    replayed: list[tuple[BatchInput, int]] = []
+    run_graph = runner._run_graph
+
+    def recorded(batch: BatchInput, bucket: int, sampling: object = None) -> torch.Tensor:
+        replayed.append((batch, bucket))
+        return run_graph(batch, bucket)
+
+    monkeypatch.setattr(runner, "_run_graph", recorded)
+    return replayed
+
+
 def test_verification_step_replays_a_decode_graph(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = EngineConfig(model=str(tiny_qwen3), dtype="float32", device="cuda", block_size=16,
                           max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256, num_gpu_blocks_override=64)
@@ -33,16 +46,9 @@ def test_verification_step_replays_a_decode_graph(tiny_qwen3: Path, monkeypatch:
     prompts = [list(range(3, 23)), [7] * 5, list(range(40, 57))]
     runner.execute(_batch(prompts, [0] * 3, tables, every_row=False))
     step = _batch([[1, 2, 3, 4, 5, 6, 7, 8], [9], [10, 11, 12]], [len(p) for p in prompts], tables, every_row=True)
-    replayed: list[int] = []
-    run_graph = runner._run_graph
-
-    def recorded(batch: BatchInput, bucket: int, sampling: object = None) -> torch.Tensor:
-        replayed.append(bucket)
-        return run_graph(batch, bucket)
-
-    monkeypatch.setattr(runner, "_run_graph", recorded)
+    replayed = recording_replays(runner, monkeypatch)
     logits = runner.execute(step).float().clone()
-    assert replayed == [16]  # 12 rows: the bucket of 16
+    assert [bucket for _, bucket in replayed] == [16]  # 12 rows: the bucket of 16
     torch.testing.assert_close(logits, runner._run_eager(step).float(), atol=1e-3, rtol=1e-3)
 
 
@@ -64,14 +70,7 @@ def test_a_speculating_runner_replays_many_drafting_requests_as_query_groups(
     step = _batch(drafts, [len(p) for p in prompts], tables, every_row=True)
     assert verify_rows.extra_kv_bytes(step, runner.bytes_per_block / runner.block_size) \
         > verify_rows.KV_SHARE * runner._weight_bytes  # one KV read a row would be refused
-    replayed: list[BatchInput] = []
-    run_graph = runner._run_graph
-
-    def recorded(batch: BatchInput, bucket: int, sampling: object = None) -> torch.Tensor:
-        replayed.append(batch)
-        return run_graph(batch, bucket)
-
-    monkeypatch.setattr(runner, "_run_graph", recorded)
+    replayed = recording_replays(runner, monkeypatch)
     logits = runner.execute(step).float().clone()
-    assert [batch.row_groups for batch in replayed] == [list(range(1, 9))]
+    assert [batch.row_groups for batch, _ in replayed] == [list(range(1, 9))]
     torch.testing.assert_close(logits, runner._run_eager(step).float(), atol=1e-3, rtol=1e-3)
