@@ -63,6 +63,8 @@ def test_a_speculating_runner_replays_many_drafting_requests_as_query_groups(
                           speculative_config=spec)
     runner = ModelRunner(config)
     assert runner._static is not None and runner._static.queries_per_read == 8
+    # graphs for every sequence's verification rows (64 x 8 within the budget of 256), sampling ones for decodes
+    assert max(runner._graphs) == 256 and max(runner._sampled_graphs) == 64
     tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(8)]
     prompts = [[(7 * i + j) % 500 for j in range(10 + 3 * i)] for i in range(8)]
     runner.execute(_batch(prompts, [0] * 8, tables, every_row=False))

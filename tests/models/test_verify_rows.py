@@ -14,8 +14,15 @@ import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.speculative import parse_speculative_config
 from vllm_actors.runner.model_runner import ModelRunner
-from vllm_actors.runner.verify_rows import as_decode_rows, extra_kv_bytes, group_bounds, queries_per_read
+from vllm_actors.runner.verify_rows import (
+    as_decode_rows,
+    decode_graph_rows,
+    extra_kv_bytes,
+    group_bounds,
+    queries_per_read,
+)
 
 BLOCK = 4
 
@@ -96,3 +103,13 @@ def test_query_groups_where_the_attention_has_them(runner: ModelRunner) -> None:
     assert queries_per_read(True, runner.model, config) == 8
     assert queries_per_read(False, runner.model, config) == 1
     assert queries_per_read(True, object(), config) == 1
+
+
+def test_decode_graphs_hold_a_verification_step_of_every_sequence() -> None:
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert decode_graph_rows(64, 8192, None) == 64
+    assert decode_graph_rows(64, 8192, spec) == 64 * 5
+    assert decode_graph_rows(64, 256, spec) == 256  # the token budget
+    assert decode_graph_rows(256, 128, spec) == 256  # never below a decode step's
+    long = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3})
+    assert decode_graph_rows(16, 8192, long) == 16 * 8  # MAX_QUERY_LEN rows a sequence

@@ -58,7 +58,7 @@ from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
 from vllm_actors.runner.staging import Fence
 from vllm_actors.runner.step_inputs import StepStaging
-from vllm_actors.runner.verify_rows import as_decode_rows, queries_per_read
+from vllm_actors.runner.verify_rows import as_decode_rows, decode_graph_rows, queries_per_read
 
 log = structlog.get_logger(__name__)
 
@@ -264,7 +264,8 @@ class ModelRunner(KvPoolSizing):
 
     def _capture_decode_graphs(self) -> None:
         started = time.perf_counter()
-        largest = min(max(GRAPH_BATCH_SIZES), self.max_num_seqs)
+        largest = min(max(GRAPH_BATCH_SIZES), decode_graph_rows(self.max_num_seqs, self.max_num_tokens,
+                                                               self.config.speculative_config))
         sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
         if largest not in sizes:
             sizes.append(largest)
@@ -286,7 +287,7 @@ class ModelRunner(KvPoolSizing):
                 inputs = self._static.for_bucket(size)
                 inputs = self._stage_io.bucket_inputs(inputs, size) if self._stage_io is not None else inputs
                 meta = self._static.meta(inputs, size, self.max_model_len)
-                for sampled in (False, True) if sample_in_graph else (False,):
+                for sampled in (False, True) if sample_in_graph and size <= self.max_num_seqs else (False,):
                     stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph

@@ -12,9 +12,11 @@ the varlen pass, row for row. The logits rows are the tokens, in the same order.
 A sequence's rows stay one query group (``row_groups``, then the attention metadata's
 ``decode_groups``): the Triton decode kernel attends up to ``queries_per_read`` of them with one read
 of the sequence's KV (``kernels/triton_decode.py``); a backend that attends each row alone reads it
-once a row. The reads beyond one per sequence are allowed while their bytes stay within
-``KV_SHARE`` of the weights' bytes (which every decode step reads once), and a sequence takes at
-most ``MAX_QUERY_LEN`` tokens; otherwise the step keeps the padded path.
+once a row. A speculating engine captures decode graphs for up to ``max_num_seqs`` sequences' worth
+of verification rows (``decode_graph_rows``, within the token budget and the largest graph size).
+The reads beyond one per sequence are allowed while their bytes stay within ``KV_SHARE`` of the
+weights' bytes (which every decode step reads once), and a sequence takes at most ``MAX_QUERY_LEN``
+tokens; otherwise the step keeps the padded path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.protocol.speculative import SpeculativeConfig
 
 MAX_QUERY_LEN = 8  # new tokens per sequence: 1 + up to 7 drafts
 KV_SHARE = 0.25  # the extra KV reads allowed, as a share of the weights' bytes
@@ -64,6 +67,16 @@ def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: f
         loras=None if batch.loras is None else [batch.loras[row] for row in sequence_of_row.tolist()],
         row_groups=list(batch.query_lens),
     )
+
+
+def decode_graph_rows(max_num_seqs: int, max_num_tokens: int, speculative: SpeculativeConfig | None) -> int:
+    """Rows the largest decode graph needs: a decode step's ``max_num_seqs``, or where the engine
+    speculates a verification step's of as many sequences (1 + k rows each, at most ``MAX_QUERY_LEN``),
+    within the step's token budget (the graphs above ``max_num_seqs`` only ever verify)."""
+    if speculative is None:
+        return max_num_seqs
+    per_sequence = min(1 + speculative.num_speculative_tokens, MAX_QUERY_LEN)
+    return max(max_num_seqs, min(max_num_seqs * per_sequence, max_num_tokens))
 
 
 def group_bounds(batch: BatchInput, rows: int) -> np.ndarray:
