@@ -266,9 +266,8 @@ class ModelRunner(KvPoolSizing):
         started = time.perf_counter()
         largest = min(max(GRAPH_BATCH_SIZES), decode_graph_rows(self.max_num_seqs, self.max_num_tokens,
                                                                self.config.speculative_config))
-        sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
-        if largest not in sizes:
-            sizes.append(largest)
+        edges = {largest, min(largest, self.max_num_seqs)}  # and the largest plain decode step's (it samples)
+        sizes = sorted({size for size in GRAPH_BATCH_SIZES if size <= largest} | edges)
         device = self.device
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         reads = queries_per_read(bool(self.config.speculative_config), self.model, self.local_config)
