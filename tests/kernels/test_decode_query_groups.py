@@ -64,12 +64,12 @@ def test_queries_a_program_takes() -> None:
 @pytest.mark.parametrize(
     "heads,block_size,num_splits,ordered",
     [((4, 2), 16, 1, False), ((9, 3), 16, 2, True), ((8, 1), 128, 8, False), ((4, 4), 128, None, True),
-     ((32, 2), 16, 2, False)],
+     ((16, 1), 16, 2, False)],
 )
 def test_grouped_rows_are_causal_attention(heads: tuple[int, int], block_size: int, num_splits: int | None,
                                            ordered: bool) -> None:
     """Each row sees its context and the rows before it, also where a group spans two programs
-    (9 heads over 3: 5 queries a program; 8 over 1: 2; 32 over 2: 1) and where a split's range starts
+    (9 heads over 3: 5 queries a program; 8 over 1: 2; 16 over 1: 1) and where a split's range starts
     past a group's first rows (126 to 133 keys in 2 splits of a 128-key tile each; 8 splits, most empty)."""
     case = make_case(MIXED, block_size, heads[0], heads[1], 32, torch.float32, seed=heads[0] + block_size)
     write_new_tokens(case)
