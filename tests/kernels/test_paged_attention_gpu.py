@@ -14,6 +14,7 @@ from tests.support.paged_attention_case import (  # noqa: E402
     AttentionMetadata,
     _exact_fp32_matmuls,  # noqa: F401 (autouse: float32 references without TF32)
     assert_close,
+    captured,
     gpu,
     make_case,
     needs_cuda,
@@ -93,14 +94,7 @@ def test_gpu_decode_cuda_graph_replay() -> None:
     def step() -> torch.Tensor:
         return backend.forward(static["q"], static["k"], static["v"], k_cache, v_cache, meta, first.scale)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = captured(step)
 
     for seed, specs in enumerate([[(100, 1), (5, 1), (300, 1), (0, 1)], [(900, 1), (15, 1), (16, 1), (1000, 1)]]):
         case = make_case(specs, block_size, heads, kv_heads, head_dim, dtype, seed=10 + seed, num_blocks=num_blocks)

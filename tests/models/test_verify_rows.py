@@ -1,7 +1,8 @@
 """Verification steps as decode rows (runner/verify_rows.py): one decode row per token gives the
 logits of the varlen pass over the same tokens, for sequences of 1 to 8 new tokens mixed, in
 float32 on the CPU with the Triton kernels interpreted; steps that are not verification-shaped, or
-whose extra KV reads cost too much, keep their path. The graphs themselves: tests/gpu/test_gpu_verify_rows.py."""
+whose extra KV reads cost too much, keep their path; one KV read serves a program's worth of a
+sequence's rows (query groups). The graphs themselves: tests/gpu/test_gpu_verify_rows.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.speculative import parse_speculative_config
 from vllm_actors.runner.model_runner import ModelRunner
-from vllm_actors.runner.verify_rows import as_decode_rows
+from vllm_actors.runner.verify_rows import (
+    as_decode_rows,
+    decode_graph_rows,
+    extra_kv_bytes,
+    group_bounds,
+    queries_per_read,
+)
 
 BLOCK = 4
 
@@ -67,3 +75,41 @@ def test_steps_that_are_not_verification_shaped_keep_their_path() -> None:
     costly = _batch([[1, 2, 3, 4]], [40], tables, every_row=True)  # 3 extra rows reading 44 tokens each
     assert as_decode_rows(costly, kv_bytes_per_token=1.0, weight_bytes=4 * 132) is not None
     assert as_decode_rows(costly, kv_bytes_per_token=1.0, weight_bytes=4 * 131) is None
+
+
+def test_one_kv_read_serves_a_programs_worth_of_rows() -> None:
+    """The cost rule counts the reads beyond one per ``queries_per_read`` rows of a sequence."""
+    tables = [[0, 1, 2], [3, 4, 5]]
+    step = _batch([[1, 2, 3, 4, 5], [6, 7]], [40, 10], tables, every_row=True)  # 45 and 12 tokens read
+    assert extra_kv_bytes(step, 1.0) == 4 * 45 + 12
+    assert extra_kv_bytes(step, 1.0, queries_per_read=2) == 2 * 45
+    assert extra_kv_bytes(step, 1.0, queries_per_read=5) == 0
+    assert as_decode_rows(step, 1.0, weight_bytes=4.0, queries_per_read=5) is not None
+    assert as_decode_rows(step, 1.0, weight_bytes=4 * 89.0, queries_per_read=2) is None
+
+
+def test_rows_keep_their_sequences_as_query_groups() -> None:
+    step = _batch([[1, 2, 3], [4], [5, 6]], [7, 3, 9], [[0, 1, 2], [3], [4, 5, 6]], every_row=True)
+    rows = as_decode_rows(step, 1.0, 1e9)
+    assert rows is not None and rows.row_groups == [3, 1, 2]
+    assert group_bounds(rows, 8).tolist() == [[0, 0, 0, 3, 4, 4, 6, 7], [3, 3, 3, 4, 6, 6, 7, 8]]
+    plain = _batch([[1], [2]], [3, 4], [[0], [1]], every_row=True)
+    assert group_bounds(plain, 3).tolist() == [[0, 1, 2], [1, 2, 3]]  # rows alone, padding too
+
+
+def test_query_groups_where_the_attention_has_them(runner: ModelRunner) -> None:
+    """The Triton backend reads 16 // 2 rows of the tiny Qwen3 at once, only where the engine speculates."""
+    config = runner.local_config
+    assert queries_per_read(True, runner.model, config) == 8
+    assert queries_per_read(False, runner.model, config) == 1
+    assert queries_per_read(True, object(), config) == 1
+
+
+def test_decode_graphs_hold_a_verification_step_of_every_sequence() -> None:
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert decode_graph_rows(64, 8192, None) == 64
+    assert decode_graph_rows(64, 8192, spec) == 64 * 5
+    assert decode_graph_rows(64, 256, spec) == 256  # the token budget
+    assert decode_graph_rows(256, 128, spec) == 256  # never below a decode step's
+    long = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3})
+    assert decode_graph_rows(16, 8192, long) == 16 * 8  # MAX_QUERY_LEN rows a sequence

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
+T = TypeVar("T")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -153,3 +156,16 @@ def run_decode(case: Case, num_splits: int | None = None, order: torch.Tensor | 
     )  # fmt: skip
     return out
 
+
+def captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` run once on a side stream (compiled outside the capture), then captured in a CUDA graph;
+    the graph and what the captured call returned (its static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output

@@ -40,6 +40,10 @@ class AttentionMetadata:
     # Filled by the backend's `prepare`, once a step before the first layer (inside a CUDA graph
     # when the step is captured in one).
     decode_order: torch.Tensor | None = None
+    # [2, B] int32 (decode steps): each sequence's query group, its first and end sequence: consecutive
+    # decode rows of one sequence's consecutive positions (a verification step's), which a backend may
+    # attend together (`triton_decode`); None, or first = i and end = i + 1: every sequence alone.
+    decode_groups: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from vllm_actors.kernels import pdl as pdl_module
+from vllm_actors.kernels.decode_merge import merge_splits
 from vllm_actors.kernels.kv_parallel_share import RankShare
 from vllm_actors.kernels.pdl import pdl
 from vllm_actors.kernels.triton_decode import (
@@ -27,7 +28,6 @@ from vllm_actors.kernels.triton_decode import (
     choose_decode_splits,
     decode_config,
     few_programs,
-    merge_splits,
 )
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
@@ -91,10 +91,11 @@ def partial_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     part_sum = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, query_start_loc, share.lens, share.tables,
-        share.lens, scales.k_scale, scales.v_scale, num_heads, num_splits, scale * _LOG2E,
+        share.lens, share.lens, scales.k_scale, scales.v_scale, num_heads, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), share.tables.stride(0), 0, (logits_soft_cap or 1.0) * _LOG2E,
-        GROUP=group, ROWS=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        k_cache.stride(2), share.tables.stride(0), 0, 0, (logits_soft_cap or 1.0) * _LOG2E,
+        GROUP=group, ROWS=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)), QUERIES=1, GROUPED=False,
+        BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=True, ORDERED=False, IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET, **pdl(q), EARLY=pdl_module.early_loads(), KV_FP8=scales.fp8, WINDOW=False,
         SOFT_CAP=logits_soft_cap is not None, Q_F16=False, TAIL_MASK=False,  # fp8 tiles as the query's dtype

@@ -24,7 +24,8 @@ Kernels:
   them. The split count comes from host integers only (batch, heads, `meta.max_seq_len`, SM count),
   and each program derives its key range from the sequence's actual length on the device, so a
   captured CUDA graph stays correct for any length up to the one it was captured with (and beyond:
-  only the work per split grows).
+  only the work per split grows). Consecutive decode rows of one sequence (a verification step's,
+  ``meta.decode_groups``) share programs: one reads the KV once for several of them (`triton_decode`).
 
 No kernel launch here syncs with the host or sizes anything from tensor values: the decode path
 can be captured in a CUDA graph.
@@ -52,6 +53,7 @@ from vllm_actors.kernels.triton_decode import (
     decode_config,
     few_programs,
     paged_attention_decode,
+    queries_per_program,
 )
 from vllm_actors.kernels.triton_paged import INTERPRET, TileConfig, write_kv_cache_triton
 from vllm_actors.kernels.triton_varlen import paged_attention_varlen, varlen_config
@@ -111,6 +113,11 @@ class TritonPagedAttention:
             return meta
         return dataclasses.replace(meta, decode_order=torch.argsort(meta.seq_lens, descending=True))
 
+    @staticmethod
+    def decode_queries_per_read(num_heads: int, num_kv_heads: int) -> int:
+        """Queries of a decode query group (``meta.decode_groups``) attended with one read of their KV."""
+        return queries_per_program(num_heads, num_kv_heads)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -144,6 +151,7 @@ class TritonPagedAttention:
                 v_scale=v_scale,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                decode_groups=meta.decode_groups,
             )
         if self.staging is not None and self.staging.wants(q, k_cache, meta, sliding_window, logits_soft_cap):
             return self.staging(q, k_cache, v_cache, meta, scale, k_scale, v_scale, logits_soft_cap)

@@ -1,6 +1,11 @@
 """Decode paged attention (one query per sequence, the context split across programs):
 `paged_attention_decode`, its tile config, split rule and program order; see `triton_attention`'s
-docstring for the contract."""
+docstring for the contract.
+
+Query groups (``decode_groups``): consecutive decode rows that are one sequence's consecutive positions
+(a verification step as decode rows, ``runner/verify_rows.py``) are attended by one program per
+(group chunk, KV head, split): its tile rows hold ``queries_per_program`` queries x the KV head's
+query heads, each KV tile is loaded once for all of them, and row i sees keys below its own length."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import triton.language as tl
 
 from vllm_actors.kernels import pdl as pdl_module
 from vllm_actors.kernels.attention import check_attention_options
+from vllm_actors.kernels.decode_merge import _decode_reduce_kernel
 from vllm_actors.kernels.pdl import pdl, pdl_enter
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
@@ -26,6 +32,7 @@ from vllm_actors.kernels.triton_paged import (
 
 _MIN_KEYS_PER_SPLIT = 128
 F16_MAX = tl.constexpr(65504.0)
+NO_SCORE = tl.constexpr(-1e30)  # a running max below every score: exp2 of its differences stays finite
 # The decode kernel's tuning, from sweeps over the decode batches of a serving workload
 # (benchmarks/RESULTS.md): keys a tile, programs per SM the context split aims at, the most splits
 # per (sequence, KV head), and sequences taken longest context first (the last wave ends evenly).
@@ -65,7 +72,7 @@ def decode_config(head_dim: int, few: bool = False) -> TileConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_groups"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -78,6 +85,7 @@ def _decode_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     order_ptr,
+    groups_ptr,
     k_scale_ptr,
     v_scale_ptr,
     num_heads,
@@ -91,10 +99,13 @@ def _decode_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_groups,
     window,
     soft_cap,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
+    QUERIES: tl.constexpr,  # queries a program takes: 1, or (GROUPED) its tile rows' share of the group
+    GROUPED: tl.constexpr,  # rows in query groups: groups_ptr [2, rows] holds each row's group's first and end row
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -120,27 +131,43 @@ def _decode_kernel(
     split = tl.program_id(2)
     q_row = tl.load(query_start_ptr + seq)
     has_query = tl.load(query_start_ptr + seq + 1) > q_row
-    seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+    rows = tl.arange(0, ROWS)
+    query = rows // GROUP  # tile row -> (query of the program, head of the group)
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < QUERIES * GROUP
+    if GROUPED:  # a chunk of QUERIES rows of the group is led by its first row; the others' programs idle
+        first = tl.load(groups_ptr + seq)
+        count = tl.minimum(tl.load(groups_ptr + stride_groups + seq) - seq, QUERIES)
+        count = tl.where(has_query & ((seq - first) % QUERIES == 0), count, 0)
+        row_out = row_ok & (query < count)
+        lens = tl.load(seq_lens_ptr + seq + query, mask=row_out, other=0)  # the rows' own lengths
+        seq_len = tl.max(lens, 0)
+        first_len = tl.where(count > 0, tl.load(seq_lens_ptr + seq), 0)
+    else:
+        row_out = rows < tl.where(has_query, GROUP, 0)
+        seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+        first_len = seq_len
+        lens = rows * 0 + seq_len  # every row is the sequence's newest position
     if EARLY:  # q and the newest token's k and v come from the kernel before: read after the wait
         pdl_enter(PDL)
+    if GROUPED:
+        if count == 0:  # a row its group's leading program attends
+            return
     qk = qk_scale
     if KV_FP8:
         qk = qk_scale * tl.load(k_scale_ptr)
     end_tile = tl.cdiv(seq_len, BLOCK_N)
     first_tile = 0
     if WINDOW:
-        first_tile = tl.maximum(seq_len - window, 0) // BLOCK_N
+        first_tile = tl.maximum(first_len - window, 0) // BLOCK_N
     tiles_per_split = tl.cdiv(end_tile - first_tile, num_splits)
     tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, end_tile)
 
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < GROUP
-    row_out = rows < tl.where(has_query, GROUP, 0)
-    head = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
+    token = q_row + query  # the rows' q and out rows
     q = tl.load(
-        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_out[:, None],
         other=0.0,
     )
@@ -148,14 +175,15 @@ def _decode_kernel(
         q = tl.minimum(tl.maximum(q.to(tl.float32) * qk, -F16_MAX), F16_MAX).to(tl.float16)
         qk = 1.0
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    # finite: a grouped row may see no key of its split's first tiles (exp2(-inf - -inf) is NaN)
+    m_i = tl.full([ROWS], NO_SCORE, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
-    q_pos = rows * 0 + seq_len - 1  # every row is the sequence's newest position
+    q_pos = lens - 1
     masked_from = tile_begin
-    if TAIL_MASK:  # the tiles wholly inside the sequence skip the key mask (none in a window)
-        masked_from = tl.maximum(tl.minimum(tile_end, seq_len // BLOCK_N), tile_begin)
+    if TAIL_MASK:  # the tiles wholly inside every row's sequence skip the key mask (none in a window)
+        masked_from = tl.maximum(tl.minimum(tile_end, first_len // BLOCK_N), tile_begin)
         for tile in range(tile_begin, masked_from):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
@@ -166,74 +194,23 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
             seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
-            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, False, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
+            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, GROUPED, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
         )  # fmt: skip
     # an empty range (short sequence, late split, or no query) leaves l_i == 0: write zeros
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
     if SPLIT:
-        part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
-        tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
+        part_row = ((seq + query).to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_out[:, None])
+        tl.store(part_max_ptr + part_row, m_i, mask=row_out)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_out)
     else:
         tl.store(
-            out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_out[:, None],
         )
-
-
-@triton.jit
-def merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, num_heads, num_splits,
-                 SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One (sequence, head)'s split partials merged: (output [HEAD_DIM], the largest split max, the
-    weighted sum of the splits' sums relative to it; 0 when every split is empty)."""
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
-    part_row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
-    part_max = tl.load(part_max_ptr + part_row, mask=split_ok, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part_row, mask=split_ok, other=0.0)
-    dims = tl.arange(0, HEAD_DIM)
-    part_out = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
-    global_max = tl.maximum(tl.max(part_max, 0), -1e30)  # finite even when every split is empty
-    weight = tl.where(part_sum > 0, part_sum * tl.exp2(part_max - global_max), 0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(part_out * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    return out, global_max, total
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    query_start_ptr,
-    num_heads,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
-    if not EARLY:
-        pdl_enter(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_row = tl.load(query_start_ptr + seq)
-    empty = tl.load(query_start_ptr + seq + 1) <= q_row
-    if EARLY:
-        pdl_enter(PDL)
-    if empty:
-        return
-    out, _, _ = merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, num_heads, num_splits,
-                             SPLITS_PAD, HEAD_DIM)
-    dims = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -269,6 +246,21 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, dev
     return 1 << (splits.bit_length() - 1)
 
 
+def queries_per_program(num_heads: int, num_kv_heads: int) -> int:
+    """Queries of a group one decode program attends with each KV tile load (its tile rows, at least
+    ``_MIN_DOT_ROWS``, over the query heads a KV head serves)."""
+    group = num_heads // num_kv_heads
+    return max(_MIN_DOT_ROWS, triton.next_power_of_2(group)) // group
+
+
+def check_decode_groups(decode_groups: torch.Tensor, num_seqs: int) -> None:
+    """A ValueError unless ``decode_groups`` is an int32 [2, num_seqs] tensor with a unit last stride."""
+    if decode_groups.dtype != torch.int32 or tuple(decode_groups.shape) != (2, num_seqs) \
+            or decode_groups.stride(1) != 1:
+        raise ValueError(f"decode_groups must be int32 [2, {num_seqs}] with a unit last stride (each row's "
+                         f"group's first and end row), got {decode_groups.dtype} {tuple(decode_groups.shape)}")
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,6 +279,7 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     fp8_tiles: str | None = None,
+    decode_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
@@ -297,6 +290,10 @@ def paged_attention_decode(
     k_scale, v_scale: an fp8 cache's scales; sliding_window, logits_soft_cap: the layer's options
     (`kernels/attention.py`), None for off. fp8_tiles: how an fp8 cache's tiles are converted
     (``FP8_TILES``; None: ``DECODE_FP8_TILES``).
+    decode_groups: int32 [2, num_seqs], for each sequence the first and the end (exclusive) sequence of
+    its query group (the module docstring): the group's sequences are one sequence's consecutive positions,
+    one query each, the same block table, each length one more than the one before; a sequence alone is
+    its own group (first = itself, end = itself + 1). None: every sequence alone.
     """
     check_attention_options(sliding_window, logits_soft_cap)
     q, out = checked_inputs(q, k_cache, v_cache, out)
@@ -312,6 +309,8 @@ def paged_attention_decode(
         return out
     group = num_heads // num_kv_heads
     rows = max(_MIN_DOT_ROWS, triton.next_power_of_2(group))
+    if decode_groups is not None:
+        check_decode_groups(decode_groups, num_seqs)
     if num_splits is None:
         keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a query reads
         num_splits = choose_decode_splits(num_seqs, num_kv_heads, keys, q.device)
@@ -335,6 +334,7 @@ def paged_attention_decode(
         seq_lens,
         block_tables,
         seq_lens if order is None else order,  # never read when not ORDERED
+        seq_lens if decode_groups is None else decode_groups,  # never read when not GROUPED
         scales.k_scale,
         scales.v_scale,
         num_heads,
@@ -348,10 +348,13 @@ def paged_attention_decode(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        0 if decode_groups is None else decode_groups.stride(0),
         sliding_window or 0,
         (logits_soft_cap or 1.0) * _LOG2E,
         GROUP=group,
         ROWS=rows,
+        QUERIES=1 if decode_groups is None else queries_per_program(num_heads, num_kv_heads),
+        GROUPED=decode_groups is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,

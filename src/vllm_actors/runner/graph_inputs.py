@@ -10,7 +10,9 @@ bucket needs. The block tables come last, so a small bucket
 copies only its own rows of them.
 
 The sampler's per-row inputs (inverse temperature, noise scale, Philox seed: ``GraphSampling``)
-travel in the same copy, for the graphs that draw the tokens inside the graph.
+travel in the same copy, for the graphs that draw the tokens inside the graph. Where the attention
+groups a verification step's rows (``queries_per_read`` above 1: ``verify_rows.py``), the rows' query
+groups do too, and the graphs are captured reading them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 from vllm_actors.kernels.attention import AttentionMetadata
 from vllm_actors.runner.staging import Fence, StagingSets
+from vllm_actors.runner.verify_rows import group_bounds
 
 # (name, dtype, elements per row of the largest bucket): in buffer order, 8-byte fields first
 _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
@@ -34,6 +37,7 @@ _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
     ("inv_temperature", torch.float32, 1),
     ("noise", torch.float32, 1),
     ("seq_lens", torch.int32, 1),
+    ("decode_groups", torch.int32, 2),  # [2, largest]: each row's query group's first and end row
 )
 
 
@@ -59,13 +63,19 @@ def _views(buffer: torch.Tensor, largest: int, width: int) -> dict[str, torch.Te
     return views
 
 
+_NO_GROUPS = BatchInput([], [], [], [], [], [])  # every row its own query group
+
+
 class GraphInputs:
     """The static inputs of every decode graph (views of one device buffer) and their host side."""
 
     def __init__(self, largest: int, width: int, block_size: int, device: torch.device,
-                 fence: Callable[[], Fence] | None = None) -> None:
-        """``fence``: the staging sets' fences (``StagingSets``; default: CUDA events on a GPU)."""
+                 fence: Callable[[], Fence] | None = None, queries_per_read: int = 1) -> None:
+        """``fence``: the staging sets' fences (``StagingSets``; default: CUDA events on a GPU);
+        ``queries_per_read``: a verification step's rows of one sequence the attention serves with one
+        read of its KV (``verify_rows.queries_per_read``); above 1 the graphs read the query groups."""
         self.largest = largest
+        self.queries_per_read = queries_per_read
         self.width = width
         self.block_size = block_size
         _, tables_offset = _offsets(largest)
@@ -84,6 +94,7 @@ class GraphInputs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.device["slot_mapping"].fill_(-1)
         self.device["seq_lens"].fill_(1)
+        self.device["decode_groups"].copy_(torch.from_numpy(group_bounds(_NO_GROUPS, largest)))
 
     def for_bucket(self, size: int) -> dict[str, torch.Tensor]:
         """The graph inputs of a bucket of ``size`` rows (views: captured once, refilled per step)."""
@@ -98,6 +109,7 @@ class GraphInputs:
             "inv_temperature": views["inv_temperature"][:size],
             "noise": views["noise"][:size],
             "seeds": views["seeds"][:size],
+            **({"decode_groups": views["decode_groups"][:, :size]} if self.queries_per_read > 1 else {}),
         }
 
     @staticmethod
@@ -112,6 +124,7 @@ class GraphInputs:
             max_seq_len=max_model_len,  # an upper bound: the graph serves every length
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[max_model_len] * size,
+            decode_groups=inputs.get("decode_groups"),
         )
 
     def upload(self, batch: BatchInput, bucket: int, sampling: GraphSampling | None) -> torch.Tensor | None:
@@ -141,6 +154,8 @@ class GraphInputs:
         table_view[:num_seqs, :used] = tables[:, :used]
         table_view[:num_seqs, used:] = 0
         table_view[num_seqs:bucket] = 0
+        if self.queries_per_read > 1:
+            host["decode_groups"].numpy()[:, :bucket] = group_bounds(batch, bucket)
         if sampling is not None:
             inv = host["inv_temperature"].numpy()
             inv[:num_seqs] = sampling.inv_temperature

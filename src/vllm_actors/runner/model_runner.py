@@ -58,7 +58,7 @@ from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
 from vllm_actors.runner.staging import Fence
 from vllm_actors.runner.step_inputs import StepStaging
-from vllm_actors.runner.verify_rows import as_decode_rows
+from vllm_actors.runner.verify_rows import as_decode_rows, decode_graph_rows, queries_per_read
 
 log = structlog.get_logger(__name__)
 
@@ -222,7 +222,8 @@ class ModelRunner(KvPoolSizing):
             return self._run_eager(batch)
         bucket = self._decode_bucket(batch)
         if bucket is None and self._graphs:  # a verification step as decode rows (verify_rows.py)
-            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes)
+            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes,
+                                  self._static.queries_per_read if self._static else 1)
             bucket, batch = (self._decode_bucket(rows), rows) if rows is not None else (None, batch)
         if bucket is not None:
             return self._run_graph(batch, bucket)
@@ -263,13 +264,14 @@ class ModelRunner(KvPoolSizing):
 
     def _capture_decode_graphs(self) -> None:
         started = time.perf_counter()
-        largest = min(max(GRAPH_BATCH_SIZES), self.max_num_seqs)
-        sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
-        if largest not in sizes:
-            sizes.append(largest)
+        largest = min(max(GRAPH_BATCH_SIZES), decode_graph_rows(self.max_num_seqs, self.max_num_tokens,
+                                                               self.config.speculative_config))
+        edges = {largest, min(largest, self.max_num_seqs)}  # and the largest plain decode step's (it samples)
+        sizes = sorted({size for size in GRAPH_BATCH_SIZES if size <= largest} | edges)
         device = self.device
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device)
+        reads = queries_per_read(bool(self.config.speculative_config), self.model, self.local_config)
+        self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device, queries_per_read=reads)
         # only the last stage samples (stage_graphs.py)
         self._stage_io = StageGraphIO(self.stage, largest, self.local_config.hidden_size, self.dtype, device) \
             if self.stage.enabled else None
@@ -284,7 +286,7 @@ class ModelRunner(KvPoolSizing):
                 inputs = self._static.for_bucket(size)
                 inputs = self._stage_io.bucket_inputs(inputs, size) if self._stage_io is not None else inputs
                 meta = self._static.meta(inputs, size, self.max_model_len)
-                for sampled in (False, True) if sample_in_graph else (False,):
+                for sampled in (False, True) if sample_in_graph and size <= self.max_num_seqs else (False,):
                     stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the graph

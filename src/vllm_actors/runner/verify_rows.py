@@ -9,38 +9,50 @@ block-table row repeated. Each layer writes every row's KV before it attends, so
 its sequence's context and to the drafts before it, and to nothing after: the causal attention of
 the varlen pass, row for row. The logits rows are the tokens, in the same order.
 
-What it costs: each extra row of a sequence reads that sequence's KV again. The rows are taken only
-while those extra bytes stay within ``KV_SHARE`` of the weights' bytes (which every decode step
-reads once), and only for at most ``MAX_QUERY_LEN`` tokens per sequence; otherwise the step keeps
-the padded path.
+A sequence's rows stay one query group (``row_groups``, then the attention metadata's
+``decode_groups``): the Triton decode kernel attends up to ``queries_per_read`` of them with one read
+of the sequence's KV (``kernels/triton_decode.py``); a backend that attends each row alone reads it
+once a row. A speculating engine captures decode graphs for up to ``max_num_seqs`` sequences' worth
+of verification rows (``decode_graph_rows``, within the token budget and the largest graph size).
+The reads beyond one per sequence are allowed while their bytes stay within ``KV_SHARE`` of the
+weights' bytes (which every decode step reads once), and a sequence takes at most ``MAX_QUERY_LEN``
+tokens; otherwise the step keeps the padded path.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.models.config import ModelConfig
+from vllm_actors.protocol.speculative import SpeculativeConfig
 
 MAX_QUERY_LEN = 8  # new tokens per sequence: 1 + up to 7 drafts
 KV_SHARE = 0.25  # the extra KV reads allowed, as a share of the weights' bytes
 
 
-def extra_kv_bytes(batch: BatchInput, kv_bytes_per_token: float) -> float:
-    """The KV bytes the decode rows read beyond one read of each sequence's context."""
-    return sum((count - 1) * length for count, length in zip(batch.query_lens, batch.seq_lens, strict=True)) \
-        * kv_bytes_per_token
+def extra_kv_bytes(batch: BatchInput, kv_bytes_per_token: float, queries_per_read: int = 1) -> float:
+    """The KV bytes the decode rows read beyond one read of each sequence's context, when one read
+    serves up to ``queries_per_read`` of a sequence's rows."""
+    rereads = sum((math.ceil(count / queries_per_read) - 1) * length
+                  for count, length in zip(batch.query_lens, batch.seq_lens, strict=True))
+    return rereads * kv_bytes_per_token
 
 
-def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: float) -> BatchInput | None:
+def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: float,
+                   queries_per_read: int = 1) -> BatchInput | None:
     """The step as one decode row per token (module docstring), or None where it is not a
     verification-shaped step (a row that returns no logits, a sequence of more than
-    ``MAX_QUERY_LEN`` tokens) or the rows' extra KV reads cost more than ``KV_SHARE`` allows."""
+    ``MAX_QUERY_LEN`` tokens) or the rows' extra KV reads cost more than ``KV_SHARE`` allows.
+    ``queries_per_read``: a sequence's rows the attention serves with one read of its KV."""
     num_tokens = len(batch.token_ids)
     if not num_tokens or batch.is_decode or max(batch.query_lens) > MAX_QUERY_LEN:
         return None
     if len(batch.logits_indices) != num_tokens or batch.logits_indices != list(range(num_tokens)):
         return None
-    if extra_kv_bytes(batch, kv_bytes_per_token) > KV_SHARE * weight_bytes:
+    if extra_kv_bytes(batch, kv_bytes_per_token, queries_per_read) > KV_SHARE * weight_bytes:
         return None
     sequence_of_row = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
     return BatchInput(
@@ -53,4 +65,40 @@ def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: f
         block_table_array=None if batch.block_table_array is None else batch.block_table_array[sequence_of_row],
         deferred=batch.deferred,  # the same flat token indices
         loras=None if batch.loras is None else [batch.loras[row] for row in sequence_of_row.tolist()],
+        row_groups=list(batch.query_lens),
     )
+
+
+def decode_graph_rows(max_num_seqs: int, max_num_tokens: int, speculative: SpeculativeConfig | None) -> int:
+    """Rows the largest decode graph needs: a decode step's ``max_num_seqs``, or where the engine
+    speculates a verification step's of as many sequences (1 + k rows each, at most ``MAX_QUERY_LEN``),
+    within the step's token budget (the graphs above ``max_num_seqs`` only ever verify)."""
+    if speculative is None:
+        return max_num_seqs
+    per_sequence = min(1 + speculative.num_speculative_tokens, MAX_QUERY_LEN)
+    return max(max_num_seqs, min(max_num_seqs * per_sequence, max_num_tokens))
+
+
+def group_bounds(batch: BatchInput, rows: int) -> np.ndarray:
+    """``decode_groups`` of ``rows`` decode rows (the batch's, then padding): int32 [2, rows], each row's
+    group's first and end row; rows alone (padding, or a batch without ``row_groups``) are their own group."""
+    bounds = np.empty((2, rows), dtype=np.int32)
+    bounds[0] = np.arange(rows)
+    bounds[1] = bounds[0] + 1
+    if batch.row_groups:
+        counts = np.asarray(batch.row_groups, dtype=np.int32)
+        ends = np.cumsum(counts, dtype=np.int32)
+        used = int(ends[-1])
+        bounds[0, :used] = np.repeat(ends - counts, counts)
+        bounds[1, :used] = np.repeat(ends, counts)
+    return bounds
+
+
+def queries_per_read(speculating: bool, model: object, local_config: ModelConfig) -> int:
+    """How many of a sequence's decode rows the model's attention serves with one read of its KV: the
+    Triton backend's query groups (``decode_queries_per_read``) where the engine speculates, else 1
+    (plain decode graphs then read no query groups)."""
+    per_read = getattr(getattr(model, "attn_backend", None), "decode_queries_per_read", None)
+    if not speculating or not callable(per_read):
+        return 1
+    return int(per_read(local_config.num_attention_heads, local_config.num_key_value_heads))

@@ -41,6 +41,9 @@ class BatchInput:
     block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
     deferred: DeferredInputs | None = None  # placeholders in token_ids to fill on the device
     loras: list[LoRARequest | None] | None = None  # per sequence, its LoRA adapter (None: no sequence has one)
+    # decode rows of a verification step (runner/verify_rows.py): how many consecutive rows each of its
+    # sequences became, in order; the attention reads a sequence's KV once for its rows (None: rows alone)
+    row_groups: list[int] | None = None
 
     def table_array(self) -> np.ndarray:
         """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
