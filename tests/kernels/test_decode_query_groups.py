@@ -119,3 +119,29 @@ def test_bad_groups_are_refused() -> None:
     with pytest.raises(ValueError, match=r"decode_groups must be int32 \[2, 2\]"):
         ta.paged_attention_decode(case.q, case.k_cache, case.v_cache, starts, lens, tables, 6, case.scale,
                                   decode_groups=groups[:, :1])
+
+
+def test_the_device_check_passes_and_names_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grouped_decode_agrees``, run before a speculating engine captures the grouped kernel: None where the
+    grouped rows equal the rows attended alone; the reason where the kernel raises (as a compile error on a
+    new device would) or disagrees."""
+    from vllm_actors.kernels import triton_decode
+
+    device = torch.device(DEVICE)
+    assert triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) is None
+    real = triton_decode.paged_attention_decode
+
+    def raising(*args: object, decode_groups: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        if decode_groups is not None:
+            raise RuntimeError("CompilationError: at 58:56")
+        return real(*args, **kwargs)  # type: ignore[arg-type]  # the real call's own arguments
+
+    monkeypatch.setattr(triton_decode, "paged_attention_decode", raising)
+    assert "CompilationError" in (triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")
+
+    def wrong(*args: object, decode_groups: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]  # the real call's own arguments
+        return out * 2 if decode_groups is not None else out
+
+    monkeypatch.setattr(triton_decode, "paged_attention_decode", wrong)
+    assert "differ" in (triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")

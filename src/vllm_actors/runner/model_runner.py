@@ -270,7 +270,7 @@ class ModelRunner(KvPoolSizing):
         sizes = sorted({size for size in GRAPH_BATCH_SIZES if size <= largest} | edges)
         device = self.device
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        reads = queries_per_read(bool(self.config.speculative_config), self.model, self.local_config)
+        reads = queries_per_read(bool(self.config.speculative_config), self.model, self.local_config, self.block_size)
         self._static = GraphInputs(largest, self.max_blocks_per_seq, self.block_size, device, queries_per_read=reads)
         # only the last stage samples (stage_graphs.py)
         self._stage_io = StageGraphIO(self.stage, largest, self.local_config.hidden_size, self.dtype, device) \

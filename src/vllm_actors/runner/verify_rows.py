@@ -24,10 +24,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import structlog
+import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.protocol.speculative import SpeculativeConfig
+
+log = structlog.get_logger(__name__)
 
 MAX_QUERY_LEN = 8  # new tokens per sequence: 1 + up to 7 drafts
 KV_SHARE = 0.25  # the extra KV reads allowed, as a share of the weights' bytes
@@ -94,11 +98,25 @@ def group_bounds(batch: BatchInput, rows: int) -> np.ndarray:
     return bounds
 
 
-def queries_per_read(speculating: bool, model: object, local_config: ModelConfig) -> int:
+def queries_per_read(speculating: bool, model: object, local_config: ModelConfig, block_size: int = 16) -> int:
     """How many of a sequence's decode rows the model's attention serves with one read of its KV: the
     Triton backend's query groups (``decode_queries_per_read``) where the engine speculates, else 1
-    (plain decode graphs then read no query groups)."""
+    (plain decode graphs then read no query groups). On a GPU the grouped kernel is run once first
+    (``grouped_decode_agrees``): where it fails or disagrees, 1 and a warning, so that verification keeps the
+    padded path rather than the engine failing at capture."""
     per_read = getattr(getattr(model, "attn_backend", None), "decode_queries_per_read", None)
     if not speculating or not callable(per_read):
         return 1
-    return int(per_read(local_config.num_attention_heads, local_config.num_key_value_heads))
+    reads = int(per_read(local_config.num_attention_heads, local_config.num_key_value_heads))
+    floats = (torch.bfloat16, torch.float16, torch.float32)  # the compute dtype (not an fp8 weight's)
+    parameter = next((p for p in model.parameters() if p.dtype in floats), None) \
+        if isinstance(model, torch.nn.Module) else None
+    if reads > 1 and parameter is not None and parameter.is_cuda:  # checked once on the device before capture
+        from vllm_actors.kernels.triton_decode import grouped_decode_agrees
+
+        why = grouped_decode_agrees(parameter.device, parameter.dtype, local_config.num_attention_heads,
+                                    local_config.num_key_value_heads, local_config.head_dim, block_size)
+        if why is not None:
+            log.warning("decode_query_groups_off", why=why)
+            return 1
+    return reads
