@@ -13,6 +13,8 @@ import tempfile
 import pytest
 import torch
 
+from tests.support.paged_attention_case import captured
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
@@ -69,14 +71,7 @@ def _calls(fused: object, rank: int) -> None:
             h, residual = fused(h * 0.25, weight, 1e-6, residual, slot=1)
         return residual
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for replay in range(50):
         static.copy_(torch.randn((rows, cols), device=device, dtype=torch.bfloat16) * (rank + 1))
         want = step()
