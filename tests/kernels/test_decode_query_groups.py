@@ -125,23 +125,23 @@ def test_the_device_check_passes_and_names_failures(monkeypatch: pytest.MonkeyPa
     """``grouped_decode_agrees``, run before a speculating engine captures the grouped kernel: None where the
     grouped rows equal the rows attended alone; the reason where the kernel raises (as a compile error on a
     new device would) or disagrees."""
-    from vllm_actors.kernels import triton_decode
+    from vllm_actors.kernels import decode_groups_check as check
 
     device = torch.device(DEVICE)
-    assert triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) is None
-    real = triton_decode.paged_attention_decode
+    assert check.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) is None
+    real = check.paged_attention_decode
 
     def raising(*args: object, decode_groups: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         if decode_groups is not None:
             raise RuntimeError("CompilationError: at 58:56")
         return real(*args, **kwargs)  # type: ignore[arg-type]  # the real call's own arguments
 
-    monkeypatch.setattr(triton_decode, "paged_attention_decode", raising)
-    assert "CompilationError" in (triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")
+    monkeypatch.setattr(check, "paged_attention_decode", raising)
+    assert "CompilationError" in (check.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")
 
     def wrong(*args: object, decode_groups: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         out = real(*args, **kwargs)  # type: ignore[arg-type]  # the real call's own arguments
         return out * 2 if decode_groups is not None else out
 
-    monkeypatch.setattr(triton_decode, "paged_attention_decode", wrong)
-    assert "differ" in (triton_decode.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")
+    monkeypatch.setattr(check, "paged_attention_decode", wrong)
+    assert "differ" in (check.grouped_decode_agrees(device, torch.float32, 2, 1, 16, 16) or "")

@@ -112,7 +112,7 @@ def queries_per_read(speculating: bool, model: object, local_config: ModelConfig
     parameter = next((p for p in model.parameters() if p.dtype in floats), None) \
         if isinstance(model, torch.nn.Module) else None
     if reads > 1 and parameter is not None and parameter.is_cuda:  # checked once on the device before capture
-        from vllm_actors.kernels.triton_decode import grouped_decode_agrees
+        from vllm_actors.kernels.decode_groups_check import grouped_decode_agrees
 
         why = grouped_decode_agrees(parameter.device, parameter.dtype, local_config.num_attention_heads,
                                     local_config.num_key_value_heads, local_config.head_dim, block_size)
