@@ -17,9 +17,9 @@ and N multiples of 16, and checks the float32 scales' shapes and strides exactly
   where K/128 is a multiple of 4 (cuBLASLt's 16-byte leading dimension), else zero-padded K blocks.
 
 ``takes`` asks for K a multiple of 512 (K/128 a multiple of 4, as the probe's product has: every
-Qwen3 projection), so that both calls see the same scales. The probe tries those two layouts, then
-both again with M padded to a multiple of 4 (zero rows, cut from the output) in case this cuBLASLt
-also wants the activation scales' leading dimension in 16 bytes.
+Qwen3 projection), so that both calls see the same scales. The probe tries those two layouts with M
+padded to a multiple of 4 (zero rows, cut from the output: the activation scales' leading dimension in
+16 bytes, which torch 2.11's cuBLASLt wanted on the H200), then both unpadded.
 Where none gives the reference's result, or the call raises, ``fp8_linear`` keeps the Triton GEMM
 (``kernels/fp8_gemm.py``). The probe never runs while a CUDA graph is captured (it synchronises):
 then the Triton GEMM runs, and the probe runs at the next eager call. ``VLLM_ACTORS_FP8_SCALED_MM=0``
@@ -58,10 +58,9 @@ class ScaleLayout:
     functional: bool = False
 
 
-# torch._scaled_mm's layout first, then the explicit recipes', then both with M padded (module docstring);
-# torch refuses row-major activation scales and row-major weight scales for this recipe
-# tried in this order: torch 2.11 with CUDA 13 on the H200 ran the two padded ones and answered the two unpadded
-# ones with CUBLAS_STATUS_NOT_SUPPORTED (benchmarks/fp8_probe.py), so the padded ones go first
+# M padded first (torch 2.11 with CUDA 13 on the H200 ran the padded ones and answered the unpadded ones with
+# CUBLAS_STATUS_NOT_SUPPORTED: benchmarks/fp8_probe.py), each as torch._scaled_mm's layout then the explicit
+# recipes'; torch refuses row-major activation scales and row-major weight scales for this recipe
 LAYOUTS = (ScaleLayout(True, True, False, pad_m=True), ScaleLayout(True, True, True, pad_m=True, functional=True),
            ScaleLayout(True, True, False), ScaleLayout(True, True, True, functional=True))
 M_ALIGN = 4  # rows: the activation scales' leading dimension in 16 bytes
