@@ -295,6 +295,10 @@ class Envs:
                                             "kernels")
     VLLM_ACTORS_FP8_GEMM = kernel_switch(
         "FP8 checkpoints' projections kept in FP8 (Triton FP8 GEMMs; `torch`: dequantized at load)", "kernels")
+    VLLM_ACTORS_FP8_GEMV_SILU = switch(
+        "At one row the FP8 down projection's weight-only GEMV applies SiLU(gate) * up itself (off: a separate "
+        "silu_and_mul first; fused, the Qwen3-8B down projection took 45.0 us against 18.8 us unfused on an H200).",
+        "kernels", default=False)
     VLLM_ACTORS_FP8_GEMV_ROWS = Setting(
         2, integer(0), "FP8 projections of up to this many rows (at most 4) run the weight-only GEMV, activations "
         "not quantized (0: the W8A8 GEMM and GEMV at every size; at 4 rows the W8A8 GEMM was faster on an H100).",

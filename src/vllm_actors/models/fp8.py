@@ -76,10 +76,10 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.weight, self.scales, self.block, self.bias)
 
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(silu_and_mul(gate_up))``; at one row the weight-only GEMV reads SiLU(gate) * up itself
-        (``VLLM_ACTORS_GEMV_SILU=0`` turns it off)."""
+        """``self(silu_and_mul(gate_up))``; with ``VLLM_ACTORS_FP8_GEMV_SILU`` (off: slower, measured) the
+        weight-only GEMV reads SiLU(gate) * up itself at one row."""
         if (gate_up.dim() == 2 and gate_up.shape[0] == 1 and gemv_rows() >= 1
-                and gate_up.stride(1) == 1 and envs.VLLM_ACTORS_GEMV_SILU
+                and gate_up.stride(1) == 1 and envs.VLLM_ACTORS_FP8_GEMV_SILU
                 and fp8_gemv.takes(self.weight, self.scales, self.block)):
             return fp8_gemv.fp8_gemv(gate_up, self.weight, self.scales, self.block, self.bias, silu_mul=True)
         return self(silu_and_mul(gate_up))
