@@ -7,7 +7,7 @@ inputs (``amax / 448``, vLLM's ``per_token_group_quant_fp8``; a group of K is pe
 ``BLOCK_K`` tile of a product is an FP8 dot product scaled by one activation scale per row and one
 weight scale per column, accumulated in float32 (vLLM's ``w8a8_block_fp8_matmul``). A one-row
 product (batch-1 decode) goes to a GEMV instead: a program per ``BLOCK_N`` columns reading each
-weight byte once, the same tile sums and scales. Up to ``VLLM_ACTORS_FP8_GEMV_ROWS`` rows (2) go to
+weight byte once, the same tile sums and scales. Up to ``VLLM_ACTORS_FP8_GEMV_ROWS`` rows (1) go to
 the weight-only GEMV of ``kernels/fp8_gemv.py`` instead, whose activations are not quantized. Above
 them, [128, 128] blocks go to cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm``,
 ``kernels/fp8_scaled_mm.py``) where a probe found it gives the reference's result, else to the
