@@ -123,8 +123,9 @@ def kill_report(run: dict[str, Any], kill: Kill, restarts: Restarts, reference: 
     (not finished with ``output_len`` tokens); the old unit's processes still alive ``settle``
     seconds on (a surviving peer stuck in a collective would be one)."""
     if not kill.at:
+        why = "hung (not finished within --timeout)" if run["hung"] else "ended"
         return {"victim": kill.victim, "killed": False, "hung": run["hung"],
-                "error": f"the run ended before {kill.after_tokens} tokens were out: lower --kill-after"}
+                "error": f"the run {why} before {kill.after_tokens} tokens were out: nothing was killed"}
     ready = restarts.since(kill.at)
     after_respawn = [at for at in run["arrivals"] if kill.respawned is not None and at >= kill.respawned]
     settle_until = time.monotonic() + settle
