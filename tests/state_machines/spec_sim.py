@@ -111,8 +111,8 @@ def simulate(device: Device, batch: int, output_len: int, waves: int = 1, specul
             plan = StepPlan(step_id=step_id, req_ids=[r.request_id for r in running],
                             num_tokens=[1 + len(drafts.get(r.request_id, [])) for r in running],
                             num_blocks=[1 + r.num_computed_tokens // 16 for r in running], draft_token_ids=drafts)
-            found = {k: len(v) if device.found >= 1.0 or device.rng.random() < device.found else 0 for k, v in drafts.items()}
-            found = {k: n for k, n in found.items() if n}
+            found = {k: len(v) for k, v in drafts.items()
+                     if device.found >= 1.0 or device.rng.random() < device.found}
             seconds = device.step(len(running), found, after_drafting)
             if drafts and not found:  # placeholders that found nothing: drained for a plain step
                 seconds += device.switch(len(running))

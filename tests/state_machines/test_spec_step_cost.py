@@ -42,3 +42,30 @@ def test_a_pass_that_drafts_for_nobody_evaluates_no_request(monkeypatch) -> None
     # a request's acceptance is asked in the passes that plan drafts or probes only (and the
     # wall policy's own look at the plan's requests in those)
     assert calls["drafts_for"] <= 2 * batch * on.planned_steps, (calls, on.planned_steps)
+
+
+def test_a_lookup_ruled_out_before_its_pending_token_finds_nothing_with_any_token() -> None:
+    """``NgramProposer.could_find`` with one token pending: where it says no, the lookup over the
+    context and any next token (every token of the small vocabulary, and one never seen) is empty."""
+    import random
+
+    from vllm_actors.actors.worker.ngram_drafts import NgramProposer
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+    from vllm_actors.protocol.ngram import propose_for
+    from vllm_actors.protocol.sampling import SamplingParams
+
+    rng = random.Random(0)
+    ruled_out = 0
+    for trial in range(600):
+        min_n = rng.randint(1, 4)
+        proposer = NgramProposer(min_n=min_n, max_n=min_n + rng.randint(0, 2))
+        tokens = [rng.randint(0, 5) for _ in range(rng.randint(0, 14))]
+        request = WorkerRequest(request_id=str(trial), token_ids=tokens, num_prompt_tokens=len(tokens),
+                                num_output_tokens=0, params=SamplingParams(), eos_token_ids=[], num_pending=1)
+        if not proposer.could_find(request):
+            ruled_out += 1
+            for token in range(7):
+                assert propose_for(tokens + [token], 4, proposer.min_n, proposer.max_n) == [], (tokens, token)
+        request.num_pending = 0
+        assert proposer.could_find(request) == bool(propose_for(tokens, 4, proposer.min_n, proposer.max_n))
+    assert ruled_out > 100  # the check rules out often enough to matter
