@@ -87,3 +87,33 @@ def test_a_drafting_plan_left_without_drafts_is_launched_deferred() -> None:
     assert isinstance(result, StepResult) and result.num_drafted == {"a": 0} and result.num_batched_tokens == 1
     assert worker.requests["a"].num_computed_tokens == len(prompt) + 1
     assert worker.requests["a"].token_ids == prompt + runner.reference(prompt, 2)
+
+
+def test_hopeless_lookups_launch_before_the_step_in_flight_is_read_back() -> None:
+    """With ``prompt_lookup_min`` 2, a context whose last token never occurred before cannot match
+    whatever the pending token is: the drafting plan runs as a plain step launched while the step
+    before is still in flight (its input taken on the device), not after reading it back."""
+    runner = DeferringFakeRunner(num_blocks=8, block_size=4)
+    worker = Worker(runner, Sampler(torch.device("cpu")), clock=lambda: 0.0, defer=True,
+                    drafter=NgramProposer(min_n=2, max_n=3))
+    worker.pending_ready = lambda: False  # type: ignore[method-assign]  # a device still running step 0
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = [5, 6, 7]
+    worker.handle(StepPlan(step_id=0, new_requests=[_new("a", prompt, greedy)], req_ids=["a"], num_tokens=[3],
+                           num_blocks=[1], new_block_ids=[[0]]))
+    drafting = StepPlan(step_id=1, req_ids=["a"], num_tokens=[3], num_blocks=[2], new_block_ids=[[1]],
+                        draft_token_ids={"a": [WORKER_DRAFT] * 2})
+    outputs = worker.handle(drafting)
+    assert runner.num_deferred == 1  # launched before step 0 was read back
+    assert [r.step_id for r in outputs.to(SCHEDULER)] == [0] and worker.has_pending()
+    result = worker.flush().to(SCHEDULER)[0]
+    assert isinstance(result, StepResult) and result.num_drafted == {"a": 0} and result.num_batched_tokens == 1
+    assert worker.requests["a"].token_ids == prompt + runner.reference(prompt, 2)
+    repeating = [5, 6, 5]  # its last token occurred before: a lookup may match, so step 0 is read back first
+    worker = Worker(DeferringFakeRunner(num_blocks=8, block_size=4), Sampler(torch.device("cpu")),
+                    clock=lambda: 0.0, defer=True, drafter=NgramProposer(min_n=2, max_n=3))
+    worker.pending_ready = lambda: False  # type: ignore[method-assign]
+    worker.handle(StepPlan(step_id=0, new_requests=[_new("a", repeating, greedy)], req_ids=["a"], num_tokens=[3],
+                           num_blocks=[1], new_block_ids=[[0]]))
+    worker.handle(drafting)
+    assert worker.runner.num_deferred == 0  # type: ignore[attr-defined]

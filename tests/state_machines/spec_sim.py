@@ -6,7 +6,9 @@ The device: a plain decode step of ``B`` requests costs ``plain(B)`` of wall tim
 verifies drafts is read back at once (the deferred pipeline drained, the draw outside the decode
 graph), so it costs ``plain(B) + verify_fixed(B) + per_token * drafted``; the first plain step after
 it costs ``switch(B)`` more (its inputs prepared while the device idles). Each drafted position is
-accepted with ``acceptance`` (seeded), up to the first rejected one.
+accepted with ``acceptance`` (seeded), up to the first rejected one. A request's lookup finds its
+drafts with chance ``found`` (else none: a plain row); a step whose lookups all found nothing runs
+as a plain step, but the pipeline was drained for it: it costs ``switch(B)`` more.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Device:
     per_token: float = 0.004 * MS
     switch: Callable[[int], float] = lambda b: 0.25 * MS + 0.004 * MS * b
     acceptance: float = 0.8
+    found: float = 1.0
     first_verify: float = 0.0  # added once to the first drafting step (a first use that compiles)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     verified: int = 0
@@ -67,6 +70,7 @@ class Run:
     steps: int = 0
     drafting_steps: int = 0
     drafted: int = 0
+    planned_steps: int = 0  # steps whose plan had drafts (found or not)
     requests: list[float] = field(default_factory=list)  # each wave's seconds per token
 
     @property
@@ -107,14 +111,19 @@ def simulate(device: Device, batch: int, output_len: int, waves: int = 1, specul
             plan = StepPlan(step_id=step_id, req_ids=[r.request_id for r in running],
                             num_tokens=[1 + len(drafts.get(r.request_id, [])) for r in running],
                             num_blocks=[1 + r.num_computed_tokens // 16 for r in running], draft_token_ids=drafts)
-            seconds = device.step(len(running), {k: len(v) for k, v in drafts.items()}, after_drafting)
-            after_drafting = bool(drafts)
+            found = {k: len(v) for k, v in drafts.items()
+                     if device.found >= 1.0 or device.rng.random() < device.found}
+            seconds = device.step(len(running), found, after_drafting)
+            if drafts and not found:  # placeholders that found nothing: drained for a plain step
+                seconds += device.switch(len(running))
+            after_drafting = bool(found)
             req_ids = []
             for request in running:
-                gained = 1 + device.accepted(len(drafts.get(request.request_id, [])))
+                gained = 1 + device.accepted(found.get(request.request_id, 0))
                 gained = min(gained, output_len - len(request.output_token_ids))
                 req_ids += [request.request_id] * gained
             result = StepResult(step_id=step_id, req_ids=req_ids, token_ids=[7] * len(req_ids),
+                                num_drafted={k: found.get(k, 0) for k in drafts if found.get(k, 0) < len(drafts[k])},
                                 execute_seconds=seconds, **INTERVAL(seconds))
             observe_step(cost, plan, result, 16)
             if speculate:
@@ -128,8 +137,9 @@ def simulate(device: Device, batch: int, output_len: int, waves: int = 1, specul
             run.tokens += len(req_ids)
             run.seconds += seconds
             run.steps += 1
-            run.drafting_steps += bool(drafts)
-            run.drafted += sum(len(d) for d in drafts.values())
+            run.drafting_steps += bool(found)
+            run.planned_steps += bool(drafts)
+            run.drafted += sum(found.values())
             step_id += 1
         run.requests.append((run.seconds - started_seconds) / (run.tokens - started_tokens))
     return run

@@ -199,13 +199,13 @@ class WallPolicy:
     def account(self, features: tuple[int, int, float], planned_drafts: bool, sizes: Sequence[int],
                 seconds: float) -> None:
         """A step's interval: ``features`` (``step_features``), whether its plan had drafts, and the
-        drafts the worker verified per drafting request."""
+        drafts the worker verified per drafting request. A plan whose drafts the worker found none of
+        is a drafting step of 0 drafted tokens: the worker drained its steps in flight to look them up."""
         prefill_tokens, num_decodes, pairs = features
-        if not any(sizes):  # a plain step, or one whose drafts the worker did not find (drained, then deferred)
+        if not any(sizes) and not planned_drafts:  # a plain step
             if self._run:
                 self._run_length += RUN_EMA * (self._run - self._run_length)
-            self.costs.observe_plain(num_decodes, prefill_tokens, seconds, after_drafting=bool(self._run)
-                                     or planned_drafts)
+            self.costs.observe_plain(num_decodes, prefill_tokens, seconds, after_drafting=bool(self._run))
             self._run = 0
             return
         self._run += 1

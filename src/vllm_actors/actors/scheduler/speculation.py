@@ -85,6 +85,8 @@ class Speculator:
         self.wall = WallPolicy(cost) if self.two_in_flight else None
         self._plan = NO_DRAFTS  # this pass's
         self._probers: set[str] = set()  # this pass's (spec_probes)
+        self._quiet = False  # this pass drafts for nobody (no plan, no probe): a request's idle step only
+        self._speculates: dict[str, bool] = {}  # request id -> can_speculate(its params), once per request
         self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
         self._plain_steps = 0  # steps without drafts the step cost model learnt from
         self._drafting_run = 0  # drafting steps since the last step without drafts
@@ -98,19 +100,27 @@ class Speculator:
         """The pass's plan (``spec_policy.choose_drafts``) over the decoding requests, and whether
         it probes: nothing is drafted before the step cost model has seen ``WARMUP_STEPS`` plain
         steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it)."""
-        self._plan, self._probers = NO_DRAFTS, set()
+        self._plan, self._probers, self._quiet = NO_DRAFTS, set(), self.config.adaptive
         if not self.config.adaptive or self._plain_steps < WARMUP_STEPS or self._drafting_run >= REFRESH_STEPS:
             return
         decoding = [request for request in running if is_decoding(request)]
         candidates = [(request, self._pace(request.request_id)) for request in decoding
-                      if request.output_token_ids and can_speculate(request.params)]
+                      if request.output_token_ids and self._can_speculate(request)]
         if self.wall is not None:
             self._plan, self._probers = self.wall.choose(candidates, len(decoding), self.config.num_speculative_tokens,
                                                          self._seconds_since_draft)
-            return
-        self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
-                                   self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
-        self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
+        else:
+            self._plan = choose_drafts([pace.acceptance.bucket for _, pace in candidates], len(decoding),
+                                       self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
+            self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
+        self._quiet = not self._plan.num_drafts and not self._probers
+
+    def _can_speculate(self, request: ScheduledRequest) -> bool:
+        """``can_speculate`` of its params (they do not change), worked out once per request."""
+        found = self._speculates.get(request.request_id)
+        if found is None:
+            found = self._speculates[request.request_id] = can_speculate(request.params)
+        return found
 
     def _pace(self, request_id: str) -> Pace:
         pace = self._paces.get(request_id)
@@ -132,7 +142,10 @@ class Speculator:
         """The drafts of a decoding request this step ([]: plain decode); None: it waits for its
         step in flight (it speculates, and drafts need its last token, unless the worker drafts
         with two steps in flight: the room is then that of every pending draft accepted)."""
-        if not request.output_token_ids or not can_speculate(request.params):
+        if not request.output_token_ids or not self._can_speculate(request):
+            return []
+        if self._quiet:  # what the plan gives every request this pass: 0 drafts, an idle step
+            self._pace(request.request_id).idle += 1
             return []
         max_drafts, pace = self._max_drafts(request.request_id)
         if max_drafts == 0:
@@ -232,6 +245,7 @@ class Speculator:
     def forget(self, request: ScheduledRequest) -> None:
         """A request finished."""
         self._paces.pop(request.request_id, None)
+        self._speculates.pop(request.request_id, None)
         self._trims.pop(request.request_id, None)
         if self.oracle is not None:
             self.oracle.learn(request)

@@ -8,6 +8,11 @@ N+1. Here the placeholders are filled with the n-gram proposal over the request'
 only those it found (``draft_slots.with_drafts`` shortens its tokens): with none it is a plain
 decode row, and a step where no request found one is a plain step, which the worker may launch with
 two steps in flight. The scheduler still rolls back the planned slots (``StepResult.num_drafted``).
+
+Before reading the step in flight back, ``without_hopeless`` checks whether any lookup could find a
+draft whatever the pending token is: a suffix of ``n >= min_n`` tokens ending with it occurs earlier
+only if its ``min_n - 1`` known tokens do. Where none can, the plan runs as a plain step at once,
+launched before the step in flight is read back (the two steps stay overlapped).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from vllm_actors.actors.worker.draft_slots import drafting_work, with_drafts
+from vllm_actors.actors.worker.draft_slots import drafting_work, short_drafts, with_drafts
 from vllm_actors.protocol.messages import StepPlan, pack_token_ids
 from vllm_actors.protocol.ngram import propose_ngram
 
@@ -53,3 +58,33 @@ class NgramProposer:
         for item in work:
             proposals.append(propose_ngram(self._packed_tokens(item.request), item.num_drafts, self.min_n, self.max_n))
         return with_drafts(plan, work, proposals)
+
+    def could_find(self, request: WorkerRequest) -> bool:
+        """Whether its lookup may find a draft once its pending token (at most one) is known."""
+        packed = self._packed_tokens(request)
+        if request.num_pending == 0:
+            return bool(propose_ngram(packed, 1, self.min_n, self.max_n))
+        known = len(packed) // 4
+        if request.num_pending > 1:
+            return True
+        if known < self.min_n:  # fewer than min_n + 1 tokens with the pending one
+            return False
+        if self.min_n < 2:  # the pending token alone may have occurred before
+            return True
+        head = packed[-4 * (self.min_n - 1):]
+        end = 4 * (known - 1)  # an earlier occurrence: it ends before the last known token
+        while (found := packed.rfind(head, 0, end)) >= 0:
+            if found % 4 == 0:
+                return True
+            end = found + len(head) - 1
+        return False
+
+    def without_hopeless(self, plan: StepPlan,
+                         requests: Mapping[str, WorkerRequest]) -> tuple[StepPlan, dict[str, int]] | None:
+        """The plan as a plain step and its drafted counts (0 each), where every placeholder's
+        lookup must find nothing; None where one may find drafts (or the plan has drafts given)."""
+        work = drafting_work(plan, requests)
+        if not work or len(work) != len(plan.draft_token_ids) or any(self.could_find(item.request) for item in work):
+            return None
+        plain = with_drafts(plan, work, [[] for _ in work])
+        return plain, short_drafts(plan, plain)

@@ -44,6 +44,7 @@ from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.membership import Membership
+from vllm_actors.actors.worker.ngram_drafts import NgramProposer
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
@@ -144,11 +145,15 @@ class Worker(Draw, KvRejoining, Membership):
         self._take_input_tokens(message)
         self.validate(message)
         started = self._started(message)
+        drafted: dict[str, int] = {}
+        if self.defer and self._pending is not None and isinstance(self.drafter, NgramProposer):
+            # lookups that cannot find anything whatever the pending tokens: a plain step, overlapped
+            message, drafted = self.drafter.without_hopeless(message, self.requests) or (message, drafted)
         if self.defer and self._deferrable(message):
             # A step already done is read back first: its result goes out at once, and the GPU
             # is idle anyway. One still running is read back after this plan is launched.
             outputs = self.flush() if self.pending_ready() else Outputs()
-            launched = self._launch(message, started, read_now=False)
+            launched = self._launch(message, started, read_now=False, num_drafted=drafted)
             outputs += self.flush()
             self._pending = launched
             return outputs
@@ -231,15 +236,17 @@ class Worker(Draw, KvRejoining, Membership):
         """Run a step and read it back at once (with the logprobs and prompt logprobs it asks for)."""
         return self._read_back(self._launch(plan, self._started(plan), read_now=True))
 
-    def _launch(self, plan: StepPlan, started: StepStarted, read_now: bool, may_defer: bool = False) -> PendingStep:
+    def _launch(self, plan: StepPlan, started: StepStarted, read_now: bool, may_defer: bool = False,
+                num_drafted: dict[str, int] | None = None) -> PendingStep:
         """The step's body: run it and draw its tokens. ``read_now``: the step is read back at once
         (the sampler returns the ids on the host, with logprobs); otherwise they stay on the device,
         and input ids that the pending step sampled are taken from its sampled ids there.
-        ``may_defer``: a drafting plan left without drafts (n-gram) becomes a deferred step."""
+        ``may_defer``: a drafting plan left without drafts (n-gram) becomes a deferred step.
+        ``num_drafted``: the drafted counts of placeholders already dropped (``StepResult.num_drafted``)."""
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
-        num_drafted: dict[str, int] = {}
+        num_drafted = dict(num_drafted or {})
         if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
             planned, plan = plan, self.drafter.propose(plan, self.requests)
             num_drafted = short_drafts(planned, plan)
