@@ -60,6 +60,10 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run the peer on the first N requests only (default: --num-requests)")
     peer.add_argument("--peer-attn", default=None,
                       help="transformers attn_implementation (default: its paged sdpa)")
+    peer.add_argument("--peer-only", action="store_true",
+                      help="run only the engine peers of --peer (vllm, sglang) on the workload, not ours: a peer "
+                           "whose start takes minutes (vLLM with FP8 weights) then gets a GPU of its own beside "
+                           "our run of the same arguments")
     peer.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds")
     peer.add_argument("--vllm-python", default=sys.executable, help="the Python that runs vLLM")
     peer.add_argument("--vllm-pythonpath", default="/tmp/vsite",
@@ -222,11 +226,26 @@ class Comparisons(Extension):
         return ComparisonReport(config=config)
 
     def instead(self, args: argparse.Namespace, setup: Setup, report: BenchReport) -> int | None:
+        if args.peer_only:
+            return self._peers_only(args, setup, report)
         if args.mix == "none":
             return None
         mix = throughput_mix.run(args, setup.workload, setup.load_format, setup.scratch_dir, run_vllm_peer)
         print(throughput_mix.format_mix(mix))
         return 0 if "error" not in mix.get("ours", {}) else 1
+
+    def _peers_only(self, args: argparse.Namespace, setup: Setup, report: BenchReport) -> int:
+        """``--peer-only``: the engine peers of ``--peer`` alone, into the report; 1 if one failed."""
+        engines = [engine for engine in PEER_MODULES if engine in args.peer]
+        if not engines:
+            raise SystemExit(f"--peer-only needs an engine peer in --peer ({', '.join(PEER_MODULES)}), got "
+                             f"{' '.join(args.peer)}")
+        for engine in engines:
+            with part(report, f"peer_{engine}", setup.out_json):
+                result = run_engine_peer(engine, args, setup.model_path, setup.load_format, setup.workload,
+                                         setup.scratch_dir, setup.vocab_size)
+                setattr(report, f"peer_{engine}", result)
+        return 1 if report.errors else 0
 
     def with_engine(self, args: argparse.Namespace, setup: Setup, session: EngineSession,
                     report: BenchReport) -> None:
