@@ -10,10 +10,12 @@ kernel or batch shape. The shapes, kernels and bytes per step are those of the r
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
 from vllm_actors.models import fp8
 from vllm_actors.models.llama import CausalLM
+from vllm_actors.models.moe import SparseMoeBlock
 
 RESIDUAL_SCALE = 1e-4  # a layer's contribution over an embedding's: ~1e-4 x (1.3-1.8) against 0.02 per entry
 RESIDUAL_PROJECTIONS = ("o_proj", "down_proj")  # the projections that write into the residual stream
@@ -31,10 +33,12 @@ def make_echo(model: CausalLM) -> None:
         for layer in model.stage_layers():
             for name, module in layer.named_modules():
                 if name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS:
+                    assert isinstance(module, (nn.Linear, fp8.Fp8Linear)), name
                     _scale_projection(module)
-                elif hasattr(module, "w2"):  # a mixture of experts: its experts' down projections
+                elif isinstance(module, SparseMoeBlock):  # its experts' down projections
                     module.w2.mul_(RESIDUAL_SCALE)
         if not model.ties_embeddings:  # tied: the head already is the embedding
+            assert isinstance(model.model.embed_tokens, nn.Embedding) and isinstance(model.lm_head, nn.Linear)
             embed, head = model.model.embed_tokens.weight, model.lm_head.weight
             if embed.shape != head.shape:
                 raise ValueError(f"echo dummy weights need the LM head's rows to be the embedding's, "
@@ -42,7 +46,7 @@ def make_echo(model: CausalLM) -> None:
             head.copy_(embed)
 
 
-def _scale_projection(module: torch.nn.Module) -> None:
+def _scale_projection(module: nn.Linear | fp8.Fp8Linear) -> None:
     if isinstance(module, fp8.Fp8Linear):  # its FP8 weight stays; its scales carry the factor
         module.scales.mul_(RESIDUAL_SCALE)
     else:
