@@ -9,6 +9,13 @@ on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same 
 random weights (``--out``/draft-N; its drafts are rejected, so the adaptive drafts per step should
 fall to 0 and its rates come close to ``off``); ``--always-draft`` drafts ``--num-speculative-tokens``
 every step instead (as vLLM does: the draft path's step cost is what it measures).
+Our modes' engines start side by side on the GPU (``--gpu-memory-utilization`` split between them) and
+are measured in ``--rounds`` paired rounds: each phase (batch 1, each concurrency) on every mode in turn,
+the order reversed every other round, so that a neighbour's load or the clock state falls on every mode
+alike; per mode the medians over rounds, each round's figures (``rounds``) and, against ``off``, the
+per-round ratios (``paired_vs_off``: median, min, max; ``lib/spec_paired.py``). ``--unpaired``: one
+engine after another, each alone (a model too large to hold once per mode). vLLM runs after ours, one
+process per mode, unpaired.
 ``--model-shape qwen3-8b`` runs a model shape with dummy weights instead of ``--model`` (prompts
 of random token ids: no tokenizer). The mode ``eagle3`` drafts with a random EAGLE-3 head of the
 target's shape (``--out``/eagle3-head, random bfloat16 weights both engines load; ours draws its own
@@ -16,7 +23,11 @@ under ``--model-shape``): its drafts are rejected, so with ``--always-draft`` it
 step cost against vLLM's ``eagle3`` on the same head.
 The mode ``oracle`` (with ``off``; ours only, batch 1) replays the off run's greedy outputs as drafts,
 each right with the probability of each ``--oracle-acceptance``: the verification cost at a known
-acceptance (``lib/spec_oracle.py``; also ``OUT/oracle.md``).
+acceptance (``lib/spec_oracle.py``; also ``OUT/oracle.md``). Under ``--model-shape`` every engine of
+ours then loads the echo dummy weights (``--oracle-weights``, ``VLLM_ACTORS_DUMMY_WEIGHTS=echo``:
+residual projections scaled down, LM head equal to the embedding), whose greedy output repeats the
+last prompt token by a wide logit margin, so verification steps of any shape keep the off run's
+output, at the cost per step of random weights of the same shape.
 
     python benchmarks/spec_decode.py --model-shape qwen3-8b --modes off oracle --oracle-acceptance 0.3 0.6 0.9 \
         --concurrency --out /tmp/oracle
@@ -38,7 +49,7 @@ from typing import Any
 
 # The repository instead of this folder (whose kernels.py would shadow the package transformers imports).
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.lib import spec_measure, spec_oracle  # noqa: E402
+from benchmarks.lib import spec_measure, spec_oracle, spec_ours, spec_paired  # noqa: E402
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES, write_model_dir  # noqa: E402
 
 
@@ -130,31 +141,6 @@ def write_eagle3_head(target: str, folder: Path) -> Path:
     return folder
 
 
-def run_ours(args: argparse.Namespace, spec: dict[str, Any], mode: str, record: bool = False) -> dict[str, Any]:
-    """One engine in ``mode``; ``record``: also each batch-1 prompt's greedy output (``greedy``), for the oracle."""
-    from vllm_actors import LLM, SamplingParams
-    from vllm_actors.protocol.speculative import parse_speculative_config
-
-    speculative = spec["speculative_configs"].get(mode)
-    if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
-        speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
-    with LLM(args.model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
-             load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
-             speculative_config=speculative) as llm:
-        def generate(batch: Any, max_tokens: int) -> tuple[int, float]:
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-            inputs = [{"prompt_token_ids": list(p)} for p in batch]
-            return spec_measure.timed(lambda: sum(len(o.outputs[0].token_ids)
-                                                  for o in llm.generate(inputs, params, use_tqdm=False)))
-
-        result = spec_measure.measure(generate, spec["prompts"], spec["output_len"], spec["repeats"],
-                                      spec["concurrency"], counters=lambda: spec_oracle.counts(llm))
-        result["spec_decode"] = spec_oracle.counts(llm)
-        if record:
-            result["greedy"] = spec_oracle.greedy_outputs(llm, spec_oracle.batch1_prompts(spec), spec["output_len"])
-    return result
-
-
 def run_peer(args: argparse.Namespace, spec_path: Path, mode: str) -> dict[str, Any]:
     script = Path(__file__).resolve().parent / "lib" / "peer_spec.py"
     out = Path(args.out) / f"vllm_{mode}.json"
@@ -210,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the oracle's set acceptances, one engine each")
     parser.add_argument("--oracle-passes", type=int, default=6,
                         help="at most this many runs of a prompt until its output is the continuation drafted")
+    parser.add_argument("--oracle-weights", choices=["echo", "random"], default="echo",
+                        help="with the mode 'oracle' under --model-shape: our engines' dummy weights (echo: greedy "
+                             "output robust to rounding, VLLM_ACTORS_DUMMY_WEIGHTS)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="paired rounds: every phase on every mode of ours in turn, the order reversed each round")
+    parser.add_argument("--unpaired", action="store_true",
+                        help="our modes' engines one after another, each alone on the GPU (default: side by side)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the GPU share of our engines together (split between the paired engines)")
     parser.add_argument("--always-draft", action="store_true",
                         help="draft --num-speculative-tokens every step (no adaptive drafts per step)")
     parser.add_argument("--peer", choices=["vllm"], default=None)
@@ -231,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the mode 'oracle' needs the mode 'off' (its greedy outputs are the oracle's continuations)")
     if any(not 0.0 <= a <= 1.0 for a in args.oracle_acceptance):
         parser.error("--oracle-acceptance values must be from 0 to 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error("--gpu-memory-utilization must be in (0, 1]")
     load_format = "dummy" if args.model_shape else "auto"
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
@@ -252,19 +251,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
-    results: dict[str, Any] = {"settings": {k: v for k, v in spec.items() if k != "prompts"}}
-    recorded: list[list[int]] = []
-    for mode in sorted(modes, key=lambda m: m == "oracle"):  # the oracle replays the off run's outputs
-        if mode == "oracle":
-            run_oracles(args, spec, results, recorded)
-            continue
-        results[f"ours_{mode}"] = run_ours(args, spec, mode, record=mode == "off" and "oracle" in modes)
-        recorded = results[f"ours_{mode}"].pop("greedy", recorded)
-        print(f"ours {mode}: {json.dumps({k: v for k, v in results[f'ours_{mode}'].items() if 'samples' not in k})}",
-              flush=True)
-        if args.peer:
-            results[f"vllm_{mode}"] = run_peer(args, spec_path, mode)
-            print(f"vllm {mode}: {json.dumps(results[f'vllm_{mode}'])}", flush=True)
+    dummy_weights = args.oracle_weights if "oracle" in modes and load_format == "dummy" else "random"
+    os.environ["VLLM_ACTORS_DUMMY_WEIGHTS"] = dummy_weights  # ours only (engine processes inherit it)
+    results: dict[str, Any] = {"settings": {k: v for k, v in spec.items() if k != "prompts"} | {
+        "rounds": args.rounds, "paired": not args.unpaired, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "dummy_weights": dummy_weights if load_format == "dummy" else None}}
+    ours = [mode for mode in modes if mode != "oracle"]
+    found, recorded = spec_ours.run_ours(args.model, spec, ours, args.rounds, args.gpu_memory_utilization,
+                                         paired=not args.unpaired, record="oracle" in modes)
+    for mode in ours:
+        results[f"ours_{mode}"] = found[mode]
+        shown = {k: v for k, v in found[mode].items() if "samples" not in k and not k.startswith("paired_vs")}
+        print(f"ours {mode}: {json.dumps(shown)}", flush=True)
+    for mode in ours:
+        if "paired_vs_off" in found[mode]:
+            print(spec_paired.paired_line(mode, "off", found[mode]["paired_vs_off"]), flush=True)
+    if "oracle" in modes:  # the oracle replays the off run's outputs
+        run_oracles(args, spec, results, recorded)
+    for mode in ours if args.peer else []:  # vLLM after ours, one process per mode
+        results[f"vllm_{mode}"] = run_peer(args, spec_path, mode)
+        print(f"vllm {mode}: {json.dumps(results[f'vllm_{mode}'])}", flush=True)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

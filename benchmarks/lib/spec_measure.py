@@ -43,28 +43,44 @@ def measure(generate: Generate, prompts: Sequence[Sequence[int]], output_len: in
     concurrency: that many requests in one call, output tokens per second. The warm-up is the same
     whatever the mode (a batch-1 request and a small batch, long enough for drafting steps to run);
     ``counters``: the engine's drafting per phase too (``phase_drafting``: what the policy chose)."""
-    generate([prompts[0]], WARMUP_TOKENS)
-    generate([prompts[index % len(prompts)] for index in range(WARMUP_BATCH)], WARMUP_TOKENS // 2)
+    warm_up(generate, prompts)
     phases: dict[str, dict[str, Any]] = {}
-    samples = []
     before = counters() if counters else {}
-    batch1_tokens = 0
-    for index in range(repeats):
-        tokens, seconds = generate([prompts[index % len(prompts)]], output_len)
-        batch1_tokens += tokens
-        samples.append(seconds * 1e3 / max(tokens, 1))
+    samples, batch1_tokens = batch1(generate, prompts, output_len, repeats)
     if counters:
         phases["batch1"], before = drafting(before, after := counters(), batch1_tokens), after
     result: dict[str, Any] = {"batch1_ms_per_token": statistics.median(samples), "batch1_samples": samples}
     for count in concurrency:
-        batch = [prompts[index % len(prompts)] for index in range(count)]
-        tokens, seconds = generate(batch, output_len)
-        result[f"concurrency_{count}_tok_s"] = tokens / seconds
+        result[f"concurrency_{count}_tok_s"], tokens = concurrent(generate, prompts, count, output_len)
         if counters:
             phases[f"concurrency_{count}"], before = drafting(before, after := counters(), tokens), after
     if counters:
         result["phase_drafting"] = phases
     return result
+
+
+def warm_up(generate: Generate, prompts: Sequence[Sequence[int]]) -> None:
+    """The same for every mode and engine: a batch-1 request, then a small batch."""
+    generate([prompts[0]], WARMUP_TOKENS)
+    generate([prompts[index % len(prompts)] for index in range(WARMUP_BATCH)], WARMUP_TOKENS // 2)
+
+
+def batch1(generate: Generate, prompts: Sequence[Sequence[int]], output_len: int,
+           repeats: int) -> tuple[list[float], int]:
+    """``repeats`` requests one at a time: each one's ms per output token, and the tokens in all."""
+    samples, tokens = [], 0
+    for index in range(repeats):
+        count, seconds = generate([prompts[index % len(prompts)]], output_len)
+        tokens += count
+        samples.append(seconds * 1e3 / max(count, 1))
+    return samples, tokens
+
+
+def concurrent(generate: Generate, prompts: Sequence[Sequence[int]], count: int,
+               output_len: int) -> tuple[float, int]:
+    """``count`` requests in one call: output tokens per second, and the tokens."""
+    tokens, seconds = generate([prompts[index % len(prompts)] for index in range(count)], output_len)
+    return tokens / seconds, tokens
 
 
 def drafting(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:

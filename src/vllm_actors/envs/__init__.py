@@ -266,6 +266,11 @@ class Envs:
         None, parse_skew, "Benchmarks only: mixture-of-experts routers choose experts Zipf-distributed (`zipf:S`: "
         "expert e with weight (e+1)^-S, drawn from a fixed table, as `benchmarks/throughput.py --moe-router-skew` "
         "sets it for both engines); unset: the model's own routing.", kind="zipf:S", group="engine")
+    VLLM_ACTORS_DUMMY_WEIGHTS = Setting(
+        "random", choice("random", "echo"), "Benchmarks only: the weights of `load_format=dummy`: random, or `echo` "
+        "(residual projections scaled down, LM head equal to the embedding: greedy decoding repeats the last "
+        "token by a wide logit margin under any kernel; the same shapes and cost; `models/echo_weights.py`).",
+        kind="random, echo", group="engine")
     VLLM_ACTORS_SAMPLER = kernel_switch("Fused sampling kernel", "engine")
     VLLM_ACTORS_PENALTIES = kernel_switch("Penalties kernel", "engine")
 

@@ -7,10 +7,12 @@ import time
 import structlog
 import torch
 
+from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import get_attention_backend
 from vllm_actors.kernels.fp8_gemm import FP8_DTYPE
 from vllm_actors.models import fp8, registry
 from vllm_actors.models.config import ModelConfig
+from vllm_actors.models.echo_weights import make_echo
 from vllm_actors.models.llama import CausalLM
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
@@ -66,6 +68,8 @@ def load_model(
     model.tie_weights()  # to_empty re-creates parameters: tie them again
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        if envs.VLLM_ACTORS_DUMMY_WEIGHTS == "echo":  # benchmarks: greedy output robust to rounding
+            make_echo(model)
     elif config.source == "gguf":
         from vllm_actors.models.gguf_loader import GGUFSource
 

@@ -1,0 +1,74 @@
+"""This engine's side of ``benchmarks/spec_decode.py``: one ``LLM`` per mode, started side by side on
+the same GPU and measured in paired rounds (``spec_paired.py``).
+
+Each engine's KV pool sizing reads the device's free memory, so ``gpu_memory_utilization`` bounds
+what every process on the GPU holds together: the i-th of n engines gets ``(i + 1) / n`` of the
+share, which leaves each about ``1 / n`` of it. ``paired=False`` runs the modes one after another
+instead, each engine alone with the whole share (a model too large to hold twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+from benchmarks.lib import spec_measure, spec_oracle, spec_paired
+
+
+def engine_shares(utilization: float, count: int) -> list[float]:
+    """Each engine's ``gpu_memory_utilization``, started in order: a cumulative 1/count of ``utilization``."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    return [utilization * (index + 1) / count for index in range(count)]
+
+
+def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int, utilization: float,
+             paired: bool = True, record: bool = False) -> tuple[dict[str, dict[str, Any]], list[list[int]]]:
+    """Every mode's figures (``spec_paired.measure_paired``) and, with ``record``, each batch-1 prompt's
+    greedy output without speculation (the oracle's continuations; the mode ``off`` must be among them)."""
+    groups = [list(modes)] if paired else [[mode] for mode in modes]
+    results: dict[str, dict[str, Any]] = {}
+    recorded: list[list[int]] = []
+    for group in groups:
+        with ExitStack() as stack:
+            llms = {mode: stack.enter_context(start(model, spec, mode, share))
+                    for mode, share in zip(group, engine_shares(utilization, len(group)), strict=True)}
+            generates = {mode: generator(llm) for mode, llm in llms.items()}
+            counters = {mode: (lambda llm=llm: spec_oracle.counts(llm)) for mode, llm in llms.items()}
+            found = spec_paired.measure_paired(generates, spec["prompts"], spec["output_len"], spec["repeats"],
+                                               spec["concurrency"], rounds, counters)
+            for mode, llm in llms.items():
+                found[mode]["spec_decode"] = spec_oracle.counts(llm)
+                found[mode]["gpu_memory_utilization"] = llm.config.gpu_memory_utilization
+            if record and "off" in llms:
+                recorded = spec_oracle.greedy_outputs(llms["off"], spec_oracle.batch1_prompts(spec),
+                                                      spec["output_len"])
+        results.update(found)
+    return results, recorded
+
+
+def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> Any:
+    """An engine in ``mode`` (``spec["speculative_configs"]``; ``always_draft``: every step drafts k)."""
+    from vllm_actors import LLM
+    from vllm_actors.protocol.speculative import parse_speculative_config
+
+    speculative = spec["speculative_configs"].get(mode)
+    if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
+        speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
+    return LLM(model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+               load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
+               speculative_config=speculative, gpu_memory_utilization=utilization)
+
+
+def generator(llm: Any) -> spec_measure.Generate:
+    """``spec_measure``'s generate over ``llm``: greedy, EOS ignored, the tokens and seconds of one call."""
+    from vllm_actors import SamplingParams
+
+    def generate(batch: Sequence[Sequence[int]], max_tokens: int) -> tuple[int, float]:
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        inputs = [{"prompt_token_ids": list(p)} for p in batch]
+        return spec_measure.timed(lambda: sum(len(o.outputs[0].token_ids)
+                                              for o in llm.generate(inputs, params, use_tqdm=False)))
+
+    return generate
