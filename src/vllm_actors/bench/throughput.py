@@ -114,6 +114,9 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     model.add_argument("--moe-config", type=moe_config_arg, default=None, metavar="PATH",
                        help="our engine's fused-MoE tiles from this table (VLLM_ACTORS_MOE_CONFIG; "
                             "benchmarks/moe_sweep.py --table-out writes one)")
+    model.add_argument("--engine-env", type=engine_env_arg, action="append", default=[], metavar="NAME=VALUE",
+                       help="a VLLM_ACTORS_* setting for our engine's processes during our run only (repeatable; "
+                            "an A/B of one switch, or VLLM_ACTORS_FP8_GEMM_CONFIG=a table a sweep wrote)")
 
     workload = parser.add_argument_group("workload")
     workload.add_argument("--workload", choices=("nano-vllm", "shared-prefix"), default="nano-vllm",
@@ -160,6 +163,20 @@ def router_skew_arg(text: str) -> str:
         return parse_skew(text).spec
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+
+
+def engine_env_arg(text: str) -> tuple[str, str]:
+    """``--engine-env``'s value: ``NAME=VALUE`` of a registered setting whose value it parses."""
+    from vllm_actors.envs import Envs
+
+    name, equals, value = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        Envs.setting(name).read({name: value})
+    except (KeyError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip("'\"")) from None
+    return name, value
 
 
 def moe_config_arg(text: str) -> str:
@@ -361,6 +378,8 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             os.environ[ROUTER_SKEW_ENV] = args.moe_router_skew
         if args.moe_config is not None:  # read by every worker's MoE layers as they choose their tiles
             os.environ[MOE_CONFIG_ENV] = args.moe_config
+        saved = {name: os.environ.get(name) for name, _ in args.engine_env}
+        os.environ.update(dict(args.engine_env))  # the actors inherit them as they start
         try:
             ok = _run_ours(args, setup, report, extension)
             for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
@@ -370,6 +389,11 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
         finally:
             os.environ.pop(ROUTER_SKEW_ENV, None)
             os.environ.pop(MOE_CONFIG_ENV, None)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         extension.after_ours(args, setup, report, ok)
 
     report.total_seconds = time.perf_counter() - started
