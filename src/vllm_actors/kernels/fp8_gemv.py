@@ -2,8 +2,9 @@
 activations kept in their own dtype (bf16 on a GPU) and no activation quantization kernel.
 
 At a few rows the product is a read of the weight; the float8 tile is widened to float32 in
-registers and scaled there, free next to its load. The structure and launch parameters are the
-bf16 GEMV's (`kernels/gemv.py`): a program per ``block_n`` columns reading their rows along K in
+registers and scaled there, free next to its load. The structure and default launch parameters are
+the bf16 GEMV's (`kernels/gemv.py`; a tuned table's ``gemv`` entry sets others per weight shape and
+rows, ``choose_config``): a program per ``block_n`` columns reading their rows along K in
 ``block_k`` pieces, a float32 [block_n, block_k] accumulator for one row summed once at the end,
 the first weight tiles loaded before the PDL wait, and at one row the down projection reading
 SiLU(gate) * up itself. The numerics, in float32 throughout:
