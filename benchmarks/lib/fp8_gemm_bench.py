@@ -6,15 +6,17 @@ quantization + cuBLASLt's block-scaled GEMM (``torch._scaled_mm``, `kernels/fp8_
 its probe passes) and vLLM's ``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul`` (Triton) and
 ``cutlass_scaled_mm`` where vllm imports (``--vllm-site``). One GPU.
 
-    python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep-gemv] [--out fp8_gemm.json]
-    python benchmarks/fp8_gemm.py --sweep [--rows 256 2048 8192] [--table-out PATH]
+    python benchmarks/fp8_gemm.py [--rows 1 2 4 8] [--sweep-gemv [--table-out PATH]] [--out fp8_gemm.json]
+    python benchmarks/fp8_gemm.py --sweep [--rows 256 2048 8192] [--sweep-gemv [--gemv-rows 1 2]] [--table-out PATH]
 
 Each call is timed from a CUDA graph of 20 calls cycling through enough weight copies (256 MB or
 more) that none is found in L2; each time also as GB/s of the bytes the call reads and writes
 (weight, scales, activations, output). At one row the down projection is also timed reading
 SiLU(gate) * up itself (``*_silu``, both GEMVs). ``--sweep-gemv`` also times the weight-only GEMV's
-launch parameters up to 4 rows and prints the best (for ``Fp8GemvConfig``). ``--sweep`` tunes the
-Triton GEMM's launch table instead (``benchmarks/lib/fp8_gemm_sweep.py``).
+launches up to 4 rows (``benchmarks/lib/fp8_gemv_sweep.py``) and, with ``--table-out``, writes the
+best per shape and rows into the tuned table the engine reads (``VLLM_ACTORS_FP8_GEMM_CONFIG``).
+``--sweep`` tunes the Triton GEMM's launch table instead (``benchmarks/lib/fp8_gemm_sweep.py``), and
+the GEMV's too at ``--gemv-rows`` with ``--sweep-gemv``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,14 +35,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib import fp8_gemm_sweep, fp8_gemv_sweep
 from benchmarks.lib.kernels_timing import do_bench_graph, spin_up
 
 PROJECTIONS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 BLOCK = (128, 128)
 L2_DEFEAT_BYTES = 256 << 20
-# the weight-only GEMV's (block_n, block_k, warps, stages, tiles): around the default (8, 1024, 4, 2, 2)
-FP8_GEMV_SWEEP = ([(n, k, w, 2, t) for n, k in ((4, 2048), (8, 1024), (8, 2048), (16, 1024), (16, 512))
-                   for w in (4, 8) for t in (1, 2)] + [(8, 1024, 4, s, 2) for s in (1, 3, 4)])
+FP8_GEMV_SWEEP = fp8_gemv_sweep.FP8_GEMV_SWEEP  # the weight-only GEMV's (block_n, block_k, warps, stages, tiles)
 
 
 def _timer(fn_of: Any, items: list[Any], args: argparse.Namespace) -> float:
@@ -97,10 +99,10 @@ def _with_gbps(row: dict[str, Any], moved: dict[str, int]) -> None:
 
 
 def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8: list[Any],
-             vllm_runs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+             vllm_runs: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     from vllm_actors.kernels import fp8_gemm_config, fp8_scaled_mm
     from vllm_actors.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear, quantize_activations
-    from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+    from vllm_actors.kernels.fp8_gemv import fp8_gemv
     from vllm_actors.kernels.gemv import gemv
 
     x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
@@ -127,13 +129,11 @@ def _measure(name: str, n: int, k: int, rows: int, bf16: list[torch.Tensor], fp8
     scales = fp8[0][1].numel() * 4
     _with_gbps(row, {"bf16": _bytes(rows, n, k, 2, 0, k), "fp8": _bytes(rows, n, k, 1, scales, k)})
     if args.sweep_gemv and rows <= 4:
-        configs = {f"{bn}x{bk}w{w}s{st}t{t}": Fp8GemvConfig(block_n=bn, block_k=bk, warps=w, stages=st, tiles=t)
-                   for bn, bk, w, st, t in FP8_GEMV_SWEEP}
-        timed = {key: _timer(lambda ws, c=c: fp8_gemv(x, *ws, BLOCK, config=c), fp8, args)
-                 for key, c in configs.items()}
-        row["sweep_us"] = timed
-        row["best"] = min(timed, key=timed.__getitem__)
-    return row
+        swept, config = fp8_gemv_sweep.sweep_gemv(x, fp8, BLOCK, lambda fn: _timer(fn, fp8, args),
+                                                  fp8_gemm_sweep._close)
+        row.update(swept)
+        return row, config
+    return row, None
 
 
 def _summary(results: list[dict[str, Any]]) -> list[str]:
@@ -142,7 +142,7 @@ def _summary(results: list[dict[str, Any]]) -> list[str]:
     for rows in sorted({r["rows"] for r in results}):
         of_rows = [r for r in results if r["rows"] == rows]
         columns = [c for c in of_rows[0] if c.endswith("_us") and "silu" not in c
-                   and all(c in r for r in of_rows)]
+                   and all(isinstance(r.get(c), float) for r in of_rows)]
         total = {c: sum(r[c] for r in of_rows) for c in columns}
         cells = [f"{c.removesuffix('_us')} {total[c]:.1f} us" for c in columns]
         lines.append(f"rows {rows}: " + ", ".join(cells) + f"; fastest {min(total, key=total.__getitem__)}")
@@ -160,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-gemv", action="store_true", help="also time the weight-only GEMV's launch grid")
     parser.add_argument("--sweep", action="store_true",
                         help="tune the Triton GEMM's launches per shape and rows instead (lib/fp8_gemm_sweep.py)")
-    parser.add_argument("--table-out", default=None, help="with --sweep: write the tuned table here")
+    parser.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 2],
+                        help="with --sweep --sweep-gemv: the GEMV's row counts (1 to 4; default 1 2)")
+    parser.add_argument("--table-out", default=None,
+                        help="with --sweep or --sweep-gemv: write the tuned table here (merged over what it holds)")
     parser.add_argument("--no-merge", action="store_true",
-                        help="with --sweep: the table holds the swept rows alone (default: over the current table)")
+                        help="with --table-out: the table holds the swept rows alone (default: over the current table)")
     parser.add_argument("--budget-s", type=float, default=220.0, help="with --sweep: no new row count past this")
     parser.add_argument("--no-tma", action="store_true", help="with --sweep: leave out the launches loading by TMA")
     parser.add_argument("--out", default=None, help="results JSON (default results/fp8_gemm[_sweep].json)")
@@ -171,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-site", default="/tmp/vsite",
                         help="appended to sys.path for vLLM's columns where it exists (after this site's packages)")
     args = parser.parse_args(argv)
+    if args.table_out and not (args.sweep or args.sweep_gemv):
+        parser.error("--table-out needs --sweep or --sweep-gemv")
+    if not all(1 <= rows <= 4 for rows in args.gemv_rows):
+        parser.error(f"--gemv-rows must be 1 to 4 (the GEMV's rows), got {args.gemv_rows}")
     args.rows_given = args.rows is not None
     args.rows = args.rows or [1, 2, 4, 8]
     args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (1.0 if args.sweep else 5.0)
@@ -184,15 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         return fp8_gemm_sweep.run(projections, args)
     if args.vllm_site and Path(args.vllm_site, "vllm").is_dir():
         sys.path.append(args.vllm_site)
+    existing = fp8_gemm_sweep.existing_tables(args.table_out, not args.no_merge)  # checked before the sweep
     spin_up()
     vllm_runs = _vllm_fp8()
     results: list[dict[str, Any]] = []
+    gemv: dict[tuple[int, int], Any] = {}
     for name, n, k in projections:
         copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
         bf16 = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_weight(w, BLOCK) for w in bf16]
         for rows in args.rows:
-            row = _measure(name, n, k, rows, bf16, fp8, vllm_runs, args)
+            row, best = _measure(name, n, k, rows, bf16, fp8, vllm_runs, args)
+            if best is not None:
+                gemv.setdefault((n, k), {})[rows] = best
             results.append(row)
             print(json.dumps(row), flush=True)
         del bf16, fp8
@@ -202,4 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "block": BLOCK, "results": results,
                                "summary": summary}, indent=2) + "\n")
+    if args.table_out:
+        source = f"benchmarks/fp8_gemm.py --sweep-gemv, rows {sorted({r for t in gemv.values() for r in t})}, " \
+                 f"{time.strftime('%Y-%m-%d')}"
+        fp8_gemm_sweep.write_table(args, fp8_gemm_sweep.tuned_file(
+            {}, torch.cuda.get_device_name(), merge=not args.no_merge, source=source, gemv=gemv, existing=existing))
     return 0

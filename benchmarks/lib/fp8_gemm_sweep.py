@@ -5,7 +5,10 @@ passes: the table's entry keeps it on at those rows unless the Triton GEMM was f
 ``--table-out PATH`` writes the tuned table the engine reads
 (``kernels/fp8_gemm_config.py``'s format: commit it under ``kernels/fp8_gemm_configs/`` or point
 ``VLLM_ACTORS_FP8_GEMM_CONFIG`` at it), each shape's swept rows over its current table's others
-(unless ``--no-merge``). About 2-3 minutes on an H100 for the four shapes at three row counts (32 launches each).
+(unless ``--no-merge``): the file's own where it exists (its other shapes kept), else the engine's.
+About 2-3 minutes on an H100 for the four shapes at three row counts (32 launches each). With
+``--sweep-gemv`` the weight-only GEMV's launches are swept too at ``--gemv-rows`` (``fp8_gemv_sweep.py``),
+into the same tables.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib import fp8_gemv_sweep
 from vllm_actors.kernels import fp8_gemm_config
-from vllm_actors.kernels.fp8_gemm_config import GemmLaunch
+from vllm_actors.kernels.fp8_gemm_config import GemmLaunch, GemvTable
 
 SWEEP_ROWS = (256, 2048, 8192)
 L2_DEFEAT_BYTES = 256 << 20
@@ -57,16 +61,48 @@ def candidates(rows: int, tma: bool = True) -> list[GemmLaunch]:
     return list(dict.fromkeys(launches))  # fit_stages may make two alike
 
 
-def tuned_file(best: dict[tuple[int, int], dict[int, GemmLaunch]], device: str, merge: bool, source: str
+def tuned_file(best: dict[tuple[int, int], dict[int, GemmLaunch]], device: str, merge: bool, source: str,
+               gemv: dict[tuple[int, int], GemvTable] | None = None, existing: list[Any] | None = None
                ) -> dict[str, Any]:
-    """The table file of the sweep's best launches per (N, K) and rows, each over the current table's
-    entries at rows not swept where ``merge``."""
+    """The table file of the sweep's best GEMM (``best``) and GEMV (``gemv``) launches per (N, K) and
+    rows, each over the current tables' entries at rows not swept where ``merge``: those of the file
+    written to (``existing``: its "tables" list, whose shapes not swept are kept as they are), else the
+    engine's (``VLLM_ACTORS_FP8_GEMM_CONFIG``'s, then the shipped)."""
+    gemv = gemv or {}
+    existing = existing if merge else None
+    text = json.dumps({"format": fp8_gemm_config.FORMAT, "tables": existing or []})
+    old_gemm, old_gemv = fp8_gemm_config.parse_file(text, "the file written to")
     tables = []
-    for (n, k), swept in sorted(best.items()):
-        current = fp8_gemm_config.tuned_table(n, k, BLOCK, device) if merge else None
-        configs = {**(current or {}), **swept}
-        tables.append(fp8_gemm_config.table_json(n, k, BLOCK, device, configs, source=source))
-    return {"format": fp8_gemm_config.FORMAT, "tables": tables}
+    for n, k in sorted(set(best) | set(gemv)):
+        key = (n, k, fp8_gemm_config.block_key(BLOCK), device)
+        current = old_gemm.get(key, fp8_gemm_config.tuned_table(n, k, BLOCK, device)) if merge else None
+        current_gemv = old_gemv.get(key, fp8_gemm_config.tuned_gemv_table(n, k, BLOCK, device)) if merge else None
+        configs = {**(current or {}), **best.get((n, k), {})}
+        tables.append(fp8_gemm_config.table_json(n, k, BLOCK, device, configs, source=source,
+                                                 gemv={**(current_gemv or {}), **gemv.get((n, k), {})}))
+    swept = {(t["n"], t["k"], t["block"] and tuple(t["block"]), t["device"]) for t in tables}
+    kept = [t for t in existing or [] if (t["n"], t["k"], t["block"] and tuple(t["block"]), t["device"]) not in swept]
+    return {"format": fp8_gemm_config.FORMAT, "tables": kept + tables}
+
+
+def existing_tables(path: str | None, merge: bool) -> list[Any] | None:
+    """The "tables" of the file at ``path`` where it exists and ``merge`` (checked now, before a sweep
+    spends its time: a ValueError if the engine could not read it)."""
+    if not path or not merge or not Path(path).exists():
+        return None
+    text = Path(path).read_text()
+    fp8_gemm_config.parse_file(text, path)
+    tables: list[Any] = json.loads(text)["tables"]
+    return tables
+
+
+def write_table(args: argparse.Namespace, tuned: dict[str, Any]) -> None:
+    """``tuned`` checked as the engine will read it, then written to ``--table-out``."""
+    fp8_gemm_config.parse_file(fp8_gemm_config.dumps(tuned), "the sweep's table")
+    Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.table_out).write_text(fp8_gemm_config.dumps(tuned))
+    print(f"the table is at {args.table_out} (VLLM_ACTORS_FP8_GEMM_CONFIG={args.table_out}, or commit it under "
+          "src/vllm_actors/kernels/fp8_gemm_configs/)", flush=True)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -125,7 +161,9 @@ def run(projections: list[tuple[str, int, int]], args: argparse.Namespace) -> in
     started = time.monotonic()
     rows_list = args.rows if args.rows_given else list(SWEEP_ROWS)
     scaled_mm = fp8_scaled_mm.layout(torch.device("cuda"), lambda a, col: quantize_activations(a, BLOCK[1], col))
+    existing = existing_tables(args.table_out, not args.no_merge)
     best: dict[tuple[int, int], dict[int, GemmLaunch]] = {}
+    gemv: dict[tuple[int, int], GemvTable] = {}
     results: list[dict[str, Any]] = []
     for name, n, k in projections:
         copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
@@ -141,17 +179,23 @@ def run(projections: list[tuple[str, int, int]], args: argparse.Namespace) -> in
             scaled = f", scaled_mm {row['scaled_mm_us']:.1f}" if "scaled_mm_us" in row else ""
             print(f"{name} {n}x{k} rows {rows}: bf16 {row['bf16_us']:.1f} us{scaled}, triton current "
                   f"{row['current_us']:.1f}, best {row['best_us']:.1f} {_key(launch)}", flush=True)
+        for rows in args.gemv_rows if args.sweep_gemv else []:
+            x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
+            gemv_row, config = fp8_gemv_sweep.sweep_gemv(x, fp8, BLOCK, lambda fn, ws=fp8: _time(fn, ws, 20, args),
+                                                         _close)
+            gemv.setdefault((n, k), {})[rows] = config
+            results.append({"name": name, "n": n, "k": k, "rows": rows, **gemv_row})
+            print(f"{name} {n}x{k} rows {rows}: GEMV default {gemv_row['gemv_default_us']:.1f} us, best "
+                  f"{gemv_row['gemv_best_us']:.1f} {fp8_gemv_sweep.key(config)}", flush=True)
         del bf16, fp8
-    tuned = tuned_file(best, device, merge=not args.no_merge,
-                       source=f"benchmarks/fp8_gemm.py --sweep, rows {rows_list}, {time.strftime('%Y-%m-%d')}")
-    fp8_gemm_config.parse_tables(fp8_gemm_config.dumps(tuned), "the sweep's table")  # what the engine will read
+    swept = f"rows {rows_list}" + (f", GEMV rows {args.gemv_rows}" if args.sweep_gemv else "")
+    tuned = tuned_file(best, device, merge=not args.no_merge, gemv=gemv, existing=existing,
+                       source=f"benchmarks/fp8_gemm.py --sweep, {swept}, {time.strftime('%Y-%m-%d')}")
+    fp8_gemm_config.parse_file(fp8_gemm_config.dumps(tuned), "the sweep's table")  # what the engine will read
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device, "results": results, "table": tuned}, indent=1) + "\n")
     if args.table_out:
-        Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.table_out).write_text(fp8_gemm_config.dumps(tuned))
-        print(f"the table is at {args.table_out} (VLLM_ACTORS_FP8_GEMM_CONFIG={args.table_out}, or commit it under "
-              "src/vllm_actors/kernels/fp8_gemm_configs/)", flush=True)
+        write_table(args, tuned)
     print(f"sweep: {time.monotonic() - started:.0f} s", flush=True)
     return 0

@@ -70,6 +70,39 @@ def test_fp8_gemv_against_float64(shape: tuple[int, int], rows: int, block: tupl
         assert float((fused.double() - want).norm() / want.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("launch", [(32, 512, 8, 4, 2), (16, 2048, 8, 2, 1), (8, 512, 4, 3, 2)],
+                         ids=["32x512w8s4t2", "16x2048w8s2t1", "8x512w4s3t2"])
+def test_fp8_gemv_table_launch_against_float64(launch: tuple[int, int, int, int, int], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV launches of `benchmarks/fp8_gemm.py --sweep-gemv`'s grid, taken from a tuned table keyed by
+    this GPU's name (``VLLM_ACTORS_FP8_GEMM_CONFIG``), through ``fp8_linear`` at 1 and 2 rows, eager and
+    replayed from a CUDA graph, against float64."""
+    import json
+
+    from vllm_actors.kernels import fp8_gemm_config
+    from vllm_actors.kernels.fp8_gemv import Fp8GemvConfig, choose_config, fp8_gemv_reference
+
+    block_n, block_k, warps, stages, tiles = launch
+    config = Fp8GemvConfig(block_n=block_n, block_k=block_k, warps=warps, stages=stages, tiles=tiles)
+    n, k = 4096, 12288
+    table = fp8_gemm_config.table_json(n, k, (128, 128), torch.cuda.get_device_name(), {}, gemv={1: config, 2: config})
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps({"format": fp8_gemm_config.FORMAT, "tables": [table]}))
+    monkeypatch.setenv("VLLM_ACTORS_FP8_GEMM_CONFIG", str(path))
+    monkeypatch.setenv("VLLM_ACTORS_FP8_GEMV_ROWS", "2")
+    for rows in (1, 2):
+        x, weight, scale = _problem(rows, n, k, (128, 128), seed=block_n + rows)
+        assert choose_config(rows, weight, scale, (128, 128)) == config
+        got = fp8_gemm.fp8_linear(x, weight, scale, (128, 128))
+        want = fp8_gemv_reference(x, weight, scale, (128, 128))
+        assert float((got.double() - want).norm() / want.norm()) < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_gemm.fp8_linear(x, weight, scale, (128, 128))
+        graph.replay()
+        torch.testing.assert_close(captured, got, atol=0, rtol=0)
+
+
 def test_scaled_mm_probe_passes_on_hopper() -> None:
     """On an H100/H200 torch's cuBLASLt block-scaled FP8 GEMM is expected to take one of the probed
     scale layouts (else the large-batch FP8 path is the slower Triton GEMM: the log says why)."""

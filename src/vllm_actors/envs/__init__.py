@@ -314,9 +314,10 @@ class Envs:
         "(torch._scaled_mm) where a probe at first use gives the float64 reference's result (0: the Triton GEMM).",
         "kernels")
     VLLM_ACTORS_FP8_GEMM_CONFIG = Setting[str | None](
-        None, text, "A JSON file of tuned Triton FP8 GEMM launches per weight shape and rows (`benchmarks/fp8_gemm.py "
-        "--sweep --table-out` writes one), looked up before the tables shipped in `kernels/fp8_gemm_configs/` "
-        "(unset: those, else the built-in choice).", kind="path", group="kernels")
+        None, text, "A JSON file of tuned Triton FP8 GEMM launches per weight shape and rows, and of the weight-only "
+        "FP8 GEMV's at 1 to 4 rows (`benchmarks/fp8_gemm.py --sweep` and `--sweep-gemv` with `--table-out` write "
+        "one), looked up before the tables shipped in `kernels/fp8_gemm_configs/` (unset: those, else the built-in "
+        "choice).", kind="path", group="kernels")
     VLLM_ACTORS_FUSED_KV_WRITE = switch(
         "The rotary kernel also stores k and v in the KV cache (0: a separate write).", "kernels")
     VLLM_ACTORS_GEMV = switch("The Triton GEMV for projections of 1 or 2 rows (0: cuBLAS).", "kernels")

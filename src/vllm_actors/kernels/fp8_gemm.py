@@ -297,8 +297,9 @@ def fp8_linear(
     if rows <= gemv_rows() and x.stride(1) == 1:
         from vllm_actors.kernels import fp8_gemv  # it imports this module's helpers
 
-        if fp8_gemv.takes(weight, weight_scale, block):
-            return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias)
+        gemv_config = fp8_gemv.choose_config(rows, weight, weight_scale, block)  # the tuned table's, else default
+        if fp8_gemv.takes(weight, weight_scale, block, gemv_config):
+            return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias, config=gemv_config)
     n = weight.shape[0]
     group_n, group_k = weight_groups(weight.shape, block)
     x = x if x.stride(1) == 1 else x.contiguous()

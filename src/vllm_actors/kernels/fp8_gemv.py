@@ -2,8 +2,9 @@
 activations kept in their own dtype (bf16 on a GPU) and no activation quantization kernel.
 
 At a few rows the product is a read of the weight; the float8 tile is widened to float32 in
-registers and scaled there, free next to its load. The structure and launch parameters are the
-bf16 GEMV's (`kernels/gemv.py`): a program per ``block_n`` columns reading their rows along K in
+registers and scaled there, free next to its load. The structure and default launch parameters are
+the bf16 GEMV's (`kernels/gemv.py`; a tuned table's ``gemv`` entry sets others per weight shape and
+rows, ``choose_config``): a program per ``block_n`` columns reading their rows along K in
 ``block_k`` pieces, a float32 [block_n, block_k] accumulator for one row summed once at the end,
 the first weight tiles loaded before the PDL wait, and at one row the down projection reading
 SiLU(gate) * up itself. The numerics, in float32 throughout:
@@ -26,12 +27,11 @@ reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from vllm_actors.kernels.fp8_gemm import FP8_DTYPE, HAVE_TRITON, dequantize_weight, weight_groups
-from vllm_actors.kernels.gemv import GemvConfig
+from vllm_actors.kernels import fp8_gemm_config
+from vllm_actors.kernels.fp8_gemm import FP8_DTYPE, HAVE_TRITON, _device_name, dequantize_weight, weight_groups
+from vllm_actors.kernels.fp8_gemv_config import MAX_PREFETCH, MAX_ROWS, Fp8GemvConfig
 
 if HAVE_TRITON:
     import triton
@@ -40,29 +40,7 @@ if HAVE_TRITON:
     from vllm_actors.kernels.gemv import _x_tile
     from vllm_actors.kernels.pdl import pdl, pdl_enter
 
-MAX_ROWS = 4  # what the kernel takes
-MAX_PREFETCH = 2  # float8 tiles a one-row program may load before its PDL wait
-
-
-@dataclass(frozen=True)
-class Fp8GemvConfig(GemvConfig):
-    """The bf16 GEMV's launch parameters (``GemvConfig``) and ``tiles``: a float8 tile is half the bf16
-    tile's bytes for the same float32 accumulator, so a one-row step loads two tiles into it (as many
-    bytes in flight as the bf16 GEMV's step). ``benchmarks/fp8_gemm.py --sweep`` times others."""
-
-    tiles: int = 2  # tiles a one-row loop step loads (1 or 2)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.prefetch > MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {self.prefetch}")
-        if self.tiles not in (1, 2):
-            raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
-        powers = self.block_n >= 1 and self.block_k >= 16 and not self.block_n & (self.block_n - 1)
-        if not powers or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_n and block_k must be powers of two (block_k >= 16), got {self.block_n}, "
-                             f"{self.block_k}")
-
+__all__ = ["MAX_PREFETCH", "MAX_ROWS", "Fp8GemvConfig", "choose_config", "fp8_gemv", "fp8_gemv_reference", "takes"]
 
 _CONFIG = Fp8GemvConfig()
 
@@ -91,6 +69,16 @@ def takes(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, in
     if group_k >= weight.shape[1]:
         return weight_scale.shape[0] == weight.shape[0] or group_n % config.block_n == 0
     return group_n % config.block_n == 0 and group_k >= 16 and not group_k & (group_k - 1)
+
+
+def choose_config(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None
+                  ) -> Fp8GemvConfig:
+    """The tuned table's launch for this weight's shape and ``rows`` (``fp8_gemm_config.choose_gemv``)
+    where the kernel takes the weight's scales with it, else the default ``Fp8GemvConfig()``."""
+    n, k = weight.shape
+    tuned = fp8_gemm_config.choose_gemv(rows, n, k, (block[0], block[1]) if block else None,
+                                        _device_name(weight.device))
+    return tuned if tuned is not None and takes(weight, weight_scale, block, tuned) else _CONFIG
 
 
 if HAVE_TRITON:
@@ -205,10 +193,10 @@ def fp8_gemv(
     bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None, silu_mul: bool = False,
 ) -> torch.Tensor:
     """Triton: ``x [M, K] @ dequantize(weight, weight_scale).T + bias`` in x's dtype, 1 <= M <= 4, x
-    not quantized (``silu_mul``: one row of [gate | up] of 2K, the product reads SiLU(gate) * up)."""
+    not quantized (``silu_mul``: one row of [gate | up] of 2K, the product reads SiLU(gate) * up);
+    without ``config`` the tuned table's launch for the weight's shape (``choose_config``)."""
     if not HAVE_TRITON:  # pragma: no cover
         raise RuntimeError("the FP8 GEMV needs triton")
-    config = config or _CONFIG
     rows, k = x.shape if x.dim() == 2 else (0, 0)
     if silu_mul:
         if rows != 1 or k % 2:
@@ -218,6 +206,7 @@ def fp8_gemv(
             or x.stride(1) != 1 or weight.stride(1) != 1):
         raise ValueError(f"fp8_gemv takes x [1..{MAX_ROWS}, K] and a float8_e4m3fn weight [N, K] with contiguous "
                          f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} {weight.dtype}")
+    config = config or choose_config(rows, weight, weight_scale, block)
     if not takes(weight, weight_scale, block, config):
         raise ValueError(f"fp8_gemv takes a scale per row or blocks of a multiple of {config.block_n} rows and a "
                          f"power-of-two width of at least 16, got block {block} and scales "

@@ -32,8 +32,10 @@ def read_text(path: str, what: str) -> str:
         raise ValueError(f"{what} {path}: cannot read ({error.strerror})") from None
 
 
+@lru_cache(maxsize=8)
 def shipped(folder: Path) -> tuple[str, ...]:
-    """The ``*.json`` tables of ``folder``, sorted (none where it does not exist)."""
+    """The ``*.json`` tables of ``folder``, sorted (none where it does not exist; listed once per process:
+    the lookups run on every call of the kernels)."""
     return tuple(sorted(str(p) for p in folder.glob("*.json"))) if folder.is_dir() else ()
 
 
@@ -48,16 +50,17 @@ def nearest(table: dict[int, T], size: int) -> T:
     return table[best]
 
 
-def parse_sized(configs: Any, where: str, size: str, parse: Callable[[Any, str], T]) -> dict[int, T]:
-    """A table's ``configs``: an object of ``size`` (a whole number >= 1, as a string) -> an entry read
-    by ``parse(raw, where)``; a ValueError naming ``where`` if malformed."""
+def parse_sized(configs: Any, where: str, size: str, parse: Callable[[Any, str], T], field: str = "configs"
+                ) -> dict[int, T]:
+    """A table's ``field`` (``configs``): an object of ``size`` (a whole number >= 1, as a string) -> an
+    entry read by ``parse(raw, where)``; a ValueError naming ``where`` if malformed."""
     if not isinstance(configs, dict) or not configs:
-        raise ValueError(f"{where}.configs must be a non-empty object of {size} -> config")
+        raise ValueError(f"{where}.{field} must be a non-empty object of {size} -> config")
     parsed: dict[int, T] = {}
     for key, raw in configs.items():
         if not str(key).isdigit() or int(key) < 1:
-            raise ValueError(f"{where}.configs key {key!r}: must be a {size} >= 1")
-        parsed[int(key)] = parse(raw, f"{where}.configs[{key}]")
+            raise ValueError(f"{where}.{field} key {key!r}: must be a {size} >= 1")
+        parsed[int(key)] = parse(raw, f"{where}.{field}[{key}]")
     return parsed
 
 
@@ -73,11 +76,11 @@ def lookup(sources: Iterable[dict[K, T]], key: Callable[[str], K], device: str) 
 
 def check_fields(entry: Any, where: str, choices: dict[str, Iterable[int]]) -> None:
     """A ValueError naming ``where`` unless each field of ``choices`` is one of its values and the
-    entry's ``group_m`` a whole number >= 1."""
+    entry's ``group_m`` (where it has one) a whole number >= 1."""
     for name, values in choices.items():
         value = getattr(entry, name)
         if not isinstance(value, int) or value not in values:
             raise ValueError(f"{where}.{name} is {value!r}: must be one of {list(values)}")
-    group_m = entry.group_m
+    group_m = getattr(entry, "group_m", 1)
     if not isinstance(group_m, int) or group_m < 1:
         raise ValueError(f"{where}.group_m is {group_m!r}: must be a whole number >= 1")
