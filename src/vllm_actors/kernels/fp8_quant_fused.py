@@ -24,6 +24,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from vllm_actors.kernels.fp8_gemm import _round_e4m3
+    from vllm_actors.kernels.fused_ops import _add_rms_norm_row
     from vllm_actors.kernels.pdl import pdl, pdl_enter
 
     @triton.jit
@@ -50,17 +51,9 @@ if HAVE_TRITON:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = (cols < n_cols) & (row + tl.zeros_like(cols) < M)  # a padding row past M: zeros
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(residual_out_ptr + row * stride_ro + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
-            # the residual stream is kept in the activation dtype: normalise the rounded value
-            x = tl.load(residual_out_ptr + row * stride_ro + cols, mask=mask, other=0.0).to(tl.float32)
-        variance = tl.sum(x * x, axis=0) / n_cols
-        normed = x * tl.rsqrt(variance + eps)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        normed = normed.to(x_ptr.dtype.element_ty)
-        y = (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)  # the value the norm would store
+        normed = _add_rms_norm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, cols, mask, n_cols,
+                                   stride_x, stride_r, stride_ro, eps, HAS_RESIDUAL)
+        y = normed.to(x_ptr.dtype.element_ty).to(tl.float32)  # the value the norm would store
         _store_quantized(y, q_ptr + row * stride_q, s_ptr + row * stride_s, stride_sg, 0, n_cols, BLOCK, GROUP)
 
     @triton.jit
