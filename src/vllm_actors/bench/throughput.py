@@ -378,7 +378,7 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             os.environ[ROUTER_SKEW_ENV] = args.moe_router_skew
         if args.moe_config is not None:  # read by every worker's MoE layers as they choose their tiles
             os.environ[MOE_CONFIG_ENV] = args.moe_config
-        saved = {name: os.environ.get(name) for name, _ in args.engine_env}
+        saved = {name: envs.environ.get(name) for name, _ in args.engine_env}  # put back after our run
         os.environ.update(dict(args.engine_env))  # the actors inherit them as they start
         try:
             ok = _run_ours(args, setup, report, extension)

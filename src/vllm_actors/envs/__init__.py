@@ -82,6 +82,16 @@ def choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def fused_quant_mode(text: str) -> str:
+    """``VLLM_ACTORS_FP8_FUSED_QUANT``: ``off``, ``eager`` (a true switch) or ``graphs``."""
+    if text.lower() == "graphs":
+        return "graphs"
+    try:
+        return "eager" if parse_bool(text) else "off"
+    except ValueError:
+        raise ValueError("must be 0, 1 or graphs") from None
+
+
 def kernel_choice(text: str) -> KernelChoice:
     return cast(KernelChoice, choice("torch", "triton", "auto")(text))
 
@@ -313,6 +323,11 @@ class Envs:
         "FP8 projections of [128, 128] blocks above the GEMV's rows run cuBLASLt's block-scaled FP8 GEMM "
         "(torch._scaled_mm) where a probe at first use gives the float64 reference's result (0: the Triton GEMM).",
         "kernels")
+    VLLM_ACTORS_FP8_FUSED_QUANT = Setting(
+        "off", fused_quant_mode, "FP8 projections above the GEMV's rows take their input quantized by the RMSNorm "
+        "or SiLU(gate) * up before them (one kernel and one pass over the activations fewer, results identical): "
+        "`1` in forwards run eagerly (prefill), `graphs` also inside the captured decode CUDA graphs; off (`0`) "
+        "until measured on a GPU.", kind="0, 1, graphs", group="kernels", shown_default="0")
     VLLM_ACTORS_FP8_GEMM_CONFIG = Setting[str | None](
         None, text, "A JSON file of tuned Triton FP8 GEMM launches per weight shape and rows, and of the weight-only "
         "FP8 GEMV's at 1 to 4 rows (`benchmarks/fp8_gemm.py --sweep` and `--sweep-gemv` with `--table-out` write "

@@ -279,6 +279,53 @@ def gemv_rows() -> int:
     return min(envs.VLLM_ACTORS_FP8_GEMV_ROWS, 4)  # fp8_gemv.MAX_ROWS
 
 
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """Activations already quantized for one FP8 projection by a fused producer
+    (`kernels/fp8_quant_fused.py`): ``x_q`` float8 and ``x_s`` float32 scales per row and group, in the
+    GEMM's layout (``layout``: cuBLASLt's, rows padded by ``fp8_scaled_mm.padded_rows``; None: the
+    Triton GEMM's, row-major); ``rows``: the real rows; ``dtype``: the output's."""
+
+    x_q: torch.Tensor
+    x_s: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+    layout: fp8_scaled_mm.ScaleLayout | None
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How ``fp8_linear`` runs a product: the weight-only GEMV (``gemv``), else the activations quantized
+    for cuBLASLt (``layout``) or for the Triton kernels (None), launched with ``launch``."""
+
+    gemv: bool
+    layout: fp8_scaled_mm.ScaleLayout | None = None
+    launch: GemmLaunch | None = None
+
+
+def gemm_plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+              config: Fp8GemmConfig | None = None) -> GemmPlan:
+    """The path of ``fp8_linear(x, weight, ...)``: ``x``'s rows, device and strides decide (its columns
+    may be another producer's input: K is the weight's)."""
+    config = config or _CONFIG
+    rows, k = x.shape[0], weight.shape[1]
+    if rows <= gemv_rows() and x.stride(1) == 1:
+        from vllm_actors.kernels import fp8_gemv  # it imports this module's helpers
+
+        gemv_config = fp8_gemv.choose_config(rows, weight, weight_scale, block)  # the tuned table's, else default
+        if fp8_gemv.takes(weight, weight_scale, block, gemv_config):
+            return GemmPlan(gemv=True)
+    group_n, group_k = weight_groups(weight.shape, block)
+    launch = config.launch or fp8_gemm_config.choose_launch(rows, weight.shape[0], k,
+                                                            (group_n, group_k) if block else None,
+                                                            _device_name(x.device))
+    if rows > 1 and config.scaled_mm and launch.cublas and fp8_scaled_mm.takes(x, weight, block):
+        layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
+        if layout is not None:
+            return GemmPlan(gemv=False, layout=layout, launch=launch)
+    return GemmPlan(gemv=False, layout=None, launch=launch)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
     bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
@@ -289,39 +336,48 @@ def fp8_linear(
     ``torch._scaled_mm`` where ``fp8_scaled_mm`` takes the product, its probe passed and the launch
     table does not say the Triton GEMM measured faster at these rows (``GemmLaunch.cublas``)."""
     _require_triton()
-    config = config or _CONFIG
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_linear takes x [M, K] and a float8_e4m3fn weight [N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)} {weight.dtype}")
-    rows, k = x.shape
-    if rows <= gemv_rows() and x.stride(1) == 1:
-        from vllm_actors.kernels import fp8_gemv  # it imports this module's helpers
+    plan = gemm_plan(x, weight, weight_scale, block, config)
+    if plan.gemv:
+        from vllm_actors.kernels import fp8_gemv
 
-        gemv_config = fp8_gemv.choose_config(rows, weight, weight_scale, block)  # the tuned table's, else default
-        if fp8_gemv.takes(weight, weight_scale, block, gemv_config):
-            return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias, config=gemv_config)
-    n = weight.shape[0]
-    group_n, group_k = weight_groups(weight.shape, block)
+        return fp8_gemv.fp8_gemv(x, weight, weight_scale, block, bias)  # its launch: the tuned table's, else default
+    group_k = weight_groups(weight.shape, block)[1]
     x = x if x.stride(1) == 1 else x.contiguous()
-    launch = config.launch or fp8_gemm_config.choose_launch(rows, n, k, (group_n, group_k) if block else None,
-                                                            _device_name(x.device))
-    if rows > 1 and config.scaled_mm and launch.cublas and fp8_scaled_mm.takes(x, weight, block):
-        layout = fp8_scaled_mm.layout(x.device, lambda probe_x, column: quantize_activations(probe_x, 128, column))
-        if layout is not None:
-            x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, layout), group_k,
-                                            column_major=layout.a_column_major)
-            return fp8_scaled_mm.scaled_mm(x_q, x_s, weight, weight_scale, layout, bias, x.dtype)[:rows]
-    x_q, x_s = quantize_activations(x, group_k)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if plan.layout is not None:
+        x_q, x_s = quantize_activations(fp8_scaled_mm.pad_rows(x, plan.layout), group_k,
+                                        column_major=plan.layout.a_column_major)
+    else:
+        x_q, x_s = quantize_activations(x, group_k)
+    quantized = QuantizedActivations(x_q, x_s, x.shape[0], x.dtype, plan.layout)
+    return fp8_linear_quantized(quantized, weight, weight_scale, block, bias, config, plan.launch)
+
+
+def fp8_linear_quantized(
+    x: QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None, launch: GemmLaunch | None = None,
+) -> torch.Tensor:
+    """``fp8_linear``'s product of activations already quantized in the layout its plan chose."""
+    config = config or _CONFIG
+    if x.layout is not None:
+        return fp8_scaled_mm.scaled_mm(x.x_q, x.x_s, weight, weight_scale, x.layout, bias, x.dtype)[:x.rows]
+    x_q, x_s, rows = x.x_q, x.x_s, x.rows
+    n, k = weight.shape
+    group_n, group_k = weight_groups(weight.shape, block)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x_q.device)
     bias_arg = bias if bias is not None else out
     block_k = tile_k(group_k, k)
     if rows == 1:
-        block_n = config.gemv_columns if x.is_cuda else 128
+        block_n = config.gemv_columns if x_q.is_cuda else 128
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             x_q, x_s, weight, weight_scale, bias_arg, out, n, k, group_n, group_k, weight.stride(0),
             weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
+    launch = launch or config.launch or fp8_gemm_config.choose_launch(
+        rows, n, k, (group_n, group_k) if block else None, _device_name(x_q.device))
     block_k = min(block_k, launch.block_k)  # powers of two: it still divides the scale block
     a_arg: object = x_q
     b_arg: object = weight

@@ -108,6 +108,15 @@ if HAVE_TRITON:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        normed = _add_rms_norm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, cols, mask, n_cols,
+                                   stride_x, stride_r, stride_ro, eps, HAS_RESIDUAL)
+        tl.store(out_ptr + row * stride_o + cols, normed, mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, cols, mask, n_cols, stride_x,
+                          stride_r, stride_ro, eps, HAS_RESIDUAL: tl.constexpr):
+        """One row's RMSNorm(x + residual) * weight (the sum stored at ``residual_out_ptr``), normalised in
+        float32 and rounded to x's dtype before the weight multiplies it (also `fp8_quant_fused.py`)."""
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -117,8 +126,7 @@ if HAVE_TRITON:
         variance = tl.sum(x * x, axis=0) / n_cols
         normed = x * tl.rsqrt(variance + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        normed = normed.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + cols, weight * normed, mask=mask)
+        return weight * normed.to(x_ptr.dtype.element_ty)
 
     @triton.jit
     def _norm_rope_head(base, cos_ptr, sin_ptr, weight_ptr, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):

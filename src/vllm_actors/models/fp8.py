@@ -17,19 +17,23 @@ import torch
 from torch import nn
 
 from vllm_actors.envs import envs
-from vllm_actors.kernels import choice, fp8_gemv
+from vllm_actors.kernels import choice, fp8_gemv, fp8_quant_fused
 from vllm_actors.kernels.fp8_gemm import (
     FP8_DTYPE,
     HAVE_TRITON,
+    GemmPlan,
+    QuantizedActivations,
     dequantize_weight,
     fp8_linear,
+    fp8_linear_quantized,
+    gemm_plan,
     gemv_rows,
     quantize_weight,
     weight_groups,
 )
-from vllm_actors.kernels.fused_ops import silu_and_mul
+from vllm_actors.kernels.fused_ops import silu_and_mul, use_triton
 from vllm_actors.models.config import ModelConfig
-from vllm_actors.models.parallel import Part
+from vllm_actors.models.parallel import Part, TensorParallel
 from vllm_actors.models.quant_config import Fp8Scheme
 from vllm_actors.models.tensor_source import TensorSource
 
@@ -72,8 +76,30 @@ class Fp8Linear(nn.Module):
         scale: torch.Tensor = getattr(self, self.scale_name)
         return scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
+        """``x``: the activations, or already quantized for this projection (``fused_plan``)."""
+        if isinstance(x, QuantizedActivations):
+            return fp8_linear_quantized(x, self.weight, self.scales, self.block, self.bias)
         return fp8_linear(x, self.weight, self.scales, self.block, self.bias)
+
+    @property
+    def group_k(self) -> int:
+        """The activations' quantization group along K."""
+        return weight_groups(self.weight.shape, self.block)[1]
+
+    def fused_plan(self, x: torch.Tensor) -> GemmPlan | None:
+        """The GEMM's plan where the producer of this projection's input (``x``'s rows, on its device)
+        should quantize it itself (``VLLM_ACTORS_FP8_FUSED_QUANT``, the quantized path, the producers'
+        Triton kernels), else None: the GEMV's rows, and CUDA-graph capture unless the setting says
+        ``graphs``, keep the unfused path."""
+        mode = envs.VLLM_ACTORS_FP8_FUSED_QUANT
+        if (mode == "off" or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1 or not use_triton(x)
+                or not fp8_quant_fused.takes(self.group_k, self.weight.shape[1])):
+            return None
+        if mode != "graphs" and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        plan = gemm_plan(x, self.weight, self.scales, self.block)
+        return None if plan.gemv else plan
 
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))``; with ``VLLM_ACTORS_FP8_GEMV_SILU`` (off: slower, measured) the
@@ -82,6 +108,9 @@ class Fp8Linear(nn.Module):
                 and gate_up.stride(1) == 1 and envs.VLLM_ACTORS_FP8_GEMV_SILU
                 and fp8_gemv.takes(self.weight, self.scales, self.block)):
             return fp8_gemv.fp8_gemv(gate_up, self.weight, self.scales, self.block, self.bias, silu_mul=True)
+        plan = self.fused_plan(gate_up)
+        if plan is not None:  # SiLU(gate) * up written quantized for this GEMM
+            return self(fp8_quant_fused.silu_mul_quant(gate_up, self.group_k, plan.layout))
         return self(silu_and_mul(gate_up))
 
     def init_dummy(self, generator: torch.Generator) -> None:
@@ -91,6 +120,30 @@ class Fp8Linear(nn.Module):
         weight, scale = quantize_weight(drawn, self.block)
         self.weight.copy_(weight)
         self.scales.copy_(scale)
+
+
+def fp8_input(owner: nn.Module, name: str) -> Fp8Linear | None:
+    """``owner``'s projection ``name`` where its input may come quantized by the norm before it: an
+    ``Fp8Linear`` with the fused quantization on and no LoRA adapters (they read the activations)."""
+    linear = getattr(owner, name, None)
+    if (not isinstance(linear, Fp8Linear) or getattr(owner, "lora", None) is not None
+            or envs.VLLM_ACTORS_FP8_FUSED_QUANT == "off"):
+        return None
+    return linear
+
+
+def rms_norm_quant_for(
+    linear: Fp8Linear, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+    tp: TensorParallel,
+) -> tuple[QuantizedActivations, torch.Tensor] | None:
+    """``tp.all_reduce_rms_norm(x, ...)`` with the normed rows quantized for ``linear`` in the same
+    kernel, or None where ``linear`` takes its input unquantized or the all-reduce fuses the norm."""
+    if tp.fused is not None and tp.fused.fits(x):  # the all-reduce's kernel norms: not fused here
+        return None
+    plan = linear.fused_plan(x)
+    if plan is None:
+        return None
+    return fp8_quant_fused.rms_norm_quant(tp.all_reduce(x), weight, eps, residual, linear.group_k, plan.layout)
 
 
 def _whole_blocks(part_rows: list[int], cols: int, split_cols: bool, scheme: Fp8Scheme) -> bool:

@@ -28,7 +28,7 @@ from vllm_actors.kernels.attention import AttentionBackend, AttentionMetadata, g
 from vllm_actors.kernels.fused_ops import fuses_kv_write, qk_norm_rope, silu_and_mul
 from vllm_actors.kernels.gemv import linear, silu_mul_linear
 from vllm_actors.models.config import ModelConfig
-from vllm_actors.models.fp8 import merged_rows
+from vllm_actors.models.fp8 import Fp8Linear, QuantizedActivations, fp8_input, merged_rows, rms_norm_quant_for
 from vllm_actors.models.fused_all_reduce import SLOT_ATTN, SLOT_EMBED, SLOT_MLP
 from vllm_actors.models.kv_scales import KvScaleSetup
 from vllm_actors.models.llama_weights import CheckpointWeights
@@ -51,10 +51,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel, slot: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel, slot: int,
+        fp8_next: Fp8Linear | None = None,
+    ) -> tuple[Any, torch.Tensor]:
         """(RMSNorm(sum + residual), sum + residual), ``sum`` being ``x`` summed over the ranks of
-        ``tp`` (``x`` itself without a group): one fused pass (``TensorParallel.all_reduce_rms_norm``)."""
+        ``tp`` (``x`` itself without a group): one fused pass (``TensorParallel.all_reduce_rms_norm``).
+        ``fp8_next``: the FP8 projection the output feeds, for which the norm may write it quantized
+        (``QuantizedActivations``, `models/fp8.py` ``rms_norm_quant_for``)."""
+        if fp8_next is not None:
+            fused = rms_norm_quant_for(fp8_next, x, self.weight, self.eps, residual, tp)
+            if fused is not None:
+                return fused
         return tp.all_reduce_rms_norm(x, self.weight, self.eps, residual, slot)
 
 
@@ -91,15 +98,15 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedActivations,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj) if isinstance(x, torch.Tensor) else self.qkv_proj(x)
+        t = qkv.shape[0]
         if self.lora is not None:
             self.lora.add("qkv", x, qkv)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
@@ -145,9 +152,10 @@ class MLP(nn.Module):
         self.gelu = config.hidden_activation == "gelu_pytorch_tanh"
         self.lora: Any = None  # LoRA adapters' hooks (lora/manager.py), when the engine serves them
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj) if isinstance(x, torch.Tensor) else self.gate_up_proj(x)
         if self.lora is not None:
+            assert isinstance(x, torch.Tensor)  # `fp8_input`: never quantized under adapters
             return self._forward_lora(x, gate_up)
         if self.gelu:  # Gemma: gelu(gate, tanh approximation) * up
             gate, up = gate_up.chunk(2, dim=-1)
@@ -202,9 +210,10 @@ class DecoderLayer(nn.Module):
             h = self.post_attention_layernorm(h, None, self.tp, SLOT_ATTN)[0]
             h, residual = self.pre_feedforward_layernorm(h, residual, _LOCAL, SLOT_ATTN)
             return self.post_feedforward_layernorm(self.mlp(h), None, self.tp, SLOT_MLP)[0], residual
-        h, residual = self.input_layernorm(x, residual, self.tp, slot)
+        h, residual = self.input_layernorm(x, residual, self.tp, slot, fp8_input(self.self_attn, "qkv_proj"))
         h = self.self_attn(h, cos, sin, meta, kv_cache, backend)
-        h, residual = self.post_attention_layernorm(h, residual, self.tp, SLOT_ATTN)
+        h, residual = self.post_attention_layernorm(h, residual, self.tp, SLOT_ATTN,
+                                                    fp8_input(self.mlp, "gate_up_proj"))
         return self.mlp(h), residual
 
 
