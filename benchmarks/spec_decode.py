@@ -32,7 +32,13 @@ output, at the cost per step of random weights of the same shape.
     python benchmarks/spec_decode.py --model-shape qwen3-8b --modes off oracle --oracle-acceptance 0.3 0.6 0.9 \
         --concurrency --out /tmp/oracle
 
-Writes ``results.json`` in ``--out`` and prints one line per engine and mode.
+Both engines' speculation counters per phase (``phase_drafting``; vLLM's from ``LLM.get_metrics()``,
+``--no-vllm-stats`` turns its stats logging off and them with it) give per mode and engine
+``step_cost`` (``lib/spec_counters.py``): per phase the tokens per request-step, vLLM's mean
+acceptance length and the acceptance rate, at batch 1 the ms per step (ms/token x tokens per step):
+the engines compared per verification step whatever their drafts' acceptance.
+
+Writes ``results.json`` in ``--out`` and prints one line per engine and mode, and a step-cost line per mode.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from typing import Any
 
 # The repository instead of this folder (whose kernels.py would shadow the package transformers imports).
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.lib import spec_measure, spec_oracle, spec_ours, spec_paired  # noqa: E402
+from benchmarks.lib import spec_counters, spec_measure, spec_oracle, spec_ours, spec_paired  # noqa: E402
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES, write_model_dir  # noqa: E402
 
 
@@ -210,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--vllm-python", default=sys.executable)
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite")
+    parser.add_argument("--vllm-stats", action=argparse.BooleanOptionalAction, default=True,
+                        help="vLLM's stats logging, which its speculation counters per phase need (--no-vllm-stats: "
+                             "off, to see what it costs)")
     args = parser.parse_args(argv)
     if args.convert_default:
         convert_default(args.convert_default)
@@ -248,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
         "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
         "speculative_config": ngram, "speculative_configs": configs, "always_draft": args.always_draft,
+        "vllm_stats": args.vllm_stats,
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
@@ -271,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ours if args.peer else []:  # vLLM after ours, one process per mode
         results[f"vllm_{mode}"] = run_peer(args, spec_path, mode)
         print(f"vllm {mode}: {json.dumps(results[f'vllm_{mode}'])}", flush=True)
+    for mode in ours:  # per verification step, whatever each engine's acceptance
+        costs = {engine: spec_counters.step_cost(results[f"{engine}_{mode}"])
+                 for engine in ("ours", "vllm") if f"{engine}_{mode}" in results}
+        for engine, cost in costs.items():
+            if cost:
+                results[f"{engine}_{mode}"]["step_cost"] = cost
+        print(spec_counters.step_line(mode, costs), flush=True)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -21,7 +21,8 @@ WORDS = ("the model copies this passage with care while the river runs past old 
 
 # (prompts as token ids, max tokens) -> (tokens generated, seconds)
 Generate = Callable[[Sequence[Sequence[int]], int], tuple[int, float]]
-# () -> the engine's speculative-decoding totals (num_drafts, num_draft_tokens, num_accepted_tokens)
+# () -> the engine's speculative-decoding totals (num_drafts, num_draft_tokens, num_accepted_tokens;
+# accepted_per_pos optional)
 Counters = Callable[[], dict[str, Any]]
 
 WARMUP_TOKENS = 64  # the warm-up: one request of this many tokens, then a batch of WARMUP_BATCH
@@ -86,13 +87,19 @@ def concurrent(generate: Generate, prompts: Sequence[Sequence[int]], count: int,
 def drafting(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:
     """A phase's drafting from the counters before and after it: request-steps that drafted
     (``num_drafts``), their drafts, the accepted ones, the mean drafts per drafting request-step
-    (``mean_k``) and the share of the request-steps that drafted (each request-step gave one token
-    plus its accepted drafts)."""
-    delta = {key: after.get(key, 0) - before.get(key, 0)
-             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    (``mean_k``), the share of the request-steps that drafted (each request-step gave one token
+    plus its accepted drafts) and the phase's tokens; ``accepted_per_pos`` too where the counters
+    have it."""
+    delta: dict[str, Any] = {key: after.get(key, 0) - before.get(key, 0)
+                             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     request_steps = max(tokens - delta["num_accepted_tokens"], 1)
     delta["mean_k"] = delta["num_draft_tokens"] / delta["num_drafts"] if delta["num_drafts"] else 0.0
     delta["drafting_share"] = delta["num_drafts"] / request_steps
+    delta["tokens"] = tokens
+    if "accepted_per_pos" in after:
+        earlier = list(before.get("accepted_per_pos", []))
+        delta["accepted_per_pos"] = [count - (earlier[pos] if pos < len(earlier) else 0)
+                                     for pos, count in enumerate(after["accepted_per_pos"])]
     return delta
 
 

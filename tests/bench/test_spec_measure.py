@@ -32,5 +32,5 @@ def test_each_phase_records_what_the_policy_drafted() -> None:
     assert batch1["drafting_share"] == 6 / (20 - 12)  # request-steps: tokens less accepted drafts
     assert result["phase_drafting"]["concurrency_16"] == {"num_drafts": 0, "num_draft_tokens": 0,
                                                           "num_accepted_tokens": 0, "mean_k": 0.0,
-                                                          "drafting_share": 0.0}
+                                                          "drafting_share": 0.0, "tokens": 160}
     assert "phase_drafting" not in spec_measure.measure(generate, [[1]] * 16, 10, 1, [])
