@@ -7,12 +7,12 @@ this model's small weights), and the greedy tokens are those of no speculation."
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.stand_in_graphs import EagerReplay
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 from vllm_actors.clients.inprocess import InProcessEngine
@@ -27,18 +27,6 @@ from vllm_actors.runner.verify_rows import extra_kv_bytes, queries_per_read
 SIZES = [8, 16, 24]
 PROMPTS = [[(i * 13 + j * 7) % 500 for j in range(8 + 3 * i)] for i in range(6)]
 MAX_TOKENS = 8
-
-
-class EagerReplay:
-    """A decode graph's stand-in: ``replay`` runs the bucket's pass on the static inputs (its graph's output)."""
-
-    def __init__(self, run: Callable[[], torch.Tensor]) -> None:
-        self.run = run
-        self.graph: DecodeGraph | None = None
-
-    def replay(self) -> None:
-        assert self.graph is not None
-        self.graph.logits = self.run()
 
 
 class StandInGraphs(ModelRunner):

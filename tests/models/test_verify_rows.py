@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_actors.actors.worker.step_data import BatchInput
+from vllm_actors.actors.worker.step_data import BatchInput, SamplingRow, WorkerRequest
+from vllm_actors.actors.worker.verify import expand_rows
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import parse_speculative_config
 from vllm_actors.runner.model_runner import ModelRunner
 from vllm_actors.runner.verify_rows import (
@@ -95,6 +97,9 @@ def test_rows_keep_their_sequences_as_query_groups() -> None:
     assert group_bounds(rows, 8).tolist() == [[0, 0, 0, 3, 4, 4, 6, 7], [3, 3, 3, 4, 6, 6, 7, 8]]
     plain = _batch([[1], [2]], [3, 4], [[0], [1]], every_row=True)
     assert group_bounds(plain, 3).tolist() == [[0, 1, 2], [1, 2, 3]]  # rows alone, padding too
+    # rows alone come from one shared read-only array; a grouped step's bounds do not write into it
+    assert group_bounds(plain, 8) is group_bounds(plain, 8) and not group_bounds(plain, 8).flags.writeable
+    assert group_bounds(rows, 8).flags.writeable and group_bounds(plain, 8).tolist()[1] == list(range(1, 9))
 
 
 def test_query_groups_where_the_attention_has_them(runner: ModelRunner) -> None:
@@ -113,3 +118,15 @@ def test_decode_graphs_hold_a_verification_step_of_every_sequence() -> None:
     assert decode_graph_rows(256, 128, spec) == 256  # never below a decode step's
     long = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 3})
     assert decode_graph_rows(16, 8192, long) == 16 * 8  # MAX_QUERY_LEN rows a sequence
+
+
+def test_expanded_rows_are_the_first_row_with_its_output_index_on() -> None:
+    """expand_rows builds each draft's row field by field: every field of the request's row is carried
+    (a field added to SamplingRow and not carried fails here)."""
+    params = SamplingParams(temperature=0.7, seed=3, min_tokens=9, stop_token_ids=[5], max_tokens=20)
+    request = WorkerRequest("r", [1, 2, 3, 4], num_prompt_tokens=3, num_output_tokens=1, params=params,
+                            eos_token_ids=[2], penalty_slot=4)
+    rows, owners = expand_rows([request], [[7, 8]])
+    first = request.sampling_row()
+    assert rows == [first] + [SamplingRow(**{**vars(first), "num_output_tokens": 1 + i}) for i in (1, 2)]
+    assert owners == [request] * 3 and rows[2].penalty_slot == 4 and rows[1].min_tokens_stop_ids == [2, 5]

@@ -94,7 +94,7 @@ class GraphInputs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.device["slot_mapping"].fill_(-1)
         self.device["seq_lens"].fill_(1)
-        self.device["decode_groups"].copy_(torch.from_numpy(group_bounds(_NO_GROUPS, largest)))
+        self.device["decode_groups"].copy_(torch.from_numpy(group_bounds(_NO_GROUPS, largest).copy()))
 
     def for_bucket(self, size: int) -> dict[str, torch.Tensor]:
         """The graph inputs of a bucket of ``size`` rows (views: captured once, refilled per step)."""

@@ -21,6 +21,7 @@ tokens; otherwise the step keeps the padded path.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -59,16 +60,17 @@ def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: f
     if extra_kv_bytes(batch, kv_bytes_per_token, queries_per_read) > KV_SHARE * weight_bytes:
         return None
     sequence_of_row = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+    sequences = sequence_of_row.tolist()
     return BatchInput(
         token_ids=batch.token_ids,
         positions=batch.positions,
         query_lens=[1] * num_tokens,
         seq_lens=[position + 1 for position in batch.positions],
-        block_tables=[batch.block_tables[row] for row in sequence_of_row.tolist()],
+        block_tables=[batch.block_tables[row] for row in sequences],
         logits_indices=batch.logits_indices,
         block_table_array=None if batch.block_table_array is None else batch.block_table_array[sequence_of_row],
         deferred=batch.deferred,  # the same flat token indices
-        loras=None if batch.loras is None else [batch.loras[row] for row in sequence_of_row.tolist()],
+        loras=None if batch.loras is None else [batch.loras[row] for row in sequences],
         row_groups=list(batch.query_lens),
     )
 
@@ -83,18 +85,30 @@ def decode_graph_rows(max_num_seqs: int, max_num_tokens: int, speculative: Specu
     return max(max_num_seqs, min(max_num_seqs * per_sequence, max_num_tokens))
 
 
-def group_bounds(batch: BatchInput, rows: int) -> np.ndarray:
-    """``decode_groups`` of ``rows`` decode rows (the batch's, then padding): int32 [2, rows], each row's
-    group's first and end row; rows alone (padding, or a batch without ``row_groups``) are their own group."""
+@functools.lru_cache(maxsize=64)
+def _rows_alone(rows: int) -> np.ndarray:
+    """``decode_groups`` of ``rows`` rows each its own group, read-only (kept: every plain step of a
+    speculating engine uploads them)."""
     bounds = np.empty((2, rows), dtype=np.int32)
     bounds[0] = np.arange(rows)
     bounds[1] = bounds[0] + 1
-    if batch.row_groups:
-        counts = np.asarray(batch.row_groups, dtype=np.int32)
-        ends = np.cumsum(counts, dtype=np.int32)
-        used = int(ends[-1])
-        bounds[0, :used] = np.repeat(ends - counts, counts)
-        bounds[1, :used] = np.repeat(ends, counts)
+    bounds.setflags(write=False)
+    return bounds
+
+
+def group_bounds(batch: BatchInput, rows: int) -> np.ndarray:
+    """``decode_groups`` of ``rows`` decode rows (the batch's, then padding): int32 [2, rows], each row's
+    group's first and end row; rows alone (padding, or a batch without ``row_groups``) are their own group.
+    Read-only where the batch has no groups (a shared array: copy it to write)."""
+    alone = _rows_alone(rows)
+    if not batch.row_groups:
+        return alone
+    bounds = alone.copy()
+    counts = np.asarray(batch.row_groups, dtype=np.int32)
+    ends = np.cumsum(counts, dtype=np.int32)
+    used = int(ends[-1])
+    bounds[0, :used] = np.repeat(ends - counts, counts)
+    bounds[1, :used] = np.repeat(ends, counts)
     return bounds
 
 
