@@ -185,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or ("results/fp8_gemm_sweep.json" if args.sweep else "results/fp8_gemm.json")
     projections = [p for p in PROJECTIONS if p[0] in args.shapes]
     if args.sweep:
-        from benchmarks.lib import fp8_gemm_sweep
-
         spin_up()
         return fp8_gemm_sweep.run(projections, args)
     if args.vllm_site and Path(args.vllm_site, "vllm").is_dir():

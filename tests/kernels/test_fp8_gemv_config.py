@@ -177,3 +177,14 @@ def test_sweep_checks_times_and_picks_the_fastest(monkeypatch: pytest.MonkeyPatc
     assert len(checks) == 3 and not timings and row["gemv_wrong"] == [fp8_gemv_sweep.key(ONE)] and best == TWO
     assert set(row["gemv_sweep_us"]) == {fp8_gemv_sweep.key(Fp8GemvConfig()), fp8_gemv_sweep.key(TWO)}
     assert row["gemv_default_us"] == 9.0 and row["gemv_best_us"] == 1.0 and row["gemv_best"] == TWO.to_json()
+
+
+def test_the_gemv_sweeps_main_checks_the_table_file_before_timing(tmp_path: Path) -> None:
+    """``benchmarks/fp8_gemm.py --sweep-gemv --table-out FILE`` reads FILE before any timing: an unreadable
+    one is the engine's clear ValueError (it once failed there with an UnboundLocalError on the GPU)."""
+    from benchmarks.lib import fp8_gemm_bench
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        fp8_gemm_bench.main(["--sweep-gemv", "--rows", "1", "--table-out", str(bad), "--out", str(tmp_path / "o.json")])
