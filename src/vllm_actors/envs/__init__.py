@@ -324,10 +324,11 @@ class Envs:
         "(torch._scaled_mm) where a probe at first use gives the float64 reference's result (0: the Triton GEMM).",
         "kernels")
     VLLM_ACTORS_FP8_FUSED_QUANT = Setting(
-        "off", fused_quant_mode, "FP8 projections above the GEMV's rows take their input quantized by the RMSNorm "
-        "or SiLU(gate) * up before them (one kernel and one pass over the activations fewer, results identical): "
-        "`1` in forwards run eagerly (prefill), `graphs` also inside the captured decode CUDA graphs; off (`0`) "
-        "until measured on a GPU.", kind="0, 1, graphs", group="kernels", shown_default="0")
+        "graphs", fused_quant_mode, "FP8 projections above the GEMV's rows take their input quantized by the "
+        "RMSNorm or SiLU(gate) * up before them (one kernel and one pass over the activations fewer, results "
+        "identical): `1` in forwards run eagerly (prefill), `graphs` also inside the captured decode CUDA graphs "
+        "(Qwen3-8B FP8 on an H200: 10,877 tok/s against 10,631 with `0`), `0` never.", kind="0, 1, graphs",
+        group="kernels")
     VLLM_ACTORS_FP8_GEMM_CONFIG = Setting[str | None](
         None, text, "A JSON file of tuned Triton FP8 GEMM launches per weight shape and rows, and of the weight-only "
         "FP8 GEMV's at 1 to 4 rows (`benchmarks/fp8_gemm.py --sweep` and `--sweep-gemv` with `--table-out` write "
