@@ -4,8 +4,9 @@ its baseline afterwards.
 
 Latency is measured by a poller in a process of its own (``/health`` and ``/v1/models`` in turn,
 each on the same keep-alive connection), so that the test process's own work of sending 30 MB
-does not count. The bound is 100 ms; before these changes ``/health`` waited 3+ s
-behind a 3 MB prompt and 36-50 s behind a 30 MB one.
+does not count. The bound is 1 s: before these changes ``/health`` waited 3+ s behind a 3 MB
+prompt and 36-50 s behind a 30 MB one, while a loaded 2-core machine (the suite's other processes)
+has delayed an unblocked answer by up to 126 ms.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from vllm_actors.server.limits import MAX_BODY_BYTES, MIN_BODY_BYTES, RequestLim
 MAX_MODEL_LEN = 256
 MAX_PROMPT_BYTES = 4_000_000  # raised from the default (8 KB here) so that a 3 MB prompt is tokenised
 MAX_BODY = 6 * MAX_PROMPT_BYTES  # the default body cap that follows from it
-MAX_LATENCY = 0.1  # seconds: the bound for /health and small requests during a large one
+MAX_LATENCY = 1.0  # seconds: the bound for /health and /v1/models during a large request (blocked: 3+ s)
 MEMORY_SLACK = 200 * 1024 * 1024  # serve within 200 MB of its baseline after a large request
 FILLER = "The quick brown fox jumps over the lazy dog. "
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -179,15 +180,15 @@ def test_the_worker_launches_a_step_without_waiting_for_the_gpu(
     launch = worker._launch
     launches = []
 
-    def checked(plan: StepPlan, started: StepStarted, read_now: bool) -> PendingStep:
+    def checked(plan: StepPlan, started: StepStarted, read_now: bool, **options: Any) -> PendingStep:
         if read_now:  # a step read back at once waits for its tokens by design
-            return launch(plan, started, read_now)
+            return launch(plan, started, read_now, **options)
         launches.append(plan.step_id)
         if device != "cuda":
-            return launch(plan, started, read_now)
+            return launch(plan, started, read_now, **options)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(plan, started, read_now)
+            return launch(plan, started, read_now, **options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
