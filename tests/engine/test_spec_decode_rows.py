@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.stand_in_graphs import EagerReplay
+from tests.support.stand_in_graphs import stand_in_decode_graphs
 from tests.support.tiny_models import build_checkpoint
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
 from vllm_actors.clients.inprocess import InProcessEngine
@@ -20,9 +20,8 @@ from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from vllm_actors.runner import verify_rows
-from vllm_actors.runner.graph_inputs import DecodeGraph, GraphInputs
 from vllm_actors.runner.model_runner import ModelRunner
-from vllm_actors.runner.verify_rows import extra_kv_bytes, queries_per_read
+from vllm_actors.runner.verify_rows import extra_kv_bytes
 
 SIZES = [8, 16, 24]
 PROMPTS = [[(i * 13 + j * 7) % 500 for j in range(8 + 3 * i)] for i in range(6)]
@@ -35,15 +34,7 @@ class StandInGraphs(ModelRunner):
     def capture_graphs(self) -> None:
         self.executed: list[BatchInput] = []
         self.replayed: list[BatchInput] = []
-        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self._static = GraphInputs(SIZES[-1], self.max_blocks_per_seq, self.block_size, self.device,
-                                   queries_per_read=queries_per_read(True, self.model, self.local_config))
-        for size in SIZES:
-            inputs = self._static.for_bucket(size)
-            meta = self._static.meta(inputs, size, self.max_model_len)
-            stand_in = EagerReplay(lambda inputs=inputs, meta=meta: self._decode_pass(inputs, meta, False))
-            stand_in.graph = self._graphs[size] = DecodeGraph(stand_in, torch.empty(0))  # type: ignore[arg-type]  # replay() only
-        self._graph_sizes = SIZES
+        stand_in_decode_graphs(self, SIZES)
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
         self.executed.append(batch)

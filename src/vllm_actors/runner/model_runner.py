@@ -12,8 +12,9 @@ replay a CUDA graph captured for the next batch-size bucket, padded rows writing
 their inputs packed in one buffer moved by one copy (``graph_inputs.py``); so do verification steps
 of speculative decoding, as one decode row per token (``verify_rows.py``); where the step's rows
 need nothing but the fused sampling kernel, a second graph per bucket draws the tokens too
-(``graph_draws.py``, verification steps' too; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off). Other steps (prefills, mixed)
-replay a graph of the whole forward pass padded to the next token count (``padded_forward.py``).
+(``graph_draws.py``, for verification steps too; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off).
+Other steps (prefills, mixed) replay a graph of the whole forward pass padded to the next token
+count (``padded_forward.py``).
 The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and the peak activations
 of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more),
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
