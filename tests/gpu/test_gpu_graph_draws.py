@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.models.test_verify_rows import _batch
+from tests.support.inprocess_runs import output_token_ids
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling, SamplingRow
-from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import SpeculativeConfig, parse_speculative_config
@@ -83,15 +83,7 @@ def _generate(model: Path, spec: SpeculativeConfig | None,
     monkeypatch.setattr(ModelRunner, "execute", counted)
     monkeypatch.setattr(ModelRunner, "execute_sampled", counted_sampled)
     config = _config(model, spec)
-    engine = InProcessEngine(config, serialize=True, runner=ModelRunner(config), tokenizer=None)
-    engine.step_hooks.append(lambda e: e.check_invariants())
-    for index, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
-        engine.submit(engine.prepare(str(index), {"prompt_token_ids": prompt}, params))
-    finished: dict[str, list[int]] = {}
-    while engine.has_unfinished:
-        finished.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
-    engine.check_idle_invariants()
-    return [finished[str(index)] for index in range(len(PROMPTS))], counts["graph"], counts["eager"]
+    return output_token_ids(config, ModelRunner(config), PROMPTS, PARAMS), counts["graph"], counts["eager"]
 
 
 def test_an_engine_verifying_in_the_graph_gives_the_tokens_of_the_eager_sampler(
