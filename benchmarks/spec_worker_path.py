@@ -38,7 +38,7 @@ from vllm_actors.default_model import default_model_path  # noqa: E402
 from vllm_actors.protocol.config import EngineConfig  # noqa: E402
 from vllm_actors.protocol.sampling import SamplingParams  # noqa: E402
 from vllm_actors.protocol.speculative import parse_speculative_config  # noqa: E402
-from vllm_actors.runner import model_runner, sampler  # noqa: E402
+from vllm_actors.runner import graph_draws, model_runner, sampler  # noqa: E402
 from vllm_actors.runner.graph_inputs import DecodeGraph, GraphInputs  # noqa: E402
 from vllm_actors.runner.model_runner import ModelRunner  # noqa: E402
 from vllm_actors.runner.verify_rows import decode_graph_rows, queries_per_read  # noqa: E402
@@ -127,7 +127,7 @@ def instrument(engine: InProcessEngine, spans: Spans) -> None:
         (ngram_drafts, "drafting_work", "launch/propose/drafting_work"),
         (ngram_drafts, "with_drafts", "launch/propose/with_drafts"),
         (ngram_drafts, "propose_ngram", "launch/propose/propose_ngram"),
-        (model_runner, "as_decode_rows", "launch/execute/as_decode_rows"),
+        (graph_draws, "as_decode_rows", "launch/execute/as_decode_rows"),
         (model_runner, "fill_deferred", "launch/execute/fill_deferred"),
         (batch_module.BlockTableArray if hasattr(batch_module, "BlockTableArray") else batch_module,
          "gather", "launch/build_batch/tables.gather"),

@@ -12,8 +12,9 @@ replay a CUDA graph captured for the next batch-size bucket, padded rows writing
 their inputs packed in one buffer moved by one copy (``graph_inputs.py``); so do verification steps
 of speculative decoding, as one decode row per token (``verify_rows.py``); where the step's rows
 need nothing but the fused sampling kernel, a second graph per bucket draws the tokens too
-(``execute_sampled``; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off). Other steps (prefills, mixed)
-replay a graph of the whole forward pass padded to the next token count (``padded_forward.py``).
+(``graph_draws.py``, for verification steps too; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off).
+Other steps (prefills, mixed) replay a graph of the whole forward pass padded to the next token
+count (``padded_forward.py``).
 The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and the peak activations
 of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more),
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
@@ -48,6 +49,7 @@ from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
 from vllm_actors.runner.drafters import make_drafter, reattach
 from vllm_actors.runner.fp8_staging import attach_fp8_staging, fp8_staging_for, staged_step
+from vllm_actors.runner.graph_draws import GraphDraws
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
 from vllm_actors.runner.host_kv_tier import HostKvTier, num_host_blocks
@@ -58,7 +60,7 @@ from vllm_actors.runner.sleep_mode import SleepMode
 from vllm_actors.runner.stage_graphs import StageGraphIO
 from vllm_actors.runner.staging import Fence
 from vllm_actors.runner.step_inputs import StepStaging
-from vllm_actors.runner.verify_rows import as_decode_rows, decode_graph_rows, queries_per_read
+from vllm_actors.runner.verify_rows import decode_graph_rows, queries_per_read
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +68,7 @@ log = structlog.get_logger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
-class ModelRunner(KvPoolSizing):
+class ModelRunner(GraphDraws, KvPoolSizing):
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
     padded_graphs = True  # False for a draft model: its catch-ups run eagerly
 
@@ -220,13 +222,9 @@ class ModelRunner(KvPoolSizing):
             self._calculate_kv_scales = False
             self.model.calculate_kv_scales()
             return self._run_eager(batch)
-        bucket = self._decode_bucket(batch)
-        if bucket is None and self._graphs:  # a verification step as decode rows (verify_rows.py)
-            rows = as_decode_rows(batch, self.bytes_per_block / self.block_size, self._weight_bytes,
-                                  self._static.queries_per_read if self._static else 1)
-            bucket, batch = (self._decode_bucket(rows), rows) if rows is not None else (None, batch)
+        bucket, rows = self._graph_step(batch)  # a verification step: its decode rows (graph_draws.py)
         if bucket is not None:
-            return self._run_graph(batch, bucket)
+            return self._run_graph(rows, bucket)
         larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
         if not larger_decode and self._padded is not None and self._padded.graphs \
                 and not staged_step(self.model, batch.query_lens):  # a staged fp8 chunk runs eagerly
@@ -318,25 +316,3 @@ class ModelRunner(KvPoolSizing):
             return self._stage_io.replay(graph.graph, graph.logits, bucket, len(batch.query_lens))
         graph.graph.replay()
         return graph.logits[: len(batch.query_lens)]
-
-    def _decode_bucket(self, batch: BatchInput) -> int | None:
-        if not batch.is_decode or not self._graphs:
-            return None
-        return next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
-
-    def samples_in_graph(self, batch: BatchInput) -> bool:
-        """Whether ``execute_sampled`` can run this step (a decode step with a sampling graph)."""
-        bucket = self._decode_bucket(batch)
-        return not self._calculate_kv_scales and bucket is not None and bucket in self._sampled_graphs
-
-    @torch.inference_mode()
-    def execute_sampled(self, batch: BatchInput, sampling: GraphSampling) -> torch.Tensor:
-        """Run a decode step and draw its tokens in one graph replay (``samples_in_graph`` first);
-        return the chosen ids on the device (a view of the graph's output: read, or copy, before
-        the next step)."""
-        bucket = self._decode_bucket(batch)
-        assert bucket is not None and bucket in self._sampled_graphs
-        if self.lora is not None:
-            self.lora.prepare(batch.loras, batch.query_lens)
-        return self._run_graph(batch, bucket, sampling)
-

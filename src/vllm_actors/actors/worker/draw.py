@@ -10,7 +10,14 @@ import torch
 
 from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
 from vllm_actors.actors.worker.ranks import Ranks
-from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling, PendingStep, SamplingRow, WorkerRequest
+from vllm_actors.actors.worker.step_data import (
+    BatchInput,
+    GraphSampling,
+    PendingStep,
+    SamplingRow,
+    StepBatch,
+    WorkerRequest,
+)
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.messages import Logprobs
 
@@ -34,6 +41,13 @@ class Draw:
         if not self.runner.samples_in_graph(batch):
             return None
         return self.sampler.graph_params(rows)
+
+    def _verifies_in_graph(self, step: StepBatch) -> bool:
+        """Whether a step read back at once may still draw in the decode graph: a verification step
+        (its ids read back for the verification) whose every logits row samples and none of whose
+        requests wants logprobs or prompt logprobs."""
+        return bool(step.drafts) and not step.spans and len(step.sample_rows) == len(step.batch.logits_indices) \
+            and not any(self.sampler.needs_host(request.params) for request in step.samplers)
 
     def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None) -> None:
         """Structured outputs: the constrained rows' disallowed tokens to -inf."""

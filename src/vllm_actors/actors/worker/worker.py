@@ -275,7 +275,8 @@ class Worker(Draw, KvRejoining, Membership):
             rows, row_owners = expand_rows(samplers, step.drafts)
         else:
             rows = [request.sampling_row() for request in samplers]
-        sampling = None if read_now else self._graph_sampling(batch, rows)
+        # a verification step, read back at once, draws in the graph too where no row needs the host
+        sampling = self._graph_sampling(batch, rows) if not read_now or self._verifies_in_graph(step) else None
         logprobs: list[Logprobs | None] = []
         prompt_logprobs: list[PromptLogprobs] = []
         chosen: torch.Tensor | list[int]
