@@ -24,7 +24,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from vllm_actors.kernels.fp8_gemm import _round_e4m3
-    from vllm_actors.kernels.fused_ops import _add_rms_norm_row
+    from vllm_actors.kernels.fused_ops import _add_rms_norm_row, _silu_mul_row
     from vllm_actors.kernels.pdl import pdl, pdl_enter
 
     @triton.jit
@@ -67,10 +67,7 @@ if HAVE_TRITON:
         first = tl.program_id(1) * BLOCK
         cols = first + tl.arange(0, BLOCK)
         mask = (cols < n_cols) & (row + tl.zeros_like(cols) < M)  # a padding row past M: zeros
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-        y = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # the value silu_and_mul would store
+        y = _silu_mul_row(x_ptr, row, cols, mask, n_cols, stride_x).to(tl.float32)  # what silu_and_mul stores
         _store_quantized(y, q_ptr + row * stride_q, s_ptr + row * stride_s, stride_sg, first, n_cols, BLOCK, GROUP)
 
 

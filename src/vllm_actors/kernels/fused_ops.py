@@ -227,10 +227,16 @@ if HAVE_TRITON:
         block = tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
+        tl.store(out_ptr + row * stride_o + cols, _silu_mul_row(x_ptr, row, cols, mask, n_cols, stride_x), mask=mask)
+
+    @triton.jit
+    def _silu_mul_row(x_ptr, row, cols, mask, n_cols, stride_x):
+        """SiLU(gate) * up over ``cols`` of one row of [gate | up], in x's dtype: SiLU in float32, rounded
+        to the dtype before the product (also `fp8_quant_fused.py`)."""
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
         silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-        tl.store(out_ptr + row * stride_o + cols, silu * up, mask=mask)
+        return silu * up
 
 
 # ------------------------------------------------------------------------------------ entry points
