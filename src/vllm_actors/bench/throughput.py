@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from vllm_actors.bench.engine_env import engine_env_arg, engine_environment
 from vllm_actors.bench.event_log import decode_idle_share, request_latencies, step_series, worker_steps
 from vllm_actors.bench.report import BenchReport, format_table, write_json, write_png
 from vllm_actors.bench.throughput_engine import EngineSession, make_llm, measure_ours
@@ -163,20 +164,6 @@ def router_skew_arg(text: str) -> str:
         return parse_skew(text).spec
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
-
-
-def engine_env_arg(text: str) -> tuple[str, str]:
-    """``--engine-env``'s value: ``NAME=VALUE`` of a registered setting whose value it parses."""
-    from vllm_actors.envs import Envs
-
-    name, equals, value = text.partition("=")
-    if not equals:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        Envs.setting(name).read({name: value})
-    except (KeyError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc).strip("'\"")) from None
-    return name, value
 
 
 def moe_config_arg(text: str) -> str:
@@ -374,26 +361,18 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> tuple[B
             os.environ[DISABLE_EVENTS_ENV] = "1"  # read by every actor of the group at its start
         if args.trace:  # the whole run in the store's log, read by the metrics store at its start
             os.environ.update(trace_file.retention_env(args.trace_max_events))
+        engine_env: dict[str, str] = {}
         if args.moe_router_skew is not None:  # read by every worker's MoE layers as they are built
-            os.environ[ROUTER_SKEW_ENV] = args.moe_router_skew
+            engine_env[ROUTER_SKEW_ENV] = args.moe_router_skew
         if args.moe_config is not None:  # read by every worker's MoE layers as they choose their tiles
-            os.environ[MOE_CONFIG_ENV] = args.moe_config
-        saved = {name: envs.environ.get(name) for name, _ in args.engine_env}  # put back after our run
-        os.environ.update(dict(args.engine_env))  # the actors inherit them as they start
-        try:
+            engine_env[MOE_CONFIG_ENV] = args.moe_config
+        engine_env.update(args.engine_env)
+        with engine_environment(engine_env):
             ok = _run_ours(args, setup, report, extension)
             for name in (DISABLE_EVENTS_ENV, *trace_file.retention_env(0)):
                 os.environ.pop(name, None)
             if ok and not args.no_batch1 and not args.batch1_same_engine_only and not args.no_events:
                 _run_other_batch1(args, setup, report)
-        finally:
-            os.environ.pop(ROUTER_SKEW_ENV, None)
-            os.environ.pop(MOE_CONFIG_ENV, None)
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         extension.after_ours(args, setup, report, ok)
 
     report.total_seconds = time.perf_counter() - started
