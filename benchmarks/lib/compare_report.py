@@ -123,7 +123,10 @@ class ComparisonReport(BenchReport):
                                                 f"{floor.decode_seconds:.2f} s)"))
             if self.fraction_of_floor is not None:
                 rows.append(("ours / floor", f"{self.fraction_of_floor:.1%}"))
-            rows.append(("floor at", f"{floor.bandwidth / 1e12:.2f} TB/s, {floor.matmul_rate / 1e12:.0f} TFLOP/s"))
+            gpus = (f" a GPU, TP={floor.tensor_parallel_size} x PP={floor.pipeline_parallel_size}"
+                    if floor.tensor_parallel_size * floor.pipeline_parallel_size > 1 else "")
+            rows.append(("floor at", f"{floor.bandwidth / 1e12:.2f} TB/s, {floor.matmul_rate / 1e12:.0f} TFLOP/s"
+                                     f"{gpus}"))
         if self.ceilings is not None:
             ceilings = self.ceilings
             rows.append(("measured copy bandwidth", f"{ceilings.bandwidth / 1e12:.2f} TB/s (read+write, "

@@ -16,6 +16,12 @@ ceilings, under a simple model of continuous batching:
 * up to ``max_num_seqs`` requests run at once; a finished one frees its slot for the next waiting
   request (with the default 256 requests and 256 slots, all of them start together).
 
+On PP x TP GPUs (``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks; the ceilings
+are one GPU's) the KV cache, the FLOPs and the prefill split evenly over all of them, the weights
+over the TP ranks only: a stage's GPUs read their 1/PP of the weights once for each micro-batch in
+flight, and keeping every stage busy takes PP micro-batches per step (with fewer, stages wait on
+one another), so a step's weight time is weights / TP / bandwidth at any PP.
+
 This module imports torch only inside the measuring functions: the floor model runs anywhere.
 """
 
@@ -194,11 +200,13 @@ class Floor:
     memory_bound_steps: int  # decode steps where bytes / bandwidth exceeded FLOPs / rate
     output_tokens: int
     prompt_tokens: int
-    bytes_read: float  # by the decode steps
+    bytes_read: float  # by the decode steps, on all GPUs
     flops: float  # prefill and decode
-    bandwidth: float
-    matmul_rate: float
+    bandwidth: float  # one GPU's
+    matmul_rate: float  # one GPU's
     max_num_seqs: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -215,24 +223,31 @@ def workload_floor(
     bandwidth: float,
     matmul_rate: float,
     max_num_seqs: int = 256,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> Floor:
     """The least time (and so the highest output tok/s) for the workload under the model of this
     module's docstring. ``output_lens`` are the output tokens of each request (``max_tokens`` when
     EOS is ignored)."""
+    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be at least 1, got "
+                         f"{tensor_parallel_size} and {pipeline_parallel_size}")
     if len(prompt_lens) != len(output_lens):
         raise ValueError(f"{len(prompt_lens)} prompts but {len(output_lens)} output lengths")
     if bandwidth <= 0 or matmul_rate <= 0:
         raise ValueError("bandwidth and matmul_rate must be positive")
     if max_num_seqs < 1:
         raise ValueError("max_num_seqs must be at least 1")
+    gpus = tensor_parallel_size * pipeline_parallel_size  # the ceilings below are all of them together
     params = shape.num_parameters
-    weight_bytes = shape.weight_bytes_per_step
+    weight_bytes = shape.weight_bytes_per_step * pipeline_parallel_size  # read PP times a step (docstring)
     kv_bytes = shape.kv_bytes_per_token
     attention_flops = shape.attention_flops_per_context_token
+    all_bandwidth, all_rate = bandwidth * gpus, matmul_rate * gpus
 
     prompt_tokens = sum(prompt_lens)
     prefill_flops = 2.0 * params * prompt_tokens
-    prefill_seconds = prefill_flops / matmul_rate
+    prefill_seconds = prefill_flops / all_rate
 
     # Each running request: [decode steps left, context it reads at its next decode step].
     # Prefill gives the first token, so a request of n output tokens needs n - 1 decode steps,
@@ -253,7 +268,7 @@ def workload_floor(
         context_tokens = sum(entry[1] for entry in running)
         step_bytes = weight_bytes + context_tokens * kv_bytes
         step_flops = 2.0 * params * len(running) + attention_flops * context_tokens
-        memory_time, compute_time = step_bytes / bandwidth, step_flops / matmul_rate
+        memory_time, compute_time = step_bytes / all_bandwidth, step_flops / all_rate
         decode_seconds += max(memory_time, compute_time)
         memory_bound += int(memory_time >= compute_time)
         bytes_read += step_bytes
@@ -277,4 +292,6 @@ def workload_floor(
         bandwidth=bandwidth,
         matmul_rate=matmul_rate,
         max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
     )

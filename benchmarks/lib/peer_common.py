@@ -42,7 +42,7 @@ def client_batch1(
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The arguments every peer script takes (throughput_compare.peer_command passes them)."""
+    """The arguments every peer script takes (throughput_compare.run_engine_peer passes them)."""
     parser.add_argument("--model", required=True)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--out", required=True)
@@ -61,6 +61,7 @@ def common_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--batch1-output-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=151936)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--moe-router-skew", default=None, help="zipf:S (vLLM's peer: peer_vllm_skew.py)")
     return parser
 

@@ -9,7 +9,7 @@ defaults for the context length (``context_length`` = ``--max-model-len``), with
 unless ``--no-enable-prefix-caching``; what is set, and why: ``sampling_backend="pytorch"``
 (FlashInfer's sampling kernels would be compiled with nvcc on every fresh machine), the attention
 backend named by ``--attention-backend`` (default fa3, which SGLang itself picks for dense models on
-Hopper; recorded), ``load_format``/``dtype``/``random_seed``/``tp_size`` as for the other engines.
+Hopper; recorded), ``load_format``/``dtype``/``random_seed``/``tp_size``/``pp_size`` as for the other engines.
 The resolved server arguments go into the result (``server_args``).
 """
 
@@ -30,7 +30,7 @@ import peer_common  # noqa: E402
 # The resolved server arguments worth a line in the report (what could not be made equal).
 REPORTED_ARGS = ("attention_backend", "sampling_backend", "context_length", "chunked_prefill_size",
                  "max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "mem_fraction_static",
-                 "page_size", "schedule_policy", "disable_radix_cache", "disable_cuda_graph", "tp_size")
+                 "page_size", "schedule_policy", "disable_radix_cache", "disable_cuda_graph", "tp_size", "pp_size")
 
 
 def sampling_params(max_tokens: int, fields: dict[str, Any]) -> dict[str, Any]:
@@ -64,11 +64,14 @@ def free_port() -> int:
 
 
 def engine_kwargs(args: argparse.Namespace, need_tokenizer: bool) -> dict[str, Any]:
-    return {"model_path": args.model, "load_format": args.load_format, "dtype": args.dtype,
-            "context_length": args.max_model_len, "tp_size": args.tensor_parallel_size, "random_seed": args.seed,
-            "skip_tokenizer_init": not need_tokenizer, "disable_radix_cache": not args.enable_prefix_caching,
-            "disable_cuda_graph": args.enforce_eager, "attention_backend": args.attention_backend,
-            "sampling_backend": "pytorch", "log_level": "error", "port": free_port()}
+    kwargs = {"model_path": args.model, "load_format": args.load_format, "dtype": args.dtype,
+              "context_length": args.max_model_len, "tp_size": args.tensor_parallel_size, "random_seed": args.seed,
+              "skip_tokenizer_init": not need_tokenizer, "disable_radix_cache": not args.enable_prefix_caching,
+              "disable_cuda_graph": args.enforce_eager, "attention_backend": args.attention_backend,
+              "sampling_backend": "pytorch", "log_level": "error", "port": free_port()}
+    if args.pipeline_parallel_size > 1:  # pipeline stages of tp_size GPUs each
+        kwargs["pp_size"] = args.pipeline_parallel_size
+    return kwargs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

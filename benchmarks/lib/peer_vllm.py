@@ -31,6 +31,22 @@ def _extra(fields: dict[str, Any]) -> dict[str, Any]:
     return {"structured_outputs": StructuredOutputsParams(json=fields["json"])}
 
 
+def llm_kwargs(args: argparse.Namespace, need_tokenizer: bool) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments: the benchmark's settings. Pipeline stages run offline under the
+    multiprocessing executor (``mp``)."""
+    kwargs: dict[str, Any] = {
+        "model": args.model, "load_format": args.load_format, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed,
+        "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching,
+        "skip_tokenizer_init": not need_tokenizer,  # structured outputs need the tokenizer
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    if args.pipeline_parallel_size > 1:
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+        kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = peer_common.common_arguments(argparse.ArgumentParser(description="vLLM's side of the benchmark"))\
         .parse_args(argv)
@@ -47,11 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         skew = peer_vllm_skew.router_skew.parse_skew(args.moe_router_skew)
         peer_vllm_skew.install(skew)
     started = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-              skip_tokenizer_init=mix is None,  # structured outputs need the tokenizer
-              tensor_parallel_size=args.tensor_parallel_size)
+    kwargs = llm_kwargs(args, need_tokenizer=mix is not None)
+    result["arguments"] = kwargs
+    llm = LLM(**kwargs)
     result["startup_s"] = time.perf_counter() - started
     if skew is not None:
         result["router_skew"] = peer_vllm_skew.fill_in_workers(llm, skew)

@@ -123,6 +123,7 @@ def compute_floor(
     floor = workload_floor(
         [len(prompt) for prompt in workload.prompts], workload.max_tokens, shape,
         bandwidth=bandwidth, matmul_rate=rate, max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
     )
     log.info("floor", seconds=round(floor.seconds, 3), tok_s=round(floor.tokens_per_s, 1))
     return ceilings, floor
@@ -175,6 +176,7 @@ def run_engine_peer(
         "--runs", str(max(1, args.runs)), "--warmup-requests", str(args.warmup_requests),
         "--batch1-input-len", str(args.batch1_input_len), "--batch1-output-len", str(args.batch1_output_len),
         "--vocab-size", str(vocab_size), "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--pipeline-parallel-size", str(args.pipeline_parallel_size),
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--no-enable-prefix-caching"] if not args.enable_prefix_caching else []),
         *(["--no-batch1"] if args.no_batch1 else []),

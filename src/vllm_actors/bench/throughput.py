@@ -36,6 +36,7 @@ import structlog
 from vllm_actors.bench.engine_env import engine_env_arg, engine_environment
 from vllm_actors.bench.event_log import decode_idle_share, request_latencies, step_series, worker_steps
 from vllm_actors.bench.report import BenchReport, format_table, write_json, write_png
+from vllm_actors.bench.throughput_args import moe_config_arg, router_skew_arg, stages_arg
 from vllm_actors.bench.throughput_engine import EngineSession, make_llm, measure_ours
 from vllm_actors.bench.throughput_workload import (
     DEFAULT_NUM_REQUESTS,
@@ -94,7 +95,10 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     model.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
                        help="without --model: the random checkpoint's shape")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="GPUs (ranks) of the engine")
+                       help="GPUs (ranks) of each pipeline stage")
+    model.add_argument("--pipeline-parallel-size", "-pp", type=stages_arg, default=1,
+                       help="pipeline stages of the engine (ours and the vLLM / SGLang peers), each of "
+                            "--tensor-parallel-size GPUs: PP x TP GPUs in all")
     model.add_argument("--max-model-len", type=int, default=4096)
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the timed run")
@@ -158,28 +162,6 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     return parser
 
 
-def router_skew_arg(text: str) -> str:
-    """``--moe-router-skew``'s value, normalised (``zipf:1.20`` -> ``zipf:1.2``)."""
-    try:
-        return parse_skew(text).spec
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
-
-
-def moe_config_arg(text: str) -> str:
-    """``--moe-config``'s value: a readable fused-MoE table (``kernels/moe_config.py``), as an absolute path."""
-    from vllm_actors.kernels.moe_config import parse_tables
-
-    path = Path(text).resolve()
-    try:
-        parse_tables(path.read_text(), str(path))
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} ({exc.strerror})") from None
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return str(path)
-
-
 def describe_router_skew(args: argparse.Namespace, model_path: str) -> dict[str, Any] | None:
     """The results' record of ``--moe-router-skew`` (the loads it gives); a ValueError for a dense model."""
     if args.moe_router_skew is None:
@@ -235,10 +217,11 @@ class Extension:
 def _config_record(args: argparse.Namespace, load_format: str, workload: Workload) -> dict[str, Any]:
     record: dict[str, Any] = dict(vars(args))
     record["load_format"] = load_format
+    parallel = f"TP={args.tensor_parallel_size}, PP={getattr(args, 'pipeline_parallel_size', 1)}"
     record["model_description"] = (
-        f"{args.model_shape} shape, random weights (load_format=dummy), TP={args.tensor_parallel_size}"
+        f"{args.model_shape} shape, random weights (load_format=dummy), {parallel}"
         if args.model is None
-        else f"{args.model} (load_format={load_format})"
+        else f"{args.model} (load_format={load_format}), {parallel}"
     )
     record["workload"] = {"name": args.workload, "num_requests": len(workload), "prompt_tokens": workload.prompt_tokens,
                           "output_tokens": workload.output_tokens, "temperature": TEMPERATURE, "ignore_eos": True}

@@ -45,6 +45,11 @@ def make_llm(
         engine_args["block_size"] = args.block_size
     if getattr(args, "tensor_parallel_size", 1) > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+    stages = getattr(args, "pipeline_parallel_size", 1)
+    if stages < 1:
+        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {stages}")
+    if stages > 1:  # composes with tensor parallelism: stages x ranks GPUs
+        engine_args["pipeline_parallel_size"] = stages
     if getattr(args, "data_parallel_size", 1) > 1:  # only passed when asked: older engines lack the argument
         engine_args["data_parallel_size"] = args.data_parallel_size
         engine_args["routing_policy"] = args.routing_policy
