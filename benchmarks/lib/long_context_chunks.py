@@ -5,11 +5,12 @@ Per chunk (PREFILL_CHUNK, in order): its step, first position and tokens, and pe
 as that stage's first worker reported it (STEP_FINISHED; only TP rank 0 reports): its start (the
 event's time less ``execute_ms``) and end (the event's time), in ms from the request's arrival, its
 ``execute_ms``, and the idle gap on that stage since the previous chunk's step ended there (none
-before the first chunk; negative where steps overlap). Per stage: its bubble fraction over the
-prefill's window (the metrics store's own reckoning, bubbles.PipelineBubbles, fed these steps
-alone), its busy time and the sum of its gaps. For C chunks over P stages, back-to-back chunks take
-(C+P-1)/(C*P) of one stage's time at best (``ideal_time_ratio``), a bubble fraction of
-(P-1)/(C+P-1) on every stage (``ideal_bubble_fraction``)."""
+before the first chunk or after a step not reported; negative where steps overlap). Per stage: its
+bubble fraction over the prefill's window (the metrics store's own reckoning,
+bubbles.PipelineBubbles, fed these steps alone), its busy time and the sum of its gaps. For C
+chunks over P stages, back-to-back chunks take (C+P-1)/(C*P) of one stage's time at best
+(``ideal_time_ratio``), a bubble fraction of (P-1)/(C+P-1) on every stage
+(``ideal_bubble_fraction``)."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
         per_stage: list[dict[str, Any] | None] = []
         for stage in range(num_stages):
             found = reported.get(stage, {}).get(chunk.step_id, {}).get(workers.get(stage, ""))
-            if found is None:
+            if found is None:  # not reported (lost): no gap measured across it either
                 per_stage.append(None)
+                previous_end.pop(stage, None)
                 continue
             wall, event = found
             bubbles.step(workers[stage], wall, event)
