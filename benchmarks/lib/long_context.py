@@ -21,7 +21,9 @@ report, and the table is rebuilt from all of them.
 The floor of a context is the time to read, per decode step and per GPU, the weights once and the
 KV of the context at mid-decode (prompt + output/2 tokens), at the device-to-device copy bandwidth
 (floor.measure_copy_bandwidth, measured in a process of its own before the engines, or
-``--bandwidth``). Writes ``long_context.json`` and ``long_context.md`` under ``--out``.
+``--bandwidth``). Writes ``long_context.json`` and ``long_context.md`` under ``--out``; with
+``--trace``, each context's first measured prefill of ours as ``trace-ours-<context>.json.gz``
+beside them and as its table of chunks per stage in both (long_context_chunks.py).
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--bandwidth", type=float, default=None, help="bytes/s instead of the measured copy bandwidth")
     output.add_argument("--no-floor", action="store_true", help="do not measure the copy bandwidth")
     output.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine process")
+    output.add_argument("--trace", action="store_true",
+                        help="ours only: each context's first measured prefill from the metrics store, as a Chrome "
+                             "trace (trace-ours-<context>.json.gz under --out) and its table of chunks per stage "
+                             "in the report")
     output.add_argument("--append", action="store_true", help="add to the report already under --out")
     output.add_argument("--out", default="results/long_context", help="directory for long_context.json and .md")
     return parser
@@ -143,6 +149,8 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--vocab-size", str(vocab_size),
     ]
+    if engine == "ours" and args.trace:
+        common += ["--trace-dir", str(out_dir)]
     command, env = engine_command(args, engine, scratch, common)
     log_path = out_dir / f"{engine}-{run_index}.log"
     print(f"{engine}: {' '.join(command)}", flush=True)
@@ -181,6 +189,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if args.kv_parallel_size > 1 and set(args.engines) != {"ours"}:
         raise ValueError(f"--kv-parallel-size {args.kv_parallel_size} runs ours only (vLLM and SGLang have no KV "
                          "parallelism): give --engines ours, and their TP or context parallelism in another run")
+    if args.trace and "ours" not in args.engines:
+        raise ValueError("--trace traces our engine's prefills: give --engines with ours")
     args.load_format = args.load_format or ("dummy" if args.model is None else "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -47,6 +48,10 @@ class OursEngine:
         self.args = args
         self.llm: Any = None
         self.ids = itertools.count()
+        # with --trace-dir: peer_long.run_engine streams each context's first sample through traced_stream
+        self.traces: dict[int, dict[str, Any]] = {}
+        if args.trace_dir is not None:
+            self.traced_stream = self._traced_stream
 
     def start(self) -> dict[str, Any]:
         from vllm_actors.llm import LLM
@@ -66,14 +71,14 @@ class OursEngine:
         settings["worker"] = dict(getattr(group, "worker_info", None) or {})
         return settings
 
-    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+    def stream(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Events:
         from vllm_actors.protocol.sampling import SamplingParams
 
         engine = self.llm.engine
         params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
         events: Events = []
         start = time.perf_counter()
-        request = engine.prepare(f"long-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
+        request = engine.prepare(request_id or f"long-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
         engine.submit(request)
         try:
             while True:
@@ -92,6 +97,22 @@ class OursEngine:
         except BaseException:
             engine.abort(request.request_id)
             raise
+
+    def _traced_stream(self, context: int, prompt: list[int], max_tokens: int) -> Events:
+        """``stream``, then the request's events from the metrics store: its trace file under
+        ``--trace-dir`` and its chunk table in ``traces[context]`` (an error there if that failed)."""
+        from benchmarks.lib.long_context_trace import capture, events_index
+
+        query = self.llm.engine.query_metrics
+        since = events_index(query)
+        request_id = f"long-{next(self.ids)}"
+        events = self.stream(prompt, max_tokens, request_id)
+        path = Path(self.args.trace_dir) / f"trace-ours-{context}.json.gz"
+        try:
+            self.traces[context] = capture(query, since, request_id, self.args.pipeline_parallel_size, path)
+        except Exception as error:  # the sample stands without its trace
+            self.traces[context] = {"error": f"{type(error).__name__}: {error}"}
+        return events
 
     def shutdown(self) -> None:
         if self.llm is not None:

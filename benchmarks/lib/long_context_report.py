@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.floor import ModelShape
+from benchmarks.lib.long_context_chunks import chunk_markdown
 from benchmarks.lib.long_context_model import context_label, decode_floor
 
 ENGINE_ORDER = ("ours", "vllm", "sglang")
@@ -123,6 +124,10 @@ def format_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Engine startup: " + ", ".join(startups) + "."]
     for engine, error in report["errors"].items():
         lines.append(f"{engine} failed: {error}")
+    for context, measured in sorted(report["engines"].get("ours", {}).get("contexts", {}).items(),
+                                    key=lambda item: int(item[0])):
+        if measured.get("trace") is not None:
+            lines += chunk_markdown(context_label(int(context)), measured["trace"])
     return "\n".join(lines) + "\n"
 
 

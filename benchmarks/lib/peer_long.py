@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -94,7 +95,9 @@ def summarize(context: int, length: int, output_len: int, samples: Sequence[dict
 
 
 def measure_context(stream: Callable[[list[int], int], Events], context: int, output_len: int, repeats: int,
-                    warmup: bool, seed: int, vocab_size: int) -> dict[str, Any]:
+                    warmup: bool, seed: int, vocab_size: int,
+                    first_sample: Callable[[list[int], int], Events] | None = None) -> dict[str, Any]:
+    """``first_sample``: what streams the first measured sample instead of ``stream`` (a traced one)."""
     length = prompt_len(context, output_len)
     rng = random.Random(seed * 1_000_003 + context)  # the same prompts for every engine
     warmup_s = None
@@ -102,9 +105,10 @@ def measure_context(stream: Callable[[list[int], int], Events], context: int, ou
         prompt = random_prompt(rng, length, vocab_size)
         warmup_s = shape_sample(stream(prompt, output_len), output_len)["full_s"]
     samples = []
-    for _ in range(repeats):
+    for index in range(repeats):
         prompt = random_prompt(rng, length, vocab_size)
-        samples.append(shape_sample(stream(prompt, output_len), output_len))
+        call = first_sample if index == 0 and first_sample is not None else stream
+        samples.append(shape_sample(call(prompt, output_len), output_len))
     return summarize(context, length, output_len, samples, warmup_s)
 
 
@@ -132,10 +136,17 @@ def run_engine(engine: Engine, args: argparse.Namespace) -> int:
         warm_len = min(WARMUP_PROMPT, prompt_len(min(args.contexts), args.output_len))
         prompt = random_prompt(random.Random(args.seed - 1), warm_len, args.vocab_size)
         result["warmup_s"] = shape_sample(engine.stream(prompt, args.output_len), args.output_len)["full_s"]
+        # an engine that traces (ours with --trace-dir): traced_stream(context, prompt, max_tokens) streams
+        # the first measured sample of each context and keeps what it found in traces[context]
+        traced = getattr(engine, "traced_stream", None)
         for context, repeats, warmup in zip(args.contexts, args.repeats, args.warmup, strict=True):
             try:
+                first = functools.partial(traced, context) if traced is not None else None
                 entry = measure_context(engine.stream, context, args.output_len, repeats, bool(warmup), args.seed,
-                                        args.vocab_size)
+                                        args.vocab_size, first)
+                found = getattr(engine, "traces", {}).get(context)
+                if found is not None:
+                    entry["trace"] = found
                 print(f"{engine.name} {context}: TTFT {entry['ttft_ms']:,.1f} ms, "
                       f"{entry['decode_ms_per_token']:.3f} ms/token", flush=True)
             except Exception as error:  # the next context may still fit
@@ -314,6 +325,9 @@ def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentPars
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's; its default if not given")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, required=True)
+    if "ours" in engines:
+        parser.add_argument("--trace-dir", default=None,
+                            help="ours: each context's first measured prefill traced into this directory")
     return parser
 
 

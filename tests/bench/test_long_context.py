@@ -1,11 +1,13 @@
 """The long-context benchmark on the CPU: its context parser, model directory and floor; the peer
 script's arguments and result shaping without vLLM or SGLang; the report's table; and one run of
-``benchmarks/long_context.py`` end to end on a tiny Llama with our engine alone."""
+``benchmarks/long_context.py`` end to end on a tiny Llama with our engine alone, over two pipeline
+stages with ``--trace`` (each context's first measured prefill as a trace and a chunk table)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import importlib.util
 import json
 import shutil
@@ -268,7 +270,7 @@ def test_main_runs_our_engine_on_a_tiny_llama(tmp_path: Path, capsys: pytest.Cap
     out = tmp_path / "out"
     argv = ["--model", str(model), "--load-format", "dummy", "--dtype", "float32", "--engines", "ours",
             "--contexts", "256", "0.5k", "--output-len", "8", "--repeats", "2", "--bandwidth", "3e12",
-            "--out", str(out)]
+            "-pp", "2", "--max-num-batched-tokens", "64", "--trace", "--out", str(out)]
     assert main(argv) == 0, (out / "ours-0.log").read_text()
     report = json.loads((out / "long_context.json").read_text())
     assert report["errors"] == {} and report["config"]["max_model_len"] == 512
@@ -276,21 +278,40 @@ def test_main_runs_our_engine_on_a_tiny_llama(tmp_path: Path, capsys: pytest.Cap
     run = report["runs"][0]
     assert run["startup_s"] > 0 and run["settings"]["arguments"]["max_model_len"] == 512
     assert "kv_cache_dtype" not in run["settings"]["arguments"]  # only passed when not "auto"
+    assert run["settings"]["arguments"]["pipeline_parallel_size"] == 2
     for context in ("256", "512"):
         measured = report["engines"]["ours"]["contexts"][context]
         assert measured["complete"] and measured["repeats"] == 2 and measured["decode_method"] == "token_times"
         assert measured["prompt_len"] == int(context) - 8 - peer_long.PROMPT_MARGIN
         assert all(sample["tokens"] == 8 for sample in measured["samples"])
         assert measured["ttft_ms"] > 0 and measured["decode_ms_per_token"] > 0
+        check_traced_prefill(out, measured)
     rows = report["rows"]
     assert [(row["context"], row["engine"]) for row in rows] == [(256, "ours"), (512, "ours")]
     assert all(row["percent_of_floor"] > 0 and row["ttft_ratio"] is None for row in rows)
     table = (out / "long_context.md").read_text()
     assert "| 256 | ours |" in table and "| 512 | ours |" in table and table in capsys.readouterr().out
+    assert "SPP chunks at 256 (request long-2, the first measured sample)" in table  # after 2 warm-ups
 
     # --append with another output length is refused before any engine starts
     with pytest.raises(SystemExit, match="other settings"):
         main([*argv[:-2], "--output-len", "4", "--append", "--out", str(out)])
+
+
+def check_traced_prefill(out: Path, measured: dict[str, Any]) -> None:
+    """``--trace``: the first measured sample's prefill as a trace file and its chunk table, both stages in it."""
+    record = measured["trace"]
+    trace = json.loads(gzip.decompress((out / record["file"]).read_bytes()))
+    assert record["file"] == f"trace-ours-{measured['context']}.json.gz" and record["complete"]
+    assert trace["otherData"]["pipeline_bubbles"].keys() == {"stage 0", "stage 1"}
+    chunks = record["chunks"]
+    assert chunks["num_stages"] == 2 and chunks["num_chunks"] == len(chunks["chunks"]) > 1
+    assert len({row["step_id"] for row in chunks["chunks"]}) == chunks["num_chunks"]  # a row per chunk
+    computed = measured["prompt_len"] - chunks["cached_tokens"]
+    assert sum(row["tokens"] for row in chunks["chunks"]) == chunks["computed_tokens"] == computed
+    assert [stage["worker"] for stage in chunks["stages"]] == ["worker-0", "worker-1"]
+    assert all(None not in row["stages"] for row in chunks["chunks"])
+    assert all(stage["bubble_fraction"] is not None for stage in chunks["stages"])
 
 
 def test_parser_defaults() -> None:

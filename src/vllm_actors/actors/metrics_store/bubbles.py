@@ -4,7 +4,8 @@ A stage's step is busy from its event's time less its ``execute_ms`` to its even
 Chrome trace draws it). The window is the time the pipeline works: the union of every stage's
 steps, gaps under ``IDLE_GAP`` included (a scheduler round trip, a stage waiting for its input),
 longer ones left out (no request to run). A stage's bubble fraction is the share of the window it
-was not busy. Only a pipeline (a replica whose earlier stages report their part) is counted."""
+was not busy. Only a pipeline (a replica whose earlier stages report their part) is counted, unless
+a single stage is asked for too (a benchmark's table of one prefill at PP=1)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ class _Pipeline:
         self.window = _Window()
         self.busy: dict[int | None, float] = {}  # stage (None: the last) -> busy seconds
 
-    def fractions(self, suffix: str) -> dict[str, float]:
+    def fractions(self, suffix: str, single_stage: bool) -> dict[str, float]:
         window = self.window.seconds
         earlier = [stage for stage in self.busy if stage is not None]
-        if not earlier or window <= 0.0:
+        if (not earlier and not single_stage) or window <= 0.0:
             return {}
-        last = max(earlier) + 1
+        last = max(earlier, default=-1) + 1
         named = {(last if stage is None else stage): busy for stage, busy in self.busy.items()}
         return {f"stage {stage}{suffix}": min(1.0, max(0.0, 1.0 - named[stage] / window)) for stage in sorted(named)}
 
@@ -78,9 +79,10 @@ class PipelineBubbles:
         pipeline.window.add(wall - seconds, wall)
         pipeline.busy[event.stage] = pipeline.busy.get(event.stage, 0.0) + seconds
 
-    def fractions(self) -> dict[str, float]:
-        """``{"stage 0": 0.12, "stage 1": 0.08}`` (``"stage 0@1"`` for replica 1 of a set)."""
+    def fractions(self, single_stage: bool = False) -> dict[str, float]:
+        """``{"stage 0": 0.12, "stage 1": 0.08}`` (``"stage 0@1"`` for replica 1 of a set); with
+        ``single_stage``, a replica of one stage too (``{"stage 0": ...}``)."""
         found: dict[str, float] = {}
         for replica, pipeline in self._pipelines.items():
-            found.update(pipeline.fractions("" if replica is None else f"@{replica}"))
+            found.update(pipeline.fractions("" if replica is None else f"@{replica}", single_stage))
         return found
