@@ -208,7 +208,7 @@ for stage in "${stages[@]}"; do
     longctx) dir=${LONGCTX_DIR:-/tmp/longctx}; mkdir -p "$dir" "$out/longctx"
              python3 benchmarks/long_context.py --out "$dir" "$@" 2>&1 | tee "$out/longctx.log" | tail -40
              rc=${PIPESTATUS[0]}
-             cp "$dir"/long_context.json "$dir"/long_context.md "$out/longctx/" 2>/dev/null
+             cp "$dir"/long_context.json "$dir"/long_context.md "$dir"/trace-*.json* "$out/longctx/" 2>/dev/null  # traces: --trace
              (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longctx/logs.tar.gz"
              [ "$rc" -eq 0 ] ;;
     longab) # LONGAB_RUNS: "name|ENV=V ...|arguments" entries separated by ";": long_context.py once per entry, the
