@@ -85,7 +85,9 @@ def test_never_under_capture() -> None:
 
 def test_the_engine_prefills_an_fp8_cache_through_flash_attn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 model, fp8 cache, head_dim 64, 700-token prompts in chunks of 128 over a stage of 256 (up to
-    3 pieces), padded graphs on: the staged path ran, and prompt logprobs agree with the Triton path's."""
+    3 pieces), padded graphs on: the staged path ran, and its prompt logprobs are as close to a float32
+    engine's over the same fp8 cache (Triton kernels) as the bf16 Triton path's are. (A fixed bound between
+    the two bf16 paths measured rounding, not errors: 0.127 at most, 0.024 on average, on the H200.)"""
     from tests.support.prompt_logprobs import prompt_logprobs
     from tests.support.tiny_models import build_checkpoint
 
@@ -103,11 +105,16 @@ def test_the_engine_prefills_an_fp8_cache_through_flash_attn(tmp_path: Path, mon
     monkeypatch.setattr(Fp8PrefillStaging, "__call__", counted)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 500, (700,), generator=gen).tolist() for _ in range(2)]
-    logprobs = {}
+    monkeypatch.setenv("VLLM_ACTORS_FP8_PREFILL_STAGING", "0")
+    monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", "triton")
+    reference = prompt_logprobs(path, prompts, dtype="float32", kv_cache_dtype="fp8")
+    monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", "flash_attn")
+    errors = {}
     for staging in ("1", "0"):
         monkeypatch.setenv("VLLM_ACTORS_FP8_PREFILL_STAGING", staging)
         calls.clear()
-        logprobs[staging] = prompt_logprobs(path, prompts, kv_cache_dtype="fp8")
+        errors[staging] = (prompt_logprobs(path, prompts, kv_cache_dtype="fp8") - reference).abs()
         assert (len(calls) > 0) == (staging == "1"), staging
-    diff = (logprobs["1"] - logprobs["0"]).abs()
-    assert diff.max().item() < 0.1 and diff.mean().item() < 0.01, (diff.max().item(), diff.mean().item())
+    staged, triton_ = errors["1"], errors["0"]
+    assert staged.max().item() <= 1.5 * triton_.max().item() + 1e-3, (staged.max().item(), triton_.max().item())
+    assert staged.mean().item() <= 1.5 * triton_.mean().item() + 1e-4, (staged.mean().item(), triton_.mean().item())
