@@ -214,7 +214,9 @@ class Recovery:
         with self._lock:
             for sibling in siblings:
                 self._down_with[sibling.actor_id] = culprit
-        return failures + [(sibling, "unit", f"{culprit} failed: the tensor-parallel ranks restart together")
+        group = "pipeline stages and tensor-parallel ranks" if self.config.pipeline_parallel_size > 1 else \
+            "tensor-parallel ranks"
+        return failures + [(sibling, "unit", f"{culprit} failed: the replica's {group} restart together")
                            for sibling in siblings]
 
     def _restart(self, unit: list[Child], what: str, link: SupervisorLink, events: list[Any],
