@@ -8,6 +8,11 @@ plans, and the plan crosses scheduler -> KV-cache manager -> worker; with two (n
 in the worker) the next plan was sent before the read-back: the share of steps where it was is
 printed. This times the Python on that path (not the processes' wake-ups, which
 ``runtime/busy_poll.py`` covers); ``--help`` lists the options; the numbers depend on the machine.
+
+``--batch N``: instead, N requests at once with the adaptive policy (as served) against a device
+model where drafting does not pay at that batch size (``lib/spec_batch_host.py``): each actor's
+host microseconds per step with and without n-gram speculation, the steps launched with the
+pipeline drained and the plans with placeholders (the minimum over ``--repeats`` runs).
 """
 
 from __future__ import annotations
@@ -100,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=400, help="output tokens of the one request")
+    parser.add_argument("--batch", type=int, default=0, help="N requests at once, the adaptive policy (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="with --batch: runs per mode (the minimum is shown)")
     args = parser.parse_args(argv)
+    if args.batch:
+        return batch_host(args.batch, args.num_speculative_tokens, args.tokens, args.repeats)
     for num_spec in (0, args.num_speculative_tokens):
         result = measure(num_spec, args.tokens)
         print(f"k={num_spec}: {result['steps']} steps, {result['tokens_per_step']:.2f} tokens/step, "
@@ -109,6 +118,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:45s} {value:8.1f} us/step  ({result['messages_per_step'][key]:.2f} per step)")
         total = sum(result["us_per_step"].values())
         print(f"  {'host total':45s} {total:8.1f} us/step, {total / result['tokens_per_step']:.1f} us/token")
+    return 0
+
+
+def batch_host(batch: int, num_spec: int, tokens: int, repeats: int) -> int:
+    from benchmarks.lib.spec_batch_host import measure as measure_batch
+
+    for k in (0, num_spec):
+        runs = [measure_batch(batch, k, tokens) for _ in range(repeats)]
+        keys = sorted({key for run in runs for key in run["us_per_step"]}, key=lambda key: key.strip())
+        best = {key: min(run["us_per_step"].get(key, 0.0) for run in runs) for key in keys}
+        last = runs[-1]
+        print(f"k={k}, {batch} requests: {last['steps']} decode steps, {last['drained']} launched drained, "
+              f"{last['plans_with_placeholders']} plans with placeholders ({last['placeholders']}), "
+              f"{last['drafts']} request-steps drafted; device model {last['device_ms']:.1f} ms")
+        for key, value in best.items():
+            print(f"  {key:45s} {value:8.1f} us/step")
+        total = sum(value for key, value in best.items() if not key.startswith(" "))
+        print(f"  {'host total':45s} {total:8.1f} us/step")
     return 0
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.cost_model import OnlineCostModel
-from vllm_actors.actors.scheduler.deadlines import observe_step
+from vllm_actors.actors.scheduler.deadlines import observe_step, step_features
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.speculation import Speculator
 from vllm_actors.protocol.messages import StepPlan, StepResult
@@ -125,9 +125,10 @@ def simulate(device: Device, batch: int, output_len: int, waves: int = 1, specul
             result = StepResult(step_id=step_id, req_ids=req_ids, token_ids=[7] * len(req_ids),
                                 num_drafted={k: found.get(k, 0) for k in drafts if found.get(k, 0) < len(drafts[k])},
                                 execute_seconds=seconds, **INTERVAL(seconds))
-            observe_step(cost, plan, result, 16)
+            features = step_features(plan, 16)  # once for both, as the scheduler does
+            observe_step(cost, plan, result, 16, features)
             if speculate:
-                spec.account(plan, result, requests)
+                spec.account(plan, result, requests, features)
             for request_id in req_ids:
                 requests[request_id].output_token_ids.append(7)
             for request in running:

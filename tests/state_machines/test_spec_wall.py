@@ -9,6 +9,8 @@ compiles) does not stop it."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.state_machines.spec_sim import MS, Device, new_speculator, simulate
 
 OUTPUT = 192
@@ -61,3 +63,39 @@ def test_a_batch_drafts_to_its_last_request_without_flapping() -> None:
     off = simulate(Device(), 16, OUTPUT, speculate=False)
     assert sum(switches) <= 6 and run.drafting_steps >= 0.8 * run.steps, (sum(switches), run.drafting_steps, run.steps)
     assert run.rate >= 1.4 * off.rate, run.rate / off.rate
+
+
+class Untouchable:
+    """A running request a pass must not read."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"a quiet pass read a request's {name}")
+
+
+def test_a_quiet_plan_holds_without_reading_the_requests() -> None:
+    """Where nothing is drafted and no probe is due, a pass costs O(1): the plan holds while the batch
+    and the acceptances are unchanged (each request's idle steps still counted), and is chosen again
+    after REVIEW_PASSES or once the batch changes."""
+    from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
+    from vllm_actors.actors.scheduler.speculation import REVIEW_PASSES
+    from vllm_actors.protocol.sampling import SamplingParams
+
+    spec = new_speculator()
+    simulate(costly(), 1, OUTPUT, speculator=spec)
+    simulate(costly(), 64, OUTPUT, speculator=spec)  # drafting does not pay at 64
+    speculator = spec[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    running = [ScheduledRequest(f"r{i}", list(range(100)), params, [], output_token_ids=[1], num_computed_tokens=101,
+                                status=Status.RUNNING, in_worker=True) for i in range(64)]
+    speculator.begin_pass(running)  # a full look (their paces made): nothing to draft, no probe due
+    assert speculator._quiet and not speculator.drafts(running[0], 1 << 20, 1 << 20)
+    stand_ins = [Untouchable()] * 64
+    for _ in range(REVIEW_PASSES - 1):
+        speculator.begin_pass(stand_ins)  # type: ignore[arg-type]  # never read
+        assert not speculator.drafts(stand_ins[0], 1 << 20, 1 << 20)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="a quiet pass read"):
+        speculator.begin_pass(stand_ins)  # type: ignore[arg-type]  # the review is due: it reads them
+    speculator.begin_pass(running)
+    assert speculator._paces["r0"].idle == REVIEW_PASSES  # every quiet pass an idle step of each
+    with pytest.raises(AssertionError, match="a quiet pass read"):
+        speculator.begin_pass(stand_ins[:63])  # type: ignore[arg-type]  # the batch changed

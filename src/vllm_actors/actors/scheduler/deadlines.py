@@ -86,10 +86,12 @@ def step_features(plan: StepPlan, block_size: int) -> tuple[int, int, float]:
     return prefill_tokens, num_decodes, pairs
 
 
-def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int) -> None:
-    """Teach the cost model one step (``step_features``) and its measured execution time (0: not
-    measured). Steps that verify drafts teach the speculator's ``DraftCost`` instead."""
+def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
+                 features: tuple[int, int, float] | None = None) -> None:
+    """Teach the cost model one step (``step_features``, or ``features`` where the caller has
+    them) and its measured execution time (0: not measured). Steps that verify drafts teach the
+    speculator's ``DraftCost`` instead."""
     if result.execute_seconds <= 0 or plan.draft_token_ids:
         return
-    prefill_tokens, num_decodes, pairs = step_features(plan, block_size)
+    prefill_tokens, num_decodes, pairs = features or step_features(plan, block_size)
     cost.observe(prefill_tokens, num_decodes, result.execute_seconds, pairs)

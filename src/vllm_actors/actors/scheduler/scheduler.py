@@ -47,7 +47,7 @@ from vllm_actors.actors.scheduler.admission import admission_error, identity_err
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
-from vllm_actors.actors.scheduler.deadlines import observe_step, unmeetable_error
+from vllm_actors.actors.scheduler.deadlines import observe_step, step_features, unmeetable_error
 from vllm_actors.actors.scheduler.kv_loans import LoanDesk
 from vllm_actors.actors.scheduler.kv_rejoin import rejoin_of, roll_back
 from vllm_actors.actors.scheduler.owners import refused_request
@@ -204,9 +204,10 @@ class Scheduler(PlanningPass):
         plan, sampling_ids = taken
         if plan.req_ids:
             self.ledger.step_done(plan.step_id)
-        observe_step(self.cost_model, plan, result, self.config.block_size)  # the cost model learns the step
+        features = step_features(plan, self.config.block_size) if self.spec is not None else None  # once for both
+        observe_step(self.cost_model, plan, result, self.config.block_size, features)  # the cost model learns the step
         if self.spec is not None:
-            self.spec.account(plan, result, self.requests)
+            self.spec.account(plan, result, self.requests, features)
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
         for request_id in step.finished_ids:
             self._finish(request_id)

@@ -33,6 +33,7 @@ class Pace:
     drafted_at: int = 0  # its tokens when it last drafted (the drafter's KV reaches about there)
     catch_up: int = 0  # tokens its drafter catches up on in its step in flight
     streak: int = 0  # its drafting steps in a row with every draft right
+    mark: int = 0  # the speculator's quiet passes when ``idle`` last counted them
 
     def drafting(self, num_tokens: int) -> None:
         """It drafts this step, with ``num_tokens`` tokens known."""

@@ -37,7 +37,7 @@ from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
-from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
+from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL, Pace, choose_probers
 from vllm_actors.actors.scheduler.spec_wall import WallPolicy, step_seconds
 from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
 from vllm_actors.protocol.ngram import propose_ngram
@@ -64,6 +64,7 @@ class SpecCounters:
 
 WARMUP_STEPS = 4  # plain steps the step cost model learns from before anything is drafted
 REFRESH_STEPS = 128  # drafting steps in a row after which a pass drafts nothing (a plain step measured)
+REVIEW_PASSES = 16  # a quiet plan (no drafts, no probe) holds this many passes at most, the batch unchanged
 
 
 class Speculator:
@@ -86,6 +87,11 @@ class Speculator:
         self._plan = NO_DRAFTS  # this pass's
         self._probers: set[str] = set()  # this pass's (spec_probes)
         self._quiet = False  # this pass drafts for nobody (no plan, no probe): a request's idle step only
+        self._passes = 0  # planning passes
+        self._quiet_passes = 0  # quiet ones: each request's idle step, counted once for all (Pace.mark)
+        self._review_at = 0  # the pass from which a quiet plan is chosen again
+        self._quiet_key: tuple[int, int] = (-1, -1)  # (running requests, _version) when it was chosen
+        self._version = 0  # bumped when an acceptance the plan reads changes (a pace made, verified, forgotten)
         self._speculates: dict[str, bool] = {}  # request id -> can_speculate(its params), once per request
         self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
         self._plain_steps = 0  # steps without drafts the step cost model learnt from
@@ -99,9 +105,18 @@ class Speculator:
     def begin_pass(self, running: list[ScheduledRequest]) -> None:
         """The pass's plan (``spec_policy.choose_drafts``) over the decoding requests, and whether
         it probes: nothing is drafted before the step cost model has seen ``WARMUP_STEPS`` plain
-        steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it)."""
+        steps, nor after ``REFRESH_STEPS`` drafting steps in a row (a plain one refreshes it).
+        A quiet plan (no drafts, no probe) holds without a look at the requests while the batch and
+        their acceptances are unchanged, for ``REVIEW_PASSES`` at most and until a probe may be due:
+        such a pass costs O(1), not O(batch)."""
+        self._passes += 1
+        if self._quiet and self._passes < self._review_at and self._quiet_key == (len(running), self._version):
+            self._quiet_passes += 1
+            return
         self._plan, self._probers, self._quiet = NO_DRAFTS, set(), self.config.adaptive
         if not self.config.adaptive or self._plain_steps < WARMUP_STEPS or self._drafting_run >= REFRESH_STEPS:
+            self._quiet_passes += self._quiet
+            self._review_at = 0
             return
         decoding = [request for request in running if is_decoding(request)]
         candidates = [(request, self._pace(request.request_id)) for request in decoding
@@ -114,6 +129,12 @@ class Speculator:
                                        self.config.num_speculative_tokens, self.cost, self.draft_cost, self.overlapped)
             self._probers = choose_probers(candidates, self.draft_cost, self._seconds_since_draft)
         self._quiet = not self._plan.num_drafts and not self._probers
+        if self._quiet:
+            self._quiet_passes += 1
+            longest = max((pace.idle for _, pace in candidates), default=0)  # the first to probe
+            wait = PROBE_INTERVAL - longest if longest < PROBE_INTERVAL else REVIEW_PASSES  # due: costs too much now
+            self._review_at = self._passes + max(1, min(REVIEW_PASSES, wait))
+            self._quiet_key = (len(running), self._version)
 
     def _can_speculate(self, request: ScheduledRequest) -> bool:
         """``can_speculate`` of its params (they do not change), worked out once per request."""
@@ -123,9 +144,14 @@ class Speculator:
         return found
 
     def _pace(self, request_id: str) -> Pace:
+        """A request's pace, its idle steps of the quiet passes since it was last read added."""
         pace = self._paces.get(request_id)
         if pace is None:
-            pace = self._paces[request_id] = Pace(Acceptance.starting_at(self.recent))
+            pace = self._paces[request_id] = Pace(Acceptance.starting_at(self.recent), mark=self._quiet_passes)
+            self._version += 1
+        elif pace.mark != self._quiet_passes:
+            pace.idle += self._quiet_passes - pace.mark
+            pace.mark = self._quiet_passes
         return pace
 
     def _max_drafts(self, request_id: str) -> tuple[int, Pace | None]:
@@ -142,10 +168,9 @@ class Speculator:
         """The drafts of a decoding request this step ([]: plain decode); None: it waits for its
         step in flight (it speculates, and drafts need its last token, unless the worker drafts
         with two steps in flight: the room is then that of every pending draft accepted)."""
-        if not request.output_token_ids or not self._can_speculate(request):
+        if self._quiet:  # what the plan gives every request this pass: 0 drafts (its idle step: _quiet_passes)
             return []
-        if self._quiet:  # what the plan gives every request this pass: 0 drafts, an idle step
-            self._pace(request.request_id).idle += 1
+        if not request.output_token_ids or not self._can_speculate(request):
             return []
         max_drafts, pace = self._max_drafts(request.request_id)
         if max_drafts == 0:
@@ -174,16 +199,20 @@ class Speculator:
             pace.acceptance.observe(1, 0)  # a step held to one in flight for nothing: a wrong draft
         return found
 
-    def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest]) -> None:
+    def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest],
+                features: tuple[int, int, float] | None = None) -> None:
         """Before the result's tokens are applied: each drafting request's acceptance counted and
         its computed tokens rolled back by its rejected drafts; a step's time teaches the pricing
-        (``wall``, or ``draft_cost`` what a drafting step cost beyond the step cost model's plain step)."""
+        (``wall``, or ``draft_cost`` what a drafting step cost beyond the step cost model's plain step).
+        ``features``: the plan's ``step_features`` where the caller has them."""
+        if features is None:
+            features = step_features(plan, self.block_size)
         drafted = {request_id: result.num_drafted.get(request_id, len(drafts))
                    for request_id, drafts in plan.draft_token_ids.items()}
         sizes = list(drafted.values())
         catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
         if self.wall is not None:
-            self.wall.account(step_features(plan, self.block_size), bool(plan.draft_token_ids), sizes,
+            self.wall.account(features, bool(plan.draft_token_ids), sizes,
                               step_seconds(result))
         if not any(sizes):  # a plain step (or one the worker drafted nothing for: it ran deferred)
             self._seconds_since_draft += step_seconds(result) if self.wall is not None else result.execute_seconds
@@ -196,7 +225,7 @@ class Speculator:
             self._drafting_run += 1
             self._seconds_since_draft = 0.0
             if self.wall is None and result.execute_seconds > 0:  # priced in execute_seconds
-                prefill_tokens, num_decodes, pairs = step_features(plan, self.block_size)
+                prefill_tokens, num_decodes, pairs = features
                 extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
                 self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
@@ -211,6 +240,7 @@ class Speculator:
                 counters.accepted_per_pos[position] += 1
             pace = self._paces.get(request_id)
             if pace is not None:  # a lookup that found nothing still cost the step its overlap: one wrong draft
+                self._version += 1
                 pace.verified(max(num_drafted, 1), num_accepted)
                 self.recent.observe(max(num_drafted, 1), num_accepted)
             request = requests.get(request_id)
@@ -244,6 +274,7 @@ class Speculator:
 
     def forget(self, request: ScheduledRequest) -> None:
         """A request finished."""
+        self._version += 1
         self._paces.pop(request.request_id, None)
         self._speculates.pop(request.request_id, None)
         self._trims.pop(request.request_id, None)

@@ -28,6 +28,8 @@ class DraftWork:
 
 def drafting_work(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> list[DraftWork]:
     """The plan's requests whose drafts are ``WORKER_DRAFT`` placeholders."""
+    if not plan.draft_token_ids:  # a plain step: nothing per request
+        return []
     new_blocks = dict(zip(plan.req_ids, plan.new_block_ids, strict=True))
     work: list[DraftWork] = []
     for request_id, drafts in plan.draft_token_ids.items():
