@@ -165,9 +165,6 @@ class StepBatch:
     drafts: list[list[int]] = field(default_factory=list)
 
 
-HOST_GAP_LIMIT = 0.05  # seconds between a read-back and a drained launch still counted as the step's
-
-
 @dataclass
 class PendingStep:
     """A step launched and its tokens drawn: on the host already, or on the device with their copy
@@ -188,19 +185,6 @@ class PendingStep:
     grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
     spec: SpecCounts | None = None  # speculative decoding: the step's drafted and accepted tokens
     num_drafted: dict[str, int] = field(default_factory=dict)  # requests short of their placeholders (StepResult)
-    drained: bool = False  # launched with nothing in flight: the device idled since the last read-back
-
-    def interval(self, now: float, last_read_back: float) -> float:
-        """``StepResult.interval_seconds``: from the later of its launch and the last read-back to
-        ``now``; a step launched with nothing in flight counts from the last read-back (within
-        ``HOST_GAP_LIMIT``: longer, the engine had nothing to do), so that the host work between a
-        read-back and the next launch (the result sent, the next plan received and checked), which
-        the device idles through, is charged to the steps that drain the pipeline."""
-        if self.started_at is None:
-            return 0.0
-        if self.drained and 0.0 <= self.started_at - last_read_back <= HOST_GAP_LIMIT:
-            return now - last_read_back
-        return now - max(self.started_at, last_read_back)
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

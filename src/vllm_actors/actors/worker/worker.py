@@ -245,7 +245,6 @@ class Worker(Draw, KvRejoining, Membership):
         ``num_drafted``: the drafted counts of placeholders already dropped (``StepResult.num_drafted``)."""
         started_at = self.clock()
         pending = None if read_now else self._pending
-        drained = pending is None  # the device idles until this launch
         self._apply_membership(plan)
         num_drafted = dict(num_drafted or {})
         if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
@@ -303,12 +302,11 @@ class Worker(Draw, KvRejoining, Membership):
         if read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted, drained=drained)
+                               prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
-                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
-                           drained=drained)
+                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted)
 
     def _step_launched(self, plan: StepPlan) -> None:
         """The host tier's copies may have to wait for this step; its write-through follows it."""
@@ -335,7 +333,7 @@ class Worker(Draw, KvRejoining, Membership):
             prompt_logprobs=pending.prompt_logprobs,
             num_batched_tokens=pending.num_batched_tokens,
             execute_seconds=0.0 if pending.started_at is None else now - pending.started_at,
-            interval_seconds=pending.interval(now, last_done),
+            interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
         )
 
