@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
-from vllm_actors.actors.scheduler.spp_chunks import balanced_chunk
+from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
 from vllm_actors.protocol.config import SchedulerConfig
 
 MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
@@ -72,7 +72,7 @@ class PrefillSizer:
         if self.pipelined is not None:
             remaining = max(request.num_tokens - request.num_computed_tokens, num_new)
             num_new = min(num_new, balanced_chunk(self.cost, request.num_computed_tokens, remaining, self.pipelined,
-                                                     num_stages=self.num_stages))
+                                                     num_stages=self.num_stages, align=CHUNK_ALIGN))
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens
