@@ -1,6 +1,7 @@
 """Let it crash, end to end: a served group loses one actor in the middle of a load and recovers.
 
-Each case starts `vllm-actors serve` on the tiny Qwen3 model, runs 16 streamed and 16
+The kill cases share one `vllm-actors serve` of the tiny Qwen3 model (each case starts from a
+healthy, idle group: the one its predecessor left recovered); each runs 16 streamed and 16
 non-streamed completions (greedy and seeded), kills one actor once tokens are flowing, and checks:
 every request completes (none hung, none lost), every text equals the fault-free reference,
 `/health` is 200 again, the KV pool is empty afterwards. The recovery time (kill to `/health` 200)
@@ -11,9 +12,11 @@ the server exits non-zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,13 +58,13 @@ def reference(tiny_qwen3: Path) -> list[str]:
 
 @dataclass
 class Server:
-    process: object
+    process: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
 
     def actor_pid(self, actor_id: str) -> int:
         """The pid of one actor process of this server's group (found by its spec on /proc)."""
-        for pid in child_pids(self.process.pid):  # type: ignore[attr-defined]
+        for pid in child_pids(self.process.pid):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
@@ -71,11 +74,10 @@ class Server:
         raise AssertionError(f"no process for {actor_id}:\n{tail(self.log_path)}")
 
 
-@pytest.fixture
-def server(tiny_qwen3: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
-    extra: tuple[str, ...] = getattr(request, "param", ())
-    port, log_path = free_port(), tmp_path / "server.log"
-    process = start_server(tiny_qwen3, port, log_path, tmp_path / "runs", "--max-model-len", str(MAX_MODEL_LEN),
+@contextlib.contextmanager
+def _served(model: Path, directory: Path, *extra: str) -> Iterator[Server]:
+    port, log_path = free_port(), directory / "server.log"
+    process = start_server(model, port, log_path, directory / "runs", "--max-model-len", str(MAX_MODEL_LEN),
                            "--num-gpu-blocks-override", str(NUM_BLOCKS), "--liveness-timeout", "3",
                            "--served-model-name", "m", *extra)
     try:
@@ -84,6 +86,29 @@ def server(tiny_qwen3: Path, tmp_path: Path, request: pytest.FixtureRequest) -> 
         yield Server(process, base_url, log_path)
     finally:
         stop_process(process)
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One served group for the kills that it survives, one after another (the supervisor replaces
+    each killed actor); its restart budget is raised so that the sequence cannot spend it."""
+    with _served(tiny_qwen3, tmp_path_factory.mktemp("crash"), "--max-restarts", "50") as server:
+        yield server
+
+
+@pytest.fixture
+def server(shared_server: Server) -> Server:
+    """The shared group, checked to be serving and idle before a case kills one of its actors."""
+    wait_healthy(shared_server.base_url, shared_server.process, shared_server.log_path)
+    assert _settled_idle(shared_server.base_url) == 0.0, "KV blocks in use before the fault"
+    return shared_server
+
+
+@pytest.fixture
+def own_server(tiny_qwen3: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A group of its own, started with the flags of ``request.param`` (for a case that ends it)."""
+    with _served(tiny_qwen3, tmp_path, *request.param) as server:
+        yield server
 
 
 async def _one(client: httpx.AsyncClient, index: int, progress: asyncio.Event, counter: list[int]) -> dict[str, object]:
@@ -182,14 +207,15 @@ def test_a_stopped_worker_is_detected_and_replaced(server: Server, reference: li
     _check_recovered(server, reference, results, recovered, "SIGSTOP worker-0")
 
 
-@pytest.mark.parametrize("server", [("--max-restarts", "0")], indirect=True)
-def test_a_spent_restart_budget_errors_every_request_and_exits_non_zero(server: Server) -> None:
+@pytest.mark.parametrize("own_server", [("--max-restarts", "0")], indirect=True)
+def test_a_spent_restart_budget_errors_every_request_and_exits_non_zero(own_server: Server) -> None:
+    server = own_server
     results, _, took = asyncio.run(_load(server, "worker-0", signal.SIGKILL, expect_recovery=False))
     assert took < 5.0, f"open requests took {took:.1f} s to end after the budget was spent"
     assert all(r["status"] != 200 or r.get("finish_reason") in ("error", "length") for r in results)
     assert any(r["status"] != 200 or r.get("finish_reason") == "error" for r in results)
     process = server.process
-    assert process.wait(timeout=60) != 0  # type: ignore[attr-defined]
+    assert process.wait(timeout=60) != 0
 
 
 def test_offline_generate_survives_a_worker_kill(tiny_qwen3: Path, reference: list[str]) -> None:
