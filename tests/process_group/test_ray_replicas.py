@@ -1,6 +1,6 @@
 """Replicas placed by Ray on a local two-node cluster (runtime/ray_replicas.py): each replica's
 process group on its own node, over TCP with keys handed out by the launcher; a keyed client
-generates through each, greedy-identical to a local group; a peer without the keys is refused by
+generates through each, greedy-identical to an in-process engine; a peer without the keys is refused by
 every TCP socket; a replica whose host dies shows as down. Through ``LLM(...,
 distributed_executor_backend="ray")`` (runtime/ray_launch.py): the controller routes over the two
 Ray-placed replicas, greedy-identical to DP=1; a replica's host killed mid-run loses no request (its
@@ -86,12 +86,10 @@ def _refused(address: str, kind: int) -> bool:
         context.destroy(linger=0)
 
 
-def test_two_replicas_on_two_nodes_serve_over_curve(cluster: Cluster, tiny_qwen3: Path) -> None:
+def test_two_replicas_on_two_nodes_serve_over_curve(cluster: Cluster, tiny_qwen3: Path,
+                                                    greedy: dict[str, list[list[int]]]) -> None:
     config = EngineConfig(model=str(tiny_qwen3), num_gpu_blocks_override=32, device="cpu")
-    from vllm_actors.runtime.supervisor import ProcessGroup
-
-    with ProcessGroup(config) as local:
-        expected = [_generate(local.info, prompt, f"local-{i}") for i, prompt in enumerate(PROMPTS)]
+    expected = greedy["short"]
     with RayReplicaSet(config, 2, strategy="STRICT_SPREAD") as replicas:
         assert len({replicas.node_of(replica) for replica in replicas.replicas}) == 2
         assert replicas.states() == {0: "ready", 1: "ready"}
@@ -122,6 +120,16 @@ SET_PROMPTS = [{"prompt_token_ids": [7 + i, 40 + 3 * i, 90 + i, 200 + 5 * i, 11]
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def greedy(tiny_qwen3: Path) -> dict[str, list[list[int]]]:
+    """The greedy tokens of one engine in this process (the model is float32, as the replicas run it)."""
+    with LLM(str(tiny_qwen3), executor="inprocess", dtype="float32") as llm:
+        short = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        long = llm.generate(SET_PROMPTS, LONG, use_tqdm=False)
+    return {"short": [list(o.outputs[0].token_ids) for o in short], "set": [list(o.outputs[0].token_ids) for o in long]}
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
     """Wait for a condition (the timeout is a safety net, not part of the test)."""
     deadline = time.monotonic() + timeout
@@ -130,10 +138,9 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 180.0)
         time.sleep(0.05)
 
 
-def test_llm_with_ray_backend_routes_over_two_nodes_and_survives_a_host_death(cluster: Cluster,
-                                                                               tiny_qwen3: Path) -> None:
-    with LLM(str(tiny_qwen3), executor="inprocess", dtype="float32") as reference_llm:
-        reference = [list(o.outputs[0].token_ids) for o in reference_llm.generate(SET_PROMPTS, LONG, use_tqdm=False)]
+def test_llm_with_ray_backend_routes_over_two_nodes_and_survives_a_host_death(
+        cluster: Cluster, tiny_qwen3: Path, greedy: dict[str, list[list[int]]]) -> None:
+    reference = greedy["set"]
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM(str(tiny_qwen3), distributed_executor_backend="slurm")
     with LLM(str(tiny_qwen3), dtype="float32", device="cpu", num_gpu_blocks_override=64, data_parallel_size=2,
