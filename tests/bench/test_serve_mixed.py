@@ -132,6 +132,7 @@ def test_mixed_run_against_a_tiny_model_once_per_policy(tmp_path: Path) -> None:
     status = main([
         "--model", str(model), "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "256",
         "--max-num-seqs", "16", "--port", str(port), "--server-timeout", "300",
+        "--server-args", "--num-gpu-blocks-override 128",  # a pool sized to the load, not to the host's memory
         "--workload", "mixed", "--scheduling-policies", "fcfs", "lpm", "--rates", "6", "--duration", "2",
         "--num-clients", "1", "--warmup-requests", "0", "--temperature", "0",
         "--interactive-input-len", "4", "16", "--interactive-output-len", "2", "6",
