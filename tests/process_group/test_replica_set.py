@@ -105,8 +105,11 @@ def test_each_policy_routes_as_it_should_and_changes_no_output(tiny_qwen3: Path,
         pids = llm_pids(llm)
     assert all(gone(pid) for pid in pids)
     replicas = [event.replica for event in routed]
-    if policy == "least_loaded":  # all sent at once: each to the replica with fewer in flight
-        assert replicas == [0, 1] * 4 and {event.reason for event in routed} == {"least_loaded"}
+    if policy == "least_loaded":  # each to the replica with fewer in flight: the first two to 0 then 1; after
+        # that, which replica has finished one when the next arrives is the machine's business (the choice
+        # itself is checked exactly in tests/state_machines)
+        assert replicas[:2] == [0, 1] and set(replicas) == {0, 1}
+        assert {event.reason for event in routed} == {"least_loaded"}
     else:  # four free slots (two per replica), then a slot each time a replica finishes one
         # (which replica frees a slot first is the machine's business: both serve, neither holds more than two)
         assert [event.reason for event in routed] == ["pull"] * 4 + ["pulled"] * 4
