@@ -82,8 +82,18 @@ def served(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             except httpx.HTTPError:
                 time.sleep(0.2)
         yield Served(base, cert, directory / "traces")
+        # An idle keep-alive TLS connection left open holds the server's stop for asyncio's 30 s
+        # TLS-close timeout: every client of these tests is closed when its test ends.
+        assert not established_to(port), "a test left a connection to the server open"
     finally:
         stop_process(process)
+
+
+def established_to(port: int) -> list[str]:
+    """This machine's open TCP connections to 127.0.0.1:``port`` (client ends, /proc/net/tcp)."""
+    remote = f"0100007F:{port:04X}"
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [row[1] for row in rows if row[2] == remote and row[3] == "01"]  # 01: ESTABLISHED
 
 
 def ok(reply: httpx.Response) -> Any:
@@ -182,9 +192,9 @@ def test_every_new_endpoint_wants_the_key(served: Served) -> None:
 
 
 def test_openai_client_over_https_and_cors(served: Served) -> None:
-    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key=KEY,
-                           http_client=httpx.Client(verify=served.trusting()))
-    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)  # type: ignore[arg-type]
+    with openai.OpenAI(base_url=f"{served.base}/v1", api_key=KEY,
+                       http_client=httpx.Client(verify=served.trusting())) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)  # type: ignore[arg-type]
     assert reply.choices[0].message.content is not None and reply.usage is not None
     with pytest.raises(httpx.ConnectError):  # the certificate is not trusted by default
         httpx.get(f"{served.base}/health", timeout=10)
