@@ -4,8 +4,10 @@ signal, stopping when the group fails, its log lines under our rate limits."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterable
 from types import FrameType
+from typing import Any
 
 import structlog
 import uvicorn
@@ -52,3 +54,23 @@ class DrainingServer(uvicorn.Server):
             for listener in self.drain_listeners:
                 listener()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, idle keep-alive connections dropped first: closed gracefully, a TLS
+        connection waits for the client's close_notify, up to asyncio's 30 s, and the stop with it."""
+        drop_idle_connections(self.server_state.connections)
+        await super().shutdown(sockets)
+
+
+def drop_idle_connections(connections: Iterable[Any]) -> int:
+    """Abort the HTTP connections between requests (no response in progress); a request being
+    answered finishes, and a WebSocket (no request cycle) closes as uvicorn closes it. Returns how many."""
+    dropped = 0
+    for connection in list(connections):
+        if not hasattr(connection, "cycle"):
+            continue
+        cycle = connection.cycle
+        if cycle is None or cycle.response_complete:
+            connection.transport.abort()
+            dropped += 1
+    return dropped
