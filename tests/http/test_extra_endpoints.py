@@ -82,8 +82,8 @@ def served(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             except httpx.HTTPError:
                 time.sleep(0.2)
         yield Served(base, cert, directory / "traces")
-        # An idle keep-alive TLS connection left open holds the server's stop for asyncio's 30 s
-        # TLS-close timeout: every client of these tests is closed when its test ends.
+        # Every client of these tests is closed when its test ends (an idle keep-alive TLS connection left
+        # open held the server's stop for asyncio's 30 s TLS-close timeout until the stop dropped idle ones).
         assert not established_to(port), "a test left a connection to the server open"
     finally:
         stop_process(process)
