@@ -25,7 +25,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server_helpers import child_pids, free_port, start_server, stop_process, tail, wait_healthy
+from tests.support.server_helpers import (
+    child_pids,
+    free_port,
+    kill_when,
+    start_server,
+    stop_process,
+    tail,
+    wait_healthy,
+)
 from vllm_actors import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -219,25 +227,11 @@ def test_a_spent_restart_budget_errors_every_request_and_exits_non_zero(own_serv
 
 
 def test_offline_generate_survives_a_worker_kill(tiny_qwen3: Path, reference: list[str]) -> None:
-    import threading
-
     with LLM(str(tiny_qwen3), dtype="float32", max_model_len=MAX_MODEL_LEN,
              num_gpu_blocks_override=NUM_BLOCKS) as llm:
         group = llm.group
         pid = group.pids()["worker-0"]
-        killed = threading.Event()
-
-        def kill_when_generating() -> None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if llm.get_metrics().generation_tokens > 64:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.set()
-                    return
-                time.sleep(0.02)
-
-        killer = threading.Thread(target=kill_when_generating, daemon=True)
-        killer.start()
+        killer, killed = kill_when(lambda: llm.get_metrics().generation_tokens > 64, pid)
         outputs = llm.generate(PROMPTS, [sampling_for(i) for i in range(len(PROMPTS))], use_tqdm=False)
         killer.join(timeout=10)
         assert killed.is_set(), "the worker was not killed during the run"

@@ -6,9 +6,7 @@ replica's requests noticing."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server_helpers import free_port, gone, start_server, stop_process, wait_healthy
+from tests.support.server_helpers import free_port, gone, kill_when, start_server, stop_process, wait_healthy
 from vllm_actors import LLM, SamplingParams
 from vllm_actors.observe.tap import query_metrics
 from vllm_actors.protocol.events import PipelineReset, Preempted, Routed
@@ -170,19 +168,7 @@ def test_killing_one_replicas_actor_loses_no_request_of_the_other(dp2: LLM, refe
     victim, restarts_before = group.pids()[actor], group.restarts()
     since = _event_cursor(llm)
     tokens_before, resets_before = llm.get_metrics(1).generation_tokens, llm.get_metrics().pipeline_resets
-    killed = threading.Event()
-
-    def kill_when_generating() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not killed.is_set():
-            if llm.get_metrics(1).generation_tokens > tokens_before + 32:
-                os.kill(victim, signal.SIGKILL)
-                killed.set()
-                return
-            time.sleep(0.02)
-
-    killer = threading.Thread(target=kill_when_generating, daemon=True)
-    killer.start()
+    killer, killed = kill_when(lambda: llm.get_metrics(1).generation_tokens > tokens_before + 32, victim)
     outputs = llm.generate(PROMPTS + MORE, LONG, use_tqdm=False)
     killer.join(timeout=10)
     assert killed.is_set(), f"{actor} was not killed during the run"

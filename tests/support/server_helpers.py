@@ -168,3 +168,22 @@ def join_bus(recorded: Callable[[], list[EventBatch]], bus_in: str, timeout: flo
     finally:
         publisher.close()
     return probe
+
+
+def kill_when(ready: Callable[[], bool], pid: int, timeout: float = 120.0) -> tuple[threading.Thread, threading.Event]:
+    """A started thread that SIGKILLs ``pid`` once ``ready()`` holds (polled), and the event it sets
+    when it did: join the thread after the run, then assert the event (the kill happened under load)."""
+    killed = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                os.kill(pid, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=watch, daemon=True)
+    killer.start()
+    return killer, killed
