@@ -53,15 +53,6 @@ TINY_QWEN3_CONFIG: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def tiny_qwen3_config_dir(tmp_path: Path) -> Path:
-    """A Hugging Face directory holding only config.json: for load_format="dummy"."""
-    path = tmp_path / "tiny-qwen3"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3_CONFIG))
-    return path
-
-
 # --------------------------------------------------------------------------- the workload
 def test_workload_is_nano_vllms() -> None:
     random.seed(0)  # the definition, literally
