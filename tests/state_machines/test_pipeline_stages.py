@@ -111,3 +111,27 @@ def test_an_earlier_stages_step_event_does_not_count_the_step_again() -> None:
     bus.publish("worker-1", StepFinished(step_id=0, num_seqs=1, num_tokens=64, num_sampled=1, execute_ms=6.0))
     reply = summary(store)
     assert reply.steps == 1
+
+
+def test_the_decodes_are_shared_out_evenly_over_the_micro_batches() -> None:
+    # Prompts prefilled in one step would decode as one micro-batch beside empty ones (a step takes
+    # every request that is ready): each micro-batch takes its share of the decoding requests.
+    scheduler = _scheduler()
+    chunks = _plans(scheduler.handle(_add("long", 40)))  # three chunks fill the pipeline
+    ids = [f"r{index}" for index in range(6)]
+    for request_id in ids:
+        assert _plans(scheduler.handle(_add(request_id, 2))) == []
+    (prefill,) = _plans(scheduler.handle(_result(chunks[0], {})))
+    assert sorted(prefill.req_ids) == ids
+    assert _plans(scheduler.handle(_result(chunks[1], {}))) == []
+    (decode,) = _plans(scheduler.handle(_result(chunks[2], {"long": 9})))
+    assert decode.req_ids == ["long"]
+    # seven decoding over three micro-batches: at most three each, the six in two of them
+    decodes = _plans(scheduler.handle(_result(prefill, {request_id: 7 for request_id in ids})))
+    assert [len(plan.req_ids) for plan in decodes] == [3, 3]
+    assert sorted(request_id for plan in decodes for request_id in plan.req_ids) == ids
+    # a micro-batch back: its requests decode again, the others' tokens are still in flight
+    (long_again,) = _plans(scheduler.handle(_result(decode, {"long": 10})))
+    assert long_again.req_ids == ["long"]
+    (again,) = _plans(scheduler.handle(_result(decodes[0], {request_id: 8 for request_id in decodes[0].req_ids})))
+    assert again.req_ids == decodes[0].req_ids

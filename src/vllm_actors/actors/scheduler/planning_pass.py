@@ -13,7 +13,7 @@ from vllm_actors.actors.scheduler.admission import adapter_fits, admit, running_
 from vllm_actors.actors.scheduler.plan import StepBuilder
 from vllm_actors.actors.scheduler.prefill_sizing import PrefillSizer, is_decoding, yielding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
-from vllm_actors.actors.scheduler.stages import carry_input_tokens, waits_for_its_token
+from vllm_actors.actors.scheduler.stages import carry_input_tokens, decode_share, waits_for_its_token
 from vllm_actors.protocol.events import Resumed, Scheduled
 from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.outputs import Outputs
@@ -109,6 +109,9 @@ class PlanningPass:
         when blocks run short. True when someone was preempted (nobody is admitted then)."""
         preempted = False
         index = 0
+        # pipeline stages: each micro-batch its share of the decodes (the deferred turn has prefills only)
+        decodes_left = decode_share(self.running, self.pipeline.depth) \
+            if self.config.pipeline_parallel_size > 1 else len(self.running)
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
@@ -118,6 +121,9 @@ class PlanningPass:
                 index += 1
                 continue
             prefill = not is_decoding(request)
+            if not prefill and decodes_left <= 0:
+                index += 1  # its share of this micro-batch is taken: the next step takes it
+                continue
             if prefill:
                 num_new = sizer.chunk(request, num_new) if sizer.admits(request) else 0
                 if not num_new:
@@ -140,6 +146,7 @@ class PlanningPass:
             if prefill:
                 sizer.took(request, num_new)
             step.take(request, num_new, needed, drafts=drafts)
+            decodes_left -= not prefill
             index += 1
         return preempted
 

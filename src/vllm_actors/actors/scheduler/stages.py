@@ -7,12 +7,18 @@ overlap themselves), and the plan carries it to the stages before the last (``in
 A prefill chunk samples nothing: the next chunk of the same prompt is planned at once and enters
 the first stage right behind it (sequence pipeline parallelism), each chunk attending to the KV its
 predecessors left on every stage.
+
+The decoding requests are shared out evenly over the micro-batches (``decode_share``): a step takes
+what is ready, and without a cap the groups that prefilled together would stay together, a few large
+micro-batches beside small ones, the stages idle on the small ones.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
+from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.messages import StepPlan
 
@@ -28,3 +34,10 @@ def carry_input_tokens(plan: StepPlan, scheduled: Iterable[ScheduledRequest]) ->
     new = {request.request_id for request in plan.new_requests}
     plan.input_token_ids = {request.request_id: request.output_token_ids[-1] for request in scheduled
                             if request.output_token_ids and request.request_id not in new}
+
+
+def decode_share(running: Iterable[ScheduledRequest], num_micro_batches: int) -> int:
+    """The most decoding requests one micro-batch takes: an equal share of every decoding request
+    (those whose token is in flight too) over the ``num_micro_batches`` steps in flight."""
+    num_decoding = sum(1 for request in running if is_decoding(request))
+    return max(1, math.ceil(num_decoding / max(1, num_micro_batches)))
