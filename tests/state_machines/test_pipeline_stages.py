@@ -126,12 +126,11 @@ def test_the_decodes_are_shared_out_evenly_over_the_micro_batches() -> None:
     assert _plans(scheduler.handle(_result(chunks[1], {}))) == []
     (decode,) = _plans(scheduler.handle(_result(chunks[2], {"long": 9})))
     assert decode.req_ids == ["long"]
-    # seven decoding over three micro-batches: at most three each, the six in two of them
-    decodes = _plans(scheduler.handle(_result(prefill, {request_id: 7 for request_id in ids})))
-    assert [len(plan.req_ids) for plan in decodes] == [3, 3]
-    assert sorted(request_id for plan in decodes for request_id in plan.req_ids) == ids
-    # a micro-batch back: its requests decode again, the others' tokens are still in flight
-    (long_again,) = _plans(scheduler.handle(_result(decode, {"long": 10})))
-    assert long_again.req_ids == ["long"]
-    (again,) = _plans(scheduler.handle(_result(decodes[0], {request_id: 8 for request_id in decodes[0].req_ids})))
-    assert again.req_ids == decodes[0].req_ids
+    # seven decoding, two stages: a micro-batch of at most four beside the long prompt's in flight;
+    # the other two wait for the long prompt's micro-batch rather than decode in a third
+    (first,) = _plans(scheduler.handle(_result(prefill, {request_id: 7 for request_id in ids})))
+    assert first.req_ids == ids[:4]
+    (second,) = _plans(scheduler.handle(_result(decode, {"long": 10})))
+    assert second.req_ids == ["long", *ids[4:]]
+    (again,) = _plans(scheduler.handle(_result(first, {request_id: 8 for request_id in first.req_ids})))
+    assert again.req_ids == first.req_ids

@@ -88,8 +88,10 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
     shape = runner.model_config
     ranks: Ranks = kvp.world_ranks() if kvp.enabled else runner.tp
     grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
+    # The last stage launches a step before reading the previous one back, as without a pipeline (a
+    # request's steps never overlap there: nothing is taken from a pending step); the others read nothing back.
     worker = Worker(
-        runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps() and not stage.enabled,
+        runner, Sampler(runner.device, config.seed), clock=clock, defer=defer_steps() and stage.is_last,
         tp_graph_draws=tp_graph_draws() and not kvp.enabled,  # KVP: rank 0 draws, broadcasts
         grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,

@@ -61,6 +61,11 @@ class StepPipeline:
     def __len__(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def num_decoding(self) -> int:
+        """The plans in flight that decode (a row of one token): pipeline stages' decode micro-batches."""
+        return sum(1 for plan, _ in self._in_flight if 1 in plan.num_tokens)
+
     # ------------------------------------------------------------------ changes
     def depart(self, request_id: str) -> None:
         """The request leaves the worker: the next plan says so."""

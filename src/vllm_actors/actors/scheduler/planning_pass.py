@@ -109,9 +109,11 @@ class PlanningPass:
         when blocks run short. True when someone was preempted (nobody is admitted then)."""
         preempted = False
         index = 0
-        # pipeline stages: each micro-batch its share of the decodes (the deferred turn has prefills only)
-        decodes_left = decode_share(self.running, self.pipeline.depth) \
-            if self.config.pipeline_parallel_size > 1 else len(self.running)
+        # pipeline stages: one decode micro-batch per stage, each its share of the decodes (stages.py; the
+        # deferred turn has prefills only)
+        num_stages = self.config.pipeline_parallel_size
+        decodes_left = len(self.running) if num_stages == 1 else \
+            0 if self.pipeline.num_decoding >= num_stages else decode_share(self.running, num_stages)
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
