@@ -2,12 +2,15 @@
 from the metrics store's events: ``benchmarks/long_context.py --trace``'s part of the report.
 
 Per chunk (PREFILL_CHUNK, in order): its step, first position and tokens, and per stage the step
-as that stage's first worker reported it (STEP_FINISHED; only TP rank 0 reports): its start (the
-event's time less ``execute_ms``) and end (the event's time), in ms from the request's arrival, its
-``execute_ms``, and the idle gap on that stage since the previous chunk's step ended there (none
-before the first chunk or after a step not reported; negative where steps overlap). Per stage: its
+as that stage's first worker reported it (only TP rank 0 reports): its start and end in ms from the
+request's arrival, its execution time, and the idle gap on that stage since the previous chunk's step
+ended there (none before the first chunk or after a step not reported; negative where steps
+overlap). Where the worker timed the step on the GPU (STEP_TIMED: on a CUDA device, every step that
+samples nothing) those are the GPU's (``gpu_start``, ``gpu_end``, ``gpu_ms``: basis "gpu"); else the
+host's (STEP_FINISHED: its time less ``execute_ms``, its time, ``execute_ms``: basis "host"; launch
+to read-back, which for a step that samples nothing on a GPU is its launch alone). Per stage: its
 bubble fraction over the prefill's window (the metrics store's own reckoning,
-bubbles.PipelineBubbles, fed these steps alone), its busy time and the sum of its gaps. For C
+bubbles.PipelineBubbles, fed these steps alone, on the same basis), its busy time and the sum of its gaps. For C
 chunks over P stages, back-to-back chunks take (C+P-1)/(C*P) of one stage's time at best
 (``ideal_time_ratio``), a bubble fraction of (P-1)/(C+P-1) on every stage
 (``ideal_bubble_fraction``)."""
@@ -20,7 +23,7 @@ from typing import Any
 
 from vllm_actors.actors.metrics_store.bubbles import PipelineBubbles
 from vllm_actors.observe.trace import TraceRow
-from vllm_actors.protocol.events import Arrived, FirstToken, PrefillChunk, Queued, Scheduled, StepFinished
+from vllm_actors.protocol.events import Arrived, FirstToken, PrefillChunk, Queued, Scheduled, StepFinished, StepTimed
 
 MARKDOWN_ROWS = 64  # chunks shown in the markdown table (the first and the last ones); the JSON has all
 
@@ -55,11 +58,19 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
                         if isinstance(event, FirstToken) and event.request_id == request_id), None)
 
     step_ids = {chunk.step_id for chunk in chunks}
-    reported: dict[int, dict[int, dict[str, tuple[float, StepFinished]]]] = {}  # stage -> step -> actor -> step
+    # stage -> step -> actor -> its step as busy (start, end, execute ms; wall clock) and the basis
+    reported: dict[int, dict[int, dict[str, tuple[float, float, float, str]]]] = {}
     for actor, _, _, wall, event in rows:
         if isinstance(event, StepFinished) and event.step_id in step_ids:
             stage = num_stages - 1 if event.stage is None else event.stage
-            reported.setdefault(stage, {}).setdefault(event.step_id, {})[actor] = (wall, event)
+            seconds = max(event.execute_ms, 0.0) / 1e3
+            reported.setdefault(stage, {}).setdefault(event.step_id, {})[actor] = (
+                wall - seconds, wall, event.execute_ms, "host")
+    for actor, _, _, _, event in rows:  # the GPU's time, where the worker measured it, replaces the host's
+        if isinstance(event, StepTimed) and event.step_id in step_ids:
+            stage = num_stages - 1 if event.stage is None else event.stage
+            reported.setdefault(stage, {}).setdefault(event.step_id, {})[actor] = (
+                event.gpu_start, event.gpu_end, event.gpu_ms, "gpu")
     workers = {stage: min((actor for by_actor in steps.values() for actor in by_actor), key=_rank)
                for stage, steps in reported.items()}
 
@@ -68,6 +79,7 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
     previous_end: dict[int, float] = {}
     gaps: dict[int, float] = dict.fromkeys(range(num_stages), 0.0)
     busy: dict[int, float] = dict.fromkeys(range(num_stages), 0.0)
+    bases = {"gpu": 0, "host": 0}  # stage steps timed on each basis
     for index, chunk in enumerate(chunks):
         per_stage: list[dict[str, Any] | None] = []
         for stage in range(num_stages):
@@ -76,15 +88,18 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
                 per_stage.append(None)
                 previous_end.pop(stage, None)
                 continue
-            wall, event = found
-            bubbles.step(workers[stage], wall, event)
-            start, end = wall - max(event.execute_ms, 0.0) / 1e3 - arrival, wall - arrival
+            begin, finish, execute_ms, basis = found
+            bases[basis] += 1
+            bubbles.step(workers[stage], finish, StepFinished(  # busy from finish less execute_ms
+                step_id=chunk.step_id, num_seqs=0, num_tokens=0, num_sampled=0, execute_ms=(finish - begin) * 1e3,
+                stage=None if stage == num_stages - 1 else stage))
+            start, end = begin - arrival, finish - arrival
             gap = start - previous_end[stage] if index and stage in previous_end else None
             previous_end[stage] = end
             gaps[stage] += gap or 0.0
-            busy[stage] += max(event.execute_ms, 0.0)
-            per_stage.append({"start_ms": _ms(start), "end_ms": _ms(end), "execute_ms": round(event.execute_ms, 3),
-                              "gap_ms": None if gap is None else _ms(gap)})
+            busy[stage] += max(execute_ms, 0.0)
+            per_stage.append({"start_ms": _ms(start), "end_ms": _ms(end), "execute_ms": round(execute_ms, 3),
+                              "gap_ms": None if gap is None else _ms(gap), "basis": basis})
         table_rows.append({"chunk": index, "step_id": chunk.step_id, "start": chunk.start,
                            "tokens": chunk.num_tokens, "stages": per_stage})
 
@@ -99,6 +114,7 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
         "prefill_ms": round(last["end_ms"] - first["start_ms"], 3) if first and last else None,
         "ideal_time_ratio": (count + num_stages - 1) / (count * num_stages) if count else None,
         "ideal_bubble_fraction": (num_stages - 1) / (count + num_stages - 1) if count else None,
+        "basis": bases,
         "stages": [{"stage": stage, "worker": workers.get(stage), "steps": sum(
                         1 for row in table_rows if row["stages"][stage] is not None),
                     "busy_ms": round(busy[stage], 3), "gap_ms": _ms(gaps[stage]),
@@ -109,6 +125,17 @@ def chunk_table(rows: Sequence[TraceRow], request_id: str, num_stages: int) -> d
 
 def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
+
+
+def _basis(counts: dict[str, int] | None) -> str:
+    """What the table's times are: the GPU's, the host's, or which where both."""
+    gpu, host = (counts or {}).get("gpu", 0), (counts or {}).get("host", 0)
+    if not gpu:
+        return "times: the host's (STEP_FINISHED, launch to read-back)"
+    if not host:
+        return "times: the GPU's (STEP_TIMED, CUDA events)"
+    return (f"times: the GPU's (STEP_TIMED, CUDA events) for {gpu} of {gpu + host} stage steps, the host's "
+            f"(STEP_FINISHED, launch to read-back) for the rest, their exec marked *")
 
 
 def chunk_markdown(label: str, record: dict[str, Any]) -> list[str]:
@@ -122,7 +149,8 @@ def chunk_markdown(label: str, record: dict[str, Any]) -> list[str]:
                  f"of {table['computed_tokens']:,} computed tokens over {stages} stage(s); ideal (C+P-1)/(C*P) = "
                  f"{_cell(ideal)}, ideal bubble fraction {_cell(table['ideal_bubble_fraction'])}; prefill "
                  f"{_cell(table['prefill_ms'])} ms, first token at {_cell(table['first_token_ms'])} ms; "
-                 f"trace {record.get('file', '-')}."]
+                 f"{_basis(table.get('basis'))}; trace {record.get('file', '-')}."]
+    mixed = all((table.get("basis") or {}).get(basis, 0) for basis in ("gpu", "host"))
     for stage in table["stages"]:
         fraction = stage["bubble_fraction"]
         lines.append(f"- stage {stage['stage']} ({stage['worker'] or 'no steps'}): bubble fraction "
@@ -142,7 +170,11 @@ def chunk_markdown(label: str, record: dict[str, Any]) -> list[str]:
             continue
         cells = []
         for step in row["stages"]:
-            cells += ["-"] * 4 if step is None else [_cell(step[key]) for key in ("start_ms", "end_ms",
-                                                                                "execute_ms", "gap_ms")]
+            if step is None:
+                cells += ["-"] * 4
+                continue
+            host = "*" if mixed and step.get("basis") == "host" else ""
+            cells += [_cell(step["start_ms"]), _cell(step["end_ms"]), _cell(step["execute_ms"]) + host,
+                      _cell(step["gap_ms"])]
         lines.append(f"| {row['chunk']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
     return lines

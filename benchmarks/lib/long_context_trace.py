@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks.lib.long_context_chunks import chunk_table
 from vllm_actors.observe.trace import TraceRow
 from vllm_actors.observe.trace_file import trace_record, write_trace
-from vllm_actors.protocol.events import Aborted, Finished, PrefillChunk, StepFinished
+from vllm_actors.protocol.events import Aborted, Finished, PrefillChunk, StepFinished, StepTimed
 from vllm_actors.protocol.metrics import EventsQuery, EventsReply, MetricsQuery, MetricsReply
 
 Query = Callable[[MetricsQuery], MetricsReply]
@@ -50,12 +50,19 @@ def read_since(query: Query, since_index: int) -> tuple[list[TraceRow], int, int
 
 
 def is_complete(rows: list[TraceRow], request_id: str, num_stages: int) -> bool:
-    """The request ended and every stage reported the step of each of its prefill chunks."""
+    """The request ended and every stage reported the step of each of its prefill chunks; where the
+    workers time steps on the GPU (any STEP_TIMED seen), also the GPU time of each that sampled
+    nothing (published once the GPU is done with it, after its STEP_FINISHED)."""
     ended = any(isinstance(event, Finished | Aborted) and event.request_id == request_id for *_, event in rows)
     steps = {event.step_id for *_, event in rows if isinstance(event, PrefillChunk) and event.request_id == request_id}
-    reported = {(event.step_id, event.stage) for *_, event in rows if isinstance(event, StepFinished)}
+    finished = [event for *_, event in rows if isinstance(event, StepFinished)]
+    reported = {(event.step_id, event.stage) for event in finished}
     stages = [*range(num_stages - 1), None]  # the last stage's events carry None
-    return ended and bool(steps) and all((step, stage) in reported for step in steps for stage in stages)
+    if not (ended and bool(steps) and all((step, stage) in reported for step in steps for stage in stages)):
+        return False
+    timed = {(event.step_id, event.stage) for *_, event in rows if isinstance(event, StepTimed)}
+    return not timed or all((event.step_id, event.stage) in timed for event in finished
+                            if event.step_id in steps and event.num_sampled == 0)
 
 
 def request_window(rows: list[TraceRow], request_id: str) -> list[TraceRow]:

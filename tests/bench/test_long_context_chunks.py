@@ -1,6 +1,7 @@
 """``benchmarks/long_context.py --trace`` without an engine: the chunk table of one prefill built
 from synthetic store events (two stages and one), its markdown, and the capture from a store that
-receives the request's last events late (EventsQuery pages)."""
+receives the request's last events late (EventsQuery pages); the GPU's times (STEP_TIMED) where the
+workers measured them, the host's elsewhere."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from vllm_actors.protocol.events import (
     Queued,
     Scheduled,
     StepFinished,
+    StepTimed,
 )
 from vllm_actors.protocol.metrics import EventsQuery, EventsReply, MetricsQuery, MetricsReply, TimelineEntry
 
@@ -53,7 +55,8 @@ def _rows(stages: int, other: str = "other") -> list[TraceRow]:
         begin = T0 + 0.005 + chunk * (STEP + 0.002)
         for stage in range(stages):
             end = begin + (stage + 1) * STEP
-            finished = StepFinished(step_id=10 + chunk, num_seqs=1, num_tokens=tokens, num_sampled=0,
+            samples = stage == stages - 1 and chunk == len(CHUNKS) - 1  # the last chunk's last stage
+            finished = StepFinished(step_id=10 + chunk, num_seqs=1, num_tokens=tokens, num_sampled=int(samples),
                                     execute_ms=STEP * 1e3, stage=None if stage == stages - 1 else stage)
             events.append((f"worker-{stage}", end, finished))
             if stage == 0:
@@ -83,7 +86,8 @@ def test_the_chunk_table_of_a_prefill_over_two_stages() -> None:
     assert [row["start"] for row in table["chunks"]] == [16, 80, 120]
     first, second = table["chunks"][0]["stages"], table["chunks"][1]["stages"]
     assert first[0] == {"start_ms": pytest.approx(5.0), "end_ms": pytest.approx(15.0), "execute_ms": 10.0,
-                        "gap_ms": None}
+                        "gap_ms": None, "basis": "host"}
+    assert table["basis"] == {"gpu": 0, "host": 6}
     assert first[1]["start_ms"] == pytest.approx(15.0) and first[1]["end_ms"] == pytest.approx(25.0)
     assert second[0]["gap_ms"] == pytest.approx(2.0) and second[1]["gap_ms"] == pytest.approx(2.0)
     stage0, stage1 = table["stages"]
@@ -99,6 +103,64 @@ def test_the_chunk_table_of_a_prefill_over_two_stages() -> None:
     assert "| chunk | tokens | s0 start | s0 end | s0 exec | s0 gap | s1 start |" in "\n".join(lines)
     assert "| 1 | 40 | 17.00 | 27.00 | 10.00 | 2.00 | 27.00 | 37.00 | 10.00 | 2.00 |" in lines
     assert "bubble fraction 31.8%" in lines[2]
+    assert "times: the host's (STEP_FINISHED" in lines[1] and "*" not in "\n".join(lines[4:])
+
+
+GPU_MS = 6.0  # each chunk's time on the GPU: its host time (10 ms) was launch to read-back
+
+
+def _with_gpu_times(rows: list[TraceRow], stages: int) -> list[TraceRow]:
+    """STEP_TIMED of every chunk on every stage but the last stage's last chunk (it samples: its
+    read-back waits for it), each starting where the host's time said and lasting 6 ms; a TP rank-1
+    worker's too (left out)."""
+    timed: list[TraceRow] = []
+    for chunk in range(len(CHUNKS)):
+        for stage in range(stages):
+            if stage == stages - 1 and chunk == len(CHUNKS) - 1:
+                continue
+            start = T0 + 0.005 + chunk * (STEP + 0.002) + stage * STEP
+            event = StepTimed(step_id=10 + chunk, stage=None if stage == stages - 1 else stage, gpu_ms=GPU_MS,
+                              gpu_start=start, gpu_end=start + GPU_MS / 1e3)
+            published = start + 0.05
+            timed.append((f"worker-{stage}", 1_000 + len(timed), published, published, event))
+            if stage == 0:
+                timed.append((f"worker-{stages}", 1_000 + len(timed), published, published,
+                              StepTimed(step_id=10 + chunk, stage=event.stage, gpu_ms=99.0, gpu_start=start,
+                                        gpu_end=start + 0.099)))
+    return sorted(rows + timed, key=lambda row: row[3])
+
+
+def test_the_gpus_times_replace_the_hosts_where_measured() -> None:
+    rows = _with_gpu_times(_rows(2), 2)
+    table = chunk_table(rows, "r", 2)
+    assert table["basis"] == {"gpu": 5, "host": 1}
+    first, last = table["chunks"][0]["stages"], table["chunks"][2]["stages"]
+    assert first[0] == {"start_ms": pytest.approx(5.0), "end_ms": pytest.approx(11.0), "execute_ms": GPU_MS,
+                        "gap_ms": None, "basis": "gpu"}
+    assert first[1]["start_ms"] == pytest.approx(15.0) and first[1]["end_ms"] == pytest.approx(21.0)
+    assert table["chunks"][1]["stages"][0]["gap_ms"] == pytest.approx(6.0)  # 11 ms to 17 ms: idle on the GPU
+    assert last[1] == {"start_ms": pytest.approx(39.0), "end_ms": pytest.approx(49.0), "execute_ms": 10.0,
+                       "gap_ms": pytest.approx(6.0), "basis": "host"}  # sampled: the host's time is true
+    stage0, stage1 = table["stages"]
+    assert stage0["busy_ms"] == pytest.approx(18.0) and stage1["busy_ms"] == pytest.approx(22.0)
+    # the window still 5 ms to 49 ms; busy on the GPU 18 ms and 12 + 10 ms of it
+    assert stage0["bubble_fraction"] == pytest.approx(1 - 18 / 44, rel=1e-4)
+    assert stage1["bubble_fraction"] == pytest.approx(1 - 22 / 44, rel=1e-4)
+
+    lines = chunk_markdown("144", {"chunks": table})
+    assert "times: the GPU's (STEP_TIMED, CUDA events) for 5 of 6 stage steps" in lines[1]
+    assert "| 2 | 24 | 29.00 | 35.00 | 6.00 | 6.00 | 39.00 | 49.00 | 10.00* | 6.00 |" in lines
+    one_stage = chunk_table(_with_gpu_times(_rows(1), 1), "r", 1)
+    assert one_stage["basis"] == {"gpu": 2, "host": 1}
+
+
+def test_the_capture_waits_for_the_gpu_times_once_the_workers_send_them() -> None:
+    rows = _with_gpu_times(_rows(2), 2)
+    assert is_complete(rows, "r", 2)
+    late = [row for row in rows
+            if not (isinstance(row[4], StepTimed) and row[4].step_id == 11 and row[0] == "worker-1")]
+    assert not is_complete(late, "r", 2)  # chunk 1's on stage 1 not in yet
+    assert is_complete(_rows(2), "r", 2)  # no GPU times at all (a CPU run): the host's are the whole story
 
 
 def test_one_stage_still_has_its_table_and_a_missing_step_shows() -> None:

@@ -70,7 +70,8 @@ def test_types_are_case_insensitive_and_groups_expand() -> None:
     assert resolve_types(["finished", "Tokens"]) == {"FINISHED", "TOKENS"}
     assert resolve_types(["kv"]) == {"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED",
                                      "BLOCK_OFFLOADED", "BLOCK_RESTORED", "KV_POOL", "KV_LENT", "KV_RETURNED"}
-    assert resolve_types(["requests", "worker"]) == EVENT_GROUPS["REQUEST"] | {"STEP_STARTED", "STEP_FINISHED"}
+    assert resolve_types(["requests", "worker"]) == EVENT_GROUPS["REQUEST"] | {"STEP_STARTED", "STEP_FINISHED",
+                                                                               "STEP_TIMED"}
     every = resolve_types(EVENT_GROUPS)
     assert every == {cls.__struct_config__.tag for cls in ALL_EVENTS}  # the groups cover every event
     with pytest.raises(ValueError, match="FINSIHED"):

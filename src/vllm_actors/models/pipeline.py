@@ -9,7 +9,10 @@ before the last sends its output - the last layer's output (a rank's partial sum
 residual stream, stacked ``[2, T, hidden]`` - to the same TP rank of the next stage, which receives
 it for the same step (every stage gets every plan, so both know the token count): NCCL on GPUs, gloo
 on the CPU, never the host's sockets. Sends are asynchronous: a stage takes its next step while the
-next stage still receives (each send is waited for before the one after it).
+next stage still receives (each send is waited for before the one after it). Hooks mark where a
+step's own work starts (``received``: after its input is in) and ends (``sending``: before the send,
+which may wait for the previous one): the worker's GPU step timer (``actors/worker/gpu_timing.py``)
+leaves those waits out of the stage's time.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class PipelineStage:
     tp_rank: int = 0
     group: Any = None  # the world group: every rank of every stage
     _sends: list[Any] = field(default_factory=list, compare=False)  # the send in flight and its tensor
+    received: list[Callable[[], None]] = field(default_factory=list, compare=False)  # called after each recv
+    sending: list[Callable[[], None]] = field(default_factory=list, compare=False)  # called before each send
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +81,8 @@ class PipelineStage:
 
     def send(self, hidden: torch.Tensor) -> None:
         """``hidden`` ([2, T, hidden]: output and residual) to the same TP rank of the next stage."""
+        for hook in self.sending:
+            hook()
         self.wait_sent()
         tensor = hidden.contiguous()
         work = dist.isend(tensor, dst=self.global_rank + self.tp_size, group=self.group)
@@ -85,6 +92,8 @@ class PipelineStage:
         """The previous stage's [2, T, hidden] for this step."""
         tensor = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
         dist.recv(tensor, src=self.global_rank - self.tp_size, group=self.group)
+        for hook in self.received:
+            hook()
         return tensor
 
     def wait_sent(self) -> None:

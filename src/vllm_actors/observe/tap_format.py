@@ -34,7 +34,7 @@ EVENT_GROUPS: dict[str, frozenset[str]] = {
     "REQUEST": frozenset(REQUEST_EVENTS),
     "KV": frozenset({"ALLOCATED", "FREED", "PREFIX_HIT", "BLOCK_CACHED", "BLOCK_EVICTED", "BLOCK_OFFLOADED",
                         "BLOCK_RESTORED", "KV_POOL", "KV_LENT", "KV_RETURNED"}),
-    "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED"}),
+    "WORKER": frozenset({"STEP_STARTED", "STEP_FINISHED", "STEP_TIMED"}),
     "ACTOR": frozenset({"STARTING", "READY", "DRAINING", "STOPPED", "CRASHED", "HEARTBEAT", "REJECTED",
                         "ACTOR_FAILED", "ACTOR_RESTARTED", "GROUP_FAILED", "PIPELINE_RESET",
                         "KV_SHARE_RECOVERED", "SLEEP_STATE"}),

@@ -217,7 +217,9 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     num_seqs: int
     num_tokens: int
     num_sampled: int
-    execute_ms: float  # forward pass and sampling, as timed by the worker
+    # Forward pass and sampling, as timed by the worker's host: launch to read-back. A step that
+    # samples nothing on a GPU is not waited for (its launch time only): STEP_TIMED has its GPU time.
+    execute_ms: float
     # A pipeline stage before the last: its part of the step (its layers; the step is counted once,
     # by the last stage's event, which has None). The step id is the micro-batch's.
     stage: int | None = None
@@ -227,6 +229,19 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = []
+
+
+class StepTimed(msgspec.Struct, tag="STEP_TIMED", kw_only=True):
+    """A step that sampled nothing (a prefill chunk short of its prompt's end, a pipeline stage
+    before the last), timed on the GPU by CUDA events and published once they completed (with a
+    later step's events, or when the worker looks in between): its busy time on that stage's
+    device and when it started and ended there, on the worker's wall clock (Unix seconds)."""
+
+    step_id: int
+    stage: int | None = None  # as STEP_FINISHED's: None on the last stage
+    gpu_ms: float
+    gpu_start: float
+    gpu_end: float
 
 
 # --------------------------------------------------------------------------- actor lifecycle
@@ -322,7 +337,7 @@ Event = (
     Arrived | Routed | Queued | Scheduled | PrefillChunk | FirstToken | Tokens | Preempted | Resumed
     | Finished | Aborted | Allocated | Freed | PrefixHit | BlockCached | BlockEvicted | BlockOffloaded | BlockRestored
     | KvPool | KvLent | KvReturned
-    | StepStarted | StepFinished
+    | StepStarted | StepFinished | StepTimed
     | ActorStarting | ActorReady | ActorDraining | ActorStopped | ActorCrashed | Heartbeat | Rejected
     | ActorFailed | ActorRestarted | GroupFailed | PipelineReset | KvShareRecovered | SleepChanged
 )
@@ -330,7 +345,7 @@ Event = (
 ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
-    KvLent, KvReturned, StepStarted, StepFinished,
+    KvLent, KvReturned, StepStarted, StepFinished, StepTimed,
     ActorStarting, ActorReady, ActorDraining, ActorStopped, ActorCrashed, Heartbeat, Rejected,
     ActorFailed, ActorRestarted, GroupFailed, PipelineReset, KvShareRecovered, SleepChanged,
 )
@@ -342,7 +357,7 @@ ALL_EVENTS: tuple[type[msgspec.Struct], ...] = (
 WORK_EVENTS: tuple[type[msgspec.Struct], ...] = (
     Arrived, Routed, Queued, Scheduled, PrefillChunk, FirstToken, Tokens, Preempted, Resumed, Finished,
     Aborted, Allocated, Freed, PrefixHit, BlockCached, BlockEvicted, BlockOffloaded, BlockRestored, KvPool,
-    KvLent, KvReturned, StepStarted, StepFinished,
+    KvLent, KvReturned, StepStarted, StepFinished, StepTimed,
 )
 DISABLE_EVENTS_ENV = "VLLM_ACTORS_DISABLE_EVENTS"  # the deprecated alias's name (benchmarks set it)
 

@@ -229,6 +229,16 @@ class PromptLogprobs(msgspec.Struct, kw_only=True):
     entries: list[Logprobs]
 
 
+class StepGpuTime(msgspec.Struct, array_like=True):
+    """An earlier step's time on the GPU, measured by CUDA events (``actors/worker/gpu_timing.py``):
+    a step that samples nothing is not waited for by its read-back, so its ``execute_seconds`` was 0."""
+
+    step_id: int
+    seconds: float  # from its start event to its end event
+    start: float  # on the worker's wall clock (time.time()), from an event at a known time
+    end: float
+
+
 class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     step_id: int
     # The result of a ``reset`` plan. A new scheduler numbers its steps from 0 again, so the step
@@ -242,6 +252,8 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     logprobs: list[Logprobs | None] = []  # aligned with req_ids when any request asked for them
     prompt_logprobs: list[PromptLogprobs] = []
     num_batched_tokens: int = 0
+    # Launch to read-back on the worker's clock (0: not measured; on a GPU, a step that samples
+    # nothing is timed by CUDA events instead and its time comes in a later result's gpu_timings).
     execute_seconds: float = 0.0
     # The worker's wall time this step added: from the later of its launch and the previous
     # step's read-back to its own read-back (0: not measured). Unlike ``execute_seconds`` (from
@@ -255,6 +267,8 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     # placeholders (the n-gram lookup found fewer; 0: a plain decode row), with the count they did.
     # Their planned slots are rolled back as those of rejected drafts.
     num_drafted: dict[str, int] = {}
+    # Earlier steps (or this one) that reported execute_seconds 0, timed on the GPU since, in launch order.
+    gpu_timings: list[StepGpuTime] = []
 
 
 class RequestUpdate(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -20,6 +20,7 @@ from vllm_actors.models.kv_parallel import KvParallel
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
 from vllm_actors.protocol.config import EngineConfig
+from vllm_actors.runner.gpu_events import step_timer
 from vllm_actors.runner.grammar_tokenizer import worker_grammars
 from vllm_actors.runner.kv_rejoin import rejoiner_for
 from vllm_actors.runner.sampler import Sampler
@@ -98,7 +99,11 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
         drafter=proposer_for(getattr(runner, "drafter", None)) or ngram_proposer(config),
         rejoiner=rejoiner_for(runner, rendezvous, runner.tp.size, stage.enabled),
+        timer=step_timer(runner.device) if ranks.rank == 0 else None,  # rank 0 reports
     )
+    if stage.enabled:  # a stage's GPU time leaves out its waits for its input and for its last send
+        stage.received.append(worker.timer.work_started)
+        stage.sending.append(worker.timer.work_done)
     info = {
         "num_blocks": runner.num_blocks,
         "num_host_blocks": getattr(runner, "num_host_blocks", 0),

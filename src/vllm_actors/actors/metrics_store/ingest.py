@@ -51,6 +51,7 @@ from vllm_actors.protocol.events import (
     SleepChanged,
     StepFinished,
     StepStarted,
+    StepTimed,
     Tokens,
     event_type,
 )
@@ -115,6 +116,7 @@ class Recorder(RequestEvents):
             KvPool: self._on_kv_pool,
             StepStarted: self._ignore,
             StepFinished: self._on_step_finished,
+            StepTimed: self._ignore,  # the benchmarks' chunk table reads it from the log
             ActorStarting: self._on_lifecycle,
             ActorReady: self._on_lifecycle,
             ActorDraining: self._on_lifecycle,

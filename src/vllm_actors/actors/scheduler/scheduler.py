@@ -29,6 +29,7 @@ The scheduler's other modules, one concern each:
 - ``results``: a step's tokens, stops and updates;
 - ``recovery``: what a restart elsewhere in the group does to the requests; resubmissions;
 - ``cost_model``, ``deadlines``: the step cost model; remaining work and admission control;
+  ``late_timings``: the cost model taught by steps whose GPU time comes in a later result;
 - ``request``: the per-request state; ``block_ledger``, ``prefix_cache``: the KV pool as the
   scheduler counts it;
 - ``owners``: which client connection owns which request (used by the scheduler's shell);
@@ -47,9 +48,10 @@ from vllm_actors.actors.scheduler.admission import admission_error, identity_err
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.controls import SleepState, control_error
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
-from vllm_actors.actors.scheduler.deadlines import observe_step, step_features, unmeetable_error
+from vllm_actors.actors.scheduler.deadlines import step_features, unmeetable_error
 from vllm_actors.actors.scheduler.kv_loans import LoanDesk
 from vllm_actors.actors.scheduler.kv_rejoin import rejoin_of, roll_back
+from vllm_actors.actors.scheduler.late_timings import LateTimings
 from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.planning_pass import PlanningPass, SchedulerStats
@@ -89,6 +91,7 @@ class Scheduler(PlanningPass):
         steps' measured times; tests inject a fixed one)."""
         self.config = config
         self.cost_model: CostModel = cost_model if cost_model is not None else OnlineCostModel()
+        self.late_timings = LateTimings()  # steps timed on the GPU whose time comes in a later result
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
         self.requests: dict[str, ScheduledRequest] = {}
@@ -205,7 +208,8 @@ class Scheduler(PlanningPass):
         if plan.req_ids:
             self.ledger.step_done(plan.step_id)
         features = step_features(plan, self.config.block_size) if self.spec is not None else None  # once for both
-        observe_step(self.cost_model, plan, result, self.config.block_size, features)  # the cost model learns the step
+        # the cost model learns the step, or later from its GPU time, and the earlier ones timed so
+        self.late_timings.observe(self.cost_model, plan, result, self.config.block_size, features)
         if self.spec is not None:
             self.spec.account(plan, result, self.requests, features)
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
@@ -287,6 +291,7 @@ class Scheduler(PlanningPass):
         if keep_host:
             self.ledger.resume_host(old)
         self.pipeline.reset()
+        self.late_timings.clear()
         self.loans.reset()
         if self.spec is not None:
             self.spec.take_trims([])  # the new ledger and pipeline start from nothing

@@ -185,6 +185,8 @@ class PendingStep:
     grammars_fed: bool = False  # its tokens went to the constrained requests' matchers
     spec: SpecCounts | None = None  # speculative decoding: the step's drafted and accepted tokens
     num_drafted: dict[str, int] = field(default_factory=dict)  # requests short of their placeholders (StepResult)
+    gpu_timed: bool = False  # timed on the GPU (gpu_timing): its result's execute_seconds is 0
+    host_seconds: float = 0.0  # launch to read-back on the worker's clock, once read back
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

@@ -24,6 +24,14 @@ request and block-table row first (the KV tensors are left as they are: every re
 new and recomputes what it reads); a plan with a step id below the last reset's is dropped unrun.
 An engine command (``EngineControl``: sleep, wake-up; ``controls``) is carried out once the step
 launched before it is read back; rank 0 answers it.
+
+GPU time (``gpu_timing``): on a CUDA device, a step that samples nothing (a stage before the last,
+or a prefill chunk short of its prompt's end) is read back without waiting for the device, so its
+host time is its launch alone. Rank 0 of each stage times those on the GPU by CUDA events: their
+result says ``execute_seconds`` 0 (not measured), and once complete they are published as
+``STEP_TIMED`` and, on the last stage, sent in the next result's ``gpu_timings``. The shell looks
+for completed ones while they are outstanding (``has_pending`` / ``pending_ready`` / ``flush``), so
+a stage's last chunk is reported without waiting for its next step.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.draft_slots import short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
+from vllm_actors.actors.worker.gpu_timing import MAX_OUTSTANDING, StepTimer
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
@@ -49,12 +58,11 @@ from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
     PendingStep,
-    SpecCounts,
     WorkerRequest,
 )
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.actors.worker.verify import expand_rows, verify
-from vllm_actors.protocol.events import StepFinished, StepStarted
+from vllm_actors.protocol.events import StepFinished, StepStarted, StepTimed
 from vllm_actors.protocol.messages import (
     ControlReply,
     EngineControl,
@@ -62,6 +70,7 @@ from vllm_actors.protocol.messages import (
     Message,
     NewRequest,
     PromptLogprobs,
+    StepGpuTime,
     StepPlan,
     StepResult,
 )
@@ -76,7 +85,7 @@ class Worker(Draw, KvRejoining, Membership):
         self, runner: Runner, sampler: TokenSampler, clock: Callable[[], float], defer: bool = False,
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
         host_tier: HostTierCopies | None = None, stage: Stage | None = None, ranks: Ranks | None = None,
-        drafter: Proposer | None = None, rejoiner: Rejoiner | None = None,
+        drafter: Proposer | None = None, rejoiner: Rejoiner | None = None, timer: StepTimer | None = None,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -92,7 +101,8 @@ class Worker(Draw, KvRejoining, Membership):
         who takes the broadcast ids (default: the runner's TP group; under KV parallelism every
         rank of the replica). ``drafter``: a draft model's or EAGLE-3 head's proposals (speculative decoding).
         ``rejoiner``: a KV-parallel rank that outlives a dead peer and rejoins (``kv_rejoin``; None: a
-        failed collective propagates)."""
+        failed collective propagates). ``timer``: GPU time of the steps that sample nothing, on rank 0
+        (``build_worker`` gives a CUDA runner's one over CUDA events; default: none, as on a CPU)."""
         self.rejoiner = rejoiner
         self._lost_peer = False  # a collective failed: plans are dropped until the rejoin plan
         self._rejoin_step = -1  # the last rejoin plan's step id: its result answers as a reset's
@@ -117,6 +127,9 @@ class Worker(Draw, KvRejoining, Membership):
         self.tables = BlockTableArray(width) if width else None
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
         self.borrowing: BorrowingHooks | None = None  # borrowed KV across replicas (runner/kv_borrowing.py)
+        # only rank 0 reports: the other ranks time nothing (nor look for what completed)
+        self.timer = timer if timer is not None and self.tp.rank == 0 else StepTimer()
+        self._unsent_timings: list[StepGpuTime] = []  # the last stage's, for the next result
 
     def handle(self, message: Message) -> Outputs:
         if isinstance(message, EngineControl):
@@ -162,7 +175,7 @@ class Worker(Draw, KvRejoining, Membership):
         if launched.chosen is not None:  # the drafter found nothing: a plain step, read back after the next
             self._pending = launched
             return outputs
-        return outputs.extend(self._outputs(started, self._read_back(launched), launched.spec))
+        return outputs.extend(self._outputs(launched, self._read_back(launched)))
 
     def control(self, control: EngineControl) -> Outputs:
         """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
@@ -183,41 +196,63 @@ class Worker(Draw, KvRejoining, Membership):
             num_prefill_seqs=sum(1 for new in plan.new_requests if new.request_id in plan.req_ids),
         )
 
-    def _outputs(self, started: StepStarted, result: StepResult, spec: SpecCounts | None = None) -> Outputs:
+    def _outputs(self, pending: PendingStep, result: StepResult) -> Outputs:
         outputs = Outputs()
         if self.tp.rank != 0:
             return outputs  # rank 0 of the last stage answers for the group
+        started, spec = pending.started, pending.spec
         finished = StepFinished(
             step_id=result.step_id,
             num_seqs=started.num_seqs,
             num_tokens=result.num_batched_tokens,
             num_sampled=len(result.req_ids),
-            execute_ms=result.execute_seconds * 1e3,
+            execute_ms=pending.host_seconds * 1e3,  # the host's, also where the GPU's comes later (STEP_TIMED)
             stage=None if self.stage.is_last else self.stage.stage,
         )
         if spec is not None:
             finished.num_drafts, finished.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             finished.num_accepted_tokens, finished.accepted_per_pos = spec.num_accepted_tokens, spec.accepted_per_pos
-        if not self.answers:  # an earlier stage: its part of the step, one track per stage in the trace
-            outputs.emit(started, finished)
-            return outputs
-        outputs.send(SCHEDULER, result)
-        outputs.emit(started, finished)
+        outputs.emit(started, finished)  # an earlier stage: its part of the step, one track per stage in the trace
+        self._timings(outputs)
+        if self.answers:
+            result.gpu_timings, self._unsent_timings = self._unsent_timings, []
+            outputs.send(SCHEDULER, result)
         return outputs
+
+    def _timings(self, outputs: Outputs) -> None:
+        """The timed steps complete now: published, and kept for the next result (the last stage)."""
+        if not self.timer.enabled:
+            return
+        stage = None if self.stage.is_last else self.stage.stage
+        for timing in self.timer.completed():
+            outputs.emit(StepTimed(step_id=timing.step_id, stage=stage, gpu_ms=timing.seconds * 1e3,
+                                   gpu_start=timing.start, gpu_end=timing.end))
+            if self.answers:
+                self._unsent_timings.append(timing)
+        del self._unsent_timings[:-MAX_OUTSTANDING]  # bounded, should no result go out for long
 
     # ------------------------------------------------------------------ deferred steps
     def has_pending(self) -> bool:
-        return self._pending is not None
+        """A launched step not read back, or a step timed on the GPU not complete when last looked."""
+        return self._pending is not None or self.timer.num_outstanding > 0
 
     def pending_ready(self) -> bool:
-        return self._pending is None or self._pending.ready()
+        """Whether ``flush`` has something to report without waiting: the pending step's tokens
+        are on the host, or (none pending) a timed step has completed."""
+        if self._pending is not None:
+            return self._pending.ready()
+        return self.timer.num_outstanding == 0 or self.timer.any_done()
 
     def flush(self) -> Outputs:
-        """Read the launched step back: its result and events (nothing when none is pending)."""
+        """Read the launched step back: its result and events; with none pending, the timed
+        steps complete since (``STEP_TIMED``; nothing when there are none)."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return Outputs()
-        return self._outputs(pending.started, self._read_back(pending), pending.spec)
+            outputs = Outputs()
+            if self.tp.rank == 0:
+                self._timings(outputs)
+            return outputs
+        return self._outputs(pending, self._read_back(pending))
 
     def _deferrable(self, plan: StepPlan) -> bool:
         """Whether every row's draw is all the step needs (no logprobs to read back)."""
@@ -265,11 +300,17 @@ class Worker(Draw, KvRejoining, Membership):
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset,
                                num_drafted=num_drafted)
+        # It samples nothing (a stage before the last never does): its read-back will not wait for the device.
+        timed = self.timer.enabled and (not samplers or not self.stage.is_last)
+        if timed:
+            self.timer.begin(plan.step_id)
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
             self.runner.execute(batch)
+            if timed:
+                self.timer.end()
             self._step_launched(plan)
             return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
-                               num_batched_tokens=len(batch.token_ids), reset=plan.reset)
+                               num_batched_tokens=len(batch.token_ids), reset=plan.reset, gpu_timed=timed)
         row_owners = samplers
         if step.drafts:  # speculative decoding: a row per verified position
             rows, row_owners = expand_rows(samplers, step.drafts)
@@ -291,6 +332,8 @@ class Worker(Draw, KvRejoining, Membership):
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
                 self._mask(logits, row_owners, pending)
             chosen, logprobs = self._draw(logits, rows, read_now)
+        if timed:
+            self.timer.end()
         spec = None
         if step.drafts:  # read at once (never deferred): the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
@@ -302,11 +345,12 @@ class Worker(Draw, KvRejoining, Membership):
         if read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted)
+                               prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted, gpu_timed=timed)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
-                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted)
+                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
+                           gpu_timed=timed)
 
     def _step_launched(self, plan: StepPlan) -> None:
         """The host tier's copies may have to wait for this step; its write-through follows it."""
@@ -324,6 +368,7 @@ class Worker(Draw, KvRejoining, Membership):
             request.num_pending -= 1
         now, last_done = self.clock(), self._last_read_back
         self._last_read_back = now
+        pending.host_seconds = 0.0 if pending.started_at is None else now - pending.started_at
         return StepResult(
             step_id=pending.step_id,
             reset=pending.reset or pending.step_id == self._rejoin_step,
@@ -332,7 +377,7 @@ class Worker(Draw, KvRejoining, Membership):
             logprobs=pending.logprobs,
             prompt_logprobs=pending.prompt_logprobs,
             num_batched_tokens=pending.num_batched_tokens,
-            execute_seconds=0.0 if pending.started_at is None else now - pending.started_at,
+            execute_seconds=0.0 if pending.gpu_timed else pending.host_seconds,  # 0: its time comes later
             interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
         )

@@ -1,0 +1,47 @@
+"""The cost model taught by steps timed late: a step that samples nothing on a GPU comes back with
+``execute_seconds`` 0 (its read-back does not wait for the device) and its GPU time arrives in a
+later result's ``gpu_timings`` (``actors/worker/gpu_timing.py``). Such a step with prefill work
+keeps its cost-model features here, by step id, until its time arrives; the oldest beyond
+``max_steps`` are forgotten (a time that never came). A pipeline reset forgets them all."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.deadlines import observe_step, step_features
+from vllm_actors.protocol.messages import StepPlan, StepResult
+
+MAX_WAITING_STEPS = 256  # steps awaiting their GPU time; the oldest beyond are forgotten
+
+
+class LateTimings:
+    def __init__(self, max_steps: int = MAX_WAITING_STEPS) -> None:
+        self.max_steps = max_steps
+        self._waiting: OrderedDict[int, tuple[int, int, float]] = OrderedDict()  # step id -> features
+        self.num_observed = 0  # steps the cost model learnt from their late GPU time
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def observe(self, cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
+                features: tuple[int, int, float] | None = None) -> None:
+        """Teach ``cost`` the step (``observe_step``) or, not measured yet, keep it for its GPU
+        time; then teach it the earlier steps whose GPU times the result carries (its own included)."""
+        observe_step(cost, plan, result, block_size, features)
+        if result.execute_seconds <= 0 and not plan.draft_token_ids:
+            features = features or step_features(plan, block_size)
+            if features[0] > 0:  # prefill work: what the chunks are sized from
+                self._waiting[plan.step_id] = features
+                while len(self._waiting) > self.max_steps:
+                    self._waiting.popitem(last=False)
+        for timing in result.gpu_timings:
+            waiting = self._waiting.pop(timing.step_id, None)
+            if waiting is not None and timing.seconds > 0:
+                prefill_tokens, num_decodes, pairs = waiting
+                cost.observe(prefill_tokens, num_decodes, timing.seconds, pairs)
+                self.num_observed += 1
+
+    def clear(self) -> None:
+        """A pipeline reset: the steps in flight are gone, their times will not come."""
+        self._waiting.clear()

@@ -1,0 +1,127 @@
+"""The cost model taught late (actors/scheduler/late_timings.py): a prefill chunk whose result says
+execute_seconds 0 (timed on the GPU) keeps its features until a later result's gpu_timings bring
+its time; bounded; a pipeline reset forgets them. The scheduler under PP learns each chunk's GPU time,
+and the online model converges on the GPU's costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
+from vllm_actors.actors.scheduler.deadlines import step_features
+from vllm_actors.actors.scheduler.late_timings import LateTimings
+from vllm_actors.actors.scheduler.scheduler import Scheduler
+from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.messages import AddRequest, RecoverPipeline, StepGpuTime, StepPlan, StepResult
+from vllm_actors.protocol.names import KV_CACHE_MANAGER
+from vllm_actors.protocol.sampling import SamplingParams
+
+BLOCK = 16
+
+
+@dataclass
+class _Recorder(FixedCostModel):
+    """A fixed model that keeps what it is taught: (prefill tokens, decodes, seconds, pairs)."""
+
+    seen: list[tuple[int, int, float, float]] = field(default_factory=list)
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+        self.seen.append((prefill_tokens, decode_seqs, seconds, prefill_pairs))
+
+
+def _chunk(step_id: int, start: int, tokens: int) -> StepPlan:
+    blocks = -(-(start + tokens) // BLOCK)
+    return StepPlan(step_id=step_id, req_ids=["a"], num_tokens=[tokens], num_blocks=[blocks])
+
+
+def _result(step_id: int, seconds: float = 0.0, timings: list[StepGpuTime] | None = None) -> StepResult:
+    return StepResult(step_id=step_id, req_ids=[], token_ids=[], execute_seconds=seconds, gpu_timings=timings or [])
+
+
+def _timed(step_id: int, seconds: float) -> StepGpuTime:
+    return StepGpuTime(step_id, seconds, 100.0, 100.0 + seconds)
+
+
+def test_a_chunk_is_learnt_when_its_gpu_time_comes() -> None:
+    cost, late = _Recorder(), LateTimings()
+    first, second = _chunk(1, 0, 256), _chunk(2, 256, 256)
+    late.observe(cost, first, _result(1), BLOCK)
+    assert cost.seen == [] and len(late) == 1  # not measured: kept
+    late.observe(cost, second, _result(2, timings=[_timed(1, 0.030), _timed(7, 0.5)]), BLOCK)  # 7: unknown
+    assert cost.seen == [(256, 0, 0.030, chunk_pairs(0, 256))] and len(late) == 1
+    late.observe(cost, _chunk(3, 512, 64), _result(3, 0.004, [_timed(2, 0.040)]), BLOCK)  # measured: at once
+    assert cost.seen[1:] == [(64, 0, 0.004, chunk_pairs(512, 64)), (256, 0, 0.040, chunk_pairs(256, 256))]
+    assert len(late) == 0 and late.num_observed == 2
+    late.observe(cost, _chunk(4, 576, 64), _result(4, timings=[_timed(4, 0.006)]), BLOCK)  # its own, at once
+    assert cost.seen[-1] == (64, 0, 0.006, chunk_pairs(576, 64)) and len(late) == 0
+
+
+def test_only_prefill_work_waits_and_the_wait_is_bounded_and_reset() -> None:
+    cost, late = _Recorder(), LateTimings(max_steps=2)
+    decode = StepPlan(step_id=1, req_ids=["a"], num_tokens=[1], num_blocks=[1])
+    late.observe(cost, decode, _result(1), BLOCK)  # a decode step (an earlier stage's): nothing to size
+    late.observe(cost, StepPlan(step_id=2), _result(2), BLOCK)  # nothing ran
+    drafting = StepPlan(step_id=3, req_ids=["a"], num_tokens=[3], num_blocks=[1], draft_token_ids={"a": [4, 5]})
+    late.observe(cost, drafting, _result(3), BLOCK)  # verifies drafts: the speculator's
+    assert len(late) == 0
+    for step_id in (4, 5, 6):
+        late.observe(cost, _chunk(step_id, 0, 32), _result(step_id), BLOCK)
+    assert len(late) == 2  # the oldest forgotten
+    late.observe(cost, _chunk(7, 0, 1), _result(7, 0.001, [_timed(4, 0.1), _timed(5, 0.2)]), BLOCK)
+    assert [seen[2] for seen in cost.seen] == [0.001, 0.2]  # step 7 itself (measured), not step 4 (forgotten)
+    late.clear()
+    late.observe(cost, _chunk(8, 0, 1), _result(8, 0.001, [_timed(6, 0.3)]), BLOCK)
+    assert 0.3 not in [seen[2] for seen in cost.seen]
+
+
+def test_the_online_model_converges_on_the_gpus_costs() -> None:
+    truth = FixedCostModel(a=0.004, b=3e-5, c=2e-4, d=2e-3)
+    model, late = OnlineCostModel(), LateTimings()
+    previous: StepPlan | None = None
+    for step_id in range(300):
+        start, tokens = (step_id * 7919) % 30_000, 512 + 97 * (step_id % 41)
+        plan = _chunk(step_id, start, tokens)
+        timings = [] if previous is None else [_timed(previous.step_id, truth.step_seconds(
+            *step_features(previous, BLOCK)[:2], step_features(previous, BLOCK)[2]))]
+        late.observe(model, plan, _result(step_id, timings=timings), BLOCK)
+        previous = plan
+    assert late.num_observed == 299
+    probe = step_features(_chunk(0, 28_000, 2048), BLOCK)
+    assert model.step_seconds(*probe) == pytest.approx(truth.step_seconds(*probe), rel=0.02)
+
+
+def _pp_scheduler(cost: _Recorder) -> tuple[Scheduler, list[StepPlan]]:
+    config = SchedulerConfig(max_model_len=8192, max_num_seqs=4, max_num_batched_tokens=512,
+                             enable_chunked_prefill=True, block_size=BLOCK, num_blocks=600, max_steps_in_flight=64,
+                             enable_prefix_caching=False, pipeline_parallel_size=2)
+    scheduler = Scheduler(config, cost_model=cost)
+    out = scheduler.handle(AddRequest(request_id="long", prompt_token_ids=[1] * 4000,
+                                      params=SamplingParams(max_tokens=2), eos_token_ids=[0]))
+    return scheduler, [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
+
+
+def test_the_scheduler_learns_each_chunk_from_its_gpu_time() -> None:
+    cost = _Recorder()
+    scheduler, plans = _pp_scheduler(cost)
+    assert len(plans) > 3
+    *chunks, last = plans
+    for index, plan in enumerate(chunks):  # each chunk's GPU time comes with the next chunk's result
+        timings = [_timed(chunks[index - 1].step_id, 0.01 * index)] if index else []
+        scheduler.handle(StepResult(step_id=plan.step_id, reset=plan.reset, req_ids=[], token_ids=[],
+                                    gpu_timings=timings))
+    assert len(scheduler.late_timings) == 1 and [seen[2] for seen in cost.seen] == [
+        pytest.approx(0.01 * index) for index in range(1, len(chunks))]
+    assert [seen[0] for seen in cost.seen] == [plan.num_tokens[0] for plan in chunks[:-1]]
+    scheduler.handle(StepResult(step_id=last.step_id, req_ids=["long"], token_ids=[5], execute_seconds=0.02,
+                                gpu_timings=[_timed(chunks[-1].step_id, 0.5)]))
+    assert [seen[2] for seen in cost.seen[-2:]] == [0.02, 0.5] and len(scheduler.late_timings) == 0
+
+
+def test_a_pipeline_reset_forgets_the_steps_awaiting_their_time() -> None:
+    scheduler, plans = _pp_scheduler(_Recorder())
+    scheduler.handle(StepResult(step_id=plans[0].step_id, reset=True, req_ids=[], token_ids=[]))
+    assert len(scheduler.late_timings) == 1
+    scheduler.handle(RecoverPipeline(actor="worker-1", reason="restarted"))
+    assert len(scheduler.late_timings) == 0
