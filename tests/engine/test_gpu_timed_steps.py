@@ -124,3 +124,17 @@ def test_on_the_cpu_nothing_is_timed_on_the_side() -> None:
     outputs = worker.handle(last_plan)
     assert not any(isinstance(event, StepTimed) for event in outputs.events)
     assert outputs.to(SCHEDULER)[0].gpu_timings == []
+
+
+def test_a_pipelines_last_stage_times_its_sampled_steps_too() -> None:
+    # its read-back waits for the stages before it: the host's time would count theirs
+    worker, gpu = _worker(OnlyStage(stage=1, is_last=True, enabled=True))
+    first_plan, last_plan = _plans()
+    worker.handle(first_plan)
+    gpu.reach(gpu.clock)
+    outputs = worker.handle(last_plan)
+    (last,) = outputs.to(SCHEDULER)
+    assert last.req_ids == ["a"] and last.execute_seconds == 0.0  # sampled, and its time comes later
+    gpu.reach(gpu.clock)
+    (timed,) = worker.flush().events
+    assert isinstance(timed, StepTimed) and (timed.step_id, timed.stage, timed.gpu_ms) == (1, None, pytest.approx(8.0))

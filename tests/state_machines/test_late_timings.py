@@ -58,10 +58,14 @@ def test_a_chunk_is_learnt_when_its_gpu_time_comes() -> None:
     assert cost.seen[-1] == (64, 0, 0.006, chunk_pairs(576, 64)) and len(late) == 0
 
 
-def test_only_prefill_work_waits_and_the_wait_is_bounded_and_reset() -> None:
+def test_steps_that_ran_wait_and_the_wait_is_bounded_and_reset() -> None:
     cost, late = _Recorder(), LateTimings(max_steps=2)
     decode = StepPlan(step_id=1, req_ids=["a"], num_tokens=[1], num_blocks=[1])
-    late.observe(cost, decode, _result(1), BLOCK)  # a decode step (an earlier stage's): nothing to size
+    late.observe(cost, decode, _result(1), BLOCK)  # a pipeline's decode step: timed on the GPU too
+    assert len(late) == 1
+    late.observe(cost, _chunk(9, 0, 1), _result(9, 0.001, [_timed(1, 0.002)]), BLOCK)
+    assert cost.seen[-1] == (0, 1, 0.002, 0.0) and len(late) == 0
+    cost.seen.clear()
     late.observe(cost, StepPlan(step_id=2), _result(2), BLOCK)  # nothing ran
     drafting = StepPlan(step_id=3, req_ids=["a"], num_tokens=[3], num_blocks=[1], draft_token_ids={"a": [4, 5]})
     late.observe(cost, drafting, _result(3), BLOCK)  # verifies drafts: the speculator's

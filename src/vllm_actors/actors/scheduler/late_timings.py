@@ -1,7 +1,8 @@
 """The cost model taught by steps timed late: a step that samples nothing on a GPU comes back with
 ``execute_seconds`` 0 (its read-back does not wait for the device) and its GPU time arrives in a
-later result's ``gpu_timings`` (``actors/worker/gpu_timing.py``). Such a step with prefill work
-keeps its cost-model features here, by step id, until its time arrives; the oldest beyond
+later result's ``gpu_timings`` (``actors/worker/gpu_timing.py``; under pipeline parallelism every
+step does: the last stage's read-back waits for the stages before it). Such a step keeps its
+cost-model features here, by step id, until its time arrives; the oldest beyond
 ``max_steps`` are forgotten (a time that never came). A pipeline reset forgets them all."""
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ class LateTimings:
         """Teach ``cost`` the step (``observe_step``) or, not measured yet, keep it for its GPU
         time; then teach it the earlier steps whose GPU times the result carries (its own included)."""
         observe_step(cost, plan, result, block_size, features)
-        if result.execute_seconds <= 0 and not plan.draft_token_ids:
-            features = features or step_features(plan, block_size)
-            if features[0] > 0:  # prefill work: what the chunks are sized from
-                self._waiting[plan.step_id] = features
-                while len(self._waiting) > self.max_steps:
-                    self._waiting.popitem(last=False)
+        if result.execute_seconds <= 0 and plan.req_ids and not plan.draft_token_ids:
+            self._waiting[plan.step_id] = features or step_features(plan, block_size)
+            while len(self._waiting) > self.max_steps:
+                self._waiting.popitem(last=False)
         for timing in result.gpu_timings:
             waiting = self._waiting.pop(timing.step_id, None)
             if waiting is not None and timing.seconds > 0:

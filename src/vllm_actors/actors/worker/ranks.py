@@ -43,10 +43,14 @@ class Stage(Protocol):
     @property
     def is_last(self) -> bool: ...
 
+    @property
+    def enabled(self) -> bool: ...  # a pipeline of more than one stage
+
 
 @dataclass(frozen=True)
 class OnlyStage:
-    """No pipeline: the one stage, first and last."""
+    """No pipeline: the one stage, first and last (tests give other values)."""
 
     stage: int = 0
     is_last: bool = True
+    enabled: bool = False

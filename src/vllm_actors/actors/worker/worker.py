@@ -27,7 +27,8 @@ launched before it is read back; rank 0 answers it.
 
 GPU time (``gpu_timing``): on a CUDA device, a step that samples nothing (a stage before the last,
 or a prefill chunk short of its prompt's end) is read back without waiting for the device, so its
-host time is its launch alone. Rank 0 of each stage times those on the GPU by CUDA events: their
+host time is its launch alone; a pipeline's last stage waits for the stages before it as well, so
+there every step is timed so. Rank 0 of each stage times those on the GPU by CUDA events: their
 result says ``execute_seconds`` 0 (not measured), and once complete they are published as
 ``STEP_TIMED`` and, on the last stage, sent in the next result's ``gpu_timings``. The shell looks
 for completed ones while they are outstanding (``has_pending`` / ``pending_ready`` / ``flush``), so
@@ -301,7 +302,8 @@ class Worker(Draw, KvRejoining, Membership):
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset,
                                num_drafted=num_drafted)
         # It samples nothing (a stage before the last never does): its read-back will not wait for the device.
-        timed = self.timer.enabled and (not samplers or not self.stage.is_last)
+        # Every step of a pipeline stage: the last stage's read-back waits for the stages before it too.
+        timed = self.timer.enabled and (not samplers or not self.stage.is_last or self.stage.enabled)
         if timed:
             self.timer.begin(plan.step_id)
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
