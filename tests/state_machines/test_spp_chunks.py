@@ -168,3 +168,15 @@ def test_the_first_stage_gets_the_chunks_back_to_back() -> None:
     # each chunk ends on the tiles' 128 rows (a partial tile cost 3.7% more kernel time on an H200)
     assert all(sum(sizes[: i + 1]) % CHUNK_ALIGN == 0 for i in range(len(sizes)))
     assert sizes != balanced_chunks(_stage_8b(4), 0, 32768, 8192, num_stages=4)[: len(sizes)]
+
+
+def test_the_per_step_part_is_at_most_a_one_sequence_decode_step() -> None:
+    # fitted one request at a time, a model knows a + c alone: a large a beside a negative c
+    # would plan few chunks (measured: 7 at 32k on two stages where 11 were due)
+    degenerate = FixedCostModel(a=0.013, b=1e-5, c=-0.0108, d=5e-4)
+    assert linear_coefficients(degenerate) == pytest.approx((0.0022, 1e-5, 5e-4))
+    sane = FixedCostModel(a=0.002, b=1e-5, c=0.0003, d=5e-4)
+    assert linear_coefficients(sane) == pytest.approx((0.002, 1e-5, 5e-4))
+    few = balanced_chunks(degenerate, 0, 32768, 8192, num_stages=2)
+    assert len(few) > len(balanced_chunks(FixedCostModel(a=0.013, b=1e-5, c=0.0, d=5e-4), 0, 32768, 8192,
+                                          num_stages=2))

@@ -40,12 +40,16 @@ Coefficients = tuple[float, float, float]
 
 def linear_coefficients(cost: CostModel) -> Coefficients:
     """``(a, b, d)``: the model's seconds per step, per prefill token and per unit of
-    ``prefill_pairs``, read off by probing it (each at least zero)."""
+    ``prefill_pairs``, read off by probing it (each at least zero). The per-step part is at most a
+    one-sequence decode step's time: a model fitted on steps that always decode one sequence (one
+    request at a time) learns that sum alone, and may split it into a large per-step part and a
+    negative per-sequence one, which would plan too few chunks."""
     one = cost.step_seconds(_PROBE_TOKENS, 0, 0.0)
     per_token = max(0.0, (cost.step_seconds(2 * _PROBE_TOKENS, 0, 0.0) - one) / _PROBE_TOKENS)
     pairs_one = cost.step_seconds(_PROBE_TOKENS, 0, _PROBE_PAIRS)
     per_pair = max(0.0, (cost.step_seconds(_PROBE_TOKENS, 0, 2 * _PROBE_PAIRS) - pairs_one) / _PROBE_PAIRS)
-    return max(0.0, one - per_token * _PROBE_TOKENS), per_token, per_pair
+    per_step = min(one - per_token * _PROBE_TOKENS, cost.step_seconds(0, 1, 0.0))
+    return max(0.0, per_step), per_token, per_pair
 
 
 def chunk_floor(budget: int) -> int:
