@@ -129,6 +129,23 @@ def _step(step_id: int, mono: float, execute_ms: float, num_seqs: int = 8, num_t
             "num_sampled": num_seqs, "execute_ms": execute_ms}
 
 
+def test_gpu_busy_shares_come_from_the_device_clock_of_stages_timed_throughout() -> None:
+    from vllm_actors.bench.event_log import gpu_busy_shares
+
+    def timed(step_id: int, start: float, end: float, actor: str) -> dict[str, Any]:
+        return {"actor": actor, "seq": step_id, "mono": end, "wall": 1000.0 + end, "type": "STEP_TIMED",
+                "step_id": step_id, "stage": 0, "gpu_ms": (end - start) * 1e3, "gpu_start": start, "gpu_end": end}
+
+    records = [
+        *(_step(step_id, 1.0 + step_id, 1.0, actor="worker-0") for step_id in range(3)),
+        timed(0, 10.0, 10.3, "worker-0"), timed(1, 10.3, 10.6, "worker-0"),
+        timed(2, 10.8, 11.0, "worker-0"),  # 0.2 s idle before it: busy 0.8 of 1.0 s
+        *(_step(step_id, 1.0 + step_id, 1.0, actor="worker-1") for step_id in range(2)),
+        timed(0, 5.0, 5.5, "worker-1"),  # one of two steps timed on the GPU: no device-clock share
+    ]
+    assert gpu_busy_shares(records) == {"worker-0": pytest.approx(0.8)}
+
+
 def test_decode_idle_share_on_a_synthetic_log() -> None:
     records = [
         _step(0, 0.5, 10.0),  # warm-up, before the run: left out by since_wall

@@ -59,6 +59,36 @@ def decode_idle_share(steps: Sequence[dict[str, Any]]) -> IdleShare | None:
     return IdleShare(share=idle / interval if interval > 0 else 0.0, idle_s=idle, interval_s=interval, pairs=pairs)
 
 
+def gpu_busy_shares(records: Iterable[dict[str, Any]], since_wall: float | None = None) -> dict[str, float]:
+    """Per worker whose every step was timed on the GPU (STEP_TIMED for each STEP_FINISHED: a pipeline
+    stage's), the share of its window, from its first timed step's start to its last one's end on the
+    device clock, that its GPU spent in steps. Host times say nothing of a stage's GPU: its steps are
+    read back long after, or never waited for."""
+    finished: dict[str, int] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for record in records:
+        actor = str(record.get("actor", ""))
+        if not actor.startswith("worker") or (since_wall is not None and record["wall"] < since_wall):
+            continue
+        if record.get("type") == "STEP_FINISHED":
+            finished[actor] = finished.get(actor, 0) + 1
+        elif record.get("type") == "STEP_TIMED":
+            spans.setdefault(actor, []).append((record["gpu_start"], record["gpu_end"]))
+    shares: dict[str, float] = {}
+    for actor, intervals in sorted(spans.items()):
+        if len(intervals) < finished.get(actor, 0):
+            continue  # some steps were timed on the host: no device-clock window to speak of
+        intervals.sort()
+        busy, end = 0.0, float("-inf")
+        for start, stop in intervals:  # the union: a step starts after the one before it ends
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        window = end - intervals[0][0]
+        if window > 0:
+            shares[actor] = busy / window
+    return shares
+
+
 def step_series(steps: Sequence[dict[str, Any]], start_wall: float) -> list[dict[str, float]]:
     """Per step, for the plot: seconds since ``start_wall``, execute and finish-to-finish ms, batch."""
     series: list[dict[str, float]] = []

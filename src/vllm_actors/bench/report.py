@@ -88,6 +88,8 @@ class EngineMetrics:
     events_in_log: int
     log_complete: bool  # False when the bounded event log had already dropped events of the run
     store_summary: dict[str, Any] = field(default_factory=dict)  # llm.get_metrics(): whole process group
+    # per pipeline stage whose every step was timed on the GPU (STEP_TIMED): its GPU's busy share
+    gpu_busy: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,9 @@ def table_rows(report: BenchReport) -> list[tuple[str, str]]:
     rows.extend(report.comparison_rows())
     metrics = report.metrics
     if metrics is not None:
+        if metrics.gpu_busy:
+            rows.append(("GPU busy (device clock, STEP_TIMED)",
+                         ", ".join(f"{actor} {share:.1%}" for actor, share in metrics.gpu_busy.items())))
         if metrics.idle is not None:
             rows.append(("GPU idle between decode steps", f"{metrics.idle.share:.1%} ({metrics.idle.idle_s:.2f} s "
                                                           f"of {metrics.idle.interval_s:.2f} s, "

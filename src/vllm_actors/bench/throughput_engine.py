@@ -15,6 +15,7 @@ import structlog
 
 from vllm_actors.bench.event_log import (
     decode_idle_share,
+    gpu_busy_shares,
     is_decode_only,
     percentiles_dict,
     read_event_log,
@@ -192,6 +193,7 @@ def measure_ours(
     decode_ms = [step["execute_ms"] for step in steps if is_decode_only(step)]
     report.metrics = EngineMetrics(
         idle=decode_idle_share(steps),
+        gpu_busy=gpu_busy_shares(records, since_wall=start_wall),
         ttft=ttft,
         itl=itl,
         decode_step_ms=LatencyStats.of(decode_ms),
