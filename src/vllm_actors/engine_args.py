@@ -25,7 +25,8 @@ DEPRECATED_ALIASES = {
     "disable_events": "VLLM_ACTORS_DISABLE_EVENTS",
     "check_invariants": "VLLM_ACTORS_CHECK_INVARIANTS",
 }
-ENVIRONMENT_DEFAULTS = {**DEPRECATED_ALIASES, "cpu_kv_cache_gib": "VLLM_ACTORS_CPU_KVCACHE_SPACE"}
+ENVIRONMENT_DEFAULTS = {**DEPRECATED_ALIASES, "cpu_kv_cache_gib": "VLLM_ACTORS_CPU_KVCACHE_SPACE",
+                        "spp_min_chunk_tokens": "VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS"}
 
 
 def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> EngineConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, FixedCostModel, OnlineCostModel, chunk_pairs
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.actors.scheduler.spp_chunks import (
     CHUNK_ALIGN,
@@ -180,3 +180,25 @@ def test_the_per_step_part_is_at_most_a_one_sequence_decode_step() -> None:
     few = balanced_chunks(degenerate, 0, 32768, 8192, num_stages=2)
     assert len(few) > len(balanced_chunks(FixedCostModel(a=0.013, b=1e-5, c=0.0, d=5e-4), 0, 32768, 8192,
                                           num_stages=2))
+
+
+def test_a_lower_chunk_floor_lets_the_plan_fill_the_pipe_with_more_chunks() -> None:
+    # measured at 32k on two stages: 10 chunks, the last 2,416 tokens; a floor of 1,024 allows more
+    model = FixedCostModel(a=0.0005, b=0.323 / 32768, c=0.0, d=0.263 / (32768 * 32768 / 2 / PAIRS_UNIT))
+    default = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128)
+    lower = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128, min_chunk=1024)
+    assert min(default) >= 2048 and len(lower) > len(default) and min(lower) >= 1024
+    assert sum(default) == sum(lower) == 32768
+
+
+def test_the_engine_argument_and_its_setting_reach_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_actors.engine_args import make_engine_config
+    from vllm_actors.protocol.config import resolve_scheduler_config
+
+    assert resolve_scheduler_config(make_engine_config("m", {}), 4096, num_blocks=512).spp_min_chunk_tokens == 2048
+    monkeypatch.setenv("VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS", "1024")
+    assert resolve_scheduler_config(make_engine_config("m", {}), 4096, num_blocks=512).spp_min_chunk_tokens == 1024
+    given = make_engine_config("m", {"spp_min_chunk_tokens": 512})
+    assert resolve_scheduler_config(given, 4096, num_blocks=512).spp_min_chunk_tokens == 512
+    with pytest.raises(ValueError, match="spp_min_chunk_tokens must be a positive integer"):
+        make_engine_config("m", {"spp_min_chunk_tokens": 0})

@@ -32,6 +32,12 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "pull", "cache_aware")
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
+# The smallest chunk sequence pipeline parallelism plans for (actors/scheduler/spp_chunks.py). On Hopper a
+# prefill chunk under 2,048 tokens is attended by the Triton kernel (kernels/prefill_choice.py: 0.55-0.65x
+# flash-attn 4's rate on long contexts), and its GEMMs lose efficiency below 1-2k rows.
+SPP_MIN_CHUNK_TOKENS = 2048
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # a Hugging Face directory or a .gguf file
     tokenizer: str | None = None
@@ -81,6 +87,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     itl_target_ms: float | None = None
+    # Sequence pipeline parallelism: the smallest prefill chunk the equal-time plan makes at the end of
+    # a long prompt (None: SPP_MIN_CHUNK_TOKENS; VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS where not given).
+    spp_min_chunk_tokens: int | None = None
     # Replicas (vLLM's data parallelism): data_parallel_size full groups (scheduler, KV-cache
     # manager, workers) under one controller that routes each request by routing_policy.
     data_parallel_size: int = 1
@@ -119,7 +128,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "spp_min_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -216,6 +225,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Pipeline stages: above 1, a request's next step is planned only once its sampled token is
     # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
     pipeline_parallel_size: int = 1
+    spp_min_chunk_tokens: int = 2048  # SPP_MIN_CHUNK_TOKENS: the equal-time plan's smallest chunk
     max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
@@ -279,6 +289,7 @@ def resolve_scheduler_config(
         max_long_partial_prefills=config.max_long_partial_prefills,
         itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        spp_min_chunk_tokens=config.spp_min_chunk_tokens or SPP_MIN_CHUNK_TOKENS,
         max_loras=config.max_loras if config.enable_lora else 0,
         speculative=config.speculative_config,
     )

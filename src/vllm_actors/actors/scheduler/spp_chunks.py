@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 
 from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, CostModel, chunk_pairs
+from vllm_actors.protocol.config import SPP_MIN_CHUNK_TOKENS
 
 MIN_SHARE = 4  # a chunk takes at least this share of the budget (1 / MIN_SHARE), where the prompt has it left
-# The smallest chunk the count plans for. On Hopper a prefill chunk under 2,048 tokens is attended by the
-# Triton kernel (kernels/prefill_choice.py: 0.55-0.65x flash-attn 4's rate on long contexts), and its GEMMs
-# lose efficiency below 1-2k rows: costs the linear model does not see.
-MIN_CHUNK_TOKENS = 2048
+# The smallest chunk the count plans for by default (SchedulerConfig.spp_min_chunk_tokens sets another): costs
+# of small chunks the linear model does not see (protocol/config.py says which).
+MIN_CHUNK_TOKENS = SPP_MIN_CHUNK_TOKENS
 # A chunk that does not finish its prompt ends on a multiple of this: the GEMMs' and flash-attn's 128-row
 # tiles run a partial last tile otherwise (a 32k prefill on the H200 in chunks of 2,736 tokens took 3.7% more
 # kernel time than in chunks of 2,048 or 8,192).
@@ -52,9 +52,9 @@ def linear_coefficients(cost: CostModel) -> Coefficients:
     return max(0.0, per_step), per_token, per_pair
 
 
-def chunk_floor(budget: int) -> int:
+def chunk_floor(budget: int, min_chunk: int = MIN_CHUNK_TOKENS) -> int:
     """The smallest chunk planned at this token budget (where the prompt has that many left)."""
-    return max(1, min(MIN_CHUNK_TOKENS, budget // MIN_SHARE))
+    return max(1, min(min_chunk, budget // MIN_SHARE))
 
 
 def _grows(coefficients: Coefficients) -> bool:
@@ -105,7 +105,8 @@ def _work(coefficients: Coefficients, num_tokens: int) -> float:
     return b * num_tokens + d * chunk_pairs(0, num_tokens)
 
 
-def chunk_count(coefficients: Coefficients, length: int, budget: int, num_stages: int) -> int:
+def chunk_count(coefficients: Coefficients, length: int, budget: int, num_stages: int,
+                min_chunk: int = MIN_CHUNK_TOKENS) -> int:
     """The number of equal-time chunks of a ``length``-token prompt over ``num_stages`` stages: the
     one the model predicts fastest, ``(C + P - 1) * (a + W / C)``, between the fewest whose first
     chunk is within ``budget`` and the most whose last is not under the floor (the budget first)."""
@@ -119,7 +120,7 @@ def chunk_count(coefficients: Coefficients, length: int, budget: int, num_stages
     fewest = low
     if num_stages <= 1 or not _grows(coefficients):
         return fewest  # no bubble to shrink, or chunks predicted alike: each one more costs a step
-    floor = chunk_floor(budget)
+    floor = chunk_floor(budget, min_chunk)
     low, high = fewest, max(fewest, length // floor)
     while low < high:  # the last chunk shrinks as the count grows: the most that keep it at the floor
         middle = (low + high + 1) // 2
@@ -137,7 +138,7 @@ def chunk_count(coefficients: Coefficients, length: int, budget: int, num_stages
 
 
 def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int, *, num_stages: int,
-                   align: int = 1) -> int:
+                   align: int = 1, min_chunk: int = MIN_CHUNK_TOKENS) -> int:
     """The next chunk of a prompt with ``remaining`` tokens to compute after ``start``, pipelined
     over ``num_stages`` stages. The plan is the whole prompt's: ``chunk_count`` chunks of equal
     predicted time (the first is the largest); this pass takes its share of what the plan has left
@@ -150,12 +151,12 @@ def balanced_chunk(cost: CostModel, start: int, remaining: int, budget: int, *, 
     if length <= budget and num_stages == 1:
         return remaining
     coefficients = linear_coefficients(cost)
-    count = chunk_count(coefficients, length, budget, num_stages)
+    count = chunk_count(coefficients, length, budget, num_stages, min_chunk)
     if count == 1:
         return remaining
     per_chunk = _work(coefficients, length) / count  # each chunk's share of the work
     num_left = max(1, round(count - _work(coefficients, start) / per_chunk)) if per_chunk > 0.0 else 1
-    floor = chunk_floor(budget)
+    floor = chunk_floor(budget, min_chunk)
     # where the plan's chunks would fall under the floor, the rest goes in equal chunks of at least it
     even = math.ceil(remaining / max(1, remaining // floor))
     size = min(budget, remaining, max(even, _first_chunk(coefficients, start, remaining, num_left)))
@@ -178,12 +179,13 @@ def aligned(start: int, size: int, remaining: int, align: int, budget: int) -> i
 
 
 def balanced_chunks(cost: CostModel, start: int, length: int, budget: int, *, num_stages: int,
-                    align: int = 1) -> list[int]:
+                    align: int = 1, min_chunk: int = MIN_CHUNK_TOKENS) -> list[int]:
     """Every chunk of a ``length``-token prefill after ``start`` computed tokens, as the scheduler
     takes them one pass after another (a fixed model: the same sizes as planned)."""
     sizes: list[int] = []
     done = 0
     while done < length:
-        sizes.append(balanced_chunk(cost, start + done, length - done, budget, num_stages=num_stages, align=align))
+        sizes.append(balanced_chunk(cost, start + done, length - done, budget, num_stages=num_stages, align=align,
+                                    min_chunk=min_chunk))
         done += sizes[-1]
     return sizes
