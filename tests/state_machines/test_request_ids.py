@@ -179,7 +179,7 @@ def test_a_refused_duplicate_leaves_no_event_in_the_holders_timeline() -> None:
     (update,) = [u for d, m in pairs(out) if d == FRONTEND and isinstance(m, RequestUpdates) for u in m.updates]
     assert update.finish_reason == "error" and "already in use" in (update.error or "")
     assert not [e for _, e in pairs(out) if isinstance(e, (Aborted, Queued))]
-    assert s.requests["a"].prompt_token_ids == [1, 2, 3]
+    assert s.requests["a"].prompt_token_ids.tolist() == [1, 2, 3]
     # a refusal of a fresh, well-formed id does say why in its own timeline
     out = s.handle(add("b", [1, VOCAB]))
     assert [e.request_id for _, e in pairs(out) if isinstance(e, Aborted)] == ["b"]

@@ -11,7 +11,7 @@ import threading
 import time
 import types
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -24,7 +24,7 @@ from vllm_actors.runtime.run_dir import GroupInfo
 MAX_MODEL_LEN = 256
 
 
-def token_at(prompt: list[int], position: int) -> int:
+def token_at(prompt: Sequence[int], position: int) -> int:
     """The fake model: output token ``position`` of a prompt (so a resumed request goes on exactly)."""
     return 300 + (sum(prompt) * 7 + position * 13) % 200
 
@@ -161,7 +161,7 @@ class FakeScheduler:
                     continue
                 position = len(running.outputs)
                 script = self._script
-                token = script[position] if script else token_at(running.add.prompt_token_ids, position)
+                token = script[position] if script else token_at(running.add.prompt_ids(), position)
                 running.outputs.append(token)
                 done = len(running.outputs) >= (running.add.params.max_tokens or 0)
                 out[running.identity].append(RequestUpdate(request_id=request_id, new_token_ids=[token],

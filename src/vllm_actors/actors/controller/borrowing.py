@@ -41,7 +41,7 @@ class Borrowing:
     def place(self, add: AddRequest, candidates: list[int], in_flight: Sequence[int]) -> Placed | None:
         """A request too long for some replica's pool: its home, with loans asked of its lenders first
         (None: it fits where the router sends it)."""
-        needed = self.planner.blocks_needed(len(add.prompt_token_ids), len(add.output_token_ids),
+        needed = self.planner.blocks_needed(add.num_prompt_tokens, len(add.output_token_ids),
                                             add.params.max_tokens)
         try:
             placement = self.planner.place(add.request_id, needed, candidates, list(in_flight))

@@ -186,7 +186,9 @@ class Controller:
             placed = self._place(add)
             if placed is not None:
                 return placed
-        decision = self.router.route(RouteRequest(add.request_id, add.prompt_token_ids, key))
+        # a malformed packed prompt is routed unread: the replica's scheduler refuses it, saying why
+        prompt = add.prompt_ids() if add.prompt_form_error() is None else []
+        decision = self.router.route(RouteRequest(add.request_id, prompt, key))
         if decision is None:
             return outputs  # pull: waits for a replica with room
         return self._send(add.request_id, decision.replica, decision.reason, decision.cached_blocks)

@@ -85,11 +85,19 @@ class _Request:
     session_key: str | None = None
     lora_request: LoRARequest | None = None
     prompt_sent: bool = False  # the first delta (with the prompt) has gone to the client
+    # The prompt as AddRequest carries it when it could be packed (the scheduler reads it in place,
+    # where a list costs it a Python int per id to decode); b"": as the list.
+    packed_prompt: bytes = b""
     new_prompt_logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return all(child.finish_reason is not None for child in self.children)
+
+    @property
+    def listed_prompt(self) -> list[int]:
+        """AddRequest's prompt_token_ids: empty when the prompt goes packed."""
+        return [] if self.packed_prompt else self.prompt_token_ids
 
     def delta(self) -> OutputDelta:
         """What is new for the client since the last delta (the prompt with the first)."""
@@ -170,14 +178,14 @@ class Frontend:
     ) -> PreparedRequest:
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
-        check_prompt(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                     has_tokenizer=self.tokenizer is not None, field=field)
+        packed = check_prompt(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                              has_tokenizer=self.tokenizer is not None, field=field)
         requested = params.max_tokens
         if requested is None:
             params = params.clone(max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         if max_tokens_must_fit:
             check_fits(len(prompt_ids), requested, params.max_tokens or 0, self.max_model_len, field)
-        return PreparedRequest(request_id, text, prompt_ids, params)
+        return PreparedRequest(request_id, text, prompt_ids, params, packed_prompt=packed)
 
     def submit(self, prepared: PreparedRequest) -> Outputs:
         params = prepared.params
@@ -186,7 +194,8 @@ class Frontend:
         request = _Request(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, children=[],
                            schedule=(prepared.priority, prepared.deadline(prepared.ttft_target_ms),
                                      prepared.deadline(prepared.e2e_target_ms)),
-                           session_key=prepared.session_key, lora_request=prepared.lora_request)
+                           session_key=prepared.session_key, lora_request=prepared.lora_request,
+                           packed_prompt=prepared.packed_prompt)
         out = Outputs()
         for index in range(params.n):
             child_params = params
@@ -200,7 +209,8 @@ class Frontend:
             self._child_owner[engine_id] = (request, child)
             add = AddRequest(
                 request_id=engine_id,
-                prompt_token_ids=request.prompt_token_ids,
+                prompt_token_ids=request.listed_prompt,
+                packed_prompt=request.packed_prompt,
                 params=child_params,
                 eos_token_ids=self.eos_token_ids,
                 priority=request.schedule[0],
@@ -276,7 +286,8 @@ class Frontend:
                     continue
                 out.send(SCHEDULER, AddRequest(
                     request_id=child.engine_id,
-                    prompt_token_ids=request.prompt_token_ids,
+                    prompt_token_ids=request.listed_prompt,
+                    packed_prompt=request.packed_prompt,
                     params=child.params,
                     eos_token_ids=self.eos_token_ids,
                     resume=True,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from vllm_actors.actors.frontend.controls import check_control_ids
 from vllm_actors.actors.frontend.structured import check_structured_outputs
 from vllm_actors.protocol.lora import LoRARequest
+from vllm_actors.protocol.messages import pack_token_ids
 from vllm_actors.protocol.sampling import SamplingParams
 
 
@@ -25,6 +28,7 @@ class PreparedRequest:
     e2e_target_ms: float | None = None
     arrival_time: float | None = None
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    packed_prompt: bytes = b""  # prompt_token_ids packed as check_prompt checked them (b"": not packed)
 
     def deadline(self, target_ms: float | None) -> float | None:
         if target_ms is None or self.arrival_time is None:
@@ -33,12 +37,17 @@ class PreparedRequest:
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                 has_tokenizer: bool, field: str = "prompt") -> None:
-    """The prompt's token ids and the parameters' token ids against the model."""
+                 has_tokenizer: bool, field: str = "prompt") -> bytes:
+    """The prompt's token ids and the parameters' token ids against the model. Returns the prompt
+    packed (``pack_token_ids``), as the scheduler takes it; b"" if its ids are not all int32s."""
     if not prompt_ids:  # vLLM's words: "The decoder prompt cannot be empty"
         raise ValueError(f"{field}: the decoder prompt cannot be empty")
-    # min/max run in C: a 2,000-token prompt is checked in microseconds, not a Python loop
-    low, high = min(prompt_ids), max(prompt_ids)
+    packed = _packed(prompt_ids)
+    if packed:  # numpy over the packed ids: a million of them in a millisecond, not 25 ms of min/max
+        ids = np.frombuffer(packed, dtype="<i4")
+        low, high = int(ids.min()), int(ids.max())
+    else:
+        low, high = min(prompt_ids), max(prompt_ids)
     if low < 0 or high >= vocab_size:  # vLLM's words: "Token id 999999 is out of vocabulary"
         bad = low if low < 0 else high
         raise ValueError(f"prompt_token_ids: token id {bad} is out of vocabulary (the vocabulary is [0, {vocab_size}))")
@@ -51,6 +60,15 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: i
         raise ValueError(f"{field}: {len(prompt_ids)} tokens is longer than max_model_len ({max_model_len})")
     if not has_tokenizer and params.stop:
         raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
+    return packed
+
+
+def _packed(prompt_ids: list[int]) -> bytes:
+    """The ids packed in C (one pass), or b"" if one is not an int32 (out of any vocabulary: the checks say which)."""
+    try:
+        return pack_token_ids(prompt_ids)
+    except (OverflowError, TypeError):
+        return b""
 
 
 def check_fits(num_prompt: int, requested: int | None, max_tokens: int, max_model_len: int, field: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.config import SchedulerConfig
@@ -33,12 +35,18 @@ def admission_error(message: AddRequest, config: SchedulerConfig) -> str | None:
     compute from is checked here, against this engine's vocabulary and context length."""
     max_model_len = config.max_model_len
     token_limit = config.vocab_size if config.vocab_size is not None else MAX_TOKEN_ID + 1
-    num_prompt = len(message.prompt_token_ids)
+    error = message.prompt_form_error()
+    if error is not None:
+        return error
+    num_prompt = message.num_prompt_tokens
     if num_prompt == 0:
         return "the prompt is empty"
     if num_prompt > max_model_len:
         return f"the prompt has {num_prompt} tokens, more than max_model_len ({max_model_len})"
-    error = _token_ids_error("prompt token ids", message.prompt_token_ids, token_limit)
+    if message.packed_prompt:
+        error = _packed_ids_error("prompt token ids", message.packed_prompt, token_limit)
+    else:
+        error = _token_ids_error("prompt token ids", message.prompt_token_ids, token_limit)
     error = error or _token_ids_error("eos_token_ids", message.eos_token_ids, token_limit)
     error = error or sampling_error(message.params) or lora_error(message, config)
     if error is not None:
@@ -66,7 +74,7 @@ def pool_error(message: AddRequest, config: SchedulerConfig) -> str | None:
     """A request not placed with borrowed KV must fit this replica's pool (with ``kv_borrowing``,
     max_model_len is the model's limit, which may exceed the pool)."""
     pool = config.num_blocks * config.block_size
-    num_tokens = len(message.prompt_token_ids) + len(message.output_token_ids)
+    num_tokens = message.num_prompt_tokens + len(message.output_token_ids)
     if num_tokens > pool:
         return (f"the request has {num_tokens} tokens, more than this replica's KV pool holds ({pool}); with "
                 "kv_borrowing the controller places it with borrowed blocks once it knows every replica's pool")
@@ -74,8 +82,16 @@ def pool_error(message: AddRequest, config: SchedulerConfig) -> str | None:
 
 
 def _token_ids_error(what: str, token_ids: Sequence[int], limit: int) -> str | None:
-    # min/max run in C: a long prompt is checked in microseconds
+    # min/max run in C: a short list is checked in microseconds (a million ids take 35 ms: send them packed)
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= limit):
+        return f"{what} must lie in [0, {limit - 1}]"
+    return None
+
+
+def _packed_ids_error(what: str, packed: bytes, limit: int) -> str | None:
+    """``_token_ids_error`` over packed ids (``pack_token_ids``), read in place by numpy."""
+    token_ids = np.frombuffer(packed, dtype="<i4")
+    if token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= limit):
         return f"{what} must lie in [0, {limit - 1}]"
     return None
 

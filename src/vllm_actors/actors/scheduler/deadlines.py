@@ -56,10 +56,10 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
     if now is None or (message.ttft_deadline is None and message.e2e_deadline is None):
         return None
     ahead = list(ahead)
-    prefill_tokens = sum(remaining_prefill(r) for r in ahead) + len(message.prompt_token_ids)
+    prefill_tokens = sum(remaining_prefill(r) for r in ahead) + message.num_prompt_tokens
     batch = min(max_num_seqs, num_running + 1)
     steps = math.ceil(prefill_tokens / budget)
-    pairs = chunk_pairs(0, len(message.prompt_token_ids))  # its own attention; those ahead are apart
+    pairs = chunk_pairs(0, message.num_prompt_tokens)  # its own attention; those ahead are apart
     ttft = steps * cost.step_seconds(0, batch) + cost.step_seconds(prefill_tokens, 0, pairs) - cost.step_seconds(0, 0)
     decodes = (message.params.max_tokens or 1) - 1
     e2e = ttft + decodes * cost.step_seconds(0, batch)

@@ -48,6 +48,7 @@ leaves never share a stamp, so the eviction order is fully determined.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -104,7 +105,7 @@ class PrefixCache:
         # Candidates for eviction: (last_used, serial, node), pushed whenever a node becomes an
         # evictable leaf or is restamped as one. Stale entries are skipped when popped.
         self._heap: list[tuple[int, int, _Node]] = []
-        self._last_match: tuple[list[int], list[_Node]] = ([], [])  # see _match_path
+        self._last_match: tuple[array[int], list[_Node]] = (array("i"), [])  # see _match_path
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -265,22 +266,22 @@ class PrefixCache:
         path: list[_Node] = []
         node = root
         # Requests sharing a prompt prefix come in runs: when this one starts with the tokens of
-        # the previous match, reuse that path (one list comparison in C instead of a tuple and
-        # a lookup per block). An alive node's ancestors are alive: eviction takes leaves only.
+        # the previous match, reuse that path (one comparison of int32 arrays in C instead of a
+        # tuple and a lookup per block). An alive node's ancestors are alive: eviction takes leaves only.
         previous_tokens, previous_path = self._last_match
         reuse = min(len(previous_path), limit)
         prefix = reuse * size
         if (reuse and previous_path[reuse - 1].alive and previous_path[0].parent is root
-                and list(token_ids[:prefix]) == previous_tokens[:prefix]):
+                and _int32s(token_ids[:prefix]) == previous_tokens[:prefix]):
             path = previous_path[:reuse]
             node = path[-1]
-        for key in self._keys(token_ids[len(path) * size :], limit - len(path)):
+        for key in self._keys(token_ids, limit - len(path), first=len(path)):  # no copy of the prompt's rest
             child = node.children.get(key)
             if child is None:
                 break
             path.append(child)
             node = child
-        self._last_match = (list(token_ids[: len(path) * size]), path)
+        self._last_match = (_int32s(token_ids[: len(path) * size]), path)
         return path
 
     def _add_chain(self, parent: _Node, keys: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> list[_Node]:
@@ -308,9 +309,10 @@ class PrefixCache:
             node.ref_count += 1
         self._stamp(path)
 
-    def _keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[tuple[int, ...]]:
+    def _keys(self, token_ids: Sequence[int], num_blocks: int, first: int = 0) -> Iterator[tuple[int, ...]]:
+        """The keys of blocks ``first`` to ``first + num_blocks`` of ``token_ids``."""
         size = self.block_size
-        for index in range(num_blocks):
+        for index in range(first, first + num_blocks):
             yield tuple(token_ids[index * size:(index + 1) * size])
 
     def _path(self, blocks: Sequence[int]) -> list[_Node]:
@@ -351,3 +353,9 @@ class PrefixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def _int32s(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as an int32 array, kept and compared in C (a request's prompt already is one: sliced,
+    not turned into a list of a Python int per id)."""
+    return token_ids if isinstance(token_ids, array) else array("i", token_ids)

@@ -57,7 +57,7 @@ from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.planning_pass import PlanningPass, SchedulerStats
 from vllm_actors.actors.scheduler.policies import make_policy
 from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
-from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
+from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, packed_prompt
 from vllm_actors.actors.scheduler.results import apply_result
 from vllm_actors.actors.scheduler.speculation import Speculator
 from vllm_actors.protocol.config import SchedulerConfig
@@ -73,6 +73,7 @@ from vllm_actors.protocol.messages import (
     RequestUpdate,
     RequestUpdates,
     StepResult,
+    token_id_array,
 )
 from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, is_worker
 from vllm_actors.protocol.outputs import Outputs
@@ -181,7 +182,8 @@ class Scheduler(PlanningPass):
 
     def _unmeetable_error(self, message: AddRequest) -> str | None:
         """Admission control: its deadlines against the queue the policy puts ahead of it."""
-        arriving = ScheduledRequest(request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+        prompt = token_id_array(packed_prompt(message))
+        arriving = ScheduledRequest(request_id=message.request_id, prompt_token_ids=prompt,
                                     params=message.params, eos_token_ids=message.eos_token_ids,
                                     priority=message.priority, ttft_deadline=message.ttft_deadline,
                                     e2e_deadline=message.e2e_deadline, arrival=self._num_arrivals)
