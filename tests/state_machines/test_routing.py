@@ -119,3 +119,15 @@ def test_pull_with_sticky_sessions_waits_for_a_slot_on_the_sessions_replica() ->
     assert not router.held
 
 
+
+
+def test_cache_aware_routes_a_prompt_no_hash_takes_on_what_it_could_hash() -> None:
+    # a client's mistake (a negative id, one past 2**32) must not crash the controller: the replica's
+    # scheduler refuses the request, saying why
+    router = Router("cache_aware", 2, block_size=BLOCK)
+    tenant = list(range(100, 116))
+    router.observe(1, cached(tenant, 4))
+    assert prompt_block_hashes(tenant[:8] + [-1, 2, 3, 4], BLOCK) == prompt_block_hashes(tenant, BLOCK)[:2]
+    decision = router.route(request("a", tenant + [-5, 1, 2, 3]))
+    assert decision is not None and decision.replica == 1
+    assert router.route(request("b", [2**32, 1, 2, 3])) is not None

@@ -16,11 +16,16 @@ from vllm_actors.protocol.events import BlockCached, BlockEvicted
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hash chain of the prompt's full blocks, as the scheduler's prefix cache names them."""
+    """The hash chain of the prompt's full blocks, as the scheduler's prefix cache names them, up to
+    the first block with an id no hash takes (negative, or 2**32 and above): the controller routes such
+    a prompt on what it could hash, and the replica's scheduler refuses it, saying why."""
     hashes: list[int] = []
     parent = ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
+        try:
+            parent = block_hash(parent, token_ids[start:start + block_size])
+        except ValueError:
+            break
         hashes.append(parent)
     return hashes
 
