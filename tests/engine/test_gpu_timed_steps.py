@@ -138,3 +138,24 @@ def test_a_pipelines_last_stage_times_its_sampled_steps_too() -> None:
     gpu.reach(gpu.clock)
     (timed,) = worker.flush().events
     assert isinstance(timed, StepTimed) and (timed.step_id, timed.stage, timed.gpu_ms) == (1, None, pytest.approx(8.0))
+
+
+def test_the_last_stage_never_takes_a_plans_input_token() -> None:
+    # A TP rank of the last stage other than the one that answers may read its deferred step back
+    # after the next plan is here: the plan's input token must not be appended too (it was, and the
+    # rank's state drifted from its peer's until a collective hung: PP=2 x TP=2 over gloo).
+    worker, _ = _worker(OnlyStage(stage=1, is_last=True, enabled=True), timed=False)
+    for plan in _plans():
+        worker.handle(plan)
+    request = worker.requests["a"]
+    del request.token_ids[request.num_computed_tokens:]  # its sampled token still pending
+    worker._take_input_tokens(StepPlan(step_id=2, req_ids=["a"], num_tokens=[1], num_blocks=[3],
+                                       input_token_ids={"a": 99}))
+    assert len(request.token_ids) == request.num_computed_tokens
+    earlier, _ = _worker(OnlyStage(stage=0, is_last=False, enabled=True), timed=False)
+    for plan in _plans():
+        earlier.handle(plan)
+    before = len(earlier.requests["a"].token_ids)
+    earlier._take_input_tokens(StepPlan(step_id=2, req_ids=["a"], num_tokens=[1], num_blocks=[3],
+                                        input_token_ids={"a": 99}))
+    assert earlier.requests["a"].token_ids[before:] == [99]  # a stage before the last takes it

@@ -89,11 +89,9 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
     shape = runner.model_config
     ranks: Ranks = kvp.world_ranks() if kvp.enabled else runner.tp
     grammars = worker_grammars(config.tokenizer or config.model, shape.vocab_size, shape.eos_token_ids)
-    # The last stage launches a step before reading the previous one back, as without a pipeline (a
-    # request's steps never overlap there: nothing is taken from a pending step); the others read nothing back.
-    # Not with tensor parallelism inside the stage: PP=2 x TP=2 over gloo hung in 2 of 6 runs so (a rank 0
-    # in the LM head's all-gather, its peer idle), in none of 16 without.
-    defer = defer_steps() and stage.is_last and (not stage.enabled or stage.tp_size == 1)
+    # The last stage launches a step before reading the previous one back, as without a pipeline; the
+    # others read nothing back.
+    defer = defer_steps() and stage.is_last
     worker = Worker(
         runner, Sampler(runner.device, config.seed), clock=clock, defer=defer,
         tp_graph_draws=tp_graph_draws() and not kvp.enabled,  # KVP: rank 0 draws, broadcasts

@@ -387,7 +387,11 @@ class Worker(Draw, KvRejoining, Membership):
     # ------------------------------------------------------------------ membership
     def _take_input_tokens(self, plan: StepPlan) -> None:
         """Under pipeline parallelism a decoding request's input token comes with the plan: a
-        stage that did not sample it (all but the last) appends it (the last one has it already)."""
+        stage that did not sample it (all but the last) appends it. The last one has it from its own
+        step, read back or still pending (a deferred step: appended at its read-back; a TP rank other
+        than the one that answers may read it back after the next plan is here)."""
+        if self.stage.is_last:
+            return
         for request_id, token_id in plan.input_token_ids.items():
             request = self.requests.get(request_id)
             if request is not None and len(request.token_ids) == request.num_computed_tokens:
