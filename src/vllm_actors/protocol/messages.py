@@ -22,6 +22,7 @@ from array import array
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 
 from vllm_actors.protocol.block_hash import root_hash
 from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
@@ -115,6 +116,13 @@ def token_id_array(data: bytes) -> array[int]:
     if sys.byteorder != "little":
         unpacked.byteswap()
     return unpacked
+
+
+def packed_id_range(data: bytes) -> tuple[int, int] | None:
+    """The smallest and largest of packed token ids (None: none), read in place by numpy: a million
+    in a millisecond, where min/max over a list of them take tens."""
+    ids = np.frombuffer(data, dtype="<i4")
+    return (int(ids.min()), int(ids.max())) if ids.size else None
 
 
 def unpack_token_ids(data: bytes) -> list[int]:

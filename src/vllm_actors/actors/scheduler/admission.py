@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
-
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.messages import AddRequest
+from vllm_actors.protocol.messages import AddRequest, packed_id_range
 from vllm_actors.protocol.names import describe_request_id, engine_request_id_error
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -90,8 +88,8 @@ def _token_ids_error(what: str, token_ids: Sequence[int], limit: int) -> str | N
 
 def _packed_ids_error(what: str, packed: bytes, limit: int) -> str | None:
     """``_token_ids_error`` over packed ids (``pack_token_ids``), read in place by numpy."""
-    token_ids = np.frombuffer(packed, dtype="<i4")
-    if token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= limit):
+    bounds = packed_id_range(packed)
+    if bounds is not None and (bounds[0] < 0 or bounds[1] >= limit):
         return f"{what} must lie in [0, {limit - 1}]"
     return None
 
