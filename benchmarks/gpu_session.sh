@@ -220,7 +220,7 @@ for stage in "${stages[@]}"; do
         # shellcheck disable=SC2086 # the settings and arguments are word-split on purpose
         env $envs python3 benchmarks/long_context.py --out "$dir" "$@" $args >> "$out/longab.log" 2>&1
         grep -E "^\| [0-9]" "$dir/long_context.md" | tee -a "$out/longab.log"
-        cp "$dir"/long_context.json "$dir"/long_context.md "$out/longab-$name/" 2>/dev/null
+        cp "$dir"/long_context.json "$dir"/long_context.md "$dir"/trace-*.json* "$out/longab-$name/" 2>/dev/null  # traces: --trace
         (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longab-$name/logs.tar.gz"; done ;;
     events) runs=(); for pair in $(seq 1 "${EVENT_PAIRS:-2}"); do runs+=("on-$pair" "off-$pair"); done
             for run in "${runs[@]}"; do

@@ -57,6 +57,32 @@ def test_decode_never_goes_to_flash_attn_and_forcing_takes_every_prefill() -> No
         prefill_kernel("flash", True, 4096, 128)
 
 
+def test_auto_takes_flash_attn_for_a_short_chunk_over_a_long_context() -> None:
+    keys, short = prefill_choice.LONG_CONTEXT_KEYS, prefill_choice.LONG_CONTEXT_MIN_QUERY_LEN
+    for head_dim in (64, 128):
+        assert prefill_kernel("auto", True, short, head_dim, keys) == "flash_attn"
+        assert prefill_kernel("auto", True, short - 1, head_dim, keys) == "triton"
+        assert prefill_kernel("auto", True, short, head_dim, keys - 1) == "triton"
+        assert prefill_kernel("auto", False, short, head_dim, keys) == "triton"
+        assert prefill_kernel("triton", True, short, head_dim, keys) == "triton"
+    # beside other sequences (decodes) only at head_dim 128, where it was measured faster
+    assert prefill_kernel("auto", True, 1024, 128, keys, num_seqs=64) == "flash_attn"
+    assert prefill_kernel("auto", True, 1024, 64, keys, num_seqs=64) == "triton"
+
+
+def test_the_context_is_the_longest_querys_and_the_backend_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefill_choice, "LONG_CONTEXT_KEYS", 20)
+    monkeypatch.setattr(prefill_choice, "LONG_CONTEXT_MIN_QUERY_LEN", 4)
+    prefill = FlashAttnPrefill("auto", Recorder())
+    # (cached, query): the longest query (6) has 24 keys before it, a decode beside it 40
+    batch = paged_batch([(40, 1), (24, 6)], 16, 4, 2, 128, torch.bfloat16)
+    assert batch.meta.context_of_longest_query() == 24
+    assert prefill.wants(batch.q, batch.k_cache, batch.v_cache, batch.meta)
+    near = paged_batch([(40, 1), (19, 6)], 16, 4, 2, 128, torch.bfloat16)  # 19 keys: under the threshold
+    assert near.meta.context_of_longest_query() == 19
+    assert not prefill.wants(near.q, near.k_cache, near.v_cache, near.meta)
+
+
 def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_ACTORS_PREFILL_ATTENTION", raising=False)
     assert prefill_choice.prefill_choice() == "auto"

@@ -133,13 +133,15 @@ def test_the_count_trades_the_bubble_against_the_steps() -> None:
     steps cost nothing of their own."""
     coefficients = linear_coefficients(_stage_8b(2))
     assert chunk_count(coefficients, 32768, 8192, 1) == 6
-    assert chunk_count(coefficients, 32768, 8192, 2) == 11  # sqrt(W / a) is 15: the floor's most
-    assert chunk_count(coefficients, 32768, 65536, 2) == 11  # a budget above the prompt: still split
+    assert chunk_count(coefficients, 32768, 8192, 2, min_chunk=2048) == 11  # sqrt(W / a) is 15: the floor's most
+    assert chunk_count(coefficients, 32768, 8192, 2) == 16  # the default floor (1,024) lets the count reach it
+    assert chunk_count(coefficients, 32768, 65536, 2, min_chunk=2048) == 11  # a budget above the prompt: still split
     assert chunk_count((1.0, *coefficients[1:]), 32768, 8192, 2) == 6
-    assert chunk_count((0.0, *coefficients[1:]), 32768, 8192, 2) == 11
+    assert chunk_count((0.0, *coefficients[1:]), 32768, 8192, 2, min_chunk=2048) == 11
     work = coefficients[1] * 32768 + coefficients[2] * chunk_pairs(0, 32768)
     assert chunk_count((3 * work / 64, *coefficients[1:]), 32768, 8192, 4) == 8  # sqrt(3 W / a), between them
-    assert chunk_count(coefficients, 4096, 8192, 4) == 1  # two chunks would leave the last under the floor
+    assert chunk_count(coefficients, 4096, 8192, 4, min_chunk=2048) == 1  # two would leave the last under the floor
+    assert chunk_count(coefficients, 4096, 8192, 4) == 3  # the default floor (1,024)
     whole = balanced_chunks(_stage_8b(2), 0, 32768, 8192, num_stages=2)
     rest = balanced_chunks(_stage_8b(2), sum(whole[:4]), 32768 - sum(whole[:4]), 8192, num_stages=2)
     assert len(rest) == len(whole) - 4 and all(abs(a - b) <= 2 for a, b in zip(rest, whole[4:]))  # the same plan
@@ -164,7 +166,7 @@ def test_the_first_stage_gets_the_chunks_back_to_back() -> None:
         (plan,) = [message for message in out.to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
         plans.append(plan)
     sizes = [plan.num_tokens[0] for plan in plans]
-    assert sizes == balanced_chunks(_stage_8b(4), 0, 32768, 8192, num_stages=4, align=CHUNK_ALIGN)
+    assert sizes == balanced_chunks(_stage_8b(4), 0, 32768, 8192, num_stages=4, align=CHUNK_ALIGN)[: len(sizes)]
     # each chunk ends on the tiles' 128 rows (a partial tile cost 3.7% more kernel time on an H200)
     assert all(sum(sizes[: i + 1]) % CHUNK_ALIGN == 0 for i in range(len(sizes)))
     assert sizes != balanced_chunks(_stage_8b(4), 0, 32768, 8192, num_stages=4)[: len(sizes)]
@@ -185,19 +187,20 @@ def test_the_per_step_part_is_at_most_a_one_sequence_decode_step() -> None:
 def test_a_lower_chunk_floor_lets_the_plan_fill_the_pipe_with_more_chunks() -> None:
     # measured at 32k on two stages: 10 chunks, the last 2,416 tokens; a floor of 1,024 allows more
     model = FixedCostModel(a=0.0005, b=0.323 / 32768, c=0.0, d=0.263 / (32768 * 32768 / 2 / PAIRS_UNIT))
-    default = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128)
+    higher = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128, min_chunk=2048)
     lower = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128, min_chunk=1024)
-    assert min(default) >= 2048 and len(lower) > len(default) and min(lower) >= 1024
-    assert sum(default) == sum(lower) == 32768
+    assert min(higher) >= 2048 and len(lower) > len(higher) and min(lower) >= 1024
+    assert balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=128) == lower  # the default floor
+    assert sum(higher) == sum(lower) == 32768
 
 
 def test_the_engine_argument_and_its_setting_reach_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_actors.engine_args import make_engine_config
     from vllm_actors.protocol.config import resolve_scheduler_config
 
-    assert resolve_scheduler_config(make_engine_config("m", {}), 4096, num_blocks=512).spp_min_chunk_tokens == 2048
-    monkeypatch.setenv("VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS", "1024")
     assert resolve_scheduler_config(make_engine_config("m", {}), 4096, num_blocks=512).spp_min_chunk_tokens == 1024
+    monkeypatch.setenv("VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS", "2048")
+    assert resolve_scheduler_config(make_engine_config("m", {}), 4096, num_blocks=512).spp_min_chunk_tokens == 2048
     given = make_engine_config("m", {"spp_min_chunk_tokens": 512})
     assert resolve_scheduler_config(given, 4096, num_blocks=512).spp_min_chunk_tokens == 512
     with pytest.raises(ValueError, match="spp_min_chunk_tokens must be a positive integer"):

@@ -249,7 +249,7 @@ class Envs:
         kind="float", group="process", shown_default="1.0")
     VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS = Setting[int | None](
         None, integer(1), "The smallest prefill chunk sequence pipeline parallelism plans, where the engine argument "
-        "`spp_min_chunk_tokens` is not given.", kind="int", group="process", shown_default="2048")
+        "`spp_min_chunk_tokens` is not given.", kind="int", group="process", shown_default="1024")
     VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS = Setting(
         16384, integer(0), "With a host KV tier, the KV blocks of prompts this long are copied there as they are "
         "computed, so that a restarted worker resumes them from host memory instead of recomputing them; 0: never.",

@@ -44,6 +44,19 @@ class AttentionMetadata:
     # decode rows of one sequence's consecutive positions (a verification step's), which a backend may
     # attend together (`triton_decode`); None, or first = i and end = i + 1: every sequence alone.
     decode_groups: torch.Tensor | None = None
+    # keys cached before the longest query (its sequence's context before this step): None until asked
+    longest_query_context: int | None = None
+
+    def context_of_longest_query(self) -> int:
+        """Keys cached before the step's longest query; one pass over the host lists, kept for the
+        step's other layers."""
+        if self.longest_query_context is None:
+            longest, context = 0, 0
+            for query_len, seq_len in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True):
+                if query_len > longest:
+                    longest, context = query_len, seq_len - query_len
+            self.longest_query_context = context
+        return self.longest_query_context
 
     @property
     def num_seqs(self) -> int:

@@ -172,7 +172,8 @@ class FlashAttnPrefill:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> PrefillKernel:
         ready = layout_problem(q, k_cache, v_cache) is None
-        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1])
+        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1],
+                              meta.context_of_longest_query(), meta.num_seqs)
 
     def wants(
         self,

@@ -4,8 +4,8 @@ faster. Pure host logic on integers: no flash-attn, no device work here.
 
 ``VLLM_ACTORS_PREFILL_ATTENTION``: ``triton`` never takes flash-attn; ``flash_attn`` takes it for every
 step it can run (and makes its absence an error); ``auto`` (default) takes it from the query lengths
-where ``benchmarks/prefill_attention.py`` measured it faster. Decode steps (every query length <= 1)
-always stay on the Triton decode kernel.
+and the context before them where ``benchmarks/prefill_attention.py`` measured it faster. Decode steps
+(every query length <= 1) always stay on the Triton decode kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ PREFILL_CHOICES = ("auto", "triton", "flash_attn")
 # a head_dim not listed takes the largest. Set from the thresholds benchmarks/prefill_attention.py
 # measures at block size 16 (its report prints this line); measured on an H100 (benchmarks/RESULTS.md).
 FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 2048, 128: 2048}
+# auto: flash-attn 4 also takes a shorter chunk over a long cached context: from LONG_CONTEXT_MIN_QUERY_LEN
+# tokens over LONG_CONTEXT_KEYS keys before it, it measured 1.04-2.35x Triton's on the H200 (both shapes, block
+# sizes 16 and 128; RESULTS.md, twentieth session). Beside decodes only at head_dim 128: at 64 it lost (0.72-0.77x).
+LONG_CONTEXT_KEYS = 8192
+LONG_CONTEXT_MIN_QUERY_LEN = 256
+MIXED_LONG_CONTEXT_MIN_HEAD_DIM = 128
 
 
 def prefill_choice() -> str:
@@ -33,13 +39,18 @@ def min_query_len(head_dim: int) -> int:
     return FLASH_ATTN_MIN_QUERY_LEN.get(head_dim, max(FLASH_ATTN_MIN_QUERY_LEN.values()))
 
 
-def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head_dim: int) -> PrefillKernel:
-    """The kernel of a step whose longest query is ``max_query_len``. ``flash_attn_ready``: flash-attn 4
-    is installed, the device is Hopper and the step's layout suits it (dtype, head_dim)."""
+def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head_dim: int,
+                   context_len: int = 0, num_seqs: int = 1) -> PrefillKernel:
+    """The kernel of a step whose longest query is ``max_query_len`` over ``context_len`` keys cached
+    before it, among ``num_seqs`` sequences. ``flash_attn_ready``: flash-attn 4 is installed, the device
+    is Hopper and the step's layout suits it (dtype, head_dim)."""
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_CHOICES)}, got {choice!r}")
     if max_query_len <= 1 or choice == "triton" or not flash_attn_ready:
         return "triton"
     if choice == "flash_attn" or max_query_len >= min_query_len(head_dim):
+        return "flash_attn"
+    if max_query_len >= LONG_CONTEXT_MIN_QUERY_LEN and context_len >= LONG_CONTEXT_KEYS \
+            and (num_seqs == 1 or head_dim >= MIXED_LONG_CONTEXT_MIN_HEAD_DIM):
         return "flash_attn"
     return "triton"

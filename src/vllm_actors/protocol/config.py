@@ -32,10 +32,10 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "pull", "cache_aware")
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
-# The smallest chunk sequence pipeline parallelism plans for (actors/scheduler/spp_chunks.py). On Hopper a
-# prefill chunk under 2,048 tokens is attended by the Triton kernel (kernels/prefill_choice.py: 0.55-0.65x
-# flash-attn 4's rate on long contexts), and its GEMMs lose efficiency below 1-2k rows.
-SPP_MIN_CHUNK_TOKENS = 2048
+# The smallest chunk sequence pipeline parallelism plans for (actors/scheduler/spp_chunks.py): GEMMs lose
+# efficiency below 1-2k rows. More chunks shrink the pipeline's bubble: at 32k on the H200 a floor of 1,024
+# (those chunks attended by flash-attn 4 over their long context) took PP=2 720 -> 691 ms and PP=4 426 -> 389.
+SPP_MIN_CHUNK_TOKENS = 1024
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -225,7 +225,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Pipeline stages: above 1, a request's next step is planned only once its sampled token is
     # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
     pipeline_parallel_size: int = 1
-    spp_min_chunk_tokens: int = 2048  # SPP_MIN_CHUNK_TOKENS: the equal-time plan's smallest chunk
+    spp_min_chunk_tokens: int = SPP_MIN_CHUNK_TOKENS  #: the equal-time plan's smallest chunk
     max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
