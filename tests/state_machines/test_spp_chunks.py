@@ -5,8 +5,12 @@ the scheduler under PP plans them."""
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import msgspec
 import pytest
+import torch
 
 from vllm_actors.actors.scheduler.cost_model import PAIRS_UNIT, FixedCostModel, OnlineCostModel, chunk_pairs
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -18,8 +22,10 @@ from vllm_actors.actors.scheduler.spp_chunks import (
     balanced_chunks,
     chunk_count,
     chunk_floor,
+    in_waves,
     linear_coefficients,
 )
+from vllm_actors.kernels.attention import attention_wave_tokens
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER
@@ -205,3 +211,41 @@ def test_the_engine_argument_and_its_setting_reach_the_scheduler(monkeypatch: py
     assert resolve_scheduler_config(given, 4096, num_blocks=512).spp_min_chunk_tokens == 512
     with pytest.raises(ValueError, match="spp_min_chunk_tokens must be a positive integer"):
         make_engine_config("m", {"spp_min_chunk_tokens": 0})
+
+
+def test_pipelined_chunks_fill_whole_attention_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-8B's 32 query heads on an H200's 132 SMs: 528 tokens a wave of flash-attn 4's 128-row
+    CTAs. Every chunk but the last ends just under a whole number of waves (the 128-token alignment
+    taking the rest), where the plain plan leaves some a part-empty last wave."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    wave = attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cuda", 0), 32)
+    assert wave == 528
+    assert attention_wave_tokens(SimpleNamespace(prefill=None), torch.device("cuda", 0), 32) == 0  # Triton only
+    assert attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cpu"), 32) == 0
+    model = FixedCostModel(a=0.0005, b=0.323 / 32768, c=0.0, d=0.263 / (32768 * 32768 / 2 / PAIRS_UNIT))
+    sizes = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=CHUNK_ALIGN, wave=wave)
+    assert sum(sizes) == 32768 and sizes[-1] >= MIN_CHUNK_TOKENS
+    assert all(size % CHUNK_ALIGN == 0 and math.ceil(size / wave) * wave - size < CHUNK_ALIGN for size in sizes[:-1])
+    plain = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=CHUNK_ALIGN)
+    assert any(math.ceil(size / wave) * wave - size >= CHUNK_ALIGN for size in plain[:-1])
+    assert in_waves(0, 1152, 10000, 128, 8192, wave, 1024) == 1024  # 2.2 waves: down to 2
+    assert in_waves(0, 1408, 10000, 128, 8192, wave, 1024) == 1536  # 2.7 waves: up to 3
+    assert in_waves(0, 1408, 2500, 128, 8192, wave, 1024) == 1024  # up would leave the rest under the floor
+    assert in_waves(0, 8192, 20000, 128, 8192, wave, 1024) == 7808  # 15 whole waves within the budget
+    assert in_waves(0, 500, 10000, 128, 8192, wave, 1024) == 0  # under a wave, the last chunk, no wave: as before
+    assert in_waves(0, 1152, 1152, 128, 8192, wave, 1024) == 0
+    assert in_waves(0, 1152, 10000, 128, 8192, 0, 1024) == 0
+
+
+def test_the_scheduler_plans_pipelined_chunks_in_waves() -> None:
+    config = SchedulerConfig(max_model_len=40000, max_num_seqs=4, max_num_batched_tokens=8192,
+                             enable_chunked_prefill=True, block_size=16, num_blocks=2600, max_steps_in_flight=3,
+                             enable_prefix_caching=False, pipeline_parallel_size=2, attention_wave_tokens=528)
+    scheduler = Scheduler(config, cost_model=_stage_8b(2))
+    plans = [message for message in scheduler.handle(AddRequest(
+        request_id="long", prompt_token_ids=[1] * 32768, params=SamplingParams(max_tokens=2), eos_token_ids=[0],
+    )).to(KV_CACHE_MANAGER) if isinstance(message, StepPlan)]
+    sizes = [plan.num_tokens[0] for plan in plans]
+    assert sizes == balanced_chunks(_stage_8b(2), 0, 32768, 8192, num_stages=2, align=CHUNK_ALIGN,
+                                    wave=528)[: len(sizes)]
+    assert all(math.ceil(size / 528) * 528 - size < CHUNK_ALIGN for size in sizes)

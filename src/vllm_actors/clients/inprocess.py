@@ -87,11 +87,13 @@ class InProcessEngine(SyncClient):
             from vllm_actors.actors.frontend.tokenizer import load_tokenizer
 
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        from vllm_actors.runner.build import wave_tokens  # torch: imported where the runner is
+
         self.scheduler_config: SchedulerConfig = resolve_scheduler_config(
             config, self.model_config.derived_max_model_len, runner.num_blocks,
             vocab_size=self.model_config.vocab_size,
             allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN,
-            num_host_blocks=getattr(runner, "num_host_blocks", 0),
+            num_host_blocks=getattr(runner, "num_host_blocks", 0), attention_wave_tokens=wave_tokens(runner),
         )
         frontend = Frontend(
             tokenizer,  # type: ignore[arg-type]

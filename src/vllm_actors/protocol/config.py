@@ -225,7 +225,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Pipeline stages: above 1, a request's next step is planned only once its sampled token is
     # back (the stages before the last learn it from the plan), and max_steps_in_flight fills them.
     pipeline_parallel_size: int = 1
-    spp_min_chunk_tokens: int = SPP_MIN_CHUNK_TOKENS  #: the equal-time plan's smallest chunk
+    spp_min_chunk_tokens: int = SPP_MIN_CHUNK_TOKENS  # the equal-time plan's smallest chunk
+    # a pipelined chunk's tokens in whole waves of flash-attn 4's CTAs (the workers' report; 0: none)
+    attention_wave_tokens: int = 0
     max_loras: int = 0  # LoRA adapters a step may use (the worker's device slots); 0: LoRA off
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
@@ -239,6 +241,7 @@ def _runnable_speculation(given: object) -> SpeculativeConfig:
 def resolve_scheduler_config(
     config: EngineConfig, model_max_len: int, num_blocks: int, vocab_size: int | None = None, *,
     allow_long_max_model_len: bool = False, num_host_blocks: int = 0, host_write_through_tokens: int = 0,
+    attention_wave_tokens: int = 0,
 ) -> SchedulerConfig:
     """Fill in the defaults that depend on the model and on the KV pool the worker made.
 
@@ -290,6 +293,7 @@ def resolve_scheduler_config(
         itl_target=None if config.itl_target_ms is None else config.itl_target_ms / 1000,
         pipeline_parallel_size=config.pipeline_parallel_size,
         spp_min_chunk_tokens=config.spp_min_chunk_tokens or SPP_MIN_CHUNK_TOKENS,
+        attention_wave_tokens=attention_wave_tokens,
         max_loras=config.max_loras if config.enable_lora else 0,
         speculative=config.speculative_config,
     )

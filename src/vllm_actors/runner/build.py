@@ -15,7 +15,7 @@ from vllm_actors.actors.worker.engine import Proposer, Runner
 from vllm_actors.actors.worker.ngram_drafts import NgramProposer
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.worker import Worker
-from vllm_actors.kernels.attention import describe_attention
+from vllm_actors.kernels.attention import attention_wave_tokens, describe_attention
 from vllm_actors.models.kv_parallel import KvParallel
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
@@ -116,6 +116,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "rank": runner.tp.rank,
         "tensor_parallel_size": runner.tp.size,
         "attention": describe_attention(getattr(getattr(runner, "model", None), "attn_backend", None)),
+        "attention_wave_tokens": wave_tokens(runner),
         "pipeline_stage": stage.stage,
         "pipeline_parallel_size": stage.size,
         "kv_parallel_rank": kvp.rank,
@@ -123,3 +124,14 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         "kv_rejoin": worker.rejoiner is not None,  # a rank of it may restart alone (the supervisor reads it)
     }
     return worker, info
+
+
+def wave_tokens(runner: Any) -> int:
+    """The runner's ``attention_wave_tokens`` (0 without flash-attn 4 or off the GPU): the scheduler
+    sizes pipelined chunks in whole waves of it."""
+    model = getattr(runner, "model", None)
+    config = getattr(runner, "local_config", None)
+    device = getattr(runner, "device", None)
+    if config is None or not isinstance(device, torch.device):
+        return 0
+    return attention_wave_tokens(getattr(model, "attn_backend", None), device, int(config.num_attention_heads))

@@ -73,6 +73,7 @@ class Spawning:
             self.config, int(info["derived_max_model_len"]), num_blocks, vocab_size=int(info["vocab_size"]),
             allow_long_max_model_len=envs.VLLM_ACTORS_ALLOW_LONG_MAX_MODEL_LEN, num_host_blocks=num_host_blocks,
             host_write_through_tokens=envs.VLLM_ACTORS_KV_OFFLOAD_WRITE_THROUGH_TOKENS,
+            attention_wave_tokens=int(info.get("attention_wave_tokens", 0)),
         )
         if replica in (None, 0):
             self.worker_info, self.scheduler_config = info, scheduler_config

@@ -48,6 +48,7 @@ class PrefillSizer:
             if chunked and config.pipeline_parallel_size > 1 else None
         self.num_stages = config.pipeline_parallel_size
         self.min_chunk = config.spp_min_chunk_tokens
+        self.wave = config.attention_wave_tokens
         decodes = sum(1 for request in running if is_decoding(request))
         self.num_decodes = min(decodes, config.max_num_seqs)
         self.prefill_tokens = 0  # taken by this pass's prefills so far
@@ -74,7 +75,7 @@ class PrefillSizer:
             remaining = max(request.num_tokens - request.num_computed_tokens, num_new)
             num_new = min(num_new, balanced_chunk(self.cost, request.num_computed_tokens, remaining, self.pipelined,
                                                      num_stages=self.num_stages, align=CHUNK_ALIGN,
-                                                     min_chunk=self.min_chunk))
+                                                     min_chunk=self.min_chunk, wave=self.wave))
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens
