@@ -16,9 +16,10 @@ from tests.support.fake_runner import FakeRunner
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.step_data import BatchInput, PendingStep
 from vllm_actors.actors.worker.worker import Worker
-from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepPlan
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runner.sampler import Sampler
 
 

@@ -286,7 +286,8 @@ def test_kv_manager_rejects_a_hit_on_blocks_evicted_by_an_earlier_plan() -> None
     plan without new requests (the hit would pass the check, then fail half-applied)."""
     from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
     from vllm_actors.protocol.block_hash import block_hash
-    from vllm_actors.protocol.messages import NewRequest, pack_token_ids
+    from vllm_actors.protocol.messages import NewRequest
+    from vllm_actors.protocol.token_ids import pack_token_ids
 
     manager = KVCacheManager(num_blocks=8, block_size=4)
     tokens = list(range(1, 10))  # two full blocks and one token

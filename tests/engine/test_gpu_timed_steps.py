@@ -17,9 +17,10 @@ from vllm_actors.actors.worker.ranks import OnlyStage
 from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.events import StepFinished, StepTimed
-from vllm_actors.protocol.messages import NewRequest, StepGpuTime, StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepGpuTime, StepPlan, StepResult
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runner.gpu_events import step_timer
 from vllm_actors.runner.sampler import Sampler
 

@@ -12,10 +12,11 @@ from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import BlockEvicted, Freed, KvPool
-from vllm_actors.protocol.messages import NewRequest, PassThroughPlan, StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, PassThroughPlan, StepPlan, StepResult
 from vllm_actors.protocol.names import KV_CACHE_MANAGER, SCHEDULER, WORKER
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runner.sampler import Sampler
 
 

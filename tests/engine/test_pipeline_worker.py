@@ -16,9 +16,10 @@ from vllm_actors.actors.worker.ranks import OnlyStage
 from vllm_actors.actors.worker.step_data import RowGrammar
 from vllm_actors.actors.worker.worker import Worker
 from vllm_actors.protocol.events import StepFinished
-from vllm_actors.protocol.messages import NewRequest, StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepPlan, StepResult
 from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runner.sampler import Sampler
 
 PROMPT = [5, 6, 7]

@@ -40,7 +40,7 @@ def test_round_trip_and_strict_decoding() -> None:
 
 
 def test_token_ids_pack_as_little_endian_int32_and_round_trip() -> None:
-    from vllm_actors.protocol.messages import pack_token_ids, unpack_token_ids
+    from vllm_actors.protocol.token_ids import pack_token_ids, unpack_token_ids
 
     ids = [0, 1, 151_935, 2**31 - 1]
     packed = pack_token_ids(ids)

@@ -16,8 +16,9 @@ from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import ActorCrashed, Allocated, Rejected
-from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepPlan
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runtime.zmq_shell import ActorShell
 
 SCHEDULER = b"scheduler"

@@ -7,9 +7,10 @@ import msgspec
 
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.protocol.codec import MessageCodec
-from vllm_actors.protocol.messages import AbortRequests, NewRequest, PassThroughPlan, StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import AbortRequests, NewRequest, PassThroughPlan, StepPlan
 from vllm_actors.protocol.names import KV_CACHE_MANAGER, WORKER
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 from vllm_actors.runtime.transport import InMemoryNetwork
 
 PARAMS = SamplingParams(temperature=0.5, top_p=0.9, seed=7, stop=["x"], logprobs=2, max_tokens=9)

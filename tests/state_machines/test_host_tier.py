@@ -15,8 +15,9 @@ from vllm_actors.protocol.block_runs import iter_runs, to_runs
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.errors import MessageRejected
 from vllm_actors.protocol.events import BlockEvicted, BlockOffloaded, BlockRestored, PrefixHit
-from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepPlan
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 TOKENS = list(range(1, 10))  # two full blocks of 4 and one token
 FIRST = block_hash(0, TOKENS[:4])

@@ -18,9 +18,10 @@ from vllm_actors.actors.frontend.frontend import Frontend
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.protocol.codec import MessageCodec
 from vllm_actors.protocol.events import Aborted, Arrived, EventBatch
-from vllm_actors.protocol.messages import AddRequest, RequestUpdates, StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import AddRequest, RequestUpdates, StepPlan, StepResult
 from vllm_actors.protocol.names import FRONTEND, SCHEDULER
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 VOCAB = 1000
 CODEC = MessageCodec()

@@ -9,8 +9,9 @@ import pytest
 
 from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.protocol.errors import MessageRejected
-from vllm_actors.protocol.messages import NewRequest, StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import NewRequest, StepPlan
 from vllm_actors.protocol.sampling import SamplingParams, StructuredOutputs
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Messages between the actors: the wire contract (imports nothing of the project but sampling and lora).
+"""Messages between the actors: the wire contract (imports nothing of the project but protocol/).
 
 The flow of one engine step (one message per hop):
 
@@ -17,17 +17,15 @@ Every message is a tagged msgspec Struct; ``Message`` is their union, decoded st
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
 from vllm_actors.protocol.block_hash import root_hash
 from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv
 from vllm_actors.protocol.lora import LoRARequest
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import token_id_array, unpack_token_ids
 
 PROTOCOL_VERSION = 1
 
@@ -96,37 +94,6 @@ class AbortRequests(msgspec.Struct, tag="abort_requests", kw_only=True):
     # id of one that died (an API process restarted) drops what its predecessor left running. The
     # client-facing shell expands it into ids (``owners.RequestOwners.screen``).
     all_of_sender: bool = False
-
-
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as the wire carries them in bulk: little-endian int32, packed (a copy in C, where
-    a msgpack list costs a Python int per token to encode and to decode)."""
-    packed = array("i", token_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def token_id_array(data: bytes) -> array[int]:
-    """Packed token ids as an int32 array (a copy in C: no Python int per token until one is read)."""
-    if len(data) % 4:
-        raise ValueError(f"packed token ids take 4 bytes each, got {len(data)} bytes")
-    unpacked = array("i")
-    unpacked.frombytes(data)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return unpacked
-
-
-def packed_id_range(data: bytes) -> tuple[int, int] | None:
-    """The smallest and largest of packed token ids (None: none), read in place by numpy: a million
-    in a millisecond, where min/max over a list of them take tens."""
-    ids = np.frombuffer(data, dtype="<i4")
-    return (int(ids.min()), int(ids.max())) if ids.size else None
-
-
-def unpack_token_ids(data: bytes) -> list[int]:
-    return token_id_array(data).tolist()
 
 
 class NewRequest(msgspec.Struct, kw_only=True):

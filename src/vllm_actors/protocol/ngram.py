@@ -7,7 +7,7 @@ long context costs a memchr-speed scan per step, not a Python loop over its toke
 
 from __future__ import annotations
 
-from vllm_actors.protocol.messages import pack_token_ids, unpack_token_ids
+from vllm_actors.protocol.token_ids import pack_token_ids, unpack_token_ids
 
 
 def propose_ngram(packed: bytes, num_drafts: int, min_n: int, max_n: int) -> list[int]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from vllm_actors.actors.frontend.controls import check_control_ids
 from vllm_actors.actors.frontend.structured import check_structured_outputs
 from vllm_actors.protocol.lora import LoRARequest
-from vllm_actors.protocol.messages import pack_token_ids, packed_id_range
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids, packed_id_range
 
 
 @dataclass(frozen=True)

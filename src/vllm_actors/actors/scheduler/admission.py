@@ -8,9 +8,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.config import SchedulerConfig
-from vllm_actors.protocol.messages import AddRequest, packed_id_range
+from vllm_actors.protocol.messages import AddRequest
 from vllm_actors.protocol.names import describe_request_id, engine_request_id_error
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import packed_id_range
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel packed as int32: the bound when the vocabulary is not known
 MAX_SEED = 2**63 - 1  # seeds are signed 64-bit, as in vLLM (torch.long)

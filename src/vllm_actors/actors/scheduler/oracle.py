@@ -22,8 +22,8 @@ import random
 import zlib
 
 from vllm_actors.actors.scheduler.request import ScheduledRequest
-from vllm_actors.protocol.messages import pack_token_ids
 from vllm_actors.protocol.speculative import SpeculativeConfig
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 
 def wrong_token(token: int) -> int:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_actors.protocol.lora import LoRARequest
-from vllm_actors.protocol.messages import AddRequest, NewRequest, pack_token_ids, token_id_array
+from vllm_actors.protocol.messages import AddRequest, NewRequest
 from vllm_actors.protocol.sampling import SamplingParams
+from vllm_actors.protocol.token_ids import pack_token_ids, token_id_array
 
 
 class Status(enum.Enum):

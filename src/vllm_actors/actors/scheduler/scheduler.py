@@ -73,10 +73,10 @@ from vllm_actors.protocol.messages import (
     RequestUpdate,
     RequestUpdates,
     StepResult,
-    token_id_array,
 )
 from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, is_worker
 from vllm_actors.protocol.outputs import Outputs
+from vllm_actors.protocol.token_ids import token_id_array
 
 MAX_ABORT_REASON = 64  # characters of a client's abort reason that reach the bus
 

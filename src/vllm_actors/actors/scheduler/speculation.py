@@ -39,10 +39,11 @@ from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
 from vllm_actors.actors.scheduler.spec_policy import NO_DRAFTS, Acceptance, DraftCost, choose_drafts
 from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL, Pace, choose_probers
 from vllm_actors.actors.scheduler.spec_wall import WallPolicy, step_seconds
-from vllm_actors.protocol.messages import StepPlan, StepResult, pack_token_ids
+from vllm_actors.protocol.messages import StepPlan, StepResult
 from vllm_actors.protocol.ngram import propose_ngram
 from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import ORACLE, WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 NGRAM = "ngram"
 

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vllm_actors.actors.worker.draft_slots import drafting_work, short_drafts, with_drafts
-from vllm_actors.protocol.messages import StepPlan, pack_token_ids
+from vllm_actors.protocol.messages import StepPlan
 from vllm_actors.protocol.ngram import propose_ngram
+from vllm_actors.protocol.token_ids import pack_token_ids
 
 if TYPE_CHECKING:  # the type only: this module runs without torch
     from vllm_actors.actors.worker.step_data import WorkerRequest

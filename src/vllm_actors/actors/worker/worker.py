@@ -25,14 +25,15 @@ new and recomputes what it reads); a plan with a step id below the last reset's 
 An engine command (``EngineControl``: sleep, wake-up; ``controls``) is carried out once the step
 launched before it is read back; rank 0 answers it.
 
-GPU time (``gpu_timing``): on a CUDA device, a step that samples nothing (a stage before the last,
-or a prefill chunk short of its prompt's end) is read back without waiting for the device, so its
-host time is its launch alone; a pipeline's last stage waits for the stages before it as well, so
-there every step is timed so. Rank 0 of each stage times those on the GPU by CUDA events: their
-result says ``execute_seconds`` 0 (not measured), and once complete they are published as
-``STEP_TIMED`` and, on the last stage, sent in the next result's ``gpu_timings``. The shell looks
-for completed ones while they are outstanding (``has_pending`` / ``pending_ready`` / ``flush``), so
-a stage's last chunk is reported without waiting for its next step.
+GPU time (``gpu_timing``; what the worker reports of it: ``timing_reports``): on a CUDA device, a
+step that samples nothing (a stage before the last, or a prefill chunk short of its prompt's end)
+is read back without waiting for the device, so its host time is its launch alone; a pipeline's
+last stage waits for the stages before it as well, so there every step is timed so. Rank 0 of each
+stage times those on the GPU by CUDA events: their result says ``execute_seconds`` 0 (not
+measured), and once complete they are published as ``STEP_TIMED`` and, on the last stage, sent in
+the next result's ``gpu_timings``. The shell looks for completed ones while they are outstanding
+(``has_pending`` / ``pending_ready`` / ``flush``), so a stage's last chunk is reported without
+waiting for its next step.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.draft_slots import short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
-from vllm_actors.actors.worker.gpu_timing import MAX_OUTSTANDING, StepTimer
+from vllm_actors.actors.worker.gpu_timing import StepTimer
 from vllm_actors.actors.worker.host_copies import HostCopies
 from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
@@ -61,9 +62,10 @@ from vllm_actors.actors.worker.step_data import (
     PendingStep,
     WorkerRequest,
 )
+from vllm_actors.actors.worker.timing_reports import TimingReports
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.actors.worker.verify import expand_rows, verify
-from vllm_actors.protocol.events import StepFinished, StepStarted, StepTimed
+from vllm_actors.protocol.events import StepFinished, StepStarted
 from vllm_actors.protocol.messages import (
     ControlReply,
     EngineControl,
@@ -71,7 +73,6 @@ from vllm_actors.protocol.messages import (
     Message,
     NewRequest,
     PromptLogprobs,
-    StepGpuTime,
     StepPlan,
     StepResult,
 )
@@ -129,8 +130,11 @@ class Worker(Draw, KvRejoining, Membership):
         self._min_step_id = 0  # step id of the last reset plan: older plans are stale
         self.borrowing: BorrowingHooks | None = None  # borrowed KV across replicas (runner/kv_borrowing.py)
         # only rank 0 reports: the other ranks time nothing (nor look for what completed)
-        self.timer = timer if timer is not None and self.tp.rank == 0 else StepTimer()
-        self._unsent_timings: list[StepGpuTime] = []  # the last stage's, for the next result
+        self.timings = TimingReports(timer if self.tp.rank == 0 else None, self.stage, self.answers)
+
+    @property
+    def timer(self) -> StepTimer:
+        return self.timings.timer
 
     def handle(self, message: Message) -> Outputs:
         if isinstance(message, EngineControl):
@@ -214,35 +218,22 @@ class Worker(Draw, KvRejoining, Membership):
             finished.num_drafts, finished.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             finished.num_accepted_tokens, finished.accepted_per_pos = spec.num_accepted_tokens, spec.accepted_per_pos
         outputs.emit(started, finished)  # an earlier stage: its part of the step, one track per stage in the trace
-        self._timings(outputs)
+        self.timings.report(outputs, result)  # the timed steps complete now; the result takes the last stage's
         if self.answers:
-            result.gpu_timings, self._unsent_timings = self._unsent_timings, []
             outputs.send(SCHEDULER, result)
         return outputs
-
-    def _timings(self, outputs: Outputs) -> None:
-        """The timed steps complete now: published, and kept for the next result (the last stage)."""
-        if not self.timer.enabled:
-            return
-        stage = None if self.stage.is_last else self.stage.stage
-        for timing in self.timer.completed():
-            outputs.emit(StepTimed(step_id=timing.step_id, stage=stage, gpu_ms=timing.seconds * 1e3,
-                                   gpu_start=timing.start, gpu_end=timing.end))
-            if self.answers:
-                self._unsent_timings.append(timing)
-        del self._unsent_timings[:-MAX_OUTSTANDING]  # bounded, should no result go out for long
 
     # ------------------------------------------------------------------ deferred steps
     def has_pending(self) -> bool:
         """A launched step not read back, or a step timed on the GPU not complete when last looked."""
-        return self._pending is not None or self.timer.num_outstanding > 0
+        return self._pending is not None or self.timings.outstanding()
 
     def pending_ready(self) -> bool:
         """Whether ``flush`` has something to report without waiting: the pending step's tokens
         are on the host, or (none pending) a timed step has completed."""
         if self._pending is not None:
             return self._pending.ready()
-        return self.timer.num_outstanding == 0 or self.timer.any_done()
+        return self.timings.ready()
 
     def flush(self) -> Outputs:
         """Read the launched step back: its result and events; with none pending, the timed
@@ -250,8 +241,7 @@ class Worker(Draw, KvRejoining, Membership):
         pending, self._pending = self._pending, None
         if pending is None:
             outputs = Outputs()
-            if self.tp.rank == 0:
-                self._timings(outputs)
+            self.timings.report(outputs)  # nothing on a rank other than 0 (its timer is disabled)
             return outputs
         return self._outputs(pending, self._read_back(pending))
 
@@ -301,15 +291,11 @@ class Worker(Draw, KvRejoining, Membership):
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],
                                chosen=None, host=[], done=None, num_batched_tokens=0, reset=plan.reset,
                                num_drafted=num_drafted)
-        # It samples nothing (a stage before the last never does): its read-back will not wait for the device.
-        # Every step of a pipeline stage: the last stage's read-back waits for the stages before it too.
-        timed = self.timer.enabled and (not samplers or not self.stage.is_last or self.stage.enabled)
-        if timed:
-            self.timer.begin(plan.step_id)
+        # timed on the GPU where its read-back will not wait for the device (``timing_reports``)
+        timed = self.timings.begin(plan.step_id, samples=bool(samplers))
         if not self.stage.is_last:  # its output goes on to the next stage, which samples
             self.runner.execute(batch)
-            if timed:
-                self.timer.end()
+            self.timings.end()
             self._step_launched(plan)
             return PendingStep(plan.step_id, started_at, started, samplers=[], chosen=None, host=[], done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, gpu_timed=timed)
@@ -334,8 +320,7 @@ class Worker(Draw, KvRejoining, Membership):
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
                 self._mask(logits, row_owners, pending)
             chosen, logprobs = self._draw(logits, rows, read_now)
-        if timed:
-            self.timer.end()
+        self.timings.end()
         spec = None
         if step.drafts:  # read at once (never deferred): the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
