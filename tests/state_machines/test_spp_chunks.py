@@ -218,10 +218,12 @@ def test_pipelined_chunks_fill_whole_attention_waves(monkeypatch: pytest.MonkeyP
     CTAs. Every chunk but the last ends just under a whole number of waves (the 128-token alignment
     taking the rest), where the plain plan leaves some a part-empty last wave."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    wave = attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cuda", 0), 32)
+    wave = attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cuda", 0), 32, 128)
     assert wave == 528
-    assert attention_wave_tokens(SimpleNamespace(prefill=None), torch.device("cuda", 0), 32) == 0  # Triton only
-    assert attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cpu"), 32) == 0
+    # Llama-3.2-1B's 32 heads of 64: flash-attn 4 takes 192 rows a CTA there
+    assert attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cuda", 0), 32, 64) == 792
+    assert attention_wave_tokens(SimpleNamespace(prefill=None), torch.device("cuda", 0), 32, 128) == 0  # Triton
+    assert attention_wave_tokens(SimpleNamespace(prefill=object()), torch.device("cpu"), 32, 128) == 0
     model = FixedCostModel(a=0.0005, b=0.323 / 32768, c=0.0, d=0.263 / (32768 * 32768 / 2 / PAIRS_UNIT))
     sizes = balanced_chunks(model, 0, 32768, 8192, num_stages=2, align=CHUNK_ALIGN, wave=wave)
     assert sum(sizes) == 32768 and sizes[-1] >= MIN_CHUNK_TOKENS

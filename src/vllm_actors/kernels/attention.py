@@ -255,12 +255,14 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     return TritonPagedAttention(prefill=flash_attn_prefill_for(torch.device(device)))
 
 
-# flash-attn 4's SM90 forward tile: one CTA attends this many query rows (a query head's tokens, or with
-# packed GQA a KV head's group of them) over the whole context; a prefill step's CTAs run in waves of one per SM.
-FLASH_ATTN_TILE_M = 128
+def flash_attn_tile_m(head_dim: int) -> int:
+    """Query rows one CTA of flash-attn 4's SM90 forward attends over the whole context (a query
+    head's tokens, or with packed GQA a KV head's group of them): ``_tile_size_fwd_sm90`` of its
+    ``cute/interface.py``, 192 up to head_dim 96 and 128 above. A step's CTAs run in waves of one per SM."""
+    return 192 if head_dim <= 96 else 128
 
 
-def attention_wave_tokens(backend: object, device: torch.device, num_heads: int) -> int:
+def attention_wave_tokens(backend: object, device: torch.device, num_heads: int, head_dim: int) -> int:
     """Tokens of one sequence's chunk that make one whole wave of flash-attn 4's CTAs on ``device``
     (``num_heads``: this rank's query heads); 0 where prefills do not go to flash-attn 4. A chunk
     just past a whole number of waves runs a nearly empty last one: at 120k keys on an H200 a chunk
@@ -268,7 +270,7 @@ def attention_wave_tokens(backend: object, device: torch.device, num_heads: int)
     if getattr(backend, "prefill", None) is None or device.type != "cuda" or num_heads < 1:
         return 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * FLASH_ATTN_TILE_M // num_heads
+    return sms * flash_attn_tile_m(head_dim) // num_heads
 
 
 def describe_attention(backend: object) -> str:

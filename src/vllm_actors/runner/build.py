@@ -134,4 +134,5 @@ def wave_tokens(runner: Any) -> int:
     device = getattr(runner, "device", None)
     if config is None or not isinstance(device, torch.device):
         return 0
-    return attention_wave_tokens(getattr(model, "attn_backend", None), device, int(config.num_attention_heads))
+    return attention_wave_tokens(getattr(model, "attn_backend", None), device, int(config.num_attention_heads),
+                                 int(config.head_dim))
