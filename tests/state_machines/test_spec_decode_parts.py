@@ -3,6 +3,8 @@ policy (never slower by the cost model: backs off to 0 as the batch grows, no cl
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel
@@ -66,6 +68,32 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose_for([1, 2, 3, 9, 9], 3, 2, 3) == []  # no earlier match of at least min_n
     assert propose_for([256, 1, 2, 256, 1], 2, 1, 2) == [2, 256]  # byte-level hits off token bounds ignored
     assert propose_for([1, 2, 1, 2], 0, 1, 2) == []
+
+
+def _lookup(tokens: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup over the token list, position by position (the reference)."""
+    if num_drafts < 1:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + num_drafts]
+    return []
+
+
+def test_ngram_lookup_equals_the_position_by_position_search() -> None:
+    """The byte search (its shortest suffix looked up first, the longest match then) proposes what a
+    search over the positions does: small vocabularies repeat n-grams; ids past 255 make hits off
+    token bounds."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 300, 70000])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        min_n = rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        num_drafts = rng.randint(0, 5)
+        assert propose_for(tokens, num_drafts, min_n, max_n) == _lookup(tokens, num_drafts, min_n, max_n), \
+            (tokens, num_drafts, min_n, max_n)
 
 
 def _priced(fixed: float = 0.0, per_pass: float = 0.0, per_token: float = 0.0) -> DraftCost:

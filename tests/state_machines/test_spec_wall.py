@@ -88,7 +88,7 @@ def test_a_quiet_plan_holds_without_reading_the_requests() -> None:
     running = [ScheduledRequest(f"r{i}", list(range(100)), params, [], output_token_ids=[1], num_computed_tokens=101,
                                 status=Status.RUNNING, in_worker=True) for i in range(64)]
     speculator.begin_pass(running)  # a full look (their paces made): nothing to draft, no probe due
-    assert speculator._quiet and not speculator.drafts(running[0], 1 << 20, 1 << 20)
+    assert speculator.quiet and not speculator.drafts(running[0], 1 << 20, 1 << 20)
     stand_ins = [Untouchable()] * 64
     for _ in range(REVIEW_PASSES - 1):
         speculator.begin_pass(stand_ins)  # type: ignore[arg-type]  # never read

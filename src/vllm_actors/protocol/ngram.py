@@ -17,18 +17,27 @@ def propose_ngram(packed: bytes, num_drafts: int, min_n: int, max_n: int) -> lis
     num_tokens = len(packed) // 4
     if num_drafts < 1 or num_tokens < min_n + 1:
         return []
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        suffix = packed[-4 * n:]
-        end = len(packed) - 1  # the suffix itself does not count: a match starts before it
-        while True:
-            found = packed.rfind(suffix, 0, end)
-            if found < 0:
-                break
-            if found % 4 == 0:  # aligned on a token
-                start = found + 4 * n
-                return unpack_token_ids(packed[start : start + 4 * num_drafts])
-            end = found + 4 * n - 1  # an unaligned hit: look further back
+    longest = min(max_n, num_tokens - 1)
+    if longest > min_n and _latest_match(packed, min_n) < 0:
+        return []  # a longer suffix ends with the shortest: none occurs earlier (most lookups: one scan, not one per n)
+    for n in range(longest, min_n - 1, -1):
+        found = _latest_match(packed, n)
+        if found >= 0:
+            start = found + 4 * n
+            return unpack_token_ids(packed[start : start + 4 * num_drafts])
     return []
+
+
+def _latest_match(packed: bytes, n: int) -> int:
+    """The byte offset of the latest earlier occurrence of the last ``n`` tokens, aligned on a
+    token; -1 where there is none."""
+    suffix = packed[-4 * n:]
+    end = len(packed) - 1  # the suffix itself does not count: a match starts before it
+    while True:
+        found = packed.rfind(suffix, 0, end)
+        if found < 0 or found % 4 == 0:  # none, or aligned on a token
+            return found
+        end = found + 4 * n - 1  # an unaligned hit: look further back
 
 
 def propose_for(token_ids: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:

@@ -114,6 +114,8 @@ class PlanningPass:
         num_stages = self.config.pipeline_parallel_size
         decodes_left = len(self.running) if num_stages == 1 else \
             0 if self.pipeline.num_decoding >= num_stages else decode_share(self.running, num_stages)
+        # a quiet speculating pass drafts nothing for anyone: no question per request (O(1), not O(batch))
+        speculates = self.spec is not None and not self.spec.quiet
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
@@ -131,7 +133,7 @@ class PlanningPass:
                 if not num_new:
                     index += 1
                     continue
-            drafts = self._drafts(request, num_new, step.budget)
+            drafts = self._drafts(request, num_new, step.budget) if speculates else []
             if drafts is None:  # it speculates: planned again once its step in flight is back
                 index += 1
                 continue

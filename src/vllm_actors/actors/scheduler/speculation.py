@@ -99,6 +99,12 @@ class Speculator:
         self._drafting_run = 0  # drafting steps since the last step without drafts
 
     @property
+    def quiet(self) -> bool:
+        """This pass drafts for nobody (no plan, no probe): ``drafts`` is [] for every request, so
+        the planning pass need not ask per request (its idle steps are counted once, in ``_pace``)."""
+        return self._quiet
+
+    @property
     def has_trims(self) -> bool:
         """Blocks given back in the ledger that the next plan gives back in the KV manager."""
         return bool(self._trims)
