@@ -121,8 +121,8 @@ def _pipelined_seconds(cost: FixedCostModel, sizes: list[int], num_stages: int) 
 def test_the_count_fills_the_pipe_for_an_8b_shape(length: int, num_stages: int, bound: float) -> None:
     """The predicted TTFT over P stages against one stage's (the budget's chunks): within the
     bounds asked of PP at 32k and 128k. At 32k over 2 stages 2.5 ms a step keeps it above 0.55 at
-    any count (sqrt((P-1) W / a) chunks would give 0.558): the floor's 11 chunks give 0.566, the
-    fewest chunks within the budget (6) gave 0.593."""
+    any count (sqrt((P-1) W / a) chunks would give 0.558): 16 chunks give 0.562 (a floor of 2,048
+    allowed 11: 0.567), the fewest chunks within the budget (6) gave 0.593."""
     one_stage = _pipelined_seconds(_stage_8b(1), [8192] * (length // 8192), 1)
     sizes = balanced_chunks(_stage_8b(num_stages), 0, length, 8192, num_stages=num_stages)
     fewest = balanced_chunks(_stage_8b(num_stages), 0, length, 8192, num_stages=1)
