@@ -232,3 +232,35 @@ def test_worker_ngram_drafts_verify_only_what_the_lookup_finds() -> None:
     filled = proposer.propose(plan, requests)
     assert filled.draft_token_ids == {"new": [7], "given": [8]} and filled.num_tokens == [1, 2, 2]
     assert short_drafts(plan, filled) == {"copy": 0, "new": 1}
+
+
+def test_worker_ngram_lookups_found_hopeless_before_the_read_back_are_not_repeated(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vllm_actors.actors.worker import ngram_drafts
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+    from vllm_actors.protocol.messages import StepPlan
+    from vllm_actors.protocol.sampling import SamplingParams
+    from vllm_actors.protocol.speculative import WORKER_DRAFT
+
+    def requests() -> dict[str, WorkerRequest]:  # each with its step in flight's token pending
+        return {request_id: WorkerRequest(request_id=request_id, token_ids=tokens, num_prompt_tokens=len(tokens),
+                                          num_output_tokens=0, params=SamplingParams(), eos_token_ids=[], num_pending=1)
+                for request_id, tokens in (("dead", [1, 2, 3, 4]), ("live", [5, 6, 5]))}
+
+    plan = StepPlan(step_id=7, req_ids=["dead", "live"], num_tokens=[3, 3], num_blocks=[1, 1], new_block_ids=[[], []],
+                    draft_token_ids={"dead": [WORKER_DRAFT] * 2, "live": [WORKER_DRAFT] * 2})
+    lookups: list[int] = []
+    lookup = ngram_drafts.propose_ngram
+    monkeypatch.setattr(ngram_drafts, "propose_ngram",
+                        lambda packed, *args: lookups.append(len(packed)) or lookup(packed, *args))
+    filled: dict[bool, StepPlan] = {}
+    for checked in (True, False):
+        proposer, current = ngram_drafts.NgramProposer(min_n=2, max_n=3), requests()
+        # "dead": its last token 4 occurs nowhere before, whatever follows; "live": 5 does
+        assert not checked or proposer.without_hopeless(plan, current) is None
+        for request, token in zip(current.values(), (3, 6), strict=True):  # the step in flight read back
+            request.token_ids.append(token)
+            request.num_pending = 0
+        lookups.clear()
+        filled[checked] = proposer.propose(plan, current)
+        assert len(lookups) == (1 if checked else 2)  # "dead" is not looked up again after the check
+    assert filled[True] == filled[False] and filled[True].draft_token_ids == {"live": [5, 6]}

@@ -217,7 +217,6 @@ class Speculator:
         drafted = {request_id: result.num_drafted.get(request_id, len(drafts))
                    for request_id, drafts in plan.draft_token_ids.items()}
         sizes = list(drafted.values())
-        catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids) if pace is not None)
         if self.wall is not None:
             self.wall.account(features, bool(plan.draft_token_ids), sizes,
                               step_seconds(result))
@@ -233,41 +232,56 @@ class Speculator:
             self._seconds_since_draft = 0.0
             if self.wall is None and result.execute_seconds > 0:  # priced in execute_seconds
                 prefill_tokens, num_decodes, pairs = features
+                catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids)
+                               if pace is not None)  # only this pricing reads it (n-gram's wall has none)
                 extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
                 self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
+        counters, paces, recent = self.counters, self._paces, self.recent
+        running = Status.RUNNING
         for request_id, drafts in plan.draft_token_ids.items():
             num_drafted = drafted[request_id]  # the planned slots past it are rolled back as rejected
+            pace = paces.get(request_id)
+            if not num_drafted:  # the lookup found nothing: no counter moves, one wrong draft observed
+                if pace is not None:
+                    self._version += 1
+                    pace.verified(1, 0)
+                    recent.observe(1, 0)
+                request = requests.get(request_id)
+                if request is not None:
+                    request.num_pending_drafts -= len(drafts)
+                    if request.status is running and request.in_worker:
+                        request.num_computed_tokens -= len(drafts)
+                continue
             num_accepted = min(max(emitted.get(request_id, 0) - 1, 0), num_drafted)
-            counters = self.counters
-            counters.num_drafts += 1 if num_drafted else 0
+            counters.num_drafts += 1
             counters.num_draft_tokens += num_drafted
             counters.num_accepted_tokens += num_accepted
             for position in range(num_accepted):
                 counters.accepted_per_pos[position] += 1
-            pace = self._paces.get(request_id)
-            if pace is not None:  # a lookup that found nothing still cost the step its overlap: one wrong draft
+            if pace is not None:
                 self._version += 1
-                pace.verified(max(num_drafted, 1), num_accepted)
-                self.recent.observe(max(num_drafted, 1), num_accepted)
+                pace.verified(num_drafted, num_accepted)
+                recent.observe(num_drafted, num_accepted)
             request = requests.get(request_id)
             if request is None:
                 continue
             request.num_pending_drafts -= len(drafts)
             request.num_draft_tokens += num_drafted
             request.num_accepted_tokens += num_accepted
-            if request.status is Status.RUNNING and request.in_worker:
+            if request.status is running and request.in_worker:
                 request.num_computed_tokens -= len(drafts) - num_accepted
 
     def trim(self, plan: StepPlan, requests: dict[str, ScheduledRequest], ledger: BlockLedger) -> None:
         """After the result: a drafting request still running gives back the blocks beyond its
         tokens and its computed count (the furthest slot of a step in flight): they held rejected
         drafts only; the next plan tells the KV manager and workers."""
+        block_size, running = ledger.block_size, Status.RUNNING
         for request_id in plan.draft_token_ids:
             request = requests.get(request_id)
-            if request is None or request.status is not Status.RUNNING or not request.in_worker:
+            if request is None or request.status is not running or not request.in_worker:
                 continue
-            keep = -(-max(request.num_tokens, request.num_computed_tokens) // ledger.block_size)
+            keep = -(-max(request.num_tokens, request.num_computed_tokens) // block_size)
             if ledger.num_blocks(request_id) > keep:
                 ledger.trim(request_id, keep)
                 self._trims[request_id] = keep

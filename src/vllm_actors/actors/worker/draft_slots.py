@@ -41,28 +41,44 @@ def drafting_work(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> list
     return work
 
 
+def placeholder_counts(plan: StepPlan) -> dict[str, int]:
+    """The plan's requests whose drafts are ``WORKER_DRAFT`` placeholders, and how many each
+    (``drafting_work`` less the block tables: the n-gram lookup needs none)."""
+    return {request_id: len(drafts) for request_id, drafts in plan.draft_token_ids.items()
+            if drafts and drafts[0] == WORKER_DRAFT}
+
+
 def with_drafts(plan: StepPlan, work: list[DraftWork], proposals: list[list[int]]) -> StepPlan:
     """The plan with each placeholder list replaced by its proposal. A proposal shorter than its
     placeholders takes that many fewer tokens (no filler is verified); an empty one leaves its
     request a plain decode row, and with no drafts left the plan is a plain step."""
+    counts = {item.request.request_id: item.num_drafts for item in work}
+    return with_found(plan, counts, {item.request.request_id: drafted
+                                     for item, drafted in zip(work, proposals, strict=True) if drafted})
+
+
+def with_found(plan: StepPlan, counts: dict[str, int], found: dict[str, list[int]]) -> StepPlan:
+    """``with_drafts`` given each placeholder request's count (``placeholder_counts``) and only the
+    non-empty proposals (``found``): the requests of ``counts`` missing there draft nothing."""
     filled = dict(plan.draft_token_ids)
     num_tokens = list(plan.num_tokens)
-    index = {request_id: row for row, request_id in enumerate(plan.req_ids)}
-    for item, drafted in zip(work, proposals, strict=True):
-        request_id = item.request.request_id
-        if len(drafted) > item.num_drafts:
-            raise ValueError(f"{request_id}: {len(drafted)} drafts proposed for {item.num_drafts} placeholders")
-        num_tokens[index[request_id]] -= item.num_drafts - len(drafted)
-        if drafted:
-            filled[request_id] = drafted
-        else:
+    index = dict(zip(plan.req_ids, range(len(plan.req_ids))))
+    for request_id, num_drafts in counts.items():
+        drafted = found.get(request_id)
+        if drafted is None:
+            num_tokens[index[request_id]] -= num_drafts
             del filled[request_id]
+            continue
+        if len(drafted) > num_drafts:
+            raise ValueError(f"{request_id}: {len(drafted)} drafts proposed for {num_drafts} placeholders")
+        num_tokens[index[request_id]] -= num_drafts - len(drafted)
+        filled[request_id] = drafted
     return msgspec.structs.replace(plan, draft_token_ids=filled, num_tokens=num_tokens)
 
 
 def short_drafts(planned: StepPlan, filled: StepPlan) -> dict[str, int]:
     """The requests that draft fewer tokens than their plan's placeholders: their drafts' count
     (``StepResult.num_drafted``: the scheduler still rolls the planned slots back)."""
-    return {request_id: len(filled.draft_token_ids.get(request_id, ()))
-            for request_id, drafts in planned.draft_token_ids.items()
-            if len(filled.draft_token_ids.get(request_id, ())) < len(drafts)}
+    now = filled.draft_token_ids
+    return {request_id: count for request_id, drafts in planned.draft_token_ids.items()
+            if (count := len(now.get(request_id, ()))) < len(drafts)}
