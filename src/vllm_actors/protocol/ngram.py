@@ -18,19 +18,19 @@ def propose_ngram(packed: bytes, num_drafts: int, min_n: int, max_n: int) -> lis
     if num_drafts < 1 or num_tokens < min_n + 1:
         return []
     longest = min(max_n, num_tokens - 1)
-    if longest > min_n and _latest_match(packed, min_n) < 0:
+    if longest > min_n and latest_match(packed, min_n) < 0:
         return []  # a longer suffix ends with the shortest: none occurs earlier (most lookups: one scan, not one per n)
     for n in range(longest, min_n - 1, -1):
-        found = _latest_match(packed, n)
+        found = latest_match(packed, n)
         if found >= 0:
             start = found + 4 * n
             return unpack_token_ids(packed[start : start + 4 * num_drafts])
     return []
 
 
-def _latest_match(packed: bytes, n: int) -> int:
-    """The byte offset of the latest earlier occurrence of the last ``n`` tokens, aligned on a
-    token; -1 where there is none."""
+def latest_match(packed: bytes, n: int) -> int:
+    """The byte offset of the latest earlier occurrence of the last ``n`` tokens (one followed by at
+    least one token), aligned on a token; -1 where there is none."""
     suffix = packed[-4 * n:]
     end = len(packed) - 1  # the suffix itself does not count: a match starts before it
     while True:

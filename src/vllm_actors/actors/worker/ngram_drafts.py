@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from vllm_actors.actors.worker.draft_slots import placeholder_counts, short_drafts, with_found
 from vllm_actors.protocol.messages import StepPlan
-from vllm_actors.protocol.ngram import propose_ngram
+from vllm_actors.protocol.ngram import latest_match, propose_ngram
 from vllm_actors.protocol.token_ids import pack_token_ids
 
 if TYPE_CHECKING:  # the type only: this module runs without torch
@@ -90,13 +90,7 @@ class NgramProposer:
             return False
         if self.min_n < 2:  # the pending token alone may have occurred before
             return True
-        head = packed[-4 * (self.min_n - 1):]
-        end = 4 * (known - 1)  # an earlier occurrence: it ends before the last known token
-        while (found := packed.rfind(head, 0, end)) >= 0:
-            if found % 4 == 0:
-                return True
-            end = found + len(head) - 1
-        return False
+        return latest_match(packed, self.min_n - 1) >= 0  # its known tokens of the suffix, followed by one
 
     def without_hopeless(self, plan: StepPlan,
                          requests: Mapping[str, WorkerRequest]) -> tuple[StepPlan, dict[str, int]] | None:
