@@ -96,6 +96,9 @@ def drafting(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict
     delta["mean_k"] = delta["num_draft_tokens"] / delta["num_drafts"] if delta["num_drafts"] else 0.0
     delta["drafting_share"] = delta["num_drafts"] / request_steps
     delta["tokens"] = tokens
+    for key in ("steps", "drained_steps"):  # the engine's steps, and those launched with the pipeline drained
+        if key in after:
+            delta[key] = after[key] - before.get(key, 0)
     if "accepted_per_pos" in after:
         earlier = list(before.get("accepted_per_pos", []))
         delta["accepted_per_pos"] = [count - (earlier[pos] if pos < len(earlier) else 0)

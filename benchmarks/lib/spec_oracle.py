@@ -19,10 +19,13 @@ from typing import Any
 
 
 def counts(llm: Any) -> dict[str, Any]:
-    """The engine's speculative-decoding totals (vLLM's spec_decode counters)."""
-    spec = llm.get_metrics().spec_decode
+    """The engine's speculative-decoding totals (vLLM's spec_decode counters), its steps and those
+    launched with the pipeline drained."""
+    metrics = llm.get_metrics()
+    spec = metrics.spec_decode
     return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-            "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_pos": list(spec.accepted_per_pos)}
+            "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_pos": list(spec.accepted_per_pos),
+            "steps": metrics.steps, "drained_steps": metrics.drained_steps}
 
 
 def greedy_outputs(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.lib.spec_measure import Counters, Generate, batch1, concurrent, drafting, warm_up
 
-COUNTER_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+COUNTER_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "steps", "drained_steps")
 
 
 def measure_paired(generates: Mapping[str, Generate], prompts: Sequence[Sequence[int]], output_len: int,

@@ -51,3 +51,13 @@ def test_the_table_row_names_the_long_request() -> None:
            "itl": spread, "e2e": spread, "tpot": spread, "tokens_per_chunk": 1.0,
            "goodput": {"share": 1.0, "rate": 1.0}, "long": {"prompt_tokens": 1_000_000}}
     assert format_row("ours", row).startswith("| ours | 2/s + 1,000,000-token request | 3 |")
+
+
+def test_a_model_shape_reaches_the_long_requests_context() -> None:
+    from vllm_actors.bench.serve import shape_config
+
+    args = build_parser().parse_args(["--model-shape", "llama-3.2-1b", "--max-model-len", "1050000"])
+    config = shape_config(args)
+    assert config["max_position_embeddings"] == 1050000 and config["num_hidden_layers"] == 16
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 8192  # the rope's arithmetic unchanged
+    assert shape_config(build_parser().parse_args([]))["max_position_embeddings"] == 40960  # Qwen3-0.6B's own

@@ -106,8 +106,10 @@ def test_hopeless_lookups_launch_before_the_step_in_flight_is_read_back() -> Non
     outputs = worker.handle(drafting)
     assert runner.num_deferred == 1  # launched before step 0 was read back
     assert [r.step_id for r in outputs.to(SCHEDULER)] == [0] and worker.has_pending()
-    result = worker.flush().to(SCHEDULER)[0]
+    flushed = worker.flush()
+    result = flushed.to(SCHEDULER)[0]
     assert isinstance(result, StepResult) and result.num_drafted == {"a": 0} and result.num_batched_tokens == 1
+    assert [e.drained for e in flushed.events if isinstance(e, StepFinished)] == [False]  # stayed overlapped
     assert worker.requests["a"].token_ids == prompt + runner.reference(prompt, 2)
     repeating = [5, 6, 5]  # its last token occurred before: a lookup may match, so step 0 is read back first
     worker = Worker(DeferringFakeRunner(num_blocks=8, block_size=4), Sampler(torch.device("cpu")),
@@ -115,5 +117,7 @@ def test_hopeless_lookups_launch_before_the_step_in_flight_is_read_back() -> Non
     worker.pending_ready = lambda: False  # type: ignore[method-assign]
     worker.handle(StepPlan(step_id=0, new_requests=[_new("a", repeating, greedy)], req_ids=["a"], num_tokens=[3],
                            num_blocks=[1], new_block_ids=[[0]]))
-    worker.handle(drafting)
+    outputs = worker.handle(drafting).extend(worker.flush())
     assert worker.runner.num_deferred == 0  # type: ignore[attr-defined]
+    # counted as drained (the metrics store's drained_steps): step 0 read back before step 1 launched
+    assert [(e.step_id, e.drained) for e in outputs.events if isinstance(e, StepFinished)] == [(0, False), (1, True)]

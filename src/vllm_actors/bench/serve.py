@@ -70,6 +70,7 @@ from vllm_actors.bench.serve_server import (  # noqa: F401 - importable from her
     sglang_settings,
     write_model_dir,
 )
+from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the --url server's name in the report; with started servers, added to each "
                         "one's name (e.g. 'dp2' when --server-args '-dp 2')")
     target.add_argument("--model", default=None, help="model directory (default: random Qwen3-0.6B shape)")
+    target.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
+                        help="without --model: the shape of the random weights (max_position_embeddings raised to "
+                             "--max-model-len where that is longer, as benchmarks/long_context.py does)")
     target.add_argument("--load-format", default=None, help="default: dummy without --model, auto with it")
     target.add_argument("--dtype", default="bfloat16")
     target.add_argument("--max-model-len", type=int, default=4096)
@@ -127,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- loads
+def shape_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--model-shape``'s config.json, its ``max_position_embeddings`` at least ``--max-model-len``
+    (llama3 rope scaling reads ``original_max_position_embeddings``: the arithmetic is unchanged)."""
+    config = dict(MODEL_SHAPES[args.model_shape])
+    config["max_position_embeddings"] = max(int(config["max_position_embeddings"]), args.max_model_len)
+    return config
+
+
 def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     if args.concurrencies:
         return [("concurrency", float(c)) for c in args.concurrencies]
@@ -230,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         write_outputs(out, args, True)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
-        model = args.model or str(write_model_dir(Path(scratch) / "qwen3-0.6b-shape"))
+        model = args.model or str(write_model_dir(Path(scratch) / f"{args.model_shape}-shape", shape_config(args)))
         load_format = args.load_format or ("dummy" if args.model is None else "auto")
         url = f"http://127.0.0.1:{args.port}"
         started = servers(args)

@@ -223,6 +223,9 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     # A pipeline stage before the last: its part of the step (its layers; the step is counted once,
     # by the last stage's event, which has None). The step id is the micro-batch's.
     stage: int | None = None
+    # The step in flight was read back before this one launched (drafts to verify, logprobs, a
+    # reset), so the device idled while this one was prepared: what a speculating engine gives up.
+    drained: bool = False
     # Speculative decoding: requests that verified drafts, their drafted tokens, those accepted,
     # and the accepted ones by draft position (vLLM's spec_decode counters).
     num_drafts: int = 0

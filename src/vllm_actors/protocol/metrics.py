@@ -186,6 +186,7 @@ class SummaryReply(msgspec.Struct, tag="summary_reply", kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0  # STEP_FINISHED events
     step_tokens: int = 0  # tokens computed by those steps
+    drained_steps: int = 0  # those launched after the step in flight was read back (STEP_FINISHED.drained)
     # tokens per step as vLLM counts them (ITERATION_TOKENS_BUCKETS): sampled tokens plus the
     # computed prompts of the requests whose first token the step sampled
     step_tokens_histogram: BucketCounts = BucketCounts()

@@ -116,6 +116,7 @@ class Counters(msgspec.Struct, kw_only=True):
     prefill_chunks: int = 0
     steps: int = 0
     step_tokens: int = 0
+    drained_steps: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     prefix_cache_queries: int = 0

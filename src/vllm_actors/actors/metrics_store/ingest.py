@@ -262,6 +262,7 @@ class Recorder(RequestEvents):
             return
         self.counters.steps += 1
         self.counters.step_tokens += max(event.num_tokens, 0)
+        self.counters.drained_steps += event.drained
         self.latencies.step_ms.add(event.execute_ms)
         if event.num_drafts:
             self.counters.spec_decode.add(event.num_drafts, event.num_draft_tokens, event.num_accepted_tokens,

@@ -61,6 +61,7 @@ def summary(recorder: Recorder) -> SummaryReply:
         preemptions=counters.preemptions,
         prefill_chunks=counters.prefill_chunks,
         steps=counters.steps,
+        drained_steps=counters.drained_steps,
         step_tokens=counters.step_tokens,
         step_tokens_histogram=recorder.iteration_tokens.snapshot(),
         prompt_tokens_computed=counters.prompt_tokens_computed,

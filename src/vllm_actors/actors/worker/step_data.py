@@ -187,6 +187,7 @@ class PendingStep:
     num_drafted: dict[str, int] = field(default_factory=dict)  # requests short of their placeholders (StepResult)
     gpu_timed: bool = False  # timed on the GPU (gpu_timing): its result's execute_seconds is 0
     host_seconds: float = 0.0  # launch to read-back on the worker's clock, once read back
+    drained: bool = False  # launched after the step in flight was read back (StepFinished.drained)
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

@@ -175,8 +175,10 @@ class Worker(Draw, KvRejoining, Membership):
             outputs += self.flush()
             self._pending = launched
             return outputs
+        drained = self.defer and self._pending is not None
         outputs = self.flush()
         launched = self._launch(message, started, read_now=True, may_defer=self.defer)
+        launched.drained = drained
         if launched.chosen is not None:  # the drafter found nothing: a plain step, read back after the next
             self._pending = launched
             return outputs
@@ -213,6 +215,7 @@ class Worker(Draw, KvRejoining, Membership):
             num_sampled=len(result.req_ids),
             execute_ms=pending.host_seconds * 1e3,  # the host's, also where the GPU's comes later (STEP_TIMED)
             stage=None if self.stage.is_last else self.stage.stage,
+            drained=pending.drained,
         )
         if spec is not None:
             finished.num_drafts, finished.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
