@@ -44,6 +44,11 @@
 #           them; it writes to $LONGCTX_DIR (default /tmp/longctx, kept on a warm machine between calls,
 #           so that `--append` adds a later call's engines and contexts to the same report) and copies
 #           long_context.json, long_context.md and its engines' logs (logs.tar.gz) to $out/longctx),
+#           turns (the next turn of a long conversation whose prefix left the GPU pool: ours with the host KV
+#           tier and without, vLLM with its CPU offloading and without, benchmarks/host_turns.py; not in the
+#           default list; extra arguments after `--` go to it; it writes to $TURNS_DIR (default /tmp/turns, kept
+#           between calls on a warm machine for `--append`) and copies results.json, host_turns.md and its
+#           engines' logs (logs.tar.gz) to $out/turns),
 #           longab (long_context.py once per LONGAB_RUNS entry, "name|ENV=V ...|arguments" separated by ";", the
 #           arguments after `--` common to all: an A/B of settings or flags at long context; each entry's table
 #           rows in $out/longab.log, its files in $out/longab-NAME)
@@ -59,6 +64,7 @@
 #        bash benchmarks/gpu_session.sh vllm longctx -- --engines ours vllm --contexts 16k 32k 64k 128k
 #        bash benchmarks/gpu_session.sh longctx -- --engines ours --contexts 1M --append   # then vllm alone
 #        LONGAB_RUNS="bs16||;bs128||--block-size 128" bash benchmarks/gpu_session.sh longab -- --engines ours
+#        bash benchmarks/gpu_session.sh turns -- --engines ours --context 200k   # then: vllm turns -- --engines vllm --append
 #        bash benchmarks/gpu_session.sh policy-sweep
 #        POLICY_RATE=16 bash benchmarks/gpu_session.sh policies
 # Results land in $OUT (the device tool's output folder) or results/gpu.
@@ -211,6 +217,12 @@ for stage in "${stages[@]}"; do
              cp "$dir"/long_context.json "$dir"/long_context.md "$dir"/trace-*.json* "$out/longctx/" 2>/dev/null  # traces: --trace
              (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/longctx/logs.tar.gz"
              [ "$rc" -eq 0 ] ;;
+    turns) dir=${TURNS_DIR:-/tmp/turns}; mkdir -p "$dir" "$out/turns"
+           python3 benchmarks/host_turns.py --out "$dir" "$@" 2>&1 | tee "$out/turns.log" | tail -30
+           rc=${PIPESTATUS[0]}
+           cp "$dir"/results.json "$dir"/host_turns.md "$out/turns/" 2>/dev/null
+           (cd "$dir" && tar -czf - ./*.log 2>/dev/null) > "$out/turns/logs.tar.gz"
+           [ "$rc" -eq 0 ] ;;
     longab) # LONGAB_RUNS: "name|ENV=V ...|arguments" entries separated by ";": long_context.py once per entry, the
             # arguments after `--` common to all, each in /tmp/longab-NAME (fresh), results in $out/longab-NAME
       IFS=';' read -r -a runs <<< "${LONGAB_RUNS:-base||}"
