@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                              "output robust to rounding, VLLM_ACTORS_DUMMY_WEIGHTS)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="paired rounds: every phase on every mode of ours in turn, the order reversed each round")
+    parser.add_argument("--dump-events", metavar="DIR", default=None,
+                        help="our engines' event logs saved in DIR at the end (MODE.jsonl; raise "
+                             "VLLM_ACTORS_METRICS_MAX_EVENTS to keep a whole run)")
     parser.add_argument("--unpaired", action="store_true",
                         help="our modes' engines one after another, each alone on the GPU (default: side by side)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         "dummy_weights": dummy_weights if load_format == "dummy" else None}}
     ours = [mode for mode in modes if mode != "oracle"]
     found, recorded = spec_ours.run_ours(args.model, spec, ours, args.rounds, args.gpu_memory_utilization,
-                                         paired=not args.unpaired, record="oracle" in modes)
+                                         paired=not args.unpaired, record="oracle" in modes,
+                                         events_dir=Path(args.dump_events) if args.dump_events else None)
     for mode in ours:
         results[f"ours_{mode}"] = found[mode]
         shown = {k: v for k, v in found[mode].items() if "samples" not in k and not k.startswith("paired_vs")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 from benchmarks.lib import spec_measure, spec_oracle, spec_paired
@@ -24,9 +25,11 @@ def engine_shares(utilization: float, count: int) -> list[float]:
 
 
 def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int, utilization: float,
-             paired: bool = True, record: bool = False) -> tuple[dict[str, dict[str, Any]], list[list[int]]]:
+             paired: bool = True, record: bool = False,
+             events_dir: Path | None = None) -> tuple[dict[str, dict[str, Any]], list[list[int]]]:
     """Every mode's figures (``spec_paired.measure_paired``) and, with ``record``, each batch-1 prompt's
-    greedy output without speculation (the oracle's continuations; the mode ``off`` must be among them)."""
+    greedy output without speculation (the oracle's continuations; the mode ``off`` must be among them).
+    ``events_dir``: each mode's event log dumped there at the end (``MODE.jsonl``: its steps, timed)."""
     groups = [list(modes)] if paired else [[mode] for mode in modes]
     results: dict[str, dict[str, Any]] = {}
     recorded: list[list[int]] = []
@@ -40,12 +43,26 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
                                                spec["concurrency"], rounds, counters)
             for mode, llm in llms.items():
                 found[mode]["spec_decode"] = spec_oracle.counts(llm)
+                if events_dir is not None:
+                    dump_events(llm, events_dir / f"{mode}.jsonl")
                 found[mode]["gpu_memory_utilization"] = llm.config.gpu_memory_utilization
             if record and "off" in llms:
                 recorded = spec_oracle.greedy_outputs(llms["off"], spec_oracle.batch1_prompts(spec),
                                                       spec["output_len"])
         results.update(found)
     return results, recorded
+
+
+def dump_events(llm: Any, path: Path) -> None:
+    """The metrics store's event log (bounded: ``VLLM_ACTORS_METRICS_MAX_EVENTS``) saved at ``path``."""
+    from vllm_actors.observe.tap import save_dump
+    from vllm_actors.protocol.metrics import DumpQuery, DumpReply
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reply = llm.engine.query_metrics(DumpQuery())
+    if not isinstance(reply, DumpReply):
+        raise RuntimeError(f"the metrics store could not dump its event log: {reply!r}")
+    save_dump(reply, path.resolve())
 
 
 def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> Any:

@@ -24,6 +24,8 @@ def test_each_rate_runs_alone_then_with_the_long_request() -> None:
     assert mixed[:-1] == alone and all(len(r.prompt) == 2048 and r.max_tokens == 256 for r in alone)
     assert (len(mixed[-1].prompt), mixed[-1].offset, mixed[-1].index) == (5000, 1.5, len(alone))
     assert loads(build_parser().parse_args(["--rates", "2"])) == [("rate", 2.0)]  # off by default
+    only = build_parser().parse_args(["--rates", "2", "--long-prompt-tokens", "5000", "--long-only"])
+    assert loads(only) == [(serve_long.LONG_KIND, 2.0)]  # its baseline from an earlier call
 
 
 def test_the_short_requests_are_measured_in_the_long_prefills_window() -> None:

@@ -113,7 +113,8 @@ def test_the_threshold_caps_each_prefill_per_step() -> None:
     out = scheduler.handle(add("a", 350))  # planned at once: b joins the next step
     out += scheduler.handle(add("b", 60))
     steps = run(scheduler, out)
-    assert [plan.num_tokens for plan, _ in steps[:4]] == [[100], [100, 60], [100, 1], [50, 1]]
+    # b, short, is let in first at a's chunk boundary (short_first); a takes its 100 beside it
+    assert [plan.num_tokens for plan, _ in steps[:4]] == [[100], [60, 100], [100, 1], [50, 1]]
 
 
 def test_concurrent_partial_prefills_cap_long_ones_and_let_short_ones_pass() -> None:
@@ -148,6 +149,28 @@ def test_a_prefill_yields_to_a_more_urgent_request_at_a_chunk_boundary() -> None
 
     assert second_plan("lrs") == {"short": 200, "long": 56}  # the long prefill takes what is left
     assert second_plan("fcfs") == {"long": 256}  # arrival order: running requests first, as before
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "lrs"])
+def test_a_long_prefill_lets_short_prompts_in_first_with_a_threshold(policy: str) -> None:
+    """With long_prefill_token_threshold a prefill of more than it left lets the waiting short prompts
+    in first at its chunk boundary, under any policy, and goes on with what the step has left; a
+    prompt as long as it waits its turn (vLLM's order: running requests first)."""
+    scheduler = make(budget=1024, max_model_len=LONG + 64, num_blocks=70_000, long_prefill_token_threshold=512,
+                     scheduling_policy=policy)
+    out = scheduler.handle(add("long", LONG, arrival_time=0.0))
+    plan = the_plan(out)
+    assert plan is not None and plan.num_tokens == [512]
+    out = scheduler.handle(add("short", 300, arrival_time=0.0))
+    out += finish(scheduler, plan)
+    plan = the_plan(out)
+    assert plan is not None and dict(zip(plan.req_ids, plan.num_tokens, strict=True)) == {"short": 300, "long": 512}
+    out = scheduler.handle(add("short2", 900, arrival_time=0.0))  # as long as the threshold's chunks: no jump
+    out += finish(scheduler, plan)
+    plan = the_plan(out)
+    # short decodes; short2 is long too: it waits behind the running long prefill, which goes first
+    assert plan is not None and dict(zip(plan.req_ids, plan.num_tokens, strict=True)) == {
+        "long": 512, "short": 1, "short2": 1024 - 513}
 
 
 def test_the_online_cost_model_learns_the_attention_term() -> None:

@@ -27,12 +27,14 @@ def add_long_arguments(parser: argparse.ArgumentParser) -> None:
                             "injected (0: off)")
     group.add_argument("--long-at", type=float, default=10.0, help="seconds into the load the long request is sent")
     group.add_argument("--long-max-tokens", type=int, default=16, help="the long request's output tokens")
+    group.add_argument("--long-only", action="store_true",
+                       help="skip each rate's run alone (its baseline measured in an earlier call, same settings)")
 
 
 def load_kinds(args: argparse.Namespace, kind: str, value: float) -> list[tuple[str, float]]:
     """A rate's runs: itself, then (with a long prompt asked for) itself with the long request."""
     if kind == "rate" and args.long_prompt_tokens > 0:
-        return [(kind, value), (LONG_KIND, value)]
+        return [(LONG_KIND, value)] if args.long_only else [(kind, value), (LONG_KIND, value)]
     return [(kind, value)]
 
 

@@ -83,9 +83,10 @@ class PlanningPass:
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
                 self._preempt(victim, out)  # a more urgent waiting request takes its slot below
         sizer = PrefillSizer(self.config, self.cost_model, self.running)
-        # At a chunk boundary a prefill yields to the waiting requests that outrank it: they are
-        # admitted first, it takes what the step has left.
-        deferred = yielding(self.policy, self.waiting, self.running) if self.sleep.admitting else set()
+        # At a chunk boundary a prefill yields to the waiting requests that outrank it (or, a long one,
+        # to short prompts): they are admitted first, it takes what the step has left.
+        deferred = yielding(self.policy, self.waiting, self.running, sizer.short_first) if self.sleep.admitting \
+            else set()
         preempted = self._schedule_running(step, out, sizer, deferred)
         self.loans.grant(self.ledger)  # other replicas' loans: before any new request of ours
         if not preempted and self.sleep.admitting and self.loans.admits:

@@ -56,6 +56,13 @@ class PrefillSizer:
         self.num_prefills = 0
         self.num_long = 0
 
+    @property
+    def short_first(self) -> int:
+        """The threshold above which a running prefill lets short waiting prompts in first (``yielding``):
+        vLLM's ``long_prefill_token_threshold`` alone (V1's rule); 0 with concurrent partial prefills,
+        whose V0 rules (a long prefill keeps its place, the shorter ones share the step) stay as they are."""
+        return self.threshold if self.max_partial <= 1 else 0
+
     def is_long(self, request: ScheduledRequest) -> bool:
         return 0 < self.threshold < request.num_tokens - request.num_computed_tokens
 
@@ -106,16 +113,24 @@ class PrefillSizer:
 
 
 def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],
-             running: Sequence[ScheduledRequest]) -> set[str]:
-    """The running prefills that a waiting request (one that can be admitted now) outranks by the
-    policy's key: at this chunk boundary they let it in first. Only under the deadline policies
-    (edf, lrs: those that take slots for more urgent requests); the others keep running requests
-    first, as before."""
-    if not policy.preempts_for_slots or not waiting:
+             running: Sequence[ScheduledRequest], threshold: int = 0) -> set[str]:
+    """The running prefills that let waiting requests (those that can be admitted now) in first at
+    this chunk boundary, taking what the step has left: under the deadline policies (edf, lrs: those
+    that take slots for more urgent requests) those a waiting request outranks by the policy's key;
+    with ``long_prefill_token_threshold`` (``threshold``) under any policy, a long prefill (more than
+    the threshold left) while a short prompt waits (Medha's point: a short request behind a 1M-token
+    prefill otherwise waits for all of it). The others keep running requests first, as before."""
+    if not waiting:
         return set()
     prefills = [request for request in running if not is_decoding(request)]
     if not prefills:
         return set()
     ready = [request for request in waiting if not request.num_pending]
-    return {request.request_id for request in prefills
-            if any(policy.outranks(candidate, request) for candidate in ready)}
+    deferred: set[str] = set()
+    if threshold > 0 and any(request.num_tokens - request.num_computed_tokens <= threshold for request in ready):
+        deferred = {request.request_id for request in prefills
+                    if request.num_tokens - request.num_computed_tokens > threshold}
+    if policy.preempts_for_slots:
+        deferred |= {request.request_id for request in prefills
+                     if any(policy.outranks(candidate, request) for candidate in ready)}
+    return deferred
