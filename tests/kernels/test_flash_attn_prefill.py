@@ -67,7 +67,16 @@ def test_auto_takes_flash_attn_for_a_short_chunk_over_a_long_context() -> None:
         assert prefill_kernel("triton", True, short, head_dim, keys) == "triton"
     # beside other sequences (decodes) only at head_dim 128, where it was measured faster
     assert prefill_kernel("auto", True, 1024, 128, keys, num_seqs=64) == "flash_attn"
-    assert prefill_kernel("auto", True, 1024, 64, keys, num_seqs=64) == "triton"
+    assert prefill_kernel("auto", True, 1024, 64, keys, num_seqs=64, other_keys=63 * keys) == "triton"
+    # at head_dim 64 where the long query's attention dwarfs the others' keys (weighted): the measured losses
+    # (512-1,024 over 16k beside 63 decodes of 16k) stay on Triton, a 1M-token prompt's chunk beside short
+    # decodes takes flash-attn 4
+    assert prefill_kernel("auto", True, 1024, 64, 16384, num_seqs=64, other_keys=63 * 16384) == "triton"
+    assert prefill_kernel("auto", True, 256, 64, 400_000, num_seqs=148, other_keys=147 * 2300) == "flash_attn"
+    weight = prefill_choice.MIXED_KEYS_WEIGHT
+    pairs = 256 * (keys + 256)
+    assert prefill_kernel("auto", True, 256, 64, keys, num_seqs=2, other_keys=pairs // weight) == "flash_attn"
+    assert prefill_kernel("auto", True, 256, 64, keys, num_seqs=2, other_keys=pairs // weight + 1) == "triton"
 
 
 def test_the_context_is_the_longest_querys_and_the_backend_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,6 +86,7 @@ def test_the_context_is_the_longest_querys_and_the_backend_reads_it(monkeypatch:
     # (cached, query): the longest query (6) has 24 keys before it, a decode beside it 40
     batch = paged_batch([(40, 1), (24, 6)], 16, 4, 2, 128, torch.bfloat16)
     assert batch.meta.context_of_longest_query() == 24
+    assert batch.meta.keys_beside_longest_query() == 41  # the decode's 40 cached keys and its new one
     assert prefill.wants(batch.q, batch.k_cache, batch.v_cache, batch.meta)
     near = paged_batch([(40, 1), (19, 6)], 16, 4, 2, 128, torch.bfloat16)  # 19 keys: under the threshold
     assert near.meta.context_of_longest_query() == 19

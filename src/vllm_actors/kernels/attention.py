@@ -44,19 +44,28 @@ class AttentionMetadata:
     # decode rows of one sequence's consecutive positions (a verification step's), which a backend may
     # attend together (`triton_decode`); None, or first = i and end = i + 1: every sequence alone.
     decode_groups: torch.Tensor | None = None
-    # keys cached before the longest query (its sequence's context before this step): None until asked
+    # keys cached before the longest query (its sequence's context before this step), and the other
+    # sequences' keys together: None until asked
     longest_query_context: int | None = None
+    keys_beside_longest: int | None = None
 
     def context_of_longest_query(self) -> int:
         """Keys cached before the step's longest query; one pass over the host lists, kept for the
         step's other layers."""
         if self.longest_query_context is None:
-            longest, context = 0, 0
+            longest, context, length = 0, 0, 0
             for query_len, seq_len in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True):
                 if query_len > longest:
-                    longest, context = query_len, seq_len - query_len
+                    longest, context, length = query_len, seq_len - query_len, seq_len
             self.longest_query_context = context
+            self.keys_beside_longest = sum(self.seq_lens_cpu) - length
         return self.longest_query_context
+
+    def keys_beside_longest_query(self) -> int:
+        """The keys of every sequence of the step but the longest query's, together."""
+        self.context_of_longest_query()
+        assert self.keys_beside_longest is not None
+        return self.keys_beside_longest
 
     @property
     def num_seqs(self) -> int:

@@ -173,7 +173,7 @@ class FlashAttnPrefill:
     ) -> PrefillKernel:
         ready = layout_problem(q, k_cache, v_cache) is None
         return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1],
-                              meta.context_of_longest_query(), meta.num_seqs)
+                              meta.context_of_longest_query(), meta.num_seqs, meta.keys_beside_longest_query())
 
     def wants(
         self,

@@ -27,6 +27,13 @@ FLASH_ATTN_MIN_QUERY_LEN: dict[int, int] = {64: 2048, 128: 2048}
 LONG_CONTEXT_KEYS = 8192
 LONG_CONTEXT_MIN_QUERY_LEN = 256
 MIXED_LONG_CONTEXT_MIN_HEAD_DIM = 128
+# ... and at a smaller head_dim beside other sequences when the long query's attention dwarfs theirs: flash-attn 4
+# runs each other sequence's row as a whole tile of query rows over its keys (a decode fills 1/32 of it with GQA
+# packed), so it counts their keys this many times over. Its losses at head_dim 64 (0.72-0.85x) were chunks of
+# 512-1,024 over 16k keys (8-17M pairs) beside 63 decodes of 16k (1M keys): below the line; a 256-token chunk of a
+# 1M-token prompt beside 147 decodes of 2k (110M pairs, 0.3M keys) ran Triton at 84 TFLOP/s (one H200, RESULTS.md,
+# twenty-first session), where flash-attn 4 reaches 164-197 alone.
+MIXED_KEYS_WEIGHT = 64
 
 
 def prefill_choice() -> str:
@@ -40,10 +47,11 @@ def min_query_len(head_dim: int) -> int:
 
 
 def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head_dim: int,
-                   context_len: int = 0, num_seqs: int = 1) -> PrefillKernel:
+                   context_len: int = 0, num_seqs: int = 1, other_keys: int = 0) -> PrefillKernel:
     """The kernel of a step whose longest query is ``max_query_len`` over ``context_len`` keys cached
-    before it, among ``num_seqs`` sequences. ``flash_attn_ready``: flash-attn 4 is installed, the device
-    is Hopper and the step's layout suits it (dtype, head_dim)."""
+    before it, among ``num_seqs`` sequences whose others hold ``other_keys`` keys together.
+    ``flash_attn_ready``: flash-attn 4 is installed, the device is Hopper and the step's layout suits it
+    (dtype, head_dim)."""
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_CHOICES)}, got {choice!r}")
     if max_query_len <= 1 or choice == "triton" or not flash_attn_ready:
@@ -51,6 +59,7 @@ def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head
     if choice == "flash_attn" or max_query_len >= min_query_len(head_dim):
         return "flash_attn"
     if max_query_len >= LONG_CONTEXT_MIN_QUERY_LEN and context_len >= LONG_CONTEXT_KEYS \
-            and (num_seqs == 1 or head_dim >= MIXED_LONG_CONTEXT_MIN_HEAD_DIM):
+            and (num_seqs == 1 or head_dim >= MIXED_LONG_CONTEXT_MIN_HEAD_DIM
+                 or max_query_len * (context_len + max_query_len) >= MIXED_KEYS_WEIGHT * other_keys):
         return "flash_attn"
     return "triton"
