@@ -54,6 +54,11 @@ class StepPipeline:
         return len(self._in_flight) >= self.depth
 
     @property
+    def rejoin_pending(self) -> bool:
+        """The next plan carries a KV-parallel rank's rejoin (the running requests as its snapshot holds them)."""
+        return self._rejoin is not None
+
+    @property
     def has_news(self) -> bool:
         """The next plan has something to say even with no request to run."""
         return bool(self._departed) or self._reset_pending or self._rejoin is not None

@@ -85,8 +85,9 @@ class PlanningPass:
         sizer = PrefillSizer(self.config, self.cost_model, self.running)
         # At a chunk boundary a prefill yields to the waiting requests that outrank it (or, a long one,
         # to short prompts): they are admitted first, it takes what the step has left.
-        deferred = yielding(self.policy, self.waiting, self.running, sizer.short_first) if self.sleep.admitting \
-            else set()
+        # (not in a rejoin's plan: the ranks re-seed the running requests from its snapshot first)
+        yields = self.sleep.admitting and not self.pipeline.rejoin_pending
+        deferred = yielding(self.policy, self.waiting, self.running, sizer.short_first) if yields else set()
         preempted = self._schedule_running(step, out, sizer, deferred)
         self.loans.grant(self.ledger)  # other replicas' loans: before any new request of ours
         if not preempted and self.sleep.admitting and self.loans.admits:
