@@ -105,3 +105,18 @@ def test_a_worker_that_cannot_rejoin_lets_a_failed_collective_propagate() -> Non
     with pytest.raises(RuntimeError, match="closed by peer"):
         while engine.has_unfinished:
             engine.step()
+
+
+@pytest.mark.parametrize(("seed", "rank"), [
+    (1, 1),
+    pytest.param(2, 0, marks=pytest.mark.xfail(strict=True, reason="a plan past the recovering rank's block table: "
+                                                                     "short first under a KVP rank loss, open")),
+])
+def test_a_rank_loss_with_long_prefills_letting_short_prompts_first(seed: int, rank: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short first (``long_prefill_token_threshold``) forced at the step budget: the rejoin's plan
+    keeps the running requests' order (no prefill yields in it), the outputs stay the fault-free run's."""
+    from vllm_actors.actors.scheduler import prefill_sizing
+
+    monkeypatch.setattr(prefill_sizing.PrefillSizer, "short_first", property(lambda self: 24))
+    test_a_lost_kv_parallel_rank_is_recovered_from_its_share_alone(seed, rank)
