@@ -35,6 +35,7 @@ import structlog
 import torch
 
 from vllm_actors.envs import envs
+from vllm_actors.kernels.fp8_quant_torch import fp8_linear_reference, quantize_weight
 
 log = structlog.get_logger(__name__)
 
@@ -132,8 +133,6 @@ def layout(device: torch.device, quantize: Callable[[torch.Tensor, bool], tuple[
 
 def _probe(device: torch.device,
            quantize: Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]) -> ScaleLayout | None:
-    from vllm_actors.kernels.fp8_gemm import fp8_linear_reference, quantize_weight
-
     if not hasattr(torch, "_scaled_mm"):
         return None
     rows, k, n = PROBE_SHAPE

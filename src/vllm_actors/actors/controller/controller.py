@@ -29,8 +29,9 @@ once by its position (``RequestUpdate.output_index``, ``in_place``): an update t
 what it forwarded is held back, the catch-up brings its tokens.
 
 With a ``LoanPlanner`` (``kv_loans``), a request too long for some replica's pool is placed on a
-home replica with blocks borrowed from lenders (``borrowing.Borrowing``: the loans' messages); it
-waits here until every lender confirmed, and one that fits nowhere, even borrowing, is refused here.
+home replica with blocks borrowed from lenders (``placement``; ``borrowing.Borrowing``: the loans'
+messages); it waits here until every lender confirmed, and one that fits nowhere, even borrowing, is
+refused here.
 A restarted lender's scheduler is asked for its loans again. ``build_controller`` gives it a
 planner with ``kv_borrowing`` only.
 
@@ -42,13 +43,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from vllm_actors.actors.controller.borrowing import Borrowing
 from vllm_actors.actors.controller.kv_loans import LoanPlanner
+from vllm_actors.actors.controller.placement import OpenRequest, Placement
 from vllm_actors.actors.controller.routing import Router, RouteRequest
 from vllm_actors.protocol.events import (
     Aborted,
@@ -92,13 +94,6 @@ class FromReplica:
     updates: RequestUpdates
 
 
-@dataclass
-class _Open:
-    add: AddRequest
-    replica: int | None  # None: waiting in the controller for a slot (pull)
-    output_token_ids: list[int] = field(default_factory=list)
-
-
 def in_place(update: RequestUpdate, forwarded: int) -> RequestUpdate | None:
     """The update with the tokens already forwarded (``forwarded`` of them) left out, by its
     ``output_index``; None when it starts past them (a gap: after a restart of ours, the replica's
@@ -109,7 +104,7 @@ def in_place(update: RequestUpdate, forwarded: int) -> RequestUpdate | None:
     return without_delivered(update, forwarded)
 
 
-def _resumed(request_id: str, request: _Open) -> AddRequest:
+def _resumed(request_id: str, request: OpenRequest) -> AddRequest:
     """The request as sent again after its copy was lost: resumed from the tokens forwarded so far."""
     return msgspec.structs.replace(request.add, request_id=request_id, resume=True,
                                    output_token_ids=list(request.output_token_ids))
@@ -121,7 +116,7 @@ def session_key(key: str | None) -> str | None:
     return "#" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
-class Controller:
+class Controller(Placement):
     name = CONTROLLER
 
     def __init__(self, router: Router, loans: LoanPlanner | None = None) -> None:
@@ -130,7 +125,7 @@ class Controller:
         self.router = router
         self.loans = loans
         self.num_replicas = len(router.replicas)
-        self.requests: dict[str, _Open] = {}
+        self.requests: dict[str, OpenRequest] = {}
         self._down: dict[int, set[str]] = defaultdict(set)  # replica -> its actors reported down
         self.hosts_down: set[int] = set()  # replicas whose whole host is gone (Ray-placed replicas)
         self.num_rerouted = 0  # requests moved off a replica whose host went down
@@ -174,14 +169,14 @@ class Controller:
             # Re-sent after a restart of ours while a replica still runs it: the tokens that copy
             # made while no controller listened are lost, so a fresh copy on another replica
             # resumes from the client's tokens and the old one is stopped.
-            self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
+            self.requests[add.request_id] = OpenRequest(add, None, list(add.output_token_ids))
             replica = min((r for r in range(self.num_replicas) if r != holder),
                           key=lambda r: (self.router.replicas[r].in_flight, r))
             self.router.replicas[replica].in_flight += 1
             outputs.send(self.scheduler_of(holder), AbortRequests(request_ids=[add.request_id], reason="rerouted"))
             return outputs.extend(self._send(add.request_id, replica, "resumed", 0))
         key = session_key(add.session_key)
-        self.requests[add.request_id] = _Open(add, None, list(add.output_token_ids))
+        self.requests[add.request_id] = OpenRequest(add, None, list(add.output_token_ids))
         if self.loans is not None:
             placed = self._place(add)
             if placed is not None:
@@ -192,50 +187,6 @@ class Controller:
         if decision is None:
             return outputs  # pull: waits for a replica with room
         return self._send(add.request_id, decision.replica, decision.reason, decision.cached_blocks)
-
-    def _place(self, add: AddRequest) -> Outputs | None:
-        """A request too long for some replica's pool: on its home, with loans asked of its lenders
-        first (None: the router decides; refused when it fits nowhere, even borrowing)."""
-        assert self.borrowing is not None
-        views = self.router.replicas
-        candidates = [r for r, view in enumerate(views) if view.up] or list(range(self.num_replicas))
-        placed = self.borrowing.place(add, candidates, [view.in_flight for view in views])
-        if placed is None:
-            return None
-        if placed.refused is not None:
-            del self.requests[add.request_id]
-            placed.out.emit(Aborted(request_id=add.request_id, reason="error"))
-            refusal = RequestUpdate(request_id=add.request_id, finish_reason="error", error=placed.refused)
-            placed.out.send(FRONTEND, RequestUpdates(step_id=-1, updates=[refusal]))
-            return placed.out
-        home = self.borrowing.home_of(add.request_id)
-        views[home].in_flight += 1
-        if self.router.policy == "pull" and home in self.router.slots:
-            self.router.slots.remove(home)  # its slot, given back when the request ends
-        if placed.home is None:  # held here until every lender's KV_LENT (``observe``)
-            return placed.out
-        return placed.out.extend(self._send(add.request_id, home, "largest_pool", 0))
-
-    def _lent(self, replica: int, request_id: str) -> Outputs:
-        """A lender confirmed its loan: a request whose lenders all did goes to its home, which
-        learns its lenders right before it."""
-        out = self.borrowing.lent(replica, request_id) if self.borrowing is not None else None
-        if out is None:
-            return Outputs()
-        assert self.borrowing is not None
-        return out.extend(self._send(request_id, self.borrowing.home_of(request_id), "borrowed", 0))
-
-    def _loans_back(self, request_id: str) -> Outputs:
-        """The request ended: its lenders' blocks go back."""
-        return self.borrowing.back(request_id) if self.borrowing is not None else Outputs()
-
-    def _send(self, request_id: str, replica: int, reason: str, cached_blocks: int) -> Outputs:
-        request = self.requests[request_id]
-        request.replica = replica
-        outputs = Outputs()
-        outputs.send(self.scheduler_of(replica), request.add)
-        outputs.emit(Routed(request_id=request_id, replica=replica, reason=reason, num_cached_blocks=cached_blocks))
-        return outputs
 
     def _abort(self, message: AbortRequests) -> Outputs:
         per_replica: dict[int, list[str]] = defaultdict(list)
@@ -300,13 +251,6 @@ class Controller:
         if orphans:
             self.num_orphans += len(orphans)
             out.send(self.scheduler_of(replica), AbortRequests(request_ids=orphans, reason="rerouted"))
-        return out
-
-    def _released(self, replica: int) -> Outputs:
-        out = Outputs()
-        for request, decision in self.router.release(replica):
-            if request.request_id in self.requests:
-                out += self._send(request.request_id, decision.replica, decision.reason, decision.cached_blocks)
         return out
 
     def _recover(self, message: RecoverPipeline) -> Outputs:

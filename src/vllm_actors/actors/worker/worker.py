@@ -47,6 +47,7 @@ from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
+from vllm_actors.actors.worker.deferred_steps import DeferredSteps
 from vllm_actors.actors.worker.draft_slots import short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
@@ -56,7 +57,6 @@ from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.membership import Membership
 from vllm_actors.actors.worker.ngram_drafts import NgramProposer
-from vllm_actors.actors.worker.plan_checks import check_plan
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
 from vllm_actors.actors.worker.step_data import (
     PendingStep,
@@ -80,7 +80,7 @@ from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
 
-class Worker(Draw, KvRejoining, Membership):
+class Worker(Draw, KvRejoining, Membership, DeferredSteps):
     name = "worker"
 
     def __init__(
@@ -226,40 +226,6 @@ class Worker(Draw, KvRejoining, Membership):
             outputs.send(SCHEDULER, result)
         return outputs
 
-    # ------------------------------------------------------------------ deferred steps
-    def has_pending(self) -> bool:
-        """A launched step not read back, or a step timed on the GPU not complete when last looked."""
-        return self._pending is not None or self.timings.outstanding()
-
-    def pending_ready(self) -> bool:
-        """Whether ``flush`` has something to report without waiting: the pending step's tokens
-        are on the host, or (none pending) a timed step has completed."""
-        if self._pending is not None:
-            return self._pending.ready()
-        return self.timings.ready()
-
-    def flush(self) -> Outputs:
-        """Read the launched step back: its result and events; with none pending, the timed
-        steps complete since (``STEP_TIMED``; nothing when there are none)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            outputs = Outputs()
-            self.timings.report(outputs)  # nothing on a rank other than 0 (its timer is disabled)
-            return outputs
-        return self._outputs(pending, self._read_back(pending))
-
-    def _deferrable(self, plan: StepPlan) -> bool:
-        """Whether every row's draw is all the step needs (no logprobs to read back)."""
-        if plan.reset or plan.draft_token_ids:  # verified drafts decide the next step's inputs
-            return False
-        if any(self.sampler.needs_host(new.params) for new in plan.new_requests):
-            return False
-        return not any(
-            self.sampler.needs_host(self.requests[request_id].params)
-            for request_id in plan.req_ids
-            if request_id in self.requests and request_id not in plan.finished_ids
-        )
-
     # ------------------------------------------------------------------ one step
     def execute(self, plan: StepPlan) -> StepResult:
         """Run a step and read it back at once (with the logprobs and prompt logprobs it asks for)."""
@@ -373,25 +339,6 @@ class Worker(Draw, KvRejoining, Membership):
         )
 
     # ------------------------------------------------------------------ membership
-    def _take_input_tokens(self, plan: StepPlan) -> None:
-        """Under pipeline parallelism a decoding request's input token comes with the plan: a
-        stage that did not sample it (all but the last) appends it. The last one has it from its own
-        step, read back or still pending (a deferred step: appended at its read-back; a TP rank other
-        than the one that answers may read it back after the next plan is here)."""
-        if self.stage.is_last:
-            return
-        for request_id, token_id in plan.input_token_ids.items():
-            request = self.requests.get(request_id)
-            if request is not None and len(request.token_ids) == request.num_computed_tokens:
-                request.token_ids.append(token_id)
-
-    def validate(self, plan: StepPlan) -> None:
-        """Reject a plan that names unknown requests or asks for tokens that do not exist
-        (``MessageRejected``), before any state changes (``plan_checks.check_plan``)."""
-        check_plan(plan, self.requests, has_grammars=self.grammars is not None, num_blocks=self.runner.num_blocks,
-                   table_width=self.tables.width if self.tables is not None else None,
-                   num_host_blocks=self.host_tier.num_blocks if self.host_tier is not None else 0)
-
     def _admit(self, new: NewRequest) -> None:
         self._drop(new.request_id)
         token_ids = new.token_list()
