@@ -125,7 +125,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "replica on the nodes of a Ray cluster, over TCP with CURVE keys)")
     parser.add_argument("--kv-borrowing", action="store_true",
                         help="a request too long for one replica's KV pool borrows blocks of the other replicas "
-                             "(with --data-parallel-size > 1; the CPU only for now)")
+                             "(with --data-parallel-size > 1; one worker per replica, on the CPU or one GPU each)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of prompt prefixes already computed")

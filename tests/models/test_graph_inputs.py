@@ -94,6 +94,29 @@ def test_deferred_ids_travel_in_the_same_copy(runner: ModelRunner) -> None:
     torch.testing.assert_close(runner.execute(step), expected, atol=1e-5, rtol=1e-5)
 
 
+class _NoReplay:
+    def replay(self) -> None:
+        raise AssertionError("a step marked eager replayed a graph")
+
+
+def test_a_step_marked_eager_replays_no_graph(runner: ModelRunner) -> None:
+    """A step with a request on borrowed KV (``BatchInput.eager``): its attention calls out to other
+    replicas, so neither graph runs it, whatever its shape."""
+    tables = [[0, 1], [2, 3]]
+    _prefill(runner, [[5, 9, 2], [4, 4, 6, 1]], tables)
+    expected = runner._run_eager(_decode([12, 30], [3, 4], tables))
+    step = _decode([12, 30], [3, 4], tables)
+    step.eager = True
+    assert not runner.samples_in_graph(step)
+    for graphs in (runner._graphs, runner._sampled_graphs):
+        for size, graph in graphs.items():
+            graphs[size] = _DecodeGraph(_NoReplay(), graph.logits)  # type: ignore[arg-type]
+    torch.testing.assert_close(runner.execute(step), expected, atol=1e-5, rtol=1e-5)
+    step.eager = False  # the same step unmarked takes its graph
+    with pytest.raises(AssertionError, match="replayed a graph"):
+        runner.execute(step)
+
+
 def _rows(params: list[SamplingParams]) -> list[SamplingRow]:
     return [SamplingRow(p, num_output_tokens=3, min_tokens_stop_ids=[0]) for p in params]
 

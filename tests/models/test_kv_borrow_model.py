@@ -32,7 +32,7 @@ def test_a_request_on_borrowed_blocks_matches_transformers_beside_short_requests
     long, home_shorts, lender_shorts = prompts(3)
     home_model, _ = load_model(str(qwen3_long), torch.float32, torch.device("cpu"))
     lender_model, _ = load_model(str(qwen3_long), torch.float32, torch.device("cpu"))
-    backend = BorrowingAttention(TorchPagedAttention())
+    backend = BorrowingAttention(TorchPagedAttention(), BLOCK)
     home_model.attn_backend = backend
     home = PagedRunner(home_model, BLOCK, num_blocks=80, seed=1)
     lender = PagedRunner(lender_model, BLOCK, num_blocks=80, seed=2)  # 70 lent, 10 for its own request

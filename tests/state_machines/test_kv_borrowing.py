@@ -23,13 +23,16 @@ from vllm_actors.protocol.kv_loans import BorrowKv, LendKv, ReturnKv, loan_key
 from vllm_actors.protocol.messages import (
     AbortRequests,
     AddRequest,
+    ControlReply,
+    EngineControl,
+    NewRequest,
     RecoverPipeline,
     RequestUpdate,
     RequestUpdates,
     StepPlan,
     StepResult,
 )
-from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, WORKER, replica_actor
+from vllm_actors.protocol.names import FRONTEND, KV_CACHE_MANAGER, SCHEDULER, WORKER, replica_actor
 from vllm_actors.protocol.outputs import Outputs
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -313,7 +316,7 @@ def test_a_guest_is_admitted_beyond_the_homes_pool_holding_only_its_own_blocks_a
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
     ({"kv_parallel_size": 2}, "kv_parallel_size 2 is not supported"),
     ({"distributed_executor_backend": "ray"}, "use 'mp'"),
-    ({"device": "cuda"}, "the CPU only"),
+    ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
     ({"disable_events": True}, "needs the KV-cache managers' events"),
 ])
 def test_kv_borrowing_is_off_by_default_and_refused_where_unsupported(fields: dict[str, Any], match: str) -> None:
@@ -322,9 +325,54 @@ def test_kv_borrowing_is_off_by_default_and_refused_where_unsupported(fields: di
         EngineConfig(model="m", kv_borrowing=True, **({"data_parallel_size": 2} | fields))
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "auto", "cpu"])
+def test_kv_borrowing_takes_a_gpu_device(device: str) -> None:
+    """One GPU per replica (their workers' gloo group staged through pinned memory): the config no
+    longer refuses a CUDA device; checked without one (the config touches no device)."""
+    config = EngineConfig(model="m", kv_borrowing=True, data_parallel_size=2, device=device)
+    assert config.kv_borrowing and config.device == device
+
+
 def test_the_kv_borrowing_flag_reaches_the_engine_off_by_default() -> None:
     from vllm_actors.cli import build_parser, engine_kwargs
 
     parser = build_parser()
     assert engine_kwargs(parser.parse_args(["serve", "some/model"]))["kv_borrowing"] is False
     assert engine_kwargs(parser.parse_args(["serve", "some/model", "-dp", "2", "--kv-borrowing"]))["kv_borrowing"]
+
+
+def test_the_worker_runs_a_step_with_a_guest_eagerly_and_the_others_as_before() -> None:
+    """A step whose batch holds a borrowing request is marked ``eager`` (its attention calls out to
+    the lenders: no CUDA graph); a step without one is not, the guest's row opened with placeholders
+    where the lenders' blocks sit."""
+    import torch
+
+    from tests.support.fake_runner import FakeRunner
+    from vllm_actors.actors.worker.worker import Worker
+    from vllm_actors.kernels.attention import TorchPagedAttention
+    from vllm_actors.models.kv_borrow import BorrowingAttention, LenderShare
+    from vllm_actors.protocol.token_ids import pack_token_ids
+    from vllm_actors.runner.kv_borrowing import KvBorrowing
+    from vllm_actors.runner.sampler import Sampler
+
+    runner = FakeRunner(num_blocks=8, block_size=4)
+    worker = Worker(runner, Sampler(torch.device("cpu")), clock=lambda: 0.0)
+    worker.borrowing = KvBorrowing(BorrowingAttention(TorchPagedAttention(), 4), LenderShare([]), {1: print})
+
+    def new(request_id: str, borrowed: list[list[int]]) -> NewRequest:
+        return NewRequest(request_id=request_id, token_ids=pack_token_ids([5, 6, 7]), num_prompt_tokens=3,
+                          num_output_tokens=0, params=SamplingParams(temperature=0.0, max_tokens=4),
+                          eos_token_ids=[], borrowed=borrowed)
+
+    worker.handle(StepPlan(step_id=0, new_requests=[new("short", [])], req_ids=["short"], num_tokens=[3],
+                           num_blocks=[1], new_block_ids=[[3]]))
+    assert runner.batches[-1].eager is False
+    worker.handle(StepPlan(step_id=1, new_requests=[new("long", [[1, 2]])], req_ids=["long", "short"],
+                           num_tokens=[3, 1], num_blocks=[0, 1], new_block_ids=[[], []]))
+    assert runner.batches[-1].eager is True and worker.requests["long"].block_table == [0, 0]
+    worker.handle(StepPlan(step_id=2, req_ids=["short"], num_tokens=[1], num_blocks=[2], new_block_ids=[[4]],
+                           finished_ids=["long"]))
+    assert runner.batches[-1].eager is False
+    (reply,) = worker.control(EngineControl(control_id="c", action="sleep", level=1)).to(SCHEDULER)
+    assert isinstance(reply, ControlReply) and not reply.success and "kv_borrowing" in (reply.error or "")
+    assert "short" in worker.requests  # refused before anything was dropped

@@ -86,7 +86,7 @@ def run_rank(rank: int, path: str, store: str, out_dir: str) -> None:
                             timeout=timedelta(minutes=5))
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     long, home_shorts, lender_prompts = prompts(3)
-    backend = BorrowingAttention(TorchPagedAttention())
+    backend = BorrowingAttention(TorchPagedAttention(), BLOCK)
     model.attn_backend = backend
     runner = PagedRunner(model, BLOCK, num_blocks=120 if rank == 0 else 180, seed=1 + rank)
     share = LenderShare(runner.kv_caches)
@@ -122,4 +122,85 @@ def run_rank(rank: int, path: str, store: str, out_dir: str) -> None:
                       beside=sum(1 for mark in marks if 0 < mark < server.num_calls))
     result.update(calls=server.num_calls, error=repr(server.error) if server.error else None)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+LINK_CHUNKS = (7, 10, 9, 1, 1)  # a guest's steps in the link test: chunks crossing the shares, then decodes
+IDLE_S = 2  # the link test's short group timeout: its lenders wait longer than that before the first call
+
+
+def run_link_rank(rank: int, store: str, out_dir: str) -> None:
+    """Three processes over gloo, no model: rank 0 a home whose guest borrows 3 blocks of rank 1 and
+    2 of rank 2 (blocks of 4, bfloat16 K/V, two layers), asking both at every layer; the lenders
+    answer on their threads. Rank 0 writes its outputs with what they should be (causal attention
+    over the whole context); each lender the calls it answered."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from vllm_actors.kernels.attention import TorchPagedAttention, build_attention_metadata
+    from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
+    from vllm_actors.models.kv_borrow_link import LenderServer, QkvStaging, RemoteLender, exchange_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3,
+                            timeout=timedelta(minutes=2))
+    dist.barrier()  # every rank up: the short group below connects at once
+    short = dist.new_group([0, 1, 2], backend="gloo", timeout=timedelta(seconds=IDLE_S))
+    group = exchange_group(3)
+    block, heads, kv_heads, dim, layers = 4, 4, 2, 16, 2
+    generator = torch.Generator().manual_seed(10 + rank)
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(8, block, kv_heads, dim, generator=generator).to(torch.bfloat16),
+                torch.randn(8, block, kv_heads, dim, generator=generator).to(torch.bfloat16))
+
+    kv_caches = [cache() for _ in range(layers)]
+    result: dict[str, Any] = {}
+    if rank:
+        share = LenderShare(kv_caches, wait_s=0.5)
+        share.lend("long", [6, 2, 5] if rank == 1 else [1, 7])
+        server = LenderServer(share, 0, heads, kv_heads, dim, torch.bfloat16, group)
+        server.start().join()
+        result.update(calls=server.num_calls, error=repr(server.error) if server.error else None)
+    else:
+        try:  # a receive on a group of IDLE_S seconds gives up (as the world's did after 10 min)
+            dist.recv(torch.empty(1), 1, group=short, tag=9)
+            result["short_recv_failed"] = False
+        except RuntimeError:
+            result["short_recv_failed"] = True
+        staging = QkvStaging()  # the lenders' threads, idle all that time on the exchange group, still answer
+        lenders = [RemoteLender(1, group, staging), RemoteLender(2, group, staging)]
+        backend = BorrowingAttention(TorchPagedAttention(), block)
+        guest = Guest("long", [(lenders[0], 3), (lenders[1], 2)])
+        table = [0] * 5 + [3, 4, 6, 1]  # placeholders where the lenders' blocks sit, then the home's
+        history = [[torch.empty(0, kv_heads, dim, dtype=torch.bfloat16)] * 2 for _ in range(layers)]
+        scale, seq_len, worst = dim ** -0.5, 0, 0.0
+        for num_tokens in LINK_CHUNKS:
+            seq_len += num_tokens
+            backend.begin_step({0: guest})
+            meta = backend.prepare(build_attention_metadata([num_tokens], [seq_len], [table], block))
+            for layer in range(layers):
+                q, k, v = (torch.randn(num_tokens, h, dim, generator=generator).to(torch.bfloat16)
+                           for h in (heads, kv_heads, kv_heads))
+                out = backend.forward(q, k, v, *kv_caches[layer], meta, scale)
+                history[layer] = [torch.cat((history[layer][0], k)), torch.cat((history[layer][1], v))]
+                keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+                                for x in history[layer])
+                scores = (q.double().transpose(0, 1) @ keys.transpose(1, 2)) * scale
+                q_pos = torch.arange(seq_len - num_tokens, seq_len).unsqueeze(1)
+                scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > q_pos, float("-inf"))
+                want = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)
+                assert out.dtype == torch.bfloat16
+                worst = max(worst, float((out.double() - want).abs().max()))
+        try:  # a call the lender cannot answer (no such loan): an error here, and the lender goes on
+            lenders[0](0, "missing", 0, q, k, v, 1, scale).wait()
+            result["refused"] = None
+        except RuntimeError as error:
+            result["refused"] = str(error)
+        for lender in lenders:
+            lender.stop()
+        result.update(worst=worst, error=None)
+    Path(out_dir, f"link{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

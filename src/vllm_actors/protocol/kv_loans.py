@@ -52,8 +52,6 @@ def kv_borrowing_error(config: Any) -> str | None:
     if config.distributed_executor_backend != "mp":
         return (f"kv_borrowing with distributed_executor_backend {config.distributed_executor_backend!r} is not "
                 "supported yet: use 'mp' (the replicas of one host)")
-    if config.device not in ("cpu", "auto"):
-        return f"kv_borrowing runs on the CPU only for now (gloo), got device {config.device!r}"
     if config.kv_cache_dtype != "auto" or config.speculative_config is not None or config.enable_lora:
         return "kv_borrowing with an fp8 KV cache, speculative_config or enable_lora is not supported yet"
     if config.disable_events:

@@ -69,7 +69,7 @@ class GraphDraws:
     def samples_in_graph(self, batch: BatchInput) -> bool:
         """Whether ``execute_sampled`` can run this step: a decode or verification step whose rows
         fit a graph that samples (at most ``max_num_seqs`` rows)."""
-        if self._calculate_kv_scales or not self._sampled_graphs:
+        if self._calculate_kv_scales or not self._sampled_graphs or batch.eager:
             return False
         bucket, rows = self._graph_step(batch)
         self._asked = (batch, bucket, rows)

@@ -2,12 +2,20 @@
 for its own guests and a lender for the other replicas' at once.
 
 At start each replica's worker joins a set-wide gloo group (rank: its replica; a file store in the
-group's run directory), puts ``BorrowingAttention`` around its model's backend and starts one
-``LenderServer`` thread per other replica, answering that replica's layers on its own caches. Per
+group's run directory) and a second one for the exchanges, whose timeout outlasts any idle time (a
+lender's thread waits for its home's next layer under it), puts ``BorrowingAttention`` around its
+model's backend and starts one ``LenderServer`` thread per other replica, answering that replica's
+layers on its own caches. Per
 plan: a lender takes the block ids its KV-cache manager reserved (``StepPlan.lent_block_ids``) and
 forgets the returned loans; a home opens a guest's row with placeholders where the lenders' blocks
-sit (``NewRequest.borrowed``) and names the step's guests by their index in its batch. The CPU
-only: a set-wide gloo group does not take a restarted worker back.
+sit (``NewRequest.borrowed``) and names the step's guests by their index in its batch; a step with
+a guest runs eagerly (``begin_step`` says so: the worker marks its batch, and the runner replays no
+CUDA graph for it). A set-wide gloo group does not take a restarted worker back.
+
+On GPUs (one per replica) the group stays gloo, its tensors staged through pinned host memory
+(``models/kv_borrow_link.py`` says why not NCCL); the home's share and each lender's are attended on
+the GPU kernels of KV parallelism where the attention setting picks Triton for the device
+(``kv_parallel.gpu_partial_attention``), the lender's on a CUDA stream of its thread's own.
 """
 
 from __future__ import annotations
@@ -16,15 +24,18 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
+import structlog
 
 from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
-from vllm_actors.models.kv_borrow_link import LenderServer, RemoteLender
+from vllm_actors.models.kv_borrow_link import LenderServer, QkvStaging, RemoteLender, exchange_group
+from vllm_actors.models.kv_parallel import gpu_partial_attention
 from vllm_actors.protocol.messages import StepPlan
 
 if TYPE_CHECKING:
     from vllm_actors.actors.worker.block_tables import BlockTableArray
     from vllm_actors.actors.worker.step_data import WorkerRequest
+
+log = structlog.get_logger(__name__)
 
 JOIN_TIMEOUT = timedelta(minutes=10)  # the set's workers load their models before they meet
 
@@ -63,10 +74,12 @@ class KvBorrowing:
             if tables is not None:
                 tables.append(request.row, placeholders)
 
-    def begin_step(self, req_ids: list[str]) -> None:
-        """The step's guests, by their index in its batch."""
+    def begin_step(self, req_ids: list[str]) -> bool:
+        """The step's guests, by their index in its batch; whether it has one (then it runs eagerly)."""
         guests = self.guests
-        self.backend.begin_step({index: guests[r] for index, r in enumerate(req_ids) if r in guests} if guests else {})
+        step = {index: guests[r] for index, r in enumerate(req_ids) if r in guests} if guests else {}
+        self.backend.begin_step(step)
+        return bool(step)
 
 
 def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str) -> KvBorrowing:
@@ -77,13 +90,21 @@ def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str) -
 
     dist.init_process_group("gloo", init_method=f"file://{run_dir}/kv-borrowing.store", rank=replica,
                             world_size=num_replicas, timeout=JOIN_TIMEOUT)
+    # the exchanges' own group: under the world's timeout an idle lender's receive failed after 10 min
+    group = exchange_group(num_replicas)
     model = runner.model
-    backend = BorrowingAttention(model.attn_backend or get_attention_backend(torch.device(runner.device)))
+    device = runner.kv_caches[0][0].device  # with its index (the runner's may have none)
+    kernels = gpu_partial_attention(device)  # None: the torch loop (the CPU)
+    backend = BorrowingAttention(model.attn_backend or get_attention_backend(device), runner.block_size, kernels)
     model.attn_backend = backend
-    share = LenderShare(runner.kv_caches)
+    share = LenderShare(runner.kv_caches, kernels=kernels)
     config = runner.local_config
     for home in range(num_replicas):
         if home != replica:
             LenderServer(share, home, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                         runner.dtype).start()
-    return KvBorrowing(backend, share, {peer: RemoteLender(peer) for peer in range(num_replicas) if peer != replica})
+                         runner.dtype, group).start()
+    staging = QkvStaging()  # q, k and v on the host once a layer, for every lender
+    lenders = {peer: RemoteLender(peer, group, staging) for peer in range(num_replicas) if peer != replica}
+    log.info("kv_borrowing_joined", replica=replica, replicas=num_replicas, device=str(device),
+             attention=backend.name, partials="triton" if kernels is not None else "torch")
+    return KvBorrowing(backend, share, lenders)

@@ -14,7 +14,8 @@ of speculative decoding, as one decode row per token (``verify_rows.py``); where
 need nothing but the fused sampling kernel, a second graph per bucket draws the tokens too
 (``graph_draws.py``, for verification steps too; ``VLLM_ACTORS_GRAPH_SAMPLER=0`` turns it off).
 Other steps (prefills, mixed) replay a graph of the whole forward pass padded to the next token
-count (``padded_forward.py``).
+count (``padded_forward.py``). A step marked ``eager`` (one with a request on borrowed KV, whose
+attention calls out to other replicas: ``kv_borrowing.py``) runs eagerly whatever its shape.
 The KV pool takes what ``gpu_memory_utilization`` leaves after the weights and the peak activations
 of a profiling pass of the largest step (twice that with padded graphs: their pool holds one more),
 in blocks of ``kv_cache_dtype`` (an fp8 cache: half the bytes of bf16 a token, twice the tokens).
@@ -221,6 +222,8 @@ class ModelRunner(GraphDraws, KvPoolSizing):
         if self._calculate_kv_scales:  # eagerly: the scales are set in place, graphs read them after
             self._calculate_kv_scales = False
             self.model.calculate_kv_scales()
+            return self._run_eager(batch)
+        if batch.eager:  # a borrowing request's step: its attention calls out to the lenders
             return self._run_eager(batch)
         bucket, rows = self._graph_step(batch)  # a verification step: its decode rows (graph_draws.py)
         if bucket is not None:

@@ -1,5 +1,6 @@
 """What the worker asks of borrowed KV across replicas (``runner/kv_borrowing.py`` holds it): the
-plan's loans and guests applied after its membership changes, and each step's guests named."""
+plan's loans and guests applied after its membership changes, and each step's guests named (a step
+with one runs eagerly: its attention calls out to the lenders)."""
 
 from __future__ import annotations
 
@@ -17,5 +18,6 @@ class BorrowingHooks(Protocol):
     def apply(self, plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: BlockTableArray | None) -> None:
         ...
 
-    def begin_step(self, req_ids: list[str]) -> None:
+    def begin_step(self, req_ids: list[str]) -> bool:
+        """Names the step's guests; True when it has one (its step must run eagerly)."""
         ...

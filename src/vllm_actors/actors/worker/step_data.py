@@ -44,6 +44,9 @@ class BatchInput:
     # decode rows of a verification step (runner/verify_rows.py): how many consecutive rows each of its
     # sequences became, in order; the attention reads a sequence's KV once for its rows (None: rows alone)
     row_groups: list[int] | None = None
+    # run eagerly, never in a CUDA graph: a step with a request on borrowed KV (its attention calls out
+    # to the lenders, runner/kv_borrowing.py)
+    eager: bool = False
 
     def table_array(self) -> np.ndarray:
         """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""

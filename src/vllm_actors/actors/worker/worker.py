@@ -187,9 +187,13 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
     def control(self, control: EngineControl) -> Outputs:
         """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
         outputs = self.flush()
-        if control.action == "sleep" and control.level > 0:
-            self.reset()  # the KV cache is discarded: the scheduler restarts the pipeline after the wake
-        error = carry_out(self.runner, control)
+        if self.borrowing is not None and control.action in ("sleep", "wake_up"):
+            # a lender's share holds the caches, and a woken model would lose the borrowing backend
+            error: str | None = f"{control.action}: not supported with kv_borrowing yet"
+        else:
+            if control.action == "sleep" and control.level > 0:
+                self.reset()  # the KV cache is discarded: the scheduler restarts the pipeline after the wake
+            error = carry_out(self.runner, control)
         if self.answers:
             outputs.send(SCHEDULER, ControlReply(control_id=control.control_id, success=error is None, error=error))
         return outputs
@@ -253,8 +257,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
                 self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
             self.host_tier.settle(reuse=plan.reset or bool(plan.evicted_hashes))
         step = build_batch(plan, self.requests, self.tables, pending)
-        if self.borrowing is not None:
-            self.borrowing.begin_step(plan.req_ids)
+        if self.borrowing is not None:  # a step with a borrowing request runs eagerly (no CUDA graph)
+            step.batch.eager = self.borrowing.begin_step(plan.req_ids)
         batch, samplers = step.batch, step.samplers
         if not batch.token_ids:
             return PendingStep(plan.step_id, started_at=None if read_now else started_at, started=started, samplers=[],

@@ -1,0 +1,53 @@
+"""Borrowed KV between processes, the link alone (``models/kv_borrow_link.py``): q, k and v packed
+once a layer for every lender, tensors travelling as their bytes (bfloat16 too), and the host
+staging that is an identity on the CPU; then three processes over gloo, a home asking two lenders
+at every layer of two, bfloat16 K/V: the merged output is causal attention over the whole context.
+The lenders' threads wait on the exchange group past the timeout of a group that gives up on an idle
+receive (as the world's did), and a call a lender cannot answer is an error at the home."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.support.kv_borrow_ranks import LINK_CHUNKS, run_link_rank
+from vllm_actors.models.kv_borrow_link import QkvStaging, as_bytes, host_buffer, to_device, to_host, unpack
+
+
+def test_qkv_reach_the_host_packed_once_for_every_lender() -> None:
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 8, 16, generator=generator).to(torch.bfloat16)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]  # views, as the model's projections are
+    staging = QkvStaging()
+    packed = staging.packed(q, k, v)
+    assert packed.is_contiguous() and torch.equal(packed, qkv)
+    assert staging.packed(q, k, v) is packed  # the second lender of the layer: no second copy
+    assert staging.packed(q.clone(), k, v) is not packed
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(unpack(packed, 4, 2), (q, k, v), strict=True))
+
+
+def test_tensors_travel_as_their_bytes_and_the_cpu_stages_nothing() -> None:
+    x = torch.randn(3, 4, 17).to(torch.bfloat16)
+    received = host_buffer((3, 4, 17), torch.bfloat16, torch.device("cpu"))
+    assert not received.is_pinned()
+    as_bytes(received).copy_(as_bytes(x))  # what gloo does with a message
+    assert torch.equal(received, x) and as_bytes(x).numel() == x.numel() * 2
+    assert to_host(x) is x and to_device(x, torch.device("cpu")) is x
+
+
+def test_a_home_asks_two_lenders_over_gloo_at_every_layer(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(run_link_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3, start_method="spawn")
+    home, *lenders = [json.loads((tmp_path / f"link{rank}.json").read_text()) for rank in range(3)]
+    assert home["error"] is None and lenders[1]["error"] is None
+    assert "no blocks lent for request 'missing'" in lenders[0]["error"]  # logged; its thread went on to STOP
+    assert home["worst"] < 2e-2  # bfloat16 outputs
+    # every layer of every step asks both lenders, a share without any key of theirs yet included
+    assert [lender["calls"] for lender in lenders] == [2 * len(LINK_CHUNKS) + 1, 2 * len(LINK_CHUNKS)]  # + "missing"
+    # idle on the exchange group longer than a short group's timeout, the lenders' threads still answered
+    assert home["short_recv_failed"]
+    # a call the lender could not answer: an error at the home, not a wait for a reply that never comes
+    assert "the lender at rank 1 could not answer" in home["refused"]
