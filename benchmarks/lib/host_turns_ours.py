@@ -12,12 +12,10 @@ import argparse
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from typing import Any
 
-import msgspec
-
 from benchmarks.lib.host_turns_peer import Streamed, parse_args, run_cycles
+from benchmarks.lib.long_context_ours import started_settings
 
 # the metrics store's counters kept beside the four token figures
 STORE_COUNTERS = ("requests_finished", "requests_aborted", "prompt_tokens", "prefill_tokens", "prompt_tokens_computed",
@@ -66,18 +64,7 @@ class OursTurns:
 
         kwargs = engine_arguments(self.args, self.plan)
         self.llm = LLM(model=self.args.model, **kwargs)
-        try:
-            version = metadata.version("vllm-actors")
-        except metadata.PackageNotFoundError:
-            version = "source"
-        settings = {"version": version, "arguments": kwargs, "max_model_len": self.llm.max_model_len,
-                    "engine_config": msgspec.to_builtins(self.llm.config)}
-        group = self.llm.group  # what the group resolved: the scheduler's budget, the KV pool, the host tier
-        scheduler = getattr(group, "scheduler_config", None)
-        if scheduler is not None:
-            settings["scheduler_config"] = msgspec.to_builtins(scheduler)
-        settings["worker"] = dict(getattr(group, "worker_info", None) or {})
-        return settings
+        return started_settings(self.llm, kwargs)
 
     def stream(self, prompt: list[int], max_tokens: int) -> Streamed:
         from vllm_actors.protocol.sampling import SamplingParams

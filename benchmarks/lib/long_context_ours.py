@@ -41,6 +41,22 @@ def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+
+def started_settings(llm: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What an engine of ours was started with and what its group resolved (the scheduler's budget,
+    the KV pool, the host tier), for a benchmark's results."""
+    try:
+        version = metadata.version("vllm-actors")
+    except metadata.PackageNotFoundError:
+        version = "source"
+    settings = {"version": version, "arguments": kwargs, "max_model_len": llm.max_model_len,
+                "engine_config": msgspec.to_builtins(llm.config)}
+    scheduler = getattr(llm.group, "scheduler_config", None)
+    if scheduler is not None:
+        settings["scheduler_config"] = msgspec.to_builtins(scheduler)
+    settings["worker"] = dict(getattr(llm.group, "worker_info", None) or {})
+    return settings
+
 class OursEngine:
     name = "ours"
 
@@ -58,18 +74,7 @@ class OursEngine:
 
         kwargs = engine_arguments(self.args)
         self.llm = LLM(model=self.args.model, **kwargs)
-        try:
-            version = metadata.version("vllm-actors")
-        except metadata.PackageNotFoundError:
-            version = "source"
-        settings = {"version": version, "arguments": kwargs, "max_model_len": self.llm.max_model_len,
-                    "engine_config": msgspec.to_builtins(self.llm.config)}
-        group = self.llm.group  # what the group resolved: the scheduler's budget, the KV pool
-        scheduler = getattr(group, "scheduler_config", None)
-        if scheduler is not None:
-            settings["scheduler_config"] = msgspec.to_builtins(scheduler)
-        settings["worker"] = dict(getattr(group, "worker_info", None) or {})
-        return settings
+        return started_settings(self.llm, kwargs)
 
     def stream(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Events:
         from vllm_actors.protocol.sampling import SamplingParams
