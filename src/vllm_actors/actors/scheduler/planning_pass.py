@@ -141,6 +141,11 @@ class PlanningPass:
                 continue
             num_new += len(drafts)
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
+            if deferred_turn and needed > self.ledger.num_available:
+                # a yielding prefill preempts nobody: the requests behind it may be this pass's
+                # admissions, already in the step; it goes on next step
+                index += 1
+                continue
             while needed > self.ledger.num_available:
                 victim = self.running[-1]
                 self._preempt(victim, out)
