@@ -148,7 +148,20 @@ def test_a_prefill_yields_to_a_more_urgent_request_at_a_chunk_boundary() -> None
         return dict(zip(nxt.req_ids, nxt.num_tokens, strict=True))
 
     assert second_plan("lrs") == {"short": 200, "long": 56}  # the long prefill takes what is left
-    assert second_plan("fcfs") == {"long": 256}  # arrival order: running requests first, as before
+    # under fcfs too, by default: the prefill needs more than a step's budget, the short prompt does not
+    assert second_plan("fcfs") == {"short": 200, "long": 56}
+
+
+def test_with_concurrent_partial_prefills_running_requests_go_first() -> None:
+    """vLLM V0's rules where ``max_num_partial_prefills`` > 1: a long prefill keeps its place, the
+    short prompts share the step's rest (no short first)."""
+    scheduler = make(budget=256, long_prefill_token_threshold=128, max_num_partial_prefills=2)
+    plan = the_plan(scheduler.handle(add("long", 2000, arrival_time=0.0)))
+    assert plan is not None and plan.num_tokens == [128]
+    out = scheduler.handle(add("short", 100, arrival_time=0.0))
+    out += finish(scheduler, plan)
+    nxt = the_plan(out)
+    assert nxt is not None and list(zip(nxt.req_ids, nxt.num_tokens, strict=True)) == [("long", 128), ("short", 100)]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "lrs"])

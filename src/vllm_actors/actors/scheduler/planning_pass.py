@@ -141,9 +141,10 @@ class PlanningPass:
                 continue
             num_new += len(drafts)
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
-            if deferred_turn and needed > self.ledger.num_available:
-                # a yielding prefill preempts nobody: the requests behind it may be this pass's
-                # admissions, already in the step; it goes on next step
+            if deferred_turn and needed > self.ledger.num_available and step.scheduled:
+                # a yielding prefill preempts nobody taken into this step already (the requests behind
+                # it may be this pass's admissions): it goes on next step; with the step empty it
+                # preempts as any prefill (else nothing would move)
                 index += 1
                 continue
             while needed > self.ledger.num_available:

@@ -47,6 +47,9 @@ class PrefillSizer:
         self.pipelined = (self.threshold or config.max_num_batched_tokens) \
             if chunked and config.pipeline_parallel_size > 1 else None
         self.num_stages = config.pipeline_parallel_size
+        # a running prefill with more than this left lets short waiting prompts in first (``short_first``)
+        self._short_first = 0 if not chunked or self.max_partial > 1 else \
+            (self.threshold or config.max_num_batched_tokens)
         self.min_chunk = config.spp_min_chunk_tokens
         self.wave = config.attention_wave_tokens
         decodes = sum(1 for request in running if is_decoding(request))
@@ -58,10 +61,11 @@ class PrefillSizer:
 
     @property
     def short_first(self) -> int:
-        """The threshold above which a running prefill lets short waiting prompts in first (``yielding``):
-        vLLM's ``long_prefill_token_threshold`` alone (V1's rule); 0 with concurrent partial prefills,
-        whose V0 rules (a long prefill keeps its place, the shorter ones share the step) stay as they are."""
-        return self.threshold if self.max_partial <= 1 else 0
+        """The tokens left above which a running prefill lets short waiting prompts in first (``yielding``):
+        vLLM's ``long_prefill_token_threshold``, else the step's token budget (a prompt that needs more than
+        one step); 0 without chunked prefill and with concurrent partial prefills, whose V0 rules (a long
+        prefill keeps its place, the shorter ones share the step) stay as they are."""
+        return self._short_first
 
     def is_long(self, request: ScheduledRequest) -> bool:
         return 0 < self.threshold < request.num_tokens - request.num_computed_tokens
