@@ -121,9 +121,9 @@ def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],
     """The running prefills that let waiting requests (those that can be admitted now) in first at
     this chunk boundary, taking what the step has left: under the deadline policies (edf, lrs: those
     that take slots for more urgent requests) those a waiting request outranks by the policy's key;
-    with ``long_prefill_token_threshold`` (``threshold``) under any policy, a long prefill (more than
-    the threshold left) while a short prompt waits (Medha's point: a short request behind a 1M-token
-    prefill otherwise waits for all of it). The others keep running requests first, as before."""
+    under any policy, with ``threshold`` (``PrefillSizer.short_first``) above 0, a prefill with more
+    than it left while a prompt with no more than it waits (Medha's point: a short request behind a
+    1M-token prefill otherwise waits for all of it)."""
     if not waiting:
         return set()
     prefills = [request for request in running if not is_decoding(request)]
