@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.lib.host_turns_peer import Streamed, parse_args, run_cycles
-from benchmarks.lib.long_context_ours import started_settings
+from benchmarks.lib.long_context_ours import request_outputs, started_settings
 
 # the metrics store's counters kept beside the four token figures
 STORE_COUNTERS = ("requests_finished", "requests_aborted", "prompt_tokens", "prefill_tokens", "prompt_tokens_computed",
@@ -74,26 +74,13 @@ class OursTurns:
         first: float | None = None
         start = time.perf_counter()
         request = engine.prepare(f"turns-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
-        engine.submit(request)
         self.sent += 1
-        try:
-            while True:
-                for output in engine.poll(100):
-                    if output.request_id != request.request_id:
-                        continue
-                    if output.error is not None:
-                        raise RuntimeError(f"request failed: {output.error}")
-                    if output.outputs[0].token_ids and first is None:
-                        first = time.perf_counter() - start
-                    if output.finished:
-                        if first is None:
-                            raise RuntimeError("the request produced no token")
-                        return Streamed(first, time.perf_counter() - start, list(output.outputs[0].token_ids))
-                if not engine.has_unfinished:
-                    raise RuntimeError("the engine went idle with the request unfinished")
-        except BaseException:
-            engine.abort(request.request_id)
-            raise
+        for output in request_outputs(engine, request):
+            if output.outputs[0].token_ids and first is None:
+                first = time.perf_counter() - start
+        if first is None:
+            raise RuntimeError("the request produced no token")
+        return Streamed(first, time.perf_counter() - start, list(output.outputs[0].token_ids))
 
     def counters(self) -> dict[str, float]:
         deadline = time.monotonic() + SETTLE_TIMEOUT_S

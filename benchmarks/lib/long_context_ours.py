@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,28 @@ def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["block_size"] = args.block_size
     return kwargs
 
+
+
+def request_outputs(engine: Any, request: Any) -> Iterator[Any]:
+    """Submit ``request`` to ``engine`` (the in-process client) and yield its outputs until the finished
+    one; a failed request, or an engine gone idle without finishing it, raises; aborted on any exit
+    before it finished (an error, or the caller's)."""
+    engine.submit(request)
+    try:
+        while True:
+            for output in engine.poll(100):
+                if output.request_id != request.request_id:
+                    continue
+                if output.error is not None:
+                    raise RuntimeError(f"request failed: {output.error}")
+                yield output
+                if output.finished:
+                    return
+            if not engine.has_unfinished:
+                raise RuntimeError("the engine went idle with the request unfinished")
+    except BaseException:
+        engine.abort(request.request_id)
+        raise
 
 
 def started_settings(llm: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -84,24 +106,11 @@ class OursEngine:
         events: Events = []
         start = time.perf_counter()
         request = engine.prepare(request_id or f"long-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
-        engine.submit(request)
-        try:
-            while True:
-                for output in engine.poll(100):
-                    if output.request_id != request.request_id:
-                        continue
-                    if output.error is not None:
-                        raise RuntimeError(f"request failed: {output.error}")
-                    count = len(output.outputs[0].token_ids)
-                    if not events or count > events[-1][1]:
-                        events.append((time.perf_counter() - start, count))
-                    if output.finished:
-                        return events
-                if not engine.has_unfinished:
-                    raise RuntimeError("the engine went idle with the request unfinished")
-        except BaseException:
-            engine.abort(request.request_id)
-            raise
+        for output in request_outputs(engine, request):
+            count = len(output.outputs[0].token_ids)
+            if not events or count > events[-1][1]:
+                events.append((time.perf_counter() - start, count))
+        return events
 
     def _traced_stream(self, context: int, prompt: list[int], max_tokens: int) -> Events:
         """``stream``, then the request's events from the metrics store: its trace file under
