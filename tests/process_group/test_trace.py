@@ -22,6 +22,8 @@ from vllm_actors.observe.trace_file import fitted_trace, read_dump, trace_from_s
 from vllm_actors.protocol.events import (
     Allocated,
     Arrived,
+    BlockOffloaded,
+    BlockRestored,
     Finished,
     FirstToken,
     Freed,
@@ -324,3 +326,19 @@ def test_the_summary_says_where_a_late_request_spent_its_time(tmp_path: Path) ->
     assert "step -1" not in merged
     write_trace(rows, tmp_path / "t.json.gz", max_bytes=None)  # type: ignore[arg-type]
     assert main([str(tmp_path / "t.json.gz"), "--top", "1"]) == 0
+
+
+def test_host_tier_moves_are_instants_and_a_counter() -> None:
+    """A long prompt's write-through copies and a later restore: each an instant on the KV-cache
+    manager's thread and a point of the ``host kv`` counter (slots cached and free)."""
+    rows: list[tuple[str, int, float, float, object]] = [
+        ("kv_cache_manager", 0, 0.0, 100.0, BlockOffloaded(copies=[0, 0, 4], num_blocks=4, num_host_cached=4,
+                                                           num_host_blocks=10, write_through=True)),
+        ("kv_cache_manager", 1, 0.5, 100.5, BlockRestored(copies=[0, 7, 2], num_blocks=2, num_host_cached=4,
+                                                          num_host_blocks=10)),
+    ]
+    events = check_covers(chrome_trace(rows), rows)
+    instants = [e["name"] for e in events if e["ph"] == "i"]
+    assert instants == ["BLOCK_OFFLOADED", "BLOCK_RESTORED"]
+    host = [(e["ts"], e["args"]) for e in events if e["ph"] == "C" and e["name"] == "host kv"]
+    assert host == [(0.0, {"cached": 4, "free": 6}), (500_000.0, {"cached": 4, "free": 6})]

@@ -10,7 +10,8 @@ first event. Two processes:
   step is launched before the one before it is read back), with the batch in their args; every
   other event without a request id is an instant on its actor's thread. Counters: ``kv cache``
   (blocks in use, cached idle, free, from KV_POOL), ``kv usage %``, ``requests`` (running and
-  waiting, from the lifecycle events) and ``batch`` (sequences and tokens per step). Under
+  waiting, from the lifecycle events), ``batch`` (sequences and tokens per step) and ``host kv``
+  (the host tier's slots, from BLOCK_OFFLOADED / BLOCK_RESTORED, each also an instant). Under
   pipeline parallelism each stage's first worker has its thread: its bubbles are the gaps between
   its steps, and ``otherData.pipeline_bubbles`` holds each stage's bubble fraction (as ``stats``).
 * ``requests`` (pid 2): a thread per request, by first appearance: a ``request`` slice from
@@ -165,6 +166,10 @@ class _Builder:
             usage = 100.0 * pool.num_in_use / pool.num_blocks if pool.num_blocks else 0.0
             self.counter(tid, ts, "kv usage %", {"usage": round(usage, 2)}, key)
             return
+        if kind in ("BLOCK_OFFLOADED", "BLOCK_RESTORED"):  # the host tier's fill, beside the move's instant
+            moved: Any = event
+            self.counter(tid, ts, "host kv", {"cached": moved.num_host_cached,
+                                              "free": moved.num_host_blocks - moved.num_host_cached}, key)
         if kind == "TOKENS" and event.request_ids:  # type: ignore[union-attr]
             tokens: Any = event
             for request_id, count in zip(tokens.request_ids, tokens.num_output_tokens):
