@@ -57,6 +57,25 @@ def test_flash_attn_prefill_matches_the_reference(head_dim: int, block_size: int
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_chunk_split_over_its_keys_matches_the_reference(head_dim: int, block_size: int) -> None:
+    """A 256-token chunk over 100k keys (64 CTAs unsplit) beside decodes: split over its keys
+    (``flash_attn_split``, the real kernel's lse and non-causal variants) it matches the torch
+    reference and Triton, and so does the one call it replaces."""
+    specs = [(100_000 + 5, 256)] + [(2000 + 37 * i, 1) for i in range(12)]
+    batch = paged_batch(specs, block_size, HEADS, KV_HEADS, head_dim, torch.bfloat16, CUDA, seed=11 + block_size)
+    expected = batch.reference()
+    batch.write_new_tokens()
+    split = FlashAttnPrefill("flash_attn", split_keys=True)
+    assert split.splits(batch.q, batch.k_cache, batch.meta) is not None
+    out = split(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_matches(out, expected, batch.meta)
+    whole = FlashAttnPrefill("flash_attn", split_keys=False)(batch.q, batch.k_cache, batch.v_cache, batch.meta,
+                                                            batch.scale)
+    assert_matches(out, whole.float(), batch.meta)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
 def test_unpacked_query_heads_match_the_reference(block_size: int) -> None:
     """``VLLM_ACTORS_FLASH_ATTN_PACK_GQA=off``: one query head a tile, over pages loaded by cp.async and by TMA."""
     batch = paged_batch(SPECS, block_size, HEADS, KV_HEADS, 128, torch.bfloat16, CUDA, seed=7 + block_size)

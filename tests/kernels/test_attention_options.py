@@ -128,7 +128,7 @@ class OptionsRecorder:
 
     def __call__(
         self, *, window_size: tuple[int | None, int | None] = (None, None), softcap: float = 0.0, **kwargs: Any
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls.append({"window_size": window_size, "softcap": softcap})
         return flash_attn_varlen_model(window_size=window_size, softcap=softcap, **kwargs)
 

@@ -186,7 +186,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls.append(kwargs)
         return flash_attn_varlen_model(**kwargs)
 

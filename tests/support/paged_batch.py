@@ -102,14 +102,17 @@ def flash_attn_varlen_model(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     pack_gqa: bool | None = None,  # how the kernel tiles grouped heads: the same result either way
-) -> tuple[torch.Tensor, None]:
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """flash_attn_varlen_func's documented semantics for paged K/V, in float32: sequence b's queries are
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]], its keys the first seqused_k[b] rows of its pages
     (page_table[b]) of k/v [num_pages, page_size, Hkv, D]; causal is aligned bottom-right;
     window_size[0] = L keeps the L keys before each query's position (and its own); softcap c
-    replaces each scaled score s by c * tanh(s / c)."""
+    replaces each scaled score s by c * tanh(s / c). ``return_lse``: also each query's log-sum-exp of
+    its scaled scores, [num_heads, total_q] (-inf for a query without keys)."""
     page_size = k.shape[1]
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[2]
     for b in range(page_table.shape[0]):
         start, end, k_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
@@ -124,12 +127,15 @@ def flash_attn_varlen_model(
         if window_size[0] is not None and mask is not None:
             mask &= key_positions >= positions - window_size[0]
         queries = q[start:end].float().transpose(0, 1)
-        if softcap:
-            scores = softcap * torch.tanh(queries @ keys.transpose(1, 2) * softmax_scale / softcap)
+        if softcap or return_lse:
+            scores = queries @ keys.transpose(1, 2) * softmax_scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             attended = torch.softmax(scores, dim=-1) @ values
+            lse[:, start:end] = torch.logsumexp(scores, dim=-1)
         else:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=softmax_scale)
         out[start:end] = attended.transpose(0, 1).to(q.dtype)
-    return out, None
+    return out, (lse if return_lse else None)

@@ -21,6 +21,9 @@ class KernelSettings:
         "flash-attn 4 prefill over grouped KV heads: pack a KV head's query heads into one tile (`on`), one query "
         "head a tile (`off`), or flash-attn's own choice (`auto`: packed whenever heads are grouped).",
         kind="auto, on, off", group="kernels")
+    VLLM_ACTORS_FLASH_ATTN_SPLIT_KEYS = switch(
+        "flash-attn 4 prefill: a chunk too short to fill the GPU over a long context is split over its keys "
+        "(ranges attended in one more call, merged by log-sum-exp; 0: one call).", "kernels")
     VLLM_ACTORS_FP8_PREFILL_STAGING = switch(
         "Over an fp8 KV cache, a long one-sequence prefill chunk goes to flash-attn 4 through a bf16 staging of "
         "its context (where flash-attn runs; 0: the Triton kernel).", "kernels")

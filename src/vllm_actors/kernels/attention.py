@@ -14,7 +14,7 @@ and ``logits_soft_cap`` c replaces each scaled score s by c * tanh(s / c) before
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -48,6 +48,9 @@ class AttentionMetadata:
     # sequences' keys together: None until asked
     longest_query_context: int | None = None
     keys_beside_longest: int | None = None
+    # flash-attn 4's split of the longest query over its keys (``flash_attn_split``): (plan or None,
+    # its device tensors), planned at the step's first layer that asks
+    flash_splits: tuple[Any, Any] | None = None
 
     def context_of_longest_query(self) -> int:
         """Keys cached before the step's longest query; one pass over the host lists, kept for the

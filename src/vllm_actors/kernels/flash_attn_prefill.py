@@ -18,7 +18,8 @@ What it needs, read from flash-attn-4 4.0.0b36's ``interface.py`` and ``flash_fw
   any other size by cp.async through the page table (``paged_kv_non_tma``). With TMA a tile loads the
   whole last page of a sequence, so unused rows of a sequence's last page must be finite (the pool is
   zero-filled and only ever holds K/V values);
-* no split-KV on SM90 (decode stays on the Triton decode kernel);
+* no split-KV on SM90 (decode stays on the Triton decode kernel): a short chunk over a long context is
+  split over its keys here instead (``flash_attn_split``, ``VLLM_ACTORS_FLASH_ATTN_SPLIT_KEYS``);
 * grouped query heads share a tile per KV head by default (``pack_gqa``; flash-attn 3 packs long
   prefills only where pages are not TMA-loaded): ``VLLM_ACTORS_FLASH_ATTN_PACK_GQA`` turns it on or off;
 * a layer's sliding window and soft cap go to its ``window_size=(window - 1, 0)`` and ``softcap``
@@ -40,6 +41,7 @@ import torch
 
 from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.kernels.flash_attn_split import KeySplits, KeySplitTensors, merge_into, plan_key_splits, split_tensors
 from vllm_actors.kernels.prefill_choice import PrefillKernel, prefill_choice, prefill_kernel
 
 log = structlog.get_logger(__name__)
@@ -161,19 +163,63 @@ class FlashAttnPrefill:
     """
 
     def __init__(
-        self, choice: str = "auto", varlen_func: VarlenFunc | None = None, pack_gqa: str | None = None
-    ) -> None:
+        self, choice: str = "auto", varlen_func: VarlenFunc | None = None, pack_gqa: str | None = None,
+        split_keys: bool | None = None, num_sms: int | None = None,
+    ) -> None:  # fmt: skip
         self.choice = choice
         self._varlen = varlen_func
         self.pack_gqa = str(envs.VLLM_ACTORS_FLASH_ATTN_PACK_GQA) if pack_gqa is None else pack_gqa
         pack_gqa_argument(self.pack_gqa, 2, 1)  # a bad choice fails here, not at the first prefill
+        self.split_keys = bool(envs.VLLM_ACTORS_FLASH_ATTN_SPLIT_KEYS) if split_keys is None else split_keys
+        self._num_sms = num_sms
+        self._warm = False
 
     def kernel(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> PrefillKernel:
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        sliding_window: int | None = None,
+    ) -> PrefillKernel:  # fmt: skip
         ready = layout_problem(q, k_cache, v_cache) is None
-        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1],
-                              meta.context_of_longest_query(), meta.num_seqs, meta.keys_beside_longest_query())
+        split = ready and self.splits(q, k_cache, meta, sliding_window) is not None
+        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1], meta.context_of_longest_query(),
+                              meta.num_seqs, meta.keys_beside_longest_query(), split)
+
+    def outruns_padded_graph(self, query_lens: list[int], seq_lens: list[int], block_size: int, num_heads: int,
+                             num_kv_heads: int, head_dim: int, padded_tokens: int, device: torch.device) -> bool:
+        """Whether a step of these lengths takes flash-attn here where the padded CUDA graph of
+        ``padded_tokens`` rows cannot: the graph's kernel was chosen at capture from its token count
+        alone (no context, no split), so a short chunk over a long context would stay on Triton there
+        (the runner then runs the step eagerly). Host integers only; the layout is taken as fit."""
+        longest = max(range(len(query_lens)), key=query_lens.__getitem__, default=0)
+        if not query_lens or query_lens[longest] <= 1:
+            return False
+        context = seq_lens[longest] - query_lens[longest]
+        split = self.split_keys and plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads,
+                                                    self.num_sms(device)) is not None
+        here = prefill_kernel(self.choice, True, query_lens[longest], head_dim, context, len(query_lens),
+                              sum(seq_lens) - seq_lens[longest], split)
+        return here == "flash_attn" and (split or prefill_kernel(self.choice, True, padded_tokens, head_dim)
+                                         != "flash_attn")
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
+                if device.type == "cuda" else 132
+        return self._num_sms
+
+    def splits(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+               sliding_window: int | None = None) -> tuple[KeySplits, KeySplitTensors] | None:
+        """The step's longest query split over its keys, planned once a step; None where it is not
+        (off, a windowed layer, a query that fills the GPU or a short context)."""
+        if not self.split_keys or sliding_window is not None:
+            return None
+        if meta.flash_splits is None:
+            block_size = k_cache.shape[1]
+            plan = plan_key_splits(meta.query_lens_cpu, meta.seq_lens_cpu, block_size, q.shape[1], k_cache.shape[2],
+                                   self.num_sms(q.device))
+            tensors = None if plan is None else split_tensors(plan, meta.block_tables, meta.seq_lens, block_size)
+            meta.flash_splits = (plan, tensors)
+        plan, tensors = meta.flash_splits
+        return None if plan is None or tensors is None else (plan, tensors)
 
     def wants(
         self,
@@ -188,7 +234,7 @@ class FlashAttnPrefill:
         installed function takes them."""
         if (sliding_window is not None or logits_soft_cap is not None) and not takes_layer_options(self.function()):
             return False
-        return self.kernel(q, k_cache, v_cache, meta) == "flash_attn"
+        return self.kernel(q, k_cache, v_cache, meta, sliding_window) == "flash_attn"
 
     def function(self) -> VarlenFunc:
         """``flash_attn_varlen_func`` (or the stand-in given), imported on first use."""
@@ -208,8 +254,44 @@ class FlashAttnPrefill:
     ) -> torch.Tensor:
         """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
         arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, self.pack_gqa)
-        out = self.function()(**arguments)
-        return out[0] if isinstance(out, tuple) else out  # (out, lse)
+        if self.split_keys and not self._warm and q.is_cuda:  # flash-attn compiles on the GPU only
+            self._warm = True
+            self.warm_up(arguments)
+        split = self.splits(q, k_cache, meta, sliding_window)
+        if split is None:
+            out = self.function()(**arguments)
+            return out[0] if isinstance(out, tuple) else out  # (out, lse)
+        plan, tensors = split
+        return self.attend_split(arguments, plan, tensors)
+
+    def attend_split(self, arguments: dict[str, Any], plan: KeySplits, tensors: KeySplitTensors) -> torch.Tensor:
+        """The step's call with the split sequence's tail, the ranges' call, merged (``flash_attn_split``)."""
+        varlen = self.function()
+        out, lse = varlen(**{**arguments, "page_table": tensors.tail_page_table, "seqused_k": tensors.tail_seqused,
+                             "return_lse": True})
+        q = arguments["q"]
+        queries = q[plan.q_start : plan.q_start + plan.q_len].repeat(plan.num_splits, 1, 1)
+        split_out, split_lse = varlen(**{
+            **arguments, "q": queries, "cu_seqlens_q": tensors.split_cu_seqlens, "page_table": tensors.split_page_table,
+            "seqused_k": tensors.split_seqused, "causal": False, "return_lse": True,
+        })  # fmt: skip
+        return merge_into(out, lse, plan, split_out, split_lse)
+
+    def warm_up(self, arguments: dict[str, Any]) -> None:
+        """Compile the split's two kernel variants (causal and not, with their log-sum-exp) on a tiny
+        problem over the step's cache, at the first prefill (the engine's profiling step) rather than
+        mid-serving at the first long chunk. Its result is dropped."""
+        q, k_cache = arguments["q"], arguments["k"]
+        block_size, device = k_cache.shape[1], q.device
+        if k_cache.shape[0] < 1 or q.shape[0] < 1:
+            return
+        plan = KeySplits(seq=0, q_start=0, q_len=1, seq_len=2 * block_size, tail_block=1, blocks_per_split=1,
+                         num_splits=1)
+        tables = torch.zeros((1, 2), dtype=torch.int32, device=device)
+        seq_lens = torch.full((1,), 2 * block_size, dtype=torch.int32, device=device)
+        tensors = split_tensors(plan, tables, seq_lens, block_size)
+        warm = {**arguments, "q": q[:1], "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32, device=device)}
+        self.attend_split(warm, plan, tensors)
 
 
 def flash_attn_prefill_for(device: torch.device) -> FlashAttnPrefill | None:

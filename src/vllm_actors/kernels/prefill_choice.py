@@ -34,6 +34,10 @@ MIXED_LONG_CONTEXT_MIN_HEAD_DIM = 128
 # 1M-token prompt beside 147 decodes of 2k (110M pairs, 0.3M keys) ran Triton at 84 TFLOP/s (one H200, RESULTS.md,
 # twenty-first session), where flash-attn 4 reaches 164-197 alone.
 MIXED_KEYS_WEIGHT = 64
+# auto: where the longest query is split over its keys (``flash_attn_split``: too short to fill the GPU over a
+# long context), flash-attn 4 takes it from this many tokens: the split restores the parallelism a short chunk
+# lacks, which is what held it back below LONG_CONTEXT_MIN_QUERY_LEN.
+SPLIT_MIN_QUERY_LEN = 64
 
 
 def prefill_choice() -> str:
@@ -47,18 +51,19 @@ def min_query_len(head_dim: int) -> int:
 
 
 def prefill_kernel(choice: str, flash_attn_ready: bool, max_query_len: int, head_dim: int,
-                   context_len: int = 0, num_seqs: int = 1, other_keys: int = 0) -> PrefillKernel:
+                   context_len: int = 0, num_seqs: int = 1, other_keys: int = 0, split: bool = False) -> PrefillKernel:
     """The kernel of a step whose longest query is ``max_query_len`` over ``context_len`` keys cached
     before it, among ``num_seqs`` sequences whose others hold ``other_keys`` keys together.
     ``flash_attn_ready``: flash-attn 4 is installed, the device is Hopper and the step's layout suits it
-    (dtype, head_dim)."""
+    (dtype, head_dim). ``split``: flash-attn would split that query over its keys."""
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"prefill attention must be one of {', '.join(PREFILL_CHOICES)}, got {choice!r}")
     if max_query_len <= 1 or choice == "triton" or not flash_attn_ready:
         return "triton"
     if choice == "flash_attn" or max_query_len >= min_query_len(head_dim):
         return "flash_attn"
-    if max_query_len >= LONG_CONTEXT_MIN_QUERY_LEN and context_len >= LONG_CONTEXT_KEYS \
+    shortest = SPLIT_MIN_QUERY_LEN if split else LONG_CONTEXT_MIN_QUERY_LEN
+    if max_query_len >= shortest and context_len >= LONG_CONTEXT_KEYS \
             and (num_seqs == 1 or head_dim >= MIXED_LONG_CONTEXT_MIN_HEAD_DIM
                  or max_query_len * (context_len + max_query_len) >= MIXED_KEYS_WEIGHT * other_keys):
         return "flash_attn"

@@ -1,6 +1,7 @@
 """The runner's side of the staged fp8 prefill (``kernels/fp8_prefill_stage.py``): its buffers made once,
 before the KV pool is sized (so ``gpu_memory_utilization`` counts them), handed to the model's
-attention backend, and the steps that take it kept out of the padded CUDA graphs (they run eagerly)."""
+attention backend, and the steps that take it kept out of the padded CUDA graphs (they run eagerly), as are
+the steps flash-attn 4 takes only by their context (``flash_attn_outruns_graph``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,13 @@ def staged_step(model: Any, query_lens: list[int]) -> bool:
     """Whether a step of these query lengths takes the staged path (the runner then runs it eagerly)."""
     staging = getattr(getattr(model, "attn_backend", None), "staging", None)
     return staging is not None and bool(query_lens) and staging.takes_step(len(query_lens), max(query_lens))
+
+
+def flash_attn_outruns_graph(model: Any, query_lens: list[int], seq_lens: list[int], block_size: int, config: Any,
+                             padded_tokens: int, device: torch.device) -> bool:
+    """Whether the step takes flash-attn 4 where the padded graph of its size would not (a chunk over a long
+    context, split over its keys or not): the runner then runs it eagerly (``outruns_padded_graph``)."""
+    prefill = getattr(getattr(model, "attn_backend", None), "prefill", None)
+    return isinstance(prefill, FlashAttnPrefill) and prefill.outruns_padded_graph(
+        query_lens, seq_lens, block_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        padded_tokens, device)

@@ -49,7 +49,12 @@ from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
 from vllm_actors.runner.deferred_inputs import fill_deferred
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
 from vllm_actors.runner.drafters import make_drafter, reattach
-from vllm_actors.runner.fp8_staging import attach_fp8_staging, fp8_staging_for, staged_step
+from vllm_actors.runner.fp8_staging import (
+    attach_fp8_staging,
+    flash_attn_outruns_graph,
+    fp8_staging_for,
+    staged_step,
+)
 from vllm_actors.runner.graph_draws import GraphDraws
 from vllm_actors.runner.graph_inputs import DecodeGraph as _DecodeGraph
 from vllm_actors.runner.graph_inputs import GraphInputs
@@ -232,7 +237,8 @@ class ModelRunner(GraphDraws, KvPoolSizing):
         if not larger_decode and self._padded is not None and self._padded.graphs \
                 and not staged_step(self.model, batch.query_lens):  # a staged fp8 chunk runs eagerly
             size = self._padded.bucket(batch)
-            if size is not None:
+            if size is not None and not flash_attn_outruns_graph(self.model, batch.query_lens, batch.seq_lens,
+                                                                 self.block_size, self.local_config, size, self.device):
                 return self._padded.run(batch, size)
         return self._run_eager(batch)
 
