@@ -5,9 +5,10 @@ The plans in flight are forgotten: each running request's computed count goes ba
 they gave it, and nothing is pending any more (``roll_back``). A block cached at planning time for
 a forgotten step keeps its place in the prefix cache: its tokens are known, so the request's
 computed count moves to the end of its cached blocks and the rejoin step recomputes those
-positions on every rank (``recompute_from``) besides the dead rank's share of the rest. Idle
-cached blocks leave the cache (some lived on the dead rank; this side does not know which). The
+positions on every rank (``recompute_from``) besides the dead rank's share of the rest. The
 next plan carries the ``KvRejoin``: every rank re-seeds its requests from it (``actors/worker/kv_rejoin.py``).
+Its pass (``planning_pass``) evicts the idle cached blocks first (some lived on the dead rank; this
+side does not know which) and preempts nobody; the snapshot drops whoever the plan lets go.
 """
 
 from __future__ import annotations
@@ -46,5 +47,17 @@ def rejoin_of(rank: int, rendezvous: str, running: Iterable[ScheduledRequest], l
         rejoin.requests.append(request.new_request(request.num_computed_tokens, 0))
         rejoin.recompute_from.append(rolled_back)
         request.cache_check_at = 0  # look at its blocks again (nothing new is cached below its front)
-    ledger.evict_idle()  # the next plan evicts them in the KV-cache manager too
     return rejoin
+
+
+def without_departed(rejoin: KvRejoin, departed: Iterable[str]) -> KvRejoin:
+    """``rejoin`` less the requests its own plan lets go (``finished_ids``: preempted or aborted
+    since the snapshot, in the plan's pass or before it went out): the KV-cache manager frees their
+    tables before it fills the rejoin's, so the ranks must not re-seed them."""
+    gone = set(departed)
+    if not gone:
+        return rejoin
+    kept = [index for index, new in enumerate(rejoin.requests) if new.request_id not in gone]
+    return KvRejoin(rank=rejoin.rank, init_method=rejoin.init_method,
+                    requests=[rejoin.requests[index] for index in kept],
+                    recompute_from=[rejoin.recompute_from[index] for index in kept] if rejoin.recompute_from else [])

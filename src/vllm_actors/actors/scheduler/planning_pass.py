@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_actors.actors.scheduler.admission import adapter_fits, admit, running_adapters
+from vllm_actors.actors.scheduler.kv_rejoin import without_departed
 from vllm_actors.actors.scheduler.plan import StepBuilder
 from vllm_actors.actors.scheduler.prefill_sizing import PrefillSizer, is_decoding, yielding
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
@@ -63,7 +64,8 @@ class PlanningPass:
                 or self.loans.has_news):
             return None
         plan, sampling_ids = self._schedule(out)
-        plan.kv_rejoin = self.pipeline.take_rejoin()  # applied before the step, on every rank
+        rejoin = self.pipeline.take_rejoin()  # applied before the step, on every rank
+        plan.kv_rejoin = without_departed(rejoin, plan.finished_ids) if rejoin is not None else None
         if not (plan.req_ids or plan.finished_ids or plan.reset or plan.evicted_hashes or plan.host_dropped_hashes
                 or plan.restored_hashes or plan.loans or plan.returned_loans or plan.kv_rejoin):
             return None  # everything waits for tokens in flight
@@ -73,12 +75,15 @@ class PlanningPass:
 
     def _schedule(self, out: Outputs) -> tuple[StepPlan, list[str]]:
         """One planning pass: the step's plan and the requests it samples a token for."""
+        rejoining = self.pipeline.rejoin_pending
+        if rejoining:  # idle cached blocks may have lost the dead rank's share (those let go since too)
+            self.ledger.evict_idle()
         step = StepBuilder(self.pipeline.next_step_id, self.config.max_num_batched_tokens, self.ledger)
         self.policy.begin_pass(self.stats.num_steps, len(self.running))
         self.policy.order_running(self.running)  # most urgent first: the last one is preempted
         if self.spec is not None:
             self.spec.begin_pass(self.running)
-        if len(self.running) >= self.config.max_num_seqs and self.waiting and self.sleep.admitting:
+        if len(self.running) >= self.config.max_num_seqs and self.waiting and self.sleep.admitting and not rejoining:
             self.waiting = self.policy.order_waiting(self.waiting, self.ledger)
             for victim in self.policy.slot_victims(self.waiting, self.running, self.config.max_num_seqs, step.budget):
                 self._preempt(victim, out)  # a more urgent waiting request takes its slot below
@@ -86,9 +91,9 @@ class PlanningPass:
         # At a chunk boundary a prefill yields to the waiting requests that outrank it (or, a long one,
         # to short prompts): they are admitted first, it takes what the step has left.
         # (not in a rejoin's plan: the ranks re-seed the running requests from its snapshot first)
-        yields = self.sleep.admitting and not self.pipeline.rejoin_pending
+        yields = self.sleep.admitting and not rejoining
         deferred = yielding(self.policy, self.waiting, self.running, sizer.short_first) if yields else set()
-        preempted = self._schedule_running(step, out, sizer, deferred)
+        preempted = self._schedule_running(step, out, sizer, deferred, rejoining=rejoining)
         self.loans.grant(self.ledger)  # other replicas' loans: before any new request of ours
         if not preempted and self.sleep.admitting and self.loans.admits:
             self._admit_waiting(step, out, sizer)
@@ -105,10 +110,11 @@ class PlanningPass:
         return plan, sampling_ids
 
     def _schedule_running(self, step: StepBuilder, out: Outputs, sizer: PrefillSizer,
-                          deferred: set[str], deferred_turn: bool = False) -> bool:
+                          deferred: set[str], deferred_turn: bool = False, rejoining: bool = False) -> bool:
         """Give the running requests, in order, what they still need of the budget (prefills as
         ``sizer`` sizes them; the ``deferred`` ones only on their turn), preempting from the back
-        when blocks run short. True when someone was preempted (nobody is admitted then)."""
+        when blocks run short (never in a KV-parallel rejoin's pass: ``rejoining``). True when
+        someone was preempted (nobody is admitted then)."""
         preempted = False
         index = 0
         # pipeline stages: one decode micro-batch per stage, each its share of the decodes (stages.py; the
@@ -141,10 +147,12 @@ class PlanningPass:
                 continue
             num_new += len(drafts)
             needed = self.ledger.blocks_missing(request.request_id, request.num_computed_tokens + num_new)
-            if deferred_turn and needed > self.ledger.num_available and step.scheduled:
+            if needed > self.ledger.num_available and (rejoining or (deferred_turn and step.scheduled)):
                 # a yielding prefill preempts nobody taken into this step already (the requests behind
                 # it may be this pass's admissions): it goes on next step; with the step empty it
-                # preempts as any prefill (else nothing would move)
+                # preempts as any prefill (else nothing would move). A rejoin's pass preempts nobody:
+                # a victim's blocks would be cached with the dead rank's share lost (its plan goes
+                # out anyway, the next pass preempts as usual)
                 index += 1
                 continue
             while needed > self.ledger.num_available:
