@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_attention, chunk_pairs
 from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.late_timings import LateTimings
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -36,8 +36,10 @@ def _chunk(step_id: int, start: int, tokens: int) -> StepPlan:
     return StepPlan(step_id=step_id, req_ids=["a"], num_tokens=[tokens], num_blocks=[blocks])
 
 
-def _result(step_id: int, seconds: float = 0.0, timings: list[StepGpuTime] | None = None) -> StepResult:
-    return StepResult(step_id=step_id, req_ids=[], token_ids=[], execute_seconds=seconds, gpu_timings=timings or [])
+def _result(step_id: int, seconds: float = 0.0, timings: list[StepGpuTime] | None = None,
+            interval: float = 0.0) -> StepResult:
+    return StepResult(step_id=step_id, req_ids=[], token_ids=[], execute_seconds=seconds, interval_seconds=interval,
+                      gpu_timings=timings or [])
 
 
 def _timed(step_id: int, seconds: float) -> StepGpuTime:
@@ -51,11 +53,14 @@ def test_a_chunk_is_learnt_when_its_gpu_time_comes() -> None:
     assert cost.seen == [] and len(late) == 1  # not measured: kept
     late.observe(cost, second, _result(2, timings=[_timed(1, 0.030), _timed(7, 0.5)]), BLOCK)  # 7: unknown
     assert cost.seen == [(256, 0, 0.030, chunk_pairs(0, 256))] and len(late) == 1
-    late.observe(cost, _chunk(3, 512, 64), _result(3, 0.004, [_timed(2, 0.040)]), BLOCK)  # measured: at once
-    assert cost.seen[1:] == [(64, 0, 0.004, chunk_pairs(512, 64)), (256, 0, 0.040, chunk_pairs(256, 256))]
+    # measured, but right after a timed step: its time holds step 2's GPU time; step 2 is learnt
+    late.observe(cost, _chunk(3, 512, 64), _result(3, 0.004, [_timed(2, 0.040)]), BLOCK)
+    assert cost.seen[1:] == [(256, 0, 0.040, chunk_attention(256, 256))]
+    late.observe(cost, _chunk(4, 576, 64), _result(4, 0.003), BLOCK)  # measured: at once
+    assert cost.seen[-1] == (64, 0, 0.003, chunk_attention(576, 64))
     assert len(late) == 0 and late.num_observed == 2
-    late.observe(cost, _chunk(4, 576, 64), _result(4, timings=[_timed(4, 0.006)]), BLOCK)  # its own, at once
-    assert cost.seen[-1] == (64, 0, 0.006, chunk_pairs(576, 64)) and len(late) == 0
+    late.observe(cost, _chunk(5, 640, 64), _result(5, timings=[_timed(5, 0.006)]), BLOCK)  # its own, at once
+    assert cost.seen[-1] == (64, 0, 0.006, chunk_attention(640, 64)) and len(late) == 0
 
 
 def test_steps_that_ran_wait_and_the_wait_is_bounded_and_reset() -> None:
@@ -74,7 +79,9 @@ def test_steps_that_ran_wait_and_the_wait_is_bounded_and_reset() -> None:
         late.observe(cost, _chunk(step_id, 0, 32), _result(step_id), BLOCK)
     assert len(late) == 2  # the oldest forgotten
     late.observe(cost, _chunk(7, 0, 1), _result(7, 0.001, [_timed(4, 0.1), _timed(5, 0.2)]), BLOCK)
-    assert [seen[2] for seen in cost.seen] == [0.001, 0.2]  # step 7 itself (measured), not step 4 (forgotten)
+    assert [seen[2] for seen in cost.seen] == [0.2]  # not step 4 (forgotten), nor 7 (after timed step 6)
+    late.observe(cost, _chunk(10, 0, 1), _result(10, 0.001), BLOCK)
+    assert [seen[2] for seen in cost.seen] == [0.2, 0.001]  # measured, after a measured step
     late.clear()
     late.observe(cost, _chunk(8, 0, 1), _result(8, 0.001, [_timed(6, 0.3)]), BLOCK)
     assert 0.3 not in [seen[2] for seen in cost.seen]
@@ -94,6 +101,23 @@ def test_the_online_model_converges_on_the_gpus_costs() -> None:
     assert late.num_observed == 299
     probe = step_features(_chunk(0, 28_000, 2048), BLOCK)
     assert model.step_seconds(*probe) == pytest.approx(truth.step_seconds(*probe), rel=0.02)
+
+
+def test_a_step_teaches_its_wall_share_not_its_launch_to_read_back() -> None:
+    """A deferred step is launched before the previous one is read back: its execute_seconds holds the rest
+    of that step (on the H200, two 120 ms steps at 300k of a 1M prompt read 230 ms). What its decodes wait
+    between tokens, and what the model learns, is its interval; execute_seconds only where none was sent."""
+    cost, late = _Recorder(), LateTimings()
+    late.observe(cost, _chunk(1, 300_000, 256), _result(1, 0.230, interval=0.118), BLOCK)
+    late.observe(cost, _chunk(2, 300_256, 256), _result(2, 0.120), BLOCK)  # no interval: launch to read-back
+    assert [seen[2] for seen in cost.seen] == [0.118, 0.120]
+
+
+def test_a_chunk_pays_for_scanning_its_context() -> None:
+    """Its attention feature: its pairs and CHUNK_SCAN_TOKENS queries' worth of its context."""
+    assert chunk_attention(0, 512) == chunk_pairs(0, 512) and chunk_attention(300_000, 0) == 0.0
+    assert chunk_attention(300_000, 2) > 0.5 * chunk_attention(300_000, 256)  # a few tokens still scan it all
+    assert step_features(_chunk(1, 300_000, 256), BLOCK)[2] == chunk_attention(300_000, 256)
 
 
 def _pp_scheduler(cost: _Recorder) -> tuple[Scheduler, list[StepPlan]]:
@@ -120,7 +144,9 @@ def test_the_scheduler_learns_each_chunk_from_its_gpu_time() -> None:
     assert [seen[0] for seen in cost.seen] == [plan.num_tokens[0] for plan in chunks[:-1]]
     scheduler.handle(StepResult(step_id=last.step_id, req_ids=["long"], token_ids=[5], execute_seconds=0.02,
                                 gpu_timings=[_timed(chunks[-1].step_id, 0.5)]))
-    assert [seen[2] for seen in cost.seen[-2:]] == [0.02, 0.5] and len(scheduler.late_timings) == 0
+    # the last chunk's own time holds the chunk before's (timed): only the latter is learnt
+    assert [seen[2] for seen in cost.seen[-2:]] == [pytest.approx(0.01 * (len(chunks) - 1)), 0.5]
+    assert len(scheduler.late_timings) == 0
 
 
 def test_a_pipeline_reset_forgets_the_steps_awaiting_their_time() -> None:

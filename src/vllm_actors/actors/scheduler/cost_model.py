@@ -1,9 +1,11 @@
 """The per-step cost model the deadline policies and prefill sizing predict with: ``step_seconds =
 a + b * prefill_tokens + c * decode_seqs + d * prefill_pairs``, fitted online by recursive least
-squares from each step's measured execution time (``StepResult.execute_seconds``). ``prefill_pairs``
-is the attention work of the step's prefill chunks, query-key pairs in units of ``PAIRS_UNIT``: a
+squares from each step's measured wall share (``deadlines.step_wall_seconds``: the worker's time between
+its read-backs, what the step's decodes wait between tokens). ``prefill_pairs`` is the attention work
+of the step's prefill chunks (``chunk_attention``), query-key pairs in units of ``PAIRS_UNIT``: a
 chunk late in a 1M-token prompt attends to everything before it and costs more per token than the
-first chunk. A fixed model is injected for tests."""
+first chunk, and a small one pays for scanning its context whatever its size. A fixed model is
+injected for tests."""
 
 from __future__ import annotations
 
@@ -16,12 +18,24 @@ PAIRS_UNIT = float(1 << 20)  # query-key pairs per unit of ``prefill_pairs`` (ke
 # The covariance's trace is held at most this: forgetting inflates it along features a long run of
 # steps never varies (decode-only steps, no prefill), which would otherwise grow without bound.
 MAX_COVARIANCE_TRACE = 1e4
+# A chunk's attention scans its whole context however few its queries (a CTA per query tile and head, each
+# over every key): it costs as if it had this many more. On the H200 (Llama-3.2-1B, flash-attn) 2-12
+# tokens at 300k keys added ~60 ms to a step and 256 tokens ~105 ms, where pairs alone make the first
+# nearly free (benchmarks/cost_replay.py: the 90th percentile of step prediction errors
+# at 200-400k, 41-49% without, 4-6% with).
+CHUNK_SCAN_TOKENS = 256
 
 
 def chunk_pairs(start: int, num_tokens: int) -> float:
     """The attention work of a prefill chunk of ``num_tokens`` after ``start`` computed tokens: each
     query attends to the keys up to its own position (causal), in units of ``PAIRS_UNIT``."""
     return num_tokens * (start + (num_tokens + 1) / 2) / PAIRS_UNIT
+
+
+def chunk_attention(start: int, num_tokens: int) -> float:
+    """A chunk's attention cost feature (the step's ``prefill_pairs``): its pairs (``chunk_pairs``)
+    and its scan of the ``start`` keys before it (``CHUNK_SCAN_TOKENS`` queries' worth)."""
+    return chunk_pairs(start, num_tokens) + CHUNK_SCAN_TOKENS * start / PAIRS_UNIT if num_tokens else 0.0
 
 
 class CostModel(Protocol):
@@ -49,7 +63,10 @@ class FixedCostModel:
 @dataclass
 class OnlineCostModel:
     """Recursive least squares with a forgetting factor (recent steps weigh more), starting from
-    a prior guess; predictions are clamped at zero."""
+    a prior guess; predictions are clamped at zero. The covariance is kept symmetric: left to drift,
+    its rounding asymmetry grew over thousands of steps whose features span 1 to 1e3 until one update
+    threw the predictions off (in the replay of an H200 trace: a 120 ms step predicted at 1.6 s with a scan
+    of 512 tokens; the 90th percentile error at 300k 15% unsymmetrised, 5% symmetric)."""
 
     prior: tuple[float, ...] = (0.01, 0.0001, 0.0005, 0.0003)
     forgetting: float = 0.99
@@ -69,7 +86,8 @@ class OnlineCostModel:
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        self.covariance = (covariance + covariance.T) / 2
         trace = float(np.trace(self.covariance))
         if trace > MAX_COVARIANCE_TRACE:
             self.covariance *= MAX_COVARIANCE_TRACE / trace

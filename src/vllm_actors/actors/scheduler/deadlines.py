@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_attention, chunk_pairs
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE as UNMEETABLE
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
@@ -31,7 +31,7 @@ def prefill_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> f
     prefill = remaining_prefill(request)
     if not prefill:
         return 0.0
-    return cost.step_seconds(prefill, batch, chunk_pairs(request.num_computed_tokens, prefill))
+    return cost.step_seconds(prefill, batch, chunk_attention(request.num_computed_tokens, prefill))
 
 
 def first_token_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
@@ -73,8 +73,8 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
 
 def step_features(plan: StepPlan, block_size: int) -> tuple[int, int, float]:
     """A step's cost-model features: its prefill tokens (requests given more than one token that
-    verify no drafts), their attention work (each chunk's context taken from the blocks its request
-    holds, to within a block) and its decodes (one token each, or one and its drafts)."""
+    verify no drafts), their attention work (``chunk_attention``; each chunk's context taken from the
+    blocks its request holds, to within a block) and its decodes (one token each, or one and its drafts)."""
     drafts = plan.draft_token_ids
     prefill_tokens, num_decodes, pairs = 0, 0, 0.0
     for request_id, n, blocks in zip(plan.req_ids, plan.num_tokens, plan.num_blocks, strict=True):
@@ -82,16 +82,25 @@ def step_features(plan: StepPlan, block_size: int) -> tuple[int, int, float]:
             num_decodes += 1
         else:
             prefill_tokens += n
-            pairs += chunk_pairs(max(0, blocks * block_size - n), n)
+            pairs += chunk_attention(max(0, blocks * block_size - n), n)
     return prefill_tokens, num_decodes, pairs
+
+
+def step_wall_seconds(result: StepResult) -> float:
+    """The step's own share of the worker's wall time (``interval_seconds``: from the later of its launch
+    and the previous step's read-back to its own read-back), what its decodes wait after their previous
+    token; ``execute_seconds`` where the worker sent none. Not ``execute_seconds`` itself: a deferred step
+    is launched before the previous one is read back, and its launch-to-read-back time holds the rest of
+    the previous step (two 120 ms steps of a 1M-token prompt at 300k read 230 ms on the H200)."""
+    return result.interval_seconds if result.interval_seconds > 0 else result.execute_seconds
 
 
 def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
                  features: tuple[int, int, float] | None = None) -> None:
     """Teach the cost model one step (``step_features``, or ``features`` where the caller has
-    them) and its measured execution time (0: not measured). Steps that verify drafts teach the
-    speculator's ``DraftCost`` instead."""
+    them) and its wall share (``step_wall_seconds``; not measured where ``execute_seconds`` is 0).
+    Steps that verify drafts teach the speculator's ``DraftCost`` instead."""
     if result.execute_seconds <= 0 or plan.draft_token_ids:
         return
     prefill_tokens, num_decodes, pairs = features or step_features(plan, block_size)
-    cost.observe(prefill_tokens, num_decodes, result.execute_seconds, pairs)
+    cost.observe(prefill_tokens, num_decodes, step_wall_seconds(result), pairs)

@@ -3,7 +3,9 @@
 later result's ``gpu_timings`` (``actors/worker/gpu_timing.py``; under pipeline parallelism every
 step does: the last stage's read-back waits for the stages before it). Such a step keeps its
 cost-model features here, by step id, until its time arrives; the oldest beyond
-``max_steps`` are forgotten (a time that never came). A pipeline reset forgets them all."""
+``max_steps`` are forgotten (a time that never came). A pipeline reset forgets them all. The step
+read back after such a step teaches nothing itself: its wall share (``step_wall_seconds``) holds the
+GPU time the timed step's read-back did not wait for."""
 
 from __future__ import annotations
 
@@ -21,16 +23,20 @@ class LateTimings:
         self.max_steps = max_steps
         self._waiting: OrderedDict[int, tuple[int, int, float]] = OrderedDict()  # step id -> features
         self.num_observed = 0  # steps the cost model learnt from their late GPU time
+        self._after_timed = False  # the last result was a step timed on the GPU (its time is in the next's)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def observe(self, cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
                 features: tuple[int, int, float] | None = None) -> None:
-        """Teach ``cost`` the step (``observe_step``) or, not measured yet, keep it for its GPU
-        time; then teach it the earlier steps whose GPU times the result carries (its own included)."""
-        observe_step(cost, plan, result, block_size, features)
-        if result.execute_seconds <= 0 and plan.req_ids and not plan.draft_token_ids:
+        """Teach ``cost`` the step (``observe_step``; not right after a step timed on the GPU) or, not
+        measured yet, keep it for its GPU time; then teach it the earlier steps whose GPU times the
+        result carries (its own included)."""
+        if not self._after_timed:
+            observe_step(cost, plan, result, block_size, features)
+        self._after_timed = result.execute_seconds <= 0 and bool(plan.req_ids) and not plan.draft_token_ids
+        if self._after_timed:
             self._waiting[plan.step_id] = features or step_features(plan, block_size)
             while len(self._waiting) > self.max_steps:
                 self._waiting.popitem(last=False)
@@ -44,3 +50,4 @@ class LateTimings:
     def clear(self) -> None:
         """A pipeline reset: the steps in flight are gone, their times will not come."""
         self._waiting.clear()
+        self._after_timed = False

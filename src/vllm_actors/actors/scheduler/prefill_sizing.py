@@ -8,7 +8,8 @@ without taking its neighbours' latency:
   of them long (a long waiting prompt is passed over, the shorter ones behind it are admitted);
 - ``itl_target`` (seconds; Medha's adaptive chunking): while decodes run, the step's prefill
   tokens are sized by the step cost model so the step's predicted time, their decode step, stays
-  within the target. The chunk shrinks as a long prompt's context grows (its attention term). The
+  within the target. The chunk shrinks as a long prompt's context grows (its attention term, the
+  scan of its context included: ``chunk_attention``; the model learns each step's wall share). The
   step's first prefill gets at least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt
   always moves; the others get nothing once the target is spent;
 - under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_attention
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
@@ -109,11 +110,11 @@ class PrefillSizer:
             self.num_long += 1
         self.num_prefills += 1
         self.prefill_tokens += num_new
-        self.prefill_pairs += chunk_pairs(request.num_computed_tokens, num_new)
+        self.prefill_pairs += chunk_attention(request.num_computed_tokens, num_new)
 
     def _step_seconds(self, start: int, num_new: int) -> float:
         return self.cost.step_seconds(self.prefill_tokens + num_new, self.num_decodes,
-                                      self.prefill_pairs + chunk_pairs(start, num_new))
+                                      self.prefill_pairs + chunk_attention(start, num_new))
 
 
 def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],

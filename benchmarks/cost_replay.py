@@ -1,0 +1,120 @@
+"""Replay a Chrome trace's steps through the step cost model as the scheduler sees them (issue 35), and
+print how far its predictions were from the steps' wall time, before and after the fix.
+
+    python benchmarks/cost_replay.py TRACE.json.gz [--lag 2]
+
+The trace (``observe/trace.py``): worker step slices ``step N`` (args ``execute_ms``: launch to read-back;
+the slice is cut where it overlaps the previous step: its wall share), each request's ``prefill`` slices
+(args ``step_id``, ``start``, ``num_tokens``) and ``STEP_TIMED`` instants (``gpu_ms`` of a step that
+sampled nothing). Each step's features are its prefill chunks' tokens and attention (``chunk_pairs``
+before, ``chunk_attention`` after) and its other sequences as decodes. Step k is predicted by the model
+after the results up to k - lag (two steps in flight: the plan of k is made once k - 2 is back). Taught:
+
+- before: ``execute_ms`` (the GPU time of a timed step), the covariance left unsymmetrised;
+- after: the slice (``interval_seconds``), a timed step's GPU time, nothing from the step right after
+  a timed one (its interval holds the timed step's GPU time), the covariance kept symmetric.
+
+Errors are predicted / wall - 1 over the steps holding the long prompt's chunk beside decodes, per 100k
+of its context: mean, and the 50th and 90th percentiles of their size."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_actors.actors.scheduler.cost_model import OnlineCostModel, chunk_attention, chunk_pairs
+
+
+@dataclass
+class Step:
+    prefill_tokens: int
+    decodes: int
+    chunks: list[tuple[int, int]]
+    execute: float
+    wall: float
+    gpu: float | None
+    context: int = -1  # the longest-context chunk's start (-1: none)
+    features: dict[str, float] = field(default_factory=dict)
+
+
+def load(path: str) -> list[Step]:
+    with gzip.open(path) as stream:
+        events = json.load(stream)["traceEvents"]
+    slices = {e["args"]["step_id"]: e for e in events
+              if e.get("ph") == "X" and e.get("pid") == 1 and e.get("name", "").startswith("step ")}
+    chunks: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") == "prefill" and e["args"]["num_tokens"] > 1:
+            chunks[e["args"]["step_id"]].append((e["args"]["start"], e["args"]["num_tokens"]))
+    gpu = {e["args"]["step_id"]: e["args"]["gpu_ms"] / 1e3 for e in events if e.get("name") == "STEP_TIMED"}
+    steps = []
+    for step_id in sorted(slices):
+        args, own = slices[step_id]["args"], chunks.get(step_id, [])
+        steps.append(Step(prefill_tokens=sum(n for _, n in own), decodes=args["num_seqs"] - len(own), chunks=own,
+                          execute=args["execute_ms"] / 1e3, wall=slices[step_id]["dur"] / 1e6,
+                          gpu=gpu.get(step_id), context=max((start for start, _ in own), default=-1)))
+    return steps
+
+
+class Unsymmetrised(OnlineCostModel):
+    """The model before: its covariance update as it was."""
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+        x = np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs], dtype=np.float64)
+        px = self.covariance @ x
+        gain = px / (self.forgetting + x @ px)
+        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        trace = float(np.trace(self.covariance))
+        if trace > 1e4:
+            self.covariance *= 1e4 / trace
+
+
+def replay(steps: list[Step], after: bool, lag: int) -> list[float]:
+    """Each step's prediction, made before the model saw it."""
+    model = OnlineCostModel() if after else Unsymmetrised()
+    attention = chunk_attention if after else chunk_pairs
+    pairs = [sum(attention(start, n) for start, n in step.chunks) for step in steps]
+    predictions = []
+    for k, step in enumerate(steps):
+        j = k - lag
+        if j >= 0:
+            seen, timed_before = steps[j], j > 0 and steps[j - 1].gpu is not None
+            if seen.gpu is not None:
+                model.observe(seen.prefill_tokens, seen.decodes, seen.gpu, pairs[j])
+            elif not (after and timed_before):
+                model.observe(seen.prefill_tokens, seen.decodes, seen.wall if after else seen.execute, pairs[j])
+        predictions.append(model.step_seconds(step.prefill_tokens, step.decodes, pairs[k]))
+    return predictions
+
+
+def report(steps: list[Step], predictions: list[float], label: str) -> None:
+    print(label)
+    for low in range(0, 1_000_000, 100_000):
+        errors = [predictions[k] / step.wall - 1 for k, step in enumerate(steps)
+                  if low <= step.context < low + 100_000 and step.decodes and step.gpu is None]
+        if not errors:
+            continue
+        sizes = sorted(map(abs, errors))
+        print(f"  {low // 1000:>4}k  steps {len(errors):4d}  mean {statistics.mean(errors) * 100:+5.0f}%"
+              f"  |error| p50 {sizes[len(sizes) // 2] * 100:3.0f}%  p90 {sizes[int(len(sizes) * 0.9)] * 100:3.0f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--lag", type=int, default=2, help="steps in flight: step k predicted after k - lag")
+    args = parser.parse_args()
+    steps = load(args.trace)
+    report(steps, replay(steps, after=False, lag=args.lag), "before: execute_seconds, chunk_pairs")
+    report(steps, replay(steps, after=True, lag=args.lag), "after: wall share, chunk_attention")
+
+
+if __name__ == "__main__":
+    main()
