@@ -98,7 +98,7 @@ def report(steps: list[Step], predictions: list[float], label: str) -> None:
     print(label)
     for low in range(0, 1_000_000, 100_000):
         errors = [predictions[k] / step.wall - 1 for k, step in enumerate(steps)
-                  if low <= step.context < low + 100_000 and step.decodes and step.gpu is None]
+                  if low <= step.context < low + 100_000 and step.decodes and step.gpu is None and step.wall > 0]
         if not errors:
             continue
         sizes = sorted(map(abs, errors))

@@ -94,15 +94,18 @@ def run_case(case: Case, pool: Pool, kernels: list[str], args: argparse.Namespac
     q = torch.randn(sum(query_lens), pool.num_heads, pool.head_dim, device=pool.device, dtype=torch.bfloat16)
     scale = pool.head_dim**-0.5
     flash = FlashAttnPrefill("flash_attn")
+    whole = FlashAttnPrefill("flash_attn", split_keys=False)
     steps = {
         "triton": lambda: paged_attention_varlen(
             q, pool.k_cache, pool.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale,
         ),  # fmt: skip
         "flash_attn": lambda: flash(q, pool.k_cache, pool.v_cache, meta, scale),
+        # one call, no split over the keys (flash_attn_split): what the split gains
+        "flash_attn_whole": lambda: whole(q, pool.k_cache, pool.v_cache, meta, scale),
     }
     outputs = {name: steps[name]().float() for name in kernels}
-    if len(outputs) == 2:
+    if "flash_attn" in outputs and "triton" in outputs:
         case.rel_diff = float((outputs["flash_attn"] - outputs["triton"]).norm() / outputs["triton"].norm())
     del outputs
     flops = causal_flops(pool.num_heads, pool.head_dim, query_lens, seq_lens)
@@ -136,7 +139,7 @@ def flash_attn_missing() -> str | None:
 def run_all(args: argparse.Namespace, log: Any) -> tuple[list[Case], str | None]:
     """Every case of every shape and block size; flash-attn's cases only where it can run."""
     missing = flash_attn_missing()
-    kernels = ["triton"] if missing else ["triton", "flash_attn"]
+    kernels = ["triton"] if missing else ["triton", "flash_attn", "flash_attn_whole"]
     if missing:
         log.warning("flash_attn_missing_timing_triton_only", reason=missing)
     device = torch.device("cuda")
