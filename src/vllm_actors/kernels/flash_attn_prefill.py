@@ -254,7 +254,7 @@ class FlashAttnPrefill:
     ) -> torch.Tensor:
         """Causal attention of the step's queries over their paged context: [T, num_heads, head_dim]."""
         arguments = varlen_arguments(q, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, self.pack_gqa)
-        if self.split_keys and not self._warm and q.is_cuda:  # flash-attn compiles on the GPU only
+        if self.split_keys and not self._warm and q.is_cuda and not torch.cuda.is_current_stream_capturing():
             self._warm = True
             self.warm_up(arguments)
         split = self.splits(q, k_cache, meta, sliding_window)
