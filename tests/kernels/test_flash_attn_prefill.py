@@ -5,7 +5,6 @@ a torch model of flash_attn_varlen_func at the boundary). The real kernel: tests
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from tests.support.paged_batch import flash_attn_varlen_model, paged_batch  # noqa: E402
+from tests.support.paged_batch import VarlenRecorder, paged_batch  # noqa: E402
 from vllm_actors.kernels import prefill_choice  # noqa: E402
 from vllm_actors.kernels.attention import build_attention_metadata, get_attention_backend  # noqa: E402
 from vllm_actors.kernels.flash_attn_prefill import (  # noqa: E402
@@ -82,7 +81,7 @@ def test_auto_takes_flash_attn_for_a_short_chunk_over_a_long_context() -> None:
 def test_the_context_is_the_longest_querys_and_the_backend_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefill_choice, "LONG_CONTEXT_KEYS", 20)
     monkeypatch.setattr(prefill_choice, "LONG_CONTEXT_MIN_QUERY_LEN", 4)
-    prefill = FlashAttnPrefill("auto", Recorder())
+    prefill = FlashAttnPrefill("auto", VarlenRecorder())
     # (cached, query): the longest query (6) has 24 keys before it, a decode beside it 40
     batch = paged_batch([(40, 1), (24, 6)], 16, 4, 2, 128, torch.bfloat16)
     assert batch.meta.context_of_longest_query() == 24
@@ -167,7 +166,7 @@ def test_pack_gqa_follows_the_setting(monkeypatch: pytest.MonkeyPatch, setting: 
         monkeypatch.delenv("VLLM_ACTORS_FLASH_ATTN_PACK_GQA", raising=False)
     else:
         monkeypatch.setenv("VLLM_ACTORS_FLASH_ATTN_PACK_GQA", setting)
-    recorder = Recorder()
+    recorder = VarlenRecorder()
     prefill = FlashAttnPrefill("flash_attn", recorder)
     batch = paged_batch([(0, 9), (20, 12)], 16, 4, 2, 32, torch.bfloat16, seed=5)
     expected = batch.reference()
@@ -180,23 +179,12 @@ def test_pack_gqa_follows_the_setting(monkeypatch: pytest.MonkeyPatch, setting: 
         FlashAttnPrefill("flash_attn", recorder, pack_gqa="yes")
 
 
-class Recorder:
-    """flash_attn_varlen_func at the boundary: records each call and answers with the torch model."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.calls.append(kwargs)
-        return flash_attn_varlen_model(**kwargs)
-
-
 def test_the_backend_hands_flash_attn_the_steps_it_wants(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked prefill over cached prefixes beside a decode row, GQA 4/2: above the threshold the
     step goes to flash-attn (arguments as the model of its semantics reads them give the torch
     reference's output), below it and for decode steps the Triton kernels answer."""
     monkeypatch.setitem(prefill_choice.FLASH_ATTN_MIN_QUERY_LEN, 32, 9)
-    recorder = Recorder()
+    recorder = VarlenRecorder()
     backend = TritonPagedAttention(prefill=FlashAttnPrefill("auto", recorder))
     cases = {
         "long": ([(0, 9), (20, 12), (16, 1)], 1),  # longest query 12 >= 9: flash-attn
@@ -216,7 +204,7 @@ def test_the_backend_hands_flash_attn_the_steps_it_wants(monkeypatch: pytest.Mon
 
 def test_an_fp8_cache_or_float32_stays_on_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(prefill_choice.FLASH_ATTN_MIN_QUERY_LEN, 32, 2)
-    prefill = FlashAttnPrefill("flash_attn", Recorder())
+    prefill = FlashAttnPrefill("flash_attn", VarlenRecorder())
     batch = paged_batch([(4, 6)], 16, 4, 2, 32, torch.bfloat16)
     assert prefill.wants(batch.q, batch.k_cache, batch.v_cache, batch.meta)
     fp8 = batch.k_cache.to(torch.float8_e4m3fn)

@@ -5,26 +5,15 @@ boundary). The real kernel: tests/gpu/test_gpu_flash_attn_prefill.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from tests.support.paged_batch import flash_attn_varlen_model, paged_batch
+from tests.support.paged_batch import VarlenRecorder, paged_batch
 from vllm_actors.kernels import prefill_choice
 from vllm_actors.kernels.attention import build_attention_metadata
 from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill
 from vllm_actors.kernels.flash_attn_split import MIN_SPLIT_KEYS, plan_key_splits, split_tensors
 from vllm_actors.kernels.prefill_choice import prefill_kernel
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.calls.append(kwargs)
-        return flash_attn_varlen_model(**kwargs)
 
 
 def test_the_plan_splits_only_a_chunk_that_leaves_sms_idle_over_a_long_context() -> None:
@@ -83,17 +72,17 @@ def test_a_split_step_equals_the_reference(softcap: float | None) -> None:
             batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), batch.meta, batch.scale,
             logits_soft_cap=softcap, kv_written=True,
         )  # fmt: skip
-    recorder = Recorder()
+    recorder = VarlenRecorder()
     split = FlashAttnPrefill("flash_attn", recorder, split_keys=True, num_sms=3)
     out = split(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale, logits_soft_cap=softcap)
     assert [(c["causal"], c.get("return_lse", False), c["q"].shape[0]) for c in recorder.calls] == \
         [(True, True, 66), (False, True, 3 * 64)]
     assert ((out - expected).norm() / expected.norm()).item() < 1e-5
-    whole = FlashAttnPrefill("flash_attn", Recorder(), split_keys=False, num_sms=3)
+    whole = FlashAttnPrefill("flash_attn", VarlenRecorder(), split_keys=False, num_sms=3)
     unsplit = whole(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale, logits_soft_cap=softcap)
     assert ((unsplit - out).norm() / unsplit.norm()).item() < 1e-5
     # a windowed layer is never split (its keys are not the whole context)
-    windowed = FlashAttnPrefill("flash_attn", Recorder(), split_keys=True, num_sms=3)
+    windowed = FlashAttnPrefill("flash_attn", VarlenRecorder(), split_keys=True, num_sms=3)
     assert windowed.splits(batch.q, batch.k_cache, batch.meta, sliding_window=512) is None
 
 
@@ -112,7 +101,7 @@ def test_auto_takes_flash_attn_for_shorter_chunks_where_it_splits() -> None:
 def test_steps_flash_attn_takes_by_their_context_leave_the_padded_graphs() -> None:
     """The padded graph of a step's size chose its kernel at capture from the token count alone: a
     short chunk over a long context (split or not) runs eagerly, other steps keep their graph."""
-    prefill = FlashAttnPrefill("auto", Recorder(), split_keys=True, num_sms=132)
+    prefill = FlashAttnPrefill("auto", VarlenRecorder(), split_keys=True, num_sms=132)
     cpu = torch.device("cpu")
 
     def eager(lens: list[int], seqs: list[int], padded: int) -> bool:
@@ -123,5 +112,5 @@ def test_steps_flash_attn_takes_by_their_context_leave_the_padded_graphs() -> No
     assert not eager([1] * 64, [3000] * 64, 64)  # decodes
     assert not eager([300, 1], [300, 900], 512)  # a fresh short prompt: Triton either way
     assert eager([300], [300 + prefill_choice.LONG_CONTEXT_KEYS], 512)  # alone over a long context, unsplit
-    unsplit = FlashAttnPrefill("auto", Recorder(), split_keys=False, num_sms=132)
+    unsplit = FlashAttnPrefill("auto", VarlenRecorder(), split_keys=False, num_sms=132)
     assert not unsplit.outruns_padded_graph([128] + [1] * 140, [400_128] + [2300] * 140, 16, 32, 8, 64, 512, cpu)

@@ -5,6 +5,7 @@ Also a torch model of flash-attn's varlen forward over a page table (the tests' 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,3 +140,14 @@ def flash_attn_varlen_model(
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=softmax_scale)
         out[start:end] = attended.transpose(0, 1).to(q.dtype)
     return out, (lse if return_lse else None)
+
+
+class VarlenRecorder:
+    """flash_attn_varlen_func at the boundary: records each call and answers with the torch model."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.calls.append(kwargs)
+        return flash_attn_varlen_model(**kwargs)
