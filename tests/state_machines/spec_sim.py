@@ -7,8 +7,9 @@ verifies drafts is read back at once (the deferred pipeline drained, the draw ou
 graph), so it costs ``plain(B) + verify_fixed(B) + per_token * drafted``; the first plain step after
 it costs ``switch(B)`` more (its inputs prepared while the device idles). Each drafted position is
 accepted with ``acceptance`` (seeded), up to the first rejected one. A request's lookup finds its
-drafts with chance ``found`` (else none: a plain row); a step whose lookups all found nothing runs
-as a plain step, but the pipeline was drained for it: it costs ``switch(B)`` more.
+drafts with chance ``found`` (else none: a plain row), ``longest`` of them at most (text of short
+repeats); a step whose lookups all found nothing runs as a plain step, but the pipeline was drained
+for it: it costs ``switch(B)`` more.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Device:
     switch: Callable[[int], float] = lambda b: 0.25 * MS + 0.004 * MS * b
     acceptance: float = 0.8
     found: float = 1.0
+    longest: int = 1 << 20  # the most drafts a lookup finds
     first_verify: float = 0.0  # added once to the first drafting step (a first use that compiles)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     verified: int = 0
@@ -111,7 +113,7 @@ def simulate(device: Device, batch: int, output_len: int, waves: int = 1, specul
             plan = StepPlan(step_id=step_id, req_ids=[r.request_id for r in running],
                             num_tokens=[1 + len(drafts.get(r.request_id, [])) for r in running],
                             num_blocks=[1 + r.num_computed_tokens // 16 for r in running], draft_token_ids=drafts)
-            found = {k: len(v) for k, v in drafts.items()
+            found = {k: min(len(v), device.longest) for k, v in drafts.items()
                      if device.found >= 1.0 or device.rng.random() < device.found}
             seconds = device.step(len(running), found, after_drafting)
             if drafts and not found:  # placeholders that found nothing: drained for a plain step

@@ -167,6 +167,28 @@ def test_acceptance_counts_the_drafts_tested() -> None:
     assert expected_tokens(3, 1.0) == 4 and expected_tokens(3, 0.0) == 1
 
 
+def test_acceptance_folds_in_how_many_drafts_the_lookups_find() -> None:
+    """Lookups that find one draft of the 4 planned, right 7 times in 8, gain 1.875 tokens a step:
+    the bucket the plan prices them by gains that at 4 drafts (0.875 of drafts right alone said 3.9).
+    A plan of fewer drafts that finds them all says nothing of how far the lookups reach."""
+    short, full = Acceptance(), Acceptance()
+    for step in range(100):
+        right = step % 8 != 0
+        short.observe(1, int(right), 4)
+        full.observe(4, 4 if right else 0, 4)
+    assert short.alpha == pytest.approx(0.84, abs=0.02)  # the prior: 0.5
+    assert short.reach == pytest.approx(1.14, abs=0.02)  # the prior: every draft found
+    gains = expected_tokens(short.reach, short.alpha)  # 1.94
+    assert expected_tokens(4, short.bucket / BUCKETS) == pytest.approx(gains, abs=0.05)
+    assert expected_tokens(4, short.alpha) > 3.2  # what it read as without its reach
+    assert full.reach == pytest.approx(4) and full.bucket == round(full.alpha * BUCKETS)
+    probed = Acceptance()
+    for _ in range(20):
+        probed.observe(1, 1, 4)  # the depth planned once
+        probed.observe(1, 1, 1)  # probes: one planned, one found
+    assert probed.looks == pytest.approx(sum(0.95 ** i for i in range(20)))  # the probes not counted
+
+
 def test_serve_takes_speculative_config_as_json() -> None:
     from vllm_actors.cli import build_parser, engine_kwargs
 

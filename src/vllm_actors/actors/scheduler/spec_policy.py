@@ -12,7 +12,8 @@ Chosen once per planning pass for the whole batch (``choose_drafts``), from thre
   EAGLE-3 head, their forward passes, which run inside the measured step;
 - each request's acceptance (``Acceptance``): with ``alpha`` the chance that a draft is right given
   those before it were, a step verifying ``k`` drafts gains ``(1 - alpha ** (k + 1)) / (1 - alpha)``
-  tokens instead of one.
+  tokens instead of one; where its lookups find fewer drafts than planned (n-gram: a match near the
+  end of the text), ``k`` is at most what they find (``reach``), which its buckets fold in.
 
 The plan (``DraftPlan``): the ``m`` requests of highest acceptance draft ``k`` tokens each, the
 ``(k, m)`` of the most expected tokens per second, and none unless that beats not drafting by
@@ -24,9 +25,11 @@ threshold. Probes (``Speculator``) keep the estimates alive while nothing is dra
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
 
@@ -36,9 +39,10 @@ PRIOR_TRIALS = 2.0
 RECENT_TRIALS = 8.0  # the weight of the recent requests' acceptance in a new request's
 DECAY = 0.95  # per drafting step, the past weighs this much less (toward the prior)
 BUCKETS = 32  # acceptances are grouped in steps of 1/32 when planning
+REACH_PRIOR = 1.0  # lookups weighing this much find every draft planned before any is counted
 
 
-def expected_tokens(k: int, alpha: float) -> float:
+def expected_tokens(k: float, alpha: float) -> float:
     """Tokens a request gains from a step verifying ``k`` drafts accepted with probability
     ``alpha`` each (the bonus token included)."""
     if alpha >= 1.0:
@@ -46,14 +50,36 @@ def expected_tokens(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+@lru_cache(maxsize=64)
+def _tokens_by_bucket(depth: int) -> tuple[float, ...]:
+    return tuple(expected_tokens(depth, bucket / BUCKETS) for bucket in range(BUCKETS + 1))
+
+
+def reach_bucket(alpha: float, reach: float, depth: int) -> int:
+    """The bucket whose ``depth`` drafts gain what ``reach`` drafts (a mean: the lookups' finds) of
+    acceptance ``alpha`` do: the plan prices every request's drafts by one acceptance."""
+    target = expected_tokens(reach, alpha)  # a fractional count: the mean
+    table = _tokens_by_bucket(depth)
+    above = bisect_left(table, target)
+    if above > BUCKETS:
+        return BUCKETS
+    return above if not above or table[above] - target < target - table[above - 1] else above - 1
+
+
 @dataclass
 class Acceptance:
     """A request's per-draft acceptance: the right drafts over the drafts tested (those up to and
-    including the first wrong one; the ones after it are never tested), decayed toward the prior."""
+    including the first wrong one; the ones after it are never tested), decayed toward the prior;
+    and its lookups' ``reach``: the drafts they find of the ``depth`` planned (the most planned for
+    it), counted where that says how far they reach (fewer found than planned, or all of a plan of
+    ``depth``), decayed toward finding them all."""
 
     accepted: float = PRIOR_ACCEPTED
     trials: float = PRIOR_TRIALS
     prior: float = PRIOR_ACCEPTED / PRIOR_TRIALS  # what it decays toward
+    found: float = 0.0  # the drafts the counted lookups found (at most ``depth`` each), decayed
+    looks: float = 0.0  # the counted lookups, decayed
+    depth: int = 0
 
     @classmethod
     def starting_at(cls, recent: Acceptance) -> Acceptance:
@@ -69,21 +95,40 @@ class Acceptance:
         return self.accepted / self.trials
 
     @property
+    def reach(self) -> float:
+        """The drafts its lookups find, of ``depth`` planned (``depth`` where none was counted)."""
+        return (self.found + self.depth * REACH_PRIOR) / (self.looks + REACH_PRIOR)
+
+    @property
     def bucket(self) -> int:
-        return round(self.alpha * BUCKETS)
+        return self.bucket_with(0)
 
     @property
     def hopeful_bucket(self) -> int:
         """The bucket with one right draft more: a request of few verified drafts gets the benefit
         of the doubt (a wrong first draft does not stop it), which fades as its drafts are counted."""
-        return round((self.accepted + 1.0) / (self.trials + 1.0) * BUCKETS)
+        return self.bucket_with(1)
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
+    def bucket_with(self, right: int) -> int:
+        """The bucket with ``right`` right drafts more, its lookups' reach folded in."""
+        alpha = (self.accepted + right) / (self.trials + right)
+        reach = self.reach
+        if reach >= self.depth:
+            return round(alpha * BUCKETS)
+        return reach_bucket(alpha, reach, self.depth)
+
+    def observe(self, num_drafted: int, num_accepted: int, num_planned: int = 0) -> None:
         """One step's verification (``num_drafted`` 1, ``num_accepted`` 0: a proposal that found
-        nothing, which held the request to one step in flight for nothing)."""
+        nothing, which held the request to one step in flight for nothing); ``num_planned``: the
+        drafts planned where the lookup was made in the worker (0: not counted for ``reach``)."""
         rejected = 1.0 if num_accepted < num_drafted else 0.0
         self.accepted = self.accepted * DECAY + self.prior * PRIOR_TRIALS * (1 - DECAY) + num_accepted
         self.trials = self.trials * DECAY + PRIOR_TRIALS * (1 - DECAY) + num_accepted + rejected
+        if num_planned:
+            self.depth = max(self.depth, num_planned)
+            if num_drafted < num_planned or num_planned == self.depth:  # else it might have found more
+                self.found = self.found * DECAY + min(num_drafted, self.depth)
+                self.looks = self.looks * DECAY + 1.0
 
 
 @dataclass

@@ -7,8 +7,12 @@ and only where that step's predicted extra cost (``DraftCost``: with a draft mod
 over the tokens since each request last drafted) is at most ``PROBE_SHARE`` of the seconds run
 since anything was drafted. A probe whose drafts were all right lets its request probe again next
 step, ``PROBE_STREAK`` times in a row at most, so text that becomes predictable earns its drafts
-back as its acceptance climbs. What probing costs when drafts are never right: one drafted token
-per ``PROBE_INTERVAL // 2`` plain steps of a request at most, and about ``PROBE_SHARE`` of the time.
+back as its acceptance climbs, where the streak could get there: the plan would draft for the
+streaking requests with their acceptance as measured and a streak of right drafts more (a request
+whose lookups find single drafts, right but in short runs, has many drafts measured, and a streak
+of single right ones moves it little: its probes in a row were drafting steps at a loss). What
+probing costs when drafts are never right: one drafted token per ``PROBE_INTERVAL // 2`` plain
+steps of a request at most, and about ``PROBE_SHARE`` of the time.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ class Pace:
         """It drafts this step, with ``num_tokens`` tokens known."""
         self.idle, self.catch_up, self.drafted_at = 0, num_tokens - self.drafted_at, num_tokens
 
-    def verified(self, num_drafted: int, num_accepted: int) -> None:
-        self.acceptance.observe(num_drafted, num_accepted)
+    def verified(self, num_drafted: int, num_accepted: int, num_planned: int = 0) -> None:
+        self.acceptance.observe(num_drafted, num_accepted, num_planned)
         self.streak = self.streak + 1 if num_accepted == num_drafted else 0
         if 0 < self.streak <= PROBE_STREAK:  # all right: it may probe again next step
             self.idle = PROBE_INTERVAL
@@ -48,14 +52,15 @@ class Pace:
 
 def choose_probers(candidates: Sequence[tuple[ScheduledRequest, Pace]], cost: DraftCost,
                    seconds_since_draft: float, fixed: float = 0.0,
-                   streak_pays: Callable[[int], bool] | None = None) -> set[str]:
+                   streak_pays: Callable[[list[Pace]], bool] | None = None) -> set[str]:
     """The requests that probe this pass (one draft each, where the plan drafts none for them).
     ``fixed``: seconds a drafting step costs beyond ``cost`` (the overlap given up after it);
-    ``streak_pays(n)``: whether drafting for ``n`` requests whose drafts are all right would pay at
-    this batch size (where it cannot, a right probe earns no next probe: its step is a loss)."""
-    streaking = {request.request_id for request, pace in candidates
-                 if 0 < pace.streak <= PROBE_STREAK and pace.idle >= PROBE_INTERVAL}
-    if streaking and streak_pays is not None and not streak_pays(len(streaking)):
+    ``streak_pays(paces)``: whether a streak of right drafts could bring the plan to draft for these
+    requests (where it cannot, a right probe earns no next probe: its step is a loss)."""
+    on_streak = [(request.request_id, pace) for request, pace in candidates
+                 if 0 < pace.streak <= PROBE_STREAK and pace.idle >= PROBE_INTERVAL]
+    streaking = {request_id for request_id, _ in on_streak}
+    if streaking and streak_pays is not None and not streak_pays([pace for _, pace in on_streak]):
         streaking = set()
     if not any(pace.idle >= PROBE_INTERVAL and request.request_id not in streaking for request, pace in candidates):
         return streaking

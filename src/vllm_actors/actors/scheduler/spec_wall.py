@@ -3,7 +3,9 @@
 Measured in wall time (``StepResult.interval_seconds``: from the later of a step's launch and the
 previous step's read-back to its own read-back), per bucket of decoding requests (powers of two):
 
-- ``plain``: a plain decode step's interval (steps right after a drafting step excluded);
+- ``plain``: a plain decode step's interval with two steps in flight, measured only in the plain
+  regime: not right after a drafting step (``switch``), nor right before one (its read-back waited for
+  the drafting plan and the drain: a cost of drafting too, not what plain decoding runs at);
 - ``draft``: what a drafting step adds to it (``DraftCost``, ``e + p k + t n + u c``), fitted on
   the drafting steps' intervals less ``plain``. A drafting step is read back at once, so it drains
   the pipeline of deferred steps (the step before is read back before it launches) and draws its
@@ -13,7 +15,15 @@ previous step's read-back to its own read-back), per bucket of decoding requests
 - ``switch``: what the first plain step after a drafting step costs beyond ``plain`` (its inputs
   are prepared while the device idles: the overlap the drafting step gave up), charged to drafting.
 
-A bucket not yet measured starts from the nearest measured bucket's drafting costs. A step whose
+Drafting pays or not by the ratio of the two regimes' measured intervals, so a bucket drafts only
+once it has measured its own plain steps (``MIN_PLAIN``): a batch entering a new bucket runs plain
+for a few steps first (once per bucket). The scheduler's step cost model no longer stands in: it
+is fitted on execution times (launch to read-back), longest for the plain steps around drafting
+runs (2.2-2.5 ms at 4-15 requests on the H200 in session 21, against 0.77 ms overlapped), and it
+priced the tail of a closed batch of 64 whose drafting steps took 1.65 ms for about 1.8 tokens a
+request. (A smaller bucket's plain step as a stand-in errs against drafting twice over: the
+drafting overhead fitted against it stays too large once the bucket has its own.) A bucket not yet
+measured starts from the nearest measured bucket's drafting costs. A step whose
 overhead is ``OUTLIER`` times the bucket's plain step plus its prediction teaches nothing unless the
 next drafting step's is as large: a first use of a step shape may compile or allocate, and one such
 outlier must not stop drafting.
@@ -37,12 +47,12 @@ from vllm_actors.actors.scheduler.spec_policy import (
     choose_drafts,
     expected_tokens,
 )
-from vllm_actors.actors.scheduler.spec_probes import Pace, choose_probers
+from vllm_actors.actors.scheduler.spec_probes import PROBE_STREAK, Pace, choose_probers
 from vllm_actors.protocol.messages import StepResult
 
 EMA = 0.1  # weight of each new observation in the plain and switch averages
 OUTLIER = 8.0  # an overhead this many times (plain + predicted overhead) is an outlier, unless repeated
-MIN_PLAIN = 2  # plain steps a bucket must have measured before it drafts
+MIN_PLAIN = 2  # plain steps of the plain regime a bucket must have measured before it drafts
 RUN_EMA = 0.1  # weight of each drafting run's length in their mean
 PRIOR_VARIANCE = 1e3  # the fixed part's prior uncertainty (the step cost model's)
 TOKEN_SCALE = 1024.0  # drafted tokens per unit of the fixed part's prior uncertainty (256 requests x 4 drafts)
@@ -89,8 +99,8 @@ class BucketCost:
 
 
 class WallCosts:
-    """The per-bucket estimates; ``fallback`` (the scheduler's step cost model) prices a plain
-    step where a bucket has measured none, and a drafting step's prefill tokens."""
+    """The per-bucket estimates; ``fallback`` (the scheduler's step cost model) prices a drafting
+    step's prefill tokens."""
 
     def __init__(self, fallback: CostModel) -> None:
         self.fallback = fallback
@@ -109,15 +119,13 @@ class WallCosts:
         return found
 
     def ready(self, num_decodes: int) -> bool:
-        """Whether plain steps were measured enough to compare drafting with: the bucket's, or
-        another's (a batch shrinking as its requests finish prices its new bucket by ``fallback``
-        until it has its own)."""
-        self.bucket(num_decodes)
-        return any(cost.num_plain >= MIN_PLAIN for cost in self.buckets.values())
+        """Whether the bucket's own plain steps were measured enough to compare drafting with (a
+        batch entering a new bucket runs plain until it has: a few steps, once per bucket)."""
+        return self.bucket(num_decodes).num_plain >= MIN_PLAIN
 
     def plain_seconds(self, num_decodes: int) -> float:
-        cost = self.bucket(num_decodes)
-        return cost.plain if cost.num_plain else self.fallback.step_seconds(0, num_decodes)
+        """The bucket's plain step (0: none measured)."""
+        return self.bucket(num_decodes).plain
 
     def observe_plain(self, num_decodes: int, prefill_tokens: int, seconds: float, after_drafting: bool) -> None:
         """A plain step: decode-only ones teach ``plain``, or ``switch`` right after a drafting step."""
@@ -134,10 +142,8 @@ class WallCosts:
         """A drafting step's interval; ``prefill_seconds``: what its prefill chunks cost (not drafting)."""
         cost = self.bucket(num_decodes)
         cost.num_drafting += 1
-        if seconds <= 0:
+        if seconds <= 0 or not cost.num_plain:  # no plain step of its own to measure the overhead against
             return
-        if not cost.num_plain:  # priced by the fallback until it has measured a plain step of its own
-            cost.observe_plain(self.plain_seconds(num_decodes))
         predicted = cost.draft.seconds(0, num_draft_tokens)
         extra = seconds - prefill_seconds - cost.plain
         outlier = extra > OUTLIER * (cost.plain + predicted) and extra > 2 * cost.last_extra
@@ -169,12 +175,25 @@ class WallPolicy:
         self._run = 0  # drafting steps since the last plain step
         self._run_length = 1.0  # drafting runs' mean length
         self._drafted = False  # the last pass's plan drafted
+        self._drafts_next = False  # the last pass drafts or probes: the step read back before it waited for it
+        self.measuring = False  # the last pass drafted nothing because its bucket's plain steps are being measured
+
+    def plain_pass(self) -> None:
+        """A pass planned without ``choose`` (the speculator's warm-up or refresh): nothing drafted."""
+        self._drafted = self._drafts_next = False
 
     def choose(self, candidates: Sequence[tuple[ScheduledRequest, Pace]], num_decodes: int, max_drafts: int,
                seconds_since_draft: float) -> tuple[DraftPlan, set[str]]:
         """The pass's plan and probers (``seconds_since_draft``: measured since the last drafting step)."""
+        plan, probers = self._choose(candidates, num_decodes, max_drafts, seconds_since_draft)
+        self._drafts_next = bool(plan.num_drafts or probers)
+        return plan, probers
+
+    def _choose(self, candidates: Sequence[tuple[ScheduledRequest, Pace]], num_decodes: int, max_drafts: int,
+                seconds_since_draft: float) -> tuple[DraftPlan, set[str]]:
         drafted, self._drafted = self._drafted, False
-        if not num_decodes or not self.costs.ready(num_decodes):
+        self.measuring = bool(num_decodes) and not self.costs.ready(num_decodes)
+        if not num_decodes or self.measuring:  # its plain steps measured first
             return NO_DRAFTS, set()
         bucket, plain = self.costs.bucket(num_decodes), WallPlain(self.costs)
         base = plain.step_seconds(0, num_decodes)
@@ -187,8 +206,9 @@ class WallPolicy:
         plan = replace(widened(plan, buckets, num_decodes / base, bucket.draft), hopeful=True)
         self._drafted = plan.num_drafts > 0
 
-        def pays(count: int) -> bool:  # drafts always right for ``count`` requests would pay
-            return choose_drafts([BUCKETS] * count, num_decodes, max_drafts, plain, bucket.draft, overlapped=False,
+        def pays(paces: list[Pace]) -> bool:  # a streak of right drafts more would make the plan draft for them
+            streaked = [pace.acceptance.bucket_with(PROBE_STREAK) for pace in paces]
+            return choose_drafts(streaked, num_decodes, max_drafts, plain, bucket.draft, overlapped=False,
                                  fixed=bucket.switch).num_drafts > 0
 
         if plan.num_drafts:  # the step verifies drafts anyway: the others probe at their drafts' cost only
@@ -200,12 +220,15 @@ class WallPolicy:
                 seconds: float) -> None:
         """A step's interval: ``features`` (``step_features``), whether its plan had drafts, and the
         drafts the worker verified per drafting request. A plan whose drafts the worker found none of
-        is a drafting step of 0 drafted tokens: the worker drained its steps in flight to look them up."""
+        is a drafting step of 0 drafted tokens: the worker drained its steps in flight to look them up.
+        A plain step followed by a drafting plan (the last pass's, planned before this result with two
+        steps in flight) teaches nothing: its read-back waited for that plan."""
         prefill_tokens, num_decodes, pairs = features
         if not any(sizes) and not planned_drafts:  # a plain step
             if self._run:
                 self._run_length += RUN_EMA * (self._run - self._run_length)
-            self.costs.observe_plain(num_decodes, prefill_tokens, seconds, after_drafting=bool(self._run))
+            if self._run or not self._drafts_next:
+                self.costs.observe_plain(num_decodes, prefill_tokens, seconds, after_drafting=bool(self._run))
             self._run = 0
             return
         self._run += 1
@@ -213,6 +236,8 @@ class WallPolicy:
         prefill = max(fallback.step_seconds(prefill_tokens, num_decodes, pairs)
                       - fallback.step_seconds(0, num_decodes), 0.0) if prefill_tokens else 0.0
         self.costs.observe_drafting(num_decodes, prefill, sum(sizes), seconds)
+
+
 
 
 def widened(plan: DraftPlan, buckets: Sequence[int], plain_rate: float, draft: DraftCost) -> DraftPlan:

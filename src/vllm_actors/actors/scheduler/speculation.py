@@ -8,7 +8,9 @@ forward pass and returns the tokens it accepted plus one (``StepResult`` repeats
 per token). Here the request's computed count is rolled back by the rejected drafts and blocks
 beyond its slots are given back (``StepPlan.trimmed_blocks``). The worker's n-gram lookup may find
 fewer drafts than planned (``StepResult.num_drafted``): the slots past them are rolled back as
-rejected, and only the drafts it verified count as drafted.
+rejected, and only the drafts it verified count as drafted. How many its lookups find is measured
+too (``Acceptance.reach``): a request whose lookups find one draft of the 4 planned, right 87% of
+the time, gains 1.9 tokens a step, not the 3.9 its acceptance alone would say.
 
 Steps in flight: an n-gram request keeps two. Its next step is planned as if every draft of the
 one in flight were accepted (``num_pending_drafts``): its computed count is then the furthest slot
@@ -124,6 +126,8 @@ class Speculator:
         if not self.config.adaptive or self._plain_steps < WARMUP_STEPS or self._drafting_run >= REFRESH_STEPS:
             self._quiet_passes += self._quiet
             self._review_at = 0
+            if self.wall is not None:
+                self.wall.plain_pass()
             return
         decoding = [request for request in running if is_decoding(request)]
         candidates = [(request, self._pace(request.request_id)) for request in decoding
@@ -140,6 +144,8 @@ class Speculator:
             self._quiet_passes += 1
             longest = max((pace.idle for _, pace in candidates), default=0)  # the first to probe
             wait = PROBE_INTERVAL - longest if longest < PROBE_INTERVAL else REVIEW_PASSES  # due: costs too much now
+            if self.wall is not None and self.wall.measuring:  # it may draft once a few plain steps are measured
+                wait = 1
             self._review_at = self._passes + max(1, min(REVIEW_PASSES, wait))
             self._quiet_key = (len(running), self._version)
 
@@ -261,7 +267,7 @@ class Speculator:
                 counters.accepted_per_pos[position] += 1
             if pace is not None:
                 self._version += 1
-                pace.verified(num_drafted, num_accepted)
+                pace.verified(num_drafted, num_accepted, len(drafts))
                 recent.observe(num_drafted, num_accepted)
             request = requests.get(request_id)
             if request is None:
