@@ -14,8 +14,10 @@ after the results up to k - lag (two steps in flight: the plan of k is made once
 - after: the slice (``interval_seconds``), a timed step's GPU time, nothing from the step right after
   a timed one (its interval holds the timed step's GPU time), the covariance kept symmetric.
 
-Errors are predicted / wall - 1 over the steps holding the long prompt's chunk beside decodes, per 100k
-of its context: mean, and the 50th and 90th percentiles of their size."""
+A pair of steps read back together (the second's wall share under ``BUNCHED_FRACTION`` of its execute
+time) is taught, and judged, at its average wall share. Errors are predicted / wall - 1 over the steps
+holding the long prompt's chunk beside decodes, per 100k of its context: mean, and the 50th and 90th
+percentiles of their size."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_actors.actors.scheduler.cost_model import OnlineCostModel, chunk_attention, chunk_pairs
+from vllm_actors.actors.scheduler.late_timings import BUNCHED_FRACTION
 
 
 @dataclass
@@ -76,11 +79,28 @@ class Unsymmetrised(OnlineCostModel):
             self.covariance *= 1e4 / trace
 
 
+def bunched(steps: list[Step], k: int) -> bool:
+    """Step k was read back right after step k - 1 (``late_timings.BUNCHED_FRACTION``): their wall shares
+    are one step's worth each only on average."""
+    return k > 0 and steps[k].gpu is None and steps[k].wall < BUNCHED_FRACTION * steps[k].execute
+
+
+def paired_walls(steps: list[Step]) -> list[float]:
+    """Each step's wall share, a bunched pair's averaged (what each of them cost, as far as the trace says)."""
+    walls = [step.wall for step in steps]
+    for k in range(1, len(steps)):
+        if bunched(steps, k):
+            walls[k - 1] = walls[k] = (steps[k - 1].wall + steps[k].wall) / 2
+    return walls
+
+
 def replay(steps: list[Step], after: bool, lag: int) -> list[float]:
-    """Each step's prediction, made before the model saw it."""
+    """Each step's prediction, made before the model saw it. After: the model learns as ``LateTimings``
+    teaches it (wall shares, a bunched pair as its average, nothing right after a timed step)."""
     model = OnlineCostModel() if after else Unsymmetrised()
     attention = chunk_attention if after else chunk_pairs
     pairs = [sum(attention(start, n) for start, n in step.chunks) for step in steps]
+    walls = paired_walls(steps)
     predictions = []
     for k, step in enumerate(steps):
         j = k - lag
@@ -89,16 +109,17 @@ def replay(steps: list[Step], after: bool, lag: int) -> list[float]:
             if seen.gpu is not None:
                 model.observe(seen.prefill_tokens, seen.decodes, seen.gpu, pairs[j])
             elif not (after and timed_before):
-                model.observe(seen.prefill_tokens, seen.decodes, seen.wall if after else seen.execute, pairs[j])
+                model.observe(seen.prefill_tokens, seen.decodes, walls[j] if after else seen.execute, pairs[j])
         predictions.append(model.step_seconds(step.prefill_tokens, step.decodes, pairs[k]))
     return predictions
 
 
 def report(steps: list[Step], predictions: list[float], label: str) -> None:
     print(label)
+    walls = paired_walls(steps)
     for low in range(0, 1_000_000, 100_000):
-        errors = [predictions[k] / step.wall - 1 for k, step in enumerate(steps)
-                  if low <= step.context < low + 100_000 and step.decodes and step.gpu is None and step.wall > 0]
+        errors = [predictions[k] / walls[k] - 1 for k, step in enumerate(steps)
+                  if low <= step.context < low + 100_000 and step.decodes and step.gpu is None and walls[k] > 0]
         if not errors:
             continue
         sizes = sorted(map(abs, errors))

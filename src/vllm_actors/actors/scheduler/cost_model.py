@@ -41,7 +41,8 @@ def chunk_attention(start: int, num_tokens: int) -> float:
 class CostModel(Protocol):
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float: ...
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None: ...
+    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float,
+                prefill_pairs: float = 0.0) -> None: ...
 
 
 @dataclass
@@ -56,7 +57,7 @@ class FixedCostModel:
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
         return self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * prefill_pairs
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float, prefill_pairs: float = 0.0) -> None:
         return None
 
 
@@ -81,7 +82,7 @@ class OnlineCostModel:
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
         return max(0.0, float(self.theta @ np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs])))
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float, prefill_pairs: float = 0.0) -> None:
         x = np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs], dtype=np.float64)
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)

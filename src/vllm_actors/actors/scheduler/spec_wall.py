@@ -161,7 +161,7 @@ class WallPlain:
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
         return self.costs.plain_seconds(decode_seqs) if decode_seqs else 0.0
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
+    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float, prefill_pairs: float = 0.0) -> None:
         return None
 
 
