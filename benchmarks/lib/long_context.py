@@ -24,6 +24,11 @@ KV of the context at mid-decode (prompt + output/2 tokens), at the device-to-dev
 ``--bandwidth``). Writes ``long_context.json`` and ``long_context.md`` under ``--out``; with
 ``--trace``, each context's first measured prefill of ours as ``trace-ours-<context>.json.gz``
 beside them and as its table of chunks per stage in both (long_context_chunks.py).
+
+``--prefill-probe-tokens P`` measures the longest contexts without running their prefill to the end
+(peer_long.probe_context): each engine, started for the context, is offered its whole prompt for
+``--admit-seconds`` (the report says whether it was admitted), then times prompts of P tokens, the
+first chunks of that prefill: the prefill rate P / TTFT, and decode at P tokens of context.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 # settings that must match for --append to add to an earlier report
 SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
                  "pipeline_parallel_size", "kv_parallel_size", "max_num_batched_tokens", "kv_cache_dtype",
-                 "output_len", "block_size")
-SETTING_DEFAULTS = {"kv_parallel_size": 1, "block_size": None}  # for reports written before the setting
+                 "output_len", "block_size", "prefill_probe_tokens")
+# for reports written before the setting
+SETTING_DEFAULTS = {"kv_parallel_size": 1, "block_size": None, "prefill_probe_tokens": None}
 
 
 def _context(text: str) -> int:
@@ -117,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--no-context-warmup", dest="context_warmup", action="store_false",
                       help="no discarded request at each context first (there is none from 512k on anyway)")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--prefill-probe-tokens", type=int, default=None,
+                      help="do not run a context's prompt to its end: offer the whole prompt for --admit-seconds "
+                           "(admitted or refused), then time prompts of this many tokens (the first chunks of its "
+                           "prefill: TTFT gives the prefill rate; decode is measured at that length)")
+    load.add_argument("--admit-seconds", type=float, default=10.0,
+                      help="with --prefill-probe-tokens: how long the whole prompt runs before it is aborted")
 
     output = parser.add_argument_group("floor and output")
     output.add_argument("--bandwidth", type=float, default=None, help="bytes/s instead of the measured copy bandwidth")
@@ -148,6 +160,8 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         *(["--block-size", str(args.block_size)] if args.block_size else []),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
         "--vocab-size", str(vocab_size),
+        *(["--prefill-probe-tokens", str(args.prefill_probe_tokens), "--admit-seconds", str(args.admit_seconds)]
+          if args.prefill_probe_tokens else []),
     ]
     if engine == "ours" and args.trace:
         common += ["--trace-dir", str(out_dir)]

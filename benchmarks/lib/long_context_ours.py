@@ -112,6 +112,27 @@ class OursEngine:
                 events.append((time.perf_counter() - start, count))
         return events
 
+    def admit(self, prompt: list[int], seconds: float) -> str | None:
+        """The prompt submitted and polled for ``seconds`` (a refusal comes back as the request's
+        error at once), then aborted; the refusal's text, or None."""
+        from vllm_actors.protocol.sampling import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=1)
+        request = engine.prepare(f"admit-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
+        engine.submit(request)
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                for output in engine.poll(100):
+                    if output.request_id == request.request_id and output.error is not None:
+                        return str(output.error)[:500]
+                    if output.request_id == request.request_id and output.finished:
+                        return None  # served whole within the time (a short context)
+        finally:
+            engine.abort(request.request_id)
+        return None
+
     def _traced_stream(self, context: int, prompt: list[int], max_tokens: int) -> Events:
         """``stream``, then the request's events from the metrics store: its trace file under
         ``--trace-dir`` and its chunk table in ``traces[context]`` (an error there if that failed)."""

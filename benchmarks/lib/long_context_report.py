@@ -75,6 +75,9 @@ def build_rows(report: dict[str, Any], shape: ModelShape, bandwidth: float | Non
             else:
                 row.update(ttft_ms=m["ttft_ms"], decode_ms_per_token=m["decode_ms_per_token"],
                            repeats=m["repeats"], complete=m["complete"])
+                if "probe" in m:  # the first chunks of the context's prefill: TTFT and decode at their length
+                    row.update(probe_tokens=m["probe"]["prompt_tokens"], prefill_tok_s=m["probe"]["prefill_tok_s"],
+                               admission=m["admission"])
                 if floor is not None and m["decode_ms_per_token"]:
                     row["percent_of_floor"] = 100 * floor.ms_per_token / m["decode_ms_per_token"]
                 if engine == "ours":
@@ -119,6 +122,16 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"| {_number(row['floor_ms_per_token'], 3)} | {'-' if percent is None else _number(percent, 1) + '%'} "
             f"| {_number(row['ttft_ratio'], 2)} | {_number(row['decode_ratio'], 2)} |"
         )
+    probes = [row for row in report["rows"] if "probe_tokens" in row]
+    lines += [""] if probes else []
+    for row in probes:
+        if True:
+            admission = row["admission"]
+            admitted = ("admitted" if admission.get("admitted") else "refused") if admission.get("checked") \
+                else "not offered"
+            lines.append(f"- {context_label(row['context'])}, {row['engine']}: its {admission['prompt_len']:,}-token "
+                         f"prompt {admitted}; TTFT and decode above of prompts of its first "
+                         f"{row['probe_tokens']:,} tokens, prefill {row['prefill_tok_s']:,.0f} tokens/s")
     startups = [f"{run['engine']} {run['startup_s']:.1f} s" for run in report["runs"] if run.get("startup_s")]
     if startups:
         lines += ["", "Engine startup: " + ", ".join(startups) + "."]

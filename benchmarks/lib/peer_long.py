@@ -17,6 +17,13 @@ DIR --contexts 16384 131072 --repeats 3 3 --warmup 1 1 --out R.json``. Our engin
   median TTFT) / (tokens - 1) is kept beside it as a cross-check.
 
 The result JSON is rewritten after every context, so a run cut short keeps what it measured.
+
+With ``--prefill-probe-tokens P`` a context's prompt is not run to its end (a million tokens of the
+8B shape take minutes): the engine, started for the whole context, is first given the context's
+full prompt for ``--admit-seconds`` (admitted: no error in that time, then aborted; an engine with
+no ``admit`` is not asked), then the samples are fresh prompts of P tokens, the first chunks of
+the context's prefill: their TTFT gives the prefill rate (P / TTFT), and decode is measured there,
+at P tokens of context.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ TOKEN_RANGE = 10000  # prompt token ids are drawn below this (then folded into t
 
 # (seconds since the call, tokens received so far), one entry per update that brought tokens
 Events = list[tuple[float, int]]
+
+
+ADMIT_SECONDS = 10.0
 
 
 class Engine(Protocol):
@@ -112,6 +122,31 @@ def measure_context(stream: Callable[[list[int], int], Events], context: int, ou
     return summarize(context, length, output_len, samples, warmup_s)
 
 
+def probe_context(engine: Engine, context: int, output_len: int, probe_tokens: int, repeats: int, seed: int,
+                  vocab_size: int, admit_seconds: float,
+                  first_sample: Callable[[list[int], int], Events] | None = None) -> dict[str, Any]:
+    """The context's full prompt offered for ``admit_seconds`` (where the engine can ``admit``), then
+    ``repeats`` samples of ``probe_tokens`` prompt tokens: the prefill rate of the context's first chunks."""
+    length = prompt_len(context, output_len)
+    if not 0 < probe_tokens < length:
+        raise ValueError(f"--prefill-probe-tokens {probe_tokens} must be below the context's prompt ({length})")
+    admit = getattr(engine, "admit", None)
+    admission: dict[str, Any] = {"prompt_len": length, "checked": admit is not None}
+    if admit is not None:
+        prompt = random_prompt(random.Random(seed * 1_000_003 + context), length, vocab_size)
+        started = time.perf_counter()
+        refused = admit(prompt, admit_seconds)
+        admission.update(admitted=refused is None, error=refused, seconds=time.perf_counter() - started)
+        if refused is not None:
+            raise RuntimeError(f"the {length:,}-token prompt was refused: {refused}")
+    probe_context_len = probe_tokens + output_len + PROMPT_MARGIN  # a context whose prompt is the probe
+    entry = measure_context(engine.stream, probe_context_len, output_len, repeats, False, seed, vocab_size,
+                            first_sample)
+    entry.update(context=context, admission=admission,
+                 probe={"prompt_tokens": probe_tokens, "prefill_tok_s": probe_tokens / entry["ttft_ms"] * 1e3})
+    return entry
+
+
 # --------------------------------------------------------------------------- the run
 def _write(path: str, result: dict[str, Any]) -> None:
     with open(path, "w") as handle:
@@ -142,8 +177,12 @@ def run_engine(engine: Engine, args: argparse.Namespace) -> int:
         for context, repeats, warmup in zip(args.contexts, args.repeats, args.warmup, strict=True):
             try:
                 first = functools.partial(traced, context) if traced is not None else None
-                entry = measure_context(engine.stream, context, args.output_len, repeats, bool(warmup), args.seed,
-                                        args.vocab_size, first)
+                if args.prefill_probe_tokens:
+                    entry = probe_context(engine, context, args.output_len, args.prefill_probe_tokens, repeats,
+                                          args.seed, args.vocab_size, args.admit_seconds, first)
+                else:
+                    entry = measure_context(engine.stream, context, args.output_len, repeats, bool(warmup), args.seed,
+                                            args.vocab_size, first)
                 found = getattr(engine, "traces", {}).get(context)
                 if found is not None:
                     entry["trace"] = found
@@ -251,6 +290,22 @@ class VllmEngine:
                     events.append((time.perf_counter() - start, count))
         return events
 
+    def admit(self, prompt: list[int], seconds: float) -> str | None:
+        """The prompt added (vLLM refuses one it cannot hold there, or at its start for max_model_len),
+        left to its engine core for ``seconds``, then aborted; the refusal's text, or None."""
+        from vllm import SamplingParams
+
+        engine = self.llm.llm_engine
+        self.ids += 1
+        request_id = f"admit-{self.ids}"
+        try:
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, detokenize=False))
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"[:500]
+        time.sleep(seconds)  # the engine core runs in its own process
+        engine.abort_request([request_id])
+        return None
+
     def shutdown(self) -> None:
         self.llm = None  # vLLM's LLM has no shutdown; the process ends next
 
@@ -325,6 +380,10 @@ def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentPars
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's; its default if not given")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--prefill-probe-tokens", type=int, default=None,
+                        help="measure prompts of this many tokens after offering each context's full prompt")
+    parser.add_argument("--admit-seconds", type=float, default=ADMIT_SECONDS,
+                        help="with --prefill-probe-tokens: how long the full prompt runs before it is aborted")
     if "ours" in engines:
         parser.add_argument("--trace-dir", default=None,
                             help="ours: each context's first measured prefill traced into this directory")

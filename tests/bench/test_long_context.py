@@ -219,6 +219,62 @@ def test_peer_script_runs_alone_and_records_a_missing_engine(tmp_path: Path) -> 
     assert completed.returncode != 0 and "sglang" in json.loads(out.read_text())["error"]
 
 
+class _AdmittingEngine(_FakeEngine):
+    """The fake engine with ``admit``: it refuses prompts above 3,500 tokens (a pool of 3,500)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offered: list[int] = []
+
+    def admit(self, prompt: list[int], seconds: float) -> str | None:
+        self.offered.append(len(prompt))
+        return "more tokens than the KV pool holds" if len(prompt) > 3500 else None
+
+
+def test_a_probe_offers_the_whole_prompt_then_times_its_first_chunks(tmp_path: Path) -> None:
+    args = peer_long.parse_args(_peer_args("--out", str(tmp_path / "r.json"), "--output-len", "8",
+                                           "--prefill-probe-tokens", "500", "--admit-seconds", "0"))
+    engine = _AdmittingEngine()
+    assert peer_long.run_engine(engine, args) == 1  # the 4,000-token context is refused
+    result = json.loads((tmp_path / "r.json").read_text())
+    probed = result["contexts"]["1000"]
+    assert engine.offered == [1000 - 8 - peer_long.PROMPT_MARGIN, 4000 - 8 - peer_long.PROMPT_MARGIN]
+    assert probed["context"] == 1000 and probed["prompt_len"] == 500 and probed["repeats"] == 3
+    assert probed["admission"] == {"prompt_len": 976, "checked": True, "admitted": True, "error": None,
+                                   "seconds": pytest.approx(probed["admission"]["seconds"])}
+    assert probed["ttft_ms"] == pytest.approx(0.5)  # 1 ms per 1,000 tokens
+    assert probed["probe"] == {"prompt_tokens": 500, "prefill_tok_s": pytest.approx(1e6)}
+    assert "refused: more tokens than the KV pool holds" in result["contexts"]["4000"]["error"]
+    # warm-up, then the probes' samples alone: no warm-up at a probed context
+    assert [len(p) for p in engine.prompts] == [976, 500, 500, 500]
+
+    report = new_report({"model_description": "fake", "tensor_parallel_size": 1, "kv_cache_dtype": "auto",
+                         "output_len": 8})
+    add_engine_result(report, "ours", result, "ours-0.log", None)
+    build_rows(report, ModelShape.from_hf_config(LLAMA_3_2_1B_CONFIG), None, 1, "auto")
+    table = format_markdown(report)
+    assert "- 1000, ours: its 976-token prompt admitted; TTFT and decode above of prompts of its first 500 " \
+           "tokens, prefill 1,000,000 tokens/s" in table
+    with pytest.raises(ValueError, match="below the context's prompt"):
+        peer_long.probe_context(engine, 1000, 8, 976, 1, 0, 512, 0.0)
+    plain = _FakeEngine()  # an engine that cannot admit: its prompt is not offered, the probe still runs
+    entry = peer_long.probe_context(plain, 1000, 8, 500, 1, 0, 512, 0.0)  # type: ignore[arg-type]
+    assert entry["admission"] == {"prompt_len": 976, "checked": False} and entry["prompt_len"] == 500
+
+
+def test_the_million_token_llama_3_8b_shape(tmp_path: Path) -> None:
+    from vllm_actors.bench.throughput_workload import MODEL_SHAPES
+
+    config = MODEL_SHAPES["llama-3-8b-1m"]
+    shape = ModelShape.from_hf_config(config)
+    kv_per_token = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+    assert kv_per_token == 128 * 1024 and kv_per_token * 1_000_000 / 2**30 == pytest.approx(122.07, abs=0.01)
+    assert (config["rope_theta"], config["rope_scaling"], config["max_position_embeddings"]) == \
+        (3580165449.0, None, 1048576)
+    setup = model_setup(None, "llama-3-8b-1m", tmp_path, 1_000_000)  # a million tokens within its positions
+    assert setup.overrides == {} and json.loads((Path(setup.path) / "config.json").read_text()) == config
+
+
 # --------------------------------------------------------------------------- the report
 def _context_result(context: int, ttft_ms: float, decode: float) -> dict[str, Any]:
     return {"context": context, "prompt_len": context - 144, "output_len": 128, "repeats": 3, "ttft_ms": ttft_ms,

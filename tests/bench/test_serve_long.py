@@ -42,9 +42,26 @@ def test_the_short_requests_are_measured_in_the_long_prefills_window() -> None:
     assert summary["during"]["itl"]["count"] == 3 + 5  # request 0: its gaps ending at 101.07, .08, .09
     assert summary["during"]["itl"]["max"] == pytest.approx(0.5)
     assert summary["baseline"]["ttft"]["p99"] == pytest.approx(0.05) and summary["baseline"]["itl"]["count"] == 5
+    # short tokens in the window: request 0's last three, request 1's six, over 3 s; asked: request 1's 6
+    assert summary["during"]["output_tok_s"] == pytest.approx(3.0)
+    assert summary["during"]["offered_tok_s"] == pytest.approx(2.0)
+    assert summary["baseline"]["output_tok_s"] == pytest.approx(2.0)  # request 1's six tokens
+    assert (summary["kept"], summary["kept_against"]) == (pytest.approx(1.5), "baseline")
+    # before it: the second half of the second before the long request, [100.5, 101): request 0's first three
+    assert summary["before"]["output_tok_s"] == pytest.approx(6.0)
+    assert summary["before"]["ttft"]["count"] == 1 and summary["before"]["offered_tok_s"] == pytest.approx(12.0)
+    assert summary["decode_ms_per_token"] == pytest.approx(500 / 15)
     record = {"kind": serve_long.LONG_KIND, "value": 2.0, "long": summary}
-    assert "TTFT p99 900.0 ms" in serve_long.describe("ours", record)
-    assert "without it: TTFT p99 50.0 ms" in serve_long.describe("ours", record)
+    line = serve_long.describe("ours", record)
+    assert "TTFT p99 900.0 ms" in line and "decode 33.3 ms/token" in line
+    assert "without it: TTFT p99 50.0 ms" in line and "kept: 150% of baseline" in line
+    alone = serve_long.long_summary([*during, long], None, 100.0, 0.0)  # --long-only: against the time before
+    assert (alone["kept"], alone["kept_against"]) == (pytest.approx(0.5), "before") and "baseline" not in alone
+    refused = RequestResult(3, 5000, 16, start=101.0, e2e=0.01, error="RuntimeError: more than the replicas hold")
+    failed = serve_long.long_summary([*during, refused], None, 100.0, 0.0)
+    assert failed["kept"] is None and failed["decode_ms_per_token"] is None
+    line = serve_long.describe("ours", {"kind": serve_long.LONG_KIND, "value": 2.0, "long": failed})
+    assert "request: FAILED after 0.0 s: RuntimeError: more than the replicas hold;" in line and "kept" not in line
 
 
 def test_the_table_row_names_the_long_request() -> None:

@@ -55,6 +55,10 @@ def markdown(args: argparse.Namespace) -> str:
                      + (f"; resolved: {record['settings']}" if record.get("settings") else ""))
     lines += ["", HEADER]
     lines += [format_row(record["name"], summary) for record in _RECORDS for summary in record["loads"]]
+    longs = [serve_long.describe(record["name"], summary) for record in _RECORDS for summary in record["loads"]
+             if "long" in summary]
+    if longs:
+        lines += ["", *(f"- {line}" for line in longs)]
     lines += slo_markdown(_RECORDS)
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,6 @@
 """``vllm-actors bench throughput``'s workload: nano-vllm's requests, and the model directories of
-the benchmarks' shapes (Qwen3-0.6B by default, Qwen3-8B (also in block-wise FP8), Llama-3.2-1B, the
-mixture-of-experts Qwen3-30B-A3B; random weights)."""
+the benchmarks' shapes (Qwen3-0.6B by default, Qwen3-8B (also in block-wise FP8), Llama-3.2-1B,
+Llama-3-8B with a million-token RoPE, the mixture-of-experts Qwen3-30B-A3B; random weights)."""
 
 from __future__ import annotations
 
@@ -154,6 +154,14 @@ LLAMA_3_2_1B_CONFIG: dict[str, Any] = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+# Llama-3-8B's shape with a million-token RoPE: the dimensions of Meta's Llama-3-8B (32 heads over 8 KV
+# heads, 128 KiB of bf16 KV per token) and the RoPE of Gradient's Llama-3-8B-Instruct-Gradient-1048k
+# (its config.json: rope_theta 3,580,165,449, max_position_embeddings 1,048,576, no rope_scaling).
+LLAMA_3_8B_1M_CONFIG: dict[str, Any] = {
+    **LLAMA_3_2_1B_CONFIG, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 1048576,
+    "rope_theta": 3580165449.0, "rope_scaling": None, "tie_word_embeddings": False,
+}
 # Qwen3-8B-FP8's: block-wise FP8 weights as Qwen ships them (random, quantized at load_format=dummy).
 QWEN3_8B_FP8_CONFIG: dict[str, Any] = {
     **QWEN3_8B_CONFIG, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -170,7 +178,8 @@ QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
 }
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-8b-fp8": QWEN3_8B_FP8_CONFIG,
-    "llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
+    "llama-3.2-1b": LLAMA_3_2_1B_CONFIG, "llama-3-8b-1m": LLAMA_3_8B_1M_CONFIG,
+    "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
 }
 
 
