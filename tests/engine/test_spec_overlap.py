@@ -158,9 +158,33 @@ def test_the_row_after_a_verification_moves_back_by_its_rejected_drafts(busy_dev
     last = worker.flush()
     second = last.to(SCHEDULER)[0]
     assert isinstance(second, StepResult) and second.num_drafted == {"a": 0} and second.num_batched_tokens == 1
+    assert second.overlapped_ids == ["a"]  # dropped for the verification in flight, not found wanting
     assert second.token_ids == [runner.next_token([*prompt, 2, 3, 1, 50])]
     assert [e.overlapped for e in last.events if isinstance(e, StepFinished)] == [1]
     request = worker.requests["a"]
     assert request.token_ids == [*prompt, 2, 3, 1, 50, second.token_ids[0]]
     assert request.num_computed_tokens == len(request.token_ids) - 1 and request.num_pending == 0
     assert request.num_output_tokens == 5
+
+
+def test_placeholders_dropped_for_a_verification_in_flight_are_no_failed_lookup() -> None:
+    """The scheduler rolls the dropped placeholders back either way, but only a lookup that found
+    nothing counts as a wrong draft (``StepResult.overlapped_ids``: the row ran before the
+    verification's read-back)."""
+    from tests.state_machines.spec_sim import new_speculator
+    from vllm_actors.actors.scheduler.request import ScheduledRequest, Status
+
+    alphas = {}
+    for overlapped in ([], ["a"]):
+        spec, _ = new_speculator(adaptive=False)
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        request = ScheduledRequest("a", list(range(20)), params, [], output_token_ids=[1], num_computed_tokens=24,
+                                   status=Status.RUNNING, in_worker=True, num_pending_drafts=4)
+        before = spec._pace("a").acceptance.alpha
+        plan = StepPlan(step_id=3, req_ids=["a"], num_tokens=[5], num_blocks=[2], new_block_ids=[[]],
+                        draft_token_ids={"a": [WORKER_DRAFT] * 4})
+        result = StepResult(step_id=3, req_ids=["a"], token_ids=[7], num_drafted={"a": 0}, overlapped_ids=overlapped)
+        spec.account(plan, result, {"a": request})
+        assert request.num_computed_tokens == 20 and request.num_pending_drafts == 0  # rolled back either way
+        alphas[bool(overlapped)] = (before, spec._pace("a").acceptance.alpha)
+    assert alphas[True][1] == alphas[True][0] and alphas[False][1] < alphas[False][0]

@@ -213,6 +213,7 @@ class PendingStep:
     verifying: list[list[int]] | None = None
     accepted: torch.Tensor | None = None
     overlapped: int = 0  # rows fixed on the device by the pending verification's accepted counts
+    overlapped_ids: list[str] = field(default_factory=list)  # placeholders dropped for that (StepResult)
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

@@ -184,6 +184,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             overlapped = plain_over_verification(message, pending, self.requests, self.sampler) if running else None
             if overlapped is not None:
                 launched = self._launch(overlapped[0], started, read_now=False, num_drafted=overlapped[1])
+                launched.overlapped_ids = list(overlapped[1])
                 self.num_overlapped_steps += 1
                 outputs = self.flush()
                 self._pending = launched
@@ -413,6 +414,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             execute_seconds=0.0 if pending.gpu_timed else pending.host_seconds,  # 0: its time comes later
             interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
+            overlapped_ids=pending.overlapped_ids,
         )
 
     # ------------------------------------------------------------------ membership
