@@ -35,3 +35,32 @@ def test_greedy_ngram_equals_no_speculation_and_drafts_are_accepted(llm: LLM) ->
     spec = llm.get_metrics().spec_decode
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens <= spec.num_draft_tokens
+
+
+def test_rows_after_a_verification_in_flight_move_on_the_device(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the device kept busy (as on a GPU), the step after a verification is launched before its
+    read-back, each drafting request's row moved by its accepted count (``spec_overlap``): the
+    greedy tokens of no speculation, and no KV block left behind."""
+    from vllm_actors.actors.worker.step_data import PendingStep
+    from vllm_actors.clients.inprocess import InProcessEngine
+    from vllm_actors.protocol.events import StepFinished
+
+    monkeypatch.setattr(PendingStep, "ready", lambda self: False)
+    engine = llm.engine
+    assert isinstance(engine, InProcessEngine)
+    steps: list[StepFinished] = []
+    listener = lambda batch: steps.extend(e for e in batch.events if isinstance(e, StepFinished))  # noqa: E731
+    engine.event_listeners.append(listener)
+    engine.step_hooks.append(InProcessEngine.check_invariants)
+    try:
+        speculating = SamplingParams(temperature=0.0, max_tokens=16)
+        reference = SamplingParams(temperature=0.0, max_tokens=16, logit_bias={0: 0.0})  # does not speculate
+        prompts = [REPEATING, PLAIN]
+        outputs = llm.generate(prompts * 2, [speculating] * 2 + [reference] * 2, use_tqdm=False)
+    finally:
+        engine.event_listeners.remove(listener)
+        engine.step_hooks.remove(InProcessEngine.check_invariants)
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    assert tokens[:2] == tokens[2:]
+    assert sum(step.overlapped for step in steps) > 0 and sum(step.num_accepted_tokens for step in steps) > 0
+    engine.check_idle_invariants()

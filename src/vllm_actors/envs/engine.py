@@ -20,6 +20,10 @@ class EngineSettings:
     VLLM_ACTORS_SPEC_ADAPTIVE = switch(
         "Speculative decoding drafts per step as many tokens as the step cost model and the observed acceptance "
         "say pay (0: always `num_speculative_tokens` where a draft is found).", "engine")
+    VLLM_ACTORS_SPEC_OVERLAP = switch(
+        "An n-gram verification step is read back after the next step is launched, that step's rows of the "
+        "drafting requests moved on the device by their accepted counts (0: read back at once; speculative.md).",
+        "engine")
     VLLM_ACTORS_ALLOW_ORACLE_DRAFTER = switch(
         "Accept the speculative method `oracle`, which replays given greedy continuations at a set acceptance "
         "(benchmarks only: it measures the verification cost; see speculative.md).", "engine", default=False)

@@ -226,6 +226,9 @@ class StepFinished(msgspec.Struct, tag="STEP_FINISHED", kw_only=True):
     # The step in flight was read back before this one launched (drafts to verify, logprobs, a
     # reset), so the device idled while this one was prepared: what a speculating engine gives up.
     drained: bool = False
+    # Requests whose decode row was launched before the drafting step they verified drafts in was
+    # read back, its position and input moved on the device by their accepted count (speculative.md).
+    overlapped: int = 0
     # Speculative decoding: requests that verified drafts, their drafted tokens, those accepted,
     # and the accepted ones by draft position (vLLM's spec_decode counters).
     num_drafts: int = 0

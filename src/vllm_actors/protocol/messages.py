@@ -268,6 +268,10 @@ class StepResult(msgspec.Struct, tag="step_result", kw_only=True):
     # placeholders (the n-gram lookup found fewer; 0: a plain decode row), with the count they did.
     # Their planned slots are rolled back as those of rejected drafts.
     num_drafted: dict[str, int] = {}
+    # Of those (drafted 0), the requests whose placeholders were dropped because their verification
+    # before was still in flight (the step ran before its read-back: speculative.md), not a lookup
+    # that found nothing: no acceptance observed, the step priced as a plain one.
+    overlapped_ids: list[str] = []
     # Earlier steps (or this one) that reported execute_seconds 0, timed on the GPU since, in launch order.
     gpu_timings: list[StepGpuTime] = []
 

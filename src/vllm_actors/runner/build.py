@@ -24,7 +24,7 @@ from vllm_actors.runner.gpu_events import step_timer
 from vllm_actors.runner.grammar_tokenizer import worker_grammars
 from vllm_actors.runner.kv_rejoin import rejoiner_for
 from vllm_actors.runner.sampler import Sampler
-from vllm_actors.runner.settings import defer_steps, tp_graph_draws
+from vllm_actors.runner.settings import defer_steps, spec_overlap, tp_graph_draws
 
 
 class ModelShape(Protocol):
@@ -101,6 +101,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         drafter=proposer_for(getattr(runner, "drafter", None)) or ngram_proposer(config),
         rejoiner=rejoiner_for(runner, rendezvous, runner.tp.size, stage.enabled),
         timer=step_timer(runner.device) if ranks.rank == 0 else None,  # rank 0 reports
+        spec_overlap=spec_overlap(),
     )
     if stage.enabled:  # a stage's GPU time leaves out its waits for its input and for its last send
         stage.received.append(worker.timer.work_started)

@@ -46,7 +46,7 @@ from vllm_actors.models.loader import load_model
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage, run_stage
 from vllm_actors.protocol.config import EngineConfig, resolve_scheduler_config
-from vllm_actors.runner.deferred_inputs import fill_deferred
+from vllm_actors.runner.deferred_inputs import fill_deferred, fix_overlap
 from vllm_actors.runner.devices import free_after_failed_start, resolve_device, resolve_dtype
 from vllm_actors.runner.drafters import make_drafter, reattach
 from vllm_actors.runner.fp8_staging import (
@@ -76,6 +76,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 class ModelRunner(GraphDraws, KvPoolSizing):
     supports_deferred_inputs = True  # execute() fills BatchInput.deferred on the device
+    supports_overlap_rows = True  # and moves BatchInput.overlap's rows (decode steps, eager or graph)
     padded_graphs = True  # False for a draft model: its catch-ups run eagerly
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None,
@@ -234,7 +235,7 @@ class ModelRunner(GraphDraws, KvPoolSizing):
         if bucket is not None:
             return self._run_graph(rows, bucket)
         larger_decode = batch.is_decode and bool(self._graphs)  # than every decode graph: eager
-        if not larger_decode and self._padded is not None and self._padded.graphs \
+        if not larger_decode and batch.overlap is None and self._padded is not None and self._padded.graphs \
                 and not staged_step(self.model, batch.query_lens):  # a staged fp8 chunk runs eagerly
             size = self._padded.bucket(batch)
             if size is not None and not flash_attn_outruns_graph(self.model, batch.query_lens, batch.seq_lens,
@@ -250,6 +251,11 @@ class ModelRunner(GraphDraws, KvPoolSizing):
         on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in host.items()}
         self._staging.enqueued()
         fill_deferred(on_device["input_ids"], batch, on_device.get("deferred"))
+        seq_lens_cpu = list(batch.seq_lens)  # upper bounds where rows follow a pending verification
+        if batch.overlap is not None:
+            fix_overlap(on_device, batch, self.block_size)
+            if device.type != "cuda":  # the torch reference reads the host's lengths; no GPU waits here
+                seq_lens_cpu = on_device["seq_lens"].tolist()
         meta = AttentionMetadata(
             slot_mapping=on_device["slot_mapping"],
             query_start_loc=on_device["query_start_loc"],
@@ -258,7 +264,7 @@ class ModelRunner(GraphDraws, KvPoolSizing):
             max_query_len=max(batch.query_lens),
             max_seq_len=max(batch.seq_lens),
             query_lens_cpu=list(batch.query_lens),
-            seq_lens_cpu=list(batch.seq_lens),
+            seq_lens_cpu=seq_lens_cpu,
         )
         def forward(intermediate: torch.Tensor | None) -> torch.Tensor:
             return self.model(on_device["input_ids"], on_device["positions"], meta, self.kv_caches, intermediate)
@@ -320,6 +326,8 @@ class ModelRunner(GraphDraws, KvPoolSizing):
         assert self._static is not None
         pairs = self._static.upload(batch, bucket, sampling)
         fill_deferred(self._static.device["input_ids"], batch, pairs)
+        if batch.overlap is not None:  # rows after a pending verification (the graph reads lengths on the device)
+            fix_overlap(self._static.device, batch, self.block_size)
         graph = (self._sampled_graphs if sampling is not None else self._graphs)[bucket]
         if self._stage_io is not None:  # a pipeline stage: its input received before the replay, its output sent after
             return self._stage_io.replay(graph.graph, graph.logits, bucket, len(batch.query_lens))

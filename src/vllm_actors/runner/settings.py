@@ -21,3 +21,8 @@ def graph_sampler_enabled() -> bool:
     """Capture decode graphs that draw the tokens too (``VLLM_ACTORS_GRAPH_SAMPLER=0``: sample on the
     host side after the replay; on by default, ``benchmarks/RESULTS.md`` has the comparison)."""
     return envs.VLLM_ACTORS_GRAPH_SAMPLER
+
+
+def spec_overlap() -> bool:
+    """VLLM_ACTORS_SPEC_OVERLAP=0: an n-gram verification step is read back before the next step launches."""
+    return envs.VLLM_ACTORS_SPEC_OVERLAP

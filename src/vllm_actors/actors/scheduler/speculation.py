@@ -223,8 +223,10 @@ class Speculator:
         drafted = {request_id: result.num_drafted.get(request_id, len(drafts))
                    for request_id, drafts in plan.draft_token_ids.items()}
         sizes = list(drafted.values())
+        # placeholders the worker dropped because the verification before was in flight: a plain row
+        overlapped = set(result.overlapped_ids)
         if self.wall is not None:
-            self.wall.account(features, bool(plan.draft_token_ids), sizes,
+            self.wall.account(features, any(request_id not in overlapped for request_id in drafted), sizes,
                               step_seconds(result))
         if not any(sizes):  # a plain step (or one the worker drafted nothing for: it ran deferred)
             self._seconds_since_draft += step_seconds(result) if self.wall is not None else result.execute_seconds
@@ -249,7 +251,7 @@ class Speculator:
             num_drafted = drafted[request_id]  # the planned slots past it are rolled back as rejected
             pace = paces.get(request_id)
             if not num_drafted:  # the lookup found nothing: no counter moves, one wrong draft observed
-                if pace is not None:
+                if pace is not None and request_id not in overlapped:
                     self._version += 1
                     pace.verified(1, 0)
                     recent.observe(1, 0)

@@ -31,6 +31,22 @@ class DeferredInputs:
 
 
 @dataclass
+class OverlapRows:
+    """Decode rows launched before the drafting step they follow was read back (``spec_overlap``):
+    row ``rows[i]`` (its flat token index and its sequence's, a decode step) was built as if all
+    ``num_drafts[i]`` drafts of that request were accepted; on the device, with ``a`` its accepted
+    count (``accepted[which[i]]``), its position, slot and sequence length move back by
+    ``num_drafts[i] - a`` and its input becomes ``source[first_row[i] + a]`` (the target's draw there)."""
+
+    rows: list[int]
+    first_row: list[int]
+    num_drafts: list[int]
+    which: list[int]
+    accepted: torch.Tensor  # the pending step's accepted count per sampler, on the device
+    source: torch.Tensor  # the pending step's draws, a row per verified position, on the device
+
+
+@dataclass
 class BatchInput:
     token_ids: list[int]  # flattened new tokens of every scheduled sequence
     positions: list[int]
@@ -47,6 +63,8 @@ class BatchInput:
     # run eagerly, never in a CUDA graph: a step with a request on borrowed KV (its attention calls out
     # to the lenders, runner/kv_borrowing.py)
     eager: bool = False
+    # decode rows whose position and input come from the pending verification's accepted counts
+    overlap: OverlapRows | None = None
 
     def table_array(self) -> np.ndarray:
         """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
@@ -191,6 +209,11 @@ class PendingStep:
     gpu_timed: bool = False  # timed on the GPU (gpu_timing): its result's execute_seconds is 0
     host_seconds: float = 0.0  # launch to read-back on the worker's clock, once read back
     drained: bool = False  # launched after the step in flight was read back (StepFinished.drained)
+    # a verification read back later (spec_overlap): each sampler's drafts, the accepted counts on the device
+    verifying: list[list[int]] | None = None
+    accepted: torch.Tensor | None = None
+    overlapped: int = 0  # rows fixed on the device by the pending verification's accepted counts
+    overlapped_ids: list[str] = field(default_factory=list)  # placeholders dropped for that (StepResult)
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (reading them would not wait)."""

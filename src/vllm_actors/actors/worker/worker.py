@@ -58,6 +58,12 @@ from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.membership import Membership
 from vllm_actors.actors.worker.ngram_drafts import NgramProposer
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
+from vllm_actors.actors.worker.spec_overlap import (
+    accepted_counts,
+    first_rows,
+    overlap_rows,
+    plain_over_verification,
+)
 from vllm_actors.actors.worker.step_data import (
     PendingStep,
     WorkerRequest,
@@ -88,6 +94,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         grammars: GrammarSource | None = None, await_reset: bool = False, tp_graph_draws: bool = True,
         host_tier: HostTierCopies | None = None, stage: Stage | None = None, ranks: Ranks | None = None,
         drafter: Proposer | None = None, rejoiner: Rejoiner | None = None, timer: StepTimer | None = None,
+        spec_overlap: bool = True,
     ) -> None:
         """``clock``: seconds (the shell passes ``time.perf_counter``), to time each step.
         ``defer``: launch a step before reading the previous one back, where the runner can take
@@ -104,7 +111,9 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         rank of the replica). ``drafter``: a draft model's or EAGLE-3 head's proposals (speculative decoding).
         ``rejoiner``: a KV-parallel rank that outlives a dead peer and rejoins (``kv_rejoin``; None: a
         failed collective propagates). ``timer``: GPU time of the steps that sample nothing, on rank 0
-        (``build_worker`` gives a CUDA runner's one over CUDA events; default: none, as on a CPU)."""
+        (``build_worker`` gives a CUDA runner's one over CUDA events; default: none, as on a CPU).
+        ``spec_overlap``: an n-gram verification is read back after the next step is launched, where
+        the runner can move that step's rows on the device (``spec_overlap``; ``VLLM_ACTORS_SPEC_OVERLAP``)."""
         self.rejoiner = rejoiner
         self._lost_peer = False  # a collective failed: plans are dropped until the rejoin plan
         self._rejoin_step = -1  # the last rejoin plan's step id: its result answers as a reset's
@@ -115,6 +124,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         self.grammars = grammars
         self._await_reset = await_reset
         self.defer = defer and runner.supports_deferred_inputs
+        self.spec_overlap = spec_overlap and self.defer and getattr(runner, "supports_overlap_rows", False)
+        self.num_overlapped_steps = 0  # steps launched before the verification in flight was read back
         self._pending: PendingStep | None = None
         self._last_read_back = float("-inf")  # the clock at the last step's read-back (interval_seconds)
         self._copies = HostCopies()
@@ -164,25 +175,62 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         self.validate(message)
         started = self._started(message)
         drafted: dict[str, int] = {}
-        if self.defer and self._pending is not None and isinstance(self.drafter, NgramProposer):
+        pending = self._pending
+        early = Outputs()  # a verification read back before this plan (its rows could not be moved)
+        waited = False
+        if pending is not None and pending.verifying is not None:
+            running = not pending.ready()
+            # still running: this plan runs as a plain step launched before its read-back (spec_overlap)
+            overlapped = plain_over_verification(message, pending, self.requests, self.sampler) if running else None
+            if overlapped is not None:
+                launched = self._launch(overlapped[0], started, read_now=False, num_drafted=overlapped[1])
+                launched.overlapped_ids = list(overlapped[1])
+                self.num_overlapped_steps += 1
+                outputs = self.flush()
+                self._pending = launched
+                return outputs
+            early, waited = self.flush(), running  # done, or this plan needs its tokens: read back first
+        elif self.defer and pending is not None and isinstance(self.drafter, NgramProposer):
             # lookups that cannot find anything whatever the pending tokens: a plain step, overlapped
             message, drafted = self.drafter.without_hopeless(message, self.requests) or (message, drafted)
         if self.defer and self._deferrable(message):
             # A step already done is read back first: its result goes out at once, and the GPU
             # is idle anyway. One still running is read back after this plan is launched.
-            outputs = self.flush() if self.pending_ready() else Outputs()
+            outputs = early.extend(self.flush() if self.pending_ready() else Outputs())
             launched = self._launch(message, started, read_now=False, num_drafted=drafted)
+            launched.drained = waited
             outputs += self.flush()
             self._pending = launched
             return outputs
-        drained = self.defer and self._pending is not None
-        outputs = self.flush()
-        launched = self._launch(message, started, read_now=True, may_defer=self.defer)
+        drained = waited or (self.defer and self._pending is not None)
+        outputs = early.extend(self.flush())
+        later = self._verifies_later(message)  # its verification read back after the next launch
+        launched = self._launch(message, started, read_now=not later, may_defer=self.defer)
         launched.drained = drained
-        if launched.chosen is not None:  # the drafter found nothing: a plain step, read back after the next
+        if launched.chosen is not None:  # a deferred step: no drafts found, or a verification read back later
             self._pending = launched
             return outputs
         return outputs.extend(self._outputs(launched, self._read_back(launched)))
+
+    def _verifies_later(self, plan: StepPlan) -> bool:
+        """Whether a drafting plan's verification may stay in flight while the next step launches
+        (``spec_overlap``): n-gram drafts in the worker, one rank and stage, no borrowed KV, no
+        constrained request and no row that needs the host."""
+        if not self.spec_overlap or not plan.draft_token_ids or plan.reset:
+            return False
+        if not isinstance(self.drafter, NgramProposer):  # a draft model's or head's requests: one step in flight
+            return False
+        if self.tp.enabled or self.stage.enabled or self.borrowing is not None:
+            return False
+        if any(new.params.structured_outputs is not None or self.sampler.needs_host(new.params)
+               for new in plan.new_requests):
+            return False
+        for request_id in plan.req_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request_id not in plan.finished_ids and (
+                    request.grammar is not None or self.sampler.needs_host(request.params)):
+                return False
+        return True
 
     def control(self, control: EngineControl) -> Outputs:
         """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
@@ -220,6 +268,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             execute_ms=pending.host_seconds * 1e3,  # the host's, also where the GPU's comes later (STEP_TIMED)
             stage=None if self.stage.is_last else self.stage.stage,
             drained=pending.drained,
+            overlapped=pending.overlapped,
         )
         if spec is not None:
             finished.num_drafts, finished.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
@@ -257,6 +306,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
                 self.host_tier.copy(plan.offload_copies, plan.restore_copies, fence)
             self.host_tier.settle(reuse=plan.reset or bool(plan.evicted_hashes))
         step = build_batch(plan, self.requests, self.tables, pending)
+        if pending is not None and pending.verifying is not None:  # rows moved by its accepted counts
+            step.batch.overlap = overlap_rows(step.batch, pending)
         if self.borrowing is not None:  # a step with a borrowing request runs eagerly (no CUDA graph)
             step.batch.eager = self.borrowing.begin_step(plan.req_ids)
         batch, samplers = step.batch, step.samplers
@@ -295,22 +346,37 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             chosen, logprobs = self._draw(logits, rows, read_now)
         self.timings.end()
         spec = None
-        if step.drafts:  # read at once (never deferred): the tokens each request keeps
+        verifying = None
+        if step.drafts and not read_now and isinstance(chosen, torch.Tensor):
+            # verified at the read-back; the accepted counts on the device now, for the next step's rows
+            verifying, accepted = step.drafts, accepted_counts(chosen, step.drafts)
+        elif step.drafts:  # read at once: the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
             samplers, chosen, logprobs, spec = verify(samplers, step.drafts, drawn, logprobs)
         self._step_launched(plan)
         for request in samplers:
             request.num_output_tokens += 1
             request.num_pending += 1  # 2 until the previous step (launched before) is read back
+        if verifying is not None:  # counted as if every draft were accepted until the read-back
+            for request, drafts in zip(samplers, verifying, strict=True):
+                request.num_output_tokens += len(drafts)
+                request.num_pending += len(drafts)
+            assert isinstance(chosen, torch.Tensor)
+            host, done = self._copies.start(chosen)
+            row_of = {request.request_id: row for request, row in zip(samplers, first_rows(verifying), strict=True)}
+            return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
+                               num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
+                               gpu_timed=timed, verifying=verifying, accepted=accepted)
         if read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
                                prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted, gpu_timed=timed)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
         row_of = {request.request_id: row for row, request in enumerate(samplers)}
+        overlap = batch.overlap
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
                            num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
-                           gpu_timed=timed)
+                           gpu_timed=timed, overlapped=len(overlap.rows) if overlap is not None else 0)
 
     def _step_launched(self, plan: StepPlan) -> None:
         """The host tier's copies may have to wait for this step; its write-through follows it."""
@@ -323,6 +389,14 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         """The launched step's tokens appended to their requests, and its result."""
         self._feed_grammars(pending)
         token_ids = pending.token_ids()
+        if pending.verifying is not None:  # a verification read back after the next launch: the tokens kept
+            for request, drafts in zip(pending.samplers, pending.verifying, strict=True):
+                request.num_output_tokens -= 1 + len(drafts)
+                request.num_pending -= 1 + len(drafts)
+            pending.samplers, token_ids, _, pending.spec = verify(pending.samplers, pending.verifying, token_ids, [])
+            for request in pending.samplers:
+                request.num_output_tokens += 1
+                request.num_pending += 1
         for request, token_id in zip(pending.samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
             request.num_pending -= 1
@@ -340,6 +414,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             execute_seconds=0.0 if pending.gpu_timed else pending.host_seconds,  # 0: its time comes later
             interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
+            overlapped_ids=pending.overlapped_ids,
         )
 
     # ------------------------------------------------------------------ membership
