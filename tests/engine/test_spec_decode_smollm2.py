@@ -6,6 +6,7 @@ counted by the metrics store) and on one that does not. One engine: the referenc
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,8 @@ def test_rows_after_a_verification_in_flight_move_on_the_device(llm: LLM, monkey
     monkeypatch.setattr(PendingStep, "ready", lambda self: False)
     engine = llm.engine
     assert isinstance(engine, InProcessEngine)
+    worker: Any = engine.worker
+    monkeypatch.setattr(worker, "spec_overlap", worker.defer and worker.runner.supports_overlap_rows)  # off by default
     steps: list[StepFinished] = []
     listener = lambda batch: steps.extend(e for e in batch.events if isinstance(e, StepFinished))  # noqa: E731
     engine.event_listeners.append(listener)

@@ -22,8 +22,8 @@ class EngineSettings:
         "say pay (0: always `num_speculative_tokens` where a draft is found).", "engine")
     VLLM_ACTORS_SPEC_OVERLAP = switch(
         "An n-gram verification step is read back after the next step is launched, that step's rows of the "
-        "drafting requests moved on the device by their accepted counts (0: read back at once; speculative.md).",
-        "engine")
+        "drafting requests moved on the device by their accepted counts (off until measured on a GPU: read back "
+        "at once; speculative.md).", "engine", default=False)
     VLLM_ACTORS_ALLOW_ORACLE_DRAFTER = switch(
         "Accept the speculative method `oracle`, which replays given greedy continuations at a set acceptance "
         "(benchmarks only: it measures the verification cost; see speculative.md).", "engine", default=False)
