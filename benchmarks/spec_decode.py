@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a model shape with dummy weights instead of --model (no tokenizer)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="add the mode 'draft': a random draft of the target's shape with this many layers")
-    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "draft", "eagle3", "oracle"], default=None,
-                        help="default: off and ngram, and draft with --draft-layers (oracle: with off, ours only)")
+    parser.add_argument("--modes", nargs="*", choices=["off", "ngram", "ngram-overlap", "draft", "eagle3", "oracle"],
+                        default=None, help="default: off and ngram, and draft with --draft-layers (oracle: with off, "
+                        "ours only; ngram-overlap: ngram with VLLM_ACTORS_SPEC_OVERLAP=1, ours only)")
     parser.add_argument("--oracle-acceptance", type=float, nargs="+", default=[0.3, 0.6, 0.9],
                         help="the oracle's set acceptances, one engine each")
     parser.add_argument("--oracle-passes", type=int, default=6,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     load_format = "dummy" if args.model_shape else "auto"
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    configs: dict[str, Any] = {"ngram": ngram}
+    configs: dict[str, Any] = {"ngram": ngram, "ngram-overlap": ngram}
     if args.draft_layers:
         draft = write_draft(args.model, args.draft_layers, Path(args.out) / f"draft-{args.draft_layers}", load_format)
         configs["draft"] = {"method": "draft_model", "model": str(draft),
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             print(spec_paired.paired_line(mode, "off", found[mode]["paired_vs_off"]), flush=True)
     if "oracle" in modes:  # the oracle replays the off run's outputs
         run_oracles(args, spec, results, recorded)
-    for mode in ours if args.peer else []:  # vLLM after ours, one process per mode
+    for mode in [mode for mode in ours if mode != "ngram-overlap"] if args.peer else []:  # vLLM after ours
         results[f"vllm_{mode}"] = run_peer(args, spec_path, mode)
         print(f"vllm {mode}: {json.dumps(results[f'vllm_{mode}'])}", flush=True)
     for mode in ours:  # per verification step, whatever each engine's acceptance

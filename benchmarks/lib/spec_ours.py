@@ -9,6 +9,7 @@ instead, each engine alone with the whole share (a model too large to hold twice
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -66,16 +67,27 @@ def dump_events(llm: Any, path: Path) -> None:
 
 
 def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> Any:
-    """An engine in ``mode`` (``spec["speculative_configs"]``; ``always_draft``: every step drafts k)."""
+    """An engine in ``mode`` (``spec["speculative_configs"]``; ``always_draft``: every step drafts k;
+    ``ngram-overlap``: n-gram with ``VLLM_ACTORS_SPEC_OVERLAP=1``)."""
     from vllm_actors import LLM
     from vllm_actors.protocol.speculative import parse_speculative_config
 
     speculative = spec["speculative_configs"].get(mode)
     if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
         speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
-    return LLM(model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
-               load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
-               speculative_config=speculative, gpu_memory_utilization=utilization)
+    overlap = {"VLLM_ACTORS_SPEC_OVERLAP": "1"} if mode == "ngram-overlap" else {}  # its processes inherit it
+    saved = {name: os.environ.get(name) for name in overlap}
+    os.environ.update(overlap)
+    try:
+        return LLM(model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
+                   load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
+                   speculative_config=speculative, gpu_memory_utilization=utilization)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def generator(llm: Any) -> spec_measure.Generate:
