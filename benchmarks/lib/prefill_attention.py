@@ -93,7 +93,7 @@ def run_case(case: Case, pool: Pool, kernels: list[str], args: argparse.Namespac
     meta = pool.metadata(query_lens, seq_lens)
     q = torch.randn(sum(query_lens), pool.num_heads, pool.head_dim, device=pool.device, dtype=torch.bfloat16)
     scale = pool.head_dim**-0.5
-    flash = FlashAttnPrefill("flash_attn")
+    flash = FlashAttnPrefill("flash_attn", split_keys=True)
     whole = FlashAttnPrefill("flash_attn", split_keys=False)
     steps = {
         "triton": lambda: paged_attention_varlen(

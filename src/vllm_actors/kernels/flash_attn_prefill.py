@@ -190,8 +190,8 @@ class FlashAttnPrefill:
         alone (no context, no split), so a short chunk over a long context would stay on Triton there
         (the runner then runs the step eagerly). Host integers only; the layout is taken as fit."""
         longest = max(range(len(query_lens)), key=query_lens.__getitem__, default=0)
-        if not query_lens or query_lens[longest] <= 1:
-            return False
+        if not self.split_keys or not query_lens or query_lens[longest] <= 1:
+            return False  # without the split such steps keep their graph (as in the stream measured, session 22)
         context = seq_lens[longest] - query_lens[longest]
         split = self.split_keys and plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads,
                                                     self.num_sms(device)) is not None
