@@ -9,13 +9,13 @@ instead, each engine alone with the whole share (a model too large to hold twice
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from benchmarks.lib import spec_measure, spec_oracle, spec_paired
+from vllm_actors.bench.engine_env import engine_environment
 
 
 def engine_shares(utilization: float, count: int) -> list[float]:
@@ -76,18 +76,10 @@ def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> An
     if speculative is not None:  # --always-draft: every step (as vLLM does), to measure the step cost
         speculative = parse_speculative_config(speculative, adaptive=not spec.get("always_draft", False))
     overlap = {"VLLM_ACTORS_SPEC_OVERLAP": "1"} if mode == "ngram-overlap" else {}  # its processes inherit it
-    saved = {name: os.environ.get(name) for name in overlap}
-    os.environ.update(overlap)
-    try:
+    with engine_environment(overlap):
         return LLM(model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
                    load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
                    speculative_config=speculative, gpu_memory_utilization=utilization)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def generator(llm: Any) -> spec_measure.Generate:
