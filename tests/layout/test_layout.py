@@ -35,7 +35,7 @@ STATE_MACHINE_FILES = ("frontend/frontend.py", "frontend/detokenizer.py")
 # The worker's state machine works on torch tensors (the GPU engine itself is vllm_actors/runner).
 TORCH_ALLOWED = {f"vllm_actors.actors.worker.{name}" for name in (
     "worker", "step_data", "engine", "batch", "host_copies", "logprobs", "ranks", "uploads", "draw", "draft_model",
-    "eagle3", "kv_rejoin", "spec_overlap")}
+    "eagle3", "kv_rejoin", "spec_overlap", "overlap_steps")}
 # Folders whose modules import one another without a circle (``from X import`` inside functions
 # and under TYPE_CHECKING counts too).
 # Every actor folder; not yet runtime/ (the supervisor and the Ray launcher import each other lazily)

@@ -15,6 +15,7 @@ from vllm_actors.actors.worker.step_data import (
     StepBatch,
     WorkerRequest,
 )
+from vllm_actors.protocol.events import StepStarted
 from vllm_actors.protocol.messages import StepPlan
 
 
@@ -73,3 +74,13 @@ def build_batch(plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: B
     if batch.token_ids and tables is not None:
         batch.block_table_array = tables.gather([requests[request_id].row for request_id in plan.req_ids])
     return step
+
+
+def step_started(plan: StepPlan) -> StepStarted:
+    """The plan's STEP_STARTED event: its sequences, tokens and prefills."""
+    return StepStarted(
+        step_id=plan.step_id,
+        num_seqs=len(plan.req_ids),
+        num_tokens=sum(plan.num_tokens),
+        num_prefill_seqs=sum(1 for new in plan.new_requests if new.request_id in plan.req_ids),
+    )

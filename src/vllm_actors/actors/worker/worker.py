@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_actors.actors.worker.batch import build_batch
+from vllm_actors.actors.worker.batch import build_batch, step_started
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
@@ -57,13 +57,9 @@ from vllm_actors.actors.worker.kv_rejoin import KvRejoining, Rejoiner
 from vllm_actors.actors.worker.logprobs import prompt_logprobs_of
 from vllm_actors.actors.worker.membership import Membership
 from vllm_actors.actors.worker.ngram_drafts import NgramProposer
+from vllm_actors.actors.worker.overlap_steps import OverlapSteps
 from vllm_actors.actors.worker.ranks import OnlyStage, Ranks, Stage
-from vllm_actors.actors.worker.spec_overlap import (
-    accepted_counts,
-    first_rows,
-    overlap_rows,
-    plain_over_verification,
-)
+from vllm_actors.actors.worker.spec_overlap import accepted_counts, first_rows, overlap_rows
 from vllm_actors.actors.worker.step_data import (
     PendingStep,
     WorkerRequest,
@@ -86,7 +82,7 @@ from vllm_actors.protocol.names import SCHEDULER
 from vllm_actors.protocol.outputs import Outputs
 
 
-class Worker(Draw, KvRejoining, Membership, DeferredSteps):
+class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
     name = "worker"
 
     def __init__(
@@ -173,7 +169,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
     def _run(self, message: StepPlan) -> Outputs:
         self._take_input_tokens(message)
         self.validate(message)
-        started = self._started(message)
+        started = step_started(message)
         drafted: dict[str, int] = {}
         pending = self._pending
         early = Outputs()  # a verification read back before this plan (its rows could not be moved)
@@ -181,14 +177,9 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         if pending is not None and pending.verifying is not None:
             running = not pending.ready()
             # still running: this plan runs as a plain step launched before its read-back (spec_overlap)
-            overlapped = plain_over_verification(message, pending, self.requests, self.sampler) if running else None
-            if overlapped is not None:
-                launched = self._launch(overlapped[0], started, read_now=False, num_drafted=overlapped[1])
-                launched.overlapped_ids = list(overlapped[1])
-                self.num_overlapped_steps += 1
-                outputs = self.flush()
-                self._pending = launched
-                return outputs
+            over = self._launch_over_verification(message, started, pending) if running else None
+            if over is not None:
+                return over
             early, waited = self.flush(), running  # done, or this plan needs its tokens: read back first
         elif self.defer and pending is not None and isinstance(self.drafter, NgramProposer):
             # lookups that cannot find anything whatever the pending tokens: a plain step, overlapped
@@ -212,26 +203,6 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             return outputs
         return outputs.extend(self._outputs(launched, self._read_back(launched)))
 
-    def _verifies_later(self, plan: StepPlan) -> bool:
-        """Whether a drafting plan's verification may stay in flight while the next step launches
-        (``spec_overlap``): n-gram drafts in the worker, one rank and stage, no borrowed KV, no
-        constrained request and no row that needs the host."""
-        if not self.spec_overlap or not plan.draft_token_ids or plan.reset:
-            return False
-        if not isinstance(self.drafter, NgramProposer):  # a draft model's or head's requests: one step in flight
-            return False
-        if self.tp.enabled or self.stage.enabled or self.borrowing is not None:
-            return False
-        if any(new.params.structured_outputs is not None or self.sampler.needs_host(new.params)
-               for new in plan.new_requests):
-            return False
-        for request_id in plan.req_ids:
-            request = self.requests.get(request_id)
-            if request is not None and request_id not in plan.finished_ids and (
-                    request.grammar is not None or self.sampler.needs_host(request.params)):
-                return False
-        return True
-
     def control(self, control: EngineControl) -> Outputs:
         """Carry out an engine command after the pending step; rank 0 answers the scheduler."""
         outputs = self.flush()
@@ -245,15 +216,6 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         if self.answers:
             outputs.send(SCHEDULER, ControlReply(control_id=control.control_id, success=error is None, error=error))
         return outputs
-
-    @staticmethod
-    def _started(plan: StepPlan) -> StepStarted:
-        return StepStarted(
-            step_id=plan.step_id,
-            num_seqs=len(plan.req_ids),
-            num_tokens=sum(plan.num_tokens),
-            num_prefill_seqs=sum(1 for new in plan.new_requests if new.request_id in plan.req_ids),
-        )
 
     def _outputs(self, pending: PendingStep, result: StepResult) -> Outputs:
         outputs = Outputs()
@@ -282,7 +244,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
     # ------------------------------------------------------------------ one step
     def execute(self, plan: StepPlan) -> StepResult:
         """Run a step and read it back at once (with the logprobs and prompt logprobs it asks for)."""
-        return self._read_back(self._launch(plan, self._started(plan), read_now=True))
+        return self._read_back(self._launch(plan, step_started(plan), read_now=True))
 
     def _launch(self, plan: StepPlan, started: StepStarted, read_now: bool, may_defer: bool = False,
                 num_drafted: dict[str, int] | None = None) -> PendingStep:
@@ -345,8 +307,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
                 self._mask(logits, row_owners, pending)
             chosen, logprobs = self._draw(logits, rows, read_now)
         self.timings.end()
-        spec = None
-        verifying = None
+        spec = verifying = accepted = None
         if step.drafts and not read_now and isinstance(chosen, torch.Tensor):
             # verified at the read-back; the accepted counts on the device now, for the next step's rows
             verifying, accepted = step.drafts, accepted_counts(chosen, step.drafts)
@@ -358,25 +319,20 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
             request.num_output_tokens += 1
             request.num_pending += 1  # 2 until the previous step (launched before) is read back
         if verifying is not None:  # counted as if every draft were accepted until the read-back
-            for request, drafts in zip(samplers, verifying, strict=True):
-                request.num_output_tokens += len(drafts)
-                request.num_pending += len(drafts)
-            assert isinstance(chosen, torch.Tensor)
-            host, done = self._copies.start(chosen)
-            row_of = {request.request_id: row for request, row in zip(samplers, first_rows(verifying), strict=True)}
-            return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
-                               num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
-                               gpu_timed=timed, verifying=verifying, accepted=accepted)
-        if read_now or isinstance(chosen, list):  # the host reads the ids now
+            self._count_as_accepted(samplers, verifying)
+        elif read_now or isinstance(chosen, list):  # the host reads the ids now
             return PendingStep(plan.step_id, started_at, started, samplers, chosen=None, host=chosen, done=None,
                                num_batched_tokens=len(batch.token_ids), reset=plan.reset, logprobs=logprobs,
                                prompt_logprobs=prompt_logprobs, spec=spec, num_drafted=num_drafted, gpu_timed=timed)
+        assert isinstance(chosen, torch.Tensor)
         host, done = self._copies.start(chosen)  # on its way to the host while the next step launches
-        row_of = {request.request_id: row for row, request in enumerate(samplers)}
+        first = first_rows(verifying) if verifying is not None else range(len(samplers))  # each sampler's first draw
         overlap = batch.overlap
         return PendingStep(plan.step_id, started_at, started, samplers, chosen=chosen, host=host, done=done,
-                           num_batched_tokens=len(batch.token_ids), row_of=row_of, num_drafted=num_drafted,
-                           gpu_timed=timed, overlapped=len(overlap.rows) if overlap is not None else 0)
+                           num_batched_tokens=len(batch.token_ids),
+                           row_of={request.request_id: row for request, row in zip(samplers, first, strict=True)},
+                           num_drafted=num_drafted, gpu_timed=timed, verifying=verifying, accepted=accepted,
+                           overlapped=len(overlap.rows) if overlap is not None else 0)
 
     def _step_launched(self, plan: StepPlan) -> None:
         """The host tier's copies may have to wait for this step; its write-through follows it."""
@@ -390,13 +346,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps):
         self._feed_grammars(pending)
         token_ids = pending.token_ids()
         if pending.verifying is not None:  # a verification read back after the next launch: the tokens kept
-            for request, drafts in zip(pending.samplers, pending.verifying, strict=True):
-                request.num_output_tokens -= 1 + len(drafts)
-                request.num_pending -= 1 + len(drafts)
-            pending.samplers, token_ids, _, pending.spec = verify(pending.samplers, pending.verifying, token_ids, [])
-            for request in pending.samplers:
-                request.num_output_tokens += 1
-                request.num_pending += 1
+            token_ids = self._settle_verification(pending, token_ids)
         for request, token_id in zip(pending.samplers, token_ids, strict=True):
             request.token_ids.append(token_id)
             request.num_pending -= 1
