@@ -20,8 +20,9 @@ know yet: greedy rows and unseeded ones (keyed by the step and the row). A plan 
 reading ``N`` back first (``None``) when a request that drafted in ``N`` is seeded and not greedy,
 or may still be under its ``min_tokens`` mask; when the plan has drafts other than placeholders,
 prefill tokens (``fix_overlap`` serves decode steps only), a reset, or rows that need the host.
-``defers_verification`` says which drafting plans are launched so at all (n-gram drafts in the
-worker, one rank, one stage, no borrowed KV, no structured outputs, a runner that fixes rows).
+``OverlapSteps._verifies_later`` (``overlap_steps.py``) says which drafting plans are launched so at
+all (n-gram drafts in the worker, one rank, one stage, no borrowed KV, no structured outputs, a
+runner that fixes rows).
 """
 
 from __future__ import annotations
@@ -47,13 +48,11 @@ def accepted_counts(chosen: torch.Tensor, drafts: list[list[int]]) -> torch.Tens
     width = max(len(drafted) for drafted in drafts)
     index: list[int] = []
     wanted: list[int] = []
-    row = 0
-    for drafted in drafts:
+    for row, drafted in zip(first_rows(drafts), drafts, strict=True):
         index.extend(row + position for position in range(len(drafted)))
         index.extend([row] * (width - len(drafted)))
         wanted.extend(drafted)
         wanted.extend([-1] * (width - len(drafted)))  # never a token: the count stops there
-        row += len(drafted) + 1
     packed = upload(index + wanted, chosen.device).view(2, len(drafts), width)
     match = chosen.index_select(0, packed[0].reshape(-1)).view(len(drafts), width) == packed[1]
     return match.long().cumprod(dim=1).sum(dim=1)
