@@ -193,8 +193,8 @@ class FlashAttnPrefill:
         if not self.split_keys or not query_lens or query_lens[longest] <= 1:
             return False  # without the split such steps keep their graph (as in the stream measured, session 22)
         context = seq_lens[longest] - query_lens[longest]
-        split = self.split_keys and plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads,
-                                                    self.num_sms(device)) is not None
+        split = plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads,
+                                self.num_sms(device)) is not None
         here = prefill_kernel(self.choice, True, query_lens[longest], head_dim, context, len(query_lens),
                               sum(seq_lens) - seq_lens[longest], split)
         return here == "flash_attn" and (split or prefill_kernel(self.choice, True, padded_tokens, head_dim)

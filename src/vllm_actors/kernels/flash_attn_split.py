@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_actors.kernels.kv_parallel_share import merge_partials
+
 # keys per range at least: below it a range's fixed cost (its tile's first and last key blocks) weighs
 MIN_SPLIT_KEYS = 4096
 # the split call's tiles fill the SMs about this many times over (waves)
@@ -103,7 +105,5 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, splits: KeySplits, split_ou
     outputs = torch.cat([out[rows].unsqueeze(0), split_out.view(splits.num_splits, splits.q_len, num_heads, head_dim)])
     lses = torch.cat([lse[:, rows].unsqueeze(0), split_lse.view(num_heads, splits.num_splits, splits.q_len)
                       .transpose(0, 1)]).transpose(1, 2)  # [S + 1, q_len, H]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - torch.where(torch.isinf(total), 0.0, total))  # 0 for a part with no key
-    out[rows] = (weights.unsqueeze(-1) * outputs.float()).sum(dim=0).to(out.dtype)
+    out[rows] = merge_partials(outputs.float(), lses).to(out.dtype)
     return out
