@@ -103,6 +103,22 @@ def test_first_batch_sets_baseline_and_stale_batches_are_skipped() -> None:
     assert [entry.type for entry in timeline(store, "b").events] == ["QUEUED"]
 
 
+def test_a_resent_start_up_handshake_is_neither_a_gap_nor_stale() -> None:
+    """An actor resends one stamped handshake until the store sees it (``wait_until_seen``): a late
+    copy after the first arrived is expected; a later duplicate of real events is still stale."""
+    store = MetricsStore()
+    starting = EventBatch(actor=KV, first_seq=0, mono=1.0, wall=WALL0, events=[ActorStarting(pid=1, role="kv")])
+    handshake = EventBatch(actor=KV, first_seq=1, mono=1.5, wall=WALL0, events=[Heartbeat(pid=1)])
+    ready = EventBatch(actor=KV, first_seq=2, mono=2.0, wall=WALL0, events=[ActorReady(pid=1, role="kv")])
+    assert not store.record(starting)
+    assert not store.record(handshake)
+    assert not store.record(handshake)  # the copy sent while the first was on its way
+    assert not store.record(ready)
+    assert store.record(ready) == [StaleBatch(actor=KV, first_seq=2, skipped=1)]
+    info = store.query(SeenQuery()).actors[KV]  # type: ignore[union-attr]
+    assert (info.state, info.gaps, info.stale_batches, info.num_events, info.last_seq) == ("READY", 0, 1, 3, 2)
+
+
 def test_actor_restart_resets_baseline_and_loses_its_requests() -> None:
     store = MetricsStore()
     bus = Bus(store)

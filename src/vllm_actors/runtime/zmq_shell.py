@@ -67,8 +67,12 @@ class EventPublisher:
         if not events:
             return None
         batch = self.stamper.stamp(events)
-        self.socket.send_multipart([self._topic, self._encoder.encode(batch)])
+        self.resend(batch)
         return batch
+
+    def resend(self, batch: EventBatch) -> None:
+        """Send an already stamped batch again (same sequence: the store skips a copy it has seen)."""
+        self.socket.send_multipart([self._topic, self._encoder.encode(batch)])
 
     def close(self) -> None:
         self.socket.close()
@@ -283,8 +287,11 @@ def wait_until_seen(
     make_event: Callable[[], Any],
     keys: GroupKeys | None = None,
 ) -> None:
-    """Publish until the metrics store reports having seen this actor (PUB/SUB drops what is sent
-    before the subscription reaches the publisher: the slow-joiner problem)."""
+    """Publish one handshake until the metrics store reports having seen it (PUB/SUB drops what is
+    sent before the subscription reaches the publisher: the slow-joiner problem). The same stamped
+    batch is resent, so the lost copies leave no gap in the actor's sequence; and the store must
+    have seen *its* sequence number, not just this actor: the events of an earlier socket (the
+    start-up publisher's STARTING) prove nothing of this one's path."""
     from vllm_actors.protocol.metrics import MetricsCodec, SeenQuery
 
     codec = MetricsCodec()
@@ -293,16 +300,21 @@ def wait_until_seen(
     dealer.setsockopt(zmq.LINGER, 0)
     connect(dealer, metrics_address, keys)
     deadline = time.monotonic() + timeout
+    handshake = publisher.publish([make_event()])
     try:
         while time.monotonic() < deadline:
-            publisher.publish([make_event()])
             dealer.send(codec.encode(SeenQuery(actor=actor_id)))
             if dealer.poll(200):
                 reply = codec.decode_reply(dealer.recv())
                 seen = getattr(reply, "actors", {}).get(actor_id)
-                if seen is not None and seen.num_events > 0:
+                if seen is not None and seen.num_events > 0 and \
+                        (handshake is None or seen.last_seq >= handshake.first_seq):
                     return
             time.sleep(0.02)
+            if handshake is not None:
+                publisher.resend(handshake)
+            else:  # every event dropped here (``drop_work_events``): nothing to resend
+                publisher.publish([make_event()])
         raise TimeoutError(f"the metrics store did not see {actor_id}'s events within {timeout:.0f} s")
     finally:
         dealer.close()

@@ -169,7 +169,8 @@ class Recorder(RequestEvents):
             seen.gaps += 1
             seen.missed += check.missed
             self.notices.append(EventGap(actor=actor, missed=check.missed, first_seq=batch.first_seq))
-        elif check.verdict is SeqVerdict.STALE:
+        elif check.verdict is SeqVerdict.STALE and not (_handshake(batch) and check.skip == len(batch.events)):
+            # (a start-up handshake is resent until the store sees it: a late copy is expected, not stale)
             seen.stale_batches += 1
             seen.stale_events += skip
             self.notices.append(StaleBatch(actor=actor, first_seq=batch.first_seq, skipped=skip))
