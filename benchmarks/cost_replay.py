@@ -1,18 +1,17 @@
 """Replay a Chrome trace's steps through the step cost model as the scheduler sees them (issue 35), and
-print how far its predictions were from the steps' wall time, before and after the fix.
+print how far its predictions were from the steps' wall time, the chunks' scan of their context priced
+with their pairs (before) and as a feature of its own (after).
 
     python benchmarks/cost_replay.py TRACE.json.gz [--lag 2]
 
 The trace (``observe/trace.py``): worker step slices ``step N`` (args ``execute_ms``: launch to read-back;
 the slice is cut where it overlaps the previous step: its wall share), each request's ``prefill`` slices
 (args ``step_id``, ``start``, ``num_tokens``) and ``STEP_TIMED`` instants (``gpu_ms`` of a step that
-sampled nothing). Each step's features are its prefill chunks' tokens and attention (``chunk_pairs``
-before, ``chunk_attention`` after) and its other sequences as decodes. Step k is predicted by the model
-after the results up to k - lag (two steps in flight: the plan of k is made once k - 2 is back). Taught:
-
-- before: ``execute_ms`` (the GPU time of a timed step), the covariance left unsymmetrised;
-- after: the slice (``interval_seconds``), a timed step's GPU time, nothing from the step right after
-  a timed one (its interval holds the timed step's GPU time), the covariance kept symmetric.
+sampled nothing). Each step's features are its prefill chunks' tokens and attention (``chunk_pairs`` and
+``chunk_scan``: summed into one feature before, two after) and its other sequences as decodes. Step k is
+predicted by the model after the results up to k - lag (two steps in flight: the plan of k is made once
+k - 2 is back). Taught as ``LateTimings`` teaches it: the slice (``interval_seconds``), a timed step's GPU
+time, nothing from the step right after a timed one (its interval holds the timed step's GPU time).
 
 A pair of steps read back together (the second's wall share under ``BUNCHED_FRACTION`` of its execute
 time) is taught, and judged, at its average wall share. Errors are predicted / wall - 1 over the steps
@@ -28,9 +27,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from vllm_actors.actors.scheduler.cost_model import OnlineCostModel, chunk_attention, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import OnlineCostModel, chunk_pairs, chunk_scan
 from vllm_actors.actors.scheduler.late_timings import BUNCHED_FRACTION
 
 
@@ -65,20 +62,6 @@ def load(path: str) -> list[Step]:
     return steps
 
 
-class Unsymmetrised(OnlineCostModel):
-    """The model before: its covariance update as it was."""
-
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_pairs: float = 0.0) -> None:
-        x = np.array([1.0, prefill_tokens, decode_seqs, prefill_pairs], dtype=np.float64)
-        px = self.covariance @ x
-        gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
-        trace = float(np.trace(self.covariance))
-        if trace > 1e4:
-            self.covariance *= 1e4 / trace
-
-
 def bunched(steps: list[Step], k: int) -> bool:
     """Step k was read back right after step k - 1 (``late_timings.BUNCHED_FRACTION``): their wall shares
     are one step's worth each only on average."""
@@ -94,12 +77,13 @@ def paired_walls(steps: list[Step]) -> list[float]:
     return walls
 
 
-def replay(steps: list[Step], after: bool, lag: int) -> list[float]:
-    """Each step's prediction, made before the model saw it. After: the model learns as ``LateTimings``
-    teaches it (wall shares, a bunched pair as its average, nothing right after a timed step)."""
-    model = OnlineCostModel() if after else Unsymmetrised()
-    attention = chunk_attention if after else chunk_pairs
-    pairs = [sum(attention(start, n) for start, n in step.chunks) for step in steps]
+def replay(steps: list[Step], separate_scan: bool, lag: int) -> list[float]:
+    """Each step's prediction, made before the model saw it (a bunched pair taught as its average)."""
+    model = OnlineCostModel()
+    pairs = [sum(chunk_pairs(start, n) for start, n in step.chunks) for step in steps]
+    scans = [sum(chunk_scan(start, n) for start, n in step.chunks) for step in steps]
+    if not separate_scan:
+        pairs, scans = [p + s for p, s in zip(pairs, scans, strict=True)], [0.0] * len(steps)
     walls = paired_walls(steps)
     predictions = []
     for k, step in enumerate(steps):
@@ -107,10 +91,10 @@ def replay(steps: list[Step], after: bool, lag: int) -> list[float]:
         if j >= 0:
             seen, timed_before = steps[j], j > 0 and steps[j - 1].gpu is not None
             if seen.gpu is not None:
-                model.observe(seen.prefill_tokens, seen.decodes, seen.gpu, pairs[j])
-            elif not (after and timed_before):
-                model.observe(seen.prefill_tokens, seen.decodes, walls[j] if after else seen.execute, pairs[j])
-        predictions.append(model.step_seconds(step.prefill_tokens, step.decodes, pairs[k]))
+                model.observe(seen.prefill_tokens, seen.decodes, seen.gpu, pairs[j], scans[j])
+            elif not timed_before:
+                model.observe(seen.prefill_tokens, seen.decodes, walls[j], pairs[j], scans[j])
+        predictions.append(model.step_seconds(step.prefill_tokens, step.decodes, pairs[k], scans[k]))
     return predictions
 
 
@@ -133,8 +117,8 @@ def main() -> None:
     parser.add_argument("--lag", type=int, default=2, help="steps in flight: step k predicted after k - lag")
     args = parser.parse_args()
     steps = load(args.trace)
-    report(steps, replay(steps, after=False, lag=args.lag), "before: execute_seconds, chunk_pairs")
-    report(steps, replay(steps, after=True, lag=args.lag), "after: wall share, chunk_attention")
+    report(steps, replay(steps, separate_scan=False, lag=args.lag), "before: the scan priced with the pairs")
+    report(steps, replay(steps, separate_scan=True, lag=args.lag), "after: the scan a feature of its own")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,6 @@ def test_predicted_step_time_tracks_the_true_one_and_the_target_holds() -> None:
     sized = [seconds for _, _, predicted, seconds in rows if predicted <= TARGET]
     assert len(sized) > len(rows) // 2 and max(sized) < TARGET * (1 + BOUND)
     assert all(size == MIN_CHUNK for _, size, predicted, _ in rows if predicted > TARGET)
-    assert all(size >= 128 for _, size, _, _ in rows)  # the chunks keep the prompt moving
+    assert all(size >= 100 for _, size, _, _ in rows)  # the chunks keep the prompt moving
     # the chunks shrink as the context grows (the scan and the pairs)
     assert min(size for _, size, *_ in rows[:20]) > max(size for _, size, *_ in rows[-20:])

@@ -6,13 +6,16 @@ more urgent waiting request at a chunk boundary."""
 from __future__ import annotations
 
 import argparse
+from array import array
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs
-from vllm_actors.actors.scheduler.prefill_sizing import MIN_CHUNK
+from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs, chunk_scan
+from vllm_actors.actors.scheduler.prefill_sizing import MIN_CHUNK, PrefillSizer
+from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.engine_args import add_engine_arguments, engine_kwargs
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig, resolve_scheduler_config
@@ -226,3 +229,29 @@ def test_the_serve_flags_carry_vllms_names() -> None:
                                    "max_long_partial_prefills", "itl_target_ms")} == {
         "long_prefill_token_threshold": 2048, "max_num_partial_prefills": 4, "max_long_partial_prefills": 2,
         "itl_target_ms": 50.0}
+
+
+@dataclass
+class _Overrunning(FixedCostModel):
+    """COST's coefficients, with mixed steps that ran 1.5x past their prediction of late."""
+
+    def overrun(self) -> float:
+        return 1.5
+
+
+def test_the_chunk_aims_below_the_target_by_the_overrun() -> None:
+    config = SchedulerConfig(max_model_len=LONG + 16, max_num_seqs=64, max_num_batched_tokens=16384,
+                             enable_chunked_prefill=True, block_size=16, num_blocks=1 << 17, itl_target=0.030)
+    decodes = [ScheduledRequest(request_id=f"d{i}", prompt_token_ids=array("i", [5] * 64),
+                                params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=64)
+               for i in range(32)]
+    long = ScheduledRequest(request_id="long", prompt_token_ids=array("i", [5] * LONG),
+                            params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=100_000)
+    overrunning = _Overrunning(a=COST.a, b=COST.b, c=COST.c, d=COST.d)
+    plain, aimed = (PrefillSizer(config, cost, [*decodes, long]).chunk(long, 16384) for cost in (COST, overrunning))
+    seconds = [COST.step_seconds(n, 32, chunk_pairs(100_000, n), chunk_scan(100_000, n)) for n in (plain, aimed)]
+    assert MIN_CHUNK < aimed < plain
+    assert seconds[0] <= 0.030 < COST.step_seconds(plain + 1, 32, chunk_pairs(100_000, plain + 1),
+                                                      chunk_scan(100_000, plain + 1))
+    assert seconds[1] <= 0.020 < COST.step_seconds(aimed + 1, 32, chunk_pairs(100_000, aimed + 1),
+                                                      chunk_scan(100_000, aimed + 1))

@@ -98,7 +98,7 @@ def test_ngram_lookup_equals_the_position_by_position_search() -> None:
 
 def _priced(fixed: float = 0.0, per_pass: float = 0.0, per_token: float = 0.0) -> DraftCost:
     cost = DraftCost()
-    cost.model.theta[:] = (fixed, per_token, per_pass, 0.0)  # nothing per token caught up on
+    cost.model.theta[:] = (fixed, per_token, per_pass, 0.0, 0.0)  # nothing per token caught up on
     return cost
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.state_machines.spec_sim import MS, Device, new_speculator, simulate
-from vllm_actors.actors.scheduler.cost_model import FixedCostModel
+from vllm_actors.actors.scheduler.cost_model import FixedCostModel, StepFeatures
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spec_policy import expected_tokens
 from vllm_actors.actors.scheduler.spec_probes import Pace
@@ -143,30 +143,30 @@ def test_a_bucket_drafts_only_against_its_own_plain_steps_measured_between_plain
     back only once a drafting plan came (2.2 ms: it waited for it) does not count as one."""
     policy = WallPolicy(FixedCostModel(a=1.17 * MS, b=0.0, c=0.013 * MS))  # 1.3 ms at 10 requests
     for _ in range(4):
-        policy.account((0, 64, 0.0), False, [], 1.46 * MS)
+        policy.account(StepFeatures(0, 64), False, [], 1.46 * MS)
     for _ in range(30):  # the 64 requests drafting, 2.8 ms a step
         policy.choose([], 64, 4, 0.0)
-        policy.account((0, 64, 0.0), True, [4] * 64, 2.8 * MS)
+        policy.account(StepFeatures(0, 64), True, [4] * 64, 2.8 * MS)
     candidates = [(ScheduledRequest(f"r{i}", [1, 2], SamplingParams(), [], output_token_ids=[3]), tail_pace(1.8))
                   for i in range(10)]
     assert expected_tokens(4, candidates[0][1].acceptance.alpha) == pytest.approx(1.8, abs=0.1)
     for _ in range(3):  # the batch shrank into the bucket with drafting plans in flight
-        policy.account((0, 10, 0.0), True, [1] * 10, 1.65 * MS)
+        policy.account(StepFeatures(0, 10), True, [1] * 10, 1.65 * MS)
     plan, probers = policy.choose(candidates, 10, 4, 0.0)
     assert not plan.num_drafts and not probers  # its plain steps first
-    policy.account((0, 10, 0.0), False, [], 0.77 * MS + 1.0 * MS)  # the first after drafting: the switch
+    policy.account(StepFeatures(0, 10), False, [], 0.77 * MS + 1.0 * MS)  # the first after drafting: the switch
     for _ in range(3):
         policy.choose(candidates, 10, 4, 0.0)
-        policy.account((0, 10, 0.0), False, [], 0.77 * MS)
+        policy.account(StepFeatures(0, 10), False, [], 0.77 * MS)
     assert policy.costs.bucket(10).plain == pytest.approx(0.77 * MS)
     for _ in range(20):  # were it to draft (probes, a plan): its drafting steps as measured
         plan, probers = policy.choose(candidates, 10, 4, 0.0)
         assert not plan.num_drafts, plan
         if probers:
-            policy.account((0, 10, 0.0), False, [], 2.2 * MS)  # the plain step before: read back late
-            policy.account((0, 10, 0.0), True, [1] * len(probers), 1.65 * MS)
+            policy.account(StepFeatures(0, 10), False, [], 2.2 * MS)  # the plain step before: read back late
+            policy.account(StepFeatures(0, 10), True, [1] * len(probers), 1.65 * MS)
         else:
-            policy.account((0, 10, 0.0), False, [], 0.77 * MS)
+            policy.account(StepFeatures(0, 10), False, [], 0.77 * MS)
     assert policy.costs.bucket(10).plain == pytest.approx(0.77 * MS, rel=0.02)
 
 
@@ -177,13 +177,13 @@ def test_batch_one_drafts_on_at_twice_a_plain_steps_cost() -> None:
     policy = WallPolicy(FixedCostModel(a=0.66 * MS, b=0.0, c=0.0))
     for _ in range(4):
         policy.choose([], 1, 4, 0.0)
-        policy.account((0, 1, 0.0), False, [], 0.66 * MS)
+        policy.account(StepFeatures(0, 1), False, [], 0.66 * MS)
     pace = Pace()
     request = ScheduledRequest("r", [1, 2], SamplingParams(), [], output_token_ids=[3])
     for step in range(200):
         plan, _ = policy.choose([(request, pace)], 1, 4, 0.0)
         assert plan.drafts_for(pace.acceptance) >= 3, (step, plan, pace.acceptance.alpha)
-        policy.account((0, 1, 0.0), True, [4], 1.51 * MS)
+        policy.account(StepFeatures(0, 1), True, [4], 1.51 * MS)
         pace.verified(4, (4, 4, 2, 1, 3)[step % 5])
     assert expected_tokens(4, pace.acceptance.alpha) == pytest.approx(3.4, abs=0.15)
     assert policy.costs.bucket(1).draft.seconds(0, 4) == pytest.approx(0.85 * MS, rel=0.02)
@@ -196,15 +196,15 @@ def test_a_plain_step_read_back_once_a_drafting_plan_came_does_not_price_plain_d
     policy = WallPolicy(FixedCostModel(a=0.66 * MS, b=0.0, c=0.0))
     for _ in range(4):
         policy.choose([], 1, 4, 0.0)
-        policy.account((0, 1, 0.0), False, [], 0.66 * MS)
+        policy.account(StepFeatures(0, 1), False, [], 0.66 * MS)
     pace = Pace()
     for _ in range(20):
         pace.verified(4, 4)
     plan, _ = policy.choose([(ScheduledRequest("r", [1, 2], SamplingParams(), [], output_token_ids=[3]), pace)],
                             1, 4, 0.0)
     assert plan.drafts_for(pace.acceptance) == 4
-    policy.account((0, 1, 0.0), False, [], 2.2 * MS)  # the plain step planned before it
+    policy.account(StepFeatures(0, 1), False, [], 2.2 * MS)  # the plain step planned before it
     assert policy.costs.bucket(1).plain == pytest.approx(0.66 * MS)
-    policy.account((0, 1, 0.0), True, [4], 1.51 * MS)
-    policy.account((0, 1, 0.0), False, [], 0.96 * MS)  # the first after a drafting run: its switch
+    policy.account(StepFeatures(0, 1), True, [4], 1.51 * MS)
+    policy.account(StepFeatures(0, 1), False, [], 0.96 * MS)  # the first after a drafting run: its switch
     assert policy.costs.bucket(1).plain == pytest.approx(0.66 * MS) and policy.costs.bucket(1).switch > 0

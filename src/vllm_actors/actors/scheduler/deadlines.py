@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_attention, chunk_pairs
+from vllm_actors.actors.scheduler.cost_model import CostModel, StepFeatures, chunk_pairs, chunk_scan
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.protocol.errors import UNMEETABLE_DEADLINE as UNMEETABLE
 from vllm_actors.protocol.messages import AddRequest, StepPlan, StepResult
@@ -31,7 +31,8 @@ def prefill_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> f
     prefill = remaining_prefill(request)
     if not prefill:
         return 0.0
-    return cost.step_seconds(prefill, batch, chunk_attention(request.num_computed_tokens, prefill))
+    start = request.num_computed_tokens
+    return cost.step_seconds(prefill, batch, chunk_pairs(start, prefill), chunk_scan(start, prefill))
 
 
 def first_token_seconds(request: ScheduledRequest, cost: CostModel, batch: int) -> float:
@@ -71,19 +72,22 @@ def unmeetable_error(message: AddRequest, ahead: Iterable[ScheduledRequest], num
     return None
 
 
-def step_features(plan: StepPlan, block_size: int) -> tuple[int, int, float]:
+def step_features(plan: StepPlan, block_size: int) -> StepFeatures:
     """A step's cost-model features: its prefill tokens (requests given more than one token that
-    verify no drafts), their attention work (``chunk_attention``; each chunk's context taken from the
-    blocks its request holds, to within a block) and its decodes (one token each, or one and its drafts)."""
+    verify no drafts), their attention work (``chunk_pairs`` and ``chunk_scan``; each chunk's context taken
+    from the blocks its request holds, to within a block) and its decodes (one token each, or one and its
+    drafts)."""
     drafts = plan.draft_token_ids
-    prefill_tokens, num_decodes, pairs = 0, 0, 0.0
+    prefill_tokens, num_decodes, pairs, scan = 0, 0, 0.0, 0.0
     for request_id, n, blocks in zip(plan.req_ids, plan.num_tokens, plan.num_blocks, strict=True):
         if n - len(drafts.get(request_id, ())) == 1:
             num_decodes += 1
         else:
             prefill_tokens += n
-            pairs += chunk_attention(max(0, blocks * block_size - n), n)
-    return prefill_tokens, num_decodes, pairs
+            start = max(0, blocks * block_size - n)
+            pairs += chunk_pairs(start, n)
+            scan += chunk_scan(start, n)
+    return StepFeatures(prefill_tokens, num_decodes, pairs, scan)
 
 
 def step_wall_seconds(result: StepResult) -> float:
@@ -96,11 +100,11 @@ def step_wall_seconds(result: StepResult) -> float:
 
 
 def observe_step(cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
-                 features: tuple[int, int, float] | None = None) -> None:
+                 features: StepFeatures | None = None) -> None:
     """Teach the cost model one step (``step_features``, or ``features`` where the caller has
     them) and its wall share (``step_wall_seconds``; not measured where ``execute_seconds`` is 0).
     Steps that verify drafts teach the speculator's ``DraftCost`` instead."""
     if result.execute_seconds <= 0 or plan.draft_token_ids:
         return
-    prefill_tokens, num_decodes, pairs = features or step_features(plan, block_size)
-    cost.observe(prefill_tokens, num_decodes, step_wall_seconds(result), pairs)
+    prefill_tokens, num_decodes, pairs, scan = features or step_features(plan, block_size)
+    cost.observe(prefill_tokens, num_decodes, step_wall_seconds(result), pairs, scan)

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.cost_model import CostModel, StepFeatures
 from vllm_actors.actors.scheduler.deadlines import step_features, step_wall_seconds
 from vllm_actors.protocol.messages import StepPlan, StepResult
 
 MAX_WAITING_STEPS = 256  # steps awaiting their GPU time; the oldest beyond are forgotten
 BUNCHED_FRACTION = 0.1  # a wall share below this part of launch-to-read-back: read back with the step before
 
-Observation = tuple[int, int, float, float]  # prefill tokens, decodes, pairs, seconds
+Observation = tuple[StepFeatures, float]  # a step's features, its seconds
 
 
 class LateTimings:
     def __init__(self, max_steps: int = MAX_WAITING_STEPS) -> None:
         self.max_steps = max_steps
-        self._waiting: OrderedDict[int, tuple[int, int, float]] = OrderedDict()  # step id -> features
+        self._waiting: OrderedDict[int, StepFeatures] = OrderedDict()  # step id -> features
         self.num_observed = 0  # steps the cost model learnt from their late GPU time
         self._after_timed = False  # the last result was a step timed on the GPU (its time is in the next's)
         self._held: Observation | None = None  # the last step's observation, taught once the next is seen
@@ -40,7 +40,7 @@ class LateTimings:
         return len(self._waiting)
 
     def observe(self, cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
-                features: tuple[int, int, float] | None = None) -> None:
+                features: StepFeatures | None = None) -> None:
         """Teach ``cost`` the step (``observe_step``; not right after a step timed on the GPU) or, not
         measured yet, keep it for its GPU time; then teach it the earlier steps whose GPU times the
         result carries (its own included)."""
@@ -54,38 +54,40 @@ class LateTimings:
         for timing in result.gpu_timings:
             waiting = self._waiting.pop(timing.step_id, None)
             if waiting is not None and timing.seconds > 0:
-                prefill_tokens, num_decodes, pairs = waiting
-                cost.observe(prefill_tokens, num_decodes, timing.seconds, pairs)
+                teach(cost, waiting, timing.seconds)
                 self.num_observed += 1
 
     def _teach(self, cost: CostModel, plan: StepPlan, result: StepResult, block_size: int,
-               features: tuple[int, int, float] | None) -> None:
+               features: StepFeatures | None) -> None:
         """The held step's observation, alone or averaged with this one where they were read back
         together; this one held in turn. Steps not measured (``execute_seconds`` 0) or verifying drafts
         (the speculator's ``DraftCost`` learns those) teach nothing."""
         if result.execute_seconds <= 0 or plan.draft_token_ids:
             self._release(cost)  # nothing to pair the held one with
             return
-        prefill_tokens, num_decodes, pairs = features or step_features(plan, block_size)
+        own = features or step_features(plan, block_size)
         seconds = step_wall_seconds(result)
-        held, self._held = self._held, (prefill_tokens, num_decodes, pairs, seconds)
+        held, self._held = self._held, (own, seconds)
         if held is not None and result.interval_seconds > 0 \
                 and seconds < BUNCHED_FRACTION * result.execute_seconds:
             self._held = None
-            tokens, decodes, both_pairs, both_seconds = (a + b for a, b in zip(held, (prefill_tokens, num_decodes,
-                                                                                        pairs, seconds)))
-            cost.observe(tokens / 2, decodes / 2, both_seconds / 2, both_pairs / 2)
+            tokens, decodes, pairs, scan = ((a + b) / 2 for a, b in zip(held[0], own))
+            cost.observe(tokens, decodes, (held[1] + seconds) / 2, pairs, scan)
         elif held is not None:
-            cost.observe(held[0], held[1], held[3], held[2])
+            teach(cost, *held)
 
     def _release(self, cost: CostModel) -> None:
         """Teach the held observation alone."""
         held, self._held = self._held, None
         if held is not None:
-            cost.observe(held[0], held[1], held[3], held[2])
+            teach(cost, *held)
 
     def clear(self) -> None:
         """A pipeline reset: the steps in flight are gone, their times will not come."""
         self._waiting.clear()
         self._after_timed = False
         self._held = None
+
+
+def teach(cost: CostModel, features: StepFeatures, seconds: float) -> None:
+    cost.observe(features.prefill_tokens, features.decodes, seconds, features.pairs, features.scan)

@@ -8,10 +8,11 @@ without taking its neighbours' latency:
   of them long (a long waiting prompt is passed over, the shorter ones behind it are admitted);
 - ``itl_target`` (seconds; Medha's adaptive chunking): while decodes run, the step's prefill
   tokens are sized by the step cost model so the step's predicted time, their decode step, stays
-  within the target. The chunk shrinks as a long prompt's context grows (its attention term, the
-  scan of its context included: ``chunk_attention``; the model learns each step's wall share). The
-  step's first prefill gets at least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt
-  always moves; the others get nothing once the target is spent;
+  within the target (aimed below it by how far recent such steps ran past their prediction: the target
+  is a 99th percentile's, ``cost_model.Overruns``). The chunk shrinks as a long prompt's context grows
+  (its attention terms, the pairs and the scan of its context: ``chunk_pairs``, ``chunk_scan``; the model
+  learns each step's wall share). The step's first prefill gets at least ``MIN_CHUNK`` tokens whatever
+  the prediction, so a long prompt always moves; the others get nothing once the target is spent;
 - under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
   chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late,
   as many as the model predicts fastest through the stages.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_attention
+from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs, chunk_scan
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
@@ -43,7 +44,8 @@ class PrefillSizer:
         self.threshold = config.long_prefill_token_threshold if chunked else 0
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
-        self.target = config.itl_target if chunked else None
+        # the target is a 99th percentile's: aimed below by how far recent mixed steps overran (``Overruns``)
+        self.target = config.itl_target / cost.overrun() if chunked and config.itl_target is not None else None
         # the largest chunk of a prompt pipelined through the stages (None: no pipeline)
         self.pipelined = (self.threshold or config.max_num_batched_tokens) \
             if chunked and config.pipeline_parallel_size > 1 else None
@@ -57,6 +59,7 @@ class PrefillSizer:
         self.num_decodes = min(decodes, config.max_num_seqs)
         self.prefill_tokens = 0  # taken by this pass's prefills so far
         self.prefill_pairs = 0.0
+        self.prefill_scan = 0.0
         self.num_prefills = 0
         self.num_long = 0
 
@@ -102,7 +105,7 @@ class PrefillSizer:
 
     def predicted_seconds(self) -> float:
         """The step's predicted time with the prefills taken so far and its decodes."""
-        return self.cost.step_seconds(self.prefill_tokens, self.num_decodes, self.prefill_pairs)
+        return self.cost.step_seconds(self.prefill_tokens, self.num_decodes, self.prefill_pairs, self.prefill_scan)
 
     def took(self, request: ScheduledRequest, num_new: int) -> None:
         """The prefill was given ``num_new`` tokens from its computed ones (before they advance)."""
@@ -110,11 +113,13 @@ class PrefillSizer:
             self.num_long += 1
         self.num_prefills += 1
         self.prefill_tokens += num_new
-        self.prefill_pairs += chunk_attention(request.num_computed_tokens, num_new)
+        self.prefill_pairs += chunk_pairs(request.num_computed_tokens, num_new)
+        self.prefill_scan += chunk_scan(request.num_computed_tokens, num_new)
 
     def _step_seconds(self, start: int, num_new: int) -> float:
         return self.cost.step_seconds(self.prefill_tokens + num_new, self.num_decodes,
-                                      self.prefill_pairs + chunk_attention(start, num_new))
+                                      self.prefill_pairs + chunk_pairs(start, num_new),
+                                      self.prefill_scan + chunk_scan(start, num_new))
 
 
 def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],

@@ -134,10 +134,10 @@ class Acceptance:
 @dataclass
 class DraftCost:
     """A drafting step's seconds beyond a plain step's: ``e + p * k + t * n + u * c``, fitted
-    online (recursive least squares: the step cost model's, its four features these).
+    online (recursive least squares: the step cost model's, its first four features these, the fifth unused).
     Starts at 0 (a fresh engine tries)."""
 
-    model: OnlineCostModel = field(default_factory=lambda: OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
+    model: OnlineCostModel = field(default_factory=lambda: OnlineCostModel(prior=(0.0,) * 5, forgetting=0.98))
 
     def seconds(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int = 0) -> float:
         fixed, per_pass, per_token, per_catch_up = self.coefficients
@@ -147,7 +147,7 @@ class DraftCost:
     def coefficients(self) -> tuple[float, float, float, float]:
         """``(e, p, t, u)``, each at least 0: steps seen at one ``k`` only (probes) leave the split
         between ``e`` and ``p`` open, and a negative one would make more drafts look cheaper."""
-        fixed, per_token, per_pass, per_catch_up = (max(0.0, float(x)) for x in self.model.theta)
+        fixed, per_token, per_pass, per_catch_up = (max(0.0, float(x)) for x in self.model.theta[:4])
         return fixed, per_pass, per_token, per_catch_up
 
     def observe(self, num_drafts: int, num_draft_tokens: int, num_catch_up: int, extra_seconds: float) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel
+from vllm_actors.actors.scheduler.cost_model import CostModel, OnlineCostModel, StepFeatures
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spec_policy import (
     BUCKETS,
@@ -75,8 +75,8 @@ def fixed_first_cost() -> DraftCost:
     is learnt from steps of different drafted counts. (An uncertainty alike on both would put a
     step of 256 drafted tokens' overhead almost all on ``t``, and make drafting for a few requests
     of the batch look cheap when the whole batch pays the fixed part.)"""
-    cost = DraftCost(OnlineCostModel(prior=(0.0, 0.0, 0.0, 0.0), forgetting=0.98))
-    cost.model.covariance = np.diag([PRIOR_VARIANCE, PRIOR_VARIANCE / TOKEN_SCALE**2, 0.0, 0.0])
+    cost = DraftCost(OnlineCostModel(prior=(0.0,) * 5, forgetting=0.98))
+    cost.model.covariance = np.diag([PRIOR_VARIANCE, PRIOR_VARIANCE / TOKEN_SCALE**2, 0.0, 0.0, 0.0])
     return cost
 
 
@@ -158,11 +158,16 @@ class WallPlain:
 
     costs: WallCosts
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0) -> float:
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: float = 0.0,
+                     prefill_scan: float = 0.0) -> float:
         return self.costs.plain_seconds(decode_seqs) if decode_seqs else 0.0
 
-    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float, prefill_pairs: float = 0.0) -> None:
+    def observe(self, prefill_tokens: float, decode_seqs: float, seconds: float, prefill_pairs: float = 0.0,
+                prefill_scan: float = 0.0) -> None:
         return None
+
+    def overrun(self) -> float:
+        return 1.0
 
 
 class WallPolicy:
@@ -216,14 +221,14 @@ class WallPolicy:
         probers = choose_probers(candidates, bucket.draft, seconds_since_draft, fixed=bucket.switch, streak_pays=pays)
         return plan, probers
 
-    def account(self, features: tuple[int, int, float], planned_drafts: bool, sizes: Sequence[int],
+    def account(self, features: StepFeatures, planned_drafts: bool, sizes: Sequence[int],
                 seconds: float) -> None:
         """A step's interval: ``features`` (``step_features``), whether its plan had drafts, and the
         drafts the worker verified per drafting request. A plan whose drafts the worker found none of
         is a drafting step of 0 drafted tokens: the worker drained its steps in flight to look them up.
         A plain step followed by a drafting plan (the last pass's, planned before this result with two
         steps in flight) teaches nothing: its read-back waited for that plan."""
-        prefill_tokens, num_decodes, pairs = features
+        prefill_tokens, num_decodes, pairs, scan = features
         if not any(sizes) and not planned_drafts:  # a plain step
             if self._run:
                 self._run_length += RUN_EMA * (self._run - self._run_length)
@@ -233,7 +238,7 @@ class WallPolicy:
             return
         self._run += 1
         fallback = self.costs.fallback
-        prefill = max(fallback.step_seconds(prefill_tokens, num_decodes, pairs)
+        prefill = max(fallback.step_seconds(prefill_tokens, num_decodes, pairs, scan)
                       - fallback.step_seconds(0, num_decodes), 0.0) if prefill_tokens else 0.0
         self.costs.observe_drafting(num_decodes, prefill, sum(sizes), seconds)
 

@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm_actors.actors.scheduler.block_ledger import BlockLedger
-from vllm_actors.actors.scheduler.cost_model import CostModel
+from vllm_actors.actors.scheduler.cost_model import CostModel, StepFeatures
 from vllm_actors.actors.scheduler.deadlines import step_features
 from vllm_actors.actors.scheduler.oracle import OracleDrafter
 from vllm_actors.actors.scheduler.prefill_sizing import is_decoding
@@ -213,7 +213,7 @@ class Speculator:
         return found
 
     def account(self, plan: StepPlan, result: StepResult, requests: dict[str, ScheduledRequest],
-                features: tuple[int, int, float] | None = None) -> None:
+                features: StepFeatures | None = None) -> None:
         """Before the result's tokens are applied: each drafting request's acceptance counted and
         its computed tokens rolled back by its rejected drafts; a step's time teaches the pricing
         (``wall``, or ``draft_cost`` what a drafting step cost beyond the step cost model's plain step).
@@ -239,10 +239,10 @@ class Speculator:
             self._drafting_run += 1
             self._seconds_since_draft = 0.0
             if self.wall is None and result.execute_seconds > 0:  # priced in execute_seconds
-                prefill_tokens, num_decodes, pairs = features
+                prefill_tokens, num_decodes, pairs, scan = features
                 catch_up = sum(pace.catch_up for pace in map(self._paces.get, plan.draft_token_ids)
                                if pace is not None)  # only this pricing reads it (n-gram's wall has none)
-                extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs)
+                extra = result.execute_seconds - self.cost.step_seconds(prefill_tokens, num_decodes, pairs, scan)
                 self.draft_cost.observe(max(sizes), sum(sizes), catch_up, extra)
         emitted = Counter(result.req_ids)
         counters, paces, recent = self.counters, self._paces, self.recent
