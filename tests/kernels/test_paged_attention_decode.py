@@ -125,3 +125,26 @@ def test_choose_decode_splits() -> None:
             splits = ta.choose_decode_splits(num_seqs, 2, max_len, cuda_like)
             assert 1 <= splits <= 64 and splits & (splits - 1) == 0
 
+
+
+def test_a_long_context_among_short_ones_gets_the_splits_its_share_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H200, 1B shape: one 400k-token context among 120 of 2k decoded in one program per head (85 ms a step)
+    while the others were long done. With the batch's keys known, its programs hold a wave's share of them;
+    uniform lengths keep the count chosen without; a graph captured for 128 sequences (every length taken as
+    max_model_len: 1 split) falls short of such a step, which then runs eagerly; a batch of short or uniform
+    contexts keeps its graph."""
+    from vllm_actors.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "_sm_count", lambda device: 132)
+    device = torch.device("cpu")
+    lens = [400_000] + [2_048] * 120
+    assert td.choose_decode_splits(121, 8, 400_000, device) == 1
+    assert td.choose_decode_splits(121, 8, 400_000, device, total_seq_len=sum(lens)) == 16  # ceil(21.0) -> 16
+    assert td.choose_decode_splits(121, 8, 2_048, device, total_seq_len=121 * 2_048) == 1
+    assert td.choose_decode_splits(4, 8, 4_096, device, total_seq_len=4 * 4_096) == \
+        td.choose_decode_splits(4, 8, 4_096, device)  # uniform: as without
+    assert td.decode_graph_falls_short(lens, 128, 8, 403_000, device)
+    assert not td.decode_graph_falls_short([2_048] * 121, 128, 8, 403_000, device)
+    assert not td.decode_graph_falls_short([30_000] + [2_048] * 120, 128, 8, 403_000, device)  # not long
+    assert not td.decode_graph_falls_short([400_000] * 121, 128, 8, 403_000, device)  # uniform: as captured
+

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs, chunk_scan
-from vllm_actors.actors.scheduler.prefill_sizing import MIN_CHUNK, PrefillSizer
+from vllm_actors.actors.scheduler.prefill_sizing import MAX_CHUNK_GROWTH, MIN_CHUNK, MIN_SIDE_CHUNK, PrefillSizer
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.engine_args import add_engine_arguments, engine_kwargs
@@ -255,3 +255,45 @@ def test_the_chunk_aims_below_the_target_by_the_overrun() -> None:
                                                       chunk_scan(100_000, plain + 1))
     assert seconds[1] <= 0.020 < COST.step_seconds(aimed + 1, 32, chunk_pairs(100_000, aimed + 1),
                                                       chunk_scan(100_000, aimed + 1))
+
+
+def _beside_decodes(computed: int, last_chunk: int = 0) -> tuple[SchedulerConfig, list[ScheduledRequest],
+                                                               ScheduledRequest]:
+    config = SchedulerConfig(max_model_len=LONG + 16, max_num_seqs=64, max_num_batched_tokens=16384,
+                             enable_chunked_prefill=True, block_size=16, num_blocks=1 << 17, itl_target=0.030)
+    decodes = [ScheduledRequest(request_id=f"d{i}", prompt_token_ids=array("i", [5] * 64),
+                                params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=64)
+               for i in range(32)]
+    long = ScheduledRequest(request_id="long", prompt_token_ids=array("i", [5] * LONG),
+                            params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=computed,
+                            last_chunk=last_chunk)
+    return config, decodes, long
+
+
+def test_a_chunk_grows_at_most_twice_its_last_where_the_fit_says_larger_is_cheaper() -> None:
+    """A fit whose pairs term went below 0 (collinear with the scan at one context) predicts a whole 4,096-token
+    chunk within the target: the chunk grows from the last one by MAX_CHUNK_GROWTH at most."""
+    collinear = FixedCostModel(a=0.005, b=2e-6, c=1e-4, d=-1e-5, e=2e-4)
+    config, decodes, long = _beside_decodes(400_000, last_chunk=300)
+    sizer = PrefillSizer(config, collinear, [*decodes, long])
+    assert collinear.step_seconds(4096, 32, chunk_pairs(400_000, 4096), chunk_scan(400_000, 4096)) < 0.030
+    assert sizer.chunk(long, 4096) == MAX_CHUNK_GROWTH * 300
+    sizer.took(long, MAX_CHUNK_GROWTH * 300)
+    assert long.last_chunk == 600
+    fresh = _beside_decodes(400_000)[2]  # no chunk yet: nothing to grow from
+    assert PrefillSizer(config, collinear, [*decodes, fresh]).chunk(fresh, 4096) == 4096
+
+
+def test_a_chunk_too_small_to_pay_for_its_scan_waits_beside_other_prefills() -> None:
+    """A short prompt took most of the target: the long prompt's chunk that would fit is tiny, and scans its 600k
+    keys all the same; it waits a step. As the step's first prefill it gets MIN_CHUNK (it always moves)."""
+    config, decodes, long = _beside_decodes(600_000)
+    short = ScheduledRequest(request_id="short", prompt_token_ids=array("i", [5] * 2048),
+                             params=SamplingParams(max_tokens=8), eos_token_ids=[0])
+    cost = FixedCostModel(a=0.005, b=2e-6, c=1e-4, d=3e-5, e=1.2e-4)  # the scan of 600k keys: 17.6 ms
+    sizer = PrefillSizer(config, cost, [*decodes, long])
+    sizer.took(short, sizer.chunk(short, 2048))
+    assert short.last_chunk == 2048
+    fits = next(n for n in range(4096, 0, -1) if sizer._step_seconds(600_000, n) <= 0.030)
+    assert 0 < fits < MIN_SIDE_CHUNK and sizer.chunk(long, 4096) == 0
+    assert PrefillSizer(config, cost, [*decodes, long]).chunk(long, 4096) >= MIN_CHUNK

@@ -152,6 +152,7 @@ class TritonPagedAttention:
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 decode_groups=meta.decode_groups,
+                total_seq_len=decode_keys(meta),
             )
         if self.staging is not None and self.staging.wants(q, k_cache, meta, sliding_window, logits_soft_cap):
             return self.staging(q, k_cache, v_cache, meta, scale, k_scale, v_scale, logits_soft_cap)
@@ -171,3 +172,11 @@ class TritonPagedAttention:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+
+
+def decode_keys(meta: AttentionMetadata) -> int | None:
+    """The decode step's keys together, from the host's lengths (a long context among short ones gets more
+    splits: ``choose_decode_splits``); None while a CUDA graph is captured (it serves any lengths)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    return sum(meta.seq_lens_cpu) if meta.seq_lens_cpu else None

@@ -45,6 +45,10 @@ DECODE_ORDERED = True
 # on an H100: 64 splits, 2 stages, 92-101% of the copy bandwidth at 128k-1M keys against 90-96% before).
 FEW_PROGRAMS_PER_SM = 1 / 8
 FEW_PROGRAMS_WAVES = 4
+# A decode step whose longest context has at least LONG_DECODE_KEYS keys and asks for GRAPH_SPLITS_SHORTFALL
+# times the splits its graph was captured with runs eagerly (``decode_graph_falls_short``).
+LONG_DECODE_KEYS = 32_768
+GRAPH_SPLITS_SHORTFALL = 4
 # How an fp8 cache's tiles meet the query in the dots (`fp8_tiles`). "query": converted to the query's
 # dtype; for bf16 on Hopper three conversions per two elements (e4m3 -> f16x2, each half -> bf16), on a
 # pipe of 16 a clock per SM. "float16": one conversion per two elements; the query carries the softmax
@@ -226,12 +230,16 @@ def _cuda_sm_count(index: int) -> int:
 
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                         waves: int = DECODE_WAVES, max_splits: int = DECODE_MAX_SPLITS) -> int:
+                         waves: int = DECODE_WAVES, max_splits: int = DECODE_MAX_SPLITS,
+                         total_seq_len: int | None = None) -> int:
     """Splits of the context per (sequence, KV head): enough programs for about ``waves`` waves on
     the GPU (``FEW_PROGRAMS_WAVES`` for few programs), but no split shorter than _MIN_KEYS_PER_SPLIT
     keys and at most ``max_splits`` (1: no reduction kernel); rounded down to a power of two (bounds
-    the reduce kernel's compiled variants).
-    Chosen at graph capture for CUDA graphs."""
+    the reduce kernel's compiled variants). With ``total_seq_len`` (the batch's keys, where the host
+    knows them), the longest sequence's programs are held to a wave's share of the batch's keys: one
+    400k-token context among 120 of 2k took 85 ms a step (H200, 1B shape) in one program per head while
+    the other programs were long done; with uniform lengths the same count as without.
+    Chosen at graph capture for CUDA graphs (uniform lengths: ``decode_graph_falls_short``)."""
     if waves < 1:
         raise ValueError(f"waves must be a positive integer, got {waves}")
     if not 1 <= max_splits <= DECODE_MAX_SPLITS or max_splits & (max_splits - 1):
@@ -241,9 +249,25 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, dev
     if waves == DECODE_WAVES and few_programs(num_seqs, num_kv_heads, sm_count):
         waves = FEW_PROGRAMS_WAVES
     wanted = math.ceil(waves * sm_count / programs)
+    if total_seq_len is not None and total_seq_len > 0:  # the longest context's share of the batch's keys
+        wanted = max(wanted, math.ceil(waves * sm_count * max_seq_len / (num_kv_heads * total_seq_len)))
     useful = math.ceil(max(1, max_seq_len) / _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, max_splits))
     return 1 << (splits.bit_length() - 1)
+
+
+def decode_graph_falls_short(seq_lens: list[int], graph_size: int, num_kv_heads: int, max_model_len: int,
+                             device: torch.device) -> bool:
+    """Whether a decode step would replay a graph captured with far fewer splits than its lengths ask for
+    (``choose_decode_splits``: at capture every length is taken as ``max_model_len``, so a batch of many
+    sequences gets few splits; one long context among short ones then runs in a few long programs): the
+    runner runs such a step eagerly, its splits chosen from the step's own lengths."""
+    longest = max(seq_lens, default=0)
+    if longest < LONG_DECODE_KEYS:
+        return False
+    captured = choose_decode_splits(graph_size, num_kv_heads, max_model_len, device)
+    wanted = choose_decode_splits(len(seq_lens), num_kv_heads, longest, device, total_seq_len=sum(seq_lens))
+    return wanted >= GRAPH_SPLITS_SHORTFALL * captured
 
 
 def queries_per_program(num_heads: int, num_kv_heads: int) -> int:
@@ -280,12 +304,15 @@ def paged_attention_decode(
     logits_soft_cap: float | None = None,
     fp8_tiles: str | None = None,
     decode_groups: torch.Tensor | None = None,
+    total_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (query_len <= 1) over its paged context.
 
     Sequence i's query is row query_start_loc[i] of q (it has none when query_start_loc[i+1] equals
     it). max_seq_len is a host upper bound of seq_lens used only to pick the split count (pass the
-    capture-time bound when recording a CUDA graph), or give num_splits directly. order, a
+    capture-time bound when recording a CUDA graph), or give num_splits directly; total_seq_len, the
+    host's sum of seq_lens where it has them (None: taken as uniform), lets a long context among short
+    ones get more splits (``choose_decode_splits``). order, a
     permutation of the sequences (`decode_order`), is the order in which programs take them.
     k_scale, v_scale: an fp8 cache's scales; sliding_window, logits_soft_cap: the layer's options
     (`kernels/attention.py`), None for off. fp8_tiles: how an fp8 cache's tiles are converted
@@ -313,7 +340,8 @@ def paged_attention_decode(
         check_decode_groups(decode_groups, num_seqs)
     if num_splits is None:
         keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a query reads
-        num_splits = choose_decode_splits(num_seqs, num_kv_heads, keys, q.device)
+        total = total_seq_len if sliding_window is None else None
+        num_splits = choose_decode_splits(num_seqs, num_kv_heads, keys, q.device, total_seq_len=total)
     cfg = config or decode_config(head_dim, few_programs(num_seqs, num_kv_heads, _sm_count(q.device)))
     split = num_splits > 1
     if split:

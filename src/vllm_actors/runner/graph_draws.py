@@ -11,7 +11,7 @@ and the drafts they accept are the eager path's. ``ModelRunner`` mixes this in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ class GraphDraws:
         _weight_bytes: int
         _calculate_kv_scales: bool
         block_size: int
+        max_model_len: int
+        device: torch.device
+        local_config: Any  # the model's config as this rank holds it (its KV heads)
 
         @property
         def bytes_per_block(self) -> int: ...
@@ -49,7 +52,13 @@ class GraphDraws:
     def _decode_bucket(self, batch: BatchInput) -> int | None:
         if not batch.is_decode or not self._graphs:
             return None
-        return next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
+        from vllm_actors.kernels.triton_decode import decode_graph_falls_short  # Triton: where graphs run
+
+        size = next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
+        if size is not None and decode_graph_falls_short(batch.seq_lens, size, self.local_config.num_key_value_heads,
+                                                         self.max_model_len, self.device):
+            return None  # a long context among short ones: eagerly, split for its own lengths
+        return size
 
     def _graph_step(self, batch: BatchInput) -> tuple[int | None, BatchInput]:
         """The decode graph's bucket for this step (None: no graph) and the batch it replays (a

@@ -11,8 +11,11 @@ without taking its neighbours' latency:
   within the target (aimed below it by how far recent such steps ran past their prediction: the target
   is a 99th percentile's, ``cost_model.Overruns``). The chunk shrinks as a long prompt's context grows
   (its attention terms, the pairs and the scan of its context: ``chunk_pairs``, ``chunk_scan``; the model
-  learns each step's wall share). The step's first prefill gets at least ``MIN_CHUNK`` tokens whatever
-  the prediction, so a long prompt always moves; the others get nothing once the target is spent;
+  learns each step's wall share), and grows at most ``MAX_CHUNK_GROWTH`` times over the request's last
+  (beyond the chunks it was fitted on the model is not to be trusted). The step's first prefill gets at
+  least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt always moves; the others get nothing
+  once the target is spent, or below ``MIN_SIDE_CHUNK`` (a chunk's scan of its context costs whatever its
+  size);
 - under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
   chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late,
   as many as the model predicts fastest through the stages.
@@ -30,6 +33,14 @@ from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
 from vllm_actors.protocol.config import SchedulerConfig
 
 MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
+# A later prefill of the step sized below this gets nothing instead (unless that is all it has left): a chunk
+# scans its whole context whatever its size, and below it with a few CTAs (H200, a 1M-token prompt: 3-63 tokens
+# at 550-690k beside a short prompt made 140-197 ms steps, the short prompt alone ~60 ms).
+MIN_SIDE_CHUNK = 64
+# A chunk sized for a target grows at most this much over the request's last one: the step cost model is fitted
+# on the chunks it has seen (its pairs and scan terms are nearly collinear at one context) and its prediction
+# far beyond them is not to be trusted (H200: 4,096-token chunks at 280-640k predicted at 0-100 ms took 0.37-0.8 s).
+MAX_CHUNK_GROWTH = 2
 
 
 def is_decoding(request: ScheduledRequest) -> bool:
@@ -94,14 +105,17 @@ class PrefillSizer:
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens
-        fits, low, high = 0, 1, num_new
+        trusted = min(num_new, MAX_CHUNK_GROWTH * request.last_chunk) if request.last_chunk else num_new
+        fits, low, high = 0, 1, trusted
         while low <= high:  # the step time grows with the chunk: the largest that keeps the target
             middle = (low + high) // 2
             if self._step_seconds(start, middle) <= self.target:
                 fits, low = middle, middle + 1
             else:
                 high = middle - 1
-        return fits if self.num_prefills else max(fits, min(num_new, MIN_CHUNK))
+        if self.num_prefills:
+            return fits if fits >= MIN_SIDE_CHUNK or fits >= request.num_tokens - start else 0
+        return max(fits, min(num_new, MIN_CHUNK))
 
     def predicted_seconds(self) -> float:
         """The step's predicted time with the prefills taken so far and its decodes."""
@@ -109,6 +123,7 @@ class PrefillSizer:
 
     def took(self, request: ScheduledRequest, num_new: int) -> None:
         """The prefill was given ``num_new`` tokens from its computed ones (before they advance)."""
+        request.last_chunk = num_new
         if self.is_long(request):
             self.num_long += 1
         self.num_prefills += 1
