@@ -239,24 +239,6 @@ class _Overrunning(FixedCostModel):
         return 1.5
 
 
-def test_the_chunk_aims_below_the_target_by_the_overrun() -> None:
-    config = SchedulerConfig(max_model_len=LONG + 16, max_num_seqs=64, max_num_batched_tokens=16384,
-                             enable_chunked_prefill=True, block_size=16, num_blocks=1 << 17, itl_target=0.030)
-    decodes = [ScheduledRequest(request_id=f"d{i}", prompt_token_ids=array("i", [5] * 64),
-                                params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=64)
-               for i in range(32)]
-    long = ScheduledRequest(request_id="long", prompt_token_ids=array("i", [5] * LONG),
-                            params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=100_000)
-    overrunning = _Overrunning(a=COST.a, b=COST.b, c=COST.c, d=COST.d)
-    plain, aimed = (PrefillSizer(config, cost, [*decodes, long]).chunk(long, 16384) for cost in (COST, overrunning))
-    seconds = [COST.step_seconds(n, 32, chunk_pairs(100_000, n), chunk_scan(100_000, n)) for n in (plain, aimed)]
-    assert MIN_CHUNK < aimed < plain
-    assert seconds[0] <= 0.030 < COST.step_seconds(plain + 1, 32, chunk_pairs(100_000, plain + 1),
-                                                      chunk_scan(100_000, plain + 1))
-    assert seconds[1] <= 0.020 < COST.step_seconds(aimed + 1, 32, chunk_pairs(100_000, aimed + 1),
-                                                      chunk_scan(100_000, aimed + 1))
-
-
 def _beside_decodes(computed: int, last_chunk: int = 0) -> tuple[SchedulerConfig, list[ScheduledRequest],
                                                                ScheduledRequest]:
     config = SchedulerConfig(max_model_len=LONG + 16, max_num_seqs=64, max_num_batched_tokens=16384,
@@ -268,6 +250,18 @@ def _beside_decodes(computed: int, last_chunk: int = 0) -> tuple[SchedulerConfig
                             params=SamplingParams(max_tokens=8), eos_token_ids=[0], num_computed_tokens=computed,
                             last_chunk=last_chunk)
     return config, decodes, long
+
+
+def test_the_chunk_aims_below_the_target_by_the_overrun() -> None:
+    config, decodes, long = _beside_decodes(100_000)
+    overrunning = _Overrunning(a=COST.a, b=COST.b, c=COST.c, d=COST.d)
+    plain, aimed = (PrefillSizer(config, cost, [*decodes, long]).chunk(long, 16384) for cost in (COST, overrunning))
+    seconds = [COST.step_seconds(n, 32, chunk_pairs(100_000, n), chunk_scan(100_000, n)) for n in (plain, aimed)]
+    assert MIN_CHUNK < aimed < plain
+    assert seconds[0] <= 0.030 < COST.step_seconds(plain + 1, 32, chunk_pairs(100_000, plain + 1),
+                                                      chunk_scan(100_000, plain + 1))
+    assert seconds[1] <= 0.020 < COST.step_seconds(aimed + 1, 32, chunk_pairs(100_000, aimed + 1),
+                                                      chunk_scan(100_000, aimed + 1))
 
 
 def test_a_chunk_grows_at_most_twice_its_last_where_the_fit_says_larger_is_cheaper() -> None:
