@@ -141,6 +141,15 @@ def test_importing_the_bookkeeping_state_machines_and_the_protocol_does_not_impo
     assert result.stdout.strip() == "", f"importing {result.stdout.strip()} imports torch"
 
 
+def test_the_offline_llm_and_the_server_import_no_torch() -> None:
+    """The clients' processes (LLM in a script, ``serve``, the CLI) leave torch to the workers: it is
+    about 1.5 s of CPU in every one of them (an adapter's check reads only its header)."""
+    code = ("import sys\nimport vllm_actors.llm, vllm_actors.server.serve, vllm_actors.cli\n"
+            "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
+
+
 # Settings are read from the environment through vllm_actors.envs alone (one registry, documented in
 # docs/settings.md). Writing the environment, or building a child process's from it, is allowed.
 ENVS_PACKAGE = PACKAGE / "envs"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,20 @@ def test_weights_and_tying(tiny_qwen3: Path, tiny_llama: Path) -> None:
     del bad["model.layers.2.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="missing"):
         llama.load_weights(bad)
+
+
+def test_loading_a_model_imports_neither_torchs_compiler_nor_sympy(tiny_llama: Path) -> None:
+    """The modules are built on the meta device and given memory off torch's Python references,
+    whose first calls import torch._dynamo and sympy: about 3 s of CPU in every worker's start."""
+    code = (
+        "import sys, torch\n"
+        "from vllm_actors.models.loader import load_model\n"
+        f"model, _ = load_model({str(tiny_llama)!r}, torch.float32, torch.device('cpu'))\n"
+        "assert model.model.layers[0].mlp.gate_up_proj.weight.abs().sum() > 0\n"
+        "print(sorted(name for name in ('torch._dynamo', 'sympy') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

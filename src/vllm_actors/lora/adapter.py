@@ -14,12 +14,14 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_actors.models.config import ModelConfig
-from vllm_actors.models.parallel import ShardLayout
+
+if TYPE_CHECKING:  # the clients (LLM, the server) check adapters without importing torch: ~1.5 s a process
+    import torch
+
+    from vllm_actors.models.parallel import ShardLayout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -115,7 +117,7 @@ def read_adapter(path: str, base: ModelConfig, max_lora_rank: int) -> AdapterSpe
     declared = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
     if any(isinstance(r, int) and r > max_lora_rank for r in declared):  # vLLM checks the config's ranks too
         raise ValueError(f"LoRA rank {max(declared)} is greater than max_lora_rank {max_lora_rank} ({path})")
-    with safe_open(str(root / WEIGHTS_FILE), framework="pt") as handle:
+    with safe_open(str(root / WEIGHTS_FILE), framework="numpy") as handle:  # the header only: no torch
         shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in shapes:

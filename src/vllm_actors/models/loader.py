@@ -14,6 +14,7 @@ from vllm_actors.models import fp8, registry
 from vllm_actors.models.config import ModelConfig
 from vllm_actors.models.echo_weights import make_echo
 from vllm_actors.models.llama import CausalLM
+from vllm_actors.models.meta_init import materialize, meta_modules
 from vllm_actors.models.parallel import TensorParallel
 from vllm_actors.models.pipeline import PipelineStage
 
@@ -59,13 +60,13 @@ def load_model(
     device = torch.device(device)
     config = ModelConfig.from_path(path)
     model_cls = registry.model_class(config.architecture)
-    with torch.device("meta"):
+    with meta_modules():  # the weights are loaded (or drawn) once materialized
         model = model_cls(config, attn_backend=get_attention_backend(device), tp=tp, stage=stage)
     model = model.to(dtype=dtype)
     if config.quantization is not None and fp8.keeps_fp8(device):  # FP8 projections (after the cast)
         fp8.use_fp8_linears(model, model.local_config, config.quantization, model.tp.size)
-    model = model.to_empty(device=device)
-    model.tie_weights()  # to_empty re-creates parameters: tie them again
+    model = materialize(model, device)
+    model.tie_weights()  # materialize re-creates parameters: tie them again
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         if envs.VLLM_ACTORS_DUMMY_WEIGHTS == "echo":  # benchmarks: greedy output robust to rounding

@@ -22,6 +22,7 @@ from vllm_actors.actors.worker.step_data import BatchInput
 from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.kernels.attention import build_attention_metadata, get_attention_backend
 from vllm_actors.models.eagle3 import AuxHiddenStates, Eagle3Config, Eagle3Head, has_own_embedding
+from vllm_actors.models.meta_init import materialize, meta_modules
 
 
 class Eagle3Runner:
@@ -34,9 +35,9 @@ class Eagle3Runner:
         self.max_num_tokens: int = target.max_num_tokens
         self.config = Eagle3Config.from_path(path, target.model_config)
         dummy = target.config.load_format == "dummy"
-        with torch.device("meta"):
+        with meta_modules():
             head = Eagle3Head(self.config, own_embedding=not dummy and has_own_embedding(path))
-        self.head = head.to(dtype=self.dtype).to_empty(device=self.device)
+        self.head = materialize(head.to(dtype=self.dtype), self.device)
         with torch.no_grad():
             self.head.d2t.zero_()
             if dummy:  # random weights of the head's shapes (benchmarks), norms at 1

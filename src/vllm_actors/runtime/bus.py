@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from vllm_actors.protocol.names import is_engine_actor
+from vllm_actors.runtime import signal_wake
 from vllm_actors.runtime.process import ActorSpec, report
 from vllm_actors.runtime.security import GroupKeys, bind
 from vllm_actors.runtime.zmq_shell import EVENT_HWM
@@ -100,8 +101,13 @@ class Bus:
         poller.register(self.output, zmq.POLLIN)
         for socket in self.inputs:
             poller.register(socket, zmq.POLLIN)
+        wake = signal_wake.wake_socket()
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         while not stop.is_set():
             ready = dict(poller.poll(100))
+            if wake in ready:
+                signal_wake.drain()
             if self.output in ready:
                 self._forward_subscriptions()
             for socket, owner in self.inputs.items():

@@ -32,6 +32,7 @@ from vllm_actors.protocol.names import (
     SUPERVISOR,
     replica_actor,
 )
+from vllm_actors.runtime import signal_wake
 from vllm_actors.runtime.loop import AcceptRules
 from vllm_actors.runtime.security import GroupKeys, attached_scheduler, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, ActorShell
@@ -70,10 +71,15 @@ class ControllerShell(ActorShell):
         self._replicas = [self.endpoint.peers[name][0] for name in self._names]
         for dealer in self._replicas:
             self._poller.register(dealer, zmq.POLLIN)
+        self._wake = signal_wake.wake_socket()
+        if self._wake is not None:
+            self._poller.register(self._wake, zmq.POLLIN)
         self.num_batches = 0
 
     def _next_message(self) -> Any | None:
         ready = dict(self._poller.poll(100))
+        if self._wake in ready:
+            signal_wake.drain()
         if self.events in ready:
             self._take_events()
         for replica, dealer in enumerate(self._replicas):

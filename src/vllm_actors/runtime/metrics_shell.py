@@ -40,6 +40,7 @@ from vllm_actors.protocol.metrics import (
     MetricsReply,
     SeenQuery,
 )
+from vllm_actors.runtime import signal_wake
 from vllm_actors.runtime.process import READY_TIMEOUT, ActorSpec, report
 from vllm_actors.runtime.security import GroupKeys, bind, connect
 from vllm_actors.runtime.zmq_shell import EVENT_HWM, EventPublisher
@@ -174,8 +175,13 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event, ke
     poller = zmq.Poller()
     poller.register(subscriber, zmq.POLLIN)
     poller.register(router, zmq.POLLIN)
+    wake = signal_wake.wake_socket()
+    if wake is not None:
+        poller.register(wake, zmq.POLLIN)
     while not stop.is_set():
         ready = dict(poller.poll(100))
+        if wake in ready:
+            signal_wake.drain()
         if subscriber in ready:
             receive_events()
         if router in ready:

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.protocol.config import EngineConfig, SchedulerConfig
+from vllm_actors.runtime import signal_wake
 from vllm_actors.runtime.gc_tuning import freeze_startup_heap
 from vllm_actors.runtime.run_dir import GroupAddresses
 
@@ -147,4 +148,5 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal_wake.install()  # the loops see the stop at once, not at their poll's timeout
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: its stacks, on stderr
