@@ -83,13 +83,8 @@ def _cache(context: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype
 
 def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str, copy_bw: float) -> list[Cell]:
     """Every (splits, tile config) of the grid on one sequence of ``context`` keys."""
-    from vllm_actors.kernels.triton_decode import (
-        _sm_count,
-        choose_decode_splits,
-        decode_config,
-        few_programs,
-        paged_attention_decode,
-    )
+    from vllm_actors.kernels.decode_splits import _sm_count, choose_decode_splits, few_programs
+    from vllm_actors.kernels.triton_decode import decode_config, paged_attention_decode
     from vllm_actors.kernels.triton_paged import TileConfig
 
     heads, kv_heads, head_dim = SHAPES[shape]

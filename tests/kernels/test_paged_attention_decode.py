@@ -133,7 +133,7 @@ def test_a_long_context_among_short_ones_gets_the_splits_its_share_asks_for(monk
     uniform lengths keep the count chosen without; a graph captured for 128 sequences (every length taken as
     max_model_len: 1 split) falls short of such a step, which then runs eagerly; a batch of short or uniform
     contexts keeps its graph."""
-    from vllm_actors.kernels import triton_decode as td
+    from vllm_actors.kernels import decode_splits as td
 
     monkeypatch.setattr(td, "_sm_count", lambda device: 132)
     device = torch.device("cpu")

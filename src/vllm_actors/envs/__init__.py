@@ -88,9 +88,9 @@ REMOVED = {
     "VLLM_ACTORS_GEMV_STAGES": "`kernels/gemv.py` `GemvConfig.stages` (2)",
     "VLLM_ACTORS_GEMV_PREFETCH": "`kernels/gemv.py` `GemvConfig.prefetch` (2)",
     "VLLM_ACTORS_DECODE_BLOCK_N": "`kernels/triton_decode.py` `DECODE_BLOCK_N` (128)",
-    "VLLM_ACTORS_DECODE_WAVES": "`kernels/triton_decode.py` `DECODE_WAVES` (2)",
+    "VLLM_ACTORS_DECODE_WAVES": "`kernels/decode_splits.py` `DECODE_WAVES` (2)",
     "VLLM_ACTORS_DECODE_ORDER": "`kernels/triton_decode.py` `DECODE_ORDERED` (longest context first)",
-    "VLLM_ACTORS_DECODE_MAX_SPLITS": "`kernels/triton_decode.py` `DECODE_MAX_SPLITS` (64)",
+    "VLLM_ACTORS_DECODE_MAX_SPLITS": "`kernels/decode_splits.py` `DECODE_MAX_SPLITS` (64)",
     "VLLM_ACTORS_TP_SYMM_MAX_BYTES": "`models/parallel.py` `SYMM_MAX_BYTES` (8 MiB)",
     "VLLM_ACTORS_TP_FUSED_NORM_MAX_BYTES": "`models/fused_all_reduce.py` `FUSED_MAX_BYTES` (8 MiB)",
 }

@@ -20,15 +20,10 @@ import triton.language as tl
 
 from vllm_actors.kernels import pdl as pdl_module
 from vllm_actors.kernels.decode_merge import merge_splits
+from vllm_actors.kernels.decode_splits import _sm_count, choose_decode_splits, few_programs
 from vllm_actors.kernels.kv_parallel_share import RankShare
 from vllm_actors.kernels.pdl import pdl
-from vllm_actors.kernels.triton_decode import (
-    _decode_kernel,
-    _sm_count,
-    choose_decode_splits,
-    decode_config,
-    few_programs,
-)
+from vllm_actors.kernels.triton_decode import _decode_kernel, decode_config
 from vllm_actors.kernels.triton_paged import (
     _LOG2E,
     _MIN_DOT_ROWS,

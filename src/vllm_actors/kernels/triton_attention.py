@@ -44,14 +44,11 @@ from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill
 
 if TYPE_CHECKING:
     from vllm_actors.kernels.fp8_prefill_stage import Fp8PrefillStaging
+from vllm_actors.kernels.decode_splits import DECODE_MAX_SPLITS, DECODE_WAVES, choose_decode_splits, few_programs
 from vllm_actors.kernels.triton_decode import (
     DECODE_BLOCK_N,
-    DECODE_MAX_SPLITS,
     DECODE_ORDERED,
-    DECODE_WAVES,
-    choose_decode_splits,
     decode_config,
-    few_programs,
     paged_attention_decode,
     queries_per_program,
 )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_actors.actors.worker.step_data import BatchInput, GraphSampling
+from vllm_actors.kernels.decode_splits import decode_graph_falls_short
 from vllm_actors.runner.graph_inputs import DecodeGraph, GraphInputs
 from vllm_actors.runner.verify_rows import as_decode_rows
 
@@ -52,8 +53,6 @@ class GraphDraws:
     def _decode_bucket(self, batch: BatchInput) -> int | None:
         if not batch.is_decode or not self._graphs:
             return None
-        from vllm_actors.kernels.triton_decode import decode_graph_falls_short  # Triton: where graphs run
-
         size = next((size for size in self._graph_sizes if size >= len(batch.query_lens)), None)
         if size is not None and decode_graph_falls_short(batch.seq_lens, size, self.local_config.num_key_value_heads,
                                                          self.max_model_len, self.device):
