@@ -48,6 +48,7 @@ class AttentionMetadata:
     # sequences' keys together: None until asked
     longest_query_context: int | None = None
     keys_beside_longest: int | None = None
+    step_keys: int | None = None  # every sequence's keys together: None until asked
     # flash-attn 4's split of the longest query over its keys (``flash_attn_split``): (plan or None,
     # its device tensors), planned at the step's first layer that asks
     flash_splits: tuple[Any, Any] | None = None
@@ -61,8 +62,14 @@ class AttentionMetadata:
                 if query_len > longest:
                     longest, context, length = query_len, seq_len - query_len, seq_len
             self.longest_query_context = context
-            self.keys_beside_longest = sum(self.seq_lens_cpu) - length
+            self.keys_beside_longest = self.keys_in_step() - length
         return self.longest_query_context
+
+    def keys_in_step(self) -> int:
+        """Every sequence's keys together (the host's lengths), summed once for the step's layers."""
+        if self.step_keys is None:
+            self.step_keys = sum(self.seq_lens_cpu)
+        return self.step_keys
 
     def keys_beside_longest_query(self) -> int:
         """The keys of every sequence of the step but the longest query's, together."""

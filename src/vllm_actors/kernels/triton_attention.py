@@ -176,4 +176,4 @@ def decode_keys(meta: AttentionMetadata) -> int | None:
     splits: ``choose_decode_splits``); None while a CUDA graph is captured (it serves any lengths)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
-    return sum(meta.seq_lens_cpu) if meta.seq_lens_cpu else None
+    return meta.keys_in_step() if meta.seq_lens_cpu else None
