@@ -314,21 +314,17 @@ def wait_until_seen(
     dealer.setsockopt(zmq.LINGER, 0)
     connect(dealer, metrics_address, keys)
     deadline = time.monotonic() + timeout
-    handshake = publisher.publish([make_event()])
+    handshake = publisher.stamper.stamp([make_event()])  # stamped once: every copy one sequence number
     try:
         while time.monotonic() < deadline:
+            publisher.resend(handshake)
             dealer.send(codec.encode(SeenQuery(actor=actor_id)))
             if dealer.poll(200):
                 reply = codec.decode_reply(dealer.recv())
                 seen = getattr(reply, "actors", {}).get(actor_id)
-                if seen is not None and seen.num_events > 0 and \
-                        (handshake is None or seen.last_seq >= handshake.first_seq):
+                if seen is not None and seen.last_seq >= handshake.first_seq:
                     return
             time.sleep(0.02)
-            if handshake is not None:
-                publisher.resend(handshake)
-            else:  # every event dropped here (``drop_work_events``): nothing to resend
-                publisher.publish([make_event()])
         raise TimeoutError(f"the metrics store did not see {actor_id}'s events within {timeout:.0f} s")
     finally:
         dealer.close()
