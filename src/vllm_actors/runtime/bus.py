@@ -101,13 +101,10 @@ class Bus:
         poller.register(self.output, zmq.POLLIN)
         for socket in self.inputs:
             poller.register(socket, zmq.POLLIN)
-        wake = signal_wake.wake_socket()
-        if wake is not None:
-            poller.register(wake, zmq.POLLIN)
+        signal_wake.watch(poller)
         while not stop.is_set():
             ready = dict(poller.poll(100))
-            if wake in ready:
-                signal_wake.drain()
+            signal_wake.woke(ready)
             if self.output in ready:
                 self._forward_subscriptions()
             for socket, owner in self.inputs.items():

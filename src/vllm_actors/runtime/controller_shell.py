@@ -71,15 +71,12 @@ class ControllerShell(ActorShell):
         self._replicas = [self.endpoint.peers[name][0] for name in self._names]
         for dealer in self._replicas:
             self._poller.register(dealer, zmq.POLLIN)
-        self._wake = signal_wake.wake_socket()
-        if self._wake is not None:
-            self._poller.register(self._wake, zmq.POLLIN)
+        signal_wake.watch(self._poller)
         self.num_batches = 0
 
     def _next_message(self) -> Any | None:
         ready = dict(self._poller.poll(100))
-        if self._wake in ready:
-            signal_wake.drain()
+        signal_wake.woke(ready)
         if self.events in ready:
             self._take_events()
         for replica, dealer in enumerate(self._replicas):

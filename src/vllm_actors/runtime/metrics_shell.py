@@ -175,13 +175,10 @@ def run_metrics(spec: ActorSpec, context: zmq.Context, stop: threading.Event, ke
     poller = zmq.Poller()
     poller.register(subscriber, zmq.POLLIN)
     poller.register(router, zmq.POLLIN)
-    wake = signal_wake.wake_socket()
-    if wake is not None:
-        poller.register(wake, zmq.POLLIN)
+    signal_wake.watch(poller)
     while not stop.is_set():
         ready = dict(poller.poll(100))
-        if wake in ready:
-            signal_wake.drain()
+        signal_wake.woke(ready)
         if subscriber in ready:
             receive_events()
         if router in ready:

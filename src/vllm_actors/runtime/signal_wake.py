@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import signal
 import socket
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
 
 _ends: tuple[socket.socket, socket.socket] | None = None  # (read, write); the write end is the wakeup fd
 
@@ -23,17 +27,21 @@ def install() -> None:
     _ends = (read, write)
 
 
-def wake_socket() -> socket.socket | None:
-    """The socket to poll (None: not installed, as in the in-process engine)."""
-    return _ends[0] if _ends is not None else None
+def watch(poller: zmq.Poller) -> None:
+    """Poll the wake-up socket with ``poller``'s sockets (nothing where it is not installed, as in the
+    in-process engine); a poll that saw it then passes its result through ``woke``."""
+    if _ends is not None:
+        poller.register(_ends[0], zmq.POLLIN)
 
 
-def drain() -> None:
-    """Read the wake-up bytes that arrived, so the next poll waits again."""
-    if _ends is None:
-        return
+def woke(ready: Mapping[Any, int]) -> bool:
+    """Whether a poll's ``ready`` holds the wake-up socket; if so its bytes are read, so the next poll
+    waits again."""
+    if _ends is None or _ends[0] not in ready:
+        return False
     try:
         while _ends[0].recv(4096):
             pass
     except (BlockingIOError, InterruptedError):
         pass
+    return True

@@ -117,11 +117,9 @@ class ZmqEndpoint:
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         bind(self.router, inbox, keys)
         # A wait for a message also ends when the process gets a signal (its stop: signal_wake.py).
-        self._wake = signal_wake.wake_socket()
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
-        if self._wake is not None:
-            self._poller.register(self._wake, zmq.POLLIN)
+        signal_wake.watch(self._poller)
         self.peers: dict[str, list[zmq.Socket]] = {}
         for peer, addresses in peers.items():
             self.peers[peer] = [self._dealer(context, address, self.peer_keys.get(peer, keys)) for address in addresses]
@@ -160,15 +158,10 @@ class ZmqEndpoint:
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             remaining = max(int((deadline - time.monotonic()) * 1000), 0)
-            if remaining == 0 or self._wake is None:
-                if not self.router.poll(remaining):
-                    return None
-            else:
-                ready = dict(self._poller.poll(remaining))
-                if self._wake in ready:
-                    signal_wake.drain()
-                if self.router not in ready:
-                    return None  # a signal (or the timeout): the caller looks at its stop
+            ready = dict(self._poller.poll(remaining))
+            signal_wake.woke(ready)
+            if self.router not in ready:
+                return None  # the timeout, or a signal: the caller looks at its stop
             frames = self.router.recv_multipart()
             if len(frames) != 2:
                 self.drop("wrong frame count", sender=frames[0] if frames else b"", frames=len(frames))
