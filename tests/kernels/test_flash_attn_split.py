@@ -25,9 +25,13 @@ def test_the_plan_splits_only_a_chunk_that_leaves_sms_idle_over_a_long_context()
     assert plan is not None and plan.seq == 0 and plan.q_start == 0 and plan.q_len == 256
     assert plan.tail_block == 400_000 // 16 and plan.num_splits == 5  # ceil(2 waves x 132 / 64)
     assert plan.blocks_per_split * (plan.num_splits - 1) < plan.tail_block <= plan.blocks_per_split * plan.num_splits
-    # the longest query's rows are found wherever it sits in the batch
+    # the chunk's rows are found wherever it sits in the batch
     moved = plan_key_splits([1, 1, 256], [900, 800, 400_256], 16, 32, 8, 132)
     assert moved is not None and moved.seq == 2 and moved.q_start == 2
+    # beside a longer fresh prompt (a short request's 2,048 tokens) it is still the chunk over the long
+    # context that is split, not the step's longest query
+    mixed = plan_key_splits([2048, 68] + [1] * 120, [2048, 660_068] + [2300] * 120, 16, 32, 8, 132)
+    assert mixed is not None and mixed.seq == 1 and mixed.q_start == 2048 and mixed.q_len == 68
     # a chunk that fills the GPU, a decode step, a short context: one call
     assert plan_key_splits([4096], [500_000], 16, 32, 8, 132) is None
     assert plan_key_splits([1, 1], [400_000, 5], 16, 32, 8, 132) is None
@@ -112,5 +116,7 @@ def test_steps_flash_attn_takes_by_their_context_leave_the_padded_graphs() -> No
     assert not eager([1] * 64, [3000] * 64, 64)  # decodes
     assert not eager([300, 1], [300, 900], 512)  # a fresh short prompt: Triton either way
     assert eager([300], [300 + prefill_choice.LONG_CONTEXT_KEYS], 512)  # alone over a long context, unsplit
+    # a fresh 1,000-token prompt beside the long prompt's 68-token chunk: the chunk's split takes the step
+    assert eager([1000, 68] + [1] * 120, [1000, 660_068] + [2300] * 120, 2048)
     unsplit = FlashAttnPrefill("auto", VarlenRecorder(), split_keys=False, num_sms=132)
     assert not unsplit.outruns_padded_graph([128] + [1] * 140, [400_128] + [2300] * 140, 16, 32, 8, 64, 512, cpu)

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs, chunk_scan
-from vllm_actors.actors.scheduler.prefill_sizing import MAX_CHUNK_GROWTH, MIN_CHUNK, MIN_SIDE_CHUNK, PrefillSizer
+from vllm_actors.actors.scheduler.prefill_sizing import (
+    MAX_CHUNK_GROWTH,
+    MIN_CHUNK,
+    MIN_SIDE_CHUNK,
+    PrefillSizer,
+    note_chunk_times,
+)
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.scheduler import Scheduler
 from vllm_actors.engine_args import add_engine_arguments, engine_kwargs
@@ -291,3 +297,27 @@ def test_a_chunk_too_small_to_pay_for_its_scan_waits_beside_other_prefills() -> 
     fits = next(n for n in range(4096, 0, -1) if sizer._step_seconds(600_000, n) <= 0.030)
     assert 0 < fits < MIN_SIDE_CHUNK and sizer.chunk(long, 4096) == 0
     assert PrefillSizer(config, cost, [*decodes, long]).chunk(long, 4096) >= MIN_CHUNK
+
+
+def test_a_chunk_measured_past_the_target_shrinks_the_next_where_the_fit_lags() -> None:
+    """The fit says a 2,048-token chunk at 690k keeps the 30 ms target; the step that held the last 1,024 took
+    60 ms (H200: as the fit lagged, 1,024 -> 2,048 -> 4,096-token chunks made 288, 455 and 894 ms steps). The
+    next chunk takes the room the step leaves in proportion to what the measured one took, not the fit's."""
+    collinear = FixedCostModel(a=0.005, b=2e-6, c=1e-4)  # its attention terms lost (collinear, fitted near 0)
+    config, decodes, long = _beside_decodes(690_000, last_chunk=1024)
+    requests = {request.request_id: request for request in [*decodes, long]}
+    assert PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096) == MAX_CHUNK_GROWTH * 1024
+
+    def measured(seconds: float) -> None:
+        plan = StepPlan(step_id=1, req_ids=[*(d.request_id for d in decodes), "long"], num_tokens=[1] * 32 + [1024],
+                        num_blocks=[5] * 32 + [(690_000 + 1024) // 16])
+        note_chunk_times(plan, StepResult(step_id=1, req_ids=[d.request_id for d in decodes], token_ids=[7] * 32,
+                                          interval_seconds=seconds), requests, collinear, 16)
+
+    measured(0.060)
+    rest = collinear.step_seconds(0, 32)  # the step without the chunk: its decodes
+    assert long.timed_chunk == 1024 and long.chunk_seconds == pytest.approx(0.060 - rest)
+    chunk = PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096)
+    assert MIN_CHUNK < chunk == int(1024 * (0.030 - rest) / (0.060 - rest))
+    measured(0.012)  # well under: it may grow, by MAX_CHUNK_GROWTH at most
+    assert PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096) == MAX_CHUNK_GROWTH * 1024

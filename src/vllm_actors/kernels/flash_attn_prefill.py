@@ -179,9 +179,12 @@ class FlashAttnPrefill:
         sliding_window: int | None = None,
     ) -> PrefillKernel:  # fmt: skip
         ready = layout_problem(q, k_cache, v_cache) is None
-        split = ready and self.splits(q, k_cache, meta, sliding_window) is not None
-        return prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1], meta.context_of_longest_query(),
-                              meta.num_seqs, meta.keys_beside_longest_query(), split)
+        planned = self.splits(q, k_cache, meta, sliding_window) if ready else None
+        kernel = prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1], meta.context_of_longest_query(),
+                                meta.num_seqs, meta.keys_beside_longest_query(), planned is not None)
+        if kernel == "flash_attn" or planned is None:
+            return kernel
+        return split_kernel(self.choice, planned[0], q.shape[-1], meta.num_seqs, sum(meta.seq_lens_cpu))
 
     def outruns_padded_graph(self, query_lens: list[int], seq_lens: list[int], block_size: int, num_heads: int,
                              num_kv_heads: int, head_dim: int, padded_tokens: int, device: torch.device) -> bool:
@@ -193,11 +196,12 @@ class FlashAttnPrefill:
         if not self.split_keys or not query_lens or query_lens[longest] <= 1:
             return False  # without the split such steps keep their graph (as in the stream measured, session 22)
         context = seq_lens[longest] - query_lens[longest]
-        split = plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads,
-                                self.num_sms(device)) is not None
+        plan = plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads, self.num_sms(device))
         here = prefill_kernel(self.choice, True, query_lens[longest], head_dim, context, len(query_lens),
-                              sum(seq_lens) - seq_lens[longest], split)
-        return here == "flash_attn" and (split or prefill_kernel(self.choice, True, padded_tokens, head_dim)
+                              sum(seq_lens) - seq_lens[longest], plan is not None)
+        if here != "flash_attn" and plan is not None:
+            here = split_kernel(self.choice, plan, head_dim, len(query_lens), sum(seq_lens))
+        return here == "flash_attn" and (plan is not None or prefill_kernel(self.choice, True, padded_tokens, head_dim)
                                          != "flash_attn")
 
     def num_sms(self, device: torch.device) -> int:
@@ -292,6 +296,14 @@ class FlashAttnPrefill:
         tensors = split_tensors(plan, tables, seq_lens, block_size)
         warm = {**arguments, "q": q[:1], "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32, device=device)}
         self.attend_split(warm, plan, tensors)
+
+
+def split_kernel(choice: str, plan: KeySplits, head_dim: int, num_seqs: int, total_keys: int) -> PrefillKernel:
+    """The kernel the step's split query asks for (``prefill_kernel`` with its length and context), where
+    the step's longest query (a short prompt, no context) would leave the step on Triton: the long
+    context's attention is the step's."""
+    return prefill_kernel(choice, True, plan.q_len, head_dim, plan.seq_len - plan.q_len, num_seqs,
+                          total_keys - plan.seq_len, True)
 
 
 def flash_attn_prefill_for(device: torch.device) -> FlashAttnPrefill | None:

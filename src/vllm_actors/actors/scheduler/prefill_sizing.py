@@ -11,8 +11,11 @@ without taking its neighbours' latency:
   within the target (aimed below it by how far recent such steps ran past their prediction: the target
   is a 99th percentile's, ``cost_model.Overruns``). The chunk shrinks as a long prompt's context grows
   (its attention terms, the pairs and the scan of its context: ``chunk_pairs``, ``chunk_scan``; the model
-  learns each step's wall share), and grows at most ``MAX_CHUNK_GROWTH`` times over the request's last
-  (beyond the chunks it was fitted on the model is not to be trusted). The step's first prefill gets at
+  learns each step's wall share), grows at most ``MAX_CHUNK_GROWTH`` times over the request's last
+  (beyond the chunks it was fitted on the model is not to be trusted), and at most in proportion to the
+  room left by the step's other work over what its latest measured chunk took (``note_chunk_times``: the
+  model's fit can lag a chunk's cost by several steps, and a chunk's cost is affine in its size at one
+  context, so the proportion grows safely and shrinks to the target in a few steps). The step's first prefill gets at
   least ``MIN_CHUNK`` tokens whatever the prediction, so a long prompt always moves; the others get nothing
   once the target is spent, or below ``MIN_SIDE_CHUNK`` (a chunk's scan of its context costs whatever its
   size);
@@ -24,13 +27,15 @@ One ``PrefillSizer`` per planning pass; the scheduler asks it before giving a re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs, chunk_scan
+from vllm_actors.actors.scheduler.deadlines import step_features, step_wall_seconds
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
 from vllm_actors.protocol.config import SchedulerConfig
+from vllm_actors.protocol.messages import StepPlan, StepResult
 
 MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
 # A later prefill of the step sized below this gets nothing instead (unless that is all it has left): a chunk
@@ -106,6 +111,9 @@ class PrefillSizer:
             return num_new  # nobody's next token waits on this step
         start = request.num_computed_tokens
         trusted = min(num_new, MAX_CHUNK_GROWTH * request.last_chunk) if request.last_chunk else num_new
+        if request.timed_chunk and request.chunk_seconds > 0:  # what its chunks cost, not what the model says
+            room = max(self.target - self._step_seconds(start, 0), 0.0)
+            trusted = min(trusted, int(request.timed_chunk * room / request.chunk_seconds))
         fits, low, high = 0, 1, trusted
         while low <= high:  # the step time grows with the chunk: the largest that keeps the target
             middle = (low + high) // 2
@@ -135,6 +143,30 @@ class PrefillSizer:
         return self.cost.step_seconds(self.prefill_tokens + num_new, self.num_decodes,
                                       self.prefill_pairs + chunk_pairs(start, num_new),
                                       self.prefill_scan + chunk_scan(start, num_new))
+
+
+def note_chunk_times(plan: StepPlan, result: StepResult, requests: Mapping[str, ScheduledRequest],
+                     cost: CostModel, block_size: int) -> None:
+    """Each prefill chunk of a step that held decodes: its tokens and its seconds (the step's wall share
+    less the cost model's prediction of the step without it), which cap the request's next chunk
+    (``PrefillSizer.chunk``) where the model's prediction runs short of what the chunks take."""
+    seconds = step_wall_seconds(result)
+    if seconds <= 0 or not plan.req_ids:
+        return
+    prefill_tokens, num_decodes, pairs, scan = step_features(plan, block_size)
+    if not prefill_tokens or not num_decodes:
+        return
+    drafts = plan.draft_token_ids
+    for request_id, n, blocks in zip(plan.req_ids, plan.num_tokens, plan.num_blocks, strict=True):
+        if n - len(drafts.get(request_id, ())) == 1:
+            continue
+        request = requests.get(request_id)
+        if request is None:
+            continue
+        start = max(0, blocks * block_size - n)  # as ``step_features`` takes it
+        rest = cost.step_seconds(prefill_tokens - n, num_decodes, pairs - chunk_pairs(start, n),
+                                 scan - chunk_scan(start, n))
+        request.timed_chunk, request.chunk_seconds = n, max(seconds - rest, 0.0)
 
 
 def yielding(policy: QueuePolicy, waiting: Sequence[ScheduledRequest],

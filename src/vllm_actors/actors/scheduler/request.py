@@ -35,6 +35,10 @@ class ScheduledRequest:
     num_pending: int = 0  # tokens that steps in flight will sample for it (not yet reported)
     num_pending_drafts: int = 0  # drafts of its steps in flight: tokens they may add beyond num_pending
     last_chunk: int = 0  # prompt tokens its last prefill step took (``PrefillSizer``'s trust region)
+    # its latest chunk measured beside decodes: its tokens, and its seconds (the step's wall share less the
+    # cost model's prediction of the step without it; ``prefill_sizing.note_chunk_times``)
+    timed_chunk: int = 0
+    chunk_seconds: float = 0.0
     packed_prompt: bytes = b""  # the prompt as NewRequest carries it, packed once on arrival
     num_cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     # Computed tokens at which its next full block could be cached: below it, a step asks the

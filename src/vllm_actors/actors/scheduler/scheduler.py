@@ -56,6 +56,7 @@ from vllm_actors.actors.scheduler.owners import refused_request
 from vllm_actors.actors.scheduler.pipeline import StepPipeline
 from vllm_actors.actors.scheduler.planning_pass import PlanningPass, SchedulerStats
 from vllm_actors.actors.scheduler.policies import make_policy
+from vllm_actors.actors.scheduler.prefill_sizing import note_chunk_times
 from vllm_actors.actors.scheduler.recovery import catch_up, ended_by_its_outputs, start_over
 from vllm_actors.actors.scheduler.request import ScheduledRequest, Status, packed_prompt
 from vllm_actors.actors.scheduler.results import apply_result
@@ -212,6 +213,8 @@ class Scheduler(PlanningPass):
         features = step_features(plan, self.config.block_size) if self.spec is not None else None  # once for both
         # the cost model learns the step, or later from its GPU time, and the earlier ones timed so
         self.late_timings.observe(self.cost_model, plan, result, self.config.block_size, features)
+        if self.config.itl_target is not None:  # what its chunks took caps a long prompt's next (prefill_sizing)
+            note_chunk_times(plan, result, self.requests, self.cost_model, self.config.block_size)
         if self.spec is not None:
             self.spec.account(plan, result, self.requests, features)
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)
