@@ -308,16 +308,18 @@ def test_a_chunk_measured_past_the_target_shrinks_the_next_where_the_fit_lags() 
     requests = {request.request_id: request for request in [*decodes, long]}
     assert PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096) == MAX_CHUNK_GROWTH * 1024
 
-    def measured(seconds: float) -> None:
+    def measured(seconds: float, execute: float = 0.0) -> None:
         plan = StepPlan(step_id=1, req_ids=[*(d.request_id for d in decodes), "long"], num_tokens=[1] * 32 + [1024],
                         num_blocks=[5] * 32 + [(690_000 + 1024) // 16])
         note_chunk_times(plan, StepResult(step_id=1, req_ids=[d.request_id for d in decodes], token_ids=[7] * 32,
-                                          interval_seconds=seconds), requests, collinear, 16)
+                                          interval_seconds=seconds, execute_seconds=execute), requests, collinear, 16)
 
     measured(0.060)
     rest = collinear.step_seconds(0, 32)  # the step without the chunk: its decodes
     assert long.timed_chunk == 1024 and long.chunk_seconds == pytest.approx(0.060 - rest)
     chunk = PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096)
     assert MIN_CHUNK < chunk == int(1024 * (0.030 - rest) / (0.060 - rest))
+    measured(0.001, execute=0.2)  # read back with the step before (its wall share next to nothing): no measure
+    assert long.chunk_seconds == pytest.approx(0.060 - rest)
     measured(0.012)  # well under: it may grow, by MAX_CHUNK_GROWTH at most
     assert PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096) == MAX_CHUNK_GROWTH * 1024

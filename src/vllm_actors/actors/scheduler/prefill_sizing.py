@@ -31,13 +31,17 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs, chunk_scan
 from vllm_actors.actors.scheduler.deadlines import step_features, step_wall_seconds
+from vllm_actors.actors.scheduler.late_timings import BUNCHED_FRACTION
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
 from vllm_actors.protocol.config import SchedulerConfig
 from vllm_actors.protocol.messages import StepPlan, StepResult
 
-MIN_CHUNK = 256  # tokens the step's first prefill gets even when the decodes alone fill the target
+# Tokens the step's first prefill gets even when the decodes alone fill the target (it always moves): flash-attn's
+# split over the keys takes chunks from 64 (``prefill_choice.SPLIT_MIN_QUERY_LEN``). 256 was more than the target
+# allowed at 600-690k of a 1M-token prompt beside ~100 decodes (H200: 114-124 ms steps against a 100 ms target).
+MIN_CHUNK = 64
 # A later prefill of the step sized below this gets nothing instead (unless that is all it has left): a chunk
 # scans its whole context whatever its size, and below it with a few CTAs (H200, a 1M-token prompt: 3-63 tokens
 # at 550-690k beside a short prompt made 140-197 ms steps, the short prompt alone ~60 ms).
@@ -151,8 +155,8 @@ def note_chunk_times(plan: StepPlan, result: StepResult, requests: Mapping[str, 
     less the cost model's prediction of the step without it), which cap the request's next chunk
     (``PrefillSizer.chunk``) where the model's prediction runs short of what the chunks take."""
     seconds = step_wall_seconds(result)
-    if seconds <= 0 or not plan.req_ids:
-        return
+    if seconds <= 0 or not plan.req_ids or seconds < BUNCHED_FRACTION * result.execute_seconds:
+        return  # not measured, or read back with the step before (which holds both times: ``late_timings``)
     prefill_tokens, num_decodes, pairs, scan = step_features(plan, block_size)
     if not prefill_tokens or not num_decodes:
         return
