@@ -63,7 +63,7 @@ def test_a_mixed_batch_verifies_the_matching_request_and_decodes_the_other() -> 
     steps = [e for e in events if isinstance(e, StepFinished)]
     both = [step for step in steps if step.num_seqs == 2 and step.num_drafts]
     assert both and all(step.num_drafts == 1 for step in both)  # the fresh request drafted nowhere
-    assert [1 + 3, 1] in [batch.query_lens for batch in runner.batches]  # its one row beside 3 drafts, no fillers
+    assert [1 + 4, 1] in [batch.query_lens for batch in runner.batches]  # its 4 drafts beside one row, no fillers
     assert sum(step.num_accepted_tokens for step in steps) > 0
     drafted = {e.request_id: e.num_draft_tokens for e in events if isinstance(e, Finished)}
     assert drafted["1"] == 0 and drafted["0"] > 0

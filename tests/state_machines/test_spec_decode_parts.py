@@ -68,16 +68,23 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose_for([1, 2, 3, 9, 9], 3, 2, 3) == []  # no earlier match of at least min_n
     assert propose_for([256, 1, 2, 256, 1], 2, 1, 2) == [2, 256]  # byte-level hits off token bounds ignored
     assert propose_for([1, 2, 1, 2], 0, 1, 2) == []
+    # the latest match's continuation runs into the end (the text just copied): an earlier one followed by
+    # every draft asked for is taken instead; where none is, the latest, cut short
+    assert propose_for([2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 2, 3], 4, 2, 2) == [4, 5, 6, 7]
+    assert propose_for([9, 2, 3, 4, 2, 3], 4, 2, 2) == [4, 2, 3]
 
 
 def _lookup(tokens: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup over the token list, position by position (the reference)."""
+    """Prompt lookup over the token list, position by position (the reference): the latest earlier match
+    of the longest matching suffix, the latest followed by ``num_drafts`` tokens where there is one."""
     if num_drafts < 1:
         return []
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tokens[-n:]:
-                return tokens[start + n:start + n + num_drafts]
+        starts = [start for start in range(len(tokens) - n - 1, -1, -1) if tokens[start:start + n] == tokens[-n:]]
+        full = [start for start in starts if start + n + num_drafts <= len(tokens)]
+        if starts:  # the latest followed by every draft asked for, else the latest
+            start = (full or starts)[0]
+            return tokens[start + n:start + n + num_drafts]
     return []
 
 
