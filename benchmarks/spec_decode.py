@@ -15,7 +15,10 @@ the order reversed every other round, so that a neighbour's load or the clock st
 alike; per mode the medians over rounds, each round's figures (``rounds``) and, against ``off``, the
 per-round ratios (``paired_vs_off``: median, min, max; ``lib/spec_paired.py``). ``--unpaired``: one
 engine after another, each alone (a model too large to hold once per mode). vLLM runs after ours, one
-process per mode, unpaired.
+process per mode, unpaired. ``--queued 8 16``: also N requests at once with a queue behind them (engines
+started with ``max_num_seqs`` N, 4 x N requests a call: ``vllm bench serve --max-concurrency N``'s
+measure, where a closed batch's length is its slowest request's; ``lib/spec_queued.py``), paired too; vLLM
+one process per mode and N.
 ``--model-shape qwen3-8b`` runs a model shape with dummy weights instead of ``--model`` (prompts
 of random token ids: no tokenizer). The mode ``eagle3`` drafts with a random EAGLE-3 head of the
 target's shape (``--out``/eagle3-head, random bfloat16 weights both engines load; ours draws its own
@@ -147,14 +150,17 @@ def write_eagle3_head(target: str, folder: Path) -> Path:
     return folder
 
 
-def run_peer(args: argparse.Namespace, spec_path: Path, mode: str) -> dict[str, Any]:
+def run_peer(args: argparse.Namespace, spec_path: Path, mode: str, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """vLLM in ``mode`` (``peer_spec.py`` under its environment); with ``max_num_seqs``, its queued phase only."""
     script = Path(__file__).resolve().parent / "lib" / "peer_spec.py"
-    out = Path(args.out) / f"vllm_{mode}.json"
+    name = f"vllm_{mode}" + (f"_queued_{max_num_seqs}" if max_num_seqs else "")
+    out = Path(args.out) / f"{name}.json"
     env = dict(os.environ, PYTHONPATH=args.vllm_pythonpath)
+    queued = ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
     completed = subprocess.run([args.vllm_python, str(script), "--model", args.model, "--prompts", str(spec_path),
-                                "--mode", mode, "--out", str(out)], env=env, check=False, text=True,
+                                "--mode", mode, "--out", str(out), *queued], env=env, check=False, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    (Path(args.out) / f"vllm_{mode}.log").write_text(completed.stdout)
+    (Path(args.out) / f"{name}.log").write_text(completed.stdout)
     if completed.returncode != 0 or not out.is_file():
         return {"error": " | ".join(completed.stdout.splitlines()[-8:])}
     return dict(json.loads(out.read_text()))
@@ -192,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16, 64, 256])
+    parser.add_argument("--queued", type=int, nargs="*", default=[],
+                        help="N requests at once with a queue behind them (engines of max_num_seqs N, "
+                             f"{spec_measure.QUEUED_PER_SLOT} x N requests a call: vLLM's --max-concurrency)")
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="a model shape with dummy weights instead of --model (no tokenizer)")
     parser.add_argument("--draft-layers", type=int, default=None,
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the mode 'draft' needs --draft-layers N")
     if "oracle" in modes and "off" not in modes:
         parser.error("the mode 'oracle' needs the mode 'off' (its greedy outputs are the oracle's continuations)")
+    if any(slots < 1 for slots in args.queued):
+        parser.error("--queued values must be at least 1")
     if any(not 0.0 <= a <= 1.0 for a in args.oracle_acceptance):
         parser.error("--oracle-acceptance values must be from 0 to 1")
     if args.rounds < 1:
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
         "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
         "speculative_config": ngram, "speculative_configs": configs, "always_draft": args.always_draft,
-        "vllm_stats": args.vllm_stats,
+        "vllm_stats": args.vllm_stats, "queued": args.queued, "queued_rounds": args.rounds,
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
@@ -285,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         run_oracles(args, spec, results, recorded)
     for mode in [mode for mode in ours if mode != "ngram-overlap"] if args.peer else []:  # vLLM after ours
         results[f"vllm_{mode}"] = run_peer(args, spec_path, mode)
+        for slots in args.queued:  # one engine of max_num_seqs N each
+            found = run_peer(args, spec_path, mode, max_num_seqs=slots)
+            results[f"vllm_{mode}"][f"queued_{slots}_tok_s"] = found.get(f"queued_{slots}_tok_s", found.get("error"))
         print(f"vllm {mode}: {json.dumps(results[f'vllm_{mode}'])}", flush=True)
     for mode in ours:  # per verification step, whatever each engine's acceptance
         costs = {engine: spec_counters.step_cost(results[f"{engine}_{mode}"])

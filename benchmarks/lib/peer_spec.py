@@ -26,6 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "concurrency, speculative_config")
     parser.add_argument("--mode", choices=["off", "ngram", "draft", "eagle3"], required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="an engine running at most N requests, measured on the queued phase only "
+                             "(``spec_measure.queued``: the workload's ``queued_rounds`` calls)")
     args = parser.parse_args(argv)
     import vllm
     from vllm import LLM, SamplingParams
@@ -36,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=spec["max_model_len"],
               speculative_config=speculative_config, enable_prefix_caching=False,
               load_format=spec.get("load_format", "auto"), skip_tokenizer_init=not spec.get("tokenizer", True),
-              disable_log_stats=not stats)
+              disable_log_stats=not stats, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
 
     def generate(batch: Sequence[Sequence[int]], max_tokens: int) -> tuple[int, float]:
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
@@ -46,6 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "mode": args.mode,
                               "log_stats": stats}
+    if args.max_num_seqs:  # the queued phase alone: N running, a queue behind
+        spec_measure.warm_up(generate, spec["prompts"])
+        found = [spec_measure.queued(generate, spec["prompts"], args.max_num_seqs, spec["output_len"])[0]
+                 for _ in range(int(spec.get("queued_rounds", 1)))]
+        result[f"queued_{args.max_num_seqs}_tok_s"] = sorted(found)[len(found) // 2]
+        result["rounds"] = {f"queued_{args.max_num_seqs}_tok_s": found}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
     counters = spec_counters.VllmCounters(llm)
     if not stats:
         counters.note = "unavailable: stats logging off (vllm_stats false)"

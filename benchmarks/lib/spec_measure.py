@@ -25,6 +25,7 @@ Generate = Callable[[Sequence[Sequence[int]], int], tuple[int, float]]
 # accepted_per_pos optional)
 Counters = Callable[[], dict[str, Any]]
 
+QUEUED_PER_SLOT = 4  # ``queued``: requests per slot in one call (the queue behind the ones running)
 WARMUP_TOKENS = 64  # the warm-up: one request of this many tokens, then a batch of WARMUP_BATCH
 WARMUP_BATCH = 8
 
@@ -81,6 +82,17 @@ def concurrent(generate: Generate, prompts: Sequence[Sequence[int]], count: int,
                output_len: int) -> tuple[float, int]:
     """``count`` requests in one call: output tokens per second, and the tokens."""
     tokens, seconds = generate([prompts[index % len(prompts)] for index in range(count)], output_len)
+    return tokens / seconds, tokens
+
+
+def queued(generate: Generate, prompts: Sequence[Sequence[int]], slots: int, output_len: int) -> tuple[float, int]:
+    """``QUEUED_PER_SLOT`` x ``slots`` requests in one call to an engine started with ``max_num_seqs``
+    ``slots`` (what ``vllm bench serve --max-concurrency N`` measures: each finished request's place is
+    taken by the next): output tokens per second, and the tokens. A closed batch (``concurrent``) ends
+    with its slowest request instead, whatever speculation gained the others: on this workload one
+    prompt in five stops copying early (SmolLM2-135M's greedy output) and sets the batch's length."""
+    batch = [prompts[index % len(prompts)] for index in range(QUEUED_PER_SLOT * slots)]
+    tokens, seconds = generate(batch, output_len)
     return tokens / seconds, tokens
 
 

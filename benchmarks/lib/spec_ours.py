@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib import spec_measure, spec_oracle, spec_paired
+from benchmarks.lib import spec_measure, spec_oracle, spec_paired, spec_queued
 from vllm_actors.bench.engine_env import engine_environment
 
 
@@ -51,6 +51,19 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
                 recorded = spec_oracle.greedy_outputs(llms["off"], spec_oracle.batch1_prompts(spec),
                                                       spec["output_len"])
         results.update(found)
+    for slots in spec.get("queued", []):  # engines of max_num_seqs N, a queue behind (spec_queued)
+        for group in groups:
+            with ExitStack() as stack:
+                llms = {mode: stack.enter_context(start(model, spec, mode, share, max_num_seqs=slots))
+                        for mode, share in zip(group, engine_shares(utilization, len(group)), strict=True)}
+                queued = spec_queued.measure_queued({mode: generator(llm) for mode, llm in llms.items()},
+                                                    spec["prompts"], slots, spec["output_len"], rounds)
+            for mode, found_queued in queued.items():
+                merged = results[mode]
+                merged[f"queued_{slots}_tok_s"] = found_queued[f"queued_{slots}_tok_s"]
+                merged.setdefault("rounds", {}).update(found_queued["rounds"])
+                if "ratio" in found_queued:
+                    merged.setdefault("paired_vs_off", {}).update(found_queued["ratio"])
     return results, recorded
 
 
@@ -66,9 +79,9 @@ def dump_events(llm: Any, path: Path) -> None:
     save_dump(reply, path.resolve())
 
 
-def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> Any:
+def start(model: str, spec: dict[str, Any], mode: str, utilization: float, max_num_seqs: int | None = None) -> Any:
     """An engine in ``mode`` (``spec["speculative_configs"]``; ``always_draft``: every step drafts k;
-    ``ngram-overlap``: n-gram with ``VLLM_ACTORS_SPEC_OVERLAP=1``)."""
+    ``ngram-overlap``: n-gram with ``VLLM_ACTORS_SPEC_OVERLAP=1``); ``max_num_seqs``: the requests it runs at once."""
     from vllm_actors import LLM
     from vllm_actors.protocol.speculative import parse_speculative_config
 
@@ -79,7 +92,8 @@ def start(model: str, spec: dict[str, Any], mode: str, utilization: float) -> An
     with engine_environment(overlap):
         return LLM(model, dtype="auto", max_model_len=spec["max_model_len"], enable_prefix_caching=False,
                    load_format=spec["load_format"], skip_tokenizer_init=not spec["tokenizer"],
-                   speculative_config=speculative, gpu_memory_utilization=utilization)
+                   speculative_config=speculative, gpu_memory_utilization=utilization,
+                   **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
 
 
 def generator(llm: Any) -> spec_measure.Generate:
