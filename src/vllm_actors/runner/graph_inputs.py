@@ -134,8 +134,7 @@ class GraphInputs:
         num_seqs = len(batch.query_lens)
         host_bytes, host = self._host.acquire()
         positions = np.asarray(batch.positions, dtype=np.int64)
-        tables = batch.table_array()
-        blocks = tables[np.arange(num_seqs), positions // self.block_size].astype(np.int64)
+        blocks = batch.block_ids(np.arange(num_seqs), positions // self.block_size)
 
         ids = host["input_ids"].numpy()
         ids[:num_seqs] = batch.token_ids
@@ -150,8 +149,7 @@ class GraphInputs:
         lens[:num_seqs] = batch.seq_lens
         lens[num_seqs:bucket] = 1
         table_view = host["block_tables"].numpy()
-        used = min(tables.shape[1], self.width)
-        table_view[:num_seqs, :used] = tables[:, :used]
+        used = batch.copy_tables(table_view, self.width)
         table_view[:num_seqs, used:] = 0
         table_view[num_seqs:bucket] = 0
         if self.queries_per_read > 1:

@@ -54,11 +54,10 @@ class StepStaging:
         staging = self.sets.acquire()
         if staging["block_tables"].shape[1] < width or staging["input_ids"].shape[0] < num_tokens + rows:
             staging = self.sets.replace(self._make(width))
-        tables = batch.table_array()
         positions = np.asarray(batch.positions, dtype=np.int64)
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
         sequence_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        blocks = tables[sequence_of_token, positions // self.block_size].astype(np.int64)
+        blocks = batch.block_ids(sequence_of_token, positions // self.block_size)
         pad_tokens = rows - num_seqs if batch.is_decode else 0
 
         ids = staging["input_ids"].numpy()
@@ -78,8 +77,7 @@ class StepStaging:
         lens[:num_seqs] = batch.seq_lens
         lens[num_seqs:rows] = 1
         table_view = staging["block_tables"].numpy()
-        used = min(tables.shape[1], width)
-        table_view[:num_seqs, :used] = tables[:, :used]
+        used = batch.copy_tables(table_view, width)
         table_view[:num_seqs, used:width] = 0
         table_view[num_seqs:rows, :width] = 0
         index = staging["logits_indices"].numpy()
@@ -102,3 +100,4 @@ class StepStaging:
             "block_tables": staging["block_tables"][:rows, :width],
             "logits_indices": staging["logits_indices"][: len(batch.logits_indices)],
         }
+

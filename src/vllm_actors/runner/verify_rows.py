@@ -69,6 +69,7 @@ def as_decode_rows(batch: BatchInput, kv_bytes_per_token: float, weight_bytes: f
         block_tables=[batch.block_tables[row] for row in sequences],
         logits_indices=batch.logits_indices,
         block_table_array=None if batch.block_table_array is None else batch.block_table_array[sequence_of_row],
+        table_rows=None if batch.table_rows is None else batch.table_rows.select(sequence_of_row),
         deferred=batch.deferred,  # the same flat token indices
         loras=None if batch.loras is None else [batch.loras[row] for row in sequences],
         row_groups=list(batch.query_lens),

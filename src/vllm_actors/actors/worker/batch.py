@@ -72,7 +72,7 @@ def build_batch(plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: B
     if deferred_index and source is not None:
         batch.deferred = DeferredInputs(deferred_index, source, deferred_row)
     if batch.token_ids and tables is not None:
-        batch.block_table_array = tables.gather([requests[request_id].row for request_id in plan.req_ids])
+        batch.table_rows = tables.rows_of([requests[request_id].row for request_id in plan.req_ids])
     return step
 
 

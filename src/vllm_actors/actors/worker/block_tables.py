@@ -1,12 +1,15 @@
 """The worker's block tables as one numpy array: a row per running request, kept across steps.
 
-Appending a block writes one cell; a step's tables are one fancy-index gather, instead of
-rebuilding and padding Python lists for every sequence every step.
+Appending a block writes one cell; a step's tables are its rows read in place (``rows_of``:
+``TableRows``, copied into the step's inputs as one gather, or row by row beside one long
+context), instead of rebuilding and padding Python lists for every sequence every step.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from vllm_actors.actors.worker.step_data import TableRows
 
 
 class BlockTableArray:
@@ -46,6 +49,11 @@ class BlockTableArray:
     def remove(self, row: int) -> None:
         self.lengths[row] = 0
         self._free_rows.append(row)
+
+    def rows_of(self, rows: list[int]) -> TableRows:
+        """These rows as they are now, read in place (``TableRows``)."""
+        index = np.asarray(rows, dtype=np.int64)
+        return TableRows(self.table, index, self.lengths[index])
 
     def gather(self, rows: list[int], width: int | None = None) -> np.ndarray:
         """[len(rows), width] int32; width defaults to the longest of these rows."""

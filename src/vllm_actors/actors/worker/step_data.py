@@ -46,6 +46,51 @@ class OverlapRows:
     source: torch.Tensor  # the pending step's draws, a row per verified position, on the device
 
 
+# ``TableRows.copy_into`` copies row by row where the gathered [B, width] area is this many times the blocks
+# the rows hold (plus ``DENSE_CELLS``): one long context among short ones (a 1M-token prompt's 62,500 blocks
+# beside 120 requests of ~150) made the step's gather and its copy into the staging buffer 30 MB each, 30 ms
+# of host time per step on a 2-core machine; a decode batch of short rows stays one gather.
+SPARSE_FACTOR = 4
+DENSE_CELLS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class TableRows:
+    """A step's rows of the worker's block tables (``BatchInput.table_rows``), read in place when the step's
+    inputs are filled (right after the batch is built: appends for later steps go past these lengths)."""
+
+    table: np.ndarray  # the BlockTableArray's array
+    rows: np.ndarray  # [B] int64: the step's sequences' rows
+    lengths: np.ndarray  # [B] int32: their blocks
+
+    @property
+    def width(self) -> int:
+        return max(int(self.lengths.max(initial=0)), 1)
+
+    def gather(self) -> np.ndarray:
+        """[B, width] int32 (beyond a row's length: whatever the array holds there)."""
+        return self.table[self.rows, : self.width]
+
+    def select(self, index: np.ndarray) -> TableRows:
+        return TableRows(self.table, self.rows[index], self.lengths[index])
+
+    def blocks_at(self, sequences: np.ndarray, block_index: np.ndarray) -> np.ndarray:
+        """The block ids at ``block_index`` of each of ``sequences`` (indices into the step's rows)."""
+        return self.table[self.rows[sequences], block_index]
+
+    def copy_into(self, view: np.ndarray, width: int) -> int:
+        """``view[:B, :width]`` holds the rows' blocks (beyond a row's length: block ids of earlier steps,
+        never read: every kernel reads a row up to its sequence length); returns the columns written
+        (the rest of ``width`` is the caller's to clear)."""
+        count, used = len(self.rows), min(self.width, width)
+        if count * used <= SPARSE_FACTOR * int(self.lengths.sum()) + DENSE_CELLS:
+            view[:count, :used] = self.table[self.rows, :used]
+        else:
+            for index, (row, length) in enumerate(zip(self.rows.tolist(), self.lengths.tolist(), strict=True)):
+                view[index, : min(length, used)] = self.table[row, : min(length, used)]
+        return used
+
+
 @dataclass
 class BatchInput:
     token_ids: list[int]  # flattened new tokens of every scheduled sequence
@@ -55,6 +100,7 @@ class BatchInput:
     block_tables: list[list[int]]  # per sequence (the worker's own lists; test runners read these)
     logits_indices: list[int]  # flat positions whose logits are returned
     block_table_array: np.ndarray | None = None  # [B, width] int32: the same tables, gathered
+    table_rows: TableRows | None = None  # the worker's array's rows, read in place (gathered on demand)
     deferred: DeferredInputs | None = None  # placeholders in token_ids to fill on the device
     loras: list[LoRARequest | None] | None = None  # per sequence, its LoRA adapter (None: no sequence has one)
     # decode rows of a verification step (runner/verify_rows.py): how many consecutive rows each of its
@@ -70,10 +116,30 @@ class BatchInput:
         """The block tables as one [B, width] int32 array (``block_table_array`` when gathered)."""
         if self.block_table_array is not None:
             return self.block_table_array
+        if self.table_rows is not None:
+            self.block_table_array = self.table_rows.gather()
+            return self.block_table_array
         tables = np.zeros((len(self.block_tables), max(len(t) for t in self.block_tables) or 1), dtype=np.int32)
         for row, table in enumerate(self.block_tables):
             tables[row, : len(table)] = table
         return tables
+
+    def block_ids(self, sequences: np.ndarray, block_index: np.ndarray) -> np.ndarray:
+        """The block id at ``block_index`` of each of ``sequences`` (int64), read in place where the batch
+        has the worker's rows (``table_rows``)."""
+        if self.table_rows is not None:
+            return self.table_rows.blocks_at(sequences, block_index).astype(np.int64)
+        return self.table_array()[sequences, block_index].astype(np.int64)
+
+    def copy_tables(self, view: np.ndarray, width: int) -> int:
+        """The block tables into ``view[:B, :width]``; returns the columns written (the longest row's, within
+        ``width``: the rest is the caller's to clear)."""
+        if self.table_rows is not None:
+            return self.table_rows.copy_into(view, width)
+        tables = self.table_array()
+        used = min(tables.shape[1], width)
+        view[: len(tables), :used] = tables[:, :used]
+        return used
 
     @property
     def is_decode(self) -> bool:
