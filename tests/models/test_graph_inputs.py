@@ -149,3 +149,37 @@ def test_rows_that_need_more_than_the_kernel_sample_outside(params: SamplingPara
     sampler.fused = True
     assert sampler.graph_params(_rows([SamplingParams(temperature=0.7), params])) is None
     assert sampler.graph_params(_rows([SamplingParams(temperature=0.7)])) is not None
+
+
+def test_wide_tables_travel_compact_and_keep_the_graphs_rows() -> None:
+    """A long max_model_len makes the graphs' table rows wide (20,000 blocks here): a bucket of short rows
+    sends its used columns only and the device spreads them into the graph's table; a long row among them
+    goes as well. What the graph reads (each row up to its length) is what the full copy gave."""
+    from vllm_actors.actors.worker.block_tables import BlockTableArray
+
+    width, cpu = 20_000, torch.device("cpu")
+    static = GraphInputs(8, width, BLOCK, cpu)
+    assert static._compact is not None
+    array = BlockTableArray(width, capacity=8)
+    rows = [array.add() for _ in range(3)]
+    lengths = [2, 3, 12_000]
+    for row, length in zip(rows, lengths, strict=True):
+        array.append(row, [100 * (row + 1) + block % 50 for block in range(length)])
+
+    def upload(count: int) -> torch.Tensor:
+        positions = [length * BLOCK - 1 for length in lengths[:count]]
+        batch = _decode([5] * count, positions, [list(array.table[row, :n]) for row, n in zip(rows, lengths)][:count])
+        batch.table_rows = array.rows_of(rows[:count])
+        static.upload(batch, 4, None)
+        return static.device["block_tables"]
+
+    tables = upload(2)  # two short rows: 3 columns travel
+    assert tables[0, :2].tolist() == array.table[rows[0], :2].tolist()
+    assert tables[1, :3].tolist() == array.table[rows[1], :3].tolist()
+    assert tables[2:4, 0].tolist() == [0, 0]  # padded rows read block 0
+    assert static.device["slot_mapping"][:2].tolist() == [int(array.table[rows[0], 1]) * BLOCK + BLOCK - 1,
+                                                          int(array.table[rows[1], 2]) * BLOCK + BLOCK - 1]
+    tables = upload(3)  # with the long row
+    for row, length in zip(rows, lengths, strict=True):
+        assert tables[row, :length].tolist() == array.table[row, :length].tolist()
+    assert tables[3, 0].item() == 0

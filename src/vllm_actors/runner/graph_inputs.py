@@ -7,7 +7,10 @@ typed view into one byte buffer on the device; the host fills the same layout in
 (two in turn, so a step can be filled while the previous one's copy may still be queued; a set is
 refilled only once its copy has run: ``staging.py``) and one non-blocking copy moves the bytes the
 bucket needs. The block tables come last, so a small bucket
-copies only its own rows of them.
+copies only its own rows of them. Where the tables are wide (a long ``max_model_len``: 62,688
+blocks a row at 1M tokens) and the step's rows short, their rows' used columns travel compact
+instead (``COMPACT_FACTOR``) and a device copy spreads them into the graph's table: a full
+bucket's rows at that width were a 32 MB host fill and copy per decode step of 128 short requests.
 
 The sampler's per-row inputs (inverse temperature, noise scale, Philox seed: ``GraphSampling``)
 travel in the same copy, for the graphs that draw the tokens inside the graph. Where the attention
@@ -39,6 +42,12 @@ _LAYOUT: tuple[tuple[str, torch.dtype, int], ...] = (
     ("seq_lens", torch.int32, 1),
     ("decode_groups", torch.int32, 2),  # [2, largest]: each row's query group's first and end row
 )
+
+
+# Tables travel compact where the bucket's full rows hold this many times the cells their used columns do,
+# and are that wide at least (below, the one full copy costs less than the extra copies).
+COMPACT_FACTOR = 4
+COMPACT_MIN_CELLS = 1 << 16
 
 
 def _offsets(largest: int) -> tuple[dict[str, int], int]:
@@ -84,6 +93,9 @@ class GraphInputs:
         pin = device.type == "cuda"
         self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
         self.device = _views(self._device_bytes, largest, width)
+        # the compact tables' landing place on the device (wide tables only: ``upload``)
+        self._compact = torch.zeros(largest * width, dtype=torch.int32, device=device) \
+            if largest * width > COMPACT_MIN_CELLS else None
 
         def host_set() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
@@ -148,10 +160,18 @@ class GraphInputs:
         lens = host["seq_lens"].numpy()
         lens[:num_seqs] = batch.seq_lens
         lens[num_seqs:bucket] = 1
-        table_view = host["block_tables"].numpy()
-        used = batch.copy_tables(table_view, self.width)
-        table_view[:num_seqs, used:] = 0
-        table_view[num_seqs:bucket] = 0
+        used = min(batch.table_width(), self.width)
+        compact = self._compact is not None and bucket * self.width > COMPACT_FACTOR * bucket * used + COMPACT_MIN_CELLS
+        if compact:  # the rows' used columns, contiguous where the tables start (spread on the device below)
+            table_view = host_bytes[self._tables_offset : self._tables_offset + bucket * used * 4].view(
+                torch.int32).numpy().reshape(bucket, used)
+            batch.copy_tables(table_view, used)
+            table_view[num_seqs:bucket] = 0
+        else:
+            table_view = host["block_tables"].numpy()
+            batch.copy_tables(table_view, self.width)
+            table_view[:num_seqs, used:] = 0
+            table_view[num_seqs:bucket] = 0
         if self.queries_per_read > 1:
             host["decode_groups"].numpy()[:, :bucket] = group_bounds(batch, bucket)
         if sampling is not None:
@@ -170,8 +190,15 @@ class GraphInputs:
             pairs = host["deferred"].numpy()
             pairs[0, :count] = batch.deferred.flat_index
             pairs[1, :count] = batch.deferred.source_row
-        used_bytes = self._tables_offset + bucket * self.width * 4
-        self._device_bytes[:used_bytes].copy_(host_bytes[:used_bytes], non_blocking=True)
+        if compact and self._compact is not None:  # beyond a row's used columns the graph's table keeps old ids, unread
+            end = self._tables_offset + bucket * used * 4
+            self._device_bytes[: self._tables_offset].copy_(host_bytes[: self._tables_offset], non_blocking=True)
+            landed = self._compact[: bucket * used]
+            landed.copy_(host_bytes[self._tables_offset : end].view(torch.int32), non_blocking=True)
+            self.device["block_tables"][:bucket, :used].copy_(landed.view(bucket, used))
+        else:
+            used_bytes = self._tables_offset + bucket * self.width * 4
+            self._device_bytes[:used_bytes].copy_(host_bytes[:used_bytes], non_blocking=True)
         self._host.enqueued()
         return self.device["deferred"][:, :count] if count else None
 

@@ -131,6 +131,14 @@ class BatchInput:
             return self.table_rows.blocks_at(sequences, block_index).astype(np.int64)
         return self.table_array()[sequences, block_index].astype(np.int64)
 
+    def table_width(self) -> int:
+        """The longest row's blocks (at least 1)."""
+        if self.table_rows is not None:
+            return self.table_rows.width
+        if self.block_table_array is not None:
+            return max(self.block_table_array.shape[1], 1)
+        return max((len(table) for table in self.block_tables), default=0) or 1
+
     def copy_tables(self, view: np.ndarray, width: int) -> int:
         """The block tables into ``view[:B, :width]``; returns the columns written (the longest row's, within
         ``width``: the rest is the caller's to clear)."""
