@@ -16,7 +16,8 @@ time, nothing from the step right after a timed one (its interval holds the time
 A pair of steps read back together (the second's wall share under ``BUNCHED_FRACTION`` of its execute
 time) is taught, and judged, at its average wall share. Errors are predicted / wall - 1 over the steps
 holding the long prompt's chunk beside decodes, per 100k of its context: mean, and the 50th and 90th
-percentiles of their size."""
+percentiles of their size. Then the tail (``tail_report``): the mixed steps' wall over predicted, and which of
+them were serial (launched after the step before was read back: the host's launch on the decodes' path)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,41 @@ def report(steps: list[Step], predictions: list[float], label: str) -> None:
               f"  |error| p50 {sizes[len(sizes) // 2] * 100:3.0f}%  p90 {sizes[int(len(sizes) * 0.9)] * 100:3.0f}%")
 
 
+SERIAL_FRACTION = 0.95  # a wall share at least this part of launch-to-read-back: launched after the step before
+
+
+def is_serial(step: Step) -> bool:
+    """Launched only after the step before was read back (its wall share is its whole launch-to-read-back
+    time): the host's launch of it was on its decodes' path, not hidden behind the GPU's step before."""
+    return step.execute > 0 and step.wall >= SERIAL_FRACTION * step.execute
+
+
+def tail_report(steps: list[Step], predictions: list[float]) -> None:
+    """The mixed steps (a chunk beside decodes, not timed late): wall over predicted quantiles, and their
+    wall time serial against overlapped; the top 2% by wall, how many of them serial."""
+    walls = paired_walls(steps)
+    mixed = [k for k, step in enumerate(steps)
+             if step.decodes and step.chunks and step.gpu is None and walls[k] > 0 and predictions[k] > 0]
+    if not mixed:
+        print("tail: no mixed steps")
+        return
+    ratios = sorted(walls[k] / predictions[k] for k in mixed)
+
+    def at(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    print(f"tail: mixed steps {len(mixed)}, wall / predicted p50 {at(ratios, 0.5):.2f} p90 {at(ratios, 0.9):.2f}"
+          f" p99 {at(ratios, 0.99):.2f}")
+    for label, group in (("serial", [k for k in mixed if is_serial(steps[k])]),
+                         ("overlapped", [k for k in mixed if not is_serial(steps[k])])):
+        if group:
+            values = sorted(steps[k].wall * 1e3 for k in group)
+            print(f"  {label:10s} {len(group):5d} steps, wall p50 {at(values, 0.5):.0f} p90 {at(values, 0.9):.0f}"
+                  f" p99 {at(values, 0.99):.0f} ms")
+    top = sorted(mixed, key=lambda k: steps[k].wall)[int(0.98 * len(mixed)):]
+    print(f"  top 2% by wall: {len(top)} steps, {sum(is_serial(steps[k]) for k in top)} serial")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
@@ -118,7 +154,9 @@ def main() -> None:
     args = parser.parse_args()
     steps = load(args.trace)
     report(steps, replay(steps, separate_scan=False, lag=args.lag), "before: the scan priced with the pairs")
-    report(steps, replay(steps, separate_scan=True, lag=args.lag), "after: the scan a feature of its own")
+    after = replay(steps, separate_scan=True, lag=args.lag)
+    report(steps, after, "after: the scan a feature of its own")
+    tail_report(steps, after)
 
 
 if __name__ == "__main__":
