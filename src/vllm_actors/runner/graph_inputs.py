@@ -93,8 +93,9 @@ class GraphInputs:
         pin = device.type == "cuda"
         self._device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
         self.device = _views(self._device_bytes, largest, width)
-        # the compact tables' landing place on the device (wide tables only: ``upload``)
-        self._compact = torch.zeros(largest * width, dtype=torch.int32, device=device) \
+        # the compact tables' landing place on the device (wide tables only: ``upload``; compact rows hold under
+        # 1 / COMPACT_FACTOR of a full bucket's cells)
+        self._compact = torch.zeros(largest * width // COMPACT_FACTOR, dtype=torch.int32, device=device) \
             if largest * width > COMPACT_MIN_CELLS else None
 
         def host_set() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
