@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.actors.worker.block_tables import BlockTableArray
-from vllm_actors.actors.worker.step_data import BatchInput, TableRows
+from vllm_actors.actors.worker.block_tables import BlockTableArray, TableRows
+from vllm_actors.actors.worker.step_data import BatchInput
 
 SENTINEL = -7
 
