@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec_measure.warm_up(generate, spec["prompts"])
         found = [spec_measure.queued(generate, spec["prompts"], args.max_num_seqs, spec["output_len"])[0]
                  for _ in range(int(spec.get("queued_rounds", 1)))]
-        result[f"queued_{args.max_num_seqs}_tok_s"] = sorted(found)[len(found) // 2]
+        result[f"queued_{args.max_num_seqs}_tok_s"] = statistics.median(found)
         result["rounds"] = {f"queued_{args.max_num_seqs}_tok_s": found}
         Path(args.out).write_text(json.dumps(result, indent=1))
         return 0

@@ -36,8 +36,7 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
     recorded: list[list[int]] = []
     for group in groups:
         with ExitStack() as stack:
-            llms = {mode: stack.enter_context(start(model, spec, mode, share))
-                    for mode, share in zip(group, engine_shares(utilization, len(group)), strict=True)}
+            llms = start_group(stack, model, spec, group, utilization)
             generates = {mode: generator(llm) for mode, llm in llms.items()}
             counters = {mode: (lambda llm=llm: spec_oracle.counts(llm)) for mode, llm in llms.items()}
             found = spec_paired.measure_paired(generates, spec["prompts"], spec["output_len"], spec["repeats"],
@@ -54,8 +53,7 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
     for slots in spec.get("queued", []):  # engines of max_num_seqs N, a queue behind (spec_queued)
         for group in groups:
             with ExitStack() as stack:
-                llms = {mode: stack.enter_context(start(model, spec, mode, share, max_num_seqs=slots))
-                        for mode, share in zip(group, engine_shares(utilization, len(group)), strict=True)}
+                llms = start_group(stack, model, spec, group, utilization, max_num_seqs=slots)
                 queued = spec_queued.measure_queued({mode: generator(llm) for mode, llm in llms.items()},
                                                     spec["prompts"], slots, spec["output_len"], rounds)
             for mode, found_queued in queued.items():
@@ -65,6 +63,13 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
                 if "ratio" in found_queued:
                     merged.setdefault("paired_vs_off", {}).update(found_queued["ratio"])
     return results, recorded
+
+
+def start_group(stack: ExitStack, model: str, spec: dict[str, Any], group: Sequence[str], utilization: float,
+                max_num_seqs: int | None = None) -> dict[str, Any]:
+    """An engine per mode of ``group`` side by side (``engine_shares``), closed with ``stack``."""
+    return {mode: stack.enter_context(start(model, spec, mode, share, max_num_seqs))
+            for mode, share in zip(group, engine_shares(utilization, len(group)), strict=True)}
 
 
 def dump_events(llm: Any, path: Path) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.lib.spec_measure import Generate, queued, warm_up
+from benchmarks.lib.spec_paired import spread
 
 
 def measure_queued(generates: Mapping[str, Generate], prompts: Sequence[Sequence[int]], slots: int,
@@ -32,7 +33,6 @@ def measure_queued(generates: Mapping[str, Generate], prompts: Sequence[Sequence
     if baseline in values:
         for mode in modes:
             if mode != baseline:
-                ratios = [m / b for m, b in zip(values[mode], values[baseline], strict=True)]
-                results[mode]["ratio"] = {f"{key}_ratio": {"median": statistics.median(ratios), "min": min(ratios),
-                                                           "max": max(ratios), "rounds": ratios}}
+                results[mode]["ratio"] = {f"{key}_ratio": spread(
+                    [m / b for m, b in zip(values[mode], values[baseline], strict=True)])}
     return results

@@ -180,11 +180,8 @@ class FlashAttnPrefill:
     ) -> PrefillKernel:  # fmt: skip
         ready = layout_problem(q, k_cache, v_cache) is None
         planned = self.splits(q, k_cache, meta, sliding_window) if ready else None
-        kernel = prefill_kernel(self.choice, ready, meta.max_query_len, q.shape[-1], meta.context_of_longest_query(),
-                                meta.num_seqs, meta.keys_beside_longest_query(), planned is not None)
-        if kernel == "flash_attn" or planned is None:
-            return kernel
-        return split_kernel(self.choice, planned[0], q.shape[-1], meta.num_seqs, sum(meta.seq_lens_cpu))
+        return step_kernel(self.choice, ready, meta.max_query_len, q.shape[-1], meta.context_of_longest_query(),
+                           meta.num_seqs, meta.keys_beside_longest_query(), None if planned is None else planned[0])
 
     def outruns_padded_graph(self, query_lens: list[int], seq_lens: list[int], block_size: int, num_heads: int,
                              num_kv_heads: int, head_dim: int, padded_tokens: int, device: torch.device) -> bool:
@@ -197,10 +194,8 @@ class FlashAttnPrefill:
             return False  # without the split such steps keep their graph (as in the stream measured, session 22)
         context = seq_lens[longest] - query_lens[longest]
         plan = plan_key_splits(query_lens, seq_lens, block_size, num_heads, num_kv_heads, self.num_sms(device))
-        here = prefill_kernel(self.choice, True, query_lens[longest], head_dim, context, len(query_lens),
-                              sum(seq_lens) - seq_lens[longest], plan is not None)
-        if here != "flash_attn" and plan is not None:
-            here = split_kernel(self.choice, plan, head_dim, len(query_lens), sum(seq_lens))
+        here = step_kernel(self.choice, True, query_lens[longest], head_dim, context, len(query_lens),
+                           sum(seq_lens) - seq_lens[longest], plan)
         return here == "flash_attn" and (plan is not None or prefill_kernel(self.choice, True, padded_tokens, head_dim)
                                          != "flash_attn")
 
@@ -298,10 +293,15 @@ class FlashAttnPrefill:
         self.attend_split(warm, plan, tensors)
 
 
-def split_kernel(choice: str, plan: KeySplits, head_dim: int, num_seqs: int, total_keys: int) -> PrefillKernel:
-    """The kernel the step's split query asks for (``prefill_kernel`` with its length and context), where
-    the step's longest query (a short prompt, no context) would leave the step on Triton: the long
-    context's attention is the step's."""
+def step_kernel(choice: str, ready: bool, max_query_len: int, head_dim: int, context: int, num_seqs: int,
+                keys_beside: int, plan: KeySplits | None) -> PrefillKernel:
+    """The step's kernel: its longest query's (``prefill_kernel``: ``context`` keys before it, ``keys_beside``
+    the other sequences'), or where that leaves the step on Triton (a short prompt, no context), the split
+    query's (``plan``) with its length and context: the long context's attention is the step's."""
+    kernel = prefill_kernel(choice, ready, max_query_len, head_dim, context, num_seqs, keys_beside, plan is not None)
+    if kernel == "flash_attn" or plan is None:
+        return kernel
+    total_keys = keys_beside + context + max_query_len
     return prefill_kernel(choice, True, plan.q_len, head_dim, plan.seq_len - plan.q_len, num_seqs,
                           total_keys - plan.seq_len, True)
 

@@ -28,6 +28,13 @@ BUNCHED_FRACTION = 0.1  # a wall share below this part of launch-to-read-back: r
 Observation = tuple[StepFeatures, float]  # a step's features, its seconds
 
 
+
+def read_back_with_previous(result: StepResult) -> bool:
+    """The step was read back right behind the one before it (its wall share under ``BUNCHED_FRACTION`` of
+    its launch-to-read-back time): the step before holds both GPU times."""
+    return result.interval_seconds > 0 and step_wall_seconds(result) < BUNCHED_FRACTION * result.execute_seconds
+
+
 class LateTimings:
     def __init__(self, max_steps: int = MAX_WAITING_STEPS) -> None:
         self.max_steps = max_steps
@@ -68,8 +75,7 @@ class LateTimings:
         own = features or step_features(plan, block_size)
         seconds = step_wall_seconds(result)
         held, self._held = self._held, (own, seconds)
-        if held is not None and result.interval_seconds > 0 \
-                and seconds < BUNCHED_FRACTION * result.execute_seconds:
+        if held is not None and read_back_with_previous(result):
             self._held = None
             tokens, decodes, pairs, scan = ((a + b) / 2 for a, b in zip(held[0], own))
             cost.observe(tokens, decodes, (held[1] + seconds) / 2, pairs, scan)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from vllm_actors.actors.scheduler.cost_model import CostModel, chunk_pairs, chunk_scan
+from vllm_actors.actors.scheduler.cost_model import CostModel, StepFeatures, chunk_pairs, chunk_scan
 from vllm_actors.actors.scheduler.deadlines import step_features, step_wall_seconds
-from vllm_actors.actors.scheduler.late_timings import BUNCHED_FRACTION
+from vllm_actors.actors.scheduler.late_timings import read_back_with_previous
 from vllm_actors.actors.scheduler.policies.base import QueuePolicy
 from vllm_actors.actors.scheduler.request import ScheduledRequest
 from vllm_actors.actors.scheduler.spp_chunks import CHUNK_ALIGN, balanced_chunk
@@ -150,14 +150,15 @@ class PrefillSizer:
 
 
 def note_chunk_times(plan: StepPlan, result: StepResult, requests: Mapping[str, ScheduledRequest],
-                     cost: CostModel, block_size: int) -> None:
+                     cost: CostModel, block_size: int, features: StepFeatures | None = None) -> None:
     """Each prefill chunk of a step that held decodes: its tokens and its seconds (the step's wall share
     less the cost model's prediction of the step without it), which cap the request's next chunk
-    (``PrefillSizer.chunk``) where the model's prediction runs short of what the chunks take."""
+    (``PrefillSizer.chunk``) where the model's prediction runs short of what the chunks take.
+    ``features``: the plan's ``step_features`` where the caller has them."""
     seconds = step_wall_seconds(result)
-    if seconds <= 0 or not plan.req_ids or seconds < BUNCHED_FRACTION * result.execute_seconds:
+    if seconds <= 0 or not plan.req_ids or read_back_with_previous(result):
         return  # not measured, or read back with the step before (which holds both times: ``late_timings``)
-    prefill_tokens, num_decodes, pairs, scan = step_features(plan, block_size)
+    prefill_tokens, num_decodes, pairs, scan = features or step_features(plan, block_size)
     if not prefill_tokens or not num_decodes:
         return
     drafts = plan.draft_token_ids

@@ -210,11 +210,12 @@ class Scheduler(PlanningPass):
         plan, sampling_ids = taken
         if plan.req_ids:
             self.ledger.step_done(plan.step_id)
-        features = step_features(plan, self.config.block_size) if self.spec is not None else None  # once for both
+        sized = self.config.itl_target is not None  # what its chunks took caps a long prompt's next (prefill_sizing)
+        features = step_features(plan, self.config.block_size) if self.spec is not None or sized else None  # once
         # the cost model learns the step, or later from its GPU time, and the earlier ones timed so
         self.late_timings.observe(self.cost_model, plan, result, self.config.block_size, features)
-        if self.config.itl_target is not None:  # what its chunks took caps a long prompt's next (prefill_sizing)
-            note_chunk_times(plan, result, self.requests, self.cost_model, self.config.block_size)
+        if sized:
+            note_chunk_times(plan, result, self.requests, self.cost_model, self.config.block_size, features)
         if self.spec is not None:
             self.spec.account(plan, result, self.requests, features)
         step = apply_result(self.requests, sampling_ids, result, self.config.max_model_len)

@@ -63,13 +63,6 @@ class BlockTableArray:
         index = np.asarray(rows, dtype=np.int64)
         return TableRows(self.table, index, self.lengths[index])
 
-    def gather(self, rows: list[int], width: int | None = None) -> np.ndarray:
-        """[len(rows), width] int32; width defaults to the longest of these rows."""
-        index = np.asarray(rows, dtype=np.int64)
-        if width is None:
-            width = max(int(self.lengths[index].max(initial=0)), 1)
-        return self.table[index, :width]
-
 
 @dataclass(frozen=True, slots=True)
 class TableRows:
