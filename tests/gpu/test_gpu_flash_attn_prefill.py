@@ -16,7 +16,8 @@ import torch
 
 from tests.support.paged_batch import PagedBatch, paged_batch
 from vllm_actors.kernels.attention import AttentionMetadata, get_attention_backend
-from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill, flash_attn_unavailable
+from vllm_actors.kernels.flash_attn_prefill import FlashAttnPrefill, flash_attn_unavailable, varlen_arguments
+from vllm_actors.kernels.flash_attn_replay import FlashAttnReplay
 from vllm_actors.kernels.prefill_choice import min_query_len
 from vllm_actors.kernels.triton_attention import TritonPagedAttention, paged_attention_varlen
 
@@ -73,6 +74,25 @@ def test_a_chunk_split_over_its_keys_matches_the_reference(head_dim: int, block_
     whole = FlashAttnPrefill("flash_attn", split_keys=False)(batch.q, batch.k_cache, batch.v_cache, batch.meta,
                                                             batch.scale)
     assert_matches(out, whole.float(), batch.meta)
+
+
+def test_replayed_calls_equal_flash_attns_own() -> None:
+    """``flash_attn_replay``: once two sizes confirmed a kind, its calls go straight to the compiled kernel
+    and give flash_attn_varlen_func's output and LSE bit for bit, at other sizes too."""
+    import flash_attn.cute.interface as interface
+    from flash_attn.cute import flash_attn_varlen_func
+
+    replay = FlashAttnReplay(flash_attn_varlen_func, interface)
+    sizes = ([(3000, 517), (129, 1)], [(0, 1000)], [(4096, 200), (77, 1), (5, 1)], [(16, 16)], [(20_000, 64)])
+    for seed, specs in enumerate(sizes):
+        batch = paged_batch(specs, 16, HEADS, KV_HEADS, 64, torch.bfloat16, CUDA, seed=seed)
+        batch.write_new_tokens()
+        arguments = {**varlen_arguments(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+                     "return_lse": True}
+        out, lse = replay(**arguments)
+        want, want_lse = flash_attn_varlen_func(**arguments)
+        assert torch.equal(out, want) and lse is not None and torch.equal(lse, want_lse)
+    assert [found is not None for found in replay.replays.values()] == [True]
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -27,6 +27,11 @@ class KernelSettings:
         "graphs (0: one call, in the padded graphs' Triton kernel there). On: a 1M-token prompt in a stream of "
         "short requests reached its first token 1.33x sooner with lower inter-token gaps (performance.md).",
         "kernels", default=True)
+    VLLM_ACTORS_FLASH_ATTN_REPLAY = switch(
+        "flash-attn 4 prefill: after two calls of a kind (dtypes, head and cache shapes, options) through its "
+        "interface, call its compiled kernel directly (~0.3 -> ~0.02 ms of host time a call; flash_attn_replay.py); "
+        "0: every call through flash_attn_varlen_func.",
+        "kernels", default=True)
     VLLM_ACTORS_FP8_PREFILL_STAGING = switch(
         "Over an fp8 KV cache, a long one-sequence prefill chunk goes to flash-attn 4 through a bf16 staging of "
         "its context (where flash-attn runs; 0: the Triton kernel).", "kernels")

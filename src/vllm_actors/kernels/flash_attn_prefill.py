@@ -41,6 +41,7 @@ import torch
 
 from vllm_actors.envs import envs
 from vllm_actors.kernels.attention import AttentionMetadata
+from vllm_actors.kernels.flash_attn_replay import FlashAttnReplay
 from vllm_actors.kernels.flash_attn_split import KeySplits, KeySplitTensors, merge_into, plan_key_splits, split_tensors
 from vllm_actors.kernels.prefill_choice import PrefillKernel, prefill_choice, prefill_kernel
 
@@ -154,6 +155,15 @@ def _load_varlen() -> VarlenFunc:
     return flash_attn_varlen_func
 
 
+def _replayed(varlen: VarlenFunc) -> VarlenFunc:
+    """flash-attn's own function behind ``FlashAttnReplay`` (``VLLM_ACTORS_FLASH_ATTN_REPLAY``)."""
+    if not envs.VLLM_ACTORS_FLASH_ATTN_REPLAY:
+        return varlen
+    import flash_attn.cute.interface as interface
+
+    return FlashAttnReplay(varlen, interface)
+
+
 class FlashAttnPrefill:
     """The prefill path on flash-attn 4: ``wants`` says whether a step goes to it (the choice rule of
     ``prefill_choice`` with this step's shapes), calling it attends the step (K/V already cached).
@@ -173,6 +183,8 @@ class FlashAttnPrefill:
         self.split_keys = bool(envs.VLLM_ACTORS_FLASH_ATTN_SPLIT_KEYS) if split_keys is None else split_keys
         self._num_sms = num_sms
         self._warm = False
+        self._imported: VarlenFunc | None = None  # flash-attn's function, where ``function`` imported it
+        self._caller: tuple[VarlenFunc, VarlenFunc] | None = None  # (function, what calls go through)
 
     def kernel(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -238,8 +250,16 @@ class FlashAttnPrefill:
     def function(self) -> VarlenFunc:
         """``flash_attn_varlen_func`` (or the stand-in given), imported on first use."""
         if self._varlen is None:
-            self._varlen = _load_varlen()
+            self._varlen = self._imported = _load_varlen()
         return self._varlen
+
+    def caller(self) -> VarlenFunc:
+        """What the step's calls go through: flash-attn's function replayed (``flash_attn_replay``) where
+        ``function`` imported it, a stand-in as given."""
+        varlen = self.function()
+        if self._caller is None or self._caller[0] is not varlen:
+            self._caller = (varlen, _replayed(varlen) if varlen is self._imported else varlen)
+        return self._caller[1]
 
     def __call__(
         self,
@@ -258,14 +278,14 @@ class FlashAttnPrefill:
             self.warm_up(arguments)
         split = self.splits(q, k_cache, meta, sliding_window)
         if split is None:
-            out = self.function()(**arguments)
+            out = self.caller()(**arguments)
             return out[0] if isinstance(out, tuple) else out  # (out, lse)
         plan, tensors = split
         return self.attend_split(arguments, plan, tensors)
 
     def attend_split(self, arguments: dict[str, Any], plan: KeySplits, tensors: KeySplitTensors) -> torch.Tensor:
         """The step's call with the split sequence's tail, the ranges' call, merged (``flash_attn_split``)."""
-        varlen = self.function()
+        varlen = self.caller()
         out, lse = varlen(**{**arguments, "page_table": tensors.tail_page_table, "seqused_k": tensors.tail_seqused,
                              "return_lse": True})
         q = arguments["q"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_actors.kernels.kv_parallel_share import merge_partials
+from vllm_actors.kernels.split_merge import HAVE_TRITON, merge_split_rows
 
 # keys per range at least: below it a range's fixed cost (its tile's first and last key blocks) weighs
 MIN_SPLIT_KEYS = 4096
@@ -112,7 +113,16 @@ def split_tensors(splits: KeySplits, block_tables: torch.Tensor, seq_lens: torch
 def merge_into(out: torch.Tensor, lse: torch.Tensor, splits: KeySplits, split_out: torch.Tensor,
                split_lse: torch.Tensor) -> torch.Tensor:
     """``out`` [T, H, D] with the split sequence's rows merged from the step call's (``lse`` [H, T])
-    and the ranges' (``split_out`` [S * q_len, H, D], ``split_lse`` [H, S * q_len]), in float32."""
+    and the ranges' (``split_out`` [S * q_len, H, D], ``split_lse`` [H, S * q_len]), in float32: one
+    Triton launch on a GPU (``split_merge``), the torch form elsewhere."""
+    if out.is_cuda and HAVE_TRITON:
+        return merge_split_rows(out, lse, splits.q_start, splits.q_len, splits.num_splits, split_out, split_lse)
+    return merge_into_torch(out, lse, splits, split_out, split_lse)
+
+
+def merge_into_torch(out: torch.Tensor, lse: torch.Tensor, splits: KeySplits, split_out: torch.Tensor,
+                     split_lse: torch.Tensor) -> torch.Tensor:
+    """``merge_into`` in torch ops (``merge_partials``): the reference of the Triton merge."""
     rows = slice(splits.q_start, splits.q_start + splits.q_len)
     num_heads, head_dim = out.shape[1], out.shape[2]
     outputs = torch.cat([out[rows].unsqueeze(0), split_out.view(splits.num_splits, splits.q_len, num_heads, head_dim)])

@@ -227,7 +227,7 @@ class Fp8PrefillStaging:
             }  # fmt: skip
             if logits_soft_cap is not None:
                 arguments["softcap"] = logits_soft_cap
-            part, part_lse = self.prefill.function()(**arguments)
+            part, part_lse = self.prefill.caller()(**arguments)
             if len(pieces) == 1:
                 return part
             merge_piece(self.acc, self.acc_lse, part, part_lse, out, index == 0, index == len(pieces) - 1)

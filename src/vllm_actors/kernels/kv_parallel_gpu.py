@@ -29,7 +29,7 @@ def flash_attn_past(prefill: FlashAttnPrefill, q: torch.Tensor, k_cache: torch.T
     past_meta = dataclasses.replace(meta, seq_lens=share.past, block_tables=share.tables)
     arguments = varlen_arguments(q, k_cache, v_cache, past_meta, scale, None, logits_soft_cap, prefill.pack_gqa)
     arguments.update(causal=False, return_lse=True)
-    out, lse = prefill.function()(**arguments)
+    out, lse = prefill.caller()(**arguments)
     num_tokens, num_heads = q.shape[:2]
     if lse.shape == (num_heads, num_tokens):  # flash-attn's varlen layout: head-major
         lse = lse.transpose(0, 1)
