@@ -8,7 +8,9 @@ on vLLM (``--peer vllm``, its packages under ``--vllm-pythonpath``) on the same 
 ``--draft-layers N`` adds the mode ``draft``: a draft model of the target's shape with N layers and
 random weights (``--out``/draft-N; its drafts are rejected, so the adaptive drafts per step should
 fall to 0 and its rates come close to ``off``); ``--always-draft`` drafts ``--num-speculative-tokens``
-every step instead (as vLLM does: the draft path's step cost is what it measures).
+every step instead (as vLLM does: the draft path's step cost is what it measures). Under ``--model-shape``,
+``--dummy-weights echo`` gives the target and the draft echo weights (below), so every draft is right, as
+vLLM's dummy draft agrees with its dummy target: both engines' draft paths at full acceptance.
 Our modes' engines start side by side on the GPU (``--gpu-memory-utilization`` split between them) and
 are measured in ``--rounds`` paired rounds: each phase (batch 1, each concurrency) on every mode in turn,
 the order reversed every other round, so that a neighbour's load or the clock state falls on every mode
@@ -27,7 +29,7 @@ step cost against vLLM's ``eagle3`` on the same head.
 The mode ``oracle`` (with ``off``; ours only, batch 1) replays the off run's greedy outputs as drafts,
 each right with the probability of each ``--oracle-acceptance``: the verification cost at a known
 acceptance (``lib/spec_oracle.py``; also ``OUT/oracle.md``). Under ``--model-shape`` every engine of
-ours then loads the echo dummy weights (``--oracle-weights``, ``VLLM_ACTORS_DUMMY_WEIGHTS=echo``:
+ours then loads the echo dummy weights (``--dummy-weights``, ``VLLM_ACTORS_DUMMY_WEIGHTS=echo``:
 residual projections scaled down, LM head equal to the embedding), whose greedy output repeats the
 last prompt token by a wide logit margin, so verification steps of any shape keep the off run's
 output, at the cost per step of random weights of the same shape.
@@ -212,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the oracle's set acceptances, one engine each")
     parser.add_argument("--oracle-passes", type=int, default=6,
                         help="at most this many runs of a prompt until its output is the continuation drafted")
-    parser.add_argument("--oracle-weights", choices=["echo", "random"], default="echo",
-                        help="with the mode 'oracle' under --model-shape: our engines' dummy weights (echo: greedy "
-                             "output robust to rounding, VLLM_ACTORS_DUMMY_WEIGHTS)")
+    parser.add_argument("--dummy-weights", choices=["echo", "random"], default=None,
+                        help="under --model-shape: our engines' dummy weights (echo: greedy output robust to rounding, "
+                             "a draft model's drafts all right; VLLM_ACTORS_DUMMY_WEIGHTS); default echo with the mode "
+                             "'oracle', else random")
     parser.add_argument("--rounds", type=int, default=3,
                         help="paired rounds: every phase on every mode of ours in turn, the order reversed each round")
     parser.add_argument("--dump-events", metavar="DIR", default=None,
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     spec_path = Path(args.out) / "workload.json"
     spec_path.write_text(json.dumps(spec))
-    dummy_weights = args.oracle_weights if "oracle" in modes and load_format == "dummy" else "random"
+    dummy_weights = (args.dummy_weights or ("echo" if "oracle" in modes else "random")) \
+        if load_format == "dummy" else "random"
     os.environ["VLLM_ACTORS_DUMMY_WEIGHTS"] = dummy_weights  # ours only (engine processes inherit it)
     results: dict[str, Any] = {"settings": {k: v for k, v in spec.items() if k != "prompts"} | {
         "rounds": args.rounds, "paired": not args.unpaired, "gpu_memory_utilization": args.gpu_memory_utilization,

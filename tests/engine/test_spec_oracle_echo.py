@@ -86,3 +86,18 @@ def test_the_oracle_on_echo_weights_is_exact_and_measures_the_set_acceptance(mod
         if acceptance == 1.0:  # every step past the prefill's keeps its k drafts
             assert counts["num_accepted_tokens"] == counts["num_draft_tokens"]
             assert found["mean_acceptance_length"] > 1 + K - 0.3, found  # tokens per drafting step
+
+
+@pytest.mark.usefixtures("echo")
+def test_a_draft_model_on_echo_weights_has_every_draft_right(model_dir: Path, tmp_path: Path) -> None:
+    """``spec_decode.py --draft-layers N --dummy-weights echo``: a one-layer draft of the target's shape on echo
+    weights drafts what the target decodes, so the draft path is measured at full acceptance (vLLM's dummy
+    draft agrees with its dummy target likewise)."""
+    draft = write_model_dir(tmp_path / "draft", {**TINY_8B, "num_hidden_layers": 1})
+    config = parse_speculative_config({"method": "draft_model", "model": str(draft), "num_speculative_tokens": K},
+                                      adaptive=False)
+    with LLM(str(model_dir), speculative_config=config, **ARGS) as llm:
+        outputs = [list(o.token_ids) for o in generate(llm)]
+        counts = spec_oracle.counts(llm)
+    assert outputs == [[p[-1]] * MAX_TOKENS for p in PROMPTS]
+    assert counts["num_draft_tokens"] > 0 and counts["num_accepted_tokens"] == counts["num_draft_tokens"]
