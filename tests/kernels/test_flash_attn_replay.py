@@ -29,7 +29,7 @@ class Interface:
 
     def varlen(self, **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.interface_calls += 1
-        q = kw["q"]
+        q = kw["q"] if kw["q"].is_contiguous() else kw["q"].contiguous()  # flash-attn's maybe_contiguous
         out = torch.empty(q.shape[0], q.shape[1], kw["v"].shape[-1], dtype=q.dtype)
         lse = torch.empty(q.shape[1], q.shape[0]) if kw.get("return_lse") else None
         key = (q.dtype, kw["causal"], lse is None)
@@ -114,3 +114,29 @@ def test_batches_over_the_threshold_and_unknown_arguments_are_never_replayed() -
     for seed in range(3):
         plain(**_arguments([(9, 2)], seed=seed))
     assert list(plain.replays.values()) == [None]
+
+
+def test_a_query_viewed_from_the_fused_qkv_is_passed_contiguous_and_replayed() -> None:
+    """The engine's q is a view into the QKV projection's output; flash-attn would copy it on every call (a
+    tensor of its own: that kind never replays). ``varlen_arguments`` passes the copy instead."""
+    interface = Interface()
+    replay = FlashAttnReplay(interface.varlen, interface)
+    for seed, specs in enumerate(([(30, 5)], [(9, 3), (4, 1)], [(17, 2)])):
+        batch = paged_batch(specs, 4, 4, 2, 16, torch.float32, seed=seed)
+        batch.write_new_tokens()
+        qkv = torch.cat([batch.q.flatten(1), torch.zeros(batch.q.shape[0], 16)], dim=1)
+        view = qkv[:, : batch.q[0].numel()].view_as(batch.q)
+        assert not view.is_contiguous()
+        arguments = {**varlen_arguments(view, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+                     "return_lse": True}
+        assert arguments["q"].is_contiguous()
+        out, _ = replay(**arguments)
+        torch.testing.assert_close(out, _model(arguments)[0], rtol=1e-5, atol=1e-5)
+    assert interface.interface_calls == 2 and [r is not None for r in replay.replays.values()] == [True]
+    # the view itself, as before: flash-attn's own copy is a tensor the replay cannot name
+    refused = FlashAttnReplay(interface.varlen, interface)
+    for seed, specs in enumerate(([(30, 5)], [(9, 3), (4, 1)])):
+        batch = paged_batch(specs, 4, 4, 2, 16, torch.float32, seed=seed)
+        view = torch.cat([batch.q.flatten(1), torch.zeros(batch.q.shape[0], 16)], dim=1)[:, :64].view_as(batch.q)
+        refused(**{**varlen_arguments(batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale), "q": view})
+    assert list(refused.replays.values()) == [None]

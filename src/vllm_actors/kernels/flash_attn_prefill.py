@@ -111,7 +111,9 @@ def varlen_arguments(
     another variant for steps of short queries, compiled mid-serving).
     """
     arguments: dict[str, Any] = {
-        "q": q,
+        # q is a view into the fused QKV output: flash-attn copies such a q itself on every call, and a copy made
+        # here is the q its compiled kernel is then called with (``flash_attn_replay`` matches it)
+        "q": q.contiguous(),
         "k": k_cache,
         "v": v_cache,
         "cu_seqlens_q": _int32(meta.query_start_loc),
