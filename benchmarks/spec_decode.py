@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16, 64, 256])
+    parser.add_argument("--batch-repeats", type=int, default=1,
+                        help="each closed batch run this many times in a row per round (tok/s over them all)")
     parser.add_argument("--queued", type=int, nargs="*", default=[],
                         help="N requests at once with a queue behind them (engines of max_num_seqs N, "
                              f"{spec_measure.QUEUED_PER_SLOT} x N requests a call: vLLM's --max-concurrency)")
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--oracle-acceptance values must be from 0 to 1")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.batch_repeats < 1:
+        parser.error("--batch-repeats must be at least 1")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
     load_format = "dummy" if args.model_shape else "auto"
@@ -273,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     spec: dict[str, Any] = {
         "prompts": prompts(args.model, count, args.passage_words, tokenizer=not args.model_shape),
         "output_len": args.output_len, "repeats": args.repeats, "concurrency": args.concurrency,
+        "batch_repeats": args.batch_repeats,
         "max_model_len": 2048, "load_format": load_format, "tokenizer": not args.model_shape,
         "speculative_config": ngram, "speculative_configs": configs, "always_draft": args.always_draft,
         "vllm_stats": args.vllm_stats, "queued": args.queued, "queued_rounds": args.rounds,

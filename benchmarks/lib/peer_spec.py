@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         counters.note = "unavailable: stats logging off (vllm_stats false)"
     counters()  # a probe: a vLLM without get_metrics is noted here, before any phase
     result.update(spec_measure.measure(generate, spec["prompts"], spec["output_len"], spec["repeats"],
-                                       spec["concurrency"], counters if counters.note is None else None))
+                                       spec["concurrency"], counters if counters.note is None else None,
+                                       batch_repeats=spec.get("batch_repeats", 1)))
     result["spec_decode"] = counters()
     if counters.note is not None:  # failed before or during the phases: their differences mean nothing
         result.pop("phase_drafting", None)

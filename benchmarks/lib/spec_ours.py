@@ -40,7 +40,8 @@ def run_ours(model: str, spec: dict[str, Any], modes: Sequence[str], rounds: int
             generates = {mode: generator(llm) for mode, llm in llms.items()}
             counters = {mode: (lambda llm=llm: spec_oracle.counts(llm)) for mode, llm in llms.items()}
             found = spec_paired.measure_paired(generates, spec["prompts"], spec["output_len"], spec["repeats"],
-                                               spec["concurrency"], rounds, counters)
+                                               spec["concurrency"], rounds, counters,
+                                               batch_repeats=spec.get("batch_repeats", 1))
             for mode, llm in llms.items():
                 found[mode]["spec_decode"] = spec_oracle.counts(llm)
                 if events_dir is not None:

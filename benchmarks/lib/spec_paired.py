@@ -22,7 +22,8 @@ COUNTER_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "steps"
 
 def measure_paired(generates: Mapping[str, Generate], prompts: Sequence[Sequence[int]], output_len: int,
                    repeats: int, concurrency: Sequence[int], rounds: int,
-                   counters: Mapping[str, Counters] | None = None, baseline: str = "off") -> dict[str, dict[str, Any]]:
+                   counters: Mapping[str, Counters] | None = None, baseline: str = "off",
+                   batch_repeats: int = 1) -> dict[str, dict[str, Any]]:
     """Each mode's figures (see the module's docstring), measured in ``rounds`` paired rounds."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
@@ -44,7 +45,8 @@ def measure_paired(generates: Mapping[str, Generate], prompts: Sequence[Sequence
                     samples[mode] += found
                     value = statistics.median(found)
                 else:
-                    value, tokens = concurrent(generates[mode], prompts, int(phase.split("_")[1]), output_len)
+                    value, tokens = concurrent(generates[mode], prompts, int(phase.split("_")[1]), output_len,
+                                               batch_repeats)
                 per_round[mode][phase].append(value)
                 total = totals[mode][phase]
                 total["tokens"] += tokens

@@ -75,6 +75,17 @@ def test_one_mode_and_bad_rounds() -> None:
         spec_paired.measure_paired({"off": off.generate}, [[1]], 10, 1, [4], 0)
 
 
+def test_batch_repeats_run_each_closed_batch_in_a_row_and_pool_their_tokens() -> None:
+    log: list[tuple[str, int, int]] = []
+    # warm-ups, batch 1, then the closed batch of 4 three times: 400, 100, 400 tok/s
+    off = FakeEngine("off", log, [100.0] * 3 + [400.0, 100.0, 400.0], drafts=False)
+    result = spec_paired.measure_paired({"off": off.generate}, [[1]], 10, 1, [4], 1, batch_repeats=3)["off"]
+    assert log[-3:] == [("off", 4, 10)] * 3
+    assert result["concurrency_4_tok_s"] == pytest.approx(120 / (40 / 400 + 40 / 100 + 40 / 400))  # pooled, 200
+    assert spec_measure.concurrent(FakeEngine("x", [], [50.0, 150.0], False).generate, [[1]], 2, 5, 2) == \
+        (pytest.approx(20 / (10 / 50 + 10 / 150)), 20)
+
+
 def test_engine_shares_leave_each_engine_an_equal_part() -> None:
     assert spec_ours.engine_shares(0.9, 3) == pytest.approx([0.3, 0.6, 0.9])
     assert spec_ours.engine_shares(0.8, 1) == [0.8]
