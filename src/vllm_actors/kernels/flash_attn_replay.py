@@ -14,8 +14,8 @@ call returned; else (metadata flash-attn computed for that call, a second kernel
 interface) the kind stays on the interface. A kind is every input the interface decides from but tensor
 values and sizes: dtypes, the sizes of the head and cache dimensions, strides, the options, the scale; a
 batch above flash-attn's ``BIN_BATCH_SEARCH_THRESH`` (where it computes per-call scheduler metadata) is
-never replayed. A kind is replayed once two recordings of different sizes (rows, sequences, table width)
-left the same arguments but the tensors: nothing the interface derived from the sizes is then frozen in.
+never replayed. A kind is replayed once two recordings whose rows and sequences both differ left the same
+arguments but the tensors: nothing the interface derived from the sizes is then frozen in.
 The replay allocates the output ``[T, H, D]`` (q's dtype) and the LSE ``[H, T]`` (float32) as it does.
 """
 
@@ -77,7 +77,7 @@ def _layout(name: str, t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _sizes(arguments: dict[str, Any]) -> tuple[int, ...]:
-    """What varies within a kind: q rows, sequences, table width."""
+    """What varies within a kind: q rows, sequences, table width (the first two must differ to confirm one)."""
     table = arguments.get("page_table")
     return (arguments["q"].shape[0], arguments["cu_seqlens_q"].shape[0], -1 if table is None else table.shape[-1])
 
@@ -146,7 +146,8 @@ class FlashAttnReplay:
             self.replays[kind] = None
         elif candidate is None:
             self.candidates[kind] = (replay, sizes)
-        elif candidate[1] != sizes:  # confirmed by a second size, or refused
+        elif all(a != b for a, b in zip(candidate[1][:2], sizes[:2], strict=True)):  # rows and sequences both
+            # differ: a second size confirms the kind, or refuses it
             del self.candidates[kind]
             self.replays[kind] = replay if _same_template(candidate[0], replay) else None
         return out, lse
