@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_actors.actors.frontend.outputs import CompletionOutput, RequestOutput
+from vllm_actors.clients import latency
 from vllm_actors.clients.latency import LatencyTracker
 from vllm_actors.protocol.events import EventBatch, Queued, Scheduled
+from vllm_actors.protocol.messages import RequestUpdates
 
 
 class Samples:
@@ -41,3 +45,17 @@ def test_a_queue_time_arriving_after_its_request_finished_still_counts() -> None
     assert not tracker.wants_scheduler_events  # nothing more awaited
     tracker.on_scheduler_events(batch(10.4, Scheduled(request_id="r", step_id=2)))
     assert len([m for m, _ in samples.seen if m == "queue"]) == 1
+
+
+def test_late_frames_are_logged_once_a_second_with_their_count_and_worst(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    lines: list[dict[str, object]] = []
+    monkeypatch.setattr(latency.log, "warning", lambda event, **fields: lines.append({"event": event, **fields}))
+    tracker, samples = LatencyTracker(), Samples()
+    tracker.listeners.append(samples)
+    for step, (sent, received) in enumerate([(10.0, 10.01), (10.0, 10.3), (10.2, 10.35), (10.5, 10.9), (11.0, 11.35)]):
+        tracker.on_transit(RequestUpdates(step_id=step, updates=[], step_finished_at=sent), now=received)
+    assert [round(s, 3) for m, s in samples.seen if m == "transit"] == [0.01, 0.3, 0.15, 0.4, 0.35]
+    # step 0 is on time; step 1 logs at once; 2 and 3 within the second are summed into the line of step 4
+    assert [(line["frames"], line["worst_ms"], line["worst_step"], line["last_step"]) for line in lines] == \
+        [(1, 300.0, 1, 1), (3, 400.0, 3, 4)]

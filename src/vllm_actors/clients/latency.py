@@ -22,6 +22,12 @@ from vllm_actors.protocol.names import CHILD_SEPARATOR, parent_request_id
 
 log = structlog.get_logger(__name__)
 
+# A frame this late on its way from the worker (a stalled scheduler, controller, socket or event loop) is logged
+# (``slow_transit``), at most once per SLOW_LOG_INTERVAL with the count and the worst since: the 1M stream on an
+# H200 (RESULTS.md, twenty-fifth session) had 1% of frames in the 200-500 ms bucket, and nothing said when.
+SLOW_TRANSIT = 0.1
+SLOW_LOG_INTERVAL = 1.0
+
 
 class StatsListener(Protocol):
     """Receives samples of this client's requests, per engine request (each child of an ``n`` > 1
@@ -80,6 +86,7 @@ class LatencyTracker:
         # Finished requests some of whose children's SCHEDULED event has not come yet: the bus is a
         # hop longer than the updates, so a short request can finish before it (oldest dropped).
         self._awaiting_queue: OrderedDict[str, _Timing] = OrderedDict()
+        self._slow = SlowFrames()
 
     def start(self, request_id: str, now: float, n: int = 1, max_tokens: int | None = None) -> None:
         self._timings[request_id] = _Timing(arrival=now, n=n, max_tokens=max_tokens)
@@ -173,7 +180,10 @@ class LatencyTracker:
         ``"transit"``, from the worker's result leaving it (its shell's stamp) to here, once per
         frame; 0-stamped frames (another host's clock, or none) are not observed."""
         if self.listeners and updates.step_finished_at and updates.step_finished_at <= now:
-            self._emit("transit", now - updates.step_finished_at)
+            seconds = now - updates.step_finished_at
+            self._emit("transit", seconds)
+            if seconds > SLOW_TRANSIT:
+                self._slow.note(updates.step_id, seconds, len(updates.updates), now)
 
     def on_stream_wait(self, seconds: float) -> None:
         """``"stream_wait"``: how long an output waited in its stream before the consumer (an SSE
@@ -187,3 +197,26 @@ class LatencyTracker:
                 listener.observe(metric, seconds)
             except Exception:
                 log.exception("stats listener failed", metric=metric)
+
+
+@dataclass
+class SlowFrames:
+    """Frames past ``SLOW_TRANSIT``: the first logged at once, later ones summed into one line a
+    ``SLOW_LOG_INTERVAL`` (how many, the worst, its step)."""
+
+    logged_at: float | None = None
+    count: int = 0
+    worst: float = 0.0
+    worst_step: int = -1
+
+    def note(self, step_id: int, seconds: float, num_updates: int, now: float) -> bool:
+        """Whether this frame made a log line."""
+        self.count += 1
+        if seconds > self.worst:
+            self.worst, self.worst_step = seconds, step_id
+        if self.logged_at is not None and now - self.logged_at < SLOW_LOG_INTERVAL:
+            return False
+        log.warning("slow_transit", frames=self.count, worst_ms=round(self.worst * 1e3, 1), worst_step=self.worst_step,
+                    last_step=step_id, last_updates=num_updates)
+        self.logged_at, self.count, self.worst, self.worst_step = now, 0, 0.0, -1
+        return True
