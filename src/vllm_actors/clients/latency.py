@@ -209,14 +209,12 @@ class SlowFrames:
     worst: float = 0.0
     worst_step: int = -1
 
-    def note(self, step_id: int, seconds: float, num_updates: int, now: float) -> bool:
-        """Whether this frame made a log line."""
+    def note(self, step_id: int, seconds: float, num_updates: int, now: float) -> None:
         self.count += 1
         if seconds > self.worst:
             self.worst, self.worst_step = seconds, step_id
         if self.logged_at is not None and now - self.logged_at < SLOW_LOG_INTERVAL:
-            return False
+            return
         log.warning("slow_transit", frames=self.count, worst_ms=round(self.worst * 1e3, 1), worst_step=self.worst_step,
                     last_step=step_id, last_updates=num_updates)
         self.logged_at, self.count, self.worst, self.worst_step = now, 0, 0.0, -1
-        return True

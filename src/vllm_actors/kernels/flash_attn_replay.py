@@ -31,6 +31,7 @@ import torch
 VarlenFunc = Callable[..., Any]
 INPUTS = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "page_table")
 OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "pack_gqa", "return_lse")
+KNOWN = frozenset(INPUTS + OPTIONS)  # a call with any other argument stays on the interface
 BIN_BATCH_SEARCH_THRESH = 256  # flash-attn 4's default, read from its interface where it has one
 
 
@@ -100,7 +101,7 @@ class FlashAttnReplay:
 
     def kind(self, arguments: dict[str, Any]) -> tuple[Any, ...] | None:
         """The call's kind; None where it is not replayed (an unknown argument, a batch over the limit)."""
-        if set(arguments) - set(INPUTS) - set(OPTIONS):
+        if not KNOWN.issuperset(arguments):
             return None
         tensors = [arguments.get(name) for name in INPUTS]
         if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_actors.kernels.choice import use_triton
 from vllm_actors.kernels.kv_parallel_share import merge_partials
 from vllm_actors.kernels.split_merge import HAVE_TRITON, merge_split_rows
 
@@ -114,8 +115,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, splits: KeySplits, split_ou
                split_lse: torch.Tensor) -> torch.Tensor:
     """``out`` [T, H, D] with the split sequence's rows merged from the step call's (``lse`` [H, T])
     and the ranges' (``split_out`` [S * q_len, H, D], ``split_lse`` [H, S * q_len]), in float32: one
-    Triton launch on a GPU (``split_merge``), the torch form elsewhere."""
-    if out.is_cuda and HAVE_TRITON:
+    Triton launch on a GPU (``split_merge``), the torch form elsewhere (``VLLM_ACTORS_ATTENTION``'s
+    choice, ``choice.use_triton``)."""
+    if use_triton("VLLM_ACTORS_ATTENTION", HAVE_TRITON, out.device):
         return merge_split_rows(out, lse, splits.q_start, splits.q_len, splits.num_splits, split_out, split_lse)
     return merge_into_torch(out, lse, splits, split_out, split_lse)
 

@@ -28,7 +28,6 @@ BUNCHED_FRACTION = 0.1  # a wall share below this part of launch-to-read-back: r
 Observation = tuple[StepFeatures, float]  # a step's features, its seconds
 
 
-
 def read_back_with_previous(result: StepResult) -> bool:
     """The step was read back right behind the one before it (its wall share under ``BUNCHED_FRACTION`` of
     its launch-to-read-back time): the step before holds both GPU times."""
