@@ -172,3 +172,37 @@ def test_a_draft_of_another_vocabulary_or_shorter_context_is_refused(
                                  speculative_config=spec))
     with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
         EngineConfig(model=str(tiny_qwen3), tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_a_short_catch_up_is_verification_shaped_so_decode_graphs_serve_it() -> None:
+    """After its first proposal a request catches up a few tokens: every one of them gets logits, so
+    ``as_decode_rows`` takes the pass (the draft's decode graphs, not an eager pass); a prompt's long
+    catch-up asks only its last row. The drafts are the reference's either way."""
+    from vllm_actors.runner.verify_rows import as_decode_rows
+
+    target = CopyingRunner(num_blocks=8, block_size=4)
+    draft = FakeDraft(target, errs=False)
+    draft.max_num_tokens = 64
+    seen: list[BatchInput] = []
+    execute = draft.execute
+    draft.execute = lambda batch: seen.append(batch) or execute(batch)  # type: ignore[method-assign]
+    proposer = DraftProposer(draft)
+    request = WorkerRequest("r", token_ids=[7, 1, 2, 3, 4, 5, 6, 8, 9, 10], num_prompt_tokens=10,
+                            num_output_tokens=0, params=SamplingParams(), eos_token_ids=[],
+                            block_table=[3, 5, 1, 6, 0, 2, 4, 7])
+
+    def propose(num_drafts: int) -> list[int]:
+        for position, token in enumerate(request.token_ids[:-1]):
+            target.slots[target._slot(request.block_table, position)] = token
+        plan = StepPlan(step_id=0, req_ids=["r"], num_tokens=[1 + num_drafts], new_block_ids=[[]],
+                        draft_token_ids={"r": [WORKER_DRAFT] * num_drafts})
+        return proposer.propose(plan, {"r": request}).draft_token_ids["r"]
+
+    first = propose(3)
+    assert seen[0].logits_indices == [9]  # the prompt: its last row only
+    request.token_ids += [*first, target.reference(request.token_ids + first, 1)[0]]  # all right, a bonus token
+    seen.clear()
+    assert propose(3) == target.reference(request.token_ids, 3)
+    catch_up = seen[0]
+    assert catch_up.query_lens == [2] and catch_up.logits_indices == [0, 1]  # the last draft and the bonus
+    assert as_decode_rows(catch_up, kv_bytes_per_token=1.0, weight_bytes=1e9) is not None

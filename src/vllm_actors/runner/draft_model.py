@@ -6,8 +6,9 @@ block ids: a request's block table holds its draft KV too, so the KV-cache manag
 cache and the trims of rejected drafts need no change. Its weights are loaded before the target
 sizes its pool (which then leaves them their memory and counts the draft's bytes in each block);
 the draft's pool and its decode CUDA graphs (the autoregressive drafting steps are decode-shaped)
-come once the target knows the number of blocks (``KvPoolSizing.take_pool``). Its catch-up passes
-run eagerly (no padded graphs).
+come once the target knows the number of blocks (``KvPoolSizing.take_pool``). A catch-up of a few
+tokens a request runs in those graphs as decode rows (``verify_rows.py``); a longer one (a prompt)
+runs eagerly (no padded graphs).
 
 The draft must share the target's vocabulary and reach its ``max_model_len``; it runs unsharded
 (the target's ``tensor_parallel_size`` is 1: ``protocol/config.py``).

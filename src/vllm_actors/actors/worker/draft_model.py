@@ -11,7 +11,7 @@ how many leading tokens have their draft KV written (``valid``) and the drafts w
 
 1. a catch-up pass over each drafting request's tokens from ``valid`` to its last token (its whole
    prompt the first time; in passes of at most ``max_num_tokens`` tokens), whose last logits give
-   the first draft;
+   the first draft (in the steady state a couple of tokens a request: replayed as decode rows);
 2. one decode-shaped pass per further draft, batched over the requests that still draft, each
    pass's input ids taken on the device from the previous pass's argmax (no host sync between).
 
@@ -32,6 +32,11 @@ import torch
 from vllm_actors.actors.worker.draft_slots import DraftWork, drafting_work, with_drafts
 from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, WorkerRequest
 from vllm_actors.protocol.messages import StepPlan
+
+# A catch-up of at most this many tokens a request asks the logits of every token: the step is then
+# verification-shaped, and the draft's decode graphs run it as one decode row per token
+# (runner/verify_rows.py's MAX_QUERY_LEN) instead of an eager pass whose launches the device waits on.
+SHORT_CATCH_UP = 8
 
 
 class DraftEngine(Protocol):
@@ -123,9 +128,11 @@ class DraftProposer:
             cursor.append(min(kv.valid + confirmed, item.length - 1))
         firsts: list[torch.Tensor | None] = [None] * len(work)
         while any(start < item.length for start, item in zip(cursor, work, strict=True)):
+            left = [item.length - start for start, item in zip(cursor, work, strict=True)]
+            every_row = max(left) <= SHORT_CATCH_UP and sum(left) <= self.runner.max_num_tokens
             batch = BatchInput([], [], [], [], [], [])
             budget = self.runner.max_num_tokens
-            finishing: list[int] = []
+            finishing: list[tuple[int, int]] = []  # (request index, its logits row)
             for index, item in enumerate(work):
                 start = cursor[index]
                 count = min(item.length - start, budget)
@@ -139,10 +146,14 @@ class DraftProposer:
                 cursor[index] += count
                 budget -= count
                 if cursor[index] == item.length:
-                    finishing.append(index)
-                    batch.logits_indices.append(len(batch.token_ids) - 1)
+                    last = len(batch.token_ids) - 1
+                    finishing.append((index, last if every_row else len(batch.logits_indices)))
+                    if not every_row:
+                        batch.logits_indices.append(last)
+            if every_row:  # verification-shaped: the draft's decode graphs serve it (runner/verify_rows.py)
+                batch.logits_indices.extend(range(len(batch.token_ids)))
             chosen = self._run(batch)
-            for row, index in enumerate(finishing):
+            for index, row in finishing:
                 firsts[index] = chosen[row : row + 1]
         return torch.cat([first for first in firsts if first is not None])
 
