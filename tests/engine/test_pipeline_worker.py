@@ -68,7 +68,8 @@ class _NoGrammars:
     def start(self, spec: StructuredOutputs, replay: Sequence[int] = ()) -> RowGrammar:
         raise AssertionError("an earlier stage compiled a grammar")
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[Any], row_index: list[int]) -> None:
+    def mask(self, logits: torch.Tensor, rows: Sequence[Any], row_index: list[int],
+             drafted: Sequence[Sequence[int]] | None = None) -> None:
         raise AssertionError("an earlier stage masked logits")
 
 

@@ -84,11 +84,37 @@ def test_stops_min_tokens_and_chunked_prefill_under_speculation() -> None:
     assert sum(step.num_accepted_tokens for step in steps) > 0
 
 
-def test_requests_with_penalties_do_not_speculate() -> None:
-    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5)]
-    engine, steps = make_engine(NGRAM)
-    run(engine, PROMPTS[:1], params)
-    assert sum(step.num_draft_tokens for step in steps) == 0
+@pytest.mark.parametrize("num_blocks", [256, 30], ids=["roomy", "preempting"])
+def test_requests_with_logits_controls_speculate_with_the_outputs_of_no_speculation(num_blocks: int) -> None:
+    """Penalties (pooled counts plus each verification row's drafts before it), logit bias, allowed
+    ids and bad words over a model whose logits are close (1.5 / 1.0 / 0.5): the controls change
+    the tokens, drafts are made and both kept and refused, and the outputs are those without
+    speculation, greedy and seeded, through preemptions."""
+    controls: list[dict[str, object]] = [
+        {"repetition_penalty": 1.6}, {"frequency_penalty": 0.4}, {"presence_penalty": 0.7},
+        {"logit_bias": {20: 0.8}}, {"allowed_token_ids": list(range(0, 97, 2)) + [20]},
+        {"bad_words_token_ids": [[20], [PROMPTS[3][-1], 12]]},
+        {"presence_penalty": 0.3, "frequency_penalty": 0.2, "logit_bias": {11: 0.4}},
+    ]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=24 + i, ignore_eos=True,
+                             **control)  # type: ignore[arg-type]
+              for i, control in enumerate(controls)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(controls))]
+    plain = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=p.max_tokens, ignore_eos=True)
+             for p in params]
+
+    def engine(spec: dict[str, int | str] | None) -> tuple[InProcessEngine, list[StepFinished]]:
+        return make_engine(spec, num_blocks=num_blocks, runner=BranchingRunner(num_blocks=num_blocks, block_size=4))
+
+    expected = run(engine(None)[0], prompts, params)
+    assert expected != run(engine(None)[0], prompts, plain)  # the controls matter here
+    speculating, steps = engine(NGRAM)
+    assert run(speculating, prompts, params) == expected
+    drafted = sum(step.num_draft_tokens for step in steps)
+    accepted = sum(step.num_accepted_tokens for step in steps)
+    assert 0 < accepted < drafted
+    if num_blocks == 30:
+        assert speculating.scheduler.stats.num_preemptions > 0
 
 
 class BranchingRunner(FakeRunner):

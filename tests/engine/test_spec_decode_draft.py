@@ -121,10 +121,11 @@ def one_layer_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPT_IDS = [[(i * 7 + j * 3) % 500 for j in range(5 + 9 * i)] for i in range(4)]
 
 
-def generate(target: Path, draft: Path, prompts: list[list[int]],
+def generate(target: Path, draft: Path | None, prompts: list[list[int]],
              params: list[SamplingParams]) -> tuple[list[list[int]], Any]:
-    spec = parse_speculative_config({"model": str(draft), "num_speculative_tokens": 3},  # vLLM's spelling: no method
-                                    adaptive=False)
+    """``draft`` None: without speculation."""
+    spec = None if draft is None else parse_speculative_config(  # vLLM's spelling: no method
+        {"model": str(draft), "num_speculative_tokens": 3}, adaptive=False)
     with LLM(str(target), dtype="float32", executor="inprocess", speculative_config=spec, block_size=4,
              max_model_len=128, max_num_batched_tokens=16, num_gpu_blocks_override=40) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -132,13 +133,15 @@ def generate(target: Path, draft: Path, prompts: list[list[int]],
 
 
 def test_a_smaller_draft_gives_the_tokens_of_no_speculation(tiny_qwen3: Path, one_layer_draft: Path) -> None:
-    """Greedy and seeded rows; beside each, the same row kept from speculating by a zero logit_bias."""
+    """Greedy and seeded rows; beside each, the same row with penalties and a logit bias."""
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True)
               for i in range(len(PROMPT_IDS))]
-    plain = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=12, ignore_eos=True,
-                            logit_bias={0: 0.0}) for p in params]
-    got, spec = generate(tiny_qwen3, one_layer_draft, PROMPT_IDS * 2, params + plain)
-    assert got[: len(params)] == got[len(params):]
+    controlled = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=12, ignore_eos=True,
+                                 presence_penalty=1.0, frequency_penalty=0.5, logit_bias={7: 4.0}) for p in params]
+    expected, _ = generate(tiny_qwen3, None, PROMPT_IDS * 2, params + controlled)
+    got, spec = generate(tiny_qwen3, one_layer_draft, PROMPT_IDS * 2, params + controlled)
+    assert got == expected
+    assert expected[: len(params)] != expected[len(params):]  # the controls matter
     assert spec.num_draft_tokens > 0
 
 

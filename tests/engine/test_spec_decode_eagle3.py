@@ -165,19 +165,23 @@ def test_the_heads_drafts_are_vllms_from_the_targets_hidden_states(
 
 
 def test_eagle3_gives_the_tokens_of_no_speculation(tiny_llama: Path, llama_head: Path) -> None:
-    """Greedy and seeded rows; beside each, the same row kept from speculating by a zero logit_bias."""
+    """Greedy and seeded rows; beside each, the same row with penalties and a logit bias."""
     prompts = [[(i * 7 + j * 3) % 500 for j in range(5 + 9 * i)] for i in range(3)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10, ignore_eos=True)
               for i in range(len(prompts))]
-    plain = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=10, ignore_eos=True,
-                            logit_bias={0: 0.0}) for p in params]
-    with LLM(str(tiny_llama), dtype="float32", executor="inprocess", speculative_config=_spec(llama_head),
-             block_size=4, max_model_len=128, max_num_batched_tokens=16, num_gpu_blocks_override=40,
-             check_invariants=True) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params + plain, use_tqdm=False)
-        spec = llm.get_metrics().spec_decode
-    got = [list(output.outputs[0].token_ids) for output in outputs]
-    assert got[: len(params)] == got[len(params):]
+    controlled = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=10, ignore_eos=True,
+                                 presence_penalty=1.0, frequency_penalty=0.5, logit_bias={7: 4.0}) for p in params]
+    got: list[list[list[int]]] = []
+    for speculative in (None, _spec(llama_head)):
+        with LLM(str(tiny_llama), dtype="float32", executor="inprocess", speculative_config=speculative,
+                 block_size=4, max_model_len=128, max_num_batched_tokens=16, num_gpu_blocks_override=40,
+                 check_invariants=True) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params + controlled, use_tqdm=False)
+            spec = llm.get_metrics().spec_decode
+        got.append([list(output.outputs[0].token_ids) for output in outputs])
+    expected, speculated = got
+    assert speculated == expected
+    assert expected[: len(params)] != expected[len(params):]  # the controls matter
     assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_drafts
 
 

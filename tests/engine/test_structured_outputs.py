@@ -117,6 +117,41 @@ def test_a_finished_grammar_allows_only_eos(grammars: Grammars, default_gguf_pat
     assert allowed_ids(grammars, [row]) == [{tokenizer.eos_token_id}]
 
 
+def test_verification_rows_are_masked_from_the_state_after_their_drafts(grammars: Grammars,
+                                                                       default_gguf_path: str) -> None:
+    """Speculative decoding: a row after drafts gets the mask of a matcher that took them (then the
+    matcher is back where it was), and ``valid_drafts`` counts the drafts up to the first refused."""
+    from vllm_actors.actors.worker.draft_slots import grammar_checked
+    from vllm_actors.actors.worker.step_data import WorkerRequest
+    from vllm_actors.protocol.messages import StepPlan
+
+    tokenizer = load_tokenizer(default_gguf_path)
+    spec = StructuredOutputs(json=json.dumps(PERSON))
+    row, taken = grammars.start(spec), grammars.start(spec)
+    drafts = tokenizer.encode('{"name":"Al","age":4', add_special_tokens=False)
+    for token_id in drafts:
+        taken.consume(token_id)
+    vocab = grammars.vocab_size()
+    logits = torch.zeros((3, vocab))
+    grammars.mask(logits, [row, row, row], [0, 1, 2], [[], drafts[:2], drafts])
+    masked = [set(torch.nonzero(line > float("-inf")).flatten().tolist()) for line in logits]
+    assert masked[0] == allowed_ids(grammars, [row])[0] == allowed_ids(grammars, [grammars.start(spec)])[0]
+    assert masked[2] == allowed_ids(grammars, [taken])[0] != masked[0]
+    assert masked[1] != masked[0]
+    refused = tokenizer.encode("}", add_special_tokens=False)  # not before "{", nor before the required "pet"
+    assert row.valid_drafts(drafts) == len(drafts)
+    assert row.valid_drafts(refused + drafts) == 0
+    request = WorkerRequest("r", token_ids=[1, 2], num_prompt_tokens=2, num_output_tokens=0,
+                            params=SamplingParams(), eos_token_ids=[], grammar=row)
+    plan = StepPlan(step_id=0, req_ids=["r"], num_tokens=[len(drafts) + 3], new_block_ids=[[]],
+                    draft_token_ids={"r": drafts + refused + drafts[:1]})
+    cut = grammar_checked(plan, {"r": request})
+    assert cut.draft_token_ids == {"r": drafts} and cut.num_tokens == [len(drafts) + 1]
+    plan = StepPlan(step_id=0, req_ids=["r"], num_tokens=[3], new_block_ids=[[]], draft_token_ids={"r": refused * 2})
+    cut = grammar_checked(plan, {"r": request})
+    assert cut.draft_token_ids == {} and cut.num_tokens == [1]
+
+
 # vLLM's IPv4 regex (tests/entrypoints/conftest.py, sample_regex)
 IPV4 = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
 

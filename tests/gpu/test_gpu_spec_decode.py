@@ -1,6 +1,6 @@
 """On a GPU: n-gram speculative decoding through the process group (CUDA graphs, deferred steps,
 the fused sampler) gives the tokens decoding without it gives: greedy and seeded sampled rows,
-beside rows that do not speculate (penalties) and rows asking for logprobs; drafts are accepted.
+a penalised row and rows asking for logprobs among them; drafts are accepted.
 
 Skipped without CUDA; run on the GPU machine by benchmarks/gpu_session.sh (or pytest -m gpu).
 """
@@ -27,7 +27,7 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=7, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, presence_penalty=0.3),  # does not speculate
+        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, presence_penalty=0.3),  # sees its drafts
     ]
 
 

@@ -1,6 +1,6 @@
 """On a GPU: speculative decoding with a draft model through the process group (the draft's decode
 graphs and eager catch-ups, the target's verification) gives the tokens decoding without it gives
-(greedy, seeded and logprob rows, a penalised row that does not speculate); the target as its own
+(greedy, seeded and logprob rows, a penalised row); the target as its own
 draft has (nearly) every draft accepted.
 
 Skipped without CUDA; run on the GPU machine by benchmarks/gpu_session.sh (or pytest -m gpu).
@@ -25,7 +25,7 @@ PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=0.8, seed=7, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, presence_penalty=0.3),  # does not speculate
+    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, presence_penalty=0.3),  # sees its drafts
 ]
 
 

@@ -122,11 +122,13 @@ def test_decode_graphs_hold_a_verification_step_of_every_sequence() -> None:
 
 def test_expanded_rows_are_the_first_row_with_its_output_index_on() -> None:
     """expand_rows builds each draft's row field by field: every field of the request's row is carried
-    (a field added to SamplingRow and not carried fails here)."""
+    (a field added to SamplingRow and not carried fails here), and each row has the drafts before it."""
     params = SamplingParams(temperature=0.7, seed=3, min_tokens=9, stop_token_ids=[5], max_tokens=20)
     request = WorkerRequest("r", [1, 2, 3, 4], num_prompt_tokens=3, num_output_tokens=1, params=params,
                             eos_token_ids=[2], penalty_slot=4)
     rows, owners = expand_rows([request], [[7, 8]])
     first = request.sampling_row()
-    assert rows == [first] + [SamplingRow(**{**vars(first), "num_output_tokens": 1 + i}) for i in (1, 2)]
+    assert rows == [first] + [SamplingRow(**{**vars(first), "num_output_tokens": 1 + i, "drafted": [7, 8][:i]})
+                              for i in (1, 2)]
+    assert rows[1].output_token_ids() == [4, 7] and rows[2].output_token_ids() == [4, 7, 8]
     assert owners == [request] * 3 and rows[2].penalty_slot == 4 and rows[1].min_tokens_stop_ids == [2, 5]

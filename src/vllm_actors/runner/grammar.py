@@ -82,6 +82,13 @@ class RowMatcher:
     def is_stopped(self) -> bool:
         return self.matcher().is_stopped()
 
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` the grammar takes in turn from its state. Not yet active: those
+        before its start token (the rows after it would need the grammar's first mask)."""
+        if not self.active:
+            return drafts.index(self._start_after) if self._start_after in drafts else len(drafts)
+        return int(self.matcher().validate_tokens(list(drafts)))
+
 
 class Grammars:
     """Compiles and caches grammars for one worker; fills and applies bitmasks."""
@@ -126,9 +133,11 @@ class Grammars:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[RowMatcher], row_index: list[int]) -> None:
-        """Mask the constrained rows ``row_index`` of ``logits`` in place (``rows``: their grammars)."""
-        bitmask = self.fill_bitmask(rows, logits.device)
+    def mask(self, logits: torch.Tensor, rows: Sequence[RowMatcher], row_index: list[int],
+             drafted: Sequence[Sequence[int]] | None = None) -> None:
+        """Mask the constrained rows ``row_index`` of ``logits`` in place (``rows``: their grammars;
+        ``drafted``: a verification row's drafts before it, which its mask follows)."""
+        bitmask = self.fill_bitmask(rows, logits.device, drafted)
         apply_bitmask(logits, bitmask, row_index)
         assert self._masks is not None  # fill_bitmask made it
         self._masks.enqueued()
@@ -141,9 +150,12 @@ class Grammars:
                 self._tokenizer = self._load_tokenizer()
         return int(self._tokenizer.vocab_size)
 
-    def fill_bitmask(self, rows: Sequence[RowMatcher], device: torch.device) -> torch.Tensor:
+    def fill_bitmask(self, rows: Sequence[RowMatcher], device: torch.device,
+                     drafted: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """[len(rows), ceil(vocab / 32)] int32 on the host (pinned for a GPU ``device``): each row's
-        allowed tokens, in a buffer whose previous copy to ``device`` has run."""
+        allowed tokens, in a buffer whose previous copy to ``device`` has run. A row with drafts
+        before it (``drafted``, taken by ``valid_drafts``) is masked from the state after them: its
+        matcher takes them, fills the row, and rolls them back."""
         import llguidance
 
         matchers = [row.matcher() for row in rows]  # waits for a compile still running
@@ -155,7 +167,14 @@ class Grammars:
             buffer = self._masks.replace(torch.empty((max(len(rows), 8), words), dtype=torch.int32,
                                                      pin_memory=device.type == "cuda"))
         host = buffer[: len(rows)]
-        if len(matchers) == 1:
+        if drafted is not None and any(drafted):
+            for index, (matcher, drafts) in enumerate(zip(matchers, drafted, strict=True)):
+                if drafts and not matcher.consume_tokens(list(drafts)):
+                    raise RuntimeError(f"a grammar refused drafts it had taken: {list(drafts)}")
+                matcher.unsafe_compute_mask_ptr(host[index].data_ptr(), words * 4)
+                if drafts:
+                    matcher.rollback(len(drafts))
+        elif len(matchers) == 1:
             matchers[0].unsafe_compute_mask_ptr(host.data_ptr(), words * 4)
         else:
             if self._executor is None:

@@ -8,6 +8,9 @@ its -inf is absorbing so the order does not matter - and ``logit_bias``, here cl
 (positive logits divided by it, negative ones multiplied), frequency (times the count of each
 token in the output) and presence (once per token in the output) subtracted.
 
+A verification row of speculative decoding (``SamplingRow.drafted``) sees the drafts before it as
+output: its bad words and penalties count them (a pooled row: its slot's counts plus theirs).
+
 Rows without any control cost nothing: ``apply_controls`` returns the logits untouched when no
 row has one. A penalised row with a slot in a ``PenaltyPool`` (the worker's rows) reads its prompt's
 tokens and output counts from there, on the device, in one Triton pass on a GPU
@@ -113,9 +116,18 @@ def _penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], active: list[i
     pooled = [index for index in penalised if pool is not None and rows[index].penalty_slot >= 0]
     listed = [index for index in penalised if pool is None or rows[index].penalty_slot < 0]
     vocab = logits.shape[1]
+    drafting = [index for index in pooled if rows[index].drafted]  # verification rows past the first
+    pooled = [index for index in pooled if not rows[index].drafted]
     if pooled:
         assert pool is not None
         pool.penalise(logits, pooled, [rows[index].penalty_slot for index in pooled], _scalars(rows, pooled, logits))
+    if drafting:  # the slot's counts and the drafts before the row
+        assert pool is not None
+        seen, counts = pool.read([rows[index].penalty_slot for index in drafting], vocab)
+        counts += _counts([rows[index].drafted for index in drafting], vocab, logits)
+        kernel.apply_penalties_torch(logits, upload(drafting, logits.device, torch.long),
+                                     torch.arange(len(drafting), device=logits.device), seen, counts,
+                                     _scalars(rows, drafting, logits))
     if listed:  # their counts built for this step, one row each, in the pool's layout
         prompts = [rows[index].prompt_token_ids() for index in listed]
         outputs = [rows[index].output_token_ids() for index in listed]

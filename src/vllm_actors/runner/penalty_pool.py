@@ -77,6 +77,12 @@ class PenaltyPool:
         apply = kernel.apply_penalties if penalty_kernel_enabled(self.device) else kernel.apply_penalties_torch
         apply(logits, row_index, slot_index, self.prompt_seen, self.output_counts, scalars)
 
+    def read(self, slots: Sequence[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' prompt tokens seen and output counts ([n, vocab] bool and float32 copies)."""
+        self._prepare(vocab)
+        index = upload(slots, self.device)
+        return self.prompt_seen.index_select(0, index), self.output_counts.index_select(0, index)
+
     def record(self, slots: Sequence[int], chosen: torch.Tensor) -> None:
         """Count each slot's drawn token (``chosen``: one id per slot, on the device)."""
         if not slots:
@@ -84,6 +90,11 @@ class PenaltyPool:
         index = upload(slots, self.device)
         ones = torch.ones(len(slots), dtype=torch.float32, device=self.device)
         self.output_counts.index_put_((index, chosen.to(torch.long)), ones, accumulate=True)
+
+    def count_kept(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
+        """``record`` of ids on the host (a verification's kept tokens)."""
+        if slots:
+            self.record(slots, upload(token_ids, self.device))
 
     def _prepare(self, vocab: int) -> None:
         if self._vocab == 0:

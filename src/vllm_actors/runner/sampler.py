@@ -21,6 +21,8 @@ bad words, logit_bias, repetition/frequency/presence penalties) to the rows that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from vllm_actors.actors.worker.logprobs import top_logprobs
@@ -70,14 +72,15 @@ class Sampler:
         # The penalised rows' token counts on the device: the worker gives each such request a slot.
         self.penalties = PenaltyPool(device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 counted: Sequence[bool] | None = None) -> SampleResult:
         """``logits`` is [N, V] (float32, or the model's half type on a GPU), one row per request
-        that samples this step."""
+        that samples this step. ``counted``: as ``draw``'s."""
         num_rows = logits.shape[0]
         wants_logprobs = [row.params.logprobs is not None for row in rows]
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(wants_logprobs) else None
 
-        chosen = self.draw(logits, rows)
+        chosen = self.draw(logits, rows, counted)
         token_ids = chosen.tolist()
         logprobs: list[Logprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -94,10 +97,13 @@ class Sampler:
                 )
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
 
-    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow],
+             counted: Sequence[bool] | None = None) -> torch.Tensor:
         """The chosen token of every row, left on the logits' device (no host round trip). Greedy
         rows and the fused kernel read half-precision logits as they are (exactly: the argmax of a
-        bfloat16 row is that of its float32 copy); the torch sampling path works in float32."""
+        bfloat16 row is that of its float32 copy); the torch sampling path works in float32.
+        ``counted``: which penalised rows' tokens are counted in their slots (default all; not a
+        drafting request's verification rows: the worker counts those kept, ``PenaltyPool.count_kept``)."""
         num_rows = logits.shape[0]
         logits = apply_controls(logits, rows, self.penalties)  # penalties, logit_bias, allowed ids, bad words
         logits = self._mask_min_tokens(logits, rows)
@@ -115,13 +121,14 @@ class Sampler:
             chosen[index] = logits[index].argmax(dim=-1)
             index = upload(random, logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
-        self._count_penalised(chosen, rows)
+        self._count_penalised(chosen, rows, counted)
         return chosen
 
-    def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow], counted: Sequence[bool] | None) -> None:
         """Each pooled penalised row's drawn token counted on the device, before the next step (only
         penalised requests get a slot)."""
-        pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0]
+        pooled = [index for index, row in enumerate(rows)
+                  if row.penalty_slot >= 0 and (counted is None or counted[index])]
         if not pooled:
             return
         picked = chosen if len(pooled) == len(rows) else chosen[upload(pooled, chosen.device)]

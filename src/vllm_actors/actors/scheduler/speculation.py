@@ -19,8 +19,10 @@ result comes back composes; the worker drafts from the tokens it has by then. A 
 for by the oracle, a draft model or a head runs one step in flight: planned again once its
 previous step's result is back.
 
-A request speculates only where verification is exact and its sampler rows are position-free:
-no penalties or other logits controls, no structured outputs. Its drafts per step come from
+Every request may speculate: a verification row sees the drafts before it as output (its
+penalties, bad words and grammar mask follow them), and the worker cuts a constrained request's
+drafts before the first its grammar refuses; such requests verify with their step read back at
+once (their kept tokens counted and fed from the host). Its drafts per step come from
 ``spec_policy`` (one plan per pass: the step cost model, the measured extra cost of drafting steps
 and the requests' acceptances), or are always the configured number with ``adaptive`` off. While
 the plan says 0 a request decodes with two steps in flight, and probes now and then
@@ -43,16 +45,10 @@ from vllm_actors.actors.scheduler.spec_probes import PROBE_INTERVAL, Pace, choos
 from vllm_actors.actors.scheduler.spec_wall import WallPolicy, step_seconds
 from vllm_actors.protocol.messages import StepPlan, StepResult
 from vllm_actors.protocol.ngram import propose_ngram
-from vllm_actors.protocol.sampling import SamplingParams
 from vllm_actors.protocol.speculative import ORACLE, WORKER_DRAFT, WORKER_METHODS, SpeculativeConfig
 from vllm_actors.protocol.token_ids import pack_token_ids
 
 NGRAM = "ngram"
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's draws can be verified here (see the module's docstring)."""
-    return not params.has_controls and params.structured_outputs is None
 
 
 @dataclass
@@ -95,7 +91,6 @@ class Speculator:
         self._review_at = 0  # the pass from which a quiet plan is chosen again
         self._quiet_key: tuple[int, int] = (-1, -1)  # (running requests, _version) when it was chosen
         self._version = 0  # bumped when an acceptance the plan reads changes (a pace made, verified, forgotten)
-        self._speculates: dict[str, bool] = {}  # request id -> can_speculate(its params), once per request
         self._seconds_since_draft = 0.0  # measured seconds of the steps since the last drafting one
         self._plain_steps = 0  # steps without drafts the step cost model learnt from
         self._drafting_run = 0  # drafting steps since the last step without drafts
@@ -131,7 +126,7 @@ class Speculator:
             return
         decoding = [request for request in running if is_decoding(request)]
         candidates = [(request, self._pace(request.request_id)) for request in decoding
-                      if request.output_token_ids and self._can_speculate(request)]
+                      if request.output_token_ids]
         if self.wall is not None:
             self._plan, self._probers = self.wall.choose(candidates, len(decoding), self.config.num_speculative_tokens,
                                                          self._seconds_since_draft)
@@ -148,13 +143,6 @@ class Speculator:
                 wait = 1
             self._review_at = self._passes + max(1, min(REVIEW_PASSES, wait))
             self._quiet_key = (len(running), self._version)
-
-    def _can_speculate(self, request: ScheduledRequest) -> bool:
-        """``can_speculate`` of its params (they do not change), worked out once per request."""
-        found = self._speculates.get(request.request_id)
-        if found is None:
-            found = self._speculates[request.request_id] = can_speculate(request.params)
-        return found
 
     def _pace(self, request_id: str) -> Pace:
         """A request's pace, its idle steps of the quiet passes since it was last read added."""
@@ -183,7 +171,7 @@ class Speculator:
         with two steps in flight: the room is then that of every pending draft accepted)."""
         if self._quiet:  # what the plan gives every request this pass: 0 drafts (its idle step: _quiet_passes)
             return []
-        if not request.output_token_ids or not self._can_speculate(request):
+        if not request.output_token_ids:
             return []
         max_drafts, pace = self._max_drafts(request.request_id)
         if max_drafts == 0:
@@ -305,7 +293,6 @@ class Speculator:
         """A request finished."""
         self._version += 1
         self._paces.pop(request.request_id, None)
-        self._speculates.pop(request.request_id, None)
         self._trims.pop(request.request_id, None)
         if self.oracle is not None:
             self.oracle.learn(request)

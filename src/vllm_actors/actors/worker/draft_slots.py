@@ -1,5 +1,6 @@
 """The plan's ``WORKER_DRAFT`` placeholders: which requests the worker drafts for, and the plan
-with their drafts filled in (the n-gram lookup's, a draft model's, an EAGLE-3 head's)."""
+with their drafts filled in (the n-gram lookup's, a draft model's, an EAGLE-3 head's), or cut where
+a constrained request's grammar refuses one."""
 
 from __future__ import annotations
 
@@ -74,6 +75,24 @@ def with_found(plan: StepPlan, counts: dict[str, int], found: dict[str, list[int
         num_tokens[index[request_id]] -= num_drafts - len(drafted)
         filled[request_id] = drafted
     return msgspec.structs.replace(plan, draft_token_ids=filled, num_tokens=num_tokens)
+
+
+def grammar_checked(plan: StepPlan, requests: Mapping[str, WorkerRequest]) -> StepPlan:
+    """The plan with each constrained request's drafts cut before the first its grammar refuses
+    (none left: a plain row), so that every verification row has a grammar state to mask from;
+    the plan itself where nothing is cut."""
+    counts: dict[str, int] = {}
+    found: dict[str, list[int]] = {}
+    for request_id, drafts in plan.draft_token_ids.items():
+        grammar = requests[request_id].grammar
+        if grammar is None or not drafts:
+            continue
+        valid = grammar.valid_drafts(drafts)
+        if valid < len(drafts):
+            counts[request_id] = len(drafts)
+            if valid:
+                found[request_id] = list(drafts[:valid])
+    return with_found(plan, counts, found) if counts else plan
 
 
 def short_drafts(planned: StepPlan, filled: StepPlan) -> dict[str, int]:

@@ -49,32 +49,51 @@ class Draw:
         return bool(step.drafts) and not step.spans and len(step.sample_rows) == len(step.batch.logits_indices) \
             and not any(self.sampler.needs_host(request.params) for request in step.samplers)
 
-    def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None) -> None:
-        """Structured outputs: the constrained rows' disallowed tokens to -inf."""
+    def _mask(self, logits: torch.Tensor, samplers: list[WorkerRequest], pending: PendingStep | None,
+              rows: list[SamplingRow] | None = None) -> None:
+        """Structured outputs: the constrained rows' disallowed tokens to -inf (a verification row's
+        from its grammar's state after the drafts before it, ``SamplingRow.drafted``)."""
         if self.grammars is None or all(request.grammar is None for request in samplers):
             return
         self._feed_grammars(pending)  # the masks follow every token drawn so far (which may start a grammar)
-        rows = [(index, request.grammar) for index, request in enumerate(samplers)
-                if request.grammar is not None and request.grammar.active]
-        if rows:
-            self.grammars.mask(logits, [grammar for _, grammar in rows], [index for index, _ in rows])
+        masked = [index for index, request in enumerate(samplers)
+                  if request.grammar is not None and request.grammar.active]
+        if masked:
+            drafted = [rows[index].drafted for index in masked] if rows is not None else None
+            self.grammars.mask(logits, [samplers[index].grammar for index in masked], masked, drafted)
 
-    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow],
-              with_logprobs: bool) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
+    def _count_kept(self, kept_by: list[WorkerRequest], kept: list[int], drafting: set[str]) -> None:
+        """A verification's kept tokens counted in the slots of its penalised ``drafting`` requests
+        (the draw counted none of their rows: ``counted_rows``)."""
+        slots = [(request.penalty_slot, token) for request, token in zip(kept_by, kept, strict=True)
+                 if request.penalty_slot >= 0 and request.request_id in drafting]
+        if slots:
+            self.sampler.penalties.count_kept([slot for slot, _ in slots], [token for _, token in slots])
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool,
+              counted: list[bool] | None = None) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
         """The chosen ids, drawn by rank 0 and broadcast to the others: on the host with their
-        logprobs (``with_logprobs``), else left on the device."""
+        logprobs (``with_logprobs``), else left on the device; ``counted``: as ``Sampler.draw``'s."""
         if not rows:  # deferred: on the step's device, so the step is fenced as one that draws (HostCopies)
             return torch.empty(0, dtype=torch.long, device=None if with_logprobs else logits.device), []
         if self.tp.rank != 0:
             self.sampler.follow_draw(rows)
             return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device)), []
         if not with_logprobs:
-            return self.tp.broadcast(self.sampler.draw(logits, rows).long()), []
-        sampled = self.sampler(logits, rows)
+            return self.tp.broadcast(self.sampler.draw(logits, rows, counted).long()), []
+        sampled = self.sampler(logits, rows, counted)
         if self.tp.enabled:  # the other ranks take their next inputs from these
             self.tp.broadcast(upload(sampled.token_ids, logits.device))
         logprobs = sampled.logprobs if any(entry is not None for entry in sampled.logprobs) else []
         return sampled.token_ids, logprobs
+
+    @staticmethod
+    def counted_rows(drafts: list[list[int]]) -> list[bool] | None:
+        """A verification step's rows whose draws the sampler counts: those of requests that draft
+        nothing this step (a drafting request's kept tokens are counted after verification)."""
+        if not drafts:
+            return None
+        return [not drafted for drafted in drafts for _ in range(1 + len(drafted))]
 
     @staticmethod
     def _feed_grammars(pending: PendingStep | None) -> None:

@@ -89,6 +89,10 @@ class PenaltySlots(Protocol):
 
     def clear(self) -> None: ...
 
+    def count_kept(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Count each slot's token (a verification's kept ones)."""
+        ...
+
 
 class TokenSampler(Protocol):
     """Draws each row's token from its logits (``runner.sampler.Sampler``)."""
@@ -96,12 +100,15 @@ class TokenSampler(Protocol):
     @property
     def penalties(self) -> PenaltySlots: ...
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """The chosen ids on the host, with the logprobs the rows ask for."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 counted: Sequence[bool] | None = None) -> SampleResult:
+        """The chosen ids on the host, with the logprobs the rows ask for (``counted``: as ``draw``'s)."""
         ...
 
-    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The chosen ids, left on the device."""
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow],
+             counted: Sequence[bool] | None = None) -> torch.Tensor:
+        """The chosen ids, left on the device; ``counted``: the penalised rows whose ids are counted
+        (default all; not a drafting request's: the worker counts the kept ones)."""
         ...
 
     def follow_draw(self, rows: list[SamplingRow]) -> None:
@@ -123,7 +130,8 @@ class GrammarSource(Protocol):
 
     def start(self, spec: StructuredOutputs, replay: Sequence[int] = ()) -> RowGrammar: ...
 
-    def mask(self, logits: torch.Tensor, rows: Sequence[Any], row_index: list[int]) -> None: ...
+    def mask(self, logits: torch.Tensor, rows: Sequence[Any], row_index: list[int],
+             drafted: Sequence[Sequence[int]] | None = None) -> None: ...
 
 
 class Proposer(Protocol):

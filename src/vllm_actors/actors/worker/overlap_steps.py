@@ -56,7 +56,8 @@ class OverlapSteps:
     def _verifies_later(self, plan: StepPlan) -> bool:
         """Whether a drafting plan's verification may stay in flight while the next step launches
         (``spec_overlap``): n-gram drafts in the worker, one rank and stage, no borrowed KV, no
-        constrained request and no row that needs the host."""
+        constrained request, no drafting one with logits controls (penalties, bias, allowed ids) and
+        no row that needs the host."""
         if not self.spec_overlap or not plan.draft_token_ids or plan.reset:
             return False
         if not isinstance(self.drafter, NgramProposer):  # a draft model's or head's requests: one step in flight
@@ -68,9 +69,12 @@ class OverlapSteps:
             return False
         for request_id in plan.req_ids:
             request = self.requests.get(request_id)
-            if request is not None and request_id not in plan.finished_ids and (
-                    request.grammar is not None or self.sampler.needs_host(request.params)):
+            if request is None or request_id in plan.finished_ids:
+                continue
+            if request.grammar is not None or self.sampler.needs_host(request.params):
                 return False
+            if request.params.has_controls and request_id in plan.draft_token_ids:
+                return False  # its kept tokens are counted from the host
         return True
 
     @staticmethod

@@ -130,12 +130,16 @@ class SamplingRow:
     token_ids: Sequence[int] = ()  # prompt then outputs so far: penalties and bad words read them
     num_prompt_tokens: int = 0
     penalty_slot: int = -1  # its slot in the sampler's PenaltyPool (penalties read that, not token_ids)
+    # A verification row: the drafts before its position, taken as drawn (its output ends with them:
+    # the penalties, bad words and grammar of the row see them).
+    drafted: Sequence[int] = ()
 
     def prompt_token_ids(self) -> Sequence[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
     def output_token_ids(self) -> Sequence[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        output = self.token_ids[self.num_prompt_tokens:]
+        return [*output, *self.drafted] if self.drafted else output
 
 
 @dataclass
@@ -159,6 +163,10 @@ class RowGrammar(Protocol):
     active: bool  # masks the row's logits (False until a delayed grammar starts)
 
     def consume(self, token_id: int) -> None: ...
+
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts``, in order from its state, it would take (the rest cannot be kept)."""
+        ...
 
 
 @dataclass

@@ -33,7 +33,8 @@ class SpecStats:
 
 def expand_rows(samplers: list[WorkerRequest],
                 drafts: list[list[int]]) -> tuple[list[SamplingRow], list[WorkerRequest]]:
-    """One sampler row per verified position (output index counting on), and the request of each."""
+    """One sampler row per verified position (output index counting on, the drafts before it its
+    ``drafted``), and the request of each."""
     rows: list[SamplingRow] = []
     owners: list[WorkerRequest] = []
     for request, drafted in zip(samplers, drafts, strict=True):
@@ -43,7 +44,7 @@ def expand_rows(samplers: list[WorkerRequest],
         make = type(row)  # SamplingRow: its fields in order (dataclasses.replace costs more per row)
         for position in range(1, len(drafted) + 1):
             rows.append(make(row.params, row.num_output_tokens + position, row.min_tokens_stop_ids,
-                             row.token_ids, row.num_prompt_tokens, row.penalty_slot))
+                             row.token_ids, row.num_prompt_tokens, row.penalty_slot, drafted[:position]))
             owners.append(request)
     return rows, owners
 

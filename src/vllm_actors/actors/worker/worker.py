@@ -48,7 +48,7 @@ from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.deferred_steps import DeferredSteps
-from vllm_actors.actors.worker.draft_slots import short_drafts
+from vllm_actors.actors.worker.draft_slots import grammar_checked, short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.gpu_timing import StepTimer
@@ -257,11 +257,17 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
         pending = None if read_now else self._pending
         self._apply_membership(plan)
         num_drafted = dict(num_drafted or {})
+        planned = plan
         if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
-            planned, plan = plan, self.drafter.propose(plan, self.requests)
+            plan = self.drafter.propose(plan, self.requests)
             num_drafted = short_drafts(planned, plan)
-            if may_defer and self._pending is None and not plan.draft_token_ids and self._deferrable(plan):
-                read_now = False
+        if self.grammars is not None and plan.draft_token_ids:  # cut where a grammar refuses a draft
+            checked = grammar_checked(plan, self.requests)
+            if checked is not plan:
+                plan, num_drafted = checked, {**num_drafted, **short_drafts(planned, checked)}
+        if self.drafter is not None and planned.draft_token_ids and may_defer and self._pending is None \
+                and not plan.draft_token_ids and self._deferrable(plan):
+            read_now = False
         if self.host_tier is not None:
             if plan.offload_copies or plan.restore_copies:
                 fence = self._fences.fence(plan.offload_copies, plan.restore_copies)
@@ -304,8 +310,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
                 if samplers and step.sample_rows != list(range(logits.shape[0])):
                     # not when every row samples (decode): no copy of batch x vocab
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
-                self._mask(logits, row_owners, pending)
-            chosen, logprobs = self._draw(logits, rows, read_now)
+                self._mask(logits, row_owners, pending, rows)
+            chosen, logprobs = self._draw(logits, rows, read_now, self.counted_rows(step.drafts))
         self.timings.end()
         spec = verifying = accepted = None
         if step.drafts and not read_now and isinstance(chosen, torch.Tensor):
@@ -313,7 +319,9 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
             verifying, accepted = step.drafts, accepted_counts(chosen, step.drafts)
         elif step.drafts:  # read at once: the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
+            drafting = {request.request_id for request, drafted in zip(samplers, step.drafts, strict=True) if drafted}
             samplers, chosen, logprobs, spec = verify(samplers, step.drafts, drawn, logprobs)
+            self._count_kept(samplers, chosen, drafting)
         self._step_launched(plan)
         for request in samplers:
             request.num_output_tokens += 1
