@@ -262,6 +262,7 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
             plan = self.drafter.propose(plan, self.requests)
             num_drafted = short_drafts(planned, plan)
         if self.grammars is not None and plan.draft_token_ids:  # cut where a grammar refuses a draft
+            self._feed_grammars(self._pending)  # from the state after every token drawn so far
             checked = grammar_checked(plan, self.requests)
             if checked is not plan:
                 plan, num_drafted = checked, {**num_drafted, **short_drafts(planned, checked)}
