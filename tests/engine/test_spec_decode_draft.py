@@ -173,8 +173,8 @@ def test_a_draft_of_another_vocabulary_or_shorter_context_is_refused(
     with pytest.raises(ValueError, match=message):
         ModelRunner(EngineConfig(model=str(tiny_qwen3), dtype="float32", max_model_len=128,
                                  speculative_config=spec))
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        EngineConfig(model=str(tiny_qwen3), tensor_parallel_size=2, speculative_config=spec)
+    assert EngineConfig(model=str(tiny_qwen3), tensor_parallel_size=2,  # the draft on every rank, unsharded
+                        speculative_config=spec).speculative_config == spec
 
 
 def test_a_short_catch_up_is_verification_shaped_so_decode_graphs_serve_it() -> None:
@@ -209,3 +209,35 @@ def test_a_short_catch_up_is_verification_shaped_so_decode_graphs_serve_it() -> 
     catch_up = seen[0]
     assert catch_up.query_lens == [2] and catch_up.logits_indices == [0, 1]  # the last draft and the bonus
     assert as_decode_rows(catch_up, kv_bytes_per_token=1.0, weight_bytes=1e9) is not None
+
+
+def test_under_tensor_parallelism_every_rank_takes_rank_0s_drafts() -> None:
+    """A rank whose own draft rounded differently proposes rank 0's drafts (one broadcast, -1 past a
+    proposal's end), and keeps its own in its draft-KV bookkeeping (its KV holds those)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Rank1:
+        rank: int = 1
+        size: int = 2
+        enabled: bool = True
+        sent: torch.Tensor | None = None
+
+        def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+            self.sent = x.clone()
+            return torch.tensor([11, 12, -1], dtype=torch.long)  # rank 0 drafted two
+
+    target = CopyingRunner(num_blocks=8, block_size=4)
+    ranks = Rank1()
+    proposer = DraftProposer(FakeDraft(target, errs=False), ranks)
+    request = WorkerRequest("r", token_ids=[7, 1, 2, 3, 4, 5], num_prompt_tokens=6, num_output_tokens=0,
+                            params=SamplingParams(), eos_token_ids=[], block_table=[3, 5, 1, 6])
+    for position, token in enumerate(request.token_ids[:-1]):
+        target.slots[target._slot(request.block_table, position)] = token
+    plan = StepPlan(step_id=0, req_ids=["r"], num_tokens=[4], new_block_ids=[[]],
+                    draft_token_ids={"r": [WORKER_DRAFT] * 3})
+    proposed = proposer.propose(plan, {"r": request})
+    own = target.reference(request.token_ids, 3)
+    assert ranks.sent is not None and ranks.sent.tolist() == own
+    assert proposed.draft_token_ids == {"r": [11, 12]} and proposed.num_tokens == [3]
+    assert proposer._kv["r"].written == own[:-1]

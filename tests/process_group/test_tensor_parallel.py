@@ -1,7 +1,8 @@
 """Tensor parallelism through the process group on the CPU (gloo): TP=2 and TP=3 give TP=1's
 greedy tokens and logprobs (float32) under preemption, chunked prefill, deferred steps and prefix
-caching; a SIGKILLed rank takes its unit down, which comes back and finishes the requests; no
-process outlives the group."""
+caching; a draft model's speculative decoding at TP=2 (the draft whole on each rank, rank 0's drafts
+kept) gives the tokens of TP=1 without it; a SIGKILLed rank takes its unit down, which comes back and
+finishes the requests; no process outlives the group."""
 
 from __future__ import annotations
 
@@ -79,6 +80,27 @@ def test_tp_greedy_and_logprobs_match_tp1(checkpoint: str, tp_size: int, request
     for ours, theirs in zip(got["logprobs"], want["logprobs"], strict=True):
         assert len(ours) == len(theirs) == MAX_TOKENS
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+
+
+def test_a_draft_model_at_tp2_gives_the_tokens_of_tp1_without_speculation(tiny_qwen3_tp: Path) -> None:
+    """The target as its own draft (drafts mostly right), greedy rows and penalised ones."""
+    from vllm_actors.protocol.speculative import parse_speculative_config
+
+    prompts = prompts_for(500, seed=5)[:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             **({"presence_penalty": 0.8} if index % 2 else {})) for index in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(str(tiny_qwen3_tp), executor="inprocess", **ENGINE) as llm:  # type: ignore[arg-type]
+        expected = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+    spec = parse_speculative_config({"method": "draft_model", "model": str(tiny_qwen3_tp), "num_speculative_tokens": 3},
+                                    adaptive=False)
+    engine = {**ENGINE, "num_gpu_blocks_override": 4 * NUM_BLOCKS}
+    with LLM(str(tiny_qwen3_tp), executor="group", tensor_parallel_size=2, speculative_config=spec,
+             **engine) as llm:  # type: ignore[arg-type]
+        got = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+        counts = llm.get_metrics().spec_decode
+    assert got == expected
+    assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
 
 
 def _kill_when(llm: LLM, pid: int, tokens: int, killed: threading.Event) -> None:

@@ -10,7 +10,6 @@ from vllm_actors.protocol.kv_loans import kv_borrowing_error
 from vllm_actors.protocol.kv_parallel import kv_parallel_error
 from vllm_actors.protocol.long_prefill import long_prefill_error, resolve_threshold
 from vllm_actors.protocol.speculative import (
-    WORKER_METHODS,
     SpeculativeConfig,
     parse_speculative_config,
 )
@@ -168,9 +167,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative_config does not compose with pipeline_parallel_size > 1 yet")
             method = self.speculative_config.method
-            if method in WORKER_METHODS and self.tensor_parallel_size > 1:
+            if method == "eagle3" and self.tensor_parallel_size > 1:
                 raise ValueError(f"speculative_config: method {method!r} runs with tensor_parallel_size 1 only "
-                                 "for now (every rank would need the same drafts)")
+                                 "for now (the head would read every rank's hidden states)")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora does not compose with pipeline_parallel_size > 1 yet: "
                              "serve the adapters with tensor_parallel_size instead")

@@ -53,13 +53,14 @@ class LoadedRunner(Runner, Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
-def proposer_for(drafter: Any) -> Proposer | None:
-    """The worker's proposer over the runner's drafter (an EAGLE-3 head's runner, or a draft model's)."""
+def proposer_for(drafter: Any, ranks: Ranks) -> Proposer | None:
+    """The worker's proposer over the runner's drafter (an EAGLE-3 head's runner, or a draft model's,
+    whose drafts are rank 0's on every tensor-parallel rank)."""
     if drafter is None:
         return None
     from vllm_actors.runner.eagle3 import Eagle3Runner
 
-    return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Runner) else DraftProposer(drafter)
+    return Eagle3Proposer(drafter) if isinstance(drafter, Eagle3Runner) else DraftProposer(drafter, ranks)
 
 
 def ngram_proposer(config: EngineConfig) -> Proposer | None:
@@ -98,7 +99,7 @@ def build_worker(config: EngineConfig, tp: TensorParallel | None = None, incarna
         grammars=grammars,
         await_reset=(ranks.enabled or stage.enabled) and incarnation > 0,
         host_tier=getattr(runner, "host_tier", None), stage=stage, ranks=ranks,
-        drafter=proposer_for(getattr(runner, "drafter", None)) or ngram_proposer(config),
+        drafter=proposer_for(getattr(runner, "drafter", None), ranks) or ngram_proposer(config),
         rejoiner=rejoiner_for(runner, rendezvous, runner.tp.size, stage.enabled),
         timer=step_timer(runner.device) if ranks.rank == 0 else None,  # rank 0 reports
         spec_overlap=spec_overlap(),

@@ -11,7 +11,9 @@ tokens a request runs in those graphs as decode rows (``verify_rows.py``); a lon
 runs eagerly (no padded graphs).
 
 The draft must share the target's vocabulary and reach its ``max_model_len``; it runs unsharded
-(the target's ``tensor_parallel_size`` is 1: ``protocol/config.py``).
+(vLLM's ``draft_tensor_parallel_size`` 1): under tensor parallelism every rank holds the whole draft
+and its KV on its own GPU and drafts, and rank 0's drafts are the step's on every rank
+(``DraftProposer``: one broadcast a drafting step).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def check_draft(target: ModelConfig, draft: ModelConfig, max_model_len: int, pat
                          f"{max_model_len}; pass max_model_len <= {draft.derived_max_model_len}")
 
 
-def draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> EngineConfig | None:
+def draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int,
+                 device: str = "auto") -> EngineConfig | None:
     """The draft model's runner configuration (checked; a one-block pool until ``take_pool``, no
-    graphs until then), or None when the engine does not speculate with a draft model."""
+    graphs until then; on the target's ``device``, a tensor-parallel rank's GPU), or None when the
+    engine does not speculate with a draft model."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model" or spec.model is None:
         return None
     check_draft(target, ModelConfig.from_path(spec.model), max_model_len, spec.model)
     return msgspec.structs.replace(
         config, model=spec.model, tokenizer=None, max_model_len=max_model_len, num_gpu_blocks_override=1,
-        enforce_eager=True, enable_lora=False, kv_cache_offload_gb=0.0, speculative_config=None)
+        enforce_eager=True, enable_lora=False, kv_cache_offload_gb=0.0, speculative_config=None,
+        tensor_parallel_size=1, device=device)

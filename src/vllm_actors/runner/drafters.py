@@ -17,7 +17,7 @@ def make_drafter(config: EngineConfig, target: Any, max_model_len: int, runner_c
     spec = config.speculative_config
     if spec is not None and spec.method == "eagle3" and spec.model is not None:
         return Eagle3Runner(spec.model, target)
-    drafting = draft_config(config, target.model_config, max_model_len)
+    drafting = draft_config(config, target.model_config, max_model_len, str(target.device))
     return runner_class(drafting) if drafting is not None else None
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Protocol
 
 import torch
 
 from vllm_actors.actors.worker.draft_slots import DraftWork, drafting_work, with_drafts
+from vllm_actors.actors.worker.ranks import Ranks, SingleRank
 from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, WorkerRequest
 from vllm_actors.protocol.messages import StepPlan
 
@@ -73,8 +75,9 @@ def read_passes(passes: list[tuple[list[int], torch.Tensor]], num_requests: int)
 
 
 class DraftProposer:
-    def __init__(self, runner: DraftEngine) -> None:
+    def __init__(self, runner: DraftEngine, ranks: Ranks | None = None) -> None:
         self.runner = runner
+        self.ranks = ranks or SingleRank()  # tensor parallelism: every rank drafts, rank 0's drafts are kept
         self._kv: dict[str, _DraftKv] = {}
         self._fences: list[torch.cuda.Event] = []
 
@@ -90,9 +93,25 @@ class DraftProposer:
         if not work:
             return plan
         proposals = self._draft(work)
-        for item, drafted in zip(work, proposals, strict=True):
+        for item, drafted in zip(work, proposals, strict=True):  # this rank's drafts: its draft KV's
             self._kv[item.request.request_id] = _DraftKv(item.length, drafted[:-1])
+        if self.ranks.enabled:
+            proposals = self._rank0s(work, proposals)
         return with_drafts(plan, work, proposals)
+
+    def _rank0s(self, work: list[DraftWork], proposals: list[list[int]]) -> list[list[int]]:
+        """Rank 0's proposals on every rank (one broadcast of every placeholder, -1 past a proposal's
+        end), so that every rank verifies the same drafts however its own draft's rounding went."""
+        flat: list[int] = []
+        for item, drafted in zip(work, proposals, strict=True):
+            flat += drafted + [-1] * (item.num_drafts - len(drafted))
+        ids = self.ranks.broadcast(torch.tensor(flat, dtype=torch.long, device=self.runner.device)).tolist()
+        found: list[list[int]] = []
+        offset = 0
+        for item in work:
+            found.append(list(takewhile(lambda token: token >= 0, ids[offset : offset + item.num_drafts])))
+            offset += item.num_drafts
+        return found
 
     def _draft(self, work: list[DraftWork]) -> list[list[int]]:
         self._fences.clear()

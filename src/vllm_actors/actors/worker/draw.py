@@ -64,7 +64,9 @@ class Draw:
 
     def _count_kept(self, kept_by: list[WorkerRequest], kept: list[int], drafting: set[str]) -> None:
         """A verification's kept tokens counted in the slots of its penalised ``drafting`` requests
-        (the draw counted none of their rows: ``counted_rows``)."""
+        (the draw counted none of their rows: ``counted_rows``), on rank 0: the rank that draws."""
+        if self.tp.rank != 0:
+            return
         slots = [(request.penalty_slot, token) for request, token in zip(kept_by, kept, strict=True)
                  if request.penalty_slot >= 0 and request.request_id in drafting]
         if slots:
