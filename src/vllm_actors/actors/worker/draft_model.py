@@ -33,6 +33,7 @@ import torch
 from vllm_actors.actors.worker.draft_slots import DraftWork, drafting_work, with_drafts
 from vllm_actors.actors.worker.ranks import Ranks, SingleRank
 from vllm_actors.actors.worker.step_data import BatchInput, DeferredInputs, WorkerRequest
+from vllm_actors.actors.worker.uploads import upload
 from vllm_actors.protocol.messages import StepPlan
 
 # A catch-up of at most this many tokens a request asks the logits of every token: the step is then
@@ -105,7 +106,7 @@ class DraftProposer:
         flat: list[int] = []
         for item, drafted in zip(work, proposals, strict=True):
             flat += drafted + [-1] * (item.num_drafts - len(drafted))
-        ids = self.ranks.broadcast(torch.tensor(flat, dtype=torch.long, device=self.runner.device)).tolist()
+        ids = self.ranks.broadcast(upload(flat, self.runner.device, torch.long)).tolist()
         found: list[list[int]] = []
         offset = 0
         for item in work:
