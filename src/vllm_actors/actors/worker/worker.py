@@ -261,7 +261,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
         if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
             plan = self.drafter.propose(plan, self.requests)
             num_drafted = short_drafts(planned, plan)
-        if self.grammars is not None and plan.draft_token_ids:  # cut where a grammar refuses a draft
+        if self.grammars is not None and any(self.requests[request_id].grammar is not None
+                                             for request_id in plan.draft_token_ids):  # cut where it refuses a draft
             self._feed_grammars(self._pending)  # from the state after every token drawn so far
             checked = grammar_checked(plan, self.requests)
             if checked is not plan:
