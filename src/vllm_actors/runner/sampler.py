@@ -21,8 +21,6 @@ bad words, logit_bias, repetition/frequency/presence penalties) to the rows that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from vllm_actors.actors.worker.logprobs import top_logprobs
@@ -72,15 +70,14 @@ class Sampler:
         # The penalised rows' token counts on the device: the worker gives each such request a slot.
         self.penalties = PenaltyPool(device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 counted: Sequence[bool] | None = None) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], count: bool = True) -> SampleResult:
         """``logits`` is [N, V] (float32, or the model's half type on a GPU), one row per request
-        that samples this step. ``counted``: as ``draw``'s."""
+        that samples this step. ``count``: as ``draw``'s."""
         num_rows = logits.shape[0]
         wants_logprobs = [row.params.logprobs is not None for row in rows]
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(wants_logprobs) else None
 
-        chosen = self.draw(logits, rows, counted)
+        chosen = self.draw(logits, rows, count)
         token_ids = chosen.tolist()
         logprobs: list[Logprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -97,13 +94,12 @@ class Sampler:
                 )
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
 
-    def draw(self, logits: torch.Tensor, rows: list[SamplingRow],
-             counted: Sequence[bool] | None = None) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow], count: bool = True) -> torch.Tensor:
         """The chosen token of every row, left on the logits' device (no host round trip). Greedy
         rows and the fused kernel read half-precision logits as they are (exactly: the argmax of a
         bfloat16 row is that of its float32 copy); the torch sampling path works in float32.
-        ``counted``: which penalised rows' tokens are counted in their slots (default all; not a
-        drafting request's verification rows: the worker counts those kept, ``PenaltyPool.count_kept``)."""
+        ``count``: the penalised rows' tokens counted in their slots (not a verification's read back
+        at once: the worker counts the tokens it keeps, ``PenaltyPool.count_kept``)."""
         num_rows = logits.shape[0]
         logits = apply_controls(logits, rows, self.penalties)  # penalties, logit_bias, allowed ids, bad words
         logits = self._mask_min_tokens(logits, rows)
@@ -121,14 +117,14 @@ class Sampler:
             chosen[index] = logits[index].argmax(dim=-1)
             index = upload(random, logits.device)
             chosen[index] = self._sample(logits[index], [rows[i] for i in random])
-        self._count_penalised(chosen, rows, counted)
+        if count:
+            self._count_penalised(chosen, rows)
         return chosen
 
-    def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow], counted: Sequence[bool] | None) -> None:
+    def _count_penalised(self, chosen: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Each pooled penalised row's drawn token counted on the device, before the next step (only
         penalised requests get a slot)."""
-        pooled = [index for index, row in enumerate(rows)
-                  if row.penalty_slot >= 0 and (counted is None or counted[index])]
+        pooled = [index for index, row in enumerate(rows) if row.penalty_slot >= 0]
         if not pooled:
             return
         picked = chosen if len(pooled) == len(rows) else chosen[upload(pooled, chosen.device)]

@@ -62,40 +62,32 @@ class Draw:
             drafted = [rows[index].drafted for index in masked] if rows is not None else None
             self.grammars.mask(logits, [samplers[index].grammar for index in masked], masked, drafted)
 
-    def _count_kept(self, kept_by: list[WorkerRequest], kept: list[int], drafting: set[str]) -> None:
-        """A verification's kept tokens counted in the slots of its penalised ``drafting`` requests
-        (the draw counted none of their rows: ``counted_rows``), on rank 0: the rank that draws."""
+    def _count_kept(self, kept_by: list[WorkerRequest], kept: list[int]) -> None:
+        """A verification read back at once: the tokens kept counted in their penalised requests'
+        slots (its draw counted none), on rank 0: the rank that draws."""
         if self.tp.rank != 0:
             return
         slots = [(request.penalty_slot, token) for request, token in zip(kept_by, kept, strict=True)
-                 if request.penalty_slot >= 0 and request.request_id in drafting]
+                 if request.penalty_slot >= 0]
         if slots:
             self.sampler.penalties.count_kept([slot for slot, _ in slots], [token for _, token in slots])
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool,
-              counted: list[bool] | None = None) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
+              count: bool = True) -> tuple[torch.Tensor | list[int], list[Logprobs | None]]:
         """The chosen ids, drawn by rank 0 and broadcast to the others: on the host with their
-        logprobs (``with_logprobs``), else left on the device; ``counted``: as ``Sampler.draw``'s."""
+        logprobs (``with_logprobs``), else left on the device; ``count``: as ``Sampler.draw``'s."""
         if not rows:  # deferred: on the step's device, so the step is fenced as one that draws (HostCopies)
             return torch.empty(0, dtype=torch.long, device=None if with_logprobs else logits.device), []
         if self.tp.rank != 0:
             self.sampler.follow_draw(rows)
             return self.tp.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device)), []
         if not with_logprobs:
-            return self.tp.broadcast(self.sampler.draw(logits, rows, counted).long()), []
-        sampled = self.sampler(logits, rows, counted)
+            return self.tp.broadcast(self.sampler.draw(logits, rows, count).long()), []
+        sampled = self.sampler(logits, rows, count)
         if self.tp.enabled:  # the other ranks take their next inputs from these
             self.tp.broadcast(upload(sampled.token_ids, logits.device))
         logprobs = sampled.logprobs if any(entry is not None for entry in sampled.logprobs) else []
         return sampled.token_ids, logprobs
-
-    @staticmethod
-    def counted_rows(drafts: list[list[int]]) -> list[bool] | None:
-        """A verification step's rows whose draws the sampler counts: those of requests that draft
-        nothing this step (a drafting request's kept tokens are counted after verification)."""
-        if not drafts:
-            return None
-        return [not drafted for drafted in drafts for _ in range(1 + len(drafted))]
 
     @staticmethod
     def _feed_grammars(pending: PendingStep | None) -> None:

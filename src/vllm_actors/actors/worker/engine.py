@@ -100,15 +100,13 @@ class TokenSampler(Protocol):
     @property
     def penalties(self) -> PenaltySlots: ...
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 counted: Sequence[bool] | None = None) -> SampleResult:
-        """The chosen ids on the host, with the logprobs the rows ask for (``counted``: as ``draw``'s)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], count: bool = True) -> SampleResult:
+        """The chosen ids on the host, with the logprobs the rows ask for (``count``: as ``draw``'s)."""
         ...
 
-    def draw(self, logits: torch.Tensor, rows: list[SamplingRow],
-             counted: Sequence[bool] | None = None) -> torch.Tensor:
-        """The chosen ids, left on the device; ``counted``: the penalised rows whose ids are counted
-        (default all; not a drafting request's: the worker counts the kept ones)."""
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow], count: bool = True) -> torch.Tensor:
+        """The chosen ids, left on the device; ``count``: the penalised rows' ids counted in their
+        slots (not a verification's read back at once: the worker counts the kept ones)."""
         ...
 
     def follow_draw(self, rows: list[SamplingRow]) -> None:

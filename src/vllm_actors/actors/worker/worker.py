@@ -313,7 +313,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
                     # not when every row samples (decode): no copy of batch x vocab
                     logits = logits.index_select(0, upload(step.sample_rows, logits.device))
                 self._mask(logits, row_owners, pending, rows)
-            chosen, logprobs = self._draw(logits, rows, read_now, self.counted_rows(step.drafts))
+            # a verification read back at once counts the tokens it keeps (_count_kept), not its draws
+            chosen, logprobs = self._draw(logits, rows, read_now, count=not (step.drafts and read_now))
         self.timings.end()
         spec = verifying = accepted = None
         if step.drafts and not read_now and isinstance(chosen, torch.Tensor):
@@ -321,9 +322,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
             verifying, accepted = step.drafts, accepted_counts(chosen, step.drafts)
         elif step.drafts:  # read at once: the tokens each request keeps
             drawn = chosen if isinstance(chosen, list) else chosen.tolist()  # ranks above 0: rank 0's ids
-            drafting = {request.request_id for request, drafted in zip(samplers, step.drafts, strict=True) if drafted}
             samplers, chosen, logprobs, spec = verify(samplers, step.drafts, drawn, logprobs)
-            self._count_kept(samplers, chosen, drafting)
+            self._count_kept(samplers, chosen)
         self._step_launched(plan)
         for request in samplers:
             request.num_output_tokens += 1
