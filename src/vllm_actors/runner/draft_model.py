@@ -36,8 +36,7 @@ def check_draft(target: ModelConfig, draft: ModelConfig, max_model_len: int, pat
                          f"{max_model_len}; pass max_model_len <= {draft.derived_max_model_len}")
 
 
-def draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int,
-                 device: str = "auto") -> EngineConfig | None:
+def draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int, device: str) -> EngineConfig | None:
     """The draft model's runner configuration (checked; a one-block pool until ``take_pool``, no
     graphs until then; on the target's ``device``, a tensor-parallel rank's GPU), or None when the
     engine does not speculate with a draft model."""
