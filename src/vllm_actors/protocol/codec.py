@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping
 from typing import Any, Union
@@ -43,14 +44,25 @@ class MessageCodec:
         return self._decoder.decode(data)
 
 
+def _cleaned(node: Any) -> Any:
+    """Every ``description`` in a schema as ``inspect.cleandoc`` leaves a docstring (msgspec 0.23 does
+    so itself, earlier versions kept the indentation): the same exported text under either."""
+    if isinstance(node, dict):
+        return {key: inspect.cleandoc(value) if key == "description" and isinstance(value, str) else _cleaned(value)
+                for key, value in node.items()}
+    if isinstance(node, list):
+        return [_cleaned(item) for item in node]
+    return node
+
+
 def _schema(title: str, types: tuple[type, ...]) -> dict[str, Any]:
     schemas, components = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": title,
         "protocol_version": PROTOCOL_VERSION,
-        "oneOf": schemas,
-        "$defs": components,
+        "oneOf": _cleaned(list(schemas)),
+        "$defs": _cleaned(components),
     }
 
 

@@ -96,6 +96,8 @@ def from_decode_error(error: msgspec.DecodeError | UnicodeDecodeError | Recursio
     if not isinstance(error, msgspec.ValidationError) and media_type and not _is_json(media_type):
         return OpenAIError(f"the request body must be JSON (Content-Type: application/json), got Content-Type "
                            f"{media_type[:100]!r}: {text}", 400)
+    if not isinstance(error, msgspec.ValidationError) and "UTF-8" in text:  # msgspec >= 0.23 says so itself
+        return OpenAIError(f"the request body is not valid UTF-8: {text}", 400)
     if not isinstance(error, msgspec.ValidationError):
         return OpenAIError(f"the request body is not valid JSON: {text}", 400)
     message, _, where = text.partition(" - at ")
