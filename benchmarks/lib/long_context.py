@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "P stages take (C+P-1)/(C*P) of one stage's time at best")
     model.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto")
     model.add_argument("--block-size", type=int, default=None,
-                       help="KV block (page) size of every engine; default: each engine's (16 here and in vLLM)")
+                       help="KV block (page) size of every engine; default: each engine's (ours: 128 on Hopper "
+                            "with flash-attn 4, else 16; vLLM: 16)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="ours and vLLM")
     model.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="default: SGLang's")
     model.add_argument("--engines", nargs="+", choices=ENGINE_ORDER, default=["ours", "vllm"],

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 
+from vllm_actors.device_probe import BLOCK_SIZE, default_block_size
 from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from vllm_actors.protocol.speculative import ORACLE, SpeculativeConfig, parse_speculative_config
@@ -38,6 +39,8 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
 
         model = default_model_path()
     args = {**environment_defaults(engine_args), **engine_args}
+    if args.get("block_size") is None:  # not given: the device's (device_probe.py)
+        args["block_size"] = BLOCK_SIZE if str(args.get("device", "auto")).startswith("cpu") else default_block_size()
     if args.get("speculative_config") is not None:
         args["speculative_config"] = speculative_config(args["speculative_config"])
     return EngineConfig(model=model, **args)
@@ -95,7 +98,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itl-target-ms", type=float, default=None,
                         help="the inter-token latency running decodes are held to: each step's prefill tokens are "
                              "sized by the step cost model to keep its predicted time within it (default: none)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens a KV block holds (a power of two; default: 128 on Hopper GPUs with flash-attn 4, "
+                             "whose prefill loads such pages by TMA, else 16)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",

@@ -1,0 +1,76 @@
+"""What the frontend can tell of the GPUs before any worker starts, without initialising CUDA in its
+own process (it may be embedded in a service that forks): compute capabilities from NVML, and the
+KV block size an engine takes when none is given (``default_block_size``)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from pathlib import Path
+
+from vllm_actors.envs import envs
+
+# flash-attn 4's SM90 kernel loads a page by TMA only when it is exactly its key tile (128 tokens at
+# head_dim 64 and 128); other sizes take a slower gather (docs/performance.md, "Prefill attention").
+HOPPER_BLOCK_SIZE = 128
+BLOCK_SIZE = 16  # vLLM's default elsewhere
+
+
+@functools.cache
+def gpu_capabilities() -> tuple[tuple[int, int], ...]:
+    """(major, minor) of every GPU this process may use (``CUDA_VISIBLE_DEVICES`` when it lists
+    indices), from NVML; () where there is no NVIDIA driver."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return ()
+    if nvml.nvmlInit_v2() != 0:
+        return ()
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return ()
+        indices = _visible_indices(count.value)
+        found = []
+        for index in indices:
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                return ()
+            found.append((major.value, minor.value))
+        return tuple(found)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _visible_indices(count: int) -> list[int]:
+    """NVML indices of the visible devices: ``CUDA_VISIBLE_DEVICES`` as indices, else all (UUIDs and
+    an unparsable list count as all: every GPU of a host is asked)."""
+    visible = envs.CUDA_VISIBLE_DEVICES
+    if visible is None:
+        return list(range(count))
+    try:
+        indices = [int(part) for part in visible.split(",") if part.strip()]
+    except ValueError:
+        return list(range(count))
+    return [index for index in indices if 0 <= index < count]
+
+
+def flash_attn_installed() -> bool:
+    """flash-attn 4 (``flash_attn.cute``) is on the path: found without importing the CuTe DSL."""
+    spec = importlib.util.find_spec("flash_attn")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return any((Path(location) / "cute" / "__init__.py").is_file() for location in locations)
+
+
+def default_block_size(capabilities: tuple[tuple[int, int], ...] | None = None,
+                       flash_attn: bool | None = None) -> int:
+    """The KV block size when none is given: 128 where every visible GPU is Hopper and flash-attn 4
+    may take the prefills (the end-to-end gain: RESULTS.md, twenty-seventh session), else 16."""
+    capabilities = gpu_capabilities() if capabilities is None else capabilities
+    if not capabilities or any(major != 9 for major, _ in capabilities):
+        return BLOCK_SIZE
+    if envs.VLLM_ACTORS_PREFILL_ATTENTION == "triton":
+        return BLOCK_SIZE
+    return HOPPER_BLOCK_SIZE if (flash_attn_installed() if flash_attn is None else flash_attn) else BLOCK_SIZE
