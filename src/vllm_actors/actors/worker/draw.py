@@ -1,6 +1,6 @@
-"""A step's draw as the worker makes it: the decode graph's sampling inputs where the graph draws
-itself, the structured-output masks, and rank 0's draw broadcast to the other ranks (``Worker``
-mixes this in)."""
+"""A step's draw as the worker makes it: the plan's drafts filled in and checked by the grammars, the
+decode graph's sampling inputs where the graph draws itself, the structured-output masks, and rank 0's
+draw broadcast to the other ranks (``Worker`` mixes this in)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_actors.actors.worker.engine import GrammarSource, Runner, TokenSampler
+from vllm_actors.actors.worker.draft_slots import grammar_checked, short_drafts
+from vllm_actors.actors.worker.engine import GrammarSource, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.ranks import Ranks
 from vllm_actors.actors.worker.step_data import (
     BatchInput,
@@ -19,7 +20,7 @@ from vllm_actors.actors.worker.step_data import (
     WorkerRequest,
 )
 from vllm_actors.actors.worker.uploads import upload
-from vllm_actors.protocol.messages import Logprobs
+from vllm_actors.protocol.messages import Logprobs, StepPlan
 
 
 class Draw:
@@ -31,6 +32,21 @@ class Draw:
         grammars: GrammarSource | None
         tp: Ranks
         graph_draws_under_tp: bool
+        drafter: Proposer | None
+        requests: dict[str, WorkerRequest]
+        _pending: PendingStep | None
+
+    def _with_drafts(self, plan: StepPlan, num_drafted: dict[str, int]) -> tuple[StepPlan, dict[str, int]]:
+        """The plan with the drafter's tokens for its placeholders, cut before the first draft a
+        constrained request's grammar refuses; ``num_drafted`` with the requests left short."""
+        planned = plan
+        if self.drafter is not None and plan.draft_token_ids:
+            plan = self.drafter.propose(plan, self.requests)
+        if self.grammars is not None and any(self.requests[request_id].grammar is not None
+                                             for request_id in plan.draft_token_ids):
+            self._feed_grammars(self._pending)  # from the state after every token drawn so far
+            plan = grammar_checked(plan, self.requests)
+        return plan, {**num_drafted, **short_drafts(planned, plan)} if plan is not planned else num_drafted
 
     def _graph_sampling(self, batch: BatchInput, rows: list[SamplingRow]) -> GraphSampling | None:
         """The draw's inputs where a decode graph can draw this step's tokens itself. Under TP

@@ -48,7 +48,6 @@ from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
 from vllm_actors.actors.worker.controls import carry_out
 from vllm_actors.actors.worker.copy_fences import CopyFences
 from vllm_actors.actors.worker.deferred_steps import DeferredSteps
-from vllm_actors.actors.worker.draft_slots import grammar_checked, short_drafts
 from vllm_actors.actors.worker.draw import Draw
 from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
 from vllm_actors.actors.worker.gpu_timing import StepTimer
@@ -73,7 +72,6 @@ from vllm_actors.protocol.messages import (
     EngineControl,
     Logprobs,
     Message,
-    NewRequest,
     PromptLogprobs,
     StepPlan,
     StepResult,
@@ -256,17 +254,8 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
         started_at = self.clock()
         pending = None if read_now else self._pending
         self._apply_membership(plan)
-        num_drafted = dict(num_drafted or {})
         planned = plan
-        if self.drafter is not None and plan.draft_token_ids:  # the drafter's tokens in the plan
-            plan = self.drafter.propose(plan, self.requests)
-            num_drafted = short_drafts(planned, plan)
-        if self.grammars is not None and any(self.requests[request_id].grammar is not None
-                                             for request_id in plan.draft_token_ids):  # cut where it refuses a draft
-            self._feed_grammars(self._pending)  # from the state after every token drawn so far
-            checked = grammar_checked(plan, self.requests)
-            if checked is not plan:
-                plan, num_drafted = checked, {**num_drafted, **short_drafts(planned, checked)}
+        plan, num_drafted = self._with_drafts(plan, dict(num_drafted or {}))
         if self.drafter is not None and planned.draft_token_ids and may_defer and self._pending is None \
                 and not plan.draft_token_ids and self._deferrable(plan):
             read_now = False
@@ -375,31 +364,4 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
             interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
             overlapped_ids=pending.overlapped_ids,
-        )
-
-    # ------------------------------------------------------------------ membership
-    def _admit(self, new: NewRequest) -> None:
-        self._drop(new.request_id)
-        token_ids = new.token_list()
-        grammar = None
-        samples = self.stage.is_last  # a pipeline stage before the last draws nothing: no grammar, no penalties
-        if new.params.structured_outputs is not None and self.grammars is not None and samples:
-            # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
-            grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
-        penalty_slot = -1
-        if new.params.has_penalties and samples:
-            penalty_slot = self.sampler.penalties.add(
-                new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
-        self.requests[new.request_id] = WorkerRequest(
-            penalty_slot=penalty_slot,
-            request_id=new.request_id,
-            token_ids=token_ids,
-            grammar=grammar,
-            num_prompt_tokens=new.num_prompt_tokens,
-            num_output_tokens=new.num_output_tokens,
-            params=new.params,
-            eos_token_ids=list(new.eos_token_ids),
-            num_computed_tokens=new.num_cached_tokens,  # a prefix-cache hit: its KV is in the table
-            row=self.tables.add() if self.tables is not None else -1,
-            lora_request=new.lora_request,
         )
