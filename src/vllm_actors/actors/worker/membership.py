@@ -1,7 +1,7 @@
 """The worker's request table as a plan changes it: the plan checked against it first (``validate``),
 a pipeline stage's input tokens appended, requests dropped when they finish (their drafter state,
 host-tier fences, block-table row and penalties with them), their draft-only blocks trimmed, new ones
-admitted (``_admit``), everything dropped on a reset plan (``Worker`` mixes this
+admitted (``Worker._admit`` builds each), everything dropped on a reset plan (``Worker`` mixes this
 in; ``_apply_membership`` runs first in every plan)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from vllm_actors.actors.worker.block_tables import BlockTableArray
 from vllm_actors.actors.worker.plan_checks import check_plan
-from vllm_actors.actors.worker.step_data import WorkerRequest
 
 if TYPE_CHECKING:
     from vllm_actors.actors.worker.borrowing_hooks import BorrowingHooks
     from vllm_actors.actors.worker.copy_fences import CopyFences
     from vllm_actors.actors.worker.engine import GrammarSource, HostTierCopies, Proposer, Runner, TokenSampler
     from vllm_actors.actors.worker.ranks import Stage
+    from vllm_actors.actors.worker.step_data import WorkerRequest
     from vllm_actors.protocol.messages import NewRequest, StepPlan
 
 
@@ -36,6 +36,7 @@ class Membership:
         _fences: CopyFences
         _min_step_id: int
 
+        def _admit(self, new: NewRequest) -> None: ...  # the request's state, built by Worker
 
     def _take_input_tokens(self, plan: StepPlan) -> None:
         """Under pipeline parallelism a decoding request's input token comes with the plan: a
@@ -93,29 +94,3 @@ class Membership:
             self._admit(new)
         if self.borrowing is not None:
             self.borrowing.apply(plan, self.requests, self.tables)
-
-    def _admit(self, new: NewRequest) -> None:
-        self._drop(new.request_id)
-        token_ids = new.token_list()
-        grammar = None
-        samples = self.stage.is_last  # a pipeline stage before the last draws nothing: no grammar, no penalties
-        if new.params.structured_outputs is not None and self.grammars is not None and samples:
-            # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
-            grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
-        penalty_slot = -1
-        if new.params.has_penalties and samples:
-            penalty_slot = self.sampler.penalties.add(
-                new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
-        self.requests[new.request_id] = WorkerRequest(
-            penalty_slot=penalty_slot,
-            request_id=new.request_id,
-            token_ids=token_ids,
-            grammar=grammar,
-            num_prompt_tokens=new.num_prompt_tokens,
-            num_output_tokens=new.num_output_tokens,
-            params=new.params,
-            eos_token_ids=list(new.eos_token_ids),
-            num_computed_tokens=new.num_cached_tokens,  # a prefix-cache hit: its KV is in the table
-            row=self.tables.add() if self.tables is not None else -1,
-            lora_request=new.lora_request,
-        )

@@ -72,6 +72,7 @@ from vllm_actors.protocol.messages import (
     EngineControl,
     Logprobs,
     Message,
+    NewRequest,
     PromptLogprobs,
     StepPlan,
     StepResult,
@@ -364,4 +365,31 @@ class Worker(Draw, KvRejoining, Membership, DeferredSteps, OverlapSteps):
             interval_seconds=0.0 if pending.started_at is None else now - max(pending.started_at, last_done),
             num_drafted=pending.num_drafted,
             overlapped_ids=pending.overlapped_ids,
+        )
+
+    # ------------------------------------------------------------------ membership
+    def _admit(self, new: NewRequest) -> None:
+        self._drop(new.request_id)
+        token_ids = new.token_list()
+        grammar = None
+        samples = self.stage.is_last  # a pipeline stage before the last draws nothing: no grammar, no penalties
+        if new.params.structured_outputs is not None and self.grammars is not None and samples:
+            # A resumed request (preempted, or resubmitted) replays its outputs into a fresh matcher.
+            grammar = self.grammars.start(new.params.structured_outputs, token_ids[new.num_prompt_tokens:])
+        penalty_slot = -1
+        if new.params.has_penalties and samples:
+            penalty_slot = self.sampler.penalties.add(
+                new.request_id, token_ids[: new.num_prompt_tokens], token_ids[new.num_prompt_tokens:])
+        self.requests[new.request_id] = WorkerRequest(
+            penalty_slot=penalty_slot,
+            request_id=new.request_id,
+            token_ids=token_ids,
+            grammar=grammar,
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_output_tokens=new.num_output_tokens,
+            params=new.params,
+            eos_token_ids=list(new.eos_token_ids),
+            num_computed_tokens=new.num_cached_tokens,  # a prefix-cache hit: its KV is in the table
+            row=self.tables.add() if self.tables is not None else -1,
+            lora_request=new.lora_request,
         )
