@@ -40,7 +40,8 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
         model = default_model_path()
     args = {**environment_defaults(engine_args), **engine_args}
     if args.get("block_size") is None:  # not given: the device's (device_probe.py)
-        args["block_size"] = BLOCK_SIZE if str(args.get("device", "auto")).startswith("cpu") else default_block_size()
+        on_cpu = str(args.get("device", "auto")).startswith("cpu")
+        args["block_size"] = BLOCK_SIZE if on_cpu else default_block_size(str(args.get("dtype", "auto")))
     if args.get("speculative_config") is not None:
         args["speculative_config"] = speculative_config(args["speculative_config"])
     return EngineConfig(model=model, **args)

@@ -15,8 +15,8 @@ HOPPER, AMPERE = (9, 0), (8, 0)
 
 
 def test_hopper_with_flash_attn_takes_blocks_of_128() -> None:
-    assert default_block_size((HOPPER,), flash_attn=True) == 128
-    assert default_block_size((HOPPER, HOPPER), flash_attn=True) == 128
+    assert default_block_size(capabilities=(HOPPER,), flash_attn=True) == 128
+    assert default_block_size("bfloat16", (HOPPER, HOPPER), flash_attn=True) == 128
 
 
 @pytest.mark.parametrize(("capabilities", "flash_attn"), [
@@ -26,12 +26,18 @@ def test_hopper_with_flash_attn_takes_blocks_of_128() -> None:
     ((HOPPER,), False),
 ])
 def test_elsewhere_blocks_of_16(capabilities: tuple[tuple[int, int], ...], flash_attn: bool) -> None:
-    assert default_block_size(capabilities, flash_attn=flash_attn) == 16
+    assert default_block_size(capabilities=capabilities, flash_attn=flash_attn) == 16
 
 
 def test_prefill_attention_set_to_triton_keeps_16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", "triton")
-    assert default_block_size((HOPPER,), flash_attn=True) == 16
+    assert default_block_size(capabilities=(HOPPER,), flash_attn=True) == 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float"])
+def test_float32_models_keep_16(dtype: str) -> None:
+    """flash-attn never takes float32: the GPU tests' float32 engines keep pools sized in 16-token blocks."""
+    assert default_block_size(dtype, capabilities=(HOPPER,), flash_attn=True) == 16
 
 
 def test_flash_attn_found_by_its_cute_package_without_importing_it(tmp_path: Path,
@@ -67,6 +73,7 @@ def test_engine_config_takes_the_devices_size_only_when_none_is_given(monkeypatc
     assert make_engine_config(model, {"block_size": None}).block_size == 128
     assert make_engine_config(model, {"block_size": 32}).block_size == 32
     assert make_engine_config(model, {"device": "cpu"}).block_size == 16
+    assert make_engine_config(model, {"dtype": "float32"}).block_size == 16
 
 
 def test_this_machine_answers_without_cuda() -> None:
