@@ -1,7 +1,10 @@
 """Where a long prefill's time goes (needs a CUDA GPU): the in-process engine on a model shape with random
 weights prefills one uncached prompt of ``--context`` tokens in chunks; each chunk's step is timed with a
 device synchronisation around it, and a torch profile of the whole prefill groups the GPU kernels into
-attention, GEMMs and the rest. Compares with the FLOPs a chunk needs (``benchmarks/lib/floor.py``)."""
+attention, GEMMs and the rest. Compares with the FLOPs a chunk needs (``benchmarks/lib/floor.py``).
+With ``--decode-tokens N``, then N batch-1 decode steps at that context under the profiler: their wall time
+a token against the kernels' (launches and GPU time a step, by kernel), which says how much of a step lies
+between its kernels rather than in them."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from benchmarks.lib.profile_step import _timed
 from vllm_actors.bench.serve_server import write_model_dir
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 from vllm_actors.clients.inprocess import InProcessEngine
+from vllm_actors.device_probe import default_block_size
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -35,11 +39,54 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def _prefill(engine: InProcessEngine, request_id: str, context: int, seed: int) -> float:
+def _prompt(context: int, seed: int, vocab_size: int = 30000) -> list[int]:
     rng = random.Random(seed)
-    prompt = [rng.randrange(1000, 30000) for _ in range(context)]
+    high = min(vocab_size, 30000)
+    return [rng.randrange(high // 30, high) for _ in range(context)]
+
+
+def _tokens(outputs: list[Any], request_id: str) -> int:
+    return max((len(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id), default=0)
+
+
+def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int) -> dict[str, Any]:
+    """``tokens`` decode steps of one request after its ``context``-token prompt (8 more decoded first,
+    unprofiled): wall ms a token, and the kernels' launches and GPU ms a step."""
+    request_id, warm = "decode", 8
+    params = SamplingParams(max_tokens=warm + tokens + 4, ignore_eos=True)
+    prompt = _prompt(context, seed=4, vocab_size=engine.model_config.vocab_size)
+    engine.submit(engine.prepare(request_id, {"prompt_token_ids": prompt}, params))
+    done = 0
+    while done < warm:
+        done = max(done, _tokens(engine.step(), request_id))
+    start_tokens = done
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        while done < start_tokens + tokens:
+            done = max(done, _tokens(engine.step(), request_id))
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    engine.run_until_idle()
+    steps = done - start_tokens
+    kernels = [{"name": e.key[:120], "ms_per_step": (getattr(e, "device_time_total", 0.0) or 0.0) / 1e3 / steps,
+                "calls_per_step": e.count / steps} for e in prof.key_averages()
+               if (getattr(e, "device_time_total", 0.0) or 0.0) > 0]
+    kernels.sort(key=lambda k: -k["ms_per_step"])
+    gpu_ms = sum(k["ms_per_step"] for k in kernels)
+    return {"context": context, "steps": steps, "wall_ms_per_token": wall * 1e3 / steps,
+            "kernel_ms_per_step": gpu_ms, "launches_per_step": sum(k["calls_per_step"] for k in kernels),
+            "between_kernels_ms_per_step": wall * 1e3 / steps - gpu_ms, "top_kernels": kernels[:top]}
+
+
+def _prefill(engine: InProcessEngine, request_id: str, context: int, seed: int) -> float:
     started = time.perf_counter()
-    engine.submit(engine.prepare(request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1)))
+    prompt = {"prompt_token_ids": _prompt(context, seed)}
+    engine.submit(engine.prepare(request_id, prompt, SamplingParams(max_tokens=1)))
     engine.run_until_idle()
     return time.perf_counter() - started
 
@@ -120,9 +167,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     model = write_model_dir(Path(tempfile.mkdtemp()) / "model",
                             {**MODEL_SHAPES[args.model_shape], "max_position_embeddings": positions})
     config = EngineConfig(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                          max_model_len=args.context + 16, enable_prefix_caching=False,
+                          max_model_len=args.context + 64, enable_prefix_caching=False,
                           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
-                          **({"block_size": args.block_size} if args.block_size else {}))
+                          block_size=args.block_size or default_block_size("bfloat16"))
     engine = InProcessEngine(config, tokenizer=None)
     runner: Any = engine.worker.runner
     steps: dict[str, list[float]] = defaultdict(list)
@@ -150,7 +197,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     probe = {"error": "no flash-attn prefill"}
     if recorder is not None:
         probe = probe_last_chunk(recorder.func, padded_call(runner, recorder))
-    return {"model_shape": args.model_shape, "context": args.context, "block_size": runner.block_size,
+    decode = profile_decode(engine, args.context, args.decode_tokens, args.top) if args.decode_tokens else None
+    return {"model_shape": args.model_shape, "context": args.context, "block_size": runner.block_size, "decode": decode,
             "max_num_batched_tokens": runner.max_num_tokens, "attention": repr(runner.model.attn_backend.prefill),
             "padded_graphs": sorted(getattr(runner._padded, "graphs", None) or []),
             "prefill_s_unprofiled": untimed, "step_ms_synchronised": step_ms, "step_ms_sum": sum(step_ms),
@@ -163,14 +211,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama-3.2-1b")
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size (default: the engine's for this device, device_probe.py)")
+    parser.add_argument("--decode-tokens", type=int, default=0,
+                        help="then profile this many batch-1 decode steps at the context (0: none)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("results/prefill_profile.json"))
     args = parser.parse_args(argv)
     report = profile(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k not in ("top_kernels", "step_ms_synchronised")}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("top_kernels", "step_ms_synchronised", "decode")},
+                     indent=1))
     print("per-chunk step ms:", ", ".join(f"{ms:.0f}" for ms in report["step_ms_synchronised"]))
     for kernel in report["top_kernels"]:
         print(f"{kernel['ms']:9.1f} ms {kernel['calls']:6d}x  {kernel['name']}")
+    decode = report["decode"]
+    if decode:
+        print(f"decode at {decode['context']}: {decode['wall_ms_per_token']:.3f} ms/token wall, "
+              f"{decode['kernel_ms_per_step']:.3f} ms of kernels in {decode['launches_per_step']:.0f} launches a step, "
+              f"{decode['between_kernels_ms_per_step']:.3f} ms between them")
+        for kernel in decode["top_kernels"]:
+            print(f"{kernel['ms_per_step'] * 1e3:9.1f} us {kernel['calls_per_step']:6.1f}x  {kernel['name']}")
