@@ -64,12 +64,12 @@ def flash_attn_installed() -> bool:
     return any((Path(location) / "cute" / "__init__.py").is_file() for location in locations)
 
 
-def default_block_size(dtype: str = "auto", capabilities: tuple[tuple[int, int], ...] | None = None,
-                       flash_attn: bool | None = None) -> int:
-    """The KV block size when none is given: 128 where every visible GPU is Hopper and flash-attn 4
-    may take the prefills (the end-to-end gain: RESULTS.md, twenty-seventh session), else 16 (also
-    for float32 models, which flash-attn never takes)."""
-    if dtype in ("float32", "float") or envs.VLLM_ACTORS_PREFILL_ATTENTION == "triton":
+def default_block_size(dtype: str = "auto", device: str = "auto", *,
+                       capabilities: tuple[tuple[int, int], ...] | None = None, flash_attn: bool | None = None) -> int:
+    """The KV block size when none is given: 128 where the engine runs on GPUs (``device`` not
+    "cpu"), every visible one is Hopper and flash-attn 4 may take the prefills (the end-to-end gain:
+    RESULTS.md, twenty-seventh session), else 16 (also for float32 models, which flash-attn never takes)."""
+    if device.startswith("cpu") or dtype in ("float32", "float") or envs.VLLM_ACTORS_PREFILL_ATTENTION == "triton":
         return BLOCK_SIZE
     capabilities = gpu_capabilities() if capabilities is None else capabilities
     if not capabilities or any(major != 9 for major, _ in capabilities):

@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from vllm_actors.device_probe import BLOCK_SIZE, default_block_size
+from vllm_actors.device_probe import default_block_size
 from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from vllm_actors.protocol.speculative import ORACLE, SpeculativeConfig, parse_speculative_config
@@ -40,8 +40,7 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
         model = default_model_path()
     args = {**environment_defaults(engine_args), **engine_args}
     if args.get("block_size") is None:  # not given: the device's (device_probe.py)
-        on_cpu = str(args.get("device", "auto")).startswith("cpu")
-        args["block_size"] = BLOCK_SIZE if on_cpu else default_block_size(str(args.get("dtype", "auto")))
+        args["block_size"] = default_block_size(str(args.get("dtype", "auto")), str(args.get("device", "auto")))
     if args.get("speculative_config") is not None:
         args["speculative_config"] = speculative_config(args["speculative_config"])
     return EngineConfig(model=model, **args)

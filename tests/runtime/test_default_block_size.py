@@ -16,7 +16,7 @@ HOPPER, AMPERE = (9, 0), (8, 0)
 
 def test_hopper_with_flash_attn_takes_blocks_of_128() -> None:
     assert default_block_size(capabilities=(HOPPER,), flash_attn=True) == 128
-    assert default_block_size("bfloat16", (HOPPER, HOPPER), flash_attn=True) == 128
+    assert default_block_size("bfloat16", capabilities=(HOPPER, HOPPER), flash_attn=True) == 128
 
 
 @pytest.mark.parametrize(("capabilities", "flash_attn"), [
@@ -32,6 +32,10 @@ def test_elsewhere_blocks_of_16(capabilities: tuple[tuple[int, int], ...], flash
 def test_prefill_attention_set_to_triton_keeps_16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ACTORS_PREFILL_ATTENTION", "triton")
     assert default_block_size(capabilities=(HOPPER,), flash_attn=True) == 16
+
+
+def test_a_cpu_engine_keeps_16_on_a_hopper_host() -> None:
+    assert default_block_size(device="cpu", capabilities=(HOPPER,), flash_attn=True) == 16
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float"])
