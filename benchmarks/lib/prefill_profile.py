@@ -49,6 +49,13 @@ def _tokens(outputs: list[Any], request_id: str) -> int:
     return max((len(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id), default=0)
 
 
+def _step_tokens(engine: InProcessEngine, request_id: str, done: int) -> int:
+    """One engine step; the request's tokens so far (a request gone without them raises, not loops)."""
+    if not engine.has_unfinished:
+        raise RuntimeError(f"request {request_id!r} ended after {done} tokens")
+    return max(done, _tokens(engine.step(), request_id))
+
+
 def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int) -> dict[str, Any]:
     """``tokens`` decode steps of one request after its ``context``-token prompt (8 more decoded first,
     unprofiled): wall ms a token, and the kernels' launches and GPU ms a step."""
@@ -58,7 +65,7 @@ def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int)
     engine.submit(engine.prepare(request_id, {"prompt_token_ids": prompt}, params))
     done = 0
     while done < warm:
-        done = max(done, _tokens(engine.step(), request_id))
+        done = _step_tokens(engine, request_id, done)
     start_tokens = done
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
@@ -67,7 +74,7 @@ def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int)
             torch.cuda.synchronize()
         started = time.perf_counter()
         while done < start_tokens + tokens:
-            done = max(done, _tokens(engine.step(), request_id))
+            done = _step_tokens(engine, request_id, done)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
