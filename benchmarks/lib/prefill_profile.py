@@ -56,11 +56,24 @@ def _step_tokens(engine: InProcessEngine, request_id: str, done: int) -> int:
     return max(done, _tokens(engine.step(), request_id))
 
 
+DECODE_WARM = 8  # decode steps before the profiled ones (graphs replayed, the allocator warm)
+
+
+def decode_budget(tokens: int) -> int:
+    """Tokens the decode profile's request generates for ``tokens`` profiled steps."""
+    return DECODE_WARM + tokens + 4
+
+
+def max_model_len(context: int, decode_tokens: int) -> int:
+    """The engine's limit: the prompt, then the decode profile's tokens (the prefill alone takes one)."""
+    return context + max(decode_budget(decode_tokens), 1) + 16
+
+
 def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int) -> dict[str, Any]:
     """``tokens`` decode steps of one request after its ``context``-token prompt (8 more decoded first,
     unprofiled): wall ms a token, and the kernels' launches and GPU ms a step."""
-    request_id, warm = "decode", 8
-    params = SamplingParams(max_tokens=warm + tokens + 4, ignore_eos=True)
+    request_id, warm = "decode", DECODE_WARM
+    params = SamplingParams(max_tokens=decode_budget(tokens), ignore_eos=True)
     prompt = _prompt(context, seed=4, vocab_size=engine.model_config.vocab_size)
     engine.submit(engine.prepare(request_id, {"prompt_token_ids": prompt}, params))
     done = 0
@@ -174,8 +187,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     model = write_model_dir(Path(tempfile.mkdtemp()) / "model",
                             {**MODEL_SHAPES[args.model_shape], "max_position_embeddings": positions})
     config = EngineConfig(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                          max_model_len=args.context + 64, enable_prefix_caching=False,
+                          max_model_len=max_model_len(args.context, args.decode_tokens), enable_prefix_caching=False,
                           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.85,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           block_size=args.block_size or default_block_size("bfloat16"))
     engine = InProcessEngine(config, tokenizer=None)
     runner: Any = engine.worker.runner
@@ -202,10 +216,13 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         kernels.append({"name": event.key[:120], "ms": device_us / 1e3, "calls": event.count})
     kernels.sort(key=lambda k: -k["ms"])
     probe = {"error": "no flash-attn prefill"}
-    if recorder is not None:
+    if recorder is not None and runner.kv_caches[0][0].element_size() == 1:
+        probe = {"error": "fp8 KV cache: flash-attn reads the bf16 staging (kernels/fp8_prefill_stage.py)"}
+    elif recorder is not None:
         probe = probe_last_chunk(recorder.func, padded_call(runner, recorder))
     decode = profile_decode(engine, args.context, args.decode_tokens, args.top) if args.decode_tokens else None
     return {"model_shape": args.model_shape, "context": args.context, "block_size": runner.block_size, "decode": decode,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": runner.max_num_tokens, "attention": repr(runner.model.attn_backend.prefill),
             "padded_graphs": sorted(getattr(runner._padded, "graphs", None) or []),
             "prefill_s_unprofiled": untimed, "step_ms_synchronised": step_ms, "step_ms_sum": sum(step_ms),
@@ -222,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="KV block size (default: the engine's for this device, device_probe.py)")
     parser.add_argument("--decode-tokens", type=int, default=0,
                         help="then profile this many batch-1 decode steps at the context (0: none)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("results/prefill_profile.json"))
     args = parser.parse_args(argv)

@@ -1,12 +1,14 @@
 """What the frontend can tell of the GPUs before any worker starts, without initialising CUDA in its
-own process (it may be embedded in a service that forks): compute capabilities from NVML, and the
-KV block size an engine takes when none is given (``default_block_size``)."""
+own process (it may be embedded in a service that forks): compute capabilities, memory and names from
+NVML, and what an engine takes when none is given: the KV block size (``default_block_size``) and the
+offline LLM class's step budget (``offline_batched_tokens``)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_actors.envs import envs
@@ -15,12 +17,30 @@ from vllm_actors.envs import envs
 # head_dim 64 and 128); other sizes take a slower gather (docs/performance.md, "Prefill attention").
 HOPPER_BLOCK_SIZE = 128
 BLOCK_SIZE = 16  # vLLM's default elsewhere
+# Tokens a step of the offline LLM class takes when none are given: vLLM's defaults for its LLM class,
+# 16,384 on GPUs of 70 GiB or more except the A100 (its measured loss, vLLM PR 17885), else the
+# scheduler's 8,192 (the server's everywhere, as vLLM's on such GPUs).
+OFFLINE_BATCHED_TOKENS = 16384
+LARGE_GPU_BYTES = 70 * 1024**3
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One visible GPU as NVML reports it."""
+
+    capability: tuple[int, int]
+    memory_bytes: int
+    name: str
+
+
+class _Memory(ctypes.Structure):  # nvmlMemory_t
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
 @functools.cache
-def gpu_capabilities() -> tuple[tuple[int, int], ...]:
-    """(major, minor) of every GPU this process may use (``CUDA_VISIBLE_DEVICES`` when it lists
-    indices), from NVML; () where there is no NVIDIA driver."""
+def visible_gpus() -> tuple[GpuInfo, ...]:
+    """Every GPU this process may use (``CUDA_VISIBLE_DEVICES`` when it lists indices), from NVML; ()
+    where there is no NVIDIA driver or NVML fails on one of them."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
@@ -31,17 +51,24 @@ def gpu_capabilities() -> tuple[tuple[int, int], ...]:
         count = ctypes.c_uint()
         if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
             return ()
-        indices = _visible_indices(count.value)
         found = []
-        for index in indices:
-            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+        for index in _visible_indices(count.value):
+            handle, major, minor, memory = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int(), _Memory()
+            name = ctypes.create_string_buffer(96)
             if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0
+                    or nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(len(name))) != 0):
                 return ()
-            found.append((major.value, minor.value))
+            found.append(GpuInfo((major.value, minor.value), memory.total, name.value.decode(errors="replace")))
         return tuple(found)
     finally:
         nvml.nvmlShutdown()
+
+
+def gpu_capabilities() -> tuple[tuple[int, int], ...]:
+    """(major, minor) of every visible GPU; () where there is no NVIDIA driver."""
+    return tuple(gpu.capability for gpu in visible_gpus())
 
 
 def _visible_indices(count: int) -> list[int]:
@@ -75,3 +102,15 @@ def default_block_size(dtype: str = "auto", device: str = "auto", *,
     if not capabilities or any(major != 9 for major, _ in capabilities):
         return BLOCK_SIZE
     return HOPPER_BLOCK_SIZE if (flash_attn_installed() if flash_attn is None else flash_attn) else BLOCK_SIZE
+
+
+def offline_batched_tokens(device: str = "auto", *, gpus: tuple[GpuInfo, ...] | None = None) -> int | None:
+    """``max_num_batched_tokens`` for the offline LLM class when none is given: ``OFFLINE_BATCHED_TOKENS``
+    where the engine runs on GPUs that are all large and none an A100, else None (the scheduler's
+    default). Prefills of long prompts take half as many chunks (RESULTS.md, twenty-eighth session)."""
+    if device.startswith("cpu"):
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    if not gpus or any(gpu.memory_bytes < LARGE_GPU_BYTES or "a100" in gpu.name.lower() for gpu in gpus):
+        return None
+    return OFFLINE_BATCHED_TOKENS

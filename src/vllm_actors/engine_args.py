@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from vllm_actors.device_probe import default_block_size
+from vllm_actors.device_probe import default_block_size, offline_batched_tokens
 from vllm_actors.envs import envs
 from vllm_actors.protocol.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from vllm_actors.protocol.speculative import ORACLE, SpeculativeConfig, parse_speculative_config
@@ -30,7 +30,9 @@ ENVIRONMENT_DEFAULTS = {**DEPRECATED_ALIASES, "cpu_kv_cache_gib": "VLLM_ACTORS_C
                         "spp_min_chunk_tokens": "VLLM_ACTORS_SPP_MIN_CHUNK_TOKENS"}
 
 
-def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> EngineConfig:
+def make_engine_config(model: str | None, engine_args: Mapping[str, Any], *, offline: bool = False) -> EngineConfig:
+    """The engine's config from vLLM-named arguments, with the device's defaults where none is given;
+    ``offline``: for the LLM class, whose step budget on large GPUs is vLLM's LLM class's (device_probe.py)."""
     unknown = sorted(set(engine_args) - _ENGINE_ARGS)
     if unknown:
         raise TypeError(f"unknown engine arguments: {', '.join(unknown)}; known: {', '.join(sorted(_ENGINE_ARGS))}")
@@ -41,6 +43,8 @@ def make_engine_config(model: str | None, engine_args: Mapping[str, Any]) -> Eng
     args = {**environment_defaults(engine_args), **engine_args}
     if args.get("block_size") is None:  # not given: the device's (device_probe.py)
         args["block_size"] = default_block_size(str(args.get("dtype", "auto")), str(args.get("device", "auto")))
+    if offline and args.get("max_num_batched_tokens") is None and args.get("enable_chunked_prefill", True):
+        args["max_num_batched_tokens"] = offline_batched_tokens(str(args.get("device", "auto")))
     if args.get("speculative_config") is not None:
         args["speculative_config"] = speculative_config(args["speculative_config"])
     return EngineConfig(model=model, **args)

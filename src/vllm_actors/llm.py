@@ -43,7 +43,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, executor: str = "group", **engine_args: Any) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        self.config = make_engine_config(model, engine_args)
+        self.config = make_engine_config(model, engine_args, offline=True)
         self._check_adapter = AdapterCheck.of(self.config)
         self.executor = executor
         self._group: ProcessGroup | None = None

@@ -28,4 +28,4 @@ def test_the_summary_sets_each_fp8_variant_against_the_bf16_engine_choice() -> N
     assert fp16.startswith("qwen3-8b 131072 fp8/float16 (the engine's): 55.0 (1.818)")
     assert fp16.endswith("| 1.82x engine, 2.00x best")
     assert query.startswith("qwen3-8b 131072 fp8/query: 80.0") and query.endswith("1.25x engine, 1.25x best")
-    assert parse_args([]).fp8_tiles == ["query", "float16", "float16_staged"]
+    assert parse_args([]).fp8_tiles == ["query", "float16"]

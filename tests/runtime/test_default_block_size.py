@@ -70,7 +70,7 @@ def test_visible_devices_as_nvml_indices(visible: str | None, expected: list[int
 
 def test_engine_config_takes_the_devices_size_only_when_none_is_given(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
-    monkeypatch.setattr(device_probe, "gpu_capabilities", lambda: (HOPPER,))
+    monkeypatch.setattr(device_probe, "visible_gpus", lambda: (H100,))
     monkeypatch.setattr(device_probe, "flash_attn_installed", lambda: True)
     model = str(tmp_path)
     assert make_engine_config(model, {}).block_size == 128
@@ -86,3 +86,36 @@ def test_this_machine_answers_without_cuda() -> None:
     assert isinstance(device_probe.gpu_capabilities(), tuple)
     if not torch.cuda.is_available():
         assert default_block_size() == 16
+
+
+H100 = device_probe.GpuInfo(HOPPER, 80 * 1024**3, "NVIDIA H100 80GB HBM3")
+A100 = device_probe.GpuInfo(AMPERE, 80 * 1024**3, "NVIDIA A100-SXM4-80GB")
+L4 = device_probe.GpuInfo((8, 9), 24 * 1024**3, "NVIDIA L4")
+
+
+@pytest.mark.parametrize(("gpus", "device", "expected"), [
+    ((H100,), "auto", 16384), ((H100, H100), "cuda", 16384),
+    ((H100,), "cpu", None), ((), "auto", None),  # a CPU engine; no driver
+    ((A100,), "auto", None), ((L4,), "auto", None), ((H100, L4), "auto", None),  # vLLM's exceptions
+])
+def test_offline_step_budget_is_vllms_llm_class_default(gpus: tuple[device_probe.GpuInfo, ...], device: str,
+                                                        expected: int | None) -> None:
+    assert device_probe.offline_batched_tokens(device, gpus=gpus) == expected
+
+
+def test_only_the_offline_class_takes_the_larger_budget(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(device_probe, "visible_gpus", lambda: (H100,))
+    model = str(tmp_path)
+    assert make_engine_config(model, {}, offline=True).max_num_batched_tokens == 16384
+    assert make_engine_config(model, {}).max_num_batched_tokens is None  # the server: the scheduler's 8,192
+    assert make_engine_config(model, {"max_num_batched_tokens": 4096}, offline=True).max_num_batched_tokens == 4096
+    assert make_engine_config(model, {"enable_chunked_prefill": False}, offline=True).max_num_batched_tokens is None
+
+
+def test_this_machine_lists_its_gpus_without_cuda() -> None:
+    import torch
+
+    gpus = device_probe.visible_gpus()
+    assert all(gpu.memory_bytes > 0 and gpu.name for gpu in gpus)
+    if not torch.cuda.is_available():
+        assert device_probe.offline_batched_tokens() is None

@@ -107,6 +107,8 @@ def build_parser(prog: str = "vllm-actors bench throughput") -> argparse.Argumen
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--block-size", type=int, default=None,
                        help="KV block (page) size; default: the engine's (ours only)")
+    model.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens a step; default: the engine's LLM class's (ours only)")
     model.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload and engine seed")
     model.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="replicas (one GPU each) under one controller")

@@ -44,6 +44,8 @@ def make_llm(
         engine_args["enable_prefix_caching"] = False
     if getattr(args, "block_size", None) is not None:
         engine_args["block_size"] = args.block_size
+    if getattr(args, "max_num_batched_tokens", None) is not None:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if getattr(args, "tensor_parallel_size", 1) > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     stages = getattr(args, "pipeline_parallel_size", 1)

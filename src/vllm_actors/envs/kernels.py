@@ -36,11 +36,10 @@ class KernelSettings:
         "Over an fp8 KV cache, a long one-sequence prefill chunk goes to flash-attn 4 through a bf16 staging of "
         "its context (where flash-attn runs; 0: the Triton kernel).", "kernels")
     VLLM_ACTORS_DECODE_FP8_TILES = Setting(
-        "float16", choice("query", "float16", "float16_staged"),
+        "float16", choice("query", "float16"),
         "How the decode kernel's fp8 KV tiles meet bf16/fp16 queries (`kernels/triton_decode.py`, FP8_TILES): "
-        "converted to the query's dtype (`query`), to fp16 with the query cast once (`float16`), or as `float16` "
-        "with V converted where loaded and shuffled as fp16 (`float16_staged`, fewer instructions, being measured).",
-        kind="query, float16, float16_staged", group="kernels")
+        "converted to the query's dtype (`query`), or to fp16 with the query cast once (`float16`).",
+        kind="query, float16", group="kernels")
     VLLM_ACTORS_FUSED_OPS = kernel_switch("Fused RMSNorm, rotary, SiLU and embedding", "kernels")
     VLLM_ACTORS_FUSED_MOE = kernel_switch("Fused mixture-of-experts MLP (grouped GEMM over the tokens of each expert)",
                                           "kernels")

@@ -93,7 +93,7 @@ def partial_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLIT=True, ORDERED=False, IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET, **pdl(q), EARLY=pdl_module.early_loads(), KV_FP8=scales.fp8, WINDOW=False,
-        SOFT_CAP=logits_soft_cap is not None, Q_F16=False, V_STAGED=False, TAIL_MASK=False,  # fp8 as the query
+        SOFT_CAP=logits_soft_cap is not None, Q_F16=False, TAIL_MASK=False,  # fp8 as the query
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _reduce_lse_kernel[(num_seqs, num_heads)](

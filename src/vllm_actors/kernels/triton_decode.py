@@ -41,12 +41,8 @@ DECODE_ORDERED = True
 # pipe of 16 a clock per SM. "float16": one conversion per two elements; the query carries the softmax
 # scale and k_scale and is cast to fp16 once (saturated at its range), the probabilities are fp16 (finer
 # than bf16 in [0, 1]), and only the tiles reaching past the sequence's end are masked: a third fewer
-# instructions a loop in sm_90 SASS (docs/performance.md). "float16_staged": as "float16", but the V tile
-# is converted where it is loaded and reaches the dot's layout through shared memory as fp16 (read by
-# ldmatrix, not byte by byte): 0.093 warp-instructions per KV byte at head_dim 64 (0.128 for "float16"),
-# 0.070 at 128 (0.11); not yet timed on a GPU. Float32 queries always take "query"; under the CPU
-# interpreter "float16_staged" runs as "float16".
-FP8_TILES = ("query", "float16", "float16_staged")
+# instructions a loop in sm_90 SASS (docs/performance.md). Float32 queries always take "query".
+FP8_TILES = ("query", "float16")
 DECODE_FP8_TILES: str = envs.VLLM_ACTORS_DECODE_FP8_TILES  # read at import, as the engine's kernels are
 
 
@@ -107,7 +103,6 @@ def _decode_kernel(
     EARLY: tl.constexpr,  # the step's metadata (written before its first kernel) read before the PDL wait
     KV_FP8: tl.constexpr,  # an fp8 cache: k_scale folds into qk_scale, v_scale into the output
     Q_F16: tl.constexpr,  # fp8 tiles read as fp16: q carries qk_scale (and k_scale) and is cast to fp16
-    V_STAGED: tl.constexpr,  # with Q_F16: V converted where loaded, shuffled as fp16 (FP8_TILES)
     TAIL_MASK: tl.constexpr,  # only tiles reaching past the sequence's end are masked (not with WINDOW)
     WINDOW: tl.constexpr,  # a sliding window of `window` keys: the splits share only its tiles
     SOFT_CAP: tl.constexpr,  # scores soft-capped at `soft_cap` (log2 domain)
@@ -179,13 +174,13 @@ def _decode_kernel(
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
                 seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
-                ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP, V_STAGED,
+                ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, False, False, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
             )  # fmt: skip
     for tile in range(masked_from, tile_end):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset, tile * BLOCK_N,
             seq_len, q_pos, qk, stride_cb, stride_cs, window, soft_cap,
-            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, GROUPED, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP, V_STAGED,
+            ROWS, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, GROUPED, IEEE, INTERP, KV_FP8, WINDOW, SOFT_CAP,
         )  # fmt: skip
     # an empty range (short sequence, late split, or no query) leaves l_i == 0: write zeros
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -328,7 +323,6 @@ def paged_attention_decode(
         EARLY=pdl_module.early_loads(),
         KV_FP8=scales.fp8,
         Q_F16=q_f16,
-        V_STAGED=q_f16 and fp8_tiles == "float16_staged" and not INTERPRET,
         TAIL_MASK=q_f16 and sliding_window is None,
         WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,

@@ -28,20 +28,6 @@ _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 @triton.jit
-def _fp8_to_f16(x):
-    """fp8 (e4m3 or e5m2) -> fp16, one cvt per two elements, in the layout x is loaded in: inline
-    assembly marked impure, so Triton does not move it past the tile's shuffle into the dot's layout
-    (where a V tile of bytes is read from shared memory a byte at a time)."""
-    if x.dtype == tl.float8e5:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
     """acc + a @ b in float32; IEEE keeps float32 inputs out of TF32."""
     if INTERP:
@@ -184,7 +170,6 @@ def _attend_tile(
     KV_FP8: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
-    V_STAGED: tl.constexpr = False,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) of one sequence.
 
@@ -192,8 +177,7 @@ def _attend_tile(
     MASKED drops keys at or past seq_len; CAUSAL (with MASKED) also keys past each row's absolute
     position q_pos [BLOCK_M]; WINDOW (with MASKED) also keys at or below q_pos - window. KV_FP8:
     the tiles are converted to q's dtype, unscaled (the caller folds k_scale into qk_scale and
-    v_scale into the output); V_STAGED (fp16 queries, not under the interpreter): the V tile is
-    converted where it is loaded and reaches the dot's layout as fp16 (``_fp8_to_f16``). SOFT_CAP:
+    v_scale into the output). SOFT_CAP:
     scores become soft_cap * tanh(score / soft_cap), soft_cap being the cap times log2(e) as the
     scores are in the log2 domain (the same capping in nats).
     """
@@ -213,10 +197,7 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :])
     if KV_FP8:
         k_t = k_t.to(q.dtype)
-        if V_STAGED:
-            v = _fp8_to_f16(v)
-        else:
-            v = v.to(q.dtype)
+        v = v.to(q.dtype)
     scores = _dot(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERP) * qk_scale
     if SOFT_CAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for any x (exp overflows to inf -> 1)
         scores = soft_cap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / soft_cap)) + 1.0))
