@@ -45,6 +45,11 @@ class Cell:
     of_copy: float
     engine_config: bool  # the split count and tile config the engine picks today
     chosen: bool  # and the engine's fp8 variant
+    max_registers: int = 0  # the register cap asked for (0: none)
+    registers: int = 0  # of the compiled decode kernel, a thread (0: not known)
+    spills: int = 0
+    shared_bytes: int = 0
+    programs_per_sm: int = 0  # resident at once, by registers, shared memory and warps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-ns", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--max-registers", type=int, nargs="+", default=[0],
+                   help="caps on the decode kernel's registers a thread to sweep (0: ptxas's own count)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
@@ -81,10 +88,48 @@ def _cache(context: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype
     return k, v, table, scale
 
 
+@dataclass(frozen=True)
+class KernelStats:
+    registers: int = 0
+    spills: int = 0
+    shared_bytes: int = 0
+    programs_per_sm: int = 0
+
+
+def _compiled(jit_fn: Any) -> list[Any]:
+    """The kernels Triton compiled of ``jit_fn`` so far, oldest first (its per-device caches)."""
+    found: list[Any] = []
+    for entry in getattr(jit_fn, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        found += list(cache.values()) if isinstance(cache, dict) else []
+    return found
+
+
+def programs_per_sm(registers: int, shared_bytes: int, warps: int, regs_per_sm: int = 65536,
+                    shared_per_sm: int = 233472, warps_per_sm: int = 64) -> int:
+    """Programs of ``warps`` warps a SM holds at once: registers are given out 256 a warp at a time,
+    and each program's shared memory takes 1 KiB more (the runtime's reserve), Hopper's limits."""
+    if registers <= 0:
+        return 0
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(regs_per_sm // (per_warp * warps), shared_per_sm // (shared_bytes + 1024), warps_per_sm // warps)
+
+
+def kernel_stats(kernel: Any, warps: int, device: torch.device) -> KernelStats:
+    """A compiled kernel's registers, spills and shared memory, and the programs a SM of ``device`` holds."""
+    props = torch.cuda.get_device_properties(device)
+    registers = int(getattr(kernel, "n_regs", 0) or 0)
+    shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+    resident = programs_per_sm(registers, shared, warps, getattr(props, "regs_per_multiprocessor", 65536),
+                               getattr(props, "shared_memory_per_multiprocessor", 233472),
+                               getattr(props, "max_threads_per_multi_processor", 2048) // 32)
+    return KernelStats(registers, int(getattr(kernel, "n_spills", 0) or 0), shared, resident)
+
+
 def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str, copy_bw: float) -> list[Cell]:
     """Every (splits, tile config) of the grid on one sequence of ``context`` keys."""
     from vllm_actors.kernels.decode_splits import _sm_count, choose_decode_splits, few_programs
-    from vllm_actors.kernels.triton_decode import decode_config, paged_attention_decode
+    from vllm_actors.kernels.triton_decode import _decode_kernel, decode_config, paged_attention_decode
     from vllm_actors.kernels.triton_paged import TileConfig
 
     heads, kv_heads, head_dim = SHAPES[shape]
@@ -101,9 +146,12 @@ def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str
     variants = args.fp8_tiles if kv_dtype == "fp8" else ["-"]
     cells: list[Cell] = []
     spin_up()
-    grid = itertools.product(variants, args.splits, args.block_ns, args.warps, args.stages)
-    for tiles, splits, block_n, warps, stages in grid:
-        cfg = TileConfig(block_m=default.block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+    grid = itertools.product(variants, args.splits, args.block_ns, args.warps, args.stages, args.max_registers)
+    stats: dict[tuple[Any, ...], KernelStats] = {}
+    for tiles, splits, block_n, warps, stages, max_registers in grid:
+        cfg = TileConfig(block_m=default.block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                         max_registers=max_registers or None)
+        compiled = len(_compiled(_decode_kernel))
         step = functools.partial(paged_attention_decode, num_splits=splits, config=cfg,
                                  fp8_tiles=None if tiles == "-" else tiles, **fixed)
         try:
@@ -113,15 +161,22 @@ def _time_case(args: argparse.Namespace, shape: str, context: int, kv_dtype: str
             continue
         rate = kv_bytes / (ms / 1e3)
         engine = splits == chosen_splits and cfg == default
+        key = (tiles, block_n, warps, stages, max_registers)  # the split count is no constexpr: one kernel
+        kernels = _compiled(_decode_kernel)
+        if key not in stats and len(kernels) > compiled:
+            stats[key] = kernel_stats(kernels[-1], warps, q.device)
+        seen = stats.get(key, KernelStats())
         cells.append(Cell(shape, context, kv_dtype, tiles, splits, block_n, warps, stages, ms * 1e3, rate / 1e9,
-                          rate / copy_bw, engine, engine and tiles in ("-", DECODE_FP8_TILES)))
+                          rate / copy_bw, engine, engine and tiles in ("-", DECODE_FP8_TILES), max_registers,
+                          seen.registers, seen.spills, seen.shared_bytes, seen.programs_per_sm))
     for tiles in variants:
         of = [c for c in cells if c.fp8_tiles == tiles]
         if of:
             best = max(of, key=lambda c: c.of_copy)
             now = [c.of_copy for c in of if c.engine_config]
             print(f"{shape} {context} {kv_dtype} {tiles}: best {best.of_copy:.3f} of copy (s{best.splits} "
-                  f"n{best.block_n} w{best.num_warps} st{best.num_stages}, {best.us:.1f} us); engine's config "
+                  f"n{best.block_n} w{best.num_warps} st{best.num_stages} r{best.max_registers}, {best.us:.1f} us, "
+                  f"{best.registers} registers, {best.programs_per_sm} programs a SM); engine's config "
                   f"{now[0] if now else float('nan'):.3f} (s{chosen_splits})", flush=True)
     return cells
 

@@ -286,3 +286,13 @@ def test_gpu_decode_fp8_long_context(
     """bf16 decode over fp8 caches at 32k (split over the context) next to short sequences."""
     case = make_fp8_case([(32767, 1), (100, 1), (5000, 1)], 16, heads, head_dim, torch.bfloat16, E4M3, seed=9)
     assert_close(run_decode(case, num_splits, fp8_tiles), case, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim,max_registers", [(64, 128), (128, 168), (128, 128)])
+def test_gpu_decode_fp8_under_a_register_cap(head_dim: int, max_registers: int) -> None:
+    """A cap on the decode kernel's registers (spilling where it must) leaves its output as it was."""
+    case = make_fp8_case([(32767, 1), (100, 1)], 16, (32, 8), head_dim, torch.bfloat16, E4M3, seed=10)
+    cfg = ta.TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, max_registers=max_registers)
+    assert_close(run_decode(case, 8, "float16", cfg), case, torch.bfloat16)

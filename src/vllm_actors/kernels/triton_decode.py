@@ -328,6 +328,7 @@ def paged_attention_decode(
         SOFT_CAP=logits_soft_cap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not INTERPRET else {}),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -225,12 +225,15 @@ def _attend_tile(
 @dataclass(frozen=True)
 class TileConfig:
     """Launch parameters of an attention kernel. block_m: rows of a varlen program (query
-    positions x padded group heads; ignored by decode); block_n: keys per step."""
+    positions x padded group heads; ignored by decode); block_n: keys per step; max_registers
+    (decode only): ptxas's cap on registers a thread (Triton's ``maxnreg``; None: its own count),
+    more programs resident on a SM at the price of spills."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
