@@ -58,9 +58,9 @@ from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 # settings that must match for --append to add to an earlier report
 SAME_SETTINGS = ("model", "model_shape", "load_format", "rope_scaling", "dtype", "tensor_parallel_size",
                  "pipeline_parallel_size", "kv_parallel_size", "max_num_batched_tokens", "kv_cache_dtype",
-                 "output_len", "block_size", "prefill_probe_tokens")
+                 "output_len", "block_size", "prefill_probe_tokens", "batch")
 # for reports written before the setting
-SETTING_DEFAULTS = {"kv_parallel_size": 1, "block_size": None, "prefill_probe_tokens": None}
+SETTING_DEFAULTS = {"kv_parallel_size": 1, "block_size": None, "prefill_probe_tokens": None, "batch": 1}
 
 
 def _context(text: str) -> int:
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "prefill: TTFT gives the prefill rate; decode is measured at that length)")
     load.add_argument("--admit-seconds", type=float, default=10.0,
                       help="with --prefill-probe-tokens: how long the whole prompt runs before it is aborted")
+    load.add_argument("--batch", type=int, default=1,
+                      help="prompts of each context submitted at once: TTFT their median, decode ms a step of all "
+                           "of them (the floor reads their KV; e.g. 32 sequences of 16k where KV dominates)")
 
     output = parser.add_argument_group("floor and output")
     output.add_argument("--bandwidth", type=float, default=None, help="bytes/s instead of the measured copy bandwidth")
@@ -163,6 +166,7 @@ def run_engine(args: argparse.Namespace, engine: str, model_path: str, vocab_siz
         "--vocab-size", str(vocab_size),
         *(["--prefill-probe-tokens", str(args.prefill_probe_tokens), "--admit-seconds", str(args.admit_seconds)]
           if args.prefill_probe_tokens else []),
+        *(["--batch", str(args.batch)] if args.batch > 1 else []),
     ]
     if engine == "ours" and args.trace:
         common += ["--trace-dir", str(out_dir)]
@@ -204,6 +208,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if args.kv_parallel_size > 1 and set(args.engines) != {"ours"}:
         raise ValueError(f"--kv-parallel-size {args.kv_parallel_size} runs ours only (vLLM and SGLang have no KV "
                          "parallelism): give --engines ours, and their TP or context parallelism in another run")
+    if args.batch > 1 and (args.trace or args.prefill_probe_tokens):
+        raise ValueError("--batch times whole prompts submitted at once: not with --trace or --prefill-probe-tokens")
     if args.trace and "ours" not in args.engines:
         raise ValueError("--trace traces our engine's prefills: give --engines with ours")
     args.load_format = args.load_format or ("dummy" if args.model is None else "auto")
@@ -229,7 +235,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                                             out_dir, len(report["runs"]))
             add_engine_result(report, engine, result, log, error, {"max_model_len": max(args.contexts),
                                                                     "model_description": setup.description})
-            build_rows(report, shape, bandwidth, args.tensor_parallel_size, args.kv_cache_dtype)
+            build_rows(report, shape, bandwidth, args.tensor_parallel_size, args.kv_cache_dtype, args.batch)
             write_report(report, out_dir)
             failed = error or result.get("error") or any("error" in c for c in result.get("contexts", {}).values())
             if failed:

@@ -112,6 +112,39 @@ class OursEngine:
                 events.append((time.perf_counter() - start, count))
         return events
 
+    def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[Events]:
+        """The prompts submitted at once, polled to their ends: each one's token arrivals (a failed one
+        raises; every unfinished one is aborted on any exit before the end)."""
+        from vllm_actors.protocol.sampling import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
+        start = time.perf_counter()
+        requests = [engine.prepare(f"long-{next(self.ids)}", {"prompt_token_ids": p}, params) for p in prompts]
+        events: dict[str, Events] = {request.request_id: [] for request in requests}
+        open_ids = set(events)
+        try:
+            for request in requests:
+                engine.submit(request)
+            while open_ids:
+                for output in engine.poll(100):
+                    got = events.get(output.request_id)
+                    if got is None:
+                        continue
+                    if output.error is not None:
+                        raise RuntimeError(f"request failed: {output.error}")
+                    count = len(output.outputs[0].token_ids)
+                    if not got or count > got[-1][1]:
+                        got.append((time.perf_counter() - start, count))
+                    if output.finished:
+                        open_ids.discard(output.request_id)
+                if open_ids and not engine.has_unfinished:
+                    raise RuntimeError("the engine went idle with requests of the batch unfinished")
+        finally:
+            for request_id in open_ids:
+                engine.abort(request_id)
+        return [events[request.request_id] for request in requests]
+
     def admit(self, prompt: list[int], seconds: float) -> str | None:
         """The prompt submitted and polled for ``seconds`` (a refusal comes back as the request's
         error at once), then aborted; the refusal's text, or None."""

@@ -48,9 +48,10 @@ def _ratio(ours: float | None, peers: list[float]) -> float | None:
 
 
 def build_rows(report: dict[str, Any], shape: ModelShape, bandwidth: float | None, tensor_parallel_size: int,
-               kv_cache_dtype: str) -> None:
+               kv_cache_dtype: str, batch: int = 1) -> None:
     """``report["floor"]`` and ``report["rows"]``: per context and engine, TTFT, decode, % of the
-    floor; on our row, ours / the best peer."""
+    floor; on our row, ours / the best peer. ``batch``: sequences decoding at once, whose KV a step
+    reads (the floor's context tokens are theirs together)."""
     contexts = sorted({int(c) for e in report["engines"].values() for c in e["contexts"]})
     engines = [e for e in ENGINE_ORDER if e in report["engines"]] + sorted(set(report["engines"]) - set(ENGINE_ORDER))
     report["floor"], report["rows"] = {}, []
@@ -61,7 +62,7 @@ def build_rows(report: dict[str, Any], shape: ModelShape, bandwidth: float | Non
         shaped = next((m for m in measured.values() if m is not None), None)
         if bandwidth is not None and shaped is not None:
             mean_context = shaped["prompt_len"] + shaped["output_len"] / 2
-            floor = decode_floor(shape, mean_context, bandwidth, tensor_parallel_size, kv_cache_dtype)
+            floor = decode_floor(shape, mean_context * batch, bandwidth, tensor_parallel_size, kv_cache_dtype)
             report["floor"][key] = floor.to_dict()
         peers = [m for engine, m in measured.items() if engine != "ours" and m is not None]
         for engine in engines:
@@ -96,11 +97,15 @@ def _number(value: float | None, digits: int) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     config, bandwidth = report["config"], report.get("bandwidth") or {}
+    batch = config.get("batch") or 1
     lines = [
         f"Long contexts: {config.get('model_description')}, TP={config.get('tensor_parallel_size')}, "
-        f"KV cache {config.get('kv_cache_dtype')}, {config.get('output_len')} output tokens, one request at a time.",
-        "TTFT: median time to the first token of a fresh prompt; decode: median (last - first token) / (tokens - 1); "
-        "floor: (weights + the context's KV, per GPU) / the copy bandwidth"
+        f"KV cache {config.get('kv_cache_dtype')}, {config.get('output_len')} output tokens, "
+        + (f"{batch} requests at once." if batch > 1 else "one request at a time."),
+        ("TTFT: median of the batch's first tokens; decode: ms a step while all of them decode (each step a token "
+         "of each); floor: (weights + their KV, per GPU) / the copy bandwidth" if batch > 1 else
+         "TTFT: median time to the first token of a fresh prompt; decode: median (last - first token) / (tokens - 1); "
+         "floor: (weights + the context's KV, per GPU) / the copy bandwidth")
         + (f" ({bandwidth['bytes_per_s'] / 1e12:.2f} TB/s, {bandwidth['source']})." if bandwidth else " (not known)."),
         "",
         "| context | engine | TTFT (ms) | decode (ms/token) | floor (ms/token) | % of floor | TTFT ours/best peer "

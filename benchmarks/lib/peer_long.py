@@ -24,6 +24,10 @@ full prompt for ``--admit-seconds`` (admitted: no error in that time, then abort
 no ``admit`` is not asked), then the samples are fresh prompts of P tokens, the first chunks of
 the context's prefill: their TTFT gives the prefill rate (P / TTFT), and decode is measured there,
 at P tokens of context.
+
+With ``--batch N`` a sample is N fresh prompts of the context submitted at once (``stream_batch``): its TTFT is
+the median of theirs, and decode is the time of one step while all N decode (from the last first token to the
+first request's end) over the tokens each request gained in it: ms a step, N tokens a step.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ class Engine(Protocol):
         """Start the engine; its resolved settings."""
 
     def stream(self, prompt: list[int], max_tokens: int) -> Events:
-        """One request alone, its token arrivals by the client's clock."""
+        """One request alone, its token arrivals by the client's clock. An engine that takes ``--batch``
+        also has ``stream_batch(prompts, max_tokens) -> list[Events]``: the prompts submitted at once."""
 
     def shutdown(self) -> None: ...
 
@@ -88,6 +93,26 @@ def shape_sample(events: Events, max_tokens: int) -> dict[str, Any]:
             "times_s": [round(t, 6) for t, _ in events]}
 
 
+def tokens_at(events: Events, moment: float) -> int:
+    """Tokens a request had received by ``moment`` (its events in time order)."""
+    return max((count for time_s, count in events if time_s <= moment), default=0)
+
+
+def shape_batch_sample(streams: Sequence[Events], max_tokens: int) -> dict[str, Any]:
+    """A batch's figures from its requests' token arrivals: TTFT the median of theirs; decode the time
+    from the last first token to the first request's end over the tokens each gained meanwhile (the
+    median): one step's time while every request decodes."""
+    samples = [shape_sample(events, max_tokens) for events in streams]
+    all_first = max(s["ttft_s"] for s in samples)
+    first_end = min(s["full_s"] for s in samples)
+    gained = statistics.median(tokens_at(e, first_end) - tokens_at(e, all_first) for e in streams)
+    decode = (first_end - all_first) / gained * 1e3 if gained > 0 else None
+    return {"ttft_s": statistics.median(s["ttft_s"] for s in samples), "full_s": max(s["full_s"] for s in samples),
+            "tokens": min(s["tokens"] for s in samples), "complete": all(s["complete"] for s in samples),
+            "updates": sum(s["updates"] for s in samples), "decode_ms_per_token": decode, "batch": len(samples),
+            "all_first_token_s": all_first, "decode_window_s": first_end - all_first, "decode_steps": gained}
+
+
 def summarize(context: int, length: int, output_len: int, samples: Sequence[dict[str, Any]],
               warmup_s: float | None) -> dict[str, Any]:
     """A context's medians over its samples (decode from the token arrivals, and the subtraction)."""
@@ -102,6 +127,26 @@ def summarize(context: int, length: int, output_len: int, samples: Sequence[dict
         "decode_subtract_ms_per_token": subtract, "full_s": full, "warmup_s": warmup_s,
         "complete": all(s["complete"] for s in samples), "samples": list(samples),
     }
+
+
+def measure_batch(stream_batch: Callable[[list[list[int]], int], list[Events]], context: int, output_len: int,
+                  repeats: int, warmup: bool, batch: int, seed: int, vocab_size: int) -> dict[str, Any]:
+    """``repeats`` samples of ``batch`` fresh prompts of the context at once (``shape_batch_sample``),
+    after a discarded one with ``warmup``."""
+    length = prompt_len(context, output_len)
+    rng = random.Random(seed * 1_000_003 + context)  # the same prompts for every engine
+    warmup_s = None
+    samples = []
+    for index in range(repeats + warmup):
+        prompts = [random_prompt(rng, length, vocab_size) for _ in range(batch)]
+        sample = shape_batch_sample(stream_batch(prompts, output_len), output_len)
+        if warmup and index == 0:
+            warmup_s = sample["full_s"]
+        else:
+            samples.append(sample)
+    entry = summarize(context, length, output_len, samples, warmup_s)
+    entry.update(batch=batch, decode_method="batch_steps")
+    return entry
 
 
 def measure_context(stream: Callable[[list[int], int], Events], context: int, output_len: int, repeats: int,
@@ -165,7 +210,14 @@ def run_engine(engine: Engine, args: argparse.Namespace) -> int:
         _write(args.out, result)
         raise
     result["startup_s"] = time.perf_counter() - started
+    batch = getattr(args, "batch", 1)
+    stream_batch = getattr(engine, "stream_batch", None)
     print(f"{engine.name}: engine up after {result['startup_s']:.1f} s", flush=True)
+    if batch > 1 and stream_batch is None:
+        engine.shutdown()
+        result["error"] = f"{engine.name} cannot run --batch {batch} (it has no stream_batch)"
+        _write(args.out, result)
+        raise RuntimeError(result["error"])
     _write(args.out, result)
     try:
         warm_len = min(WARMUP_PROMPT, prompt_len(min(args.contexts), args.output_len))
@@ -177,7 +229,10 @@ def run_engine(engine: Engine, args: argparse.Namespace) -> int:
         for context, repeats, warmup in zip(args.contexts, args.repeats, args.warmup, strict=True):
             try:
                 first = functools.partial(traced, context) if traced is not None else None
-                if args.prefill_probe_tokens:
+                if batch > 1:
+                    entry = measure_batch(stream_batch, context, args.output_len, repeats, bool(warmup), batch,
+                                          args.seed, args.vocab_size)
+                elif args.prefill_probe_tokens:
                     entry = probe_context(engine, context, args.output_len, args.prefill_probe_tokens, repeats,
                                           args.seed, args.vocab_size, args.admit_seconds, first)
                 else:
@@ -264,7 +319,8 @@ class VllmEngine:
             settings["resolved_error"] = f"{type(error).__name__}: {error}"
         return settings
 
-    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+    @staticmethod
+    def _params(max_tokens: int) -> Any:
         from vllm import SamplingParams
 
         try:  # an update every step (LLM.generate may ask for the final output only)
@@ -273,8 +329,11 @@ class VllmEngine:
             kind: dict[str, Any] = {"output_kind": RequestOutputKind.CUMULATIVE}
         except ImportError:
             kind = {}
-        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
-                                **kind)
+        return SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
+                              **kind)
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Events:
+        params = self._params(max_tokens)
         engine = self.llm.llm_engine
         self.ids += 1
         request_id = f"long-{self.ids}"
@@ -289,6 +348,25 @@ class VllmEngine:
                 if not events or count > events[-1][1]:
                     events.append((time.perf_counter() - start, count))
         return events
+
+    def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[Events]:
+        """The prompts added at once, then stepped to their ends: each one's token arrivals."""
+        params = self._params(max_tokens)
+        engine = self.llm.llm_engine
+        ids = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            self.ids += 1
+            ids.append(f"long-{self.ids}")
+            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
+        events: dict[str, Events] = {request_id: [] for request_id in ids}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                got = events.get(output.request_id)
+                count = len(output.outputs[0].token_ids)
+                if got is not None and (not got or count > got[-1][1]):
+                    got.append((time.perf_counter() - start, count))
+        return [events[request_id] for request_id in ids]
 
     def admit(self, prompt: list[int], seconds: float) -> str | None:
         """The prompt added (vLLM refuses one it cannot hold there, or at its start for max_model_len),
@@ -384,6 +462,8 @@ def build_parser(engines: Sequence[str] = tuple(PEERS)) -> argparse.ArgumentPars
                         help="measure prompts of this many tokens after offering each context's full prompt")
     parser.add_argument("--admit-seconds", type=float, default=ADMIT_SECONDS,
                         help="with --prefill-probe-tokens: how long the full prompt runs before it is aborted")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="prompts of each context submitted at once (decode: ms a step of them all)")
     if "ours" in engines:
         parser.add_argument("--trace-dir", default=None,
                             help="ours: each context's first measured prefill traced into this directory")
@@ -397,6 +477,8 @@ def parse_args(argv: Sequence[str] | None = None, engines: Sequence[str] = tuple
         parser.error("--contexts, --repeats and --warmup need one value per context")
     if args.output_len < 2 or min(args.repeats) < 1:
         parser.error("--output-len must be at least 2 and every --repeats at least 1")
+    if args.batch < 1 or (args.batch > 1 and args.prefill_probe_tokens):
+        parser.error("--batch must be at least 1, and 1 with --prefill-probe-tokens")
     for context in args.contexts:
         if context > args.max_model_len:
             parser.error(f"context {context} is longer than --max-model-len {args.max_model_len}")
