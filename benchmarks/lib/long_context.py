@@ -4,7 +4,7 @@ vLLM and SGLang, one request at a time, against the decode floor of the measured
 Each engine of ``--engines`` runs in a process of its own, one after the other, the GPU left to
 each alone: ours as ``python -m benchmarks.lib.long_context_ours``, vLLM and SGLang as
 peer_long.py copied to a scratch folder and run with the peer's Python and PYTHONPATH. Every one
-is measured by the same loop (peer_long.run_engine, whose docstring says how: fresh random prompts,
+is measured by the same loop (long_context_run.run_engine, whose docstring says how: fresh random prompts,
 TTFT and decode by the client's clock from each token's arrival).
 
 Each engine starts once per run, with ``max_model_len`` = the largest of ``--contexts`` (how a
@@ -26,7 +26,7 @@ KV of the context at mid-decode (prompt + output/2 tokens), at the device-to-dev
 beside them and as its table of chunks per stage in both (long_context_chunks.py).
 
 ``--prefill-probe-tokens P`` measures the longest contexts without running their prefill to the end
-(peer_long.probe_context): each engine, started for the context, is offered its whole prompt for
+(long_context_run.probe_context): each engine, started for the context, is offered its whole prompt for
 ``--admit-seconds`` (the report says whether it was admitted), then times prompts of P tokens, the
 first chunks of that prefill: the prefill rate P / TTFT, and decode at P tokens of context.
 """
@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib import peer_long
+from benchmarks.lib import long_context_run
 from benchmarks.lib.floor import ModelShape
 from benchmarks.lib.long_context_model import context_label, model_setup, parse_context, samples_plan
 from benchmarks.lib.long_context_process import engine_command, measure_bandwidth, run_process
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         scratch = Path(scratch_name)
         setup = model_setup(args.model, args.model_shape, scratch, max(args.contexts), args.rope_scaling)
         for context in args.contexts:
-            peer_long.prompt_len(context, args.output_len)  # a context too short for the output: say so now
+            long_context_run.prompt_len(context, args.output_len)  # a context too short for the output: say so now
         report = _start_report(args, _config(args, setup.description, setup.overrides), out_dir / "long_context.json")
         if args.bandwidth is not None:
             report["bandwidth"] = {"bytes_per_s": args.bandwidth, "source": "given"}

@@ -3,7 +3,7 @@
 Contexts are written as vLLM users say them: ``k`` is 1,024 tokens (128k = 131,072, a Llama-3
 checkpoint's ``max_position_embeddings``) and ``M`` is 1,000,000 exactly (1M = 1,000,000 tokens);
 a plain number is tokens. A context is the whole window of one request: its prompt is the context
-less the output and a small margin (peer_long.prompt_len), so the engines start with
+less the output and a small margin (long_context_run.prompt_len), so the engines start with
 ``max_model_len`` = the largest context.
 
 A context longer than the checkpoint's ``max_position_embeddings`` (1M on the Llama-3.2-1B shape,

@@ -1,5 +1,5 @@
 """Our engine's side of ``benchmarks/long_context.py``, in a process of its own like the peers':
-``python -m benchmarks.lib.long_context_ours --engine ours ...`` (peer_long.py's arguments). The
+``python -m benchmarks.lib.long_context_ours --engine ours ...`` (long_context_run.py's arguments). The
 offline ``LLM``'s process group, driven through its client (``prepare``, ``submit``, ``poll``) so
 that each token's arrival is timed as the peers' are."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.lib.peer_long import TEMPERATURE, Events, parse_args, run_engine
+from benchmarks.lib.long_context_run import TEMPERATURE, Events, parse_args, run_engine
 
 
 def engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,7 +86,7 @@ class OursEngine:
         self.args = args
         self.llm: Any = None
         self.ids = itertools.count()
-        # with --trace-dir: peer_long.run_engine streams each context's first sample through traced_stream
+        # with --trace-dir: long_context_run.run_engine streams each context's first sample through traced_stream
         self.traces: dict[int, dict[str, Any]] = {}
         if args.trace_dir is not None:
             self.traced_stream = self._traced_stream

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib import peer_long
+from benchmarks.lib import long_context_run, peer_long
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,13 +64,21 @@ def measure_bandwidth(out_dir: Path) -> dict[str, Any] | None:
             "samples": measured["samples"]}
 
 
+def copy_peer_script(folder: Path) -> Path:
+    """peer_long.py and the measurement it imports, copied to a folder of their own (lib/'s other modules
+    shadow nothing there); the script's path."""
+    for module in (peer_long, long_context_run):
+        source = Path(str(module.__file__))
+        shutil.copyfile(source, folder / source.name)
+    return folder / "peer_long.py"
+
+
 def engine_command(args: argparse.Namespace, engine: str, scratch: Path,
                    common: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of one engine's process (``common``: peer_long.py's arguments)."""
+    """The command and environment of one engine's process (``common``: long_context_run.py's arguments)."""
     if engine == "ours":
         return [sys.executable, "-m", "benchmarks.lib.long_context_ours", "--engine", "ours", *common], ours_env()
-    script = scratch / "peer_long.py"  # run from a folder of its own: lib/'s modules shadow nothing
-    shutil.copyfile(peer_long.__file__, script)
+    script = copy_peer_script(scratch)
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                HF_HUB_OFFLINE="1")
     pythonpath = getattr(args, f"{engine}_pythonpath")

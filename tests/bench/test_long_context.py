@@ -10,7 +10,6 @@ import dataclasses
 import gzip
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 # the repository, for the developer benchmarks' code (benchmarks.lib)
 sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
 
-from benchmarks.lib import peer_long
+from benchmarks.lib import long_context_run, peer_long
 from benchmarks.lib.floor import ModelShape
 from benchmarks.lib.long_context import main
 from benchmarks.lib.long_context_model import (
@@ -31,7 +30,7 @@ from benchmarks.lib.long_context_model import (
     parse_context,
     samples_plan,
 )
-from benchmarks.lib.long_context_process import run_process
+from benchmarks.lib.long_context_process import copy_peer_script, run_process
 from benchmarks.lib.long_context_report import add_engine_result, build_rows, format_markdown, new_report
 
 from vllm_actors.bench.throughput_workload import LLAMA_3_2_1B_CONFIG
@@ -118,32 +117,32 @@ def test_peer_arguments() -> None:
                 _peer_args(engine="ours"), _peer_args(contexts=("100",)), _peer_args("--repeats", "0", "1")):
         with pytest.raises(SystemExit):
             peer_long.parse_args(bad)
-    assert peer_long.parse_args(_peer_args(engine="ours"), engines=("ours",)).engine == "ours"
+    assert long_context_run.parse_args(_peer_args(engine="ours"), ("ours",)).engine == "ours"
 
 
 def test_pipeline_stages_and_chunk_reach_our_engine() -> None:
     from benchmarks.lib.long_context_ours import engine_arguments
 
-    args = peer_long.parse_args(_peer_args("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "2048",
-                                           engine="ours"), engines=("ours",))
+    args = long_context_run.parse_args(_peer_args("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "2048",
+                                     engine="ours"), ("ours",))
     kwargs = engine_arguments(args)
     assert kwargs["pipeline_parallel_size"] == 2 and kwargs["max_num_batched_tokens"] == 2048
-    assert "pipeline_parallel_size" not in engine_arguments(peer_long.parse_args(_peer_args(engine="ours"),
-                                                                                 engines=("ours",)))
+    plain = long_context_run.parse_args(_peer_args(engine="ours"), ("ours",))
+    assert "pipeline_parallel_size" not in engine_arguments(plain)
 
 
 def test_peer_result_shaping() -> None:
-    sample = peer_long.shape_sample([(0.5, 1), (0.51, 2), (0.53, 4), (0.56, 8)], 8)
+    sample = long_context_run.shape_sample([(0.5, 1), (0.51, 2), (0.53, 4), (0.56, 8)], 8)
     assert sample["ttft_s"] == 0.5 and sample["full_s"] == 0.56 and sample["complete"] and sample["updates"] == 4
     assert sample["decode_ms_per_token"] == pytest.approx(60 / 7)
-    assert peer_long.shape_sample([(0.5, 3)], 4)["decode_ms_per_token"] is None  # one update: no decode
+    assert long_context_run.shape_sample([(0.5, 3)], 4)["decode_ms_per_token"] is None  # one update: no decode
     with pytest.raises(RuntimeError, match="no token"):
-        peer_long.shape_sample([], 4)
-    samples = [peer_long.shape_sample([(t, 1), (t + 0.07, 8)], 8) for t in (0.4, 0.5, 0.9)]
-    summary = peer_long.summarize(1000, 872, 8, samples, None)
+        long_context_run.shape_sample([], 4)
+    samples = [long_context_run.shape_sample([(t, 1), (t + 0.07, 8)], 8) for t in (0.4, 0.5, 0.9)]
+    summary = long_context_run.summarize(1000, 872, 8, samples, None)
     assert summary["ttft_ms"] == pytest.approx(500) and summary["decode_ms_per_token"] == pytest.approx(10)
     assert summary["decode_method"] == "token_times" and summary["decode_subtract_ms_per_token"] == pytest.approx(10)
-    assert peer_long.prompt_len(131072, 128) == 131072 - 128 - peer_long.PROMPT_MARGIN
+    assert long_context_run.prompt_len(131072, 128) == 131072 - 128 - long_context_run.PROMPT_MARGIN
 
     assert peer_long.sglang_completion_tokens({"output_ids": [1, 2], "meta_info": {"completion_tokens": 5}}) == 5
     assert peer_long.sglang_completion_tokens([{"output_ids": [1, 2, 3], "meta_info": {}}]) == 3
@@ -173,7 +172,7 @@ class _FakeEngine:
     def start(self) -> dict[str, Any]:
         return {"version": "0"}
 
-    def stream(self, prompt: list[int], max_tokens: int) -> peer_long.Events:
+    def stream(self, prompt: list[int], max_tokens: int) -> long_context_run.Events:
         if len(prompt) > 3000:
             raise RuntimeError("out of memory")
         self.prompts.append(prompt)
@@ -187,7 +186,7 @@ class _FakeEngine:
 def test_run_engine_measures_every_context_and_keeps_the_failed_ones(tmp_path: Path) -> None:
     args = peer_long.parse_args(_peer_args("--out", str(tmp_path / "r.json"), "--output-len", "8"))
     engine = _FakeEngine()
-    assert peer_long.run_engine(engine, args) == 1  # the 4,000-token context fails
+    assert long_context_run.run_engine(engine, args) == 1  # the 4,000-token context fails
     result = json.loads((tmp_path / "r.json").read_text())
     assert engine.closed and result["settings"] == {"version": "0"} and result["startup_s"] >= 0
     first = result["contexts"]["1000"]
@@ -201,15 +200,15 @@ def test_run_engine_measures_every_context_and_keeps_the_failed_ones(tmp_path: P
     broken = _FakeEngine()
     broken.stream = lambda prompt, max_tokens: []  # type: ignore[method-assign]  # no token ever comes
     with pytest.raises(RuntimeError, match="no token"):
-        peer_long.run_engine(broken, args)
+        long_context_run.run_engine(broken, args)
     result = json.loads((tmp_path / "r.json").read_text())
     assert broken.closed and result["error"].startswith("warm-up: RuntimeError") and result["contexts"] == {}
 
 
 def test_peer_script_runs_alone_and_records_a_missing_engine(tmp_path: Path) -> None:
-    """Copied to a folder of its own and run without this project on the path, as on the GPU machine."""
-    script = tmp_path / "peer_long.py"
-    shutil.copyfile(peer_long.__file__, script)
+    """Copied to a folder of its own with the measurement it imports, and run without this project on the
+    path, as on the GPU machine."""
+    script = copy_peer_script(tmp_path)
     assert subprocess.run([sys.executable, "-I", str(script), "--help"], capture_output=True).returncode == 0
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("SGLang is installed here")
@@ -235,10 +234,10 @@ def test_a_probe_offers_the_whole_prompt_then_times_its_first_chunks(tmp_path: P
     args = peer_long.parse_args(_peer_args("--out", str(tmp_path / "r.json"), "--output-len", "8",
                                            "--prefill-probe-tokens", "500", "--admit-seconds", "0"))
     engine = _AdmittingEngine()
-    assert peer_long.run_engine(engine, args) == 1  # the 4,000-token context is refused
+    assert long_context_run.run_engine(engine, args) == 1  # the 4,000-token context is refused
     result = json.loads((tmp_path / "r.json").read_text())
     probed = result["contexts"]["1000"]
-    assert engine.offered == [1000 - 8 - peer_long.PROMPT_MARGIN, 4000 - 8 - peer_long.PROMPT_MARGIN]
+    assert engine.offered == [1000 - 8 - long_context_run.PROMPT_MARGIN, 4000 - 8 - long_context_run.PROMPT_MARGIN]
     assert probed["context"] == 1000 and probed["prompt_len"] == 500 and probed["repeats"] == 3
     assert probed["admission"] == {"prompt_len": 976, "checked": True, "admitted": True, "error": None,
                                    "seconds": pytest.approx(probed["admission"]["seconds"])}
@@ -256,9 +255,9 @@ def test_a_probe_offers_the_whole_prompt_then_times_its_first_chunks(tmp_path: P
     assert "- 1000, ours: its 976-token prompt admitted; TTFT and decode above of prompts of its first 500 " \
            "tokens, prefill 1,000,000 tokens/s" in table
     with pytest.raises(ValueError, match="below the context's prompt"):
-        peer_long.probe_context(engine, 1000, 8, 976, 1, 0, 512, 0.0)
+        long_context_run.probe_context(engine, 1000, 8, 976, 1, 0, 512, 0.0)
     plain = _FakeEngine()  # an engine that cannot admit: its prompt is not offered, the probe still runs
-    entry = peer_long.probe_context(plain, 1000, 8, 500, 1, 0, 512, 0.0)  # type: ignore[arg-type]
+    entry = long_context_run.probe_context(plain, 1000, 8, 500, 1, 0, 512, 0.0)  # type: ignore[arg-type]
     assert entry["admission"] == {"prompt_len": 976, "checked": False} and entry["prompt_len"] == 500
 
 
@@ -338,7 +337,7 @@ def test_main_runs_our_engine_on_a_tiny_llama(tmp_path: Path, capsys: pytest.Cap
     for context in ("256", "512"):
         measured = report["engines"]["ours"]["contexts"][context]
         assert measured["complete"] and measured["repeats"] == 2 and measured["decode_method"] == "token_times"
-        assert measured["prompt_len"] == int(context) - 8 - peer_long.PROMPT_MARGIN
+        assert measured["prompt_len"] == int(context) - 8 - long_context_run.PROMPT_MARGIN
         assert all(sample["tokens"] == 8 for sample in measured["samples"])
         assert measured["ttft_ms"] > 0 and measured["decode_ms_per_token"] > 0
         check_traced_prefill(out, measured)

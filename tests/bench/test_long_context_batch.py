@@ -13,7 +13,7 @@ import pytest
 # the repository, for the developer benchmarks' code (benchmarks.lib)
 sys.path.insert(0, str(next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "lib").is_dir())))
 
-from benchmarks.lib import peer_long
+from benchmarks.lib import long_context_run, peer_long
 from benchmarks.lib.floor import ModelShape
 from benchmarks.lib.long_context import main
 from benchmarks.lib.long_context_model import decode_floor
@@ -23,20 +23,20 @@ from tests.bench.test_long_context import TINY_LLAMA3_CONFIG, _peer_args
 from vllm_actors.bench.throughput_workload import LLAMA_3_2_1B_CONFIG
 
 
-def _steps(first_s: float, tokens: int, step_s: float = 0.01) -> peer_long.Events:
+def _steps(first_s: float, tokens: int, step_s: float = 0.01) -> long_context_run.Events:
     return [(first_s + step_s * i, i + 1) for i in range(tokens)]
 
 
 def test_a_batch_decodes_from_its_last_first_token_to_its_first_end() -> None:
     """A's prefill ran first: it decodes alone until B's first token; the window is [B's first, A's end]."""
-    sample = peer_long.shape_batch_sample([_steps(0.10, 8), _steps(0.13, 8)], 8)
+    sample = long_context_run.shape_batch_sample([_steps(0.10, 8), _steps(0.13, 8)], 8)
     assert sample["ttft_s"] == pytest.approx(0.115) and sample["all_first_token_s"] == pytest.approx(0.13)
     assert sample["decode_steps"] == 4 and sample["decode_ms_per_token"] == pytest.approx(10)
     assert sample["batch"] == 2 and sample["complete"] and sample["full_s"] == pytest.approx(0.20)
-    apart = peer_long.shape_batch_sample([_steps(0.10, 4), _steps(0.30, 4)], 4)  # never all decoding at once
+    apart = long_context_run.shape_batch_sample([_steps(0.10, 4), _steps(0.30, 4)], 4)  # never all decoding at once
     assert apart["decode_ms_per_token"] is None
     with pytest.raises(RuntimeError, match="no token"):
-        peer_long.shape_batch_sample([_steps(0.1, 4), []], 4)
+        long_context_run.shape_batch_sample([_steps(0.1, 4), []], 4)
 
 
 class _BatchEngine:
@@ -50,10 +50,10 @@ class _BatchEngine:
     def start(self) -> dict[str, Any]:
         return {}
 
-    def stream(self, prompt: list[int], max_tokens: int) -> peer_long.Events:
+    def stream(self, prompt: list[int], max_tokens: int) -> long_context_run.Events:
         return _steps(len(prompt) / 1e6, max_tokens)
 
-    def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[peer_long.Events]:
+    def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[long_context_run.Events]:
         self.batches.append(prompts)
         return [[(0.01 * (step + 1), step - i + 1) for step in range(i, i + max_tokens)] for i in range(len(prompts))]
 
@@ -65,7 +65,7 @@ def test_run_engine_times_batches_after_a_discarded_one(tmp_path: Path) -> None:
     args = peer_long.parse_args(_peer_args("--out", str(tmp_path / "r.json"), "--output-len", "64", "--batch", "3",
                                            contexts=("1000",)))
     engine = _BatchEngine()
-    assert peer_long.run_engine(engine, args) == 0
+    assert long_context_run.run_engine(engine, args) == 0
     entry = json.loads((tmp_path / "r.json").read_text())["contexts"]["1000"]
     assert entry["batch"] == 3 and entry["decode_method"] == "batch_steps" and entry["repeats"] == 3
     assert entry["decode_ms_per_token"] == pytest.approx(10) and entry["warmup_s"] is not None
@@ -77,7 +77,7 @@ def test_run_engine_times_batches_after_a_discarded_one(tmp_path: Path) -> None:
         stream_batch = None  # type: ignore[assignment]
 
     with pytest.raises(RuntimeError, match="cannot run --batch 3"):
-        peer_long.run_engine(Single(), args)
+        long_context_run.run_engine(Single(), args)
     assert "cannot run --batch 3" in json.loads((tmp_path / "r.json").read_text())["error"]
     with pytest.raises(SystemExit):
         peer_long.parse_args(_peer_args("--batch", "2", "--prefill-probe-tokens", "100"))
