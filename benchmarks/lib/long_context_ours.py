@@ -99,28 +99,19 @@ class OursEngine:
         return started_settings(self.llm, kwargs)
 
     def stream(self, prompt: list[int], max_tokens: int, request_id: str | None = None) -> Events:
-        from vllm_actors.protocol.sampling import SamplingParams
+        return self.stream_batch([prompt], max_tokens, None if request_id is None else [request_id])[0]
 
-        engine = self.llm.engine
-        params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
-        events: Events = []
-        start = time.perf_counter()
-        request = engine.prepare(request_id or f"long-{next(self.ids)}", {"prompt_token_ids": prompt}, params)
-        for output in request_outputs(engine, request):
-            count = len(output.outputs[0].token_ids)
-            if not events or count > events[-1][1]:
-                events.append((time.perf_counter() - start, count))
-        return events
-
-    def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[Events]:
-        """The prompts submitted at once, polled to their ends: each one's token arrivals (a failed one
-        raises; every unfinished one is aborted on any exit before the end)."""
+    def stream_batch(self, prompts: list[list[int]], max_tokens: int,
+                     request_ids: list[str] | None = None) -> list[Events]:
+        """The prompts submitted at once, polled to their ends: each one's token arrivals from the call (a
+        failed one raises; every unfinished one is aborted on any exit before the end)."""
         from vllm_actors.protocol.sampling import SamplingParams
 
         engine = self.llm.engine
         params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
         start = time.perf_counter()
-        requests = [engine.prepare(f"long-{next(self.ids)}", {"prompt_token_ids": p}, params) for p in prompts]
+        ids = request_ids or [f"long-{next(self.ids)}" for _ in prompts]
+        requests = [engine.prepare(i, {"prompt_token_ids": p}, params) for i, p in zip(ids, prompts, strict=True)]
         events: dict[str, Events] = {request.request_id: [] for request in requests}
         open_ids = set(events)
         try:

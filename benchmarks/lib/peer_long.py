@@ -98,21 +98,7 @@ class VllmEngine:
                               **kind)
 
     def stream(self, prompt: list[int], max_tokens: int) -> Events:
-        params = self._params(max_tokens)
-        engine = self.llm.llm_engine
-        self.ids += 1
-        request_id = f"long-{self.ids}"
-        events: Events = []
-        start = time.perf_counter()
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.request_id != request_id:
-                    continue
-                count = len(output.outputs[0].token_ids)
-                if not events or count > events[-1][1]:
-                    events.append((time.perf_counter() - start, count))
-        return events
+        return self.stream_batch([prompt], max_tokens)[0]
 
     def stream_batch(self, prompts: list[list[int]], max_tokens: int) -> list[Events]:
         """The prompts added at once, then stepped to their ends: each one's token arrivals."""

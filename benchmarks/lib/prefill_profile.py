@@ -24,6 +24,7 @@ from vllm_actors.bench.serve_server import write_model_dir
 from vllm_actors.bench.throughput_workload import MODEL_SHAPES
 from vllm_actors.clients.inprocess import InProcessEngine
 from vllm_actors.device_probe import default_block_size
+from vllm_actors.kernels import kv_quant
 from vllm_actors.protocol.config import EngineConfig
 from vllm_actors.protocol.sampling import SamplingParams
 
@@ -65,8 +66,8 @@ def decode_budget(tokens: int) -> int:
 
 
 def max_model_len(context: int, decode_tokens: int) -> int:
-    """The engine's limit: the prompt, then the decode profile's tokens (the prefill alone takes one)."""
-    return context + max(decode_budget(decode_tokens), 1) + 16
+    """The engine's limit: the prompt, then the decode profile's tokens, and a margin."""
+    return context + decode_budget(decode_tokens) + 16
 
 
 def profile_decode(engine: InProcessEngine, context: int, tokens: int, top: int) -> dict[str, Any]:
@@ -216,7 +217,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         kernels.append({"name": event.key[:120], "ms": device_us / 1e3, "calls": event.count})
     kernels.sort(key=lambda k: -k["ms"])
     probe = {"error": "no flash-attn prefill"}
-    if recorder is not None and runner.kv_caches[0][0].element_size() == 1:
+    if recorder is not None and kv_quant.is_fp8(runner.kv_caches[0][0].dtype):
         probe = {"error": "fp8 KV cache: flash-attn reads the bf16 staging (kernels/fp8_prefill_stage.py)"}
     elif recorder is not None:
         probe = probe_last_chunk(recorder.func, padded_call(runner, recorder))
