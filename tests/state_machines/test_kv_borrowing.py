@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 
 from vllm_actors.actors.controller.controller import Controller, FromReplica
-from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused, Placement
+from vllm_actors.actors.controller.kv_loans import LoanPlanner, LoanRefused, Placement, spread
 from vllm_actors.actors.controller.routing import Router
 from vllm_actors.actors.kv_cache_manager.manager import KVCacheManager
 from vllm_actors.actors.scheduler.scheduler import Scheduler
@@ -60,13 +60,15 @@ def test_a_request_that_fits_every_pool_is_left_to_the_router_and_an_unheard_poo
     assert unheard.place("a", 500, [0, 1], [0, 0]) is None  # replica 1's pool not known yet
 
 
-def test_the_home_is_the_largest_pool_and_keeps_its_share_lenders_the_rest_most_free_first() -> None:
+def test_the_home_is_the_largest_pool_and_the_fewest_lenders_most_free_first_share_it_evenly() -> None:
     loans = planner((100, 20), (100, 80), (100, 50), (120, 10))
     placement = loans.place("long", 250, [0, 1, 2, 3], [0, 0, 0, 0])
-    # home: the largest pool (replica 3), its share 120 - 12; then replica 1 (80 free), replica 2
-    assert placement == Placement(home=3, home_blocks=108, lenders={1: 80, 2: 50, 0: 12})
+    # home: the largest pool (replica 3, share 120 - 12); lenders most free first, replica 1 (80 free) and 2 (50):
+    # 108 + 90 + 90 hold 250 without replica 0; spread in proportion to the shares (250 / 288 of each)
+    assert placement == Placement(home=3, home_blocks=94, lenders={1: 78, 2: 78})
     assert placement.num_blocks == 250
-    assert loans.pools[1].promised == {"long": 80} and loans.pools[1].num_available == 0
+    assert loans.pools[1].promised == {"long": 78} and loans.pools[1].num_available == 2
+    assert loans.pools[0].promised == {}
 
 
 def test_fitting_the_largest_pool_needs_no_loan_and_short_free_blocks_are_asked_of_the_shares() -> None:
@@ -74,8 +76,8 @@ def test_fitting_the_largest_pool_needs_no_loan_and_short_free_blocks_are_asked_
     assert loans.place("mid", 80, [0, 1], [0, 0]) == Placement(home=0, home_blocks=80, lenders={})
     # nobody has free blocks to spare beyond replica 1's 60: the rest comes out of shares, most free first
     placement = loans.place("long", 140, [0, 1], [0, 0])
-    assert placement == Placement(home=0, home_blocks=90, lenders={1: 50})
-    assert loans.place("later", 140, [0, 1], [0, 0]) == Placement(0, 90, {1: 50})  # shares, not free: queued there
+    assert placement == Placement(home=0, home_blocks=88, lenders={1: 52})  # shares 90 and 54
+    assert loans.place("later", 140, [0, 1], [0, 0]) == Placement(0, 88, {1: 52})  # shares, not free: queued there
 
 
 def test_a_request_that_fits_nowhere_even_borrowing_is_refused_by_name() -> None:
@@ -94,13 +96,13 @@ def test_the_blocks_needed_are_the_whole_context_and_the_loans_follow_the_lender
     assert loans.blocks_needed(1000, 30, 24) == 65  # resumed with more outputs than max_tokens counts them
     assert loans.blocks_needed(1000, 0, None) == (1 << 20) // BLOCK  # up to max_model_len
     loans.place("long", 150, [0, 1], [0, 0])
-    assert loans.pools[1].promised == {"long": 60}
-    loans.observe(1, KvLent(request_id="long", block_ids=list(range(60)), num_free_blocks=40))
-    assert loans.pools[1].lent == {"long": 60} and loans.pools[1].num_available == 40
+    assert loans.pools[1].promised == {"long": 75}
+    loans.observe(1, KvLent(request_id="long", block_ids=list(range(75)), num_free_blocks=25))
+    assert loans.pools[1].lent == {"long": 75} and loans.pools[1].num_available == 25
     loans.pool_lost(1)  # a restarted KV-cache manager: its scheduler reserves them again
-    assert loans.pools[1].promised == {"long": 60} and loans.pools[1].num_free == 100
-    loans.observe(1, KvReturned(request_id="long", num_blocks=60, num_free_blocks=100))
-    assert loans.release("long") == Placement(0, 90, {1: 60}) and loans.pools[1].promised == {}
+    assert loans.pools[1].promised == {"long": 75} and loans.pools[1].num_free == 100
+    loans.observe(1, KvReturned(request_id="long", num_blocks=75, num_free_blocks=100))
+    assert loans.release("long") == Placement(0, 75, {1: 75}) and loans.pools[1].promised == {}
 
 
 # --------------------------------------------------------------------------- the controller
@@ -129,9 +131,9 @@ def test_the_controller_lends_for_a_long_request_and_takes_the_loans_back_when_i
     controller = borrowing_controller()
     short = controller.handle(add("short", 40))
     assert [to for to, _ in short.messages] == ["scheduler@0"]  # fits: the router's pick
-    out = controller.handle(add("long", 2400, max_tokens=80))  # 155 blocks: home 0 keeps 90, replica 1 lends 65
-    assert out.messages == [("scheduler@1", LendKv(request_id="long", home=0, num_blocks=65))] and not out.events
-    out = heard(controller, 1, lent("long", 65))  # held until the lender's KV_LENT
+    out = controller.handle(add("long", 2400, max_tokens=80))  # 155 blocks: home 0 keeps 78, 1 lends 77
+    assert out.messages == [("scheduler@1", LendKv(request_id="long", home=0, num_blocks=77))] and not out.events
+    out = heard(controller, 1, lent("long", 77))  # held until the lender's KV_LENT
     assert out.messages[1][0] == "scheduler@0" and out.messages[1][1].request_id == "long"
     assert out.events == [Routed(request_id="long", replica=0, reason="borrowed")]
     assert controller.router.replicas[0].in_flight == 2
@@ -140,10 +142,10 @@ def test_the_controller_lends_for_a_long_request_and_takes_the_loans_back_when_i
     assert ("scheduler@1", ReturnKv(request_id="long")) in back.messages
     assert controller.loans is not None and controller.loans.placements == {}
     controller.handle(add("long2", 2400, max_tokens=80))
-    heard(controller, 1, lent("long2", 65))
+    heard(controller, 1, lent("long2", 77))
     # the lender's scheduler restarted: the loan it had granted is asked for again
     again = controller.handle(RecoverPipeline(actor="scheduler@1", reason="restarted"))
-    assert again.messages == [("scheduler@1", LendKv(request_id="long2", home=0, num_blocks=65))]
+    assert again.messages == [("scheduler@1", LendKv(request_id="long2", home=0, num_blocks=77))]
     aborted = controller.handle(AbortRequests(request_ids=["long2"], reason="client"))
     assert [message for _, message in aborted.messages] == [
         AbortRequests(request_ids=["long2"], reason="client"), ReturnKv(request_id="long2")]
@@ -157,7 +159,7 @@ def test_the_controller_refuses_a_request_that_fits_nowhere_and_without_a_planne
     assert "needs 189 KV blocks" in updates.updates[0].error
     assert out.events == [Aborted(request_id="huge", reason="error")] and "huge" not in controller.requests
     controller.handle(add("long", 2400, max_tokens=80))  # pull: the home's slot is taken
-    placed = heard(controller, 1, lent("long", 65))
+    placed = heard(controller, 1, lent("long", 77))
     assert placed.messages[-1][0] == "scheduler@0" and list(controller.router.slots).count(0) == 255
     plain = Controller(Router("round_robin", 2, block_size=BLOCK))
     heard(plain, 0, pool(100, 100))
@@ -279,11 +281,11 @@ def test_a_pipeline_reset_reserves_the_loans_again_and_the_manager_refuses_a_bad
 def test_the_home_gets_the_request_once_its_lenders_confirmed_and_learns_them_right_before_it() -> None:
     controller = borrowing_controller()
     controller.handle(add("long", 2400, max_tokens=80))
-    assert not heard(controller, 0, lent("long", 65)).messages  # not its lender: still held
-    out = heard(controller, 1, lent("long", 65))
-    assert out.messages == [("scheduler@0", BorrowKv(request_id="long", lenders=[[1, 65]])),
+    assert not heard(controller, 0, lent("long", 77)).messages  # not its lender: still held
+    out = heard(controller, 1, lent("long", 77))
+    assert out.messages == [("scheduler@0", BorrowKv(request_id="long", lenders=[[1, 77]])),
                             ("scheduler@0", add("long", 2400, max_tokens=80))]
-    assert not heard(controller, 1, lent("long", 65)).messages  # a repeat (a re-grant) sends nothing
+    assert not heard(controller, 1, lent("long", 77)).messages  # a repeat (a re-grant) sends nothing
     controller.handle(add("held", 2400, max_tokens=80))
     dropped = controller.handle(AbortRequests(request_ids=["held"], reason="client"))  # aborted while held
     assert [m for _, m in dropped.messages] == [ReturnKv(request_id="held")] and "held" not in controller.held
@@ -376,3 +378,11 @@ def test_the_worker_runs_a_step_with_a_guest_eagerly_and_the_others_as_before() 
     (reply,) = worker.control(EngineControl(control_id="c", action="sleep", level=1)).to(SCHEDULER)
     assert isinstance(reply, ControlReply) and not reply.success and "kv_borrowing" in (reply.error or "")
     assert "short" in worker.requests  # refused before anything was dropped
+
+
+def test_a_spread_is_proportional_to_the_shares_sums_exactly_and_stays_within_them() -> None:
+    assert spread(250, [108, 90, 90]) == [94, 78, 78]
+    assert spread(155, [90, 90]) == [78, 77]  # a tie's extra block goes to the earlier (the home)
+    for num_blocks in range(289):
+        counts = spread(num_blocks, [108, 90, 90])
+        assert sum(counts) == num_blocks and all(c <= s for c, s in zip(counts, [108, 90, 90], strict=True))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 
 from vllm_actors.actors.scheduler.cost_model import FixedCostModel, OnlineCostModel, chunk_pairs, chunk_scan
@@ -323,3 +324,15 @@ def test_a_chunk_measured_past_the_target_shrinks_the_next_where_the_fit_lags() 
     assert long.chunk_seconds == pytest.approx(0.060 - rest)
     measured(0.012)  # well under: it may grow, by MAX_CHUNK_GROWTH at most
     assert PrefillSizer(config, collinear, [*decodes, long]).chunk(long, 4096) == MAX_CHUNK_GROWTH * 1024
+
+
+def test_a_guest_on_borrowed_kv_is_not_shrunk_for_the_target() -> None:
+    """A request on borrowed KV waits on its lenders at every layer whatever its chunk (H200: 64-token chunks
+    made 180-300 ms steps): the target does not shrink it, where the same request without a loan gets MIN_CHUNK."""
+    config, decodes, long = _beside_decodes(600_000, last_chunk=64)
+    slow = FixedCostModel(a=0.250, b=2e-6, c=1e-4, d=3e-5)  # every step over the 30 ms target
+    assert PrefillSizer(config, slow, [*decodes, long]).chunk(long, 4096) == MIN_CHUNK
+    long.borrowed = [[1, 20_000]]
+    assert PrefillSizer(config, slow, [*decodes, long]).chunk(long, 4096) == 4096
+    capped = msgspec.structs.replace(config, long_prefill_token_threshold=2048)
+    assert PrefillSizer(capped, slow, [*decodes, long]).chunk(long, 4096) == 2048

@@ -21,7 +21,8 @@ without taking its neighbours' latency:
   size);
 - under pipeline parallelism (``pipeline_parallel_size`` above 1, chunked prefill on), a prompt's
   chunks take equal predicted times within the budget (``spp_chunks``): larger early, smaller late,
-  as many as the model predicts fastest through the stages.
+  as many as the model predicts fastest through the stages;
+- a request on borrowed KV (a guest of a replica set's lenders) is never shrunk for the target (``GUEST``).
 
 One ``PrefillSizer`` per planning pass; the scheduler asks it before giving a request tokens."""
 
@@ -50,6 +51,10 @@ MIN_SIDE_CHUNK = 64
 # on the chunks it has seen (its pairs and scan terms are nearly collinear at one context) and its prediction
 # far beyond them is not to be trusted (H200: 4,096-token chunks at 280-640k predicted at 0-100 ms took 0.37-0.8 s).
 MAX_CHUNK_GROWTH = 2
+# GUEST: a request on borrowed KV (``request.borrowed``) is not sized for the target: each layer of its step waits
+# for its lenders' answers, a cost nearly independent of the chunk (H200, 8B shape: 64-token chunks took 180-300 ms
+# against ~6 ms without a guest), so shrinking its chunk only multiplies its steps (a 300k-token prompt went at
+# 64 tokens a step, 128k tokens in 480 s); it gets ``long_prefill_token_threshold`` or the budget.
 
 
 def is_decoding(request: ScheduledRequest) -> bool:
@@ -113,6 +118,8 @@ class PrefillSizer:
                                                      min_chunk=self.min_chunk, wave=self.wave))
         if self.target is None or not self.num_decodes:
             return num_new  # nobody's next token waits on this step
+        if request.borrowed:  # a guest's step waits on its lenders every layer, whatever the chunk: see GUEST
+            return num_new
         start = request.num_computed_tokens
         trusted = min(num_new, MAX_CHUNK_GROWTH * request.last_chunk) if request.last_chunk else num_new
         if request.timed_chunk and request.chunk_seconds > 0:  # what its chunks cost, not what the model says
