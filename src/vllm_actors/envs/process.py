@@ -23,6 +23,10 @@ class ProcessSettings:
     VLLM_ACTORS_BUSY_POLL_MS = Setting[float | None](
         None, number, "Milliseconds an engine actor polls without blocking after a message; 0: off.",
         kind="float", group="process", shown_default="20 on CUDA, 0 on the CPU")
+    VLLM_ACTORS_BORROW_SWITCH_US = Setting(
+        200, integer(0), "Python's thread switch interval in a worker under `kv_borrowing` (its lender threads "
+        "answer every layer of a guest beside the busy main thread); 0: Python's default (5,000).",
+        kind="int", group="process")
     VLLM_ACTORS_WORKER_THREADS = Setting[int | None](
         None, integer(1), "Intra-op threads of every worker.",
         kind="int", group="process", shown_default="CPU: a share of the cores; GPU: torch's")
