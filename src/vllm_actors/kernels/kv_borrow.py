@@ -129,10 +129,14 @@ class ShareRun:
         begin, end, slots = self.slots(seq_len - num_tokens, num_tokens, block_size)
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
         slot_mapping[begin:end] = slots
+        # filled on the device: a copy from pageable host memory would wait for the stream (every layer of a
+        # guest's step, at the home and at each lender)
+        query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        query_start_loc[1] = num_tokens
         return AttentionMetadata(
             slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32).to(device),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32).to(device),
+            query_start_loc=query_start_loc,
+            seq_lens=torch.full((1,), seq_len, dtype=torch.int32, device=device),
             block_tables=table.unsqueeze(0),
             max_query_len=num_tokens,
             max_seq_len=seq_len,

@@ -43,8 +43,8 @@ JOIN_TIMEOUT = timedelta(minutes=10)  # the set's workers load their models befo
 # SWITCH: a lender thread takes the GIL back after each blocking receive and each torch call of a layer's answer; a
 # main thread running Python (its own steps' preparation) hands it over only at Python's switch interval (5 ms),
 # so every layer of a guest's step could wait several of those (two H200s: ~6-8 ms a layer of exchange for under
-# 1 MB). ``VLLM_ACTORS_BORROW_SWITCH_US`` (200 us by default) shortens it in a borrowing worker. Two processes on
-# the CPU, the lender's main thread running pure Python: a call's round trip p50 2.7 ms at 5 ms, 0.8 at 200 us.
+# 1 MB). ``VLLM_ACTORS_BORROW_SWITCH_US`` (200 us by default) shortens it in a borrowing worker. On the CPU
+# (``benchmarks/kv_borrow_exchange.py --busy-lender prep``): the lender's attend alone 2.85 ms at 5 ms, 0.13 at 200 us.
 
 
 class KvBorrowing:
