@@ -70,8 +70,17 @@ import torch.distributed as dist
 
 from vllm_actors.models import kv_borrow_link as link
 from vllm_actors.models.kv_borrow import LenderShare
-from vllm_actors.models.kv_borrow_link import HEADER, LenderServer, QkvStaging, RemoteLender, as_bytes, host_buffer
+from vllm_actors.models.kv_borrow_link import (
+    HEADER,
+    LenderServer,
+    QkvStaging,
+    RemoteLender,
+    SharedRegions,
+    as_bytes,
+    host_buffer,
+)
 from vllm_actors.models.kv_parallel import gpu_partial_attention
+from vllm_actors.runtime.shm_regions import region_prefix
 
 F = TypeVar("F", bound=Callable[..., Any])
 GUEST = "guest"
@@ -208,7 +217,7 @@ class TimedServer(LenderServer):
 
 
 class TimedStaging(QkvStaging):
-    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, float]:
         with PHASES.timed("pack"):
             return super().packed(q, k, v)
 
@@ -281,9 +290,10 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"p50": at(0.5), "p90": at(0.9), "mean": statistics.fmean(ordered) * 1e3}
 
 
-def summarize(records: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Each part's stats over the calls (0 in a call without it)."""
-    names = sorted({name for record in records for name in record})
+def summarize(records: list[dict[str, float]], parts: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Each part's stats over the calls (0 in a call without it; ``parts`` listed even where none had them,
+    as ``alloc`` under shared memory)."""
+    names = sorted({name for record in records for name in record} | set(parts))
     return {name: stats([record.get(name, 0.0) for record in records]) for name in names}
 
 
@@ -336,7 +346,7 @@ def run_home(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
             dist.barrier()  # the lender attends in process meanwhile
             # the exchange
             dist.barrier()
-            remote = RemoteLender(1, group, TimedStaging())
+            remote = RemoteLender(1, group, TimedStaging(regions(args, device), 0))
             seq_len = args.lent_blocks * args.block_size + tokens  # the new tokens after the loan
             base = torch.randn(packed_shape, generator=generator, device=device).to(dtype)
             records = []
@@ -355,7 +365,7 @@ def run_home(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                 record["round_trip"] = round_trip
                 records.append(record)
             remote.stop()
-            row["home_ms"] = summarize(records[warm:])
+            row["home_ms"] = summarize(records[warm:], HOME_PARTS)
             row["calls"] = calls
             rows.append(row)
             trip = row["home_ms"]["round_trip"]
@@ -423,17 +433,25 @@ def run_lender(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
             row["inproc_ms"] = {"attend": stats([r["attend"] + r["attend_sync"] for r in inproc[warm:]]),
                                 "launch": stats([r["attend"] for r in inproc[warm:]])}
             dist.barrier()
-            server = TimedServer(share, 0, args.heads, args.kv_heads, args.head_dim, dtype, group)
+            server = TimedServer(share, 0, args.heads, args.kv_heads, args.head_dim, dtype, group,
+                                 regions(args, device), 1)
             row["exchange_busy_iterations"] = busy.run_while(server.start())
             if server.error is not None:
                 raise server.error
-            row["lender_ms"] = summarize(server.records[warm:])
+            row["lender_ms"] = summarize(server.records[warm:], LENDER_PARTS)
             rows.append(row)
     return rows
 
 
+def regions(args: argparse.Namespace, device: torch.device) -> SharedRegions | None:
+    """The engine's shared regions with ``--transport shm`` (sized for the largest ``--tokens``), else None."""
+    if args.transport != "shm":
+        return None
+    return SharedRegions(region_prefix(args.scratch), max(args.tokens), device)
+
+
 def _rank(rank: int, options: dict[str, Any], scratch: str) -> None:
-    args = argparse.Namespace(**options)
+    args = argparse.Namespace(**options, scratch=scratch)
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -507,6 +525,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--busy-matmul", type=int, nargs=3, default=None, metavar=("ROWS", "HIDDEN", "INTER"),
                         help="the gpu mode's GEMM (default: 2048 4096 14336, the 8B MLP's; 16 64 128 on the CPU)")
     parser.add_argument("--busy-matmuls", type=int, default=32, help="GEMMs of a gpu-mode step")
+    parser.add_argument("--transport", choices=("shm", "gloo"), default="shm",
+                        help="where q, k, v and the answers travel in the exchange (the engine's "
+                             "VLLM_ACTORS_BORROW_TRANSPORT; the ping-pong is always gloo's)")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="the lender's sys.setswitchinterval in seconds (0: Python's, 0.005)")
     parser.add_argument("--cpu", action="store_true", help="on the CPU even with 2 GPUs")
@@ -550,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
               "head_dim": args.head_dim, "dtype": args.dtype, "block_size": args.block_size,
               "lent_tokens": args.lent_blocks * args.block_size, "steps": args.steps, "warmup": args.warmup,
               "busy_matmul": args.busy_matmul, "busy_matmuls": args.busy_matmuls,
-              "switch_interval": args.switch_interval or sys.getswitchinterval(), "rows": rows}
+              "switch_interval": args.switch_interval or sys.getswitchinterval(), "transport": args.transport,
+              "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"results: {args.out}")

@@ -40,6 +40,8 @@ def test_a_tiny_exchange_reports_every_part(tmp_path: Path, capsys: pytest.Captu
         assert set(HOME_PARTS) | {"round_trip"} <= set(home)
         assert {"recv_wait", "recv", "alloc", "h2d", "attend", "attend_sync", "d2h", "send", "other", "answer",
                 "total"} <= set(lender)
+        # under shared memory (the default) nothing is allocated a call: alloc stays 0
+        assert home["alloc"]["mean"] == lender["alloc"]["mean"] == 0 and report["transport"] == "shm"
         for timed in (home["round_trip"], row["pingpong_ms"], row["inproc_ms"]["attend"], lender["attend"],
                       lender["answer"], home["send"], home["wait"], lender["send"]):
             assert 0 < timed["p50"] <= timed["p90"] and timed["mean"] > 0

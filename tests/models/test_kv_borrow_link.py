@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.support.kv_borrow_ranks import LINK_CHUNKS, run_link_rank
-from vllm_actors.models.kv_borrow_link import QkvStaging, as_bytes, host_buffer, to_device, to_host, unpack
+from vllm_actors.models.kv_borrow_link import GLOO, QkvStaging, as_bytes, host_buffer, to_device, to_host, unpack
+from vllm_actors.runtime.shm_regions import SHM_FOLDER, region_prefix
 
 
 def test_qkv_reach_the_host_packed_once_for_every_lender() -> None:
@@ -21,10 +23,10 @@ def test_qkv_reach_the_host_packed_once_for_every_lender() -> None:
     qkv = torch.randn(5, 8, 16, generator=generator).to(torch.bfloat16)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]  # views, as the model's projections are
     staging = QkvStaging()
-    packed = staging.packed(q, k, v)
-    assert packed.is_contiguous() and torch.equal(packed, qkv)
-    assert staging.packed(q, k, v) is packed  # the second lender of the layer: no second copy
-    assert staging.packed(q.clone(), k, v) is not packed
+    packed, where = staging.packed(q, k, v)
+    assert packed.is_contiguous() and torch.equal(packed, qkv) and where == GLOO
+    assert staging.packed(q, k, v)[0] is packed  # the second lender of the layer: no second copy
+    assert staging.packed(q.clone(), k, v)[0] is not packed
     assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(unpack(packed, 4, 2), (q, k, v), strict=True))
 
 
@@ -37,11 +39,19 @@ def test_tensors_travel_as_their_bytes_and_the_cpu_stages_nothing() -> None:
     assert to_host(x) is x and to_device(x, torch.device("cpu")) is x
 
 
-def test_a_home_asks_two_lenders_over_gloo_at_every_layer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_a_home_asks_two_lenders_over_gloo_at_every_layer(tmp_path: Path, transport: str) -> None:
+    """``shm``: q, k, v and the answers in shared regions where a chunk fits (4 tokens), over gloo where not."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(run_link_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3, start_method="spawn")
+    mp.start_processes(run_link_rank, args=(str(tmp_path / "store"), str(tmp_path), transport), nprocs=3,
+                       start_method="spawn")
     home, *lenders = [json.loads((tmp_path / f"link{rank}.json").read_text()) for rank in range(3)]
+    prefix = region_prefix(tmp_path)
+    if transport == "shm":  # each wrote its own region and read the others': all gone with their writers
+        assert home["regions"] == [f"{prefix}-q0", f"{prefix}-r0-1", f"{prefix}-r0-2"]
+        assert lenders[0]["regions"] == [f"{prefix}-q0", f"{prefix}-r0-1"]
+    assert not list(SHM_FOLDER.glob(prefix + "-*"))
     assert home["error"] is None and lenders[1]["error"] is None
     assert "no blocks lent for request 'missing'" in lenders[0]["error"]  # logged; its thread went on to STOP
     assert home["worst"] < 2e-2  # bfloat16 outputs

@@ -129,11 +129,12 @@ LINK_CHUNKS = (7, 10, 9, 1, 1)  # a guest's steps in the link test: chunks cross
 IDLE_S = 2  # the link test's short group timeout: its lenders wait longer than that before the first call
 
 
-def run_link_rank(rank: int, store: str, out_dir: str) -> None:
+def run_link_rank(rank: int, store: str, out_dir: str, transport: str = "gloo") -> None:
     """Three processes over gloo, no model: rank 0 a home whose guest borrows 3 blocks of rank 1 and
     2 of rank 2 (blocks of 4, bfloat16 K/V, two layers), asking both at every layer; the lenders
     answer on their threads. Rank 0 writes its outputs with what they should be (causal attention
-    over the whole context); each lender the calls it answered."""
+    over the whole context); each lender the calls it answered. ``transport`` "shm": q, k, v and the
+    answers in shared regions (of 4 tokens: a larger chunk goes over gloo), named after ``out_dir``."""
     from datetime import timedelta
 
     import torch
@@ -141,7 +142,8 @@ def run_link_rank(rank: int, store: str, out_dir: str) -> None:
 
     from vllm_actors.kernels.attention import TorchPagedAttention, build_attention_metadata
     from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
-    from vllm_actors.models.kv_borrow_link import LenderServer, QkvStaging, RemoteLender, exchange_group
+    from vllm_actors.models.kv_borrow_link import LenderServer, QkvStaging, RemoteLender, SharedRegions, exchange_group
+    from vllm_actors.runtime.shm_regions import region_prefix
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3,
@@ -158,19 +160,21 @@ def run_link_rank(rank: int, store: str, out_dir: str) -> None:
 
     kv_caches = [cache() for _ in range(layers)]
     result: dict[str, Any] = {}
+    regions = SharedRegions(region_prefix(out_dir), 4, torch.device("cpu")) if transport == "shm" else None
     if rank:
         share = LenderShare(kv_caches, wait_s=0.5)
         share.lend("long", [6, 2, 5] if rank == 1 else [1, 7])
-        server = LenderServer(share, 0, heads, kv_heads, dim, torch.bfloat16, group)
+        server = LenderServer(share, 0, heads, kv_heads, dim, torch.bfloat16, group, regions, rank)
         server.start().join()
-        result.update(calls=server.num_calls, error=repr(server.error) if server.error else None)
+        result.update(calls=server.num_calls, error=repr(server.error) if server.error else None,
+                      regions=sorted(regions._regions) if regions is not None else [])
     else:
         try:  # a receive on a group of IDLE_S seconds gives up (as the world's did after 10 min)
             dist.recv(torch.empty(1), 1, group=short, tag=9)
             result["short_recv_failed"] = False
         except RuntimeError:
             result["short_recv_failed"] = True
-        staging = QkvStaging()  # the lenders' threads, idle all that time on the exchange group, still answer
+        staging = QkvStaging(regions, 0)  # the lenders' threads, idle all that time on the exchange group, still answer
         lenders = [RemoteLender(1, group, staging), RemoteLender(2, group, staging)]
         backend = BorrowingAttention(TorchPagedAttention(), block)
         guest = Guest("long", [(lenders[0], 3), (lenders[1], 2)])
@@ -201,6 +205,6 @@ def run_link_rank(rank: int, store: str, out_dir: str) -> None:
             result["refused"] = str(error)
         for lender in lenders:
             lender.stop()
-        result.update(worst=worst, error=None)
+        result.update(worst=worst, error=None, regions=sorted(regions._regions) if regions is not None else [])
     Path(out_dir, f"link{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

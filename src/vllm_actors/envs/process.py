@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_actors.envs.parsers import integer, log_level, number, positive_number, profile_window, text
+from vllm_actors.envs.parsers import choice, integer, log_level, number, positive_number, profile_window, text
 from vllm_actors.envs.setting import Setting, switch
 
 
@@ -27,6 +27,9 @@ class ProcessSettings:
         200, integer(0), "Python's thread switch interval in a worker under `kv_borrowing` (its lender threads "
         "answer every layer of a guest beside the busy main thread); 0: Python's default (5,000).",
         kind="int", group="process")
+    VLLM_ACTORS_BORROW_TRANSPORT = Setting(
+        "shm", choice("shm", "gloo"), "Where borrowed KV's q, k, v and answers travel between the replicas of one "
+        "host: shared memory (gloo carries the headers) or their bytes over gloo.", kind="shm, gloo", group="process")
     VLLM_ACTORS_WORKER_THREADS = Setting[int | None](
         None, integer(1), "Intra-op threads of every worker.",
         kind="int", group="process", shown_default="CPU: a share of the cores; GPU: torch's")

@@ -2,10 +2,13 @@
 point-to-point on a gloo group, and the lender's thread answering it beside its own steps.
 
 Per layer of a guest's step the home sends a header (``ATTEND``, layer, seq_len, tokens, the
-request id's length, the scale, the table index of the lender's first block; float64), the request
-id's bytes, then q, k and v packed as one [T, H + 2 KV, D] tensor in the model's dtype; the lender
-answers ``[T, H, D + 1]`` (its output and LSE) in float32 (float64 for float64 queries). Tensors
-travel as their bytes (gloo's point-to-point copies bytes whatever the dtype; bfloat16 included).
+request id's length, the scale, the table index of the lender's first block, where the tensor is;
+float64), the request id's bytes, then q, k and v packed as one [T, H + 2 KV, D] tensor in the
+model's dtype; the lender answers a doorbell (1, where the reply is) and ``[T, H, D + 1]`` (its
+output and LSE) in float32 (float64 for float64 queries). Tensors travel as their bytes (gloo's
+point-to-point copies bytes whatever the dtype; bfloat16 included), or, between the replicas of one
+host (``SharedRegions``, ``kv_borrow_shm``), lie in shared memory, the header naming the region: the
+home's request region for q, k and v, the lender's reply region for that home for its answer.
 ``STOP`` ends the lender's thread. A call the lender fails to answer (no such loan after its wait,
 the device out of memory) gets a reply whose LSE is NaN, which the home raises on (a real LSE is
 finite or ``-inf``), and the lender's thread goes on serving: a home never waits for a reply that
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_actors.models.kv_borrow import LenderShare
+from vllm_actors.models.kv_borrow_shm import ShmRegion, reply_name, request_name
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +57,9 @@ log = structlog.get_logger(__name__)
 # error at once). The set's rendezvous keeps its own, shorter one.
 EXCHANGE_TIMEOUT = timedelta(days=30)
 ATTEND, STOP = 1.0, 0.0
-HEADER = 7
+HEADER = 8
+REPLY_HEADER = 2  # (1, where the reply is): the lender's answer's doorbell
+GLOO, SHM = 0.0, 1.0  # where a request's or a reply's tensor travels: its bytes over gloo, or a shared region
 ASK, ANSWER = 1, 2  # the tags of the home's requests and of the lender's replies
 
 
@@ -68,15 +74,58 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def to_host(x: torch.Tensor) -> torch.Tensor:
+def to_host(x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` contiguous on the host, complete: itself on the CPU; from a GPU, a pinned copy made by one
-    non-blocking copy and a wait for the current stream (which computed ``x``)."""
+    non-blocking copy and a wait for the current stream (which computed ``x``). ``into``: a host tensor of
+    its shape to copy it to instead (a shared region's view), returned."""
+    if into is not None:
+        into.copy_(x, non_blocking=x.device.type == "cuda")
+        if x.device.type == "cuda":
+            torch.cuda.current_stream(x.device).synchronize()
+        return into
     if x.device.type != "cuda":
         return x.contiguous()
     host = host_buffer(tuple(x.shape), x.dtype, x.device)
     host.copy_(x, non_blocking=True)
     torch.cuda.current_stream(x.device).synchronize()
     return host
+
+
+class SharedRegions:
+    """A process's shared regions of one replica set (``kv_borrow_shm``): the one it writes for each
+    peer (created at the first call that fits, for ``capacity`` tokens) and those it reads (mapped when a
+    header first names them). ``prefix``: the set's (``region_prefix``); ``capacity``: the step's tokens."""
+
+    def __init__(self, prefix: str, capacity: int, device: torch.device) -> None:
+        self.prefix, self.capacity, self.device = prefix, capacity, device
+        self._regions: dict[str, ShmRegion] = {}
+
+    def written(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The view to write ``shape`` into in region ``name`` (created on first use for ``capacity``
+        tokens of ``shape[1:]``); None when it does not fit (the call goes over gloo)."""
+        region = self._regions.get(name)
+        if region is None:
+            region = ShmRegion(name, self.device, nbytes=_tokens_bytes(self.capacity, shape[1:], dtype), create=True)
+            self._regions[name] = region
+        return region.view(shape, dtype) if region.fits(shape, dtype) else None
+
+    def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        region = self._regions.get(name)
+        if region is None:
+            region = self._regions[name] = ShmRegion(name, self.device)
+        return region.view(shape, dtype)
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
+
+
+def _tokens_bytes(tokens: int, row: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = tokens * torch.empty((), dtype=dtype).element_size()
+    for size in row:
+        count *= size
+    return count
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -92,18 +141,25 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 class QkvStaging:
     """q, k and v of a guest's layer packed as [T, H + 2 KV, D] on the host, once for all the lenders
-    asked with the same tensors (the last call's result is kept, with its tensors)."""
+    asked with the same tensors (the last call's result is kept, with its tensors); with ``regions``, in
+    the home's request region (``home``: its rank) where it fits, else in a host tensor of its own."""
 
-    def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, regions: SharedRegions | None = None, home: int = 0) -> None:
+        self.regions, self.home = regions, home
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
 
-    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The packed tensor on the host and where it lies (``SHM``: the request region; ``GLOO``: to send)."""
         last = self._last
         if last is not None and last[0] is q and last[1] is k and last[2] is v:
-            return last[3]
-        host = to_host(torch.cat((q, k, v), dim=1))
-        self._last = (q, k, v, host)
-        return host
+            return last[3], last[4]
+        shape = (q.shape[0], q.shape[1] + k.shape[1] + v.shape[1], q.shape[2])
+        into = None if self.regions is None else \
+            self.regions.written(request_name(self.regions.prefix, self.home), shape, q.dtype)
+        host = to_host(torch.cat((q, k, v), dim=1), into)
+        where = GLOO if into is None else SHM
+        self._last = (q, k, v, host, where)
+        return host, where
 
 
 def unpack(payload: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
@@ -113,16 +169,26 @@ def unpack(payload: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[to
 
 
 class PendingReply:
-    """A lender asked: ``wait`` receives its reply and returns its output and LSE on the home's device."""
+    """A lender asked: ``wait`` receives its reply and returns its output and LSE on the home's device
+    (``regions``: where a reply in the lender's region for this home is read; ``home``: this rank)."""
 
     def __init__(self, peer: int, group: Any, shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, regions: SharedRegions | None = None, home: int = 0) -> None:
         self.peer, self.group, self.shape, self.dtype, self.device = peer, group, shape, dtype, device
+        self.regions, self.home = regions, home
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = self.shape
-        reply = host_buffer((num_tokens, num_heads, head_dim + 1), self.dtype, self.device)
-        dist.recv(as_bytes(reply), self.peer, group=self.group, tag=ANSWER)
+        shape = (num_tokens, num_heads, head_dim + 1)
+        doorbell = torch.empty(REPLY_HEADER, dtype=torch.float64)
+        dist.recv(doorbell, self.peer, group=self.group, tag=ANSWER)
+        if doorbell[1].item() == SHM and self.regions is not None:
+            reply = self.regions.read(reply_name(self.regions.prefix, self.home, self.peer), shape, self.dtype)
+            if self.device.type != "cuda":
+                reply = reply.clone()  # the region is the lender's to write again at the next call
+        else:
+            reply = host_buffer(shape, self.dtype, self.device)
+            dist.recv(as_bytes(reply), self.peer, group=self.group, tag=ANSWER)
         if torch.isnan(reply[..., head_dim]).any():  # on the host already: no device wait
             raise RuntimeError(f"the lender at rank {self.peer} could not answer (its log says why)")
         reply = to_device(reply, self.device)
@@ -141,13 +207,18 @@ class RemoteLender:
     def __call__(self, layer: int, request_id: str, first: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, seq_len: int, scale: float) -> PendingReply:
         name = request_id.encode()
-        header = torch.tensor([ATTEND, layer, seq_len, q.shape[0], len(name), scale, first], dtype=torch.float64)
-        payload = self.staging.packed(q, k, v)
-        for tensor in (header, torch.tensor(list(name), dtype=torch.uint8), as_bytes(payload)):
+        payload, where = self.staging.packed(q, k, v)
+        header = torch.tensor([ATTEND, layer, seq_len, q.shape[0], len(name), scale, first, where],
+                              dtype=torch.float64)
+        tensors = [header, torch.tensor(list(name), dtype=torch.uint8)]
+        if where == GLOO:
+            tensors.append(as_bytes(payload))
+        for tensor in tensors:
             dist.send(tensor, self.peer, group=self.group, tag=ASK)
         num_tokens, num_heads, head_dim = q.shape
         return PendingReply(self.peer, self.group, (num_tokens, num_heads, head_dim),
-                            torch.promote_types(q.dtype, torch.float32), q.device)
+                            torch.promote_types(q.dtype, torch.float32), q.device, self.staging.regions,
+                            self.staging.home)
 
     def stop(self) -> None:
         """Ends the lender's thread serving this home."""
@@ -174,8 +245,10 @@ class LenderServer:
     (on ``share.device``, from a stream of the thread's own on a GPU)."""
 
     def __init__(self, share: LenderShare, home: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, group: Any = None) -> None:
+                 dtype: torch.dtype, group: Any = None, regions: SharedRegions | None = None, rank: int = 0) -> None:
+        """``regions``: where this lender (``rank``) writes its replies to ``home`` and reads its requests."""
         self.share, self.home, self.group = share, home, group
+        self.regions, self.rank = regions, rank
         self.shapes = (num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.num_calls = 0
@@ -198,26 +271,39 @@ class LenderServer:
         """Answer one layer of the home's step; False on ``STOP``."""
         header = torch.empty(HEADER, dtype=torch.float64)
         dist.recv(header, self.home, group=self.group, tag=ASK)
-        op, layer, seq_len, num_tokens, name_len, scale, first = header.tolist()
+        op, layer, seq_len, num_tokens, name_len, scale, first, where = header.tolist()
         if op == STOP:
             return False
         name = torch.empty(int(name_len), dtype=torch.uint8)
         dist.recv(name, self.home, group=self.group, tag=ASK)
         num_heads, num_kv_heads, head_dim = self.shapes
         device = self.share.device
-        payload = host_buffer((int(num_tokens), num_heads + 2 * num_kv_heads, head_dim), self.dtype, device)
-        dist.recv(as_bytes(payload), self.home, group=self.group, tag=ASK)
+        shape = (int(num_tokens), num_heads + 2 * num_kv_heads, head_dim)
+        regions = self.regions
+        if where == SHM and regions is not None:  # the home's request region holds it
+            payload = regions.read(request_name(regions.prefix, self.home), shape, self.dtype)
+        else:
+            payload = host_buffer(shape, self.dtype, device)
+            dist.recv(as_bytes(payload), self.home, group=self.group, tag=ASK)
         request_id = bytes(name.tolist()).decode()
         wide = torch.promote_types(self.dtype, torch.float32)
-        try:
+        reply_shape = (int(num_tokens), num_heads, head_dim + 1)
+        into = None if regions is None else \
+            regions.written(reply_name(regions.prefix, self.home, self.rank), reply_shape, wide)
+        try:  # the request's copies are done before the reply goes (to_host waits for this thread's stream)
             q, k, v = unpack(to_device(payload, device), num_heads, num_kv_heads)
             out, lse = self.share.attend(int(layer), request_id, int(first), q, k, v, int(seq_len), scale)
-            reply = to_host(torch.cat((out, lse.unsqueeze(-1)), dim=-1).to(wide))
+            reply = to_host(torch.cat((out, lse.unsqueeze(-1)), dim=-1).to(wide), into)
         except Exception as error:  # the home gets a reply it refuses (LSE NaN) rather than none
             log.error("kv_lender_call_failed", home=self.home, request_id=request_id, layer=int(layer),
                       error=repr(error))
             self.error = error
-            reply = torch.full((int(num_tokens), num_heads, head_dim + 1), float("nan"), dtype=wide)
-        dist.send(as_bytes(reply), self.home, group=self.group, tag=ANSWER)
+            reply = torch.full(reply_shape, float("nan"), dtype=wide)
+            if into is not None:
+                reply = into.copy_(reply)
+        doorbell = torch.tensor([1.0, GLOO if into is None else SHM], dtype=torch.float64)
+        dist.send(doorbell, self.home, group=self.group, tag=ANSWER)
+        if into is None:
+            dist.send(as_bytes(reply), self.home, group=self.group, tag=ANSWER)
         self.num_calls += 1
         return True

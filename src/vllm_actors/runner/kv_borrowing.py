@@ -29,9 +29,16 @@ import structlog
 
 from vllm_actors.envs import Envs
 from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
-from vllm_actors.models.kv_borrow_link import LenderServer, QkvStaging, RemoteLender, exchange_group
+from vllm_actors.models.kv_borrow_link import (
+    LenderServer,
+    QkvStaging,
+    RemoteLender,
+    SharedRegions,
+    exchange_group,
+)
 from vllm_actors.models.kv_parallel import gpu_partial_attention
 from vllm_actors.protocol.messages import StepPlan
+from vllm_actors.runtime.shm_regions import region_prefix
 
 if TYPE_CHECKING:
     from vllm_actors.actors.worker.block_tables import BlockTableArray
@@ -51,8 +58,10 @@ class KvBorrowing:
     """A worker's side of borrowed KV: its lenders (one ``RemoteLender`` per other replica), its
     share of other replicas' requests, its guests."""
 
-    def __init__(self, backend: BorrowingAttention, share: LenderShare, lenders: Mapping[int, Any]) -> None:
+    def __init__(self, backend: BorrowingAttention, share: LenderShare, lenders: Mapping[int, Any],
+                 regions: SharedRegions | None = None) -> None:
         self.backend, self.share, self.lenders = backend, share, dict(lenders)
+        self.regions = regions  # the shared-memory regions it writes and reads (None: all over gloo)
         self.guests: dict[str, Guest] = {}
 
     def apply(self, plan: StepPlan, requests: Mapping[str, WorkerRequest], tables: BlockTableArray | None) -> None:
@@ -117,12 +126,16 @@ def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str) -
     model.attn_backend = backend
     share = LenderShare(runner.kv_caches, kernels=kernels)
     config = runner.local_config
+    # q, k and v and the answers in shared memory (the replicas of one host), sized for a step's tokens
+    regions = SharedRegions(region_prefix(run_dir), runner.max_num_tokens, device) \
+        if Envs().VLLM_ACTORS_BORROW_TRANSPORT == "shm" else None
     for home in range(num_replicas):
         if home != replica:
             LenderServer(share, home, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                         runner.dtype, group).start()
-    staging = QkvStaging()  # q, k and v on the host once a layer, for every lender
+                         runner.dtype, group, regions, replica).start()
+    staging = QkvStaging(regions, replica)  # q, k and v on the host once a layer, for every lender
     lenders = {peer: RemoteLender(peer, group, staging) for peer in range(num_replicas) if peer != replica}
     log.info("kv_borrowing_joined", replica=replica, replicas=num_replicas, device=str(device),
-             attention=backend.name, partials="triton" if kernels is not None else "torch")
-    return KvBorrowing(backend, share, lenders)
+             attention=backend.name, partials="triton" if kernels is not None else "torch",
+             transport="shm" if regions is not None else "gloo")
+    return KvBorrowing(backend, share, lenders, regions)

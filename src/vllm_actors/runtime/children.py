@@ -19,6 +19,7 @@ import structlog
 
 from vllm_actors.runtime.monitor import LineReader
 from vllm_actors.runtime.process import ActorSpec
+from vllm_actors.runtime.shm_regions import remove_regions
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +113,7 @@ def stop_all(children: list[Child], run_dir: Path, grace: float, stop: threading
             deadline = max(deadline, time.monotonic() + LAST_PHASE_MIN_SECONDS)
         _stop_phase(phase, deadline)
     children.clear()
+    remove_regions(run_dir)  # a worker killed by a signal left its shared-memory regions
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

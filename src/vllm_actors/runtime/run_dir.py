@@ -22,6 +22,7 @@ from vllm_actors.protocol.names import (
     worker_id,
 )
 from vllm_actors.runtime.ports import PortReservation
+from vllm_actors.runtime.shm_regions import remove_regions
 
 GROUP_FILE = "group.json"
 
@@ -110,6 +111,7 @@ def sweep_orphaned_run_dirs(root: Path) -> list[Path]:
         except (OSError, ValueError):
             continue
         if pid > 0 and not pid_alive(pid):
+            remove_regions(owner_file.parent)
             shutil.rmtree(owner_file.parent, ignore_errors=True)
             removed.append(owner_file.parent)
     return removed
