@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_actors.models.kv_borrow import LenderShare
-from vllm_actors.models.kv_borrow_shm import ShmRegion, reply_name, request_name
+from vllm_actors.models.kv_borrow_shm import ShmRegion, nbytes_of, reply_name, request_name
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +105,7 @@ class SharedRegions:
         tokens of ``shape[1:]``); None when it does not fit (the call goes over gloo)."""
         region = self._regions.get(name)
         if region is None:
-            region = ShmRegion(name, self.device, nbytes=_tokens_bytes(self.capacity, shape[1:], dtype), create=True)
+            region = ShmRegion(name, self.device, nbytes=nbytes_of((self.capacity, *shape[1:]), dtype), create=True)
             self._regions[name] = region
         return region.view(shape, dtype) if region.fits(shape, dtype) else None
 
@@ -119,13 +119,6 @@ class SharedRegions:
         for region in self._regions.values():
             region.close()
         self._regions.clear()
-
-
-def _tokens_bytes(tokens: int, row: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = tokens * torch.empty((), dtype=dtype).element_size()
-    for size in row:
-        count *= size
-    return count
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -86,17 +86,18 @@ class ShmRegion:
                                            self.tensor.data_ptr() if self.pinned else 0)
 
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return _nbytes(shape, dtype) <= self.nbytes
+        return nbytes_of(shape, dtype) <= self.nbytes
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The region's first bytes as a tensor of ``shape`` (writes land in the region)."""
-        return self.tensor[:_nbytes(shape, dtype)].view(dtype).view(shape)
+        return self.tensor[:nbytes_of(shape, dtype)].view(dtype).view(shape)
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype``."""
     count = 1
     for size in shape:
         count *= size
