@@ -12,7 +12,9 @@ sit (``NewRequest.borrowed``) and names the step's guests by their index in its 
 a guest runs eagerly (``begin_step`` says so: the worker marks its batch, and the runner replays no
 CUDA graph for it). A set-wide gloo group does not take a restarted worker back.
 
-On GPUs (one per replica) the group stays gloo, its tensors staged through pinned host memory
+q, k, v and the answers lie in shared memory between the replicas of the host
+(``models/kv_borrow_shm.py``; ``VLLM_ACTORS_BORROW_TRANSPORT=gloo``: their bytes over gloo), the gloo
+group carrying the headers. On GPUs (one per replica) they go through that host memory too
 (``models/kv_borrow_link.py`` says why not NCCL); the home's share and each lender's are attended on
 the GPU kernels of KV parallelism where the attention setting picks Triton for the device
 (``kv_parallel.gpu_partial_attention``), the lender's on a CUDA stream of its thread's own.
