@@ -6,7 +6,10 @@ loan taken and given back, and the lender's pool is whole again once the request
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,3 +88,42 @@ def test_a_request_longer_than_a_pool_runs_on_borrowed_blocks_with_transformers_
                                                                          len(lent[0][1].block_ids))]
     pools = [event for actor, event in events if actor == f"kv_cache_manager@{lender}" and isinstance(event, KvPool)]
     assert pools[-1].num_in_use == 0 and pools[-1].num_free + pools[-1].num_cached == BLOCKS  # the loan is back
+
+
+def test_a_killed_lender_takes_the_sets_workers_down_together_and_loses_nothing(checkpoint: Path) -> None:
+    """The set's workers share one gloo world, which takes no worker back alone: SIGKILL of the lender's worker
+    once its loan is out restarts every replica's worker, at a fresh store; each replica recomputes its requests
+    (the long one on a loan taken again), and every greedy token is still transformers'. No process is left."""
+    want = [tokens for tokens, _ in reference_generate(checkpoint, prompts(), max_tokens=MAX_TOKENS)]
+    with LLM(str(checkpoint), dtype="float32", data_parallel_size=2, kv_borrowing=True, block_size=BLOCK,
+             num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=512, max_model_len=4096) as llm:
+        group = llm.group
+        assert group is not None
+        before = group.pids()
+        killed: list[str] = []
+        killer = threading.Thread(target=_kill_the_lender, args=(llm, before, killed), daemon=True)
+        killer.start()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        killer.join(timeout=10)
+        assert killed, "the lender's worker was not killed while the loan was out"
+        after = group.pids()
+        workers = [actor for actor in before if actor.startswith("worker")]
+        assert len(workers) == 2 and all(after[actor] != before[actor] for actor in workers)  # restarted together
+        assert {actor: group.restarts().get(actor) for actor in workers} == dict.fromkeys(workers, 1)
+        every_pid = set(before.values()) | set(after.values())
+    assert [list(output.outputs[0].token_ids) for output in outputs] == want
+    assert all(gone(pid) for pid in every_pid)
+
+
+def _kill_the_lender(llm: LLM, pids: dict[str, int], killed: list[str]) -> None:
+    """SIGKILL the worker of the replica that lent blocks, once its KV_LENT is published."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lent = [actor for actor, event in all_events(llm.engine.query_metrics) if isinstance(event, KvLent)]
+        if lent:
+            victim = "worker-0@" + lent[0].rsplit("@", 1)[1]
+            os.kill(pids[victim], signal.SIGKILL)
+            killed.append(victim)
+            return
+        time.sleep(0.01)

@@ -10,7 +10,9 @@ plan: a lender takes the block ids its KV-cache manager reserved (``StepPlan.len
 forgets the returned loans; a home opens a guest's row with placeholders where the lenders' blocks
 sit (``NewRequest.borrowed``) and names the step's guests by their index in its batch; a step with
 a guest runs eagerly (``begin_step`` says so: the worker marks its batch, and the runner replays no
-CUDA graph for it). A set-wide gloo group does not take a restarted worker back.
+CUDA graph for it). A set-wide gloo group does not take a restarted worker back: when one fails the
+supervisor restarts every replica's worker together, at a fresh store, and each replica recovers its
+requests by recomputing them.
 
 q, k, v and the answers lie in shared memory between the replicas of the host
 (``models/kv_borrow_shm.py``; ``VLLM_ACTORS_BORROW_TRANSPORT=gloo``: their bytes over gloo), the gloo
@@ -109,15 +111,16 @@ def shorten_switch_interval(environ: Mapping[str, str] | None = None) -> float:
     return sys.getswitchinterval()
 
 
-def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str) -> KvBorrowing:
-    """Join the set's gloo group, wrap the model's attention and start the lender threads."""
+def join_borrowing(runner: Any, replica: int, num_replicas: int, run_dir: str, rendezvous: str = "") -> KvBorrowing:
+    """Join the set's gloo group, wrap the model's attention and start the lender threads. ``rendezvous``: where
+    a set's workers restarted together meet (a fresh store each time; "" at the first start: the run directory's)."""
     import torch.distributed as dist
 
     from vllm_actors.kernels.attention import get_attention_backend
 
     shorten_switch_interval()
 
-    dist.init_process_group("gloo", init_method=f"file://{run_dir}/kv-borrowing.store", rank=replica,
+    dist.init_process_group("gloo", init_method=rendezvous or f"file://{run_dir}/kv-borrowing.store", rank=replica,
                             world_size=num_replicas, timeout=JOIN_TIMEOUT)
     # the exchanges' own group: under the world's timeout an idle lender's receive failed after 10 min
     group = exchange_group(num_replicas)

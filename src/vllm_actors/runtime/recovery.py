@@ -62,6 +62,8 @@ class Recovery:
 
         def _tp_rendezvous(self) -> str: ...
 
+        def _borrowing_rendezvous(self) -> str: ...
+
         def _fail(self, reason: str, culprit: Child | None, link: SupervisorLink,
                   events: list[Any] | None = None) -> None: ...
 
@@ -185,7 +187,10 @@ class Recovery:
                     link.recover_pipeline(child.actor_id, f"{child.actor_id} restarted", address)
 
     def _ranks_of(self, worker: Child) -> list[Child]:
-        """The worker ranks of ``worker``'s replica (its tensor-parallel group)."""
+        """The worker ranks of ``worker``'s replica (its tensor-parallel group); under ``kv_borrowing``
+        every replica's worker (one gloo world for the set: none can rejoin it alone)."""
+        if self.config.kv_borrowing:
+            return [c for c in self.children if c.role == WORKER]
         return [c for c in self.children if c.role == WORKER and c.spec.replica == worker.spec.replica]
 
     def _alone(self, failures: list[tuple[Child, str, str]]) -> Child | None:
@@ -205,7 +210,7 @@ class Recovery:
         """The failures plus the ranks of a tensor-parallel group that did not fail themselves
         (``how`` "unit": they go down with the failed one, waiting in its collectives otherwise)."""
         failed_workers = [child for child, _, _ in failures if child.role == WORKER]
-        if not failed_workers or self.config.world_size == 1:
+        if not failed_workers or (self.config.world_size == 1 and not self.config.kv_borrowing):
             return failures
         culprit = failed_workers[0].actor_id
         failed = {child.actor_id for child, _, _ in failures}
@@ -214,9 +219,10 @@ class Recovery:
         with self._lock:
             for sibling in siblings:
                 self._down_with[sibling.actor_id] = culprit
-        group = "pipeline stages and tensor-parallel ranks" if self.config.pipeline_parallel_size > 1 else \
-            "tensor-parallel ranks"
-        return failures + [(sibling, "unit", f"{culprit} failed: the replica's {group} restart together")
+        group = "the set's workers (KV borrowing)" if self.config.kv_borrowing else \
+            "the replica's pipeline stages and tensor-parallel ranks" if self.config.pipeline_parallel_size > 1 else \
+            "the replica's tensor-parallel ranks"
+        return failures + [(sibling, "unit", f"{culprit} failed: {group} restart together")
                            for sibling in siblings]
 
     def _restart(self, unit: list[Child], what: str, link: SupervisorLink, events: list[Any],
@@ -230,7 +236,8 @@ class Recovery:
         indexes = [self.children.index(old) for old in unit]
         specs = [old.spec for old in unit]
         while True:
-            tp_init = self._tp_rendezvous() if unit[0].role == WORKER else ""
+            tp_init = "" if unit[0].role != WORKER else \
+                self._borrowing_rendezvous() if self.config.kv_borrowing else self._tp_rendezvous()
             specs = [msgspec.structs.replace(spec, incarnation=spec.incarnation + 1, tp_init=tp_init or spec.tp_init)
                      for spec in specs]
             news = [self._spawn(spec) for spec in specs]

@@ -119,7 +119,8 @@ def build_worker(spec: ActorSpec) -> Built:
     if engine.kv_borrowing:  # every replica's worker meets the others' in one gloo group
         from vllm_actors.runner.kv_borrowing import join_borrowing
 
-        worker.borrowing = join_borrowing(worker.runner, spec.replica or 0, engine.data_parallel_size, spec.run_dir)
+        worker.borrowing = join_borrowing(worker.runner, spec.replica or 0, engine.data_parallel_size, spec.run_dir,
+                                          spec.tp_init)
     # VLLM_ACTORS_PROFILE_STEPS and VLLM_TORCH_PROFILER_DIR wrap it
     return Built(torch_profiled(profiled(worker, envs, spec.actor_id), envs, spec.actor_id), info)
 

@@ -137,6 +137,12 @@ class Spawning:
         self._tp_starts += 1
         return f"file://{self.run_dir}/tp-{self._tp_starts}.store"
 
+    def _borrowing_rendezvous(self) -> str:
+        """A fresh meeting of a borrowing set's workers restarted together (their set-wide gloo world;
+        the first start meets at ``runner/kv_borrowing.py``'s own store)."""
+        self._tp_starts += 1
+        return f"file://{self.run_dir}/kv-borrowing-{self._tp_starts}.store"
+
     def _spawn(self, spec: ActorSpec) -> Child:
         log_path = self.log_dir / f"{spec.actor_id}.log"
         with self._lock:
