@@ -61,3 +61,28 @@ def test_a_home_asks_two_lenders_over_gloo_at_every_layer(tmp_path: Path, transp
     assert home["short_recv_failed"]
     # a call the lender could not answer: an error at the home, not a wait for a reply that never comes
     assert "the lender at rank 1 could not answer" in home["refused"]
+
+
+def test_a_shared_region_is_seen_by_its_reader_and_one_without_room_leaves_the_exchange_on_gloo(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_actors.models import kv_borrow_shm
+    from vllm_actors.models.kv_borrow_link import SHM, SharedRegions
+
+    cpu, prefix = torch.device("cpu"), region_prefix(tmp_path)
+    qkv = torch.randn(3, 8, 16).to(torch.bfloat16)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    writer, reader = SharedRegions(prefix, 4, cpu), SharedRegions(prefix, 4, cpu)
+    packed, where = QkvStaging(writer, 0).packed(q, k, v)
+    assert where == SHM and torch.equal(reader.read(f"{prefix}-q0", (3, 8, 16), torch.bfloat16), qkv)  # another map
+    assert writer.written(f"{prefix}-q0", (5, 8, 16), torch.bfloat16) is None  # more than its 4 tokens: gloo
+    writer.close()
+    assert not list(SHM_FOLDER.glob(prefix + "-*"))  # its writer's close removed it
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")  # a container's 64 MB /dev/shm
+
+    monkeypatch.setattr(kv_borrow_shm.os, "posix_fallocate", no_room)
+    tight = SharedRegions(prefix, 4, cpu)
+    packed, where = QkvStaging(tight, 0).packed(q, k, v)
+    assert where == GLOO and torch.equal(packed, qkv)  # the bytes go over gloo instead, no SIGBUS later
+    assert not list(SHM_FOLDER.glob(prefix + "-*"))

@@ -98,16 +98,20 @@ class SharedRegions:
 
     def __init__(self, prefix: str, capacity: int, device: torch.device) -> None:
         self.prefix, self.capacity, self.device = prefix, capacity, device
-        self._regions: dict[str, ShmRegion] = {}
+        self._regions: dict[str, ShmRegion | None] = {}  # None: could not be made (no room): gloo for it
 
     def written(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The view to write ``shape`` into in region ``name`` (created on first use for ``capacity``
-        tokens of ``shape[1:]``); None when it does not fit (the call goes over gloo)."""
-        region = self._regions.get(name)
-        if region is None:
-            region = ShmRegion(name, self.device, nbytes=nbytes_of((self.capacity, *shape[1:]), dtype), create=True)
-            self._regions[name] = region
-        return region.view(shape, dtype) if region.fits(shape, dtype) else None
+        tokens of ``shape[1:]``); None when it does not fit or could not be made (the call goes over gloo)."""
+        if name not in self._regions:
+            nbytes = nbytes_of((self.capacity, *shape[1:]), dtype)
+            try:
+                self._regions[name] = ShmRegion(name, self.device, nbytes=nbytes, create=True)
+            except OSError as error:  # a /dev/shm without room for it (kv_borrow_shm.ROOM)
+                log.warning("kv_borrow_shm_unavailable", region=name, bytes=nbytes, error=repr(error))
+                self._regions[name] = None
+        region = self._regions[name]
+        return region.view(shape, dtype) if region is not None and region.fits(shape, dtype) else None
 
     def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         region = self._regions.get(name)
@@ -117,7 +121,8 @@ class SharedRegions:
 
     def close(self) -> None:
         for region in self._regions.values():
-            region.close()
+            if region is not None:
+                region.close()
         self._regions.clear()
 
 

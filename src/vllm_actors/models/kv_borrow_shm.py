@@ -33,6 +33,9 @@ import torch
 from vllm_actors.runtime.shm_regions import SHM_FOLDER
 
 log = structlog.get_logger(__name__)
+# ROOM: a region's pages are allocated when it is created (``posix_fallocate``): a /dev/shm too small for it (a
+# container's default is 64 MB) is an OSError there, and the exchange stays on gloo, rather than a SIGBUS at the
+# first write past the room.
 
 
 def request_name(prefix: str, home: int) -> str:
@@ -76,9 +79,15 @@ class ShmRegion:
     def __init__(self, name: str, device: torch.device, *, nbytes: int = 0, create: bool = False) -> None:
         self.name = name
         self.path = SHM_FOLDER / name
-        if create:
-            with open(self.path, "wb") as file:  # a fresh file of the size asked (a stale one is replaced)
-                file.truncate(nbytes)
+        if create:  # a fresh file of the size asked (a stale one replaced), its pages allocated now: see ROOM
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                self.path.unlink(missing_ok=True)
+                raise
+            finally:
+                os.close(fd)
         self.nbytes = os.path.getsize(self.path)
         self.tensor = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
         self.pinned = device.type == "cuda" and _pin(self.tensor)
