@@ -82,14 +82,22 @@ class ShmRegion:
         if create:  # a fresh file of the size asked (a stale one replaced), its pages allocated now: see ROOM
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, nbytes)
+                else:  # not Linux: a sparse file, no room check
+                    os.ftruncate(fd, nbytes)
             except OSError:
                 self.path.unlink(missing_ok=True)
                 raise
             finally:
                 os.close(fd)
-        self.nbytes = os.path.getsize(self.path)
-        self.tensor = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
+        try:
+            self.nbytes = os.path.getsize(self.path)
+            self.tensor = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
+        except BaseException:
+            if create:  # made halfway: its file goes
+                self.path.unlink(missing_ok=True)
+            raise
         self.pinned = device.type == "cuda" and _pin(self.tensor)
         self._finalizer = weakref.finalize(self, _release, self.path if create else None,
                                            self.tensor.data_ptr() if self.pinned else 0)
