@@ -3,11 +3,12 @@ KV does not fit its home's pool runs on the home with blocks lent by two lenders
 block ids their own; their answers through direct calls, the transport's stand-in), prefilled in
 chunks of 512 and decoded, in the same steps as the home's short requests, while the first lender
 serves short requests of its own from the rest of its pool. Every greedy token equals transformers'
-in float32."""
+in float32. And the Python switch interval a borrowing worker sets for its lender threads."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tests.support.tiny_models import PagedRunner, build_checkpoint
 from vllm_actors.kernels.attention import TorchPagedAttention
 from vllm_actors.models.kv_borrow import BorrowingAttention, Guest, LenderShare
 from vllm_actors.models.loader import load_model
+from vllm_actors.runner.kv_borrowing import shorten_switch_interval
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +78,16 @@ def test_two_replicas_each_home_and_lender_over_gloo_give_transformers_tokens(qw
     want = [tokens for tokens, _ in reference_generate(qwen3_long, every, max_tokens=MAX_TOKENS)]
     got = [ranks[0]["outputs"][str(seq)] for seq in (0, 1, 2)] + [ranks[1]["outputs"][str(seq)] for seq in (3, 4)]
     assert [ours[:len(theirs)] for ours, theirs in zip(got, want, strict=True)] == want
+
+
+def test_a_borrowing_worker_shortens_pythons_switch_interval_unless_told_not_to() -> None:
+    """Its lender threads take the GIL from a busy main thread at every layer (``kv_borrowing.SWITCH``)."""
+    before = sys.getswitchinterval()
+    try:
+        assert shorten_switch_interval({}) == pytest.approx(200e-6)
+        assert shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "1000"}) == pytest.approx(1e-3)
+        assert shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "0"}) == pytest.approx(1e-3)  # left as it is
+        with pytest.raises(ValueError, match="VLLM_ACTORS_BORROW_SWITCH_US"):
+            shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "-1"})
+    finally:
+        sys.setswitchinterval(before)

@@ -6,7 +6,6 @@ message through the wire codec."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, cast
 
 import pytest
@@ -387,18 +386,3 @@ def test_a_spread_is_proportional_to_the_shares_sums_exactly_and_stays_within_th
     for num_blocks in range(289):
         counts = spread(num_blocks, [108, 90, 90])
         assert sum(counts) == num_blocks and all(c <= s for c, s in zip(counts, [108, 90, 90], strict=True))
-
-
-def test_a_borrowing_worker_shortens_pythons_switch_interval_unless_told_not_to() -> None:
-    """Its lender threads take the GIL from a busy main thread at every layer (``kv_borrowing.SWITCH``)."""
-    from vllm_actors.runner.kv_borrowing import shorten_switch_interval
-
-    before = sys.getswitchinterval()
-    try:
-        assert shorten_switch_interval({}) == pytest.approx(200e-6)
-        assert shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "1000"}) == pytest.approx(1e-3)
-        assert shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "0"}) == pytest.approx(1e-3)  # left as it is
-        with pytest.raises(ValueError, match="VLLM_ACTORS_BORROW_SWITCH_US"):
-            shorten_switch_interval({"VLLM_ACTORS_BORROW_SWITCH_US": "-1"})
-    finally:
-        sys.setswitchinterval(before)
