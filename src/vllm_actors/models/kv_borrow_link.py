@@ -278,9 +278,8 @@ class LenderServer:
         device = self.share.device
         shape = (int(num_tokens), num_heads + 2 * num_kv_heads, head_dim)
         regions = self.regions
-        if where == SHM and regions is not None:  # the home's request region holds it
-            payload = regions.read(request_name(regions.prefix, self.home), shape, self.dtype)
-        else:
+        shared = regions if where == SHM else None  # the home's request region holds it
+        if shared is None:
             payload = host_buffer(shape, self.dtype, device)
             dist.recv(as_bytes(payload), self.home, group=self.group, tag=ASK)
         request_id = bytes(name.tolist()).decode()
@@ -289,6 +288,8 @@ class LenderServer:
         into = None if regions is None else \
             regions.written(reply_name(regions.prefix, self.home, self.rank), reply_shape, wide)
         try:  # the request's copies are done before the reply goes (to_host waits for this thread's stream)
+            if shared is not None:  # mapped here: a region the lender cannot map is an answer the home refuses
+                payload = shared.read(request_name(shared.prefix, self.home), shape, self.dtype)
             q, k, v = unpack(to_device(payload, device), num_heads, num_kv_heads)
             out, lse = self.share.attend(int(layer), request_id, int(first), q, k, v, int(seq_len), scale)
             reply = to_host(torch.cat((out, lse.unsqueeze(-1)), dim=-1).to(wide), into)

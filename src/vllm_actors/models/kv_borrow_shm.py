@@ -23,6 +23,7 @@ stream is synchronised (``QkvStaging``), so after the previous reply's copy to t
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from pathlib import Path
@@ -115,7 +116,4 @@ class ShmRegion:
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes of a tensor of ``shape`` and ``dtype``."""
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
