@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,8 @@ TINY = ["--cpu", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim
 
 def test_a_tiny_exchange_reports_every_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "kvx.json"
-    start = time.monotonic()
-    assert main([*TINY, "--timeout", "60", "--out", str(out)]) == 0
-    elapsed = time.monotonic() - start
+    assert main([*TINY, "--timeout", "60", "--out", str(out)]) == 0  # past its timeout it raises
     assert not multiprocessing.active_children()  # both ranks joined
-    assert elapsed < 60
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["lent_tokens"] == 304  # whole blocks: 19 of 16
     rows = report["rows"]
@@ -56,9 +52,7 @@ def test_a_tiny_exchange_reports_every_part(tmp_path: Path, capsys: pytest.Captu
 
 def test_ranks_that_outlive_the_timeout_are_killed(tmp_path: Path) -> None:
     """A run far too long for its timeout: an error, and no rank left behind."""
-    start = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError):  # 100,000 steps: minutes on any machine
         main([*TINY, "--steps", "100000", "--timeout", "3", "--out", str(tmp_path / "kvx.json")])
-    assert time.monotonic() - start < 15
     assert not multiprocessing.active_children()
     assert not (tmp_path / "kvx.json").exists()
